@@ -1,0 +1,3 @@
+from kvtop.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Command-line entry point.
+
+Each sub-command lives in ``kvtop/commands/<name>.py`` and exposes ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``. Command modules import only argparse-level
+things at import time; heavy work (and Textual, for the console) is imported inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from kvtop import __version__
+from kvtop.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        sys.stderr.write(f"kvtop: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _commands() -> list:
+    import kvtop.commands as pkg
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mods.append(importlib.import_module(f"kvtop.commands.{info.name}"))
+    return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvtop",
+        description="Console for GPU hosts serving LLMs: KV-cache pressure, preemptions, token gaps, verdicts.",
+    )
+    p.add_argument("--version", action="version", version=f"kvtop {__version__}")
+    p.add_argument("--config", metavar="FILE", help="config file (default: $XDG_CONFIG_HOME/kvtop/config.toml)")
+    p.add_argument("--plugin", metavar="PATH", action="append", default=[], help="load an engine adapter from a .py file")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    for mod in _commands():
+        sp = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
+        mod.add_arguments(sp)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.plugin:
+            from kvtop.plugin import PluginError, load_plugin_file
+
+            try:
+                for path in args.plugin:
+                    load_plugin_file(path)
+            except PluginError as e:
+                raise UsageError(str(e)) from None
+        run = getattr(args, "_run", None)
+        if run is None:
+            # bare `kvtop`: the console (commands/tui.py decides how to find engines)
+            if "tui" in {m.NAME for m in _commands()}:
+                args = parser.parse_args(["tui", *(argv if argv is not None else sys.argv[1:])])
+                run = args._run
+            else:
+                parser.print_help()
+                return 0
+        return int(run(args) or 0)
+    except UsageError as e:
+        sys.stderr.write(f"kvtop: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,358 @@
+"""The core: folds records into bounded state and derives Snapshots (DESIGN §1).
+
+Pure: no I/O, no threads, no Textual. Live runs, replays and simulations feed the same ``Core``;
+the only difference is where the records come from. Memory is bounded whatever the run length.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Protocol
+
+from kvtop import __version__
+from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
+from kvtop.model.series import HistogramSeries, Series, counter_rate
+from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
+
+# Bytes/s per lane per direction by PCIe generation (8b/10b for Gen1-2, 128b/130b after).
+_LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+
+
+def pcie_capacity_bytes_per_s(gen: int | None, width: int | None) -> float | None:
+    if not gen or not width or gen not in _LANE_BYTES_PER_S:
+        return None
+    return _LANE_BYTES_PER_S[gen] * width
+
+
+class LiveAnalysis(Protocol):
+    """What the core needs from the analysis package when it runs live (incrementally)."""
+
+    def feed(self, rec: Record) -> None: ...
+
+    def request_info(self, request_id: str) -> tuple[int, int, str | None]:
+        """(spikes, spikes attributed to preemption, last cause) for one request."""
+        ...
+
+    def report(self, now: float) -> dict[str, Any] | None: ...
+
+
+@dataclass
+class _EngineState:
+    url: str
+    adapter: str | None
+    engine: str | None
+    last: EngineRecord | None = None
+    last_ok_t: float | None = None
+    up: bool = True
+    error: str | None = None
+    restarts: int = 0
+    kv_usage: Series = field(default_factory=lambda: Series(3600))
+    preemptions: Series = field(default_factory=lambda: Series(3600))
+    prompt: Series = field(default_factory=lambda: Series(3600))
+    generation: Series = field(default_factory=lambda: Series(3600))
+    itl: HistogramSeries = field(default_factory=lambda: HistogramSeries(600))
+    ttft: HistogramSeries = field(default_factory=lambda: HistogramSeries(600))
+    preempt_rate_hist: deque[float] = field(default_factory=lambda: deque(maxlen=120))
+    preempts: bool = True
+
+
+@dataclass
+class _RequestState:
+    id: str
+    arrive_t: float
+    cls: str | None = None
+    source: str | None = None
+    state: str = "waiting"
+    tokens: int = 0
+    last_token_t: float | None = None
+    max_gap_s: float | None = None
+    end_t: float | None = None
+
+
+class Core:
+    """Folds records; ``snapshot()`` derives the immutable view."""
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        itl_target_s: float | None = None,
+        max_requests: int = 5000,
+        finished_keep_s: float = 30.0,
+        analysis: LiveAnalysis | None = None,
+        source_label: str = "live",
+    ):
+        self.window_s = window_s
+        self.itl_target_s = itl_target_s
+        self.max_requests = max_requests
+        self.finished_keep_s = finished_keep_s
+        self.analysis = analysis
+        self.source_label = source_label
+        self.gpu_status = "ok"
+        self.now = 0.0
+        self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
+        self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
+        self._host: HostRecord | None = None
+        self._requests: OrderedDict[str, _RequestState] = OrderedDict()
+        self._events: deque[EventView] = deque(maxlen=500)
+        self.paused = False
+
+    # -- ingest -----------------------------------------------------------------------------
+    def ingest(self, rec: Record) -> None:
+        self.now = max(self.now, rec.t)
+        if isinstance(rec, EngineRecord):
+            self._ingest_engine(rec)
+        elif isinstance(rec, RequestRecord):
+            self._ingest_request(rec)
+        elif isinstance(rec, GpuRecord):
+            self._ingest_gpu(rec)
+        elif isinstance(rec, HostRecord):
+            self._host = rec
+        elif isinstance(rec, TruthRecord):
+            return  # ground truth is for scoring the analysis, never for views
+        if self.analysis is not None:
+            self.analysis.feed(rec)
+
+    def event(self, t: float, severity: str, kind: str, message: str) -> None:
+        self._events.append(EventView(t, severity, kind, message))
+
+    def set_gpu_status(self, status: str) -> None:
+        if status != self.gpu_status and status != "ok":
+            self.event(self.now, "warning", "source_error", f"GPU: {status}")
+        self.gpu_status = status
+
+    def _engine_state(self, url: str, engine: str | None, adapter: str | None) -> _EngineState:
+        key = (url, engine)
+        st = self._engines.get(key)
+        if st is None:
+            st = _EngineState(url=url, adapter=adapter, engine=engine)
+            self._engines[key] = st
+        return st
+
+    def engine_down(self, url: str, t: float, error: str, adapter: str | None = None) -> None:
+        """A scrape failed: mark every engine behind ``url`` down, keep its history."""
+        self.now = max(self.now, t)
+        states = [s for (u, _), s in self._engines.items() if u == url] or [self._engine_state(url, None, adapter)]
+        for st in states:
+            if st.up:
+                self.event(t, "error", "engine_down", f"{url}: down ({error})")
+            st.up = False
+            st.error = error
+
+    def _ingest_engine(self, rec: EngineRecord) -> None:
+        url = rec.url or "?"
+        # A URL that was down before its first good scrape has a label-less placeholder: drop it
+        # once the real engine labels are known.
+        placeholder = self._engines.get((url, None))
+        if rec.engine is not None and placeholder is not None and placeholder.last is None:
+            del self._engines[(url, None)]
+        st = self._engine_state(url, rec.engine, rec.adapter)
+        st.adapter = rec.adapter
+        if not rec.up:
+            self.engine_down(url, rec.t, rec.warnings[0] if rec.warnings else "down", rec.adapter)
+            return
+        if not st.up:
+            self.event(rec.t, "info", "engine_up", f"{url}: reachable again")
+        st.up, st.error = True, None
+        prev = st.last
+        if prev is not None and self._restarted(prev, rec):
+            st.restarts += 1
+            self.event(rec.t, "warning", "engine_restart", f"{url}: engine restarted (counters reset)")
+        st.last = rec
+        st.last_ok_t = rec.t
+        st.kv_usage.append(rec.t, rec.kv_usage)
+        st.preemptions.append(rec.t, rec.preemptions_total)
+        st.prompt.append(rec.t, rec.prompt_tokens_total)
+        st.generation.append(rec.t, rec.generation_tokens_total)
+        st.itl.append(rec.t, rec.itl)
+        st.ttft.append(rec.t, rec.ttft)
+        if prev is not None and prev.preemptions_total is not None and rec.preemptions_total is not None:
+            d = rec.preemptions_total - prev.preemptions_total
+            dt = rec.t - prev.t
+            if d < 0:
+                d = rec.preemptions_total
+            rate = d / dt if dt > 0 else 0.0
+            st.preempt_rate_hist.append(rate)
+            if d >= 1:
+                self.event(rec.t, "warning" if rate < 1 else "error", "preemption_burst",
+                           f"{url}: {int(d)} preemption(s) in {dt:.1f}s")
+
+    @staticmethod
+    def _restarted(prev: EngineRecord, cur: EngineRecord) -> bool:
+        if prev.restart_token is not None and cur.restart_token is not None and cur.restart_token != prev.restart_token:
+            return True
+        for f in ("generation_tokens_total", "prompt_tokens_total", "preemptions_total", "requests_finished_total"):
+            a, b = getattr(prev, f), getattr(cur, f)
+            if a is not None and b is not None and b < a:
+                return True
+        return False
+
+    def _ingest_gpu(self, rec: GpuRecord) -> None:
+        prev = self._gpus.get(rec.index)
+        tx, rx = (prev[1], prev[2]) if prev else (deque(maxlen=120), deque(maxlen=120))
+        if rec.pcie_tx_bytes_per_s is not None:
+            tx.append(rec.pcie_tx_bytes_per_s)
+        if rec.pcie_rx_bytes_per_s is not None:
+            rx.append(rec.pcie_rx_bytes_per_s)
+        if prev and rec.lost and not prev[0].lost:
+            self.event(rec.t, "error", "source_error", f"GPU {rec.index}: lost (fell off the bus?)")
+        self._gpus[rec.index] = (rec, tx, rx)
+        if self._downtrained(rec) and not (prev and self._downtrained(prev[0])):
+            self.event(rec.t, "warning", "link_downtrained",
+                       f"GPU {rec.index}: PCIe link Gen{rec.pcie_link_gen} x{rec.pcie_link_width} under load "
+                       f"(max Gen{rec.pcie_link_gen_max} x{rec.pcie_link_width_max})")
+
+    @staticmethod
+    def _downtrained(rec: GpuRecord) -> bool:
+        # Idle links down-train on purpose; only flag it while traffic flows.
+        busy = (rec.pcie_tx_bytes_per_s or 0) + (rec.pcie_rx_bytes_per_s or 0) > 1e9 or (rec.util_pct or 0) > 50
+        if not busy:
+            return False
+        g, gm, w, wm = rec.pcie_link_gen, rec.pcie_link_gen_max, rec.pcie_link_width, rec.pcie_link_width_max
+        return bool((g and gm and g < gm) or (w and wm and w < wm))
+
+    def _ingest_request(self, rec: RequestRecord) -> None:
+        r = self._requests.get(rec.id)
+        if r is None:
+            r = _RequestState(rec.id, rec.t, rec.cls, rec.source)
+            self._requests[rec.id] = r
+            self._trim_requests()
+        ev = rec.event
+        if ev in ("token", "first_token"):
+            if r.last_token_t is not None:
+                gap = rec.t - r.last_token_t
+                r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
+            r.last_token_t = rec.t
+            r.tokens += rec.n if rec.n is not None else 1
+            r.state = "running"
+        elif ev == "preempt":
+            r.state = "preempted"
+        elif ev == "resume":
+            r.state = "running"
+        elif ev in ("finish", "cancel", "error"):
+            r.state = {"finish": "finished", "cancel": "cancelled", "error": "error"}[ev]
+            r.end_t = rec.t
+
+    def _trim_requests(self) -> None:
+        while len(self._requests) > self.max_requests:
+            # drop the oldest ended request first; else the oldest of all
+            for k, v in self._requests.items():
+                if v.end_t is not None:
+                    del self._requests[k]
+                    break
+            else:
+                self._requests.popitem(last=False)
+
+    # -- derive -----------------------------------------------------------------------------
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        now = self.now if now is None else now
+        w = self.window_s
+        engines = []
+        for st in self._engines.values():
+            rec = st.last
+            ev = EngineView(
+                url=st.url,
+                adapter=st.adapter,
+                up=st.up and rec is not None,
+                engine=st.engine,
+                error=st.error,
+                stale_s=None if st.last_ok_t is None else round(now - st.last_ok_t, 3),
+                preempts=st.preempts,
+                restarts=st.restarts,
+            )
+            if rec is not None:
+                ev = _replace(
+                    ev,
+                    model=rec.model,
+                    kv_usage=rec.kv_usage,
+                    running=rec.running,
+                    waiting=rec.waiting,
+                    preemptions_total=rec.preemptions_total,
+                    preemptions_per_s=counter_rate(st.preemptions, w, now),
+                    prompt_tokens_per_s=counter_rate(st.prompt, w, now),
+                    generation_tokens_per_s=counter_rate(st.generation, w, now),
+                    itl_p50_s=st.itl.quantile(0.5, w, now),
+                    itl_p99_s=st.itl.quantile(0.99, w, now),
+                    ttft_p50_s=st.ttft.quantile(0.5, w, now),
+                    ttft_p99_s=st.ttft.quantile(0.99, w, now),
+                    kv_capacity_tokens=rec.kv_capacity_tokens,
+                    block_size=rec.block_size,
+                    kv_usage_history=tuple(st.kv_usage.values(120)),
+                    preemptions_history=tuple(st.preempt_rate_hist),
+                    warnings=tuple(rec.warnings),
+                )
+            engines.append(ev)
+        gpus = []
+        for rec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
+            gpus.append(
+                GpuView(
+                    index=rec.index, uuid=rec.uuid, name=rec.name, lost=rec.lost,
+                    mem_used_bytes=rec.mem_used_bytes, mem_total_bytes=rec.mem_total_bytes,
+                    mem_reserved_bytes=rec.mem_reserved_bytes,
+                    pcie_tx_bytes_per_s=rec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=rec.pcie_rx_bytes_per_s,
+                    pcie_source=rec.pcie_source,
+                    pcie_link_gen=rec.pcie_link_gen, pcie_link_width=rec.pcie_link_width,
+                    pcie_link_gen_max=rec.pcie_link_gen_max, pcie_link_width_max=rec.pcie_link_width_max,
+                    pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(rec.pcie_link_gen, rec.pcie_link_width),
+                    link_downtrained=self._downtrained(rec),
+                    pcie_replay_count=rec.pcie_replay_count, util_pct=rec.util_pct, mig_mode=rec.mig_mode,
+                    engine_proc_mem_bytes=rec.engine_proc_mem_bytes,
+                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(rec.notes),
+                )
+            )
+        host = None
+        if self._host is not None:
+            h = self._host
+            host = HostView(
+                mem_total_bytes=h.mem_total_bytes, mem_available_bytes=h.mem_available_bytes,
+                swap_total_bytes=h.swap_total_bytes, swap_used_bytes=h.swap_used_bytes,
+                pinned_bytes=h.pinned_bytes, pinned_signal=h.pinned_signal,
+                pinned_signals=dict(h.pinned_signals), shmem_bytes=h.shmem_bytes,
+                cgroup_shmem_bytes=h.cgroup_shmem_bytes, cgroup_mem_max_bytes=h.cgroup_mem_max_bytes,
+                notes=tuple(h.notes),
+            )
+        requests = []
+        for r in self._requests.values():
+            if r.end_t is not None and now - r.end_t > self.finished_keep_s:
+                continue
+            spikes, pre, cause = self.analysis.request_info(r.id) if self.analysis else (0, 0, None)
+            cur_gap = None
+            if r.end_t is None and r.last_token_t is not None:
+                cur_gap = max(0.0, now - r.last_token_t)
+            requests.append(
+                RequestView(
+                    id=r.id, state=r.state, cls=r.cls, source=r.source, tokens=r.tokens,
+                    age_s=round((r.end_t if r.end_t is not None else now) - r.arrive_t, 3),
+                    current_gap_s=cur_gap, max_gap_s=r.max_gap_s, spikes=spikes, preempt_spikes=pre,
+                    last_cause=cause,
+                )
+            )
+        analysis = self.analysis.report(now) if self.analysis else None
+        return Snapshot(
+            kvtop_version=__version__,
+            taken_at=datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            t=now,
+            window_s=w,
+            gpu_status=self.gpu_status,
+            gpus=tuple(gpus),
+            host=host,
+            engines=tuple(engines),
+            requests=tuple(requests),
+            events=tuple(self._events),
+            itl_target_s=self.itl_target_s,
+            analysis=analysis,
+            paused=self.paused,
+            source_label=self.source_label,
+        )
+
+    def set_engine_capabilities(self, url: str, preempts: bool) -> None:
+        for (u, _), st in self._engines.items():
+            if u == url:
+                st.preempts = preempts
+
+
+def _replace(obj: Any, **kw: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)

@@ -1,0 +1,175 @@
+"""Bounded time series: rates that survive counter resets, quantiles from histogram bucket deltas.
+
+Memory is bounded by ``maxlen`` samples per series whatever the run length.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from kvtop.model.records import Histogram
+
+
+class Series:
+    """A ring buffer of (t, value) samples, ``t`` monotonic and non-decreasing."""
+
+    __slots__ = ("_t", "_v")
+
+    def __init__(self, maxlen: int = 3600):
+        self._t: deque[float] = deque(maxlen=maxlen)
+        self._v: deque[float] = deque(maxlen=maxlen)
+
+    def append(self, t: float, v: float | None) -> None:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return
+        self._t.append(t)
+        self._v.append(float(v))
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    def last(self) -> tuple[float, float] | None:
+        return (self._t[-1], self._v[-1]) if self._t else None
+
+    def values(self, n: int | None = None) -> list[float]:
+        if n is None or n >= len(self._v):
+            return list(self._v)
+        return list(self._v)[-n:]
+
+    def items(self) -> list[tuple[float, float]]:
+        return list(zip(self._t, self._v))
+
+    def _window_start(self, window_s: float, now: float | None) -> int:
+        end = self._t[-1] if now is None else now
+        return bisect_left(self._t, end - window_s)
+
+    def window(self, window_s: float, now: float | None = None) -> list[tuple[float, float]]:
+        if not self._t:
+            return []
+        i = self._window_start(window_s, now)
+        return [(self._t[k], self._v[k]) for k in range(i, len(self._t))]
+
+
+def counter_increase(values: Iterable[float]) -> float:
+    """Increase of a cumulative counter across samples, Prometheus-style.
+
+    A drop means the process restarted and the counter began again from zero, so the
+    post-reset value is the increase for that interval (never a negative or huge rate).
+    """
+    total = 0.0
+    prev: float | None = None
+    for v in values:
+        if prev is not None:
+            total += v - prev if v >= prev else v
+        prev = v
+    return total
+
+
+def counter_rate(series: Series, window_s: float, now: float | None = None) -> float | None:
+    """Per-second increase over the window; ``None`` with fewer than two samples in it.
+
+    The sample just before the window is included so a window of one scrape interval still has
+    a delta (a 1 s window at a 1 s scrape interval is the common live case).
+    """
+    if len(series) < 2:
+        return None
+    ts, vs = series._t, series._v
+    i = max(0, series._window_start(window_s, now) - 1)
+    if len(ts) - i < 2:
+        return None
+    dt = ts[-1] - ts[i]
+    if dt <= 0:
+        return None
+    return counter_increase(vs[k] for k in range(i, len(vs))) / dt
+
+
+def histogram_delta(older: Histogram | None, newer: Histogram) -> Histogram:
+    """Observations between two cumulative snapshots; a reset (count drop) means ``newer`` is all new."""
+    if older is None or newer.count < older.count or len(older.buckets) != len(newer.buckets):
+        return newer
+    if any(a[0] != b[0] for a, b in zip(older.buckets, newer.buckets)):
+        return newer  # bucket layout changed (engine upgrade): treat as a fresh start
+    return Histogram(
+        [(le, c - o) for (le, c), (_, o) in zip(newer.buckets, older.buckets)],
+        newer.count - older.count,
+        newer.sum - older.sum,
+    )
+
+
+def histogram_quantile(q: float, h: Histogram) -> float | None:
+    """Quantile from cumulative buckets with linear interpolation inside the bucket (Prometheus).
+
+    Returns ``None`` when there are no observations. A quantile landing in the +Inf bucket returns
+    the largest finite upper bound (the honest lower bound of the true value).
+    """
+    buckets: Sequence[tuple[float, float]] = sorted(h.buckets)
+    if not buckets:
+        return None
+    total = buckets[-1][1] if math.isinf(buckets[-1][0]) else max(h.count, buckets[-1][1])
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            if c == prev_c:
+                return le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+        prev_le, prev_c = le, c
+    return buckets[-1][0] if not math.isinf(buckets[-1][0]) else prev_le
+
+
+class HistogramSeries:
+    """Bounded history of cumulative histogram snapshots, for windowed quantiles."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, maxlen: int = 3600):
+        self._items: deque[tuple[float, Histogram]] = deque(maxlen=maxlen)
+
+    def append(self, t: float, h: Histogram | None) -> None:
+        if h is not None:
+            self._items.append((t, h))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def window_delta(self, window_s: float, now: float | None = None) -> Histogram | None:
+        """Observations inside the window, summed across any resets."""
+        if not self._items:
+            return None
+        end = self._items[-1][0] if now is None else now
+        # baseline: the last snapshot at or before the window start (if any)
+        base_i = None
+        for i, (t, _) in enumerate(self._items):
+            if t <= end - window_s:
+                base_i = i
+            else:
+                break
+        items = list(self._items)
+        start = 0 if base_i is None else base_i
+        if base_i is None:
+            # no snapshot before the window: the window covers the whole retained history,
+            # and the first snapshot's own content predates it, so count from it.
+            if len(items) == 1:
+                return None
+        acc: Histogram | None = None
+        for (_, a), (_, b) in zip(items[start:], items[start + 1 :]):
+            d = histogram_delta(a, b)
+            acc = d if acc is None else _hist_add(acc, d)
+        return acc
+
+    def quantile(self, q: float, window_s: float, now: float | None = None) -> float | None:
+        d = self.window_delta(window_s, now)
+        return None if d is None else histogram_quantile(q, d)
+
+
+def _hist_add(a: Histogram, b: Histogram) -> Histogram:
+    if len(a.buckets) != len(b.buckets):
+        return b
+    return Histogram([(le, c + d) for (le, c), (_, d) in zip(a.buckets, b.buckets)], a.count + b.count, a.sum + b.sum)

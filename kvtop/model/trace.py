@@ -1,0 +1,144 @@
+"""Trace files: JSON Lines, a header line then records in time order (DESIGN §3).
+
+Writing appends and flushes at least once a second, so a crash loses at most the last second.
+Reading streams line by line; a torn or malformed line is skipped and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, from_dict, to_dict
+
+
+class TraceError(Exception):
+    """The file is not a kvtop trace (bad header / unsupported version)."""
+
+
+def make_header(
+    engine: dict[str, Any] | None = None, kv: dict[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "kind": "header",
+        "format": TRACE_FORMAT,
+        "version": TRACE_VERSION,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "host": socket.gethostname(),
+        "engine": engine or {},
+        "kv": kv or {},
+        **extra,
+    }
+
+
+class TraceWriter:
+    """Append-only trace writer. Safe to call ``write`` from one thread at a time."""
+
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], flush_interval_s: float = 1.0):
+        self.path = Path(path)
+        self.flush_interval_s = flush_interval_s
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+        self._last_flush = time.monotonic()
+        self.count = 0
+        if new:
+            self._f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            self.flush()
+
+    def write(self, rec: Record | dict[str, Any]) -> None:
+        d = rec if isinstance(rec, dict) else to_dict(rec)
+        self._f.write(json.dumps(d, separators=(",", ":")) + "\n")
+        self.count += 1
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        if time.monotonic() - self._last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        self._f.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TraceReader:
+    """Streams a trace. ``header`` is read on open; iterate for record dicts (kind != header).
+
+    ``skipped`` counts malformed lines (a torn last line after a crash is the common case).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self.skipped = 0
+        self.unknown_kinds = 0
+        try:
+            self._f: IO[str] = open(self.path, encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise TraceError(f"cannot open trace {self.path}: {e.strerror or e}") from None
+        first = self._f.readline()
+        try:
+            header = json.loads(first)
+        except ValueError:
+            self._f.close()
+            raise TraceError(f"{self.path} is not a kvtop trace (first line is not a JSON header)") from None
+        if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+            self._f.close()
+            raise TraceError(f"{self.path} is not a kvtop trace (header format is not {TRACE_FORMAT!r})")
+        if header.get("version") != TRACE_VERSION:
+            self._f.close()
+            raise TraceError(f"{self.path}: unsupported trace version {header.get('version')!r}")
+        self.header: dict[str, Any] = header
+
+    def dicts(self) -> Iterator[dict[str, Any]]:
+        loads = json.loads
+        for line in self._f:
+            try:
+                d = loads(line)
+            except ValueError:
+                self.skipped += 1
+                continue
+            if not isinstance(d, dict) or "kind" not in d:
+                self.skipped += 1
+                continue
+            yield d
+        self._f.close()
+
+    def records(self) -> Iterator[Record]:
+        for d in self.dicts():
+            try:
+                r = from_dict(d)
+            except (TypeError, KeyError, ValueError):
+                self.skipped += 1
+                continue
+            if r is None:
+                self.unknown_kinds += 1
+                continue
+            yield r
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.dicts()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def warning(self) -> str | None:
+        if self.skipped:
+            return f"{self.path}: skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)"
+        return None

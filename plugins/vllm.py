@@ -1,0 +1,176 @@
+"""vLLM adapter: V1 names, V0 / renamed aliases, DP engines, cache_config_info, offload counters.
+
+Facts: reference/engines.md §2. One record per ``engine`` label (data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+from kvtop.model.records import EngineRecord
+from kvtop.plugin import EngineAdapter
+from kvtop.sources.prom import Page, parse_page
+
+P = "vllm:"
+
+# (normalised field, candidate wire names newest first)
+_GAUGES = {
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+}
+_COUNTERS = {
+    "preemptions_total": ("vllm:num_preemptions_total",),
+    "prompt_tokens_total": ("vllm:prompt_tokens_total",),
+    "generation_tokens_total": ("vllm:generation_tokens_total",),
+    "prefix_hits_total": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "prefix_queries_total": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+}
+_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+_TTFT = ("vllm:time_to_first_token_seconds",)
+# offload: (field, legacy name + transfer_type, newer dashboard name)
+_OFFLOAD = {
+    "offload_out_bytes_total": (("vllm:kv_offload_total_bytes_total", "GPU_to_CPU"), "vllm:kv_offload_store_bytes_total"),
+    "offload_in_bytes_total": (("vllm:kv_offload_total_bytes_total", "CPU_to_GPU"), "vllm:kv_offload_load_bytes_total"),
+    "offload_out_seconds_total": (("vllm:kv_offload_total_time_total", "GPU_to_CPU"), "vllm:kv_offload_store_time_total"),
+    "offload_in_seconds_total": (("vllm:kv_offload_total_time_total", "CPU_to_GPU"), "vllm:kv_offload_load_time_total"),
+}
+_GIB = 1 << 30
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    v = labels.get(key)
+    if v is None or v in ("None", ""):
+        return None
+    try:
+        return int(float(v))
+    except ValueError:
+        return None
+
+
+def _float_label(labels: dict[str, str], key: str) -> float | None:
+    v = labels.get(key)
+    if v is None or v in ("None", ""):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+class VllmAdapter(EngineAdapter):
+    name = "vllm"
+    description = "vLLM (V1 engine; V0 and renamed metrics accepted)"
+    fields = frozenset(
+        {
+            "kv_usage", "running", "waiting", "preemptions_total", "prompt_tokens_total",
+            "generation_tokens_total", "prefix_hits_total", "prefix_queries_total",
+            "requests_finished_total", "requests_aborted_total", "kv_capacity_tokens", "block_size",
+            "offload_capacity_bytes", "offload_out_bytes_total", "offload_in_bytes_total",
+            "offload_out_seconds_total", "offload_in_seconds_total", "itl", "ttft", "model",
+        }
+    )
+    preempts = True
+    settings = {
+        "max_seqs": "--max-num-seqs",
+        "batched_tokens": "--max-num-batched-tokens",
+        "offload_size": "--kv-offloading-size",
+        "offload_backend": "--kv-offloading-backend",
+        "gpu_memory": "--gpu-memory-utilization",
+        "max_tokens": "max_tokens (request) / --max-model-len",
+    }
+
+    @classmethod
+    def detect(cls, metric_names: set[str]) -> float:
+        n = sum(1 for m in metric_names if m.startswith(P))
+        if not n:
+            return 0.0
+        return 0.95 if any(m.startswith(("vllm:num_requests_", "vllm:kv_cache", "vllm:gpu_cache")) for m in metric_names) else 0.6
+
+    def parse(self, text: str, t: float) -> list[EngineRecord]:
+        return self.parse_page(parse_page(text), t)
+
+    def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
+        vllm_names = [n for n in page.samples if n.startswith(P)]
+        # Series without an engine label (info gauges, older pages) belong to every engine.
+        engines = [e for e in page.label_values("engine", vllm_names) if e is not None] or [None]
+        out = []
+        for eng in engines:
+            rec = self._one(page, t, None if eng is None else {"engine": eng})
+            rec.engine = eng
+            rec.warnings = list(page.warnings)
+            out.append(rec)
+        if not vllm_names:
+            rec = EngineRecord(t=t, adapter=self.name, warnings=list(page.warnings) + ["no vllm: metrics on the page"])
+            return [rec]
+        return out
+
+    def _one(self, page: Page, t: float, m: dict[str, str] | None) -> EngineRecord:
+        rec = EngineRecord(t=t, adapter=self.name)
+        for fld, names in _GAUGES.items():
+            n = page.first_present(*names)
+            if n:
+                setattr(rec, fld, page.value(n, m))
+        for fld, names in _COUNTERS.items():
+            n = page.first_present(*names)
+            if n:
+                setattr(rec, fld, page.value(n, m))
+        if page.has("vllm:request_success_total"):
+            rec.requests_finished_total = page.value("vllm:request_success_total", m)
+            rec.requests_aborted_total = page.value(
+                "vllm:request_success_total", {**(m or {}), "finished_reason": "abort"}
+            )
+        n = page.first_present(*_ITL)
+        if n:
+            rec.itl = page.histogram(n, m)
+        rec.ttft = page.histogram(_TTFT[0], m)
+        for fld, ((legacy, direction), newer) in _OFFLOAD.items():
+            if page.has(legacy):
+                setattr(rec, fld, page.value(legacy, {**(m or {}), "transfer_type": direction}))
+            elif page.has(newer):
+                setattr(rec, fld, page.value(newer, m))
+        # model: the model_name label on any vllm series of this engine
+        for n in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            rows = page.select(n, m)
+            if rows and rows[0][0].get("model_name"):
+                rec.model = rows[0][0]["model_name"]
+                break
+        self._cache_config(page, m, rec)
+        for n in ("vllm:prompt_tokens_created", "vllm:num_preemptions_created"):
+            v = page.value(n, m)
+            if v is not None:
+                rec.restart_token = v
+                break
+        return rec
+
+    @staticmethod
+    def _cache_config(page: Page, m: dict[str, str] | None, rec: EngineRecord) -> None:
+        rows = page.select("vllm:cache_config_info", m)
+        if not rows:
+            return
+        lb = rows[0][0]
+        bs = _int_label(lb, "block_size")
+        rec.block_size = bs
+        size_tokens = _int_label(lb, "kv_cache_size_tokens")
+        blocks = _int_label(lb, "num_gpu_blocks")
+        if size_tokens is not None:
+            rec.kv_capacity_tokens = size_tokens
+        elif blocks is not None and bs is not None:
+            rec.kv_capacity_tokens = blocks * bs
+        off_gib = _float_label(lb, "kv_offloading_size")
+        if off_gib is not None:
+            rec.offload_capacity_bytes = int(off_gib * _GIB)
+        else:
+            for key in ("cpu_offload_gb", "swap_space"):  # older captures, GiB
+                if key == "swap_space" and lb.get("num_cpu_blocks") == "0":
+                    continue  # V0 allocated no swap blocks: the setting is not a usable pool
+                gib = _float_label(lb, key)
+                if gib:
+                    rec.offload_capacity_bytes = int(gib * _GIB)
+                    break
+        extra = {
+            k: lb[k]
+            for k in ("cache_dtype", "kv_offloading_backend", "enable_prefix_caching", "num_gpu_blocks",
+                      "num_cpu_blocks", "kv_cache_memory_bytes", "sliding_window")
+            if k in lb and lb[k] != "None"
+        }
+        if extra:
+            rec.extra["cache_config"] = extra

@@ -1,0 +1,38 @@
+"""Shared test helpers: fixture paths and running the real `kvtop` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# ../shared beside the checkout (CI puts a copy there too).
+SHARED = Path(os.environ.get("KVTOP_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures" / "engines"
+CATALOG = SHARED / "fixtures" / "catalog"
+
+
+def fixture_text(name: str) -> str:
+    return (FIXTURES / name).read_text(encoding="utf-8")
+
+
+def run_kvtop(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+              input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m kvtop ARGS` as a user would, with this checkout on the path."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("XDG_CONFIG_HOME", str(REPO / ".cache" / "no-config"))
+    if env:
+        e.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvtop", *args], capture_output=True, text=True, timeout=timeout, env=e, input=input
+    )
+
+
+@pytest.fixture
+def kvtop_cli():
+    return run_kvtop
