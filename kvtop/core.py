@@ -156,9 +156,15 @@ class Core:
             self.event(rec.t, "info", "engine_up", f"{url}: reachable again")
         st.up, st.error = True, None
         prev = st.last
-        if prev is not None and self._restarted(prev, rec):
+        restarted = prev is not None and self._restarted(prev, rec)
+        if restarted:
             st.restarts += 1
             self.event(rec.t, "warning", "engine_restart", f"{url}: engine restarted (counters reset)")
+            # Counters began again from zero: rates must not use the pre-restart value as a baseline.
+            for s in (st.preemptions, st.prompt, st.generation):
+                s.mark_counter_reset(rec.t)
+            st.itl.mark_reset(rec.t)
+            st.ttft.mark_reset(rec.t)
         st.last = rec
         st.last_ok_t = rec.t
         st.kv_usage.append(rec.t, rec.kv_usage)
@@ -170,7 +176,7 @@ class Core:
         if prev is not None and prev.preemptions_total is not None and rec.preemptions_total is not None:
             d = rec.preemptions_total - prev.preemptions_total
             dt = rec.t - prev.t
-            if d < 0:
+            if d < 0 or restarted:
                 d = rec.preemptions_total
             rate = d / dt if dt > 0 else 0.0
             st.preempt_rate_hist.append(rate)
