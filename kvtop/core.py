@@ -142,6 +142,11 @@ class Core:
 
     def _ingest_engine(self, rec: EngineRecord) -> None:
         url = rec.url or "?"
+        if not rec.up:
+            # A failed scrape has no engine label: it marks every engine behind the URL down
+            # (creating a placeholder only if the URL never answered).
+            self.engine_down(url, rec.t, rec.warnings[0] if rec.warnings else "down", rec.adapter)
+            return
         # A URL that was down before its first good scrape has a label-less placeholder: drop it
         # once the real engine labels are known.
         placeholder = self._engines.get((url, None))
@@ -149,9 +154,6 @@ class Core:
             del self._engines[(url, None)]
         st = self._engine_state(url, rec.engine, rec.adapter)
         st.adapter = rec.adapter
-        if not rec.up:
-            self.engine_down(url, rec.t, rec.warnings[0] if rec.warnings else "down", rec.adapter)
-            return
         if not st.up:
             self.event(rec.t, "info", "engine_up", f"{url}: reachable again")
         st.up, st.error = True, None
