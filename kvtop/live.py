@@ -49,7 +49,9 @@ class LiveRunner:
         self.interval_s = max(0.05, float(interval_s))
         self.sinks: list[Sink] = list(sinks or [])
         self._t0 = time.monotonic()
-        self.scrapers = [EngineScraper(u, adapter=adapter, token=token, timeout_s=timeout_s) for u in self.urls]
+        self.scrapers = [
+            EngineScraper(u, adapter=adapter, token=token, timeout_s=timeout_s, clock=self.now) for u in self.urls
+        ]
         self._want_gpu = gpu
         self._want_host = host
         self._gpu: Any = None
@@ -62,6 +64,8 @@ class LiveRunner:
         self._detected: set[int] = set()
         self._sink_failed = False
         self._opened = False
+        self._stopping = False
+        self.timeout_s = timeout_s
         self.gpu_status = "ok" if gpu else "disabled (--no-gpu)"
         if not gpu:
             core.set_gpu_status(self.gpu_status)
@@ -207,7 +211,7 @@ class LiveRunner:
     async def _loop_source(self, src: _Source) -> None:
         assert src.wake is not None
         next_t = self.now()
-        while True:
+        while not self._stopping:
             try:
                 await src.poll(self.now())
             except asyncio.CancelledError:
@@ -227,6 +231,11 @@ class LiveRunner:
                 pass
             src.wake.clear()
 
+    def _wake_all(self) -> None:
+        for src in self._sources:
+            if src.wake is not None:
+                src.wake.set()
+
     # -- control ------------------------------------------------------------------------------
     def refresh_now(self) -> None:
         """Poll every source right away (safe from any thread)."""
@@ -234,11 +243,7 @@ class LiveRunner:
         if loop is None:
             return
 
-        def wake() -> None:
-            for src in self._sources:
-                if src.wake is not None:
-                    src.wake.set()
-
+        wake = self._wake_all
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -266,6 +271,7 @@ class LiveRunner:
         report's window ends at the duration rather than up to one interval before it.
         """
         await self._setup()
+        self._stopping = False
         tasks = [asyncio.create_task(self._loop_source(src), name=f"kvtop {src.name}") for src in self._sources]
         waiters: list[asyncio.Task[Any]] = []
         try:
@@ -280,9 +286,15 @@ class LiveRunner:
         finally:
             for w in waiters:
                 w.cancel()
-            for task in tasks:
+            # Let in-flight polls finish (each is bounded by its timeout) rather than cancel them:
+            # a cancelled httpx request can wedge in httpcore's connection clean-up. Waiting
+            # sources stop at once; only a poll stuck past its timeout is cancelled.
+            self._stopping = True
+            self._wake_all()
+            _, stuck = await asyncio.wait(tasks, timeout=self.timeout_s + 2.0) if tasks else (set(), set())
+            for task in stuck:
                 task.cancel()
-            await asyncio.gather(*tasks, *waiters, return_exceptions=True)
+            await asyncio.gather(*waiters, return_exceptions=True)
         try:
             if final_poll:
                 await self.poll_all()
