@@ -103,25 +103,25 @@ class GpuSource:
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")
-            except Exception as e:  # noqa: BLE001 - any import failure means "no NVML"
+            except Exception as e:  # any import failure means "no NVML"
                 self.status = f"NVIDIA NVML binding not importable (pip install nvidia-ml-py: {e}): {_ENGINE_ONLY}"
                 self.nvml = None
                 return
         self.nvml = nvml
         try:
             nvml.nvmlInit()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             code = _code(e)
             self.status = _INIT_REASONS.get(code) or f"NVML initialisation failed ({e}): {_ENGINE_ONLY}"
             return
         self._initialized = True
         try:
             self.driver_version = _text(nvml.nvmlSystemGetDriverVersion())
-        except Exception:  # noqa: BLE001 - informational only
+        except Exception:  # informational only
             pass
         try:
             count = int(nvml.nvmlDeviceGetCount())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.status = _INIT_REASONS.get(_code(e)) or f"NVML cannot count GPUs ({e}): {_ENGINE_ONLY}"
             return
         if count == 0:
@@ -141,7 +141,7 @@ class GpuSource:
             self._initialized = False
             try:
                 self.nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001 - shutting down anyway
+            except Exception:  # shutting down anyway
                 pass
 
     def __enter__(self) -> GpuSource:
@@ -160,13 +160,13 @@ class GpuSource:
         try:
             g.handle = nv.nvmlDeviceGetHandleByIndex(g.index)
             g.handle_error = None
-        except Exception as e:  # noqa: BLE001 - retried at the next poll; the record says why
+        except Exception as e:  # retried at the next poll; the record says why
             g.handle, g.handle_error = None, e
             return
         for attr, fn in (("name", "nvmlDeviceGetName"), ("uuid", "nvmlDeviceGetUUID")):
             try:
                 setattr(g, attr, _text(getattr(nv, fn)(g.handle)))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     # -- polling ------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ class GpuSource:
                     self._counter_rates(g, rec, t, samples.get(g.index))
             except _Lost:
                 lost.add(g.index)
-            except Exception as e:  # noqa: BLE001 - a bug in one field must not stop monitoring
+            except Exception as e:  # a bug in one field must not stop monitoring
                 rec.notes.append(f"gpu read failed: {type(e).__name__}: {e}")
             if pid_note:
                 rec.notes.append(pid_note)
@@ -244,7 +244,7 @@ class GpuSource:
             return None, None
         try:
             return set(self._engine_pids()), None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return None, f"engine processes unknown ({type(e).__name__}: {e})"
 
     def _call(self, g: _Gpu, key: str, fn: str, *args: Any, **kw: Any) -> Any:
@@ -257,7 +257,7 @@ class GpuSource:
             return None
         try:
             return f(*args, **kw)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             code = _code(e)
             if code == _GPU_IS_LOST:
                 raise _Lost from e
@@ -287,7 +287,7 @@ class GpuSource:
             return None
         try:
             vals = list(fn(g.handle, [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES]))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             code = _code(e)
             if code == _GPU_IS_LOST:
                 raise _Lost from e
@@ -348,7 +348,7 @@ class GpuSource:
             try:
                 # NVML documents the unit as KB/s (nvitop reads it as KiB/s): we use 1000.
                 out.append(float(f.result()) * 1000.0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 code = _code(e)
                 if code == _GPU_IS_LOST:
                     raise _Lost from e
@@ -386,7 +386,7 @@ class GpuSource:
         if v2 is not None and "memory v2" not in g.skip:
             try:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(h, version=v2)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if _code(e) == _GPU_IS_LOST:
                     raise _Lost from e
                 # Older driver (FUNCTION_NOT_FOUND / ARGUMENT_VERSION_MISMATCH) or unsupported: v1.
@@ -417,7 +417,7 @@ class GpuSource:
         for i in range(int(n)):
             try:
                 mh = self.nvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except Exception as e:  # noqa: BLE001 - empty slots answer NOT_FOUND
+            except Exception as e:  # empty slots answer NOT_FOUND
                 if _code(e) == _GPU_IS_LOST:
                     raise _Lost from e
                 continue
@@ -445,7 +445,7 @@ class GpuSource:
                 continue
             try:
                 procs = list(f(g.handle))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 code = _code(e)
                 if code == _GPU_IS_LOST:
                     raise _Lost from e
