@@ -290,6 +290,19 @@ def test_fallback_to_20ms_throughput_api_in_parallel():
     src.close()
 
 
+def test_hung_throughput_call_times_out(monkeypatch):
+    monkeypatch.setattr("kvtop.sources.gpu._THROUGHPUT_TIMEOUT_S", 0.2)
+    gpus = [FakeGpu(tx_kbps=7, util=33, field_fail={FI_TX: "NOT_SUPPORTED", FI_RX: "NOT_SUPPORTED"})]
+    nv = FakeNvml(gpus)
+    nv.throughput_barrier = threading.Barrier(3, timeout=1.0)  # two calls can never pass it
+    src = GpuSource(nvml=nv)
+    r, = src.poll(1.0)
+    assert r.pcie_tx_bytes_per_s is None and r.pcie_rx_bytes_per_s is None
+    assert r.util_pct == 33.0
+    assert "pcie throughput: no answer from NVML within 0.2 s" in r.notes
+    src.close()
+
+
 def test_throughput_sampling_disabled():
     gpus = [FakeGpu(tx_kbps=5, field_fail={FI_TX: "NOT_SUPPORTED", FI_RX: "NOT_SUPPORTED"})]
     nv = FakeNvml(gpus)
@@ -327,6 +340,8 @@ def test_mig_mode_and_per_instance_memory():
     assert "mig gi 1: 5.0 of 20.0 GiB used" in r_mig.notes
     assert "mig gi 2: 10.5 of 40.0 GiB used" in r_mig.notes
     assert "memory: sum of MIG instances" in r_mig.notes
+    assert "memory: no permission (run as root to read it)" in r_mig.notes
+    assert not any("v1 API only" in n for n in r_mig.notes)
     assert r_mig.util_pct is None
     assert r_plain.mig_mode is False
     assert r_consumer.mig_mode is None and "mig: not supported" in r_consumer.notes

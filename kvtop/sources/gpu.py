@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from types import ModuleType
 from typing import Any
 
@@ -55,6 +56,9 @@ _FIELD_UNKNOWN = {_NOT_SUPPORTED, _INVALID_ARGUMENT, _NOT_FOUND, _FUNCTION_NOT_F
 # this factor; otherwise (wall-clock step, driver without timestamps) by the poll clock.
 _TS_AGREEMENT = 2.0
 
+# A 20 ms sample that has not come back by then is a hung driver call: report None, move on.
+_THROUGHPUT_TIMEOUT_S = 2.0
+
 _VALUE_ATTR = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
@@ -75,6 +79,7 @@ class _Gpu:
         self.pcie_mode: str | None = None
         self.prev: tuple[int, int, float, int] | None = None  # tx, rx, poll t, NVML timestamp (us)
         self.handle_error: BaseException | None = None
+        self.no_mem_v2 = False
         self.no_mps = False  # MPS process queries fail on most setups: skip them without a note
 
 
@@ -135,7 +140,8 @@ class GpuSource:
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            # Not waiting: a driver call that hangs must not hang the console's exit.
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
         if self._initialized:
             self._initialized = False
@@ -347,7 +353,10 @@ class GpuSource:
         for f in futs:
             try:
                 # NVML documents the unit as KB/s (nvitop reads it as KiB/s): we use 1000.
-                out.append(float(f.result()) * 1000.0)
+                out.append(float(f.result(timeout=_THROUGHPUT_TIMEOUT_S)) * 1000.0)
+            except FutureTimeout:
+                rec.notes.append(f"pcie throughput: no answer from NVML within {_THROUGHPUT_TIMEOUT_S:g} s")
+                out.append(None)
             except Exception as e:
                 code = _code(e)
                 if code == _GPU_IS_LOST:
@@ -383,14 +392,17 @@ class GpuSource:
         h = g.handle
         v2 = getattr(self.nvml, "nvmlMemory_v2", None)
         mem = None
-        if v2 is not None and "memory v2" not in g.skip:
+        if v2 is not None and "memory v2" not in g.skip and not g.no_mem_v2:
             try:
                 mem = self.nvml.nvmlDeviceGetMemoryInfo(h, version=v2)
             except Exception as e:
-                if _code(e) == _GPU_IS_LOST:
+                code = _code(e)
+                if code == _GPU_IS_LOST:
                     raise _Lost from e
-                # Older driver (FUNCTION_NOT_FOUND / ARGUMENT_VERSION_MISMATCH) or unsupported: v1.
-                g.skip["memory v2"] = "memory: v1 API only (no reserved figure; used includes reserved)"
+                if code in (_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH, None):
+                    g.skip["memory v2"] = "memory: v1 API only (no reserved figure; used includes reserved)"
+                elif code in _PERMANENT:
+                    g.no_mem_v2 = True  # the v1 call below reports the same refusal
                 mem = None
         if mem is not None:
             rec.mem_reserved_bytes = int(mem.reserved)
