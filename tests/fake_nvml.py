@@ -10,6 +10,7 @@ test sets; the fake keeps no other state, so a test reads exactly what it config
 from __future__ import annotations
 
 import threading
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +223,7 @@ class FakeNvml(types.ModuleType):
         self.shutdowns = 0
         self.calls: list[str] = []
         self.throughput_barrier: threading.Barrier | None = None
+        self.throughput_delay_s = 0.0  # the real call blocks ~20 ms per GPU and direction
         self._lock = threading.Lock()
         self._missing = set(missing or ())
 
@@ -309,6 +311,8 @@ class FakeNvml(types.ModuleType):
         g = self._call("nvmlDeviceGetPcieThroughput", h)
         if self.throughput_barrier is not None:
             self.throughput_barrier.wait()
+        if self.throughput_delay_s:
+            time.sleep(self.throughput_delay_s)
         return g.tx_kbps if counter == CONSTANTS["NVML_PCIE_UTIL_TX_BYTES"] else g.rx_kbps
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h: _Handle) -> int:
