@@ -7,7 +7,6 @@ import json
 
 import pytest
 from conftest import fixture_text
-
 from kvtop_plugins.llamacpp import LlamaCppAdapter
 
 METRICS = "llamacpp-b9014-cassette-metrics-idle.prom"

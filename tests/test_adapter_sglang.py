@@ -6,7 +6,6 @@ import math
 
 import pytest
 from conftest import fixture_text
-
 from kvtop_plugins.sglang import SglangAdapter
 
 DOCS = "sglang-v0.4.3-docs-production-metrics.prom"

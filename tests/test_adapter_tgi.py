@@ -7,7 +7,6 @@ import math
 
 import pytest
 from conftest import fixture_text
-
 from kvtop_plugins.tgi import TgiAdapter
 
 SYNTH = "tgi-v3.3-SYNTH.prom"

@@ -10,7 +10,6 @@ import math
 
 import pytest
 from conftest import fixture_text
-
 from kvtop_plugins.triton import TritonAdapter
 
 DOC = "triton-trtllm-backend-readme-example.prom"
