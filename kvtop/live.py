@@ -58,7 +58,7 @@ class LiveRunner:
         self._host: Any = None
         self._gpu_lock = threading.Lock()
         self._host_lock = threading.Lock()
-        self._pids_cache: tuple[float, list[int]] = (-1e9, [])
+        self._pids: Callable[[], set[int]] | None = None
         self._sources: list[_Source] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._detected: set[int] = set()
@@ -87,22 +87,15 @@ class LiveRunner:
                     self.core.event(rec.t, "error", "source_error", f"record sink failed: {e}")
 
     # -- engine pids (GPU/host sources use them to find the engine's processes) ---------------
-    def _engine_pids(self) -> list[int]:
-        t, pids = self._pids_cache
-        if time.monotonic() - t < 5.0:
-            return pids
-        try:
-            from kvtop.sources.procs import engine_pids_for_url
-        except ImportError:
-            return []
-        out: list[int] = []
-        for u in self.urls:
+    def _engine_pids(self) -> set[int]:
+        """PIDs of local engines behind the URLs (cached; empty for remote engines)."""
+        if self._pids is None:
             try:
-                out.extend(p for p in engine_pids_for_url(u) if p not in out)
-            except Exception:
-                continue
-        self._pids_cache = (time.monotonic(), out)
-        return out
+                from kvtop.sources.procs import EnginePids
+            except ImportError:
+                return set()
+            self._pids = EnginePids(self.urls)
+        return self._pids()
 
     # -- sources ------------------------------------------------------------------------------
     def _engine_poll(self, idx: int) -> Callable[[float], Awaitable[None]]:
