@@ -200,18 +200,19 @@ class EngineScraper:
         head = text.lstrip()[:1]
         if head in ("<", "{", "["):
             raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {'HTML' if head == '<' else 'JSON'}")
-        if self._adapter is not None and not callable(getattr(self._adapter, "parse_page", None)):
-            adapter, page = self._adapter, None
-        else:
+        adapter = self._adapter
+        if adapter is None:
+            # First good page: detect the engine from its metric names (one extra parse, once).
             page = parse_page(text)
             if not page.samples:
                 raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {self.metrics_url}")
             adapter = self._resolve(page)
         try:
-            parse_page_fn = getattr(adapter, "parse_page", None)
-            recs = parse_page_fn(page, t) if page is not None and callable(parse_page_fn) else adapter.parse(text, t)
+            recs = adapter.parse(text, t)
         except Exception as e:
             raise ScrapeError(f"adapter {adapter.name} failed on {self.metrics_url}: {_one_line(e)}") from None
+        if isinstance(recs, EngineRecord):  # lenient with third-party adapters returning one record
+            recs = [recs]
         if not recs:
             raise ScrapeError(f"adapter {adapter.name} found no engine at {self.metrics_url}")
         return adapter, recs
