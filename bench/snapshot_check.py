@@ -31,8 +31,11 @@ def main() -> int:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "metrics").write_bytes(Path(a.fixture).read_bytes())
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=d)
-        handler.log_message = lambda *args: None  # type: ignore[attr-defined]
+        class Quiet(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+        handler = functools.partial(Quiet, directory=d)
         srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{srv.server_address[1]}"
