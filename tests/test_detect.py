@@ -63,3 +63,33 @@ def test_triton_vllm_backend_page_goes_to_vllm():
 
 def test_unknown_page_detects_nothing():
     assert detect_adapter({"process_cpu_seconds_total", "http_requests_total"}) is None
+
+
+def _expand(field: str) -> list[str]:
+    """`offload_{out,in}_{bytes,seconds}_total` -> the four names."""
+    import itertools
+    import re
+
+    parts = re.split(r"\{([^}]*)\}", field)
+    choices = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def test_readme_field_tables_match_each_adapters_fields():
+    import re
+
+    from conftest import REPO
+
+    from kvtop.plugin import NORMALIZED_FIELDS
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Engine adapters", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"### [^\n]*\(`(\w+)`\)\n(.*?)(?=\n### |\Z)", section, re.S)
+    assert {name for name, _ in tables} == set(ENGINE_OF.values())
+    for name, body in tables:
+        documented: set[str] = set()
+        for row in re.findall(r"^\| (`[^|]*) \|", body, re.M):
+            for f in re.findall(r"`([a-z_{},]+)`", row):
+                documented.update(_expand(f))
+        assert documented <= set(NORMALIZED_FIELDS), name
+        assert documented == set(load_adapter(name).fields), name
