@@ -1,8 +1,7 @@
-"""Package list that pyproject.toml alone cannot express.
+"""Package list only (everything else is in pyproject.toml).
 
-``plugins/`` ships as the package ``kvtop_plugins`` (package-dir in pyproject.toml), but setuptools'
-``packages.find`` ignores package-dir renames, so it silently left the built-in adapters out of the
-wheel and out of editable installs. Everything else lives in pyproject.toml.
+``plugins/`` ships as ``kvtop_plugins`` via ``package-dir``; setuptools' ``packages.find`` cannot
+discover a package that exists only through that mapping, so it is listed next to the found ones.
 """
 
 from setuptools import find_packages, setup

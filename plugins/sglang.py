@@ -96,9 +96,9 @@ class SglangAdapter(EngineAdapter):
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         page = read_page(text, _CORE)
         page.warnings.extend(incomplete_histograms(page, _HISTS))
-        return self.parse_page(page, t)
+        return self._records(page, t)
 
-    def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
+    def _records(self, page: Page, t: float) -> list[EngineRecord]:
         names = [n for n in page.samples if n.startswith(P)]
         if not names:
             return [EngineRecord(t=t, adapter=self.name, warnings=[*page.warnings, "no sglang: metrics on the page"])]
