@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 
 import pytest
-from aiohttp import web
 from conftest import fixture_text, run_kvtop
+from replay_server import PROM, replay_server
 
-PROM = "text/plain; version=0.0.4; charset=utf-8"
 SGLANG = fixture_text("sglang-v0.4.3-docs-production-metrics.prom")
 
 
@@ -44,34 +41,8 @@ ROUTES = {
 
 @pytest.fixture(scope="module")
 def server():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    hits: dict[str, int] = {}
-
-    async def handle(request: web.Request) -> web.Response:
-        if request.path not in ROUTES:
-            return web.Response(status=404, text="not found")
-        hits[request.path] = hits.get(request.path, 0) + 1
-        body, ctype = ROUTES[request.path]
-        if isinstance(body, list):  # successive scrapes get successive pages; the last repeats
-            body = body[min(hits[request.path], len(body)) - 1]
-        return web.Response(body=body.encode(), headers={"Content-Type": ctype})
-
-    async def start() -> tuple[web.AppRunner, int]:
-        app = web.Application()
-        app.router.add_route("GET", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
-    yield f"http://127.0.0.1:{port}", hits
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
+    with replay_server(ROUTES) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, REPO, run_kvtop
+from replay_server import PROM, replay_server
 
 ADAPTER_SRC = '''
 from kvtop.model.records import EngineRecord
@@ -110,6 +111,17 @@ def test_registry_detects_and_parses_with_the_plugin(site, tmp_path):
     assert out["vllm"] == "vllm"
 
 
+def test_kvtop_snapshot_uses_the_installed_plugin(site):
+    with replay_server({"/metrics": (TOY_PAGE, PROM)}) as (base, hits):
+        r = run_kvtop("snapshot", "--url", base, "--duration", "0.5", "--interval", "0.25", "--format", "json",
+                      "--no-gpu", "--no-host", env=_env(site), timeout=60)
+    assert r.returncode == 0, r.stderr
+    (e,) = json.loads(r.stdout)["engines"]
+    assert (e["adapter"], e["up"], e["running"], e["waiting"], e["kv_usage"]) == ("toyengine", True, 4, 9, 0.625)
+    assert e["preempts"] is False
+    assert hits["/metrics"] >= 2
+
+
 def test_single_file_plugin_with_dash_dash_plugin(tmp_path):
     f = tmp_path / "filetoy.py"
     f.write_text(ADAPTER_SRC.format(name="filetoy"))
@@ -117,5 +129,11 @@ def test_single_file_plugin_with_dash_dash_plugin(tmp_path):
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("filetoy"))
     assert "--plugin" in line
+    with replay_server({"/metrics": (TOY_PAGE, PROM)}) as (base, _):
+        r = run_kvtop("--plugin", str(f), "snapshot", "--url", base, "--duration", "0.3", "--interval", "0.15",
+                      "--format", "json", "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 0, r.stderr
+    (e,) = json.loads(r.stdout)["engines"]
+    assert (e["adapter"], e["running"], e["waiting"]) == ("filetoy", 4, 9)
     bad = run_kvtop("--plugin", str(tmp_path / "missing.py"), "plugins")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not found" in bad.stderr
