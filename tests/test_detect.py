@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import FIXTURES
 
+from kvtop.model.records import from_dict, to_dict
 from kvtop.plugin import detect_adapter, list_adapters, load_adapter
 from kvtop.sources.prom import parse_page
 
@@ -47,6 +50,10 @@ def test_detected_adapter_parses_its_page(page):
     assert recs and all(r.adapter == cls.name for r in recs)
     # every record fills at least running or kv_usage or a token counter
     assert any(r.running is not None or r.kv_usage is not None or r.prompt_tokens_total is not None for r in recs)
+    # records survive the trace format (extra must be plain JSON)
+    for r in recs:
+        line = json.dumps(to_dict(r))
+        assert json.dumps(to_dict(from_dict(json.loads(line)))) == line  # NaN != NaN: compare text
 
 
 def test_detect_works_on_names_as_a_scraper_sees_them_after_a_parse_error():
