@@ -102,3 +102,23 @@ def test_readme_field_tables_match_each_adapters_fields():
                 documented.update(_expand(f))
         assert documented <= set(NORMALIZED_FIELDS), name
         assert documented == set(load_adapter(name).fields), name
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if not p.startswith("vllm")])
+def test_any_cut_of_a_page_parses_with_a_warning_never_raises(page):
+    text = (FIXTURES / page).read_text()
+    adapter = load_adapter(_engine(page))()
+    for i in range(1, 25):
+        cut = len(text) * i // 25
+        recs = adapter.parse(text[:cut], 0.0)
+        assert recs
+        if text[cut - 1] != "\n":  # cut inside a line: the page cannot be complete
+            assert all(r.warnings for r in recs), (page, cut)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if not p.startswith("vllm")])
+def test_garbage_in_the_middle_keeps_the_rest(page):
+    text = (FIXTURES / page).read_text()
+    mid = text.index("\n", len(text) // 2) + 1
+    recs = load_adapter(_engine(page))().parse(text[:mid] + "\x00\xff}{ not a metric\n" + text[mid:], 0.0)
+    assert recs and all(any("unparseable" in w for w in r.warnings) for r in recs)
