@@ -53,7 +53,7 @@ def engines(server):
     args = ["snapshot", "--duration", "1.5", "--interval", "0.3", "--format", "json", "--no-gpu", "--no-host"]
     for u in urls:
         args += ["--url", u]
-    r = run_kvtop(*args, timeout=60)
+    r = run_kvtop(*args, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     by = {e["adapter"]: e for e in out["engines"]}

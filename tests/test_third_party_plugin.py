@@ -114,7 +114,7 @@ def test_registry_detects_and_parses_with_the_plugin(site, tmp_path):
 def test_kvtop_snapshot_uses_the_installed_plugin(site):
     with replay_server({"/metrics": (TOY_PAGE, PROM)}) as (base, hits):
         r = run_kvtop("snapshot", "--url", base, "--duration", "0.5", "--interval", "0.25", "--format", "json",
-                      "--no-gpu", "--no-host", env=_env(site), timeout=60)
+                      "--no-gpu", "--no-host", env=_env(site), timeout=120)
     assert r.returncode == 0, r.stderr
     (e,) = json.loads(r.stdout)["engines"]
     assert (e["adapter"], e["up"], e["running"], e["waiting"], e["kv_usage"]) == ("toyengine", True, 4, 9, 0.625)
@@ -131,7 +131,7 @@ def test_single_file_plugin_with_dash_dash_plugin(tmp_path):
     assert "--plugin" in line
     with replay_server({"/metrics": (TOY_PAGE, PROM)}) as (base, _):
         r = run_kvtop("--plugin", str(f), "snapshot", "--url", base, "--duration", "0.3", "--interval", "0.15",
-                      "--format", "json", "--no-gpu", "--no-host", timeout=60)
+                      "--format", "json", "--no-gpu", "--no-host", timeout=120)
     assert r.returncode == 0, r.stderr
     (e,) = json.loads(r.stdout)["engines"]
     assert (e["adapter"], e["running"], e["waiting"]) == ("filetoy", 4, 9)
