@@ -202,7 +202,7 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
         _post(proxy.url, "/v1/completions", bodies[n], {"X-Request-Id": ids[n]}) for n in names])
     direct = await asyncio.gather(*[
         _post(upstream.url, "/v1/completions", bodies[n], {"X-Request-Id": "direct-" + n}) for n in names])
-    for n, (st, hd, data), (dst, dhd, ddata) in zip(names, through, direct):
+    for n, (st, hd, data), (dst, dhd, ddata) in zip(names, through, direct, strict=True):
         assert st == dst == 200
         assert data == ddata, n  # client-side bytes identical to a direct connection
         assert hd["Content-Type"] == dhd["Content-Type"] == "text/event-stream"
@@ -214,10 +214,10 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
         sent = upstream.sent[rid]
         assert len(sent) == len(SCRIPTS[n])
         # the harness kept to its script (loosely: the machine may be busy) ...
-        for (at, _, _), ts in zip(SCRIPTS[n], sent):
+        for (at, _, _), ts in zip(SCRIPTS[n], sent, strict=True):
             assert -0.001 < ts - (t0 + at) < 0.25
         # ... and the proxy stamped each token when its bytes arrived, within 5 ms
-        expected = [(ts, k) for (_, _, k), ts in zip(SCRIPTS[n], sent) if k]
+        expected = [(ts, k) for (_, _, k), ts in zip(SCRIPTS[n], sent, strict=True) if k]
         recs = rec.of(rid)
         events = [r.event for r in recs]
         assert events[0] == "arrive" and events[-1] == "finish"
@@ -225,14 +225,14 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
         toks = [r for r in recs if r.event in ("first_token", "token")]
         assert [r.event for r in toks] == ["first_token"] + ["token"] * (len(expected) - 1)
         assert [r.n for r in toks] == [k for _, k in expected]
-        for r, (want_t, _) in zip(toks, expected):
+        for r, (want_t, _) in zip(toks, expected, strict=True):
             assert abs(r.t - want_t) < 0.005, (n, r, want_t)
 
     stall = [r.t for r in rec.of(ids["stall"]) if r.event in ("first_token", "token")]
-    gaps = [b - a for a, b in zip(stall, stall[1:])]
+    gaps = [b - a for a, b in zip(stall, stall[1:], strict=False)]
     assert len([g for g in gaps if g > 0.2]) == 1  # the stall is one gap, not several
     sent = upstream.sent[ids["stall"]]
-    assert sent[3] - sent[2] >= 1.499
+    assert sent[3] - sent[2] > 1.25  # 1.5 s as scripted, less any lateness of the third write
     assert abs(max(gaps) - (sent[3] - sent[2])) < 0.005
 
     fin = {n: rec.of(ids[n])[-1] for n in names}
