@@ -87,6 +87,7 @@ class ScriptedUpstream:
         # when each scripted write actually went out (a loaded test machine can be late)
         self.sent: dict[str, list[float]] = {}
         self.port = 0
+        self.default_script = "steady"
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -123,7 +124,7 @@ class ScriptedUpstream:
         self.t0[rid] = t0
         self.headers[rid] = CIMultiDict(request.headers)
         self.bodies[rid] = raw
-        script = body.get("script", "steady")
+        script = body.get("script", self.default_script)
         if script == "error400":
             return web.json_response({"object": "error", "type": "BadRequestError",
                                       "message": f"bad prompt {PROMPT_MARKER}", "code": 400}, status=400)
