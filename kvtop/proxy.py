@@ -462,3 +462,27 @@ class RecordingProxy:
     def _ended_early(self, rid: str, reason: str | None) -> None:
         with contextlib.suppress(Exception):
             self.emit(RequestRecord(self.clock(), rid, "cancel", error=reason))
+
+
+def parse_listen(value: str, default_port: int = 8001) -> tuple[str, int]:
+    """``HOST:PORT``, ``[v6]:PORT``, ``:PORT`` or ``PORT`` (loopback) -> (host, port)."""
+    v = value.strip()
+    if v.isdigit():
+        host, port_s = "127.0.0.1", v
+    elif v.startswith("["):
+        end = v.find("]")
+        if end < 0 or not v[end + 1:].startswith(":"):
+            raise ValueError(f"bad listen address {value!r} (want [ADDR]:PORT)")
+        host, port_s = v[1:end], v[end + 2:]
+    elif ":" in v:
+        host, port_s = v.rsplit(":", 1)
+        host = host or "127.0.0.1"
+    else:
+        host, port_s = v, str(default_port)
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"bad port in listen address {value!r}") from None
+    if not 0 <= port <= 65535 or not host:
+        raise ValueError(f"bad listen address {value!r}")
+    return host, port
