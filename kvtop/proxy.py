@@ -321,6 +321,7 @@ class RecordingProxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False
+        self._handlers: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         # Long streams may stall for minutes without being broken; only the connect is bounded.
@@ -349,8 +350,15 @@ class RecordingProxy:
         if server is not None and getattr(server, "sockets", None):
             self.port = server.sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stop listening; streams still running after ``grace_s`` are cut off (recorded as cancel)."""
         self._stopping = True
+        if self._handlers and grace_s > 0:
+            await asyncio.wait(list(self._handlers), timeout=grace_s)
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.wait(list(self._handlers), timeout=5)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -364,6 +372,16 @@ class RecordingProxy:
         return f"http://{host}:{self.port}"
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is None:
+            return await self._proxy(request)
+        self._handlers.add(task)
+        try:
+            return await self._proxy(request)
+        finally:
+            self._handlers.discard(task)
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
         t_arrive = self.clock()
         assert self._session is not None
         path = request.path
