@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+import jsonschema
+import pytest
 from aiohttp import web
 from conftest import REPO, run_kvtop
 from vllm_pages import vllm_page
@@ -214,6 +216,12 @@ async def test_sigterm_stops_cleanly_with_everything_flushed(tmp_path: Path):
     assert out.read_bytes().endswith(b"\n")
     recs, reader = _read(out)
     assert reader.skipped == 0
+    # every line is strict JSON (no NaN/Infinity) and valid against the documented schema
+    schema = json.loads((REPO / "kvtop" / "schemas" / "trace.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for line in out.read_text().splitlines():
+        d = json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+        assert not list(validator.iter_errors(d)), d
     eng = [r for r in recs if r["kind"] == "engine"]
     up_gens = [r["generation_tokens_total"] for r in eng if r["up"]]
     # every scrape the engine answered is in the trace (the one in flight at SIGTERM may not be)

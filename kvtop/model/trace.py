@@ -7,6 +7,7 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -53,7 +54,12 @@ class TraceWriter:
 
     def write(self, rec: Record | dict[str, Any]) -> None:
         d = rec if isinstance(rec, dict) else to_dict(rec)
-        self._f.write(json.dumps(d, separators=(",", ":")) + "\n")
+        try:
+            line = json.dumps(d, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            # NaN/Infinity are not JSON (jq and most parsers reject them): unknown is null.
+            line = json.dumps(_finite(d), separators=(",", ":"), allow_nan=False)
+        self._f.write(line + "\n")
         self.count += 1
         self.flush_if_due()
 
@@ -76,6 +82,16 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class TraceReader:
