@@ -254,6 +254,8 @@ async def test_idle_recorder_still_flushes_within_a_second(tmp_path: Path):
 
 
 def test_record_bad_arguments(tmp_path: Path):
+    existing = tmp_path / "old.jsonl"
+    existing.write_text('{"kind":"header","format":"kvtop-trace","version":1}\n')
     for args, msg in (
         (["-o", str(tmp_path / "t.jsonl")], "--url"),
         (["-o", str(tmp_path / "no" / "dir" / "t.jsonl"), "--url", "http://127.0.0.1:9", "--no-gpu",
@@ -261,6 +263,7 @@ def test_record_bad_arguments(tmp_path: Path):
         (["-o", str(tmp_path / "t.jsonl"), "--url", "http://127.0.0.1:9", "--proxy-listen", "x:y"], "port"),
         (["-o", str(tmp_path / "t.jsonl"), "--url", "ftp://h", "--no-gpu"], "http"),
         (["-o", str(tmp_path / "t.jsonl"), "--url", "http://127.0.0.1:9", "--probe", "-1"], "--probe"),
+        (["-o", str(existing), "--url", "http://127.0.0.1:9"], "already exists"),
     ):
         r = run_kvtop("record", *args, timeout=30)
         assert r.returncode == 2, (args, r.stderr)

@@ -131,3 +131,15 @@ def test_not_a_trace_is_refused(tmp_path: Path, bad: str):
     p.write_text(bad)
     with pytest.raises(TraceError):
         TraceReader(p)
+
+
+def test_fast_request_path_writes_exactly_what_to_dict_gives(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    recs = [r for r in _samples() if isinstance(r, R.RequestRecord)]
+    recs.append(R.RequestRecord(3.0, "r9", "token", n=1, cls="batch", source="sim", status=None, error="x",
+                                finish_reason="length", completion_tokens=5, prompt_tokens=3))
+    with TraceWriter(path, make_header()) as w:
+        for r in recs:
+            w.write(r)
+    lines = path.read_text().splitlines()[1:]
+    assert lines == [json.dumps(R.to_dict(r), separators=(",", ":")) for r in recs]

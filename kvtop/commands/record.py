@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 NAME = "record"
@@ -19,7 +20,8 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file (appended if it exists)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+    p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
     p.add_argument("--url", action="append", default=None, metavar="URL",
                    help="engine base URL or its /metrics URL (repeat for several engines)")
     p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
@@ -59,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not urls:
         raise UsageError("give the engine to record: --url URL")
+    out = Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"{args.output} is a directory")
+    if out.exists() and out.stat().st_size > 0 and not args.force:
+        # Appending would restart the trace clock mid-file under the old header.
+        raise UsageError(f"{args.output} already exists (use --force to overwrite)")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 0.05 <= interval <= 3600:
@@ -122,6 +130,8 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     if len(o["urls"]) > 1:
         extra["urls"] = o["urls"]
     try:
+        if args.force:
+            Path(args.output).unlink(missing_ok=True)
         writer = TraceWriter(args.output, make_header(engine=engine, kv=kv, **extra),
                              flush_interval_s=FLUSH_INTERVAL_S)
     except OSError as e:

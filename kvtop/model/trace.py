@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, from_dict, to_dict
+from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, RequestRecord, from_dict, to_dict
 
 
 class TraceError(Exception):
@@ -53,12 +53,17 @@ class TraceWriter:
             self.flush()
 
     def write(self, rec: Record | dict[str, Any]) -> None:
-        d = rec if isinstance(rec, dict) else to_dict(rec)
+        if isinstance(rec, dict):
+            d = rec
+        elif type(rec) is RequestRecord:
+            d = _request_dict(rec)  # the hot path: one per streamed chunk
+        else:
+            d = to_dict(rec)
         try:
-            line = json.dumps(d, separators=(",", ":"), allow_nan=False)
+            line = _encode(d)
         except ValueError:
             # NaN/Infinity are not JSON (jq and most parsers reject them): unknown is null.
-            line = json.dumps(_finite(d), separators=(",", ":"), allow_nan=False)
+            line = _encode(_finite(d))
         self._f.write(line + "\n")
         self.count += 1
         self.flush_if_due()
@@ -82,6 +87,20 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_REQUEST_OPTIONAL = ("n", "prompt_tokens", "cls", "source", "finish_reason", "status", "error", "completion_tokens")
+
+
+def _request_dict(rec: RequestRecord) -> dict[str, Any]:
+    """Same dict as ``to_dict`` for a request record (same keys, same order), several times faster."""
+    d: dict[str, Any] = {"kind": "request", "t": rec.t, "id": rec.id, "event": rec.event}
+    for name in _REQUEST_OPTIONAL:
+        v = getattr(rec, name)
+        if v is not None:
+            d["class" if name == "cls" else name] = v
+    return d
 
 
 def _finite(obj: Any) -> Any:
