@@ -635,6 +635,7 @@ class Engine:
                 self.host_used -= s.host_blocks
                 s.host_blocks = 0
                 if s.resume_info is not None:
+                    s.resume_info["readmit_t"] = t0
                     s.resume_info["swap_in_bytes"] = moved
                     s.resume_info["swap_in_s"] = round(dur, 6)
                 if cfg.swap.overlap:
@@ -669,6 +670,7 @@ class Engine:
                 self.stats.prefix_queries += s.num_tokens
                 self.stats.prefix_hits += (sh + own) * bs
             if s.resume_info is not None:
+                s.resume_info["readmit_t"] = t0
                 s.resume_info["hit_tokens"] = (sh + own) * bs
                 s.resume_info["recompute_tokens"] = full_new
             self._acquire(s, sh, own)
@@ -721,6 +723,9 @@ class Engine:
             s.computed += s.n_sched
             if s.materialising:
                 self._materialise(s)
+            if s.resume_info is not None and "recovered_t" not in s.resume_info \
+                    and s.computed >= s.resume_info["context_tokens"]:
+                s.resume_info["recovered_t"] = t_end
             if s.computed == s.num_tokens:
                 s.num_tokens += 1
                 s.generated += 1
@@ -743,6 +748,10 @@ class Engine:
                                                                    "swap_out_s", "swap_in_s", "fallback")},
                         "t_start": s.preempted_at, "t_end": t_end,
                         "stall_s": round(t_end - (s.preempted_at or t_end), 6), "cause": "preemption",
+                        # wait: queued until memory was free again; resume: the mechanism's own cost
+                        "wait_s": round(info.get("readmit_t", t_end) - (s.preempted_at or t_end), 6),
+                        # readmission until the KV it had when preempted is back on the GPU
+                        "resume_s": round(info.get("recovered_t", t_end) - info.get("readmit_t", t_end), 6),
                         "preemptions": s.n_preempts}))
                     s.preempted_at = None
                     s.resume_info = None
