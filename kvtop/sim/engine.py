@@ -740,7 +740,8 @@ class Engine:
                 else:
                     itl.observe(t_end - s.last_t)
                 if s.pending_preempts:
-                    st.preemptions += s.pending_preempts
+                    counted = s.pending_preempts
+                    st.preemptions += counted
                     s.pending_preempts = 0
                     info = s.resume_info or {}
                     self.sink.on_truth(TruthRecord(t_end, "resume", s.id, {
@@ -752,7 +753,7 @@ class Engine:
                         "wait_s": round(info.get("readmit_t", t_end) - (s.preempted_at or t_end), 6),
                         # readmission until the KV it had when preempted is back on the GPU
                         "resume_s": round(info.get("recovered_t", t_end) - info.get("readmit_t", t_end), 6),
-                        "preemptions": s.n_preempts}))
+                        "preemptions": s.n_preempts, "counted": counted}))
                     s.preempted_at = None
                     s.resume_info = None
                 s.last_t = t_end
