@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtop.model.records import TruthRecord
 from kvtop.sim.workload import EngineConfig, RequestSpec
@@ -150,6 +150,18 @@ class _Prefix:
         self.materialiser: str | None = None
 
 
+class StepPlan(NamedTuple):
+    t0: float
+    t_end: float | None
+    sched: list[Seq]
+    n_dec: int
+    pf_tokens: int
+    dec_cost: float
+    pf_cost: float
+    blocked_s: float
+    prefills: list[Seq]
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, sink: Sink | None = None, t0: float = 0.0):
         self.cfg = cfg
@@ -187,9 +199,10 @@ class Engine:
         """
         self.reserved = {p: int(frac * self.n_blocks) for p, frac in by_priority.items() if frac > 0}
 
-    def add(self, spec: RequestSpec, t: float | None = None) -> Seq:
+    def add(self, spec: RequestSpec, t: float | None = None, user: Any = None) -> Seq:
         t = self.t if t is None else t
         s = Seq(spec, self._order, t)
+        s.user = user
         self._order += 1
         # A request longer than the context or the whole pool could never run: cut its output
         # (finish "length"), as an engine does at max_model_len.
@@ -489,6 +502,20 @@ class Engine:
         """Schedule and run one step starting at ``self.t``. ``hook(t_end)`` runs before outputs
         are committed (the caller delivers arrivals, cancels and scrapes that fall inside the step).
         Returns False when there was nothing to run (time does not move)."""
+        plan = self.plan()
+        if plan is None:
+            return False
+        if plan.t_end is None:
+            return True
+        if hook is not None:
+            hook(plan.t_end)
+        self.commit(plan)
+        return True
+
+    def plan(self) -> StepPlan | None:
+        """Schedule one step at ``self.t`` (admissions, allocations, preemptions happen now).
+        None: nothing to run. A plan with ``t_end`` None: only blocking swap-outs ran (time moved).
+        Between ``plan`` and ``commit`` the caller may add requests and cancel them."""
         t0 = self.t
         cfg = self.cfg
         bs = self.bs
@@ -558,18 +585,20 @@ class Engine:
         if not sched:
             if block_until > t0:
                 self.t = block_until  # only swap-outs happened: the link kept the engine busy
-                return True
-            return False
+                return StepPlan(t0, None, sched, 0, 0, 0.0, 0.0, 0.0, prefills)
+            return None
         st = cfg.step
         dec_cost = st.fixed_s + st.decode_seq_s * n_dec + st.decode_ctx_token_s * ctx_sum
         t_end = block_until + dec_cost + pf_cost
         for s in sched:
             s.inflight = True
-        if hook is not None:
-            hook(t_end)
-        self._commit(sched, t0, t_end, n_dec, pf_tokens, dec_cost, pf_cost, block_until - t0, prefills)
-        self.t = t_end
-        return True
+        return StepPlan(t0, t_end, sched, n_dec, pf_tokens, dec_cost, pf_cost, block_until - t0, prefills)
+
+    def commit(self, p: StepPlan) -> None:
+        """Finish a planned step at its ``t_end``: tokens, finishes, counters, truth labels."""
+        assert p.t_end is not None
+        self._commit(p.sched, p.t0, p.t_end, p.n_dec, p.pf_tokens, p.dec_cost, p.pf_cost, p.blocked_s, p.prefills)
+        self.t = p.t_end
 
     _last_swap_done = 0.0
     _preempted_flag = False
