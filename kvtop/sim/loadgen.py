@@ -77,22 +77,25 @@ async def run_load(url: str, workload: Workload, duration_s: float, seed: int,
         if model is None:
             model = await _model_name(session, url) or workload.engine.model
         tasks: set[asyncio.Task[None]] = set()
-        for spec in workload.requests(seed, duration_s):
-            delay = start + spec.t / speed - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await sem.acquire()
-            task = asyncio.create_task(_one(session, url, model, spec, speed, extensions, emit, now, res))
-            task.add_done_callback(lambda _t: sem.release())
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        rest = start + duration_s / speed - time.monotonic()
-        if rest > 0:
-            await asyncio.sleep(rest)
-        for t in list(tasks):
-            t.cancel()  # the run is over: hang up on what is still streaming
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            for spec in workload.requests(seed, duration_s):
+                delay = start + spec.t / speed - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                await sem.acquire()
+                task = asyncio.create_task(_one(session, url, model, spec, speed, extensions, emit, now, res))
+                task.add_done_callback(lambda _t: sem.release())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            rest = start + duration_s / speed - time.monotonic()
+            if rest > 0:
+                await asyncio.sleep(rest)
+        finally:
+            # the run is over (or was cancelled): hang up on what is still streaming
+            for t in list(tasks):
+                t.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
     return res
 
 
