@@ -257,6 +257,7 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
     marginal = False
     gates_fail = False
     cost = None
+    swap_settings: dict[str, Any] = {}
     if beta is None:
         reasons.append("KV bytes per token unknown (give --model-config or --kv-bytes-per-token): "
                        "swap vs recompute not evaluated")
@@ -330,9 +331,9 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
         if mechanism == "swap":
             gib = cost.bytes_per_rank * x.ranks * 4 / (1 << 30)
-            settings[_setting(s, "offload_size")] = max(1, math.ceil(gib))
+            swap_settings[_setting(s, "offload_size")] = max(1, math.ceil(gib))
             if "offload_backend" in s.settings_names:
-                settings[_setting(s, "offload_backend")] = "native"
+                swap_settings[_setting(s, "offload_backend")] = "native"
             s.n["offload_pool"] = Num(gib * (1 << 30), "B", "derived", "room for 4 preempted sequences of this size")
     else:
         if beta is not None:
@@ -398,4 +399,5 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             also.append(mechanism)
     else:
         action = mechanism or "recompute"
+        settings.update(swap_settings)
     return action, mechanism, marginal, conf

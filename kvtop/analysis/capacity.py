@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvtop.analysis.costmodel import t_pf
@@ -32,7 +33,7 @@ def recommend_max_seqs(n_floor: float, n_ceiling: float) -> int:
     """A round starting point between floor and ceiling, on the floor side of the midpoint.
 
     The largest power of two not above the midpoint if it is still >= the floor (99..198 -> 128),
-    else the floor rounded down to a multiple of 8 (else 1). Then steer by measurement
+    else the floor rounded up. Then steer by measurement
     (kv usage p99 <= 0.9, preemptions/completed <= 0.01).
     """
     lo = max(1.0, n_floor)
@@ -42,7 +43,7 @@ def recommend_max_seqs(n_floor: float, n_ceiling: float) -> int:
         p2 *= 2
     if p2 >= lo:
         return p2
-    return max(1, int(lo) // 8 * 8 or int(lo))
+    return max(1, math.ceil(lo))
 
 
 @dataclass
