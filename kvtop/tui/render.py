@@ -257,7 +257,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     lines.append("engine │" + "".join(eng_row))
     lines.append("       └" + "".join(axis))
     # gap per token, to scale against the largest gap: short steady gaps read as a flat floor
-    gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
     if gaps:
         top = max(gaps)
         lines.append(muted(f"gap per token (last {min(len(gaps), w)}, top = {fmt.dur(top)}):"))

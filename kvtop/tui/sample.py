@@ -180,7 +180,7 @@ class Sample:
                 r.first = False
                 e = self._eng[_eidx(r.id, self.engines)]
                 e["gen"] += len(ts)
-                for a, b in zip(ts, ts[1:]):
+                for a, b in zip(ts, ts[1:], strict=False):
                     self._observe(e, "itl", _ITL_BUCKETS, b - a)
             if r.tokens >= r.out_len:
                 r.done = True
@@ -241,8 +241,8 @@ class Sample:
                 running=float(len(running) // self.engines), waiting=float(len(waiting) // self.engines),
                 preemptions_total=e["pre"], prompt_tokens_total=e["prompt"], generation_tokens_total=e["gen"],
                 kv_capacity_tokens=452_000, block_size=16,
-                itl=Histogram(list(zip(_ITL_BUCKETS, e["itl"])), e["itl"][-1], e["itl_sum"]),
-                ttft=Histogram(list(zip(_TTFT_BUCKETS, e["ttft"])), e["ttft"][-1], e["ttft_sum"]),
+                itl=Histogram(list(zip(_ITL_BUCKETS, e["itl"], strict=False)), e["itl"][-1], e["itl_sum"]),
+                ttft=Histogram(list(zip(_TTFT_BUCKETS, e["ttft"], strict=False)), e["ttft"][-1], e["ttft_sum"]),
             ))
 
     def run(self, seconds: int, dt: float = 1.0) -> Sample:
