@@ -19,6 +19,7 @@ from textual import on
 from textual._two_way_dict import TwoWayDict
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
+from textual.cache import LRUCache
 from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
@@ -74,6 +75,29 @@ class LiveTable(DataTable[Any]):
     ``update_cell`` refreshes the widget on every call; at 1,000 live rows x 3 changing columns
     that alone costs ~150 ms a tick on 2 cores. ``set_cells`` writes the same cell store and
     refreshes once. (Reaches into DataTable's ``_data``/``_update_count``; Textual is pinned <9.)"""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._stable_cells: LRUCache[tuple[Any, ...], tuple[Any, Any]] = LRUCache(6000)
+
+    def _render_cell(self, row_index: int, column_index: int, base_style: Any, width: int,
+                     cursor: bool = False, hover: bool = False) -> Any:
+        # DataTable keys its cell cache on a table-wide update counter, so one changed cell
+        # re-renders every visible cell. Key on the cell's value object instead (set_cells and
+        # the theme-aware cell cache keep unchanged values as the same object).
+        if row_index < 0 or column_index < 0:
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        row_key = self._row_locations.get_key(row_index)
+        col_key = self._column_locations.get_key(column_index)
+        value = self._data[row_key][col_key]
+        key = (row_key, col_key, row_index, id(value), base_style, width, cursor, hover,
+               self._show_hover_cursor, self.show_cursor, self._pseudo_class_state)
+        hit = self._stable_cells.get(key)
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
+        return lines
 
     def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
         if not changes:

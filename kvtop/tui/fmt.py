@@ -183,7 +183,7 @@ def nice_ticks(t0: float, t1: float, width: int, min_gap: int = 10) -> list[tupl
         v = k * step
         if v > span + 1e-9:
             break
-        c = int(v / span * (width - 1))
+        c = min(width - 1, int(v / span * width))  # the same column mapping as timeline_cols
         label = f"{v:g}s"
         out.append((c, label))
         k += 1
