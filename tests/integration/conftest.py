@@ -1,0 +1,78 @@
+"""Session fixtures for the real-engine tier: install/build once (cached), start servers, stop them.
+
+Setup failures (no registry, build error) FAIL the tests with the script's message: CI must not go
+green by skipping. Locally, deselect the tier with ``-m "not real_engine"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from engines import servers
+
+_T0 = time.monotonic()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Every test_real_*.py here needs a real engine (the captured-page tests do not).
+    here = config.rootpath / "tests" / "integration"
+    for item in items:
+        p = item.path
+        if p.parent == here and p.name.startswith("test_real_"):
+            item.add_marker(pytest.mark.real_engine)
+
+
+@pytest.fixture(scope="session")
+def vllm_install() -> tuple:
+    try:
+        return servers.setup_vllm()
+    except servers.EngineSetupError as e:
+        pytest.fail(f"real vLLM could not be set up: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def llamacpp_install() -> tuple:
+    try:
+        return servers.setup_llamacpp()
+    except servers.EngineSetupError as e:
+        pytest.fail(f"real llama.cpp could not be set up: {e}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm(vllm_install) -> Iterator[servers.Server]:
+    python, model = vllm_install
+    srv = servers.vllm_server(python, model)
+    try:
+        srv.start(timeout=300)
+    except servers.EngineSetupError as e:
+        servers.cleanup(srv)
+        pytest.fail(f"real vLLM server did not start: {e}", pytrace=False)
+    yield srv
+    servers.cleanup(srv)
+
+
+@pytest.fixture(scope="session")
+def llamacpp(llamacpp_install) -> Iterator[servers.Server]:
+    binary, model = llamacpp_install
+    # 4 slots of 2,048 tokens: room for a ~1,500-token prompt beside three decoding streams.
+    srv = servers.llama_server(binary, model, ctx=8192, parallel=4)
+    try:
+        srv.start(timeout=120)
+    except servers.EngineSetupError as e:
+        servers.cleanup(srv)
+        pytest.fail(f"real llama-server did not start: {e}", pytrace=False)
+    yield srv
+    servers.cleanup(srv)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    reps = [r for k in ("passed", "failed", "error") for r in terminalreporter.stats.get(k, [])
+            if "tests/integration" in getattr(r, "nodeid", "") and r.when == "call"]
+    if reps:
+        tr = terminalreporter
+        tr.write_sep("-", "real-engine tier timing")
+        for r in sorted(reps, key=lambda r: -r.duration)[:15]:
+            tr.write_line(f"{r.duration:7.1f} s  {r.nodeid}")
+        tr.write_line(f"tier wall time so far: {time.monotonic() - _T0:.0f} s")
