@@ -142,6 +142,11 @@ class Core:
 
     def _ingest_engine(self, rec: EngineRecord) -> None:
         url = rec.url or "?"
+        if not rec.up:
+            # A failed scrape has no engine label: it marks every engine behind the URL down
+            # (creating a placeholder only if the URL never answered).
+            self.engine_down(url, rec.t, rec.warnings[0] if rec.warnings else "down", rec.adapter)
+            return
         # A URL that was down before its first good scrape has a label-less placeholder: drop it
         # once the real engine labels are known.
         placeholder = self._engines.get((url, None))
@@ -149,16 +154,19 @@ class Core:
             del self._engines[(url, None)]
         st = self._engine_state(url, rec.engine, rec.adapter)
         st.adapter = rec.adapter
-        if not rec.up:
-            self.engine_down(url, rec.t, rec.warnings[0] if rec.warnings else "down", rec.adapter)
-            return
         if not st.up:
             self.event(rec.t, "info", "engine_up", f"{url}: reachable again")
         st.up, st.error = True, None
         prev = st.last
-        if prev is not None and self._restarted(prev, rec):
+        restarted = prev is not None and self._restarted(prev, rec)
+        if restarted:
             st.restarts += 1
             self.event(rec.t, "warning", "engine_restart", f"{url}: engine restarted (counters reset)")
+            # Counters began again from zero: rates must not use the pre-restart value as a baseline.
+            for s in (st.preemptions, st.prompt, st.generation):
+                s.mark_counter_reset(rec.t)
+            st.itl.mark_reset(rec.t)
+            st.ttft.mark_reset(rec.t)
         st.last = rec
         st.last_ok_t = rec.t
         st.kv_usage.append(rec.t, rec.kv_usage)
@@ -170,7 +178,7 @@ class Core:
         if prev is not None and prev.preemptions_total is not None and rec.preemptions_total is not None:
             d = rec.preemptions_total - prev.preemptions_total
             dt = rec.t - prev.t
-            if d < 0:
+            if d < 0 or restarted:
                 d = rec.preemptions_total
             rate = d / dt if dt > 0 else 0.0
             st.preempt_rate_hist.append(rate)
