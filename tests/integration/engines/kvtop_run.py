@@ -32,11 +32,6 @@ def kvtop(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
                           timeout=timeout, env=kvtop_env())
 
 
-def _help_mentions(command: str, flag: str) -> bool:
-    r = kvtop(command, "--help", timeout=60)
-    return flag in r.stdout
-
-
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -68,10 +63,9 @@ class Recorder:
 
     def start(self, timeout: float = 60) -> Recorder:
         cmd = [sys.executable, "-m", "kvtop", "record", "-o", str(self.trace), "--url", self.engine_url,
-               "--proxy-listen", f"127.0.0.1:{self.proxy_port}", *self.extra]
-        # Preemptions resolve within a second or two; poll faster than the default when record allows it.
-        if self.interval_s and _help_mentions("record", "--interval"):
-            cmd += ["--interval", str(self.interval_s)]
+               "--proxy-listen", f"127.0.0.1:{self.proxy_port}", "--no-gpu",
+               # preemptions resolve within a second or two: poll faster than the default 1 s
+               "--interval", str(self.interval_s), *self.extra]
         err = open(self.stderr_path, "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=kvtop_env(),
                                      start_new_session=True)
