@@ -149,7 +149,23 @@ def token_times(records: list[dict]) -> dict[str, list[float]]:
 
 
 def cause_count(report: dict, cause: str) -> int:
+    """Spikes given ``cause``: the report's tally (the spike list itself may be truncated)."""
+    causes = report.get("causes")
+    if isinstance(causes, dict) and cause in causes:
+        c = causes[cause]
+        return int(c["count"] if isinstance(c, dict) else c)
     return sum(1 for s in report.get("spikes", []) if s.get("cause") == cause)
+
+
+def spikes_total(report: dict) -> int:
+    return int(report.get("spikes_total", len(report.get("spikes", []))))
+
+
+def replay_events(trace: Path) -> list[dict]:
+    """The console's event log after replaying the trace headless (engine down/up/restart ...)."""
+    r = kvtop("replay", str(trace), "--headless", "--format", "json")
+    assert r.returncode == 0, f"kvtop replay exited {r.returncode}: {r.stderr[-2000:]}"
+    return json.loads(r.stdout).get("events", [])
 
 
 def engine_records(records: list[dict]) -> list[dict]:
