@@ -88,7 +88,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
         terminalreporter.write_line(
             f"real-engine tier: {len(_DESELECTED)} tests not run (opt in with -m real_engine or KVTOP_REAL_ENGINES=1)")
     reps = [r for k in ("passed", "failed", "error") for r in terminalreporter.stats.get(k, [])
-            if "tests/integration" in getattr(r, "nodeid", "") and r.when == "call"]
+            if "real_engine" in getattr(r, "keywords", {}) and r.when == "call"]
     if reps:
         tr = terminalreporter
         tr.write_sep("-", "real-engine tier timing")
