@@ -7,11 +7,16 @@ green by skipping. Locally, deselect the tier with ``-m "not real_engine"``.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from engines import servers
+
+# The engine helpers are imported as the top-level package `engines` (bench/real_engines.py does too).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engines import servers  # noqa: E402
 
 _T0 = time.monotonic()
 
