@@ -160,9 +160,16 @@ def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Que
 
 
 def _proc_cpu_s(pid: int) -> float:
+    user, system = _proc_cpu_split(pid)
+    return user + system
+
+
+def _proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process: system is mostly the kernel's loopback TCP work."""
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
 
 
 def run_load(url: str, streams: int, clients: int, seconds: float, warmup: float,
@@ -255,12 +262,15 @@ def main() -> int:
                                   args.warmup, "/bench/forward-only")
                 c1 = _proc_cpu_s(px.pid)
                 fwd_cpu_us = (c1 - c0) / (n_f * phase_s / args.seconds) * 1e6 if n_f else float("nan")
-            cpu0 = _proc_cpu_s(px.pid)
+            u0, s0 = _proc_cpu_split(px.pid)
             lat_p, n_p = run_load(f"http://127.0.0.1:{px_port}", streams, args.clients, args.seconds, args.warmup)
-            cpu1 = _proc_cpu_s(px.pid)
+            u1, s1 = _proc_cpu_split(px.pid)
+            cpu0, cpu1 = u0 + s0, u1 + s1
             # chunks forwarded in the whole proxied phase (warm-up included) ~ measured * (1 + warmup/seconds)
             forwarded = n_p * phase_s / args.seconds
             cpu_us = (cpu1 - cpu0) / forwarded * 1e6 if forwarded else float("nan")
+            user_us = (u1 - u0) / forwarded * 1e6 if forwarded else float("nan")
+            sys_us = (s1 - s0) / forwarded * 1e6 if forwarded else float("nan")
             px.terminate()
             px.join(10)
             trace_lines = sum(1 for _ in open(record))
@@ -270,6 +280,7 @@ def main() -> int:
                 "proxied_p50_us": pct(lat_p, 50), "proxied_p99_us": pct(lat_p, 99),
                 "proxy_cpu_us_per_chunk": cpu_us, "proxy_cpu_util": (cpu1 - cpu0) / (args.seconds + args.warmup),
                 "trace_lines": trace_lines, "forward_only_cpu_us_per_chunk": fwd_cpu_us,
+                "proxy_user_us_per_chunk": user_us, "proxy_sys_us_per_chunk": sys_us,
             }
             r["added_p50_us"] = r["proxied_p50_us"] - r["direct_p50_us"]
             r["added_p99_us"] = r["proxied_p99_us"] - r["direct_p99_us"]
@@ -278,7 +289,8 @@ def main() -> int:
                   f"latency direct p50/p99 {r['direct_p50_us']:7.0f}/{r['direct_p99_us']:7.0f} us  "
                   f"proxied p50/p99 {r['proxied_p50_us']:7.0f}/{r['proxied_p99_us']:7.0f} us  "
                   f"ADDED p50/p99 {r['added_p50_us']:6.0f}/{r['added_p99_us']:6.0f} us  "
-                  f"proxy CPU {cpu_us:5.1f} us/chunk ({r['proxy_cpu_util'] * 100:.0f}% of a core)"
+                  f"proxy CPU {cpu_us:5.1f} us/chunk = user {user_us:.1f} + kernel {sys_us:.1f} "
+                  f"({r['proxy_cpu_util'] * 100:.0f}% of a core)"
                   + (f"; forwarding alone (no recording) {fwd_cpu_us:5.1f} us/chunk" if args.forward_only else ""))
             if prof_path and os.path.exists(prof_path):
                 import pstats

@@ -107,6 +107,31 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
     return 0
 
 
+# The commonest chunk (one choice, plain text delta, not finished) is counted without a JSON
+# parse. JSON escapes every quote inside a string, so these key patterns can only match real keys,
+# never text inside a value. Anything else (several choices, usage, token ids, logprobs, errors,
+# tool calls, finish) goes through the full parser.
+_SLOW_RE = re.compile(rb'"(?:usage|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
+_FINISH_NULL_RE = re.compile(rb'"finish_reason": ?null')
+_LOGPROBS_RE = re.compile(rb'"logprobs": ?(.)')
+_TEXT_RE = re.compile(rb'"(?:text|content)": ?(null|"")?')
+
+
+def _plain_token_chunk(data: bytes) -> int | None:
+    """1 token, 0 for an empty delta, or None when the chunk needs the full parser."""
+    if _SLOW_RE.search(data) is not None or data.count(b'"index"') != 1:
+        return None
+    if _FINISH_NULL_RE.search(data) is None:
+        return None
+    lp = _LOGPROBS_RE.search(data)
+    if lp is not None and lp.group(1) != b"n":
+        return None
+    found = _TEXT_RE.findall(data)
+    if len(found) != 1:
+        return None
+    return 0 if found[0] else 1
+
+
 class StreamRecorder:
     """Turns one response's bytes into request records. Shared by the proxy and the probe.
 
@@ -170,17 +195,26 @@ class StreamRecorder:
         self._buf = rest
 
     def _event(self, raw: bytes, t: float) -> None:
-        data: bytes | None = None
-        for line in raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                v = line[5:]
-                if v.startswith(b" "):
-                    v = v[1:]
-                data = v if data is None else data + b"\n" + v
+        if raw.startswith(b"data: ") and b"\n" not in raw:
+            data: bytes | None = raw[6:]  # the usual one-line event
+        else:
+            data = None
+            for line in raw.split(b"\n"):
+                if line.startswith(b"data:"):
+                    v = line[5:]
+                    if v.startswith(b" "):
+                        v = v[1:]
+                    data = v if data is None else data + b"\n" + v
         if data is None:
             return
         if data == b"[DONE]":
             self.finish(t)
+            return
+        n = _plain_token_chunk(data)
+        if n is not None:
+            if n:
+                self.emit(RequestRecord(t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
+                self._tokens += n
             return
         try:
             obj = json.loads(data)

@@ -17,8 +17,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from multidict import CIMultiDict
 
+import kvtop.proxy as proxy_mod
 from kvtop.model.records import RequestRecord
 from kvtop.model.trace import TraceReader, TraceWriter, make_header
 from kvtop.proxy import RecordingProxy, StreamRecorder
@@ -405,3 +408,46 @@ def test_recorder_midstream_error_and_multi_token_chunks():
     assert [(r.event, r.n, r.t) for r in out[:2]] == [("first_token", 2, 1.0), ("token", 3, 2.0)]
     assert out[2].event == "error" and out[2].error == "InternalServerError" and out[2].status == 500
     assert len(out) == 3 and PROMPT_MARKER not in repr(out)
+
+
+_texts = hs.lists(hs.sampled_from(["a", " ", '"', "\\", ":", "{", "}", "é", "\n", "null", '"text":"',
+                                   '"finish_reason":"stop"', '"usage"', '"index"']), max_size=5).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chat=hs.booleans(), text=_texts, finish=hs.sampled_from([None, "stop", "length"]),
+    logprobs=hs.sampled_from([None, "none", "list"]), choices=hs.integers(1, 2), spaced=hs.booleans(),
+    role=hs.booleans(), usage=hs.sampled_from([None, 1, 3]),
+)
+def test_fast_path_counts_like_the_full_parser(chat, text, finish, logprobs, choices, spaced, role, usage):
+    """The no-parse fast path for plain chunks must agree with the JSON parser on every chunk."""
+    def one(i: int) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": i, "finish_reason": finish}
+        if chat:
+            c["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+        else:
+            c["text"] = text
+        if logprobs == "none":
+            c["logprobs"] = None
+        elif logprobs == "list":
+            c["logprobs"] = {"tokens": ["a", "b"]} if not chat else {"content": [{"token": "a"}, {"token": "b"}]}
+        return c
+    obj: dict[str, Any] = {"id": "x", "choices": [one(i) for i in range(choices)]}
+    if usage is not None:
+        obj["usage"] = {"completion_tokens": usage}
+    data = json.dumps(obj, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=spaced).encode()
+
+    def records(fast: bool) -> list[tuple[str, int | None]]:
+        out: list[RequestRecord] = []
+        sr = StreamRecorder("x", out.append, 200, True)
+        saved = proxy_mod._plain_token_chunk
+        if not fast:
+            proxy_mod._plain_token_chunk = lambda d: None
+        try:
+            sr.feed(b"data: " + data + b"\n\n", 1.0)
+        finally:
+            proxy_mod._plain_token_chunk = saved
+        return [(r.event, r.n) for r in out]
+
+    assert records(True) == records(False)
