@@ -142,6 +142,13 @@ class ScriptedUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
+            if script == "dies":  # the engine crashes mid-stream
+                for i in range(2):
+                    await resp.write(sse(chunk(f"t{i}")))
+                    await asyncio.sleep(0.02)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             if script == "endless":
                 i = 0
                 while True:
@@ -325,6 +332,21 @@ async def test_upstream_errors_pass_through_and_are_recorded(proxied):
         assert recs[1].status == status
     assert rec.of("error400")[1].error == "BadRequestError"
     assert rec.of("error500")[1].error == "http_500"
+
+
+async def test_upstream_dying_mid_stream_is_an_error_and_the_client_sees_a_cut(proxied):
+    upstream, proxy, rec = proxied
+    got = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "p", "stream": True,
+                                                               "script": "dies"},
+                          headers={"X-Request-Id": "dies"}) as r:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for data in r.content.iter_any():
+                    got += data
+    assert got.count(b"\n\n") == 2  # what was sent before the crash still arrived
+    events = [(x.event, x.error) for x in rec.of("dies")]
+    assert events == [("arrive", None), ("first_token", None), ("token", None), ("error", "upstream_disconnected")]
 
 
 async def test_upstream_refused_gives_502_json():
