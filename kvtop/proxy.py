@@ -141,7 +141,7 @@ class StreamRecorder:
 
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
-        "_finish_reason", "_overflow",
+        "_finish_reason", "_overflow", "_pend_n", "_pend_t",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -157,6 +157,10 @@ class StreamRecorder:
         self._prompt_tokens: int | None = None
         self._finish_reason: str | None = None
         self._overflow = 0
+        # Token chunks that arrived in the same read share one timestamp; they become one record
+        # (n summed) at the end of the read: a gap of zero between them is TCP batching, not timing.
+        self._pend_n = 0
+        self._pend_t = 0.0
 
     @property
     def tokens(self) -> int:
@@ -186,6 +190,8 @@ class StreamRecorder:
             if self.ended:
                 self._buf = b""
                 return
+        if self._pend_n:
+            self._flush_tokens()
         rest = buf[start:] if start else buf
         if len(rest) > _SSE_BUFFER_CAP:
             # Not SSE after all (or a pathological event): stop parsing, keep forwarding.
@@ -213,8 +219,8 @@ class StreamRecorder:
         n = _plain_token_chunk(data)
         if n is not None:
             if n:
-                self.emit(RequestRecord(t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
-                self._tokens += n
+                self._pend_n += n
+                self._pend_t = t
             return
         try:
             obj = json.loads(data)
@@ -257,11 +263,19 @@ class StreamRecorder:
                     n = ct - (self._usage_ct or 0)
                 self._usage_ct = ct
         if n:
-            self.emit(RequestRecord(t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
-            self._tokens += n
+            self._pend_n += n
+            self._pend_t = t
+
+    def _flush_tokens(self) -> None:
+        n = self._pend_n
+        self._pend_n = 0
+        self.emit(RequestRecord(self._pend_t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
+        self._tokens += n
 
     def _end(self, rec: RequestRecord) -> None:
         if not self.ended:
+            if self._pend_n:
+                self._flush_tokens()
             self.ended = True
             self.emit(rec)
 

@@ -8,6 +8,7 @@ user wrote, the model wrote, or any header value may reach the trace.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import time
@@ -407,17 +408,24 @@ def _feed_all(data: bytes, split: list[int]) -> list[RequestRecord]:
 
 
 def test_recorder_tolerates_any_split():
-    stream = b"".join(d for _, d, _ in SCRIPTS["usage"]) + b": keepalive comment\n\n"
+    events = [d for _, d, _ in SCRIPTS["usage"]]
+    stream = b"".join(events) + b": keepalive comment\n\n"
+    # one read per event: one record per content chunk, with its token count
+    per_event = _feed_all(stream, list(itertools.accumulate(len(e) for e in events))[:-1])
+    assert [(r.event, r.n) for r in per_event] == [
+        ("first_token", 1), ("token", 2), ("token", 1), ("finish", None)]
+    # chunks that arrive in one read share its timestamp and become one record (n summed)
     whole = _feed_all(stream, [])
-    assert [(r.event, r.n) for r in whole] == [("first_token", 1), ("token", 2), ("token", 1), ("finish", None)]
-    # split at every byte position: same records, each token stamped with the read that completed it
-    for cut in range(1, len(stream)):
-        got = _feed_all(stream, [cut])
-        assert [(r.event, r.n) for r in got] == [(r.event, r.n) for r in whole], cut
-    crlf = stream.replace(b"\n", b"\r\n")
-    for cut in range(1, len(crlf), 7):
-        got = _feed_all(crlf, [cut])
-        assert [(r.event, r.n) for r in got] == [(r.event, r.n) for r in whole], cut
+    assert [(r.event, r.n, r.t) for r in whole] == [("first_token", 4, 0.0), ("finish", None, 0.0)]
+    # any split, LF or CRLF: nothing lost or double-counted, each token stamped by the read completing it
+    for data in (stream, stream.replace(b"\n", b"\r\n")):
+        for cut in range(1, len(data)):
+            got = _feed_all(data, [cut])
+            toks = [r for r in got if r.event in ("first_token", "token")]
+            assert sum(r.n for r in toks) == 4, cut
+            assert [r.event for r in got] == ["first_token"] + ["token"] * (len(toks) - 1) + ["finish"], cut
+            assert [r.t for r in toks] == sorted({r.t for r in toks}), cut  # at most one record per read
+            assert set(r.t for r in toks) <= {0.0, 1.0}, cut
 
 
 def test_recorder_midstream_error_and_multi_token_chunks():
