@@ -118,21 +118,17 @@ class VllmAdapter(EngineAdapter):
             rec.requests_aborted_total = page.value(
                 "vllm:request_success_total", {**(m or {}), "finished_reason": "abort"}
             )
-        n = page.first_present(*_ITL)
+        # Histograms are keyed by their wire series (``<base>_bucket``), not the family name.
+        n = page.first_present(*(b + "_bucket" for b in _ITL))
         if n:
-            rec.itl = page.histogram(n, m)
+            rec.itl = page.histogram(n[: -len("_bucket")], m)
         rec.ttft = page.histogram(_TTFT[0], m)
         for fld, ((legacy, direction), newer) in _OFFLOAD.items():
             if page.has(legacy):
                 setattr(rec, fld, page.value(legacy, {**(m or {}), "transfer_type": direction}))
             elif page.has(newer):
                 setattr(rec, fld, page.value(newer, m))
-        # model: the model_name label on any vllm series of this engine
-        for n in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-            rows = page.select(n, m)
-            if rows and rows[0][0].get("model_name"):
-                rec.model = rows[0][0]["model_name"]
-                break
+        rec.model = self._model(page, m)
         self._cache_config(page, m, rec)
         for n in ("vllm:prompt_tokens_created", "vllm:num_preemptions_created"):
             v = page.value(n, m)
@@ -142,8 +138,22 @@ class VllmAdapter(EngineAdapter):
         return rec
 
     @staticmethod
+    def _model(page: Page, m: dict[str, str] | None) -> str | None:
+        """The ``model_name`` label of this engine's series (gauges first: they always exist)."""
+        for n in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                  "vllm:generation_tokens_total", "vllm:prompt_tokens_total"):
+            for lb, _ in page.select(n, m):
+                if lb.get("model_name"):
+                    return lb["model_name"]
+        return None
+
+    @staticmethod
     def _cache_config(page: Page, m: dict[str, str] | None, rec: EngineRecord) -> None:
-        rows = page.select("vllm:cache_config_info", m)
+        # Some versions publish cache_config_info without the ``engine`` label while the other
+        # series carry it: one config then describes every engine.
+        rows = page.select("vllm:cache_config_info", m) or [
+            (lb, v) for lb, v in page.select("vllm:cache_config_info") if "engine" not in lb
+        ]
         if not rows:
             return
         lb = rows[0][0]

@@ -28,6 +28,16 @@ class Series:
         self._t.append(t)
         self._v.append(float(v))
 
+    def mark_counter_reset(self, t: float) -> None:
+        """The counter's process restarted at ``t`` (known from a restart token, not from a drop).
+
+        A zero sample makes the next value count in full, which a plain drop check would miss when
+        the restarted counter has already climbed past its old value.
+        """
+        if self._t:
+            self._t.append(t)
+            self._v.append(0.0)
+
     def __len__(self) -> int:
         return len(self._t)
 
@@ -40,7 +50,7 @@ class Series:
         return list(self._v)[-n:]
 
     def items(self) -> list[tuple[float, float]]:
-        return list(zip(self._t, self._v))
+        return list(zip(self._t, self._v, strict=False))
 
     def _window_start(self, window_s: float, now: float | None) -> int:
         end = self._t[-1] if now is None else now
@@ -90,10 +100,10 @@ def histogram_delta(older: Histogram | None, newer: Histogram) -> Histogram:
     """Observations between two cumulative snapshots; a reset (count drop) means ``newer`` is all new."""
     if older is None or newer.count < older.count or len(older.buckets) != len(newer.buckets):
         return newer
-    if any(a[0] != b[0] for a, b in zip(older.buckets, newer.buckets)):
+    if any(a[0] != b[0] for a, b in zip(older.buckets, newer.buckets, strict=False)):
         return newer  # bucket layout changed (engine upgrade): treat as a fresh start
     return Histogram(
-        [(le, c - o) for (le, c), (_, o) in zip(newer.buckets, older.buckets)],
+        [(le, c - o) for (le, c), (_, o) in zip(newer.buckets, older.buckets, strict=False)],
         newer.count - older.count,
         newer.sum - older.sum,
     )
@@ -136,6 +146,12 @@ class HistogramSeries:
         if h is not None:
             self._items.append((t, h))
 
+    def mark_reset(self, t: float) -> None:
+        """The engine restarted: the next snapshot's content is all new (see Series.mark_counter_reset)."""
+        if self._items:
+            last = self._items[-1][1]
+            self._items.append((t, Histogram([(le, 0.0) for le, _ in last.buckets], 0.0, 0.0)))
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -159,7 +175,7 @@ class HistogramSeries:
             if len(items) == 1:
                 return None
         acc: Histogram | None = None
-        for (_, a), (_, b) in zip(items[start:], items[start + 1 :]):
+        for (_, a), (_, b) in zip(items[start:], items[start + 1 :], strict=False):
             d = histogram_delta(a, b)
             acc = d if acc is None else _hist_add(acc, d)
         return acc
@@ -172,4 +188,4 @@ class HistogramSeries:
 def _hist_add(a: Histogram, b: Histogram) -> Histogram:
     if len(a.buckets) != len(b.buckets):
         return b
-    return Histogram([(le, c + d) for (le, c), (_, d) in zip(a.buckets, b.buckets)], a.count + b.count, a.sum + b.sum)
+    return Histogram([(le, c + d) for (le, c), (_, d) in zip(a.buckets, b.buckets, strict=False)], a.count + b.count, a.sum + b.sum)

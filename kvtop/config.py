@@ -1,0 +1,147 @@
+"""Configuration: TOML file < environment (``KVTOP_*``) < command-line flags.
+
+The file lives at ``$XDG_CONFIG_HOME/kvtop/config.toml`` (default ``~/.config/kvtop/config.toml``)
+unless ``--config FILE`` names another. Every key is documented in the README ("Configuration").
+Bad values anywhere are a one-line ``UsageError`` (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvtop.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# key -> (type, environment variable). "urls" is a list; the rest are scalars.
+KEYS: dict[str, tuple[str, str]] = {
+    "url": ("urls", "KVTOP_URL"),  # engine URL(s); env: comma-separated
+    "interval": ("seconds", "KVTOP_INTERVAL"),  # poll interval
+    "duration": ("seconds", "KVTOP_DURATION"),  # snapshot sampling duration
+    "timeout": ("seconds", "KVTOP_TIMEOUT"),  # per-scrape HTTP timeout
+    "token": ("str", "KVTOP_TOKEN"),  # bearer token for /metrics
+    "adapter": ("str", "KVTOP_ADAPTER"),  # force an engine adapter (skip auto-detection)
+    "itl_target_ms": ("ms", "KVTOP_ITL_TARGET_MS"),  # inter-token latency target
+    "theme": ("str", "KVTOP_THEME"),  # console colour theme
+    "format": ("str", "KVTOP_FORMAT"),  # snapshot output format: text or json
+    "gpu": ("bool", "KVTOP_GPU"),  # read the GPU through NVML
+    "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
+}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def default_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "kvtop" / "config.toml"
+
+
+def parse_seconds(value: Any, what: str) -> float:
+    """Seconds from a number or a string like ``30``, ``30s``, ``500ms``, ``2m``."""
+    if isinstance(value, bool):
+        raise UsageError(f"{what} must be a number of seconds, not {value!r}")
+    if isinstance(value, (int, float)):
+        v = float(value)
+    elif isinstance(value, str):
+        s = value.strip().lower()
+        mult = 1.0
+        for suffix, m in (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0)):
+            if s.endswith(suffix):
+                s, mult = s[: -len(suffix)].strip(), m
+                break
+        try:
+            v = float(s) * mult
+        except ValueError:
+            raise UsageError(f"{what} must be a number of seconds (e.g. 10, 10s, 500ms, 2m), not {value!r}") from None
+    else:
+        raise UsageError(f"{what} must be a number of seconds, not {value!r}")
+    if not (v == v) or v in (float("inf"), float("-inf")):
+        raise UsageError(f"{what} must be a finite number of seconds, not {value!r}")
+    return v
+
+
+def _coerce(key: str, value: Any, origin: str) -> Any:
+    kind = KEYS[key][0]
+    what = f"{key} ({origin})"
+    if kind == "urls":
+        if isinstance(value, str):
+            urls = [u.strip() for u in value.split(",") if u.strip()]
+        elif isinstance(value, list) and all(isinstance(u, str) for u in value):
+            urls = [u.strip() for u in value if u.strip()]
+        else:
+            raise UsageError(f"{what} must be a URL or a list of URLs")
+        return urls
+    if kind == "seconds":
+        return parse_seconds(value, what)
+    if kind == "ms":
+        if isinstance(value, bool):
+            raise UsageError(f"{what} must be a number of milliseconds")
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{what} must be a number of milliseconds, not {value!r}") from None
+        if not v > 0:
+            raise UsageError(f"{what} must be positive, not {value!r}")
+        return v
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+        raise UsageError(f"{what} must be true or false, not {value!r}")
+    if not isinstance(value, str):
+        raise UsageError(f"{what} must be a string, not {value!r}")
+    return value
+
+
+def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Config from the TOML file (``path`` or the XDG default) overlaid with ``KVTOP_*`` variables.
+
+    A missing default file is fine (empty config); a missing file named explicitly is an error.
+    Unknown keys in the file are kept (other commands may read their own sections).
+    """
+    env = os.environ if env is None else env
+    explicit = path is not None
+    p = Path(path) if explicit else default_path()
+    out: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise UsageError(f"config file not found: {p}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"invalid TOML in {p}: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read config file {p}: {e.strerror or e}") from None
+    for k, v in data.items():
+        out[k] = _coerce(k, v, str(p)) if k in KEYS else v
+    for key, (_, var) in KEYS.items():
+        raw = env.get(var)
+        if raw is not None and raw.strip() != "":
+            out[key] = _coerce(key, raw, var)
+    return out
+
+
+def resolve(args: Any, config: Mapping[str, Any], key: str, default: Any = None, attr: str | None = None) -> Any:
+    """Flag value if the flag was given (not None), else the config/env value, else ``default``.
+
+    ``attr`` is the argparse attribute when it differs from the config key.
+    """
+    v = getattr(args, attr or key, None) if args is not None else None
+    if v is not None:
+        return v
+    v = config.get(key)
+    return default if v is None else v

@@ -1,0 +1,245 @@
+"""Engine scraping: async GET of an engine's /metrics (and the adapter's extra paths), normalised
+through its adapter into ``EngineRecord``s (DESIGN §4).
+
+``scrape`` never raises. A failed scrape is a record with ``up=False`` and a one-line reason, and
+the scraper backs off (1, 2, 4 … 30 s) so a dead engine costs nothing while the rest keep running.
+A page that is too big is cut at the size limit and what was read is still used, with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+
+import httpx
+
+from kvtop.model.records import EngineRecord
+from kvtop.plugin import EngineAdapter, PluginError, detect_adapter, load_adapter
+from kvtop.sources.prom import Page, parse_page
+
+BACKOFF_MAX_S = 30.0
+_NOT_METRICS = "not a metrics endpoint"
+
+
+class ScrapeError(Exception):
+    """One-line reason a scrape gave nothing usable."""
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(base URL for extra paths, the /metrics URL) from what the user typed.
+
+    Accepts ``host:port``, a base URL, or a URL already ending in ``/metrics``; a query string
+    (llama.cpp router mode wants ``?model=``) is kept on the metrics URL.
+    """
+    u = url.strip()
+    if "://" not in u:
+        u = "http://" + u
+    parsed = httpx.URL(u)
+    path = parsed.path.rstrip("/")
+    if path.endswith("/metrics"):
+        base_path = path[: -len("/metrics")]
+        metrics = parsed
+    else:
+        base_path = path
+        metrics = parsed.copy_with(path=path + "/metrics")
+    base = str(parsed.copy_with(path=base_path or "/", query=None)).rstrip("/")
+    return base, str(metrics)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return (msg[0] if msg else type(e).__name__)[:160]
+
+
+class EngineScraper:
+    """Scrapes one engine URL. Not thread-safe: one ``scrape`` at a time per instance."""
+
+    def __init__(
+        self,
+        url: str,
+        adapter: str | None = None,
+        timeout_s: float = 2.0,
+        max_bytes: int = 16 << 20,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
+        """``clock`` (the run clock): when given, records are stamped when the response arrived
+        rather than with the ``t`` passed to ``scrape`` (connection set-up or a slow engine would
+        otherwise skew rates computed between scrapes)."""
+        self.url = url.strip().rstrip("/")
+        self.base_url, self.metrics_url = split_url(url)
+        self.adapter_name = adapter
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self._headers = {"Accept": "text/plain;version=0.0.4, */*;q=0.1"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._client = client
+        self._clock = clock
+        self._resp_t: float | None = None
+        self._own_client = client is None
+        self.adapter_cls: type[EngineAdapter] | None = None
+        self._adapter: EngineAdapter | None = None
+        self.last_ok_t: float | None = None
+        self.consecutive_failures = 0
+        self.last_error: str | None = None
+        self._retry_at = -math.inf
+        self.requests = 0  # HTTP requests sent (tests check that backoff really skips them)
+
+    # -- public -----------------------------------------------------------------------------
+    async def scrape(self, t: float) -> list[EngineRecord]:
+        if t < self._retry_at and self.last_error is not None:
+            return [self._down(t, self.last_error)]
+        try:
+            recs = await self._scrape(t)
+        except ScrapeError as e:
+            return self._failed(t, str(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never let one engine's oddity escape into the runner
+            return self._failed(t, f"scrape failed: {_one_line(e)}")
+        self.consecutive_failures = 0
+        self.last_error = None
+        self._retry_at = -math.inf
+        self.last_ok_t = recs[0].t if recs else t
+        return recs
+
+    async def aclose(self) -> None:
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def backoff_s(self) -> float:
+        """Delay before the next attempt after the current run of failures (0 when healthy)."""
+        if not self.consecutive_failures:
+            return 0.0
+        return min(BACKOFF_MAX_S, 2.0 ** (self.consecutive_failures - 1))
+
+    # -- internals --------------------------------------------------------------------------
+    def _down(self, t: float, reason: str) -> EngineRecord:
+        name = self.adapter_cls.name if self.adapter_cls else (self.adapter_name or "unknown")
+        return EngineRecord(t=t, adapter=name, url=self.url, up=False, warnings=[reason])
+
+    def _failed(self, t: float, reason: str) -> list[EngineRecord]:
+        self.consecutive_failures += 1
+        self.last_error = reason
+        self._retry_at = t + self.backoff_s
+        return [self._down(t, reason)]
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(follow_redirects=True)
+        return self._client
+
+    async def _get(self, url: str) -> tuple[str, str, list[str]]:
+        """(body text cut at ``max_bytes``, content type, warnings); ScrapeError on transport/HTTP failure."""
+        # No asyncio.wait_for here: cancelling an in-flight httpx request can leave the task stuck
+        # in httpcore's shielded connection clean-up. httpx's own per-phase timeouts bound each
+        # phase and _get_inner enforces the total deadline between body chunks.
+        try:
+            return await self._get_inner(url)
+        except httpx.ConnectError as e:
+            raise ScrapeError(f"cannot connect to {url}: {_one_line(e)}") from None
+        except httpx.TimeoutException:
+            raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})") from None
+        except httpx.HTTPError as e:
+            raise ScrapeError(f"HTTP error from {url}: {_one_line(e)}") from None
+
+    async def _get_inner(self, url: str) -> tuple[str, str, list[str]]:
+        warnings: list[str] = []
+        self.requests += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        async with self._http().stream("GET", url, headers=self._headers, timeout=self.timeout_s) as resp:
+            if self._clock is not None and url == self.metrics_url:
+                self._resp_t = self._clock()
+            if resp.status_code != 200:
+                hint = " (wrong or missing --token?)" if resp.status_code in (401, 403) else ""
+                raise ScrapeError(f"HTTP {resp.status_code} from {url}{hint}")
+            ctype = resp.headers.get("content-type", "").lower()
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.aiter_bytes():
+                if loop.time() > deadline:  # a server dripping bytes must not hold the scrape forever
+                    raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})")
+                chunks.append(chunk)
+                size += len(chunk)
+                if size >= self.max_bytes:
+                    warnings.append(
+                        f"page larger than {self.max_bytes / (1 << 20):g} MiB: read only the first part"
+                    )
+                    break
+        body = b"".join(chunks)
+        if size >= self.max_bytes:
+            body = body[: self.max_bytes]
+            cut = body.rfind(b"\n")  # a half line would only add a parse warning
+            body = body[: cut + 1] if cut >= 0 else b""
+        return body.decode("utf-8", errors="replace"), ctype, warnings
+
+    def _resolve(self, page: Page) -> EngineAdapter:
+        if self._adapter is not None:
+            return self._adapter
+        if self.adapter_name:
+            try:
+                cls = load_adapter(self.adapter_name)
+            except PluginError as e:
+                raise ScrapeError(str(e)) from None
+        else:
+            cls = detect_adapter(page.names)
+            if cls is None:
+                raise ScrapeError(f"{_NOT_METRICS}: no installed adapter recognises the metrics at {self.metrics_url}")
+        self.adapter_cls = cls
+        self._adapter = cls()
+        return self._adapter
+
+    def normalize(self, text: str, t: float) -> tuple[EngineAdapter, list[EngineRecord]]:
+        """Parse one page through the adapter (detecting it on first use); ScrapeError if unusable."""
+        head = text.lstrip()[:1]
+        if head in ("<", "{", "["):
+            raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {'HTML' if head == '<' else 'JSON'}")
+        if self._adapter is not None and not callable(getattr(self._adapter, "parse_page", None)):
+            adapter, page = self._adapter, None
+        else:
+            page = parse_page(text)
+            if not page.samples:
+                raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {self.metrics_url}")
+            adapter = self._resolve(page)
+        try:
+            parse_page_fn = getattr(adapter, "parse_page", None)
+            recs = parse_page_fn(page, t) if page is not None and callable(parse_page_fn) else adapter.parse(text, t)
+        except Exception as e:
+            raise ScrapeError(f"adapter {adapter.name} failed on {self.metrics_url}: {_one_line(e)}") from None
+        if not recs:
+            raise ScrapeError(f"adapter {adapter.name} found no engine at {self.metrics_url}")
+        return adapter, recs
+
+    async def _scrape(self, t: float) -> list[EngineRecord]:
+        self._resp_t = None
+        text, ctype, warnings = await self._get(self.metrics_url)
+        if self._resp_t is not None:
+            t = self._resp_t
+        if "html" in ctype or "json" in ctype:
+            raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {ctype.split(';')[0]}")
+        # Parsing a large page takes milliseconds: keep it off the event loop (the proxy shares it).
+        adapter, recs = await asyncio.to_thread(self.normalize, text, t)
+        for r in recs:
+            r.url = self.url
+            r.adapter = r.adapter or adapter.name
+            if warnings:
+                r.warnings = [*warnings, *r.warnings]
+        for path in adapter.extra_paths:
+            url = self.base_url + (path if path.startswith("/") else "/" + path)
+            try:
+                body, _, w = await self._get(url)
+                adapter.parse_extra(path, body, recs)
+            except ScrapeError as e:
+                w = [f"{path}: {e}"]
+            except Exception as e:  # an adapter's extra parser must not lose the main record
+                w = [f"{path}: adapter failed: {_one_line(e)}"]
+            if w:
+                for r in recs:
+                    r.warnings.extend(w)
+        return recs

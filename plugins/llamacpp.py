@@ -1,0 +1,176 @@
+"""llama.cpp ``llama-server`` adapter (``--metrics``), with KV usage from ``GET /slots``.
+
+Facts: reference/engines.md §5 and reference/real-engines.md. Quirks that shape this adapter:
+
+* ``tokens_predicted_total`` / ``prompt_tokens_total`` move only when a request **finishes**, so a
+  rate from them lags and comes in bursts; ``n_decode_total`` (``llama_decode()`` calls) moves live
+  and is kept in ``extra`` for a live decode-step rate.
+* ``prompt_tokens_seconds`` / ``predicted_tokens_seconds`` reset on every scrape (two scrapers steal
+  each other's readings): never read.
+* No KV metric (``kv_cache_usage_ratio`` was removed in 2025): usage = tokens held by processing
+  slots / sum of the slots' ``n_ctx``, from ``/slots``.
+* No preemption: a request that finds no free slot is deferred (``requests_deferred``); when a
+  unified KV cache runs out, active streams end with an ``error`` event "Context size has been
+  exceeded." — the proxy records those as request errors; no metric counts them.
+* The restart token is the ``Process-Start-Time-Unix`` response header, which ``parse`` does not
+  see (and which is not a Unix time): counter drops still reveal restarts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvtop.model.records import EngineRecord
+from kvtop.plugin import EngineAdapter
+from kvtop.sources.prom import Page
+
+from ._util import counter_names, read_page, total
+
+P = "llamacpp:"
+_CORE = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
+_EXTRA = {
+    "n_decode_total": "llamacpp:n_decode_total",
+    "n_busy_slots_per_decode": "llamacpp:n_busy_slots_per_decode",
+    "n_tokens_max": "llamacpp:n_tokens_max",
+    "prompt_seconds_total": "llamacpp:prompt_seconds_total",
+    "tokens_predicted_seconds_total": "llamacpp:tokens_predicted_seconds_total",
+    # removed upstream in 2025 (PR #13660); forks still export them: shown, never used as kv_usage
+    "legacy_kv_cache_usage_ratio": "llamacpp:kv_cache_usage_ratio",
+    "legacy_kv_cache_tokens": "llamacpp:kv_cache_tokens",
+}
+COUNTER_NOTE = (
+    "llama.cpp token counters move only when a request finishes: token rates lag and burst; "
+    "n_decode_total (llama_decode() calls, live) x n_busy_slots_per_decode approximates live decode tokens"
+)
+NO_PREEMPT_NOTE = (
+    "llama.cpp never preempts: without a free slot a request is deferred (waiting); an exhausted "
+    "unified KV cache aborts active streams with 'Context size has been exceeded.' (request errors)"
+)
+
+
+def _int(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return int(v)
+    return None
+
+
+class LlamaCppAdapter(EngineAdapter):
+    name = "llamacpp"
+    description = "llama.cpp llama-server (--metrics; KV usage from /slots; never preempts)"
+    fields = frozenset(
+        {
+            "kv_usage", "running", "waiting", "prompt_tokens_total", "generation_tokens_total",
+            "prefix_hits_total", "prefix_queries_total", "kv_capacity_tokens",
+        }
+    )
+    preempts = False
+    extra_paths = ("/slots",)
+    settings = {
+        "parallel": "--parallel",
+        "ctx": "-c",
+        "max_seqs": "--parallel",
+        "batched_tokens": "--batch-size",
+        "ubatch": "--ubatch-size",
+        "kv_unified": "--kv-unified",
+        "context_shift": "--context-shift",
+        "cache_type": "--cache-type-k / --cache-type-v",
+        "max_tokens": "n_predict (request) / --n-predict",
+    }
+
+    @classmethod
+    def detect(cls, metric_names: set[str]) -> float:
+        if not any(m.startswith(P) for m in metric_names):
+            return 0.0
+        return 0.95 if any(m in _CORE for m in metric_names) else 0.6
+
+    def parse(self, text: str, t: float) -> list[EngineRecord]:
+        return [self._record(read_page(text, _CORE), t)]
+
+    def _record(self, page: Page, t: float) -> EngineRecord:
+        rec = EngineRecord(t=t, adapter=self.name, warnings=list(page.warnings))
+        if not any(n.startswith(P) for n in page.samples):
+            rec.warnings.append("no llamacpp: metrics on the page")
+            return rec
+        rec.running = total(page, "llamacpp:requests_processing")
+        rec.waiting = total(page, "llamacpp:requests_deferred")
+        rec.prompt_tokens_total = total(page, "llamacpp:prompt_tokens_total")
+        rec.generation_tokens_total = total(page, "llamacpp:tokens_predicted_total")
+        cached = total(page, "llamacpp:prompt_tokens_cached_total")
+        if cached is not None:
+            # prompt_tokens_total excludes cache-reused tokens: queries = computed + reused
+            rec.prefix_hits_total = cached
+            if rec.prompt_tokens_total is not None:
+                rec.prefix_queries_total = rec.prompt_tokens_total + cached
+        for short, base in _EXTRA.items():
+            v = total(page, counter_names(base))
+            if v is not None:
+                rec.extra[short] = v
+        rec.extra["notes"] = [COUNTER_NOTE, NO_PREEMPT_NOTE]
+        return rec
+
+    def parse_extra(self, path: str, body: str, records: list[EngineRecord]) -> None:
+        if path != "/slots":
+            return
+        for rec in records:
+            self._slots(body, rec)
+
+    @staticmethod
+    def _slots(body: str, rec: EngineRecord) -> None:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            rec.warnings.append("/slots: not JSON (truncated?); kv_usage n/a")
+            return
+        if isinstance(data, dict) and "error" in data:
+            err = data["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            rec.warnings.append(f"/slots unavailable ({str(msg)[:80]}); kv_usage n/a (server started with --no-slots?)")
+            return
+        if not isinstance(data, list):
+            rec.warnings.append("/slots: unexpected shape; kv_usage n/a")
+            return
+        n_ctx: list[int] = []
+        held = decoded = idle_cached = processing = unknown = bad = 0
+        for s in data:
+            ctx = _int(s.get("n_ctx")) if isinstance(s, dict) else None
+            if ctx is None:
+                bad += 1
+                continue
+            n_ctx.append(ctx)
+            # next_token is an array of one object in real output, a bare object in the README
+            nt = s.get("next_token")
+            nt = nt[0] if isinstance(nt, list) and nt else nt
+            n_dec = _int(nt.get("n_decoded")) if isinstance(nt, dict) else None
+            # n_prompt_tokens = the slot's cached token list: prompt plus tokens generated so far
+            n_tok = _int(s.get("n_prompt_tokens"))
+            if s.get("is_processing"):
+                processing += 1
+                decoded += n_dec or 0
+                if n_tok is None:
+                    unknown += 1
+                else:
+                    held += n_tok
+            elif n_tok is not None:
+                idle_cached += n_tok  # reusable prefix of a finished task, freed on demand
+        if bad:
+            rec.warnings.append(f"/slots: {bad} slot(s) without n_ctx skipped")
+        cap = sum(n_ctx)
+        info: dict[str, Any] = {"n_slots": len(n_ctx), "processing": processing, "n_ctx_total": cap}
+        if n_ctx:
+            info["n_ctx_per_slot"] = n_ctx[0] if len(set(n_ctx)) == 1 else n_ctx
+        info["decoded_tokens"] = decoded
+        if idle_cached:
+            info["idle_cached_tokens"] = idle_cached
+        rec.extra["slots"] = info
+        if cap:
+            rec.kv_capacity_tokens = cap
+        if unknown:
+            rec.extra.setdefault("notes", []).append(
+                "this llama-server's /slots lacks n_prompt_tokens for processing slots: kv_usage n/a"
+            )
+        elif cap:
+            info["held_tokens"] = held
+            rec.kv_usage = held / cap
