@@ -304,3 +304,47 @@ async def test_thousand_live_requests_stay_responsive():
         shown = app.main.query_one("#req-table").row_count
         assert shown == sum(1 for r in app.snap.requests if r.cls == "batch")
         assert app.sort_col == "spikes"
+
+
+async def test_live_runner_feed_then_the_engine_goes_away():
+    """The real live runner as the feed, scraping a served vLLM capture; then the server stops."""
+    import http.server
+    import threading
+
+    from kvtop.live import LiveRunner
+
+    page = (FIXTURES / "vllm-0.32.0-cpu-live-idle.prom").read_bytes()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    core = Core(itl_target_s=0.1)
+    feed = LiveRunner(core, [url], interval_s=0.1, gpu=False, host=False, timeout_s=0.5)
+    app = KvtopApp(core, feed=feed, interval=0.1, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(140, 30)) as pilot:
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if "● vllm " + url in screen_text(app):
+                break
+        text = screen_text(app)
+        assert "● vllm " + url in text and "GPU: disabled (--no-gpu)" in text
+        srv.shutdown()
+        srv.server_close()
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if "ENGINE DOWN" in screen_text(app):
+                break
+        text = screen_text(app)
+        assert "✖ ENGINE DOWN" in text and "1 engine(s) down: " + url in text
+        await pilot.press("5")
+        assert "engine_down" in screen_text(app)

@@ -289,7 +289,7 @@ class KvtopApp(App[int]):
 
     async def _run_feed(self) -> None:
         try:
-            await self.feed.run(self._stop)  # type: ignore[union-attr]
+            await self.feed.run(stop=self._stop)  # type: ignore[union-attr]
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a feed failing must not take the console down
