@@ -176,8 +176,9 @@ class SeekScreen(ModalScreen[float | None]):
 
 
 class MainScreen(Screen[None]):
-    # Panels collapse below 100 columns (one line per GPU, compact engines).
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    # Panels collapse below 100 columns (one line per GPU, compact engines); from 220 columns
+    # GPUs sit two to a row.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (220, "-huge")]
 
     def compose(self) -> ComposeResult:
         yield Static("", id="topbar")

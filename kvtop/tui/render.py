@@ -70,7 +70,7 @@ def gpu_line(g: GpuView, width: int) -> str:
         sw = max(8, min(60, (width - 52) // 2))
         tx = f"TX {fmt.spark(g.pcie_tx_history, sw, cap)} {fmt.rate(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
         rx = f"RX {fmt.spark(g.pcie_rx_history, sw, cap)} {fmt.rate(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
-        cap_txt = muted(f"  link max {fmt.rate(cap)}/dir") if cap else ""
+        cap_txt = muted(f"  cap {fmt.rate(cap)}") if cap else ""
         return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, 24)} {mem:>11}  "
                 f"{util:>8}  {link}{cap_txt}\n      {tx}   {rx}")
     bw = 8 if width >= 70 else 4
