@@ -55,6 +55,7 @@ class Panel(Static):
     def __init__(self, builder: Any = None, **kw: Any):
         super().__init__("", **kw)
         self.builder = builder
+        self._shown: str | None = None
 
     def show(self, builder: Any) -> None:
         self.builder = builder
@@ -63,7 +64,10 @@ class Panel(Static):
     def _redraw(self) -> None:
         if self.builder is not None:
             width = self.size.width or self.app.size.width
-            self.update(self.builder(width))
+            markup = self.builder(width)
+            if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                self._shown = markup
+                self.update(markup)
 
     def on_resize(self) -> None:
         self._redraw()
