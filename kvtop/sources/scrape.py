@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 import httpx
 
@@ -62,7 +63,11 @@ class EngineScraper:
         max_bytes: int = 16 << 20,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] | None = None,
     ):
+        """``clock`` (the run clock): when given, records are stamped when the response arrived
+        rather than with the ``t`` passed to ``scrape`` (connection set-up or a slow engine would
+        otherwise skew rates computed between scrapes)."""
         self.url = url.strip().rstrip("/")
         self.base_url, self.metrics_url = split_url(url)
         self.adapter_name = adapter
@@ -72,6 +77,8 @@ class EngineScraper:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._client = client
+        self._clock = clock
+        self._resp_t: float | None = None
         self._own_client = client is None
         self.adapter_cls: type[EngineAdapter] | None = None
         self._adapter: EngineAdapter | None = None
@@ -96,7 +103,7 @@ class EngineScraper:
         self.consecutive_failures = 0
         self.last_error = None
         self._retry_at = -math.inf
-        self.last_ok_t = t
+        self.last_ok_t = recs[0].t if recs else t
         return recs
 
     async def aclose(self) -> None:
@@ -129,10 +136,11 @@ class EngineScraper:
 
     async def _get(self, url: str) -> tuple[str, str, list[str]]:
         """(body text cut at ``max_bytes``, content type, warnings); ScrapeError on transport/HTTP failure."""
+        # No asyncio.wait_for here: cancelling an in-flight httpx request can leave the task stuck
+        # in httpcore's shielded connection clean-up. httpx's own per-phase timeouts bound each
+        # phase and _get_inner enforces the total deadline between body chunks.
         try:
-            return await asyncio.wait_for(self._get_inner(url), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})") from None
+            return await self._get_inner(url)
         except httpx.ConnectError as e:
             raise ScrapeError(f"cannot connect to {url}: {_one_line(e)}") from None
         except httpx.TimeoutException:
@@ -143,7 +151,11 @@ class EngineScraper:
     async def _get_inner(self, url: str) -> tuple[str, str, list[str]]:
         warnings: list[str] = []
         self.requests += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         async with self._http().stream("GET", url, headers=self._headers, timeout=self.timeout_s) as resp:
+            if self._clock is not None and url == self.metrics_url:
+                self._resp_t = self._clock()
             if resp.status_code != 200:
                 hint = " (wrong or missing --token?)" if resp.status_code in (401, 403) else ""
                 raise ScrapeError(f"HTTP {resp.status_code} from {url}{hint}")
@@ -151,6 +163,8 @@ class EngineScraper:
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.aiter_bytes():
+                if loop.time() > deadline:  # a server dripping bytes must not hold the scrape forever
+                    raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})")
                 chunks.append(chunk)
                 size += len(chunk)
                 if size >= self.max_bytes:
@@ -203,7 +217,10 @@ class EngineScraper:
         return adapter, recs
 
     async def _scrape(self, t: float) -> list[EngineRecord]:
+        self._resp_t = None
         text, ctype, warnings = await self._get(self.metrics_url)
+        if self._resp_t is not None:
+            t = self._resp_t
         if "html" in ctype or "json" in ctype:
             raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {ctype.split(';')[0]}")
         # Parsing a large page takes milliseconds: keep it off the event loop (the proxy shares it).

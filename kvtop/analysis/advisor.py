@@ -1,0 +1,403 @@
+"""The verdict: attribute first, then prescribe (reference/kv-science.md §0, §11).
+
+``advise(situation)`` is shared by ``kvtop analyze`` (inputs measured from a trace) and
+``kvtop advise`` (inputs given in a scenario file). Every number it reports carries its source:
+``measured`` (from records), ``given`` (scenario / command line), ``config`` (model geometry),
+``assumed`` (a documented default), or ``derived`` (computed from the others).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.analysis import capacity as cap
+from kvtop.analysis import chunking
+from kvtop.analysis.costmodel import EPSILON_ASYNC, EventInputs, Victim, choose_victim, evaluate_event, prefix_policy
+from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BLOCK_TOKENS, DEFAULT_BW_PEAK, bw_eff
+
+ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
+FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
+            "(goodput); throughput at a broken p99, or latency bought by aborting more, does not count.")
+# Default prefill rates (tokens/s) per model for an H100 at ~35-40 % MFU (kv-science §3.2).
+DEFAULT_RHO = {"llama-3.1-8b": 25_000.0, "llama-3.1-70b": 10_000.0, "qwen2.5-7b": 27_000.0}
+GENERIC_RHO = 25_000.0
+GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unknown (assumed)
+
+# Generic names for settings when the engine's adapter does not name them.
+GENERIC_SETTINGS = {
+    "max_seqs": "max concurrent sequences",
+    "batched_tokens": "prefill token budget per step",
+    "offload_size": "host KV offload pool (GiB)",
+    "offload_backend": "host KV offload backend",
+    "max_tokens": "max_tokens (request)",
+}
+
+
+@dataclass
+class Num:
+    value: Any
+    unit: str
+    source: str  # measured | given | config | assumed | derived
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.value
+        if isinstance(v, float):
+            v = float(f"{v:.6g}")
+        d = {"value": v, "unit": self.unit, "source": self.source}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass
+class Situation:
+    """Everything the advisor needs; any field may be missing (None)."""
+
+    engine: str | None = None
+    preempts: bool = True
+    settings_names: dict[str, str] = field(default_factory=dict)
+    # diagnosis
+    cause: str | None = None  # dominant cause of ITL misses, None = no misses observed
+    cause_shares: dict[str, float] = field(default_factory=dict)
+    spikes: int | None = None
+    itl_miss: bool | None = None
+    attribution_confidence: float | None = None
+    basis: str = "given"  # given | requests | aggregate
+    # inputs (Num values)
+    n: dict[str, Num] = field(default_factory=dict)
+    victims: list[Victim] = field(default_factory=list)
+    deficit_bytes: float | None = None
+    prefix: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def v(self, key: str) -> Any:
+        x = self.n.get(key)
+        return None if x is None else x.value
+
+
+def _setting(s: Situation, key: str) -> str:
+    return s.settings_names.get(key) or GENERIC_SETTINGS.get(key, key)
+
+
+def _link(s: Situation, beta_rank: float) -> float:
+    """BW_eff: measured/given directly, else the §2.2 model from (given or assumed) parts."""
+    if s.v("bw_eff") is not None:
+        return float(s.v("bw_eff"))
+    if s.v("bw_peak") is None:
+        s.n["bw_peak"] = Num(DEFAULT_BW_PEAK, "B/s", "assumed", "H100 PCIe Gen5 pinned, one direction")
+    if s.v("alpha") is None:
+        s.n["alpha"] = Num(DEFAULT_ALPHA_S, "s", "assumed", "fixed cost per contiguous copy")
+    if s.v("copy_bytes") is None:
+        s.n["copy_bytes"] = Num(DEFAULT_BLOCK_TOKENS * beta_rank, "B", "assumed",
+                                "one 16-token block across all layers (vLLM >= 0.12 layout)")
+    if s.v("contention") is None:
+        s.n["contention"] = Num(1.0, "", "assumed")
+    bw = bw_eff(s.v("copy_bytes"), s.v("bw_peak"), s.v("alpha"), s.v("contention"))
+    srcs = {s.n[k].source for k in ("bw_peak", "alpha", "copy_bytes", "contention")}
+    s.n["bw_eff"] = Num(bw, "B/s", "assumed" if "assumed" in srcs else "derived",
+                        "c·g/(g/BW_peak + α)")
+    return bw
+
+
+def _prefill(s: Situation) -> tuple[float, float]:
+    if s.v("prefill_rate") is None:
+        rho = DEFAULT_RHO.get(s.v("model_key") or "", GENERIC_RHO)
+        s.n["prefill_rate"] = Num(rho, "tokens/s", "assumed", "~35-40 % MFU on an H100")
+    if s.v("k_att") is None:
+        s.n["k_att"] = Num(GENERIC_K_ATT, "1/token", "assumed", "8B-class attention coefficient")
+    return 1.0 / float(s.v("prefill_rate")), float(s.v("k_att"))
+
+
+def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> Any:
+    kappa = s.v("kappa")
+    if kappa is None:
+        kappa = EPSILON_ASYNC
+        s.n["kappa"] = Num(kappa, "", "assumed", "asynchronous DMA offload (vLLM connector)")
+    x = EventInputs(
+        beta=beta, beta_rank=beta_rank, S=float(s.v("seq_tokens")), a=a, k_att=k_att, bw_eff=bw,
+        h_sh=float(s.v("shared_tokens") or 0.0),
+        h_res=None if s.v("resume_hit_tokens") is None else float(s.v("resume_hit_tokens")),
+        h_host=float(s.v("host_tokens") or 0.0), p=float(s.v("cancel_prob") or 0.0), kappa=float(kappa),
+        F=float(s.v("free_tokens") or 0.0), q_out=float(s.v("queue_out_bytes") or 0.0),
+        q_in=float(s.v("queue_in_bytes") or 0.0), u_now=s.v("link_utilization"),
+        u_max=float(s.v("u_max") or 0.8), host_free=s.v("host_free_bytes"), ranks=int(s.v("ranks") or 1),
+        rate=s.v("preemption_rate"), t_iter=s.v("decode_step"),
+    )
+    return x, evaluate_event(x)
+
+
+def advise(s: Situation) -> dict[str, Any]:
+    reasons: list[str] = []
+    also: list[str] = []
+    settings: dict[str, Any] = {}
+    action: str
+    mechanism: str | None = None
+    marginal = False
+    conf = s.attribution_confidence if s.attribution_confidence is not None else 0.9
+
+    beta = s.v("kv_bytes_per_token")
+    beta_rank = s.v("kv_bytes_per_token_rank") or beta
+    if beta is not None and s.v("kv_bytes_per_token_rank") is None:
+        s.n["kv_bytes_per_token_rank"] = Num(beta_rank, "B/token", s.n["kv_bytes_per_token"].source)
+    a, k_att = _prefill(s)
+
+    cause = s.cause
+    if cause == "preemption" and not s.preempts:
+        cause = "unknown"
+        reasons.append("this engine never preempts a running request; stalls are not preemptions")
+
+    # ---- diagnosis first (rule 1) ---------------------------------------------------------
+    if s.itl_miss is False or (cause is None and s.itl_miss is None and s.spikes == 0):
+        action = "no_action"
+        reasons.append("no token-gap spikes above the ITL target")
+    elif cause is None:
+        action = "insufficient_data"
+        reasons.append("no per-request token timings and no usable engine ITL histogram: cannot attribute")
+        conf = min(conf, 0.2)
+    elif cause == "unknown":
+        action = "insufficient_data"
+        reasons.append("token-gap spikes found but none matches a known signature (no preemption counter step, "
+                       "no all-streams stall with a prefill): check the network path, GC pauses, the client")
+        conf = min(conf, 0.4)
+    elif cause == "prefill_interference":
+        action, conf = _chunked(s, a, k_att, reasons, also, settings, conf)
+    elif cause == "slow_decode":
+        action = "reduce_batch"
+        reasons.append("every stream's gaps rose together with no isolated outlier: the decode step itself is slow "
+                       "(batch too large or context too long); lower the concurrent sequence limit or scale out")
+        ms = s.v("max_seqs_current")
+        running = s.v("running_mean")
+        base = ms or running
+        if base:
+            settings[_setting(s, "max_seqs")] = max(1, int(base * 0.75))
+            reasons.append(f"start at 3/4 of the current {'limit' if ms else 'mean running batch'} ({base:.0f}) "
+                           "and re-measure the ITL p99")
+    else:  # preemption
+        action, mechanism, marginal, conf = _preemption(s, beta, beta_rank, a, k_att, reasons, also, settings, conf)
+
+    # secondary causes worth a mention
+    for c2, share in sorted(s.cause_shares.items(), key=lambda kv: -kv[1]):
+        if c2 == cause or share < 0.2:
+            continue
+        extra = {"preemption": "admission", "prefill_interference": "chunked_prefill",
+                 "slow_decode": "reduce_batch"}.get(c2)
+        if extra and extra != action and extra not in also:
+            also.append(extra)
+            reasons.append(f"{share:.0%} of spikes are {c2.replace('_', ' ')}: also consider {extra.replace('_', ' ')}")
+
+    if action in ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch"):
+        reasons.append(FAIRNESS)
+    reasons.extend(s.notes)
+    return {
+        "action": action,
+        "mechanism": mechanism,
+        "also": also,
+        "numbers": {k: v.to_dict() for k, v in s.n.items()},
+        "settings": settings,
+        "confidence": round(max(0.0, min(1.0, conf)), 3),
+        "marginal": marginal,
+        "reasons": reasons,
+    }
+
+
+def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: list[str],
+             settings: dict[str, Any], conf: float) -> tuple[str, float]:
+    action = "chunked_prefill"
+    reasons.append("spikes hit every running stream at once when a long prompt is prefilled: prefill interference, "
+                   "not an eviction problem (eviction policy: no change)")
+    P = s.v("long_prompt_tokens")
+    slo = s.v("itl_slo")
+    t_dec = s.v("decode_step")
+    if P and slo and t_dec:
+        plan = chunking.plan_chunking(int(P), float(slo), float(t_dec), a, k_att,
+                                      current_budget=s.v("batched_tokens_current"),
+                                      rate=s.v("long_prompt_rate"), ttft_slo_s=s.v("ttft_slo"))
+        s.n["unchunked_step"] = Num(plan.unchunked_step_s, "s", "derived", f"t_dec + prefill of {int(P)} tokens")
+        s.n["current_worst_step"] = Num(plan.current_worst_step_s, "s", "derived")
+        if plan.spike_share is not None:
+            s.n["spike_share"] = Num(plan.spike_share, "", "derived", "share of each stream's ITL samples on long steps")
+            if plan.spike_share > 0.01:
+                reasons.append(f"{plan.spike_share:.2%} of each stream's ITL samples land on a "
+                               f"{plan.current_worst_step_s * 1e3:.0f} ms step (> 1 %), so p99 ITL ≈ that step")
+        s.n["chunk_rows"] = Num([{"budget": r.budget, "worst_step_s": round(r.worst_step_s, 5), "steps": r.steps,
+                                  "prefill_s": round(r.prefill_s, 5), "passes": r.passes} for r in plan.rows
+                                 if r.budget <= 4096], "", "derived")
+        if plan.budget is not None:
+            row = next(r for r in plan.rows if r.budget == plan.budget)
+            s.n["chunk_budget"] = Num(plan.budget, "tokens/step", "derived",
+                                      f"largest round budget whose worst step <= {chunking.DEFAULT_MARGIN:.0%} under the SLO")
+            s.n["chunk_worst_step"] = Num(row.worst_step_s, "s", "derived")
+            s.n["chunk_steps"] = Num(row.steps, "", "derived")
+            s.n["chunked_prefill_phase"] = Num(row.prefill_s, "s", "derived", "TTFT prefill phase with chunking")
+            settings[_setting(s, "batched_tokens")] = plan.budget
+            reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
+                           f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
+                           f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
+        if plan.disaggregate:
+            also.append("disaggregate")
+            reasons.append("chunking cannot meet both the ITL and the TTFT target: disaggregate prefill/decode "
+                           "or route long prompts to a prefill-heavy replica")
+        elif plan.prefill_s is not None:
+            reasons.append(f"if the TTFT target for these prompts is below ~{plan.prefill_s:.1f} s, "
+                           "disaggregate prefill and decode instead")
+    else:
+        reasons.append("lower the per-step prefill token budget (e.g. 2048 or less) and re-measure")
+        if "batched_tokens" in s.settings_names or s.engine is None:
+            settings[_setting(s, "batched_tokens")] = 2048
+        conf = min(conf, 0.6)
+    return action, conf
+
+
+def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float, reasons: list[str],
+                also: list[str], settings: dict[str, Any], conf: float) -> tuple[str, str | None, bool, float]:
+    mechanism = None
+    marginal = False
+    gates_fail = False
+    cost = None
+    swap_settings: dict[str, Any] = {}
+    if beta is None:
+        reasons.append("KV bytes per token unknown (give --model-config or --kv-bytes-per-token): "
+                       "swap vs recompute not evaluated")
+        conf = min(conf, 0.5)
+    bw = _link(s, beta_rank) if beta is not None else None
+
+    if beta is not None and s.victims and s.deficit_bytes:
+        name, rows = choose_victim(s.victims, s.deficit_bytes, beta)
+        s.n["victims"] = Num(rows, "", "derived", "freed bytes count private tokens only")
+        s.n["victim"] = Num(name, "", "derived")
+        chosen = next(v for v in s.victims if v.name == name)
+        s.n.setdefault("seq_tokens", Num(chosen.S, "tokens", "given"))
+        s.n.setdefault("shared_tokens", Num(chosen.h_sh, "tokens", "given"))
+        reasons.append(f"preempt victim {name}: it frees "
+                       f"{next(r for r in rows if r['name'] == name)['freed_bytes'] / 1e6:.1f} MB of private KV")
+    if beta is not None and s.prefix and bw:
+        pp = prefix_policy(s.prefix["tokens"], s.prefix.get("reuse_rate", 0.0), beta_rank, bw, a, k_att)
+        s.n["prefix_recompute"] = Num(pp["prefix_recompute_s"], "s", "derived")
+        s.n["prefix_reload"] = Num(pp["prefix_reload_s"], "s", "derived")
+        s.n["prefix_discard_cost"] = Num(pp["discard_cost_gpu_s_per_s"], "GPU-s/s", "derived")
+        s.n["prefix_policy"] = Num(pp["policy"], "", "derived")
+        reasons.append(f"shared prefix: recompute {pp['prefix_recompute_s'] * 1e3:.1f} ms per miss vs reload "
+                       f"{pp['prefix_reload_s'] * 1e3:.1f} ms: keep or offload it, never discard")
+
+    if beta is not None and s.v("seq_tokens") is not None and bw:
+        x, cost = _event(s, beta, beta_rank, a, k_att, bw)
+        s.n["freed_bytes"] = Num(cost.freed_bytes, "B", "derived", "private tokens only")
+        s.n["bytes_moved"] = Num(cost.bytes_per_rank, "B", "derived", "per rank, one direction")
+        s.n["bytes_moved_total"] = Num(cost.bytes_per_rank * x.ranks, "B", "derived", "all ranks")
+        s.n["t_out"] = Num(cost.t_out, "s", "derived")
+        s.n["t_in"] = Num(cost.t_in, "s", "derived")
+        s.n["swap_gpu_s"] = Num(cost.c_swap, "s", "derived", f"κ={x.kappa:g}")
+        s.n["swap_gpu_s_blocking"] = Num(cost.c_swap_blocking, "s", "derived", "κ=1")
+        s.n["swap_gpu_s_if_all_resume"] = Num(x.kappa * (cost.t_out + cost.t_in), "s", "derived", "p = 0")
+        s.n["recompute_gpu_s"] = Num(cost.c_rec, "s", "derived", "(1-p)·T_pf")
+        if cost.c_swap_blocking > 0:
+            s.n["swap_advantage_blocking"] = Num(cost.c_rec / cost.c_swap_blocking, "x", "derived",
+                                                 "recompute GPU time / blocking swap GPU time")
+        if cost.t_in > 0:
+            s.n["resume_speedup"] = Num(cost.t_pf / cost.t_in, "x", "derived", "recompute resume / swap-in time")
+        s.n["t_pf"] = Num(cost.t_pf, "s", "derived", "prefill of the evicted tokens")
+        s.n["t_pf_attention"] = Num(cost.t_pf_attention, "s", "derived")
+        s.n["p_star"] = Num(cost.p_star, "", "derived", "above p*, recompute is cheaper")
+        s.n["break_even_tokens"] = Num(cost.break_even_tokens, "tokens", "derived",
+                                       "below S*, recompute is cheaper")
+        if cost.link_demand is not None:
+            s.n["link_demand"] = Num(cost.link_demand, "B/s", "derived", "per rank: rate·V·(2-p)")
+        if cost.tokens_per_iteration is not None:
+            s.n["tokens_per_iteration"] = Num(cost.tokens_per_iteration, "tokens", "derived")
+        s.n["gates"] = Num(cost.gates, "", "derived")
+        mechanism = cost.mechanism
+        gates_fail = not cost.swap_feasible
+        marginal = cost.marginal(x.p, x.S)
+        if mechanism == "swap":
+            ratio = cost.c_rec / cost.c_swap if cost.c_swap > 0 else math.inf
+            ratio_b = cost.c_rec / cost.c_swap_blocking if cost.c_swap_blocking > 0 else math.inf
+            reasons.append(f"swap/offload: {cost.bytes_per_rank / 1e9:.3g} GB per rank moves in "
+                           f"{cost.t_out * 1e3:.1f} ms each way; expected GPU time {cost.c_swap * 1e3:.2f} ms "
+                           f"vs {cost.c_rec * 1e3:.1f} ms to recompute ({ratio:.0f}x cheaper, {ratio_b:.0f}x even blocking); "
+                           f"resume {cost.t_in * 1e3:.0f} ms vs >= {cost.t_pf * 1e3:.0f} ms")
+        else:
+            why = "; ".join(cost.gate_notes[:2]) if gates_fail else (
+                f"recompute {cost.c_rec * 1e3:.1f} ms vs swap {cost.c_swap * 1e3:.1f} ms GPU time, "
+                f"swap resume {cost.t_in * 1e3:.1f} ms vs recompute {cost.t_pf * 1e3:.1f} ms")
+            reasons.append(f"recompute: {why}")
+            if gates_fail and cost.c_swap < cost.c_rec:
+                reasons.append("swap would be cheaper on GPU time but fails a feasibility gate")
+        if cost.p_star is not None and x.p > 0:
+            reasons.append(f"cancel probability p = {x.p:.2f} vs break-even p* = {cost.p_star:.2f}")
+        if marginal:
+            reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
+        if mechanism == "swap":
+            gib = cost.bytes_per_rank * x.ranks * 4 / (1 << 30)
+            swap_settings[_setting(s, "offload_size")] = max(1, math.ceil(gib))
+            if "offload_backend" in s.settings_names:
+                swap_settings[_setting(s, "offload_backend")] = "native"
+            s.n["offload_pool"] = Num(gib * (1 << 30), "B", "derived", "room for 4 preempted sequences of this size")
+    else:
+        if beta is not None:
+            reasons.append("sequence length at preemption unknown: swap vs recompute not evaluated")
+
+    # churn / abandonment -> admission (rule 6)
+    ch = cap.churn_assessment(
+        s.v("preemptions_per_completed"), s.v("preemptions_per_preempted"), s.v("cancel_prob"),
+        S_pre=s.v("seq_tokens"), prompt_mean=s.v("prompt_mean"), a=a, k_att=k_att, beta=beta,
+        h_res=float(s.v("resume_hit_tokens") or 0.0),
+    )
+    if ch.lost_share is not None and s.v("preemptions_per_completed") is not None:
+        s.n["lost_after_work_share"] = Num(ch.lost_share, "", "derived", "preempted-then-cancelled per completed")
+    if ch.churn and ch.wasted_per_completed_s is not None:
+        s.n["recompute_per_event"] = Num(ch.recompute_per_event_s, "s", "derived")
+        s.n["wasted_per_completed"] = Num(ch.wasted_per_completed_s, "s", "derived")
+        if ch.useful_prefill_s is not None:
+            s.n["useful_prefill"] = Num(ch.useful_prefill_s, "s", "derived")
+        if ch.overhead is not None:
+            s.n["churn_overhead"] = Num(ch.overhead, "", "derived", "wasted recompute / useful prefill")
+        if ch.swap_bytes_per_event is not None:
+            s.n["swap_bytes_per_event"] = Num(ch.swap_bytes_per_event, "B", "derived", "out + in")
+    admission = ch.churn or ch.abandonment or (gates_fail and bool(s.v("gates_fail_persistently")))
+    plan = None
+    c_kv = s.v("kv_capacity_tokens")
+    if c_kv is None and s.v("kv_pool_bytes") and beta:
+        c_kv = s.v("kv_pool_bytes") / beta
+        s.n["kv_capacity_tokens"] = Num(c_kv, "tokens", "derived", "KV pool bytes / β")
+    if c_kv and s.v("prompt_mean") is not None and s.v("output_mean") is not None and s.v("output_p90") is not None:
+        plan = cap.capacity_plan(float(c_kv), float(s.v("prompt_mean")), float(s.v("output_mean")),
+                                 float(s.v("output_p90")))
+        s.n["n_floor"] = Num(plan.n_floor, "sequences", "derived", "C_KV/(P̄ + O_p90): almost no preemption")
+        s.n["n_ceiling"] = Num(plan.n_ceiling, "sequences", "derived", "C_KV/(P̄ + Ō/2): mean occupancy")
+    if admission:
+        action = "admission"
+        if ch.churn:
+            bits = []
+            if ch.r_pre is not None:
+                bits.append(f"{ch.r_pre:.2f} preemptions per completed request")
+            if ch.k_bar is not None:
+                bits.append(f"{ch.k_bar:.1f} preemptions per preempted request")
+            reasons.insert(0, "churn: " + ", ".join(bits) + " — neither swap nor recompute fixes repeated "
+                           "preemption; admit fewer sequences")
+            if ch.wasted_per_completed_s is not None and ch.useful_prefill_s:
+                reasons.insert(1, f"recompute wastes {ch.wasted_per_completed_s * 1e3:.1f} ms per completed request "
+                               f"vs {ch.useful_prefill_s * 1e3:.1f} ms useful prefill ({ch.overhead:.0%} overhead)")
+        if ch.abandonment:
+            reasons.insert(0, f"abandonment: {ch.p:.0%} of preempted requests are cancelled before resuming"
+                           + (f" (≈{ch.lost_share:.1%} of requests lost after consuming work)" if ch.lost_share else ""))
+        if plan is not None:
+            settings[_setting(s, "max_seqs")] = plan.recommended_max_seqs
+            reasons.append(f"capacity: N_floor {plan.n_floor:.0f}, N_ceiling {plan.n_ceiling:.0f} sequences; start "
+                           f"at {plan.recommended_max_seqs} and steer to KV usage p99 <= 0.9 and <= 0.01 "
+                           "preemptions per request")
+        else:
+            cur = s.v("max_seqs_current") or s.v("running_mean")
+            if cur:
+                settings[_setting(s, "max_seqs")] = max(1, int(cur * 0.75))
+        if s.v("output_p99") is not None:
+            settings[_setting(s, "max_tokens")] = int(s.v("output_p99"))
+        reasons.append("cap max_tokens near the real p99 output and reserve KV for interactive traffic")
+        if mechanism:
+            also.append(mechanism)
+    else:
+        action = mechanism or "recompute"
+        settings.update(swap_settings)
+    return action, mechanism, marginal, conf

@@ -1,0 +1,266 @@
+"""Cause attribution for token-gap spikes (reference/kv-science.md §4, real-engines.md).
+
+Signatures:
+* preemption — one stream stalls while the others keep flowing; KV near full; running drops /
+  waiting rises; the preemption counter steps at the end of the stall or shortly after (vLLM V1
+  counts a preemption when the victim *resumes*; SGLang when it is retracted). A victim cancelled
+  while preempted may never be counted. A lone stall with none of this evidence is not a preemption.
+* prefill interference — (nearly) every running stream stalls over the same interval, with a new
+  request's first token at the end of the stall or a prompt-token jump.
+* slow decode — the spike is no outlier for its stream: its gaps were already about as long.
+Engine records arrive about once a second, so every engine test uses a tolerance window.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.analysis.gaps import Gap
+
+REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
+CO_STALL = 0.5  # share of other active streams stalled over the same interval for "all stalled"
+KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
+
+
+@dataclass
+class _Key:
+    """Per engine instance: last raw counters (for resets) and time-ordered points."""
+
+    last_pre: float | None = None
+    last_prompt: float | None = None
+    last_t: float | None = None
+    pre_cum: float = 0.0
+    prompt_cum: float = 0.0
+    t: list[float] = field(default_factory=list)
+    running: list[float | None] = field(default_factory=list)
+    waiting: list[float | None] = field(default_factory=list)
+    kv: list[float | None] = field(default_factory=list)
+    prompt: list[float] = field(default_factory=list)
+    head: int = 0
+
+
+def _inc(prev: float | None, cur: float | None) -> float:
+    if prev is None or cur is None:
+        return 0.0
+    return cur - prev if cur >= prev else cur  # a drop is a restart: count from zero
+
+
+class EngineTimeline:
+    """Bounded engine evidence: per-instance points and a pool of preemption-counter steps."""
+
+    def __init__(self, horizon_s: float = 600.0):
+        self.horizon_s = horizon_s
+        self.keys: dict[tuple[Any, Any], _Key] = {}
+        # (t_prev, t, units left) per scrape where the counter rose, time-ordered
+        self.steps: deque[list[float]] = deque()
+        self.intervals: deque[float] = deque(maxlen=64)
+        self.prompt_deltas: deque[float] = deque(maxlen=256)
+        self.has_counter = False
+
+    def add(self, t: float, key: tuple[Any, Any], running: float | None, waiting: float | None,
+            kv: float | None, pre: float | None, prompt: float | None) -> None:
+        k = self.keys.get(key)
+        if k is None:
+            k = self.keys[key] = _Key()
+        if k.last_t is not None and t > k.last_t:
+            self.intervals.append(t - k.last_t)
+        if pre is not None:
+            self.has_counter = True
+            d = _inc(k.last_pre, pre)
+            if d > 0 and k.last_t is not None:
+                self.steps.append([k.last_t, t, d])
+            k.pre_cum += d
+            k.last_pre = pre
+        if prompt is not None:
+            d = _inc(k.last_prompt, prompt)
+            if k.last_prompt is not None:
+                self.prompt_deltas.append(d)
+            k.prompt_cum += d
+            k.last_prompt = prompt
+        k.last_t = t
+        k.t.append(t)
+        k.running.append(running)
+        k.waiting.append(waiting)
+        k.kv.append(kv)
+        k.prompt.append(k.prompt_cum)
+        if len(k.t) - k.head > 4096 or (k.head > 2048):
+            self._compact(k, t)
+
+    def _compact(self, k: _Key, now: float) -> None:
+        cut = bisect_left(k.t, now - self.horizon_s, k.head)
+        if cut > k.head:
+            k.head = cut
+        if k.head > 2048:
+            for name in ("t", "running", "waiting", "kv", "prompt"):
+                lst = getattr(k, name)
+                del lst[: k.head]
+            k.head = 0
+
+    def prune(self, before: float) -> None:
+        while self.steps and self.steps[0][1] < before:
+            self.steps.popleft()
+
+    @property
+    def scrape_interval(self) -> float:
+        if not self.intervals:
+            return 1.0
+        s = sorted(self.intervals)
+        return s[len(s) // 2]
+
+    # -- queries ----------------------------------------------------------------------------
+    def claim_counter(self, a: float, b: float, tol: float) -> float | None:
+        """Claim one preemption-counter unit that stepped in [a, b + tol]; returns its scrape time."""
+        best = None
+        for st in self.steps:
+            if st[1] < a - 0.25:
+                continue
+            if st[1] > b + tol:
+                break
+            if st[2] >= 1 and (best is None or abs(st[1] - b) < abs(best[1] - b)):
+                best = st
+        if best is None:
+            return None
+        best[2] -= 1
+        return best[1]
+
+    def counter_delta(self, a: float, b: float) -> float:
+        return sum(st[2] for st in self.steps if a <= st[1] <= b)
+
+    def window(self, a: float, b: float) -> dict[str, Any]:
+        """KV max, running drop, waiting rise and prompt-token increase around [a, b]."""
+        out: dict[str, Any] = {"kv_max": None, "running_drop": False, "waiting_rise": False, "prompt_delta": 0.0,
+                               "points": 0}
+        for k in self.keys.values():
+            if not k.t:
+                continue
+            i0 = bisect_right(k.t, a, k.head) - 1  # last point at or before a
+            i1 = bisect_right(k.t, b, k.head)
+            if i0 < k.head:
+                i0 = k.head if k.t[k.head] <= b else -1
+            if i0 < 0:
+                continue
+            out["points"] += max(0, i1 - i0)
+            kvs = [v for v in k.kv[i0:i1] if v is not None]
+            if kvs:
+                m = max(kvs)
+                out["kv_max"] = m if out["kv_max"] is None else max(out["kv_max"], m)
+            r0, w0 = k.running[i0], k.waiting[i0]
+            later_r = [v for v in k.running[i0 + 1:i1] if v is not None]
+            later_w = [v for v in k.waiting[i0 + 1:i1] if v is not None]
+            if r0 is not None and later_r and min(later_r) < r0:
+                out["running_drop"] = True
+            if w0 is not None and later_w and max(later_w) > w0:
+                out["waiting_rise"] = True
+            if i1 - 1 > i0:
+                out["prompt_delta"] += k.prompt[i1 - 1] - k.prompt[i0]
+        return out
+
+    def typical_prompt_delta(self) -> float:
+        if not self.prompt_deltas:
+            return 0.0
+        s = sorted(self.prompt_deltas)
+        return s[len(s) // 2]
+
+
+@dataclass
+class Context:
+    """What the classifier may look at besides the spike itself."""
+
+    timeline: EngineTimeline
+    preempts: bool
+    global_median: float | None
+    co_stalled: int  # other streams with a long gap over >= half of this spike
+    active_others: int | None
+    first_token_near_end: tuple[str, int | None] | None  # (request id, prompt tokens) of a first token at the end
+    engine_preempt: bool  # the engine/simulator reported a per-request preempt inside the gap
+    tol: float
+
+
+def classify(g: Gap, ctx: Context) -> None:
+    """Set ``g.cause``, ``g.confidence`` and ``g.evidence``."""
+    ev: list[str] = []
+    a, b = g.t_start, g.t_end
+    if ctx.engine_preempt and ctx.preempts:
+        g.cause, g.confidence = "preemption", 0.98
+        g.evidence = ["engine reported a preempt event for this request inside the gap"]
+        return
+    base = g.stream_baseline or ctx.global_median
+    rel = g.gap / base if base else None
+    if rel is not None and rel < REL_SLOW:
+        g.cause = "slow_decode"
+        g.confidence = 0.7 if g.stream_baseline else 0.5
+        g.evidence = [f"gap {g.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"]
+        return
+    if rel is not None:
+        ev.append(f"gap is {rel:.0f}x this stream's recent gaps")
+    frac = None
+    if ctx.active_others:
+        frac = min(1.0, ctx.co_stalled / ctx.active_others)
+        ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval")
+    w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol)
+    kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
+    prompt_jump = False
+    typ = ctx.timeline.typical_prompt_delta()
+    if w["prompt_delta"] >= 512 and w["prompt_delta"] > 1.5 * typ * max(1.0, (b - a) / ctx.timeline.scrape_interval + 1):
+        prompt_jump = True
+    ft = ctx.first_token_near_end
+    prefill_ev = []
+    if ft is not None:
+        prefill_ev.append(f"request {ft[0]} got its first token at the end of the stall"
+                          + (f" ({ft[1]} prompt tokens)" if ft[1] else ""))
+    if prompt_jump:
+        prefill_ev.append(f"prompt tokens rose by {w['prompt_delta']:.0f} around the stall")
+
+    isolated = frac is None or frac < CO_STALL
+    if isolated:
+        if ctx.preempts:
+            pev = []
+            score = 0.0
+            t_c = ctx.timeline.claim_counter(a, b, ctx.tol)
+            if t_c is not None:
+                score += 0.45
+                pev.append(f"preemption counter stepped at t={t_c:.2f}s ({t_c - b:+.2f}s from the stall's end)")
+            if kv_high:
+                score += 0.2
+                pev.append(f"KV usage {w['kv_max']:.2f}")
+            if w["running_drop"] or w["waiting_rise"]:
+                score += 0.2
+                pev.append("running dropped / waiting rose" if w["running_drop"] and w["waiting_rise"] else
+                           ("running dropped" if w["running_drop"] else "waiting rose"))
+            if g.ended_by == "cancel":
+                pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
+            strong = t_c is not None or (kv_high and (w["running_drop"] or w["waiting_rise"]))
+            if strong:
+                if frac is not None:
+                    score += 0.15
+                    ev.append("the other streams kept flowing")
+                g.cause, g.confidence = "preemption", min(0.97, 0.3 + score)
+                g.evidence = ev + pev
+                return
+            ev.extend(pev)
+        if prefill_ev and frac is None:
+            # a single running stream stalled by another request's prefill
+            g.cause, g.confidence = "prefill_interference", 0.5
+            g.evidence = ev + prefill_ev
+            return
+        g.cause, g.confidence = "unknown", 0.3
+        g.evidence = ev + ["a lone stall without preemption evidence (no counter step, KV not near full, "
+                           "no running/waiting change)" if ctx.preempts else "a lone stall (this engine never preempts)"]
+        return
+    # (nearly) every stream stalled together
+    if ctx.preempts:
+        d = ctx.timeline.counter_delta(a - 0.25, b + ctx.tol)
+        if d >= max(2.0, 0.5 * (ctx.co_stalled + 1)) and not prefill_ev:
+            g.cause, g.confidence = "preemption", 0.6
+            g.evidence = ev + [f"the preemption counter rose by {d:.0f}: a mass preemption"]
+            return
+    if prefill_ev:
+        g.cause = "prefill_interference"
+        g.confidence = min(0.95, 0.55 + 0.25 * (ft is not None) + 0.15 * prompt_jump)
+        g.evidence = ev + prefill_ev
+        return
+    g.cause, g.confidence = "unknown", 0.35
+    g.evidence = ev + ["all streams stalled together without a prefill or preemption signal"]

@@ -1,0 +1,84 @@
+"""Chunked-prefill token budget under an ITL SLO (reference/kv-science.md §9)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Round budgets an operator would set (the engine's own suggestions are powers of two and their
+# 1.5x neighbours); the largest that passes is recommended.
+LADDER = (16384, 12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 128, 64)
+DEFAULT_MARGIN = 0.1
+
+
+def t_step(start: float, length: float, t_dec: float, a: float, k_att: float) -> float:
+    """One engine step carrying a prefill chunk [start, start+length) next to the decodes."""
+    return t_dec + a * length + a * k_att * ((start + length) ** 2 - start ** 2)
+
+
+def chunk_steps(P: int, B: int, t_dec: float, a: float, k_att: float) -> list[float]:
+    out = []
+    start = 0
+    while start < P:
+        n = min(B, P - start)
+        out.append(t_step(start, n, t_dec, a, k_att))
+        start += n
+    return out
+
+
+@dataclass
+class BudgetRow:
+    budget: int
+    worst_step_s: float
+    steps: int
+    prefill_s: float
+    passes: bool
+
+
+@dataclass
+class ChunkPlan:
+    itl_slo_s: float
+    prompt_tokens: int
+    unchunked_step_s: float
+    current_budget: int | None
+    current_worst_step_s: float
+    budget: int | None  # recommended (largest passing on the ladder)
+    prefill_s: float | None  # TTFT prefill phase at the recommended budget
+    rows: list[BudgetRow] = field(default_factory=list)
+    spike_share: float | None = None  # share of each stream's ITL samples that are spikes
+    ttft_slo_s: float | None = None
+    disaggregate: bool = False
+
+
+def spike_share(rate: float, t_spike: float, t_dec: float) -> float:
+    """Share of a stream's ITL samples that land on a long prefill step (kv-science §12 S5)."""
+    per_s = (1 - rate * t_spike) / t_dec + rate
+    return rate / per_s if per_s > 0 else 1.0
+
+
+def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float,
+                  current_budget: int | None = None, rate: float | None = None,
+                  ttft_slo_s: float | None = None, margin: float = DEFAULT_MARGIN) -> ChunkPlan:
+    limit = itl_slo_s * (1 - margin)
+    rows = []
+    for B in LADDER:
+        steps = chunk_steps(P, B, t_dec, a, k_att)
+        worst = max(steps)
+        rows.append(BudgetRow(B, worst, len(steps), sum(steps), worst <= limit))
+    unchunked = t_step(0, P, t_dec, a, k_att)
+    cur_steps = chunk_steps(P, current_budget, t_dec, a, k_att) if current_budget else [unchunked]
+    best = next((r for r in rows if r.passes), None)
+    plan = ChunkPlan(
+        itl_slo_s=itl_slo_s, prompt_tokens=P, unchunked_step_s=unchunked, current_budget=current_budget,
+        current_worst_step_s=max(cur_steps), budget=best.budget if best else None,
+        prefill_s=best.prefill_s if best else None, rows=rows, ttft_slo_s=ttft_slo_s,
+    )
+    if rate is not None:
+        plan.spike_share = spike_share(rate, max(cur_steps), t_dec)
+    if best is None or (ttft_slo_s is not None and best.prefill_s > ttft_slo_s):
+        plan.disaggregate = True
+    return plan
+
+
+def steps_for(P: int, B: int) -> int:
+    return math.ceil(P / B)

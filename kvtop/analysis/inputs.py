@@ -1,0 +1,175 @@
+"""Measured cost-model inputs from what an ``Analyzer`` saw, each with its source.
+
+``measured`` means read from this trace's records; ``config`` from the model geometry (a
+--model-config file or the built-in table); ``given`` from the command line; ``assumed`` a
+documented default (kv-science §12) used because the trace did not show it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtop.analysis.advisor import DEFAULT_RHO, Num, Situation
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
+
+MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
+
+
+def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
+    a, b = first.get(key), last.get(key)
+    if a is None or b is None:
+        return None
+    return b - a if b >= a else b
+
+
+def _sum_delta(an: Analyzer, key: str) -> float | None:
+    tot = None
+    for k, first in an.acc["engine_first"].items():
+        d = _delta(first, an.acc["engine_last"][k], key)
+        if d is not None:
+            tot = (tot or 0.0) + d
+    return tot
+
+
+def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
+                    dtype: str = "bf16", tp: int = 1) -> Situation:
+    s = Situation(preempts=an.preempts, basis="requests")
+    n = s.n
+    acc = an.acc
+    hdr = an.header or {}
+    eng = hdr.get("engine") or {}
+    model_name = eng.get("model")
+    if not model_name:
+        for last in acc["engine_last"].values():
+            if last.get("model"):
+                model_name = last["model"]
+                break
+    # KV bytes per token: command line > model config > trace header > built-in table
+    geo: Geometry | None = None
+    if model_config is not None:
+        geo = geometry_from_config(model_config)
+    else:
+        hit = lookup_model(model_name)
+        if hit:
+            geo = geometry_from_config(hit[1])
+            n["model_key"] = Num(hit[0], "", "config", f"built-in table entry for {model_name!r}")
+    if kv_bytes:
+        n["kv_bytes_per_token_rank"] = Num(float(kv_bytes), "B/token", "given")
+    elif geo is not None and model_config is not None:
+        n["kv_bytes_per_token_rank"] = Num(kv_bytes_per_token(geo, dtype, tp), "B/token", "config", f"{dtype}, TP={tp}")
+    elif (hdr.get("kv") or {}).get("bytes_per_token"):
+        n["kv_bytes_per_token_rank"] = Num(float(hdr["kv"]["bytes_per_token"]), "B/token", "measured", "trace header")
+    elif geo is not None:
+        n["kv_bytes_per_token_rank"] = Num(kv_bytes_per_token(geo, dtype, tp), "B/token", "config",
+                                           f"built-in table, {dtype}, TP={tp}")
+    if "kv_bytes_per_token_rank" in n:
+        n["kv_bytes_per_token"] = Num(n["kv_bytes_per_token_rank"].value * tp, "B/token",
+                                      n["kv_bytes_per_token_rank"].source, f"TP={tp}")
+    n["ranks"] = Num(tp, "", "given" if tp != 1 else "assumed")
+    if geo is not None and geo.k_att is not None:
+        n["k_att"] = Num(geo.k_att, "1/token", "config")
+
+    # ITL target and decode step
+    if an.itl_target_s:
+        n["itl_target"] = Num(an.itl_target_s, "s", "given" if an.target_source == "given" else "measured",
+                              an.target_source)
+        n["itl_slo"] = Num(an.itl_target_s, "s", n["itl_target"].source)
+    med = an.median_gap()
+    if med:
+        n["decode_step"] = Num(med, "s", "measured", "median inter-token gap")
+
+    # prefill rate: from prefill stalls (stall length per prompt token of the request that ended it),
+    # else from TTFT of the least contended long-prompt requests
+    pa = sorted(acc["prefill_a"])
+    if len(pa) >= 3:
+        n["prefill_rate"] = Num(1.0 / pa[len(pa) // 2], "tokens/s", "measured",
+                                f"median of {len(pa)} prefill stalls / prompt tokens")
+    elif acc["ttft_rate_hist"].n >= MIN_SAMPLES:
+        n["prefill_rate"] = Num(acc["ttft_rate_hist"].quantile(0.9), "tokens/s", "measured",
+                                "p90 of prompt tokens / TTFT (least contended requests)")
+    else:
+        key = n["model_key"].value if "model_key" in n else ""
+        if key in DEFAULT_RHO:
+            n["prefill_rate"] = Num(DEFAULT_RHO[key], "tokens/s", "assumed", "H100 default for this model")
+
+    # link bandwidth: the engine's offload byte/time counters, else GPU PCIe peaks during offload
+    bw_parts = []
+    for d in ("out", "in"):
+        b = _sum_delta(an, f"offload_{d}_bytes_total")
+        sec = _sum_delta(an, f"offload_{d}_seconds_total")
+        if b and sec and sec > 0:
+            bw_parts.append(b / sec)
+    if bw_parts:
+        n["bw_eff"] = Num(min(bw_parts), "B/s", "measured", "engine offload bytes / offload seconds")
+    elif acc["gpu_pcie_max"] > 1e9 and (_sum_delta(an, "offload_out_bytes_total") or 0) > 0:
+        n["bw_eff"] = Num(acc["gpu_pcie_max"], "B/s", "measured", "peak NVML PCIe throughput during offload traffic")
+
+    # preemption statistics
+    n_pre_spikes = an.cause_counts["preemption"]
+    preempted = len(acc["preempted_ids"])
+    counter = _sum_delta(an, "preemptions_total")
+    finished = acc["finished"] or _sum_delta(an, "requests_finished_total") or 0
+    duration = max(1e-9, an.now - (an.t0 or 0.0))
+    if counter is not None:
+        n["preemptions"] = Num(counter, "", "measured", "engine counter increase")
+    pre_count = counter if counter else n_pre_spikes
+    if pre_count:
+        n["preemption_rate"] = Num(pre_count / duration, "1/s", "measured")
+    if finished:
+        n["preemptions_per_completed"] = Num(pre_count / finished, "", "measured", f"{pre_count:.0f} / {finished:.0f}")
+    if preempted:
+        n["preemptions_per_preempted"] = Num(n_pre_spikes / preempted, "", "measured")
+    if preempted >= MIN_SAMPLES:
+        n["cancel_prob"] = Num(acc["preempted_cancelled"] / preempted, "", "measured",
+                               f"{acc['preempted_cancelled']} of {preempted} preempted requests cancelled before resuming")
+    elif preempted:
+        n["cancel_prob"] = Num(0.0, "", "assumed", f"only {preempted} preempted requests seen")
+    if acc["S_pre_n"]:
+        n["seq_tokens"] = Num(acc["S_pre_sum"] / acc["S_pre_n"], "tokens", "measured",
+                              "mean prompt + generated tokens of preemption victims")
+
+    # shared prefixes
+    hits, queries = _sum_delta(an, "prefix_hits_total"), _sum_delta(an, "prefix_queries_total")
+    if hits is not None and queries:
+        share = hits / queries
+        n["prefix_hit_share"] = Num(share, "", "measured", "prefix cache hits / queries")
+        if "seq_tokens" in n and share > 0:
+            n["shared_tokens"] = Num(share * n["seq_tokens"].value, "tokens", "derived",
+                                     "hit share x S (tokens in shared blocks stay resident)")
+
+    # host pinned capacity
+    pool = None
+    for last in acc["engine_last"].values():
+        if last.get("offload_capacity_bytes"):
+            pool = (pool or 0) + last["offload_capacity_bytes"]
+    host = acc["host"]
+    if pool:
+        n["host_free_bytes"] = Num(float(pool), "B", "measured", "engine offload pool size")
+    elif host and host.get("mem_available_bytes"):
+        n["host_free_bytes"] = Num(0.5 * host["mem_available_bytes"], "B", "assumed",
+                                   "half of available host memory could be pinned")
+
+    # traffic and capacity
+    if acc["prompt_n"]:
+        n["prompt_mean"] = Num(acc["prompt_sum"] / acc["prompt_n"], "tokens", "measured")
+        p99 = acc["prompt_hist"].quantile(0.99)
+        n["long_prompt_tokens"] = Num(int(p99), "tokens", "measured", "p99 prompt length")
+        long_n = sum(c for i, c in enumerate(acc["prompt_hist"].counts) if c and acc["prompt_hist"].value_at(i) >= 0.5 * p99)
+        n["long_prompt_rate"] = Num(long_n / duration, "1/s", "measured", "prompts >= half the p99 length")
+    if acc["output_n"]:
+        n["output_mean"] = Num(acc["output_sum"] / acc["output_n"], "tokens", "measured")
+        n["output_p90"] = Num(acc["output_hist"].quantile(0.9), "tokens", "measured")
+        n["output_p99"] = Num(acc["output_hist"].quantile(0.99), "tokens", "measured")
+    cap = (hdr.get("kv") or {}).get("capacity_tokens")
+    if not cap:
+        for last in acc["engine_last"].values():
+            if last.get("kv_capacity_tokens"):
+                cap = (cap or 0) + last["kv_capacity_tokens"]
+    if cap:
+        n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
+    if acc["running_n"]:
+        n["running_mean"] = Num(acc["running_sum"] / acc["running_n"], "sequences", "measured")
+    if acc["kv_max"] is not None:
+        n["kv_usage_max"] = Num(acc["kv_max"], "", "measured")
+    return s

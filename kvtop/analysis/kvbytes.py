@@ -1,0 +1,193 @@
+"""KV-cache bytes per token from a model's geometry (reference/kv-science.md §1).
+
+``kv_bytes_per_token`` answers "how many bytes does one token's KV occupy on one rank" for
+MHA/GQA/MQA, MLA (DeepSeek), FP8 and tensor parallelism; ``seq_bytes`` adds sliding-window
+layers, which cap the bytes to *move* (never the tokens to *recompute*).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# bytes per element by KV dtype name as engines spell it
+_DTYPE_BYTES = {
+    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "auto": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8": 1, "int8": 1,
+    "fp32": 4, "float32": 4,
+}
+# vLLM FlashMLA-sparse layout: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope = 656 B per layer
+_FP8_DS_MLA_LAYER_BYTES = 656
+
+
+class ModelConfigError(ValueError):
+    """The config does not describe a model whose KV size we can compute."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The parts of a model config that decide KV size and recompute cost."""
+
+    layers: int
+    heads_q: int
+    kv_heads: int
+    head_dim: int
+    kv_lora_rank: int | None = None  # MLA latent width (elements per layer with the rope part)
+    qk_rope_head_dim: int | None = None
+    sliding_window: int | None = None
+    swa_layers: int = 0  # how many of ``layers`` use the sliding window
+    non_embedding_params: float | None = None  # N in the recompute FLOP model (kv-science §3.1)
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def k_att(self) -> float | None:
+        """Attention-to-linear cost coefficient L·H_q·d_h / N (kv-science §3.1)."""
+        if not self.non_embedding_params:
+            return None
+        return self.layers * self.heads_q * self.head_dim / self.non_embedding_params
+
+
+def dtype_bytes(dtype: str) -> int:
+    d = dtype.lower()
+    if d == "fp8_ds_mla":
+        return 1
+    if d not in _DTYPE_BYTES:
+        raise ModelConfigError(f"unknown KV dtype {dtype!r} (known: {', '.join(sorted(_DTYPE_BYTES))}, fp8_ds_mla)")
+    return _DTYPE_BYTES[d]
+
+
+def geometry_from_config(cfg: dict[str, Any]) -> Geometry:
+    """Geometry from a Hugging Face ``config.json`` dict (text_config for multimodal wrappers)."""
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = cfg["text_config"]
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads_q = int(cfg["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        raise ModelConfigError("config lacks num_hidden_layers / num_attention_heads") from None
+    kv_heads = int(cfg.get("num_key_value_heads") or heads_q)
+    head_dim = cfg.get("head_dim")
+    if not head_dim:
+        hidden = cfg.get("hidden_size")
+        if not hidden:
+            raise ModelConfigError("config lacks head_dim and hidden_size")
+        head_dim = int(hidden) // heads_q
+    kv_lora = cfg.get("kv_lora_rank")
+    rope = cfg.get("qk_rope_head_dim")
+    window = None
+    swa_layers = 0
+    layer_types = cfg.get("layer_types")
+    sw = cfg.get("sliding_window")
+    # Qwen2 ships sliding_window with use_sliding_window=false: the window is not applied.
+    if sw and cfg.get("use_sliding_window", True):
+        window = int(sw)
+        if isinstance(layer_types, list) and layer_types:
+            swa_layers = sum(1 for t in layer_types if "sliding" in str(t))
+        elif cfg.get("model_type") in ("gemma2", "gemma3_text", "gemma3"):
+            # Gemma-2 alternates local (sliding) and global layers
+            swa_layers = layers // 2
+        else:
+            swa_layers = layers
+        if swa_layers == 0:
+            window = None
+    return Geometry(
+        layers=layers, heads_q=heads_q, kv_heads=kv_heads, head_dim=int(head_dim),
+        kv_lora_rank=int(kv_lora) if kv_lora else None, qk_rope_head_dim=int(rope) if rope else None,
+        sliding_window=window, swa_layers=swa_layers,
+        non_embedding_params=cfg.get("non_embedding_params"),
+    )
+
+
+def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
+    """Bytes per token per layer on one rank."""
+    if g.mla:
+        if dtype.lower() == "fp8_ds_mla":
+            return _FP8_DS_MLA_LAYER_BYTES
+        # the latent is replicated on every TP rank, never split
+        return (g.kv_lora_rank + (g.qk_rope_head_dim or 0)) * dtype_bytes(dtype)
+    b = dtype_bytes(dtype)
+    # heads are split across ranks until there are fewer heads than ranks, then replicated
+    return 2 * g.kv_heads * g.head_dim * b / min(max(tp, 1), g.kv_heads)
+
+
+def kv_bytes_per_token(config: dict[str, Any] | Geometry, dtype: str = "bf16", tp: int = 1) -> int:
+    """KV bytes per token on one rank, for a context that fits every sliding window."""
+    g = config if isinstance(config, Geometry) else geometry_from_config(config)
+    return int(round(g.layers * _layer_bytes(g, dtype, tp)))
+
+
+def seq_bytes(config: dict[str, Any] | Geometry, n: int, dtype: str = "bf16", tp: int = 1) -> int:
+    """KV bytes of a whole ``n``-token sequence on one rank (sliding-window layers capped at W)."""
+    g = config if isinstance(config, Geometry) else geometry_from_config(config)
+    lb = _layer_bytes(g, dtype, tp)
+    if g.sliding_window and g.swa_layers:
+        full = g.layers - g.swa_layers
+        return int(round(lb * (full * n + g.swa_layers * min(n, g.sliding_window))))
+    return int(round(lb * g.layers * n))
+
+
+# Built-in table (kv-science §1.2, Hugging Face config.json values). N = non-embedding params.
+BUILTIN: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "head_dim": 128, "non_embedding_params": 6.979e9},
+    "llama-3.1-70b": {"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                      "head_dim": 128, "non_embedding_params": 68.45e9},
+    "qwen2.5-7b": {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "head_dim": 128, "non_embedding_params": 6.525e9},
+    "mistral-7b": {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                   "head_dim": 128, "non_embedding_params": 6.98e9},
+    "mistral-7b-v0.1": {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "head_dim": 128, "sliding_window": 4096, "non_embedding_params": 6.98e9},
+    "deepseek-v3": {"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
+                    "qk_rope_head_dim": 64, "head_dim": 192},
+    "gemma-2-9b": {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096},
+    "gpt-oss-20b": {"num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+                    "head_dim": 64, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12},
+}
+# Llama-3 8B/70B share the 3.1 geometry; Meta-Llama-3-8B spelling too.
+_ALIASES = {
+    "llama-3-8b": "llama-3.1-8b", "llama-3.2-8b": "llama-3.1-8b", "llama-3.3-70b": "llama-3.1-70b",
+    "llama-3-70b": "llama-3.1-70b", "mistral-7b-v0.2": "mistral-7b", "mistral-7b-v0.3": "mistral-7b",
+    "deepseek-r1": "deepseek-v3",
+}
+
+
+def _norm(name: str) -> str:
+    s = name.lower().rsplit("/", 1)[-1]
+    s = s.replace("meta-", "").replace("_", "-")
+    return s
+
+
+def lookup_model(name: str | None) -> tuple[str, dict[str, Any]] | None:
+    """Best built-in entry for a served model name like ``meta-llama/Llama-3.1-8B-Instruct``."""
+    if not name:
+        return None
+    s = _norm(name)
+    keys = sorted({**{k: k for k in BUILTIN}, **_ALIASES}.items(), key=lambda kv: -len(kv[0]))
+    for key, target in keys:
+        # the key must appear as a whole dash-separated prefix run, so "mistral-7b" does not
+        # swallow "mistral-7b-v0.1"
+        if re.search(rf"(^|-){re.escape(key)}($|-)", s):
+            return target, BUILTIN[target]
+    return None
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    try:
+        d = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ModelConfigError(f"cannot read model config {path}: {e.strerror or e}") from None
+    except ValueError:
+        raise ModelConfigError(f"model config {path} is not JSON") from None
+    if not isinstance(d, dict):
+        raise ModelConfigError(f"model config {path} is not a JSON object")
+    geometry_from_config(d)  # validate now so the error names the file
+    return d

@@ -1,0 +1,51 @@
+"""Analyse a trace file end to end, streaming (never the whole file in memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.report import build_report
+from kvtop.model.trace import TraceReader
+
+
+def adapter_info(name: str | None) -> tuple[bool, dict[str, str], str | None]:
+    """(preempts, setting names, warning) from the engine adapter named in a trace header."""
+    if not name:
+        return True, {}, None
+    from kvtop.plugin import PluginError, load_adapter
+
+    try:
+        cls = load_adapter(name)
+    except PluginError as e:
+        return True, {}, f"engine-specific settings unavailable: {e}"
+    return bool(getattr(cls, "preempts", True)), dict(getattr(cls, "settings", {}) or {}), None
+
+
+def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
+                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
+                  use_request_preempts: bool = True) -> dict[str, Any]:
+    reader = TraceReader(path)
+    header = reader.header
+    eng = (header.get("engine") or {}).get("adapter")
+    preempts, settings, warn = adapter_info(eng)
+    an = Analyzer(itl_target_s=itl_target_s, preempts=preempts, use_request_preempts=use_request_preempts)
+    an.set_header(header)
+    warnings = [warn] if warn else []
+    if fast:
+        from kvtop.analysis import fastscan
+
+        if fastscan.available():
+            reader.close()
+            skipped = fastscan.scan(path, an)
+            an.finish()
+            if skipped:
+                warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
+            return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
+    feed = an.feed_dict
+    for d in reader.dicts():
+        feed(d)
+    an.finish()
+    if reader.warning():
+        warnings.append(reader.warning())
+    return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)

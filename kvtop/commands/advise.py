@@ -1,0 +1,38 @@
+"""`kvtop advise --scenario FILE.json`: evaluate the KV cost model on given inputs (a what-if calculator)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvtop.errors import UsageError
+
+NAME = "advise"
+HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
+DESCRIPTION = ("Evaluate the KV cost model (kv-science §5-§11) on the inputs in a scenario file and print the "
+               "verdict. The scenario format is the JSON Schema kvtop/schemas/scenario.schema.json.")
+ORDER = 45
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenario", required=True, metavar="FILE", help="scenario JSON file")
+    p.add_argument("--format", choices=("json", "text"), default="text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtop.analysis import scenario
+    from kvtop.analysis.report import render_verdict_text
+
+    try:
+        doc = scenario.load(args.scenario)
+        out = scenario.evaluate(doc)
+    except scenario.ScenarioError as e:
+        raise UsageError(str(e)) from None
+    if args.format == "json":
+        print(json.dumps(out, indent=2))
+    else:
+        title = out.get("scenario") or args.scenario
+        print(f"scenario: {title}")
+        print(f"cause: {(out['cause'] or 'none').replace('_', ' ')}")
+        print(render_verdict_text(out["verdict"]))
+    return 0
