@@ -10,6 +10,7 @@ pytest.importorskip("textual")
 
 from tui_support import FakeReplay, TickFeed, screen_text  # noqa: E402
 
+from kvtop.core import Core  # noqa: E402
 from kvtop.tui.app import KvtopApp  # noqa: E402
 from kvtop.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
@@ -241,3 +242,37 @@ async def test_events_newest_first_and_filtered():
         await pilot.press("slash", *"link", "enter")
         rows = [table.get_row_at(i)[2].plain for i in range(table.row_count)]
         assert rows == ["link_downtrained"] == [e.kind for e in events if "link" in f"{e.kind} {e.message}"]
+
+
+async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):
+    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.replay import ReplayFeed
+
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path, make_header()) as w:
+        Sample(seed=9, sink=w.write).run(60)
+    reference = Sample(seed=9).run(20).core  # the same records, fed to t=20 directly
+
+    def make_core() -> Core:
+        return Core(itl_target_s=0.1, source_label="replay trace.jsonl")
+
+    feed = ReplayFeed(path, make_core(), speed=1.0, core_factory=make_core)
+    app = KvtopApp(feed.core, feed=feed, interval=0.1, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p")
+        assert feed.paused and "PAUSED" in screen_text(app)
+        await pilot.press("g")
+        await pilot.pause()
+        await pilot.press(*"30", "enter")
+        await pilot.pause()
+        assert feed.t == 30.0 and "replay 30.00s/60.00s" in screen_text(app)
+        assert "t=30.00s" in screen_text(app)
+        first_core = app.core
+        await pilot.press("left_square_bracket")  # back 10 s: a fresh core re-fed to t=20
+        await pilot.pause()
+        assert feed.t == 20.0 and app.core is feed.core and app.core is not first_core
+        await pilot.press("2")
+        want = {r.id for r in reference.snapshot(now=20.0).requests}
+        assert set(_table_ids(app)) == want
+        assert "t=20.00s" in screen_text(app)
+    feed.close()

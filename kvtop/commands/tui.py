@@ -103,19 +103,11 @@ def run(args: argparse.Namespace) -> int:
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
 
-    from kvtop.core import Core
-
     if args.replay:
         path = Path(args.replay)
         if not path.is_file():
             raise UsageError(f"trace file not found: {path}")
-        try:
-            from kvtop.replay import ReplayFeed  # type: ignore[import-not-found]
-        except ImportError:
-            raise UsageError("replay is not available in this build (kvtop.replay missing)") from None
-        core = Core(itl_target_s=itl_target_s, source_label=f"replay {path.name}")
-        feed: Any = ReplayFeed(core, path)
-        title = "kvtop replay"
+        return replay_console(path, theme=theme, interval=interval, itl_target_s=itl_target_s)
     else:
         urls: list[str] = list(resolve(args, cfg, "url", []))
         if not urls:
@@ -128,14 +120,39 @@ def run(args: argparse.Namespace) -> int:
                     "(or `url` in config.toml), or try `kvtop demo`\n"
                 )
                 return 2
+        from kvtop.core import Core
         from kvtop.live import LiveRunner
 
         core = Core(itl_target_s=itl_target_s, source_label="live")
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
                           host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
                           adapter=resolve(args, cfg, "adapter"), timeout_s=timeout)
-        title = "kvtop"
 
     from kvtop.tui.app import run_console
 
-    return run_console(core, feed=feed, title=title, theme=theme, interval=interval)
+    return run_console(core, feed=feed, title="kvtop", theme=theme, interval=interval)
+
+
+def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
+                   itl_target_s: float | None = None) -> int:
+    """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
+    from kvtop.core import Core
+    from kvtop.model.trace import TraceError
+    from kvtop.replay import ReplayFeed
+    from kvtop.tui.app import run_console
+
+    label = f"replay {Path(path).name}"
+
+    def make_core() -> Core:
+        return Core(itl_target_s=itl_target_s, source_label=label)
+
+    try:
+        feed = ReplayFeed(path, make_core(), speed=speed, core_factory=make_core)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot read trace {path}: {e.strerror or e}") from None
+    try:
+        return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
+    finally:
+        feed.close()
