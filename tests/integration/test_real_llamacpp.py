@@ -83,9 +83,12 @@ def test_proxy_records_four_concurrent_streams(llama, trace_dir):
     assert all(r.completion_tokens == 80 for r in results)
     tl = kvtop_run.timelines(read_trace(trace))
     assert len(tl) == 4
+    records = read_trace(trace)
+    finishes = {r["id"]: r for r in records if r.get("kind") == "request" and r["event"] == "finish"}
     for rid, ev in tl.items():
         assert len(ev["arrive"]) == 1 and len(ev["first_token"]) == 1 and len(ev["finish"]) == 1, rid
-        assert sum(n or 1 for _, n in ev["first_token"] + ev["token"]) == 80, rid
+        assert finishes[rid].get("completion_tokens") == 80, finishes[rid]
+        assert 40 <= len(ev["first_token"]) + len(ev["token"]) <= 80, rid
     # concurrent, not one after another: all four were in flight at the same moment
     spans = [(ev["arrive"][0][0], ev["finish"][0][0]) for ev in tl.values()]
     assert max(a for a, _ in spans) < min(f for _, f in spans)
@@ -146,7 +149,6 @@ def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, trace_
     tl = kvtop_run.timelines(read_trace(trace))
     assert len(tl) == 4
     assert all(ev["error"] and not ev["finish"] for ev in tl.values()), {k: dict(v) for k, v in tl.items()}
-    report = analyze(trace)
-    events = report.get("events") or []
-    aborts = [e for e in events if any(w in json.dumps(e).lower() for w in ("abort", "error", "exceeded"))]
-    assert aborts, f"no event for 4 streams aborted together: {events}"
+    # ... and the operator's event log (the console / replay) shows one abort of the active streams
+    aborted = [e for e in kvtop_run.replay_events(trace) if e["kind"] == "requests_aborted"]
+    assert len(aborted) == 1, aborted
