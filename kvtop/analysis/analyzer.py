@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from kvtop.analysis import gaps as G
-from kvtop.analysis.attribution import Context, EngineTimeline, classify
+from kvtop.analysis.attribution import REL_SLOW, Context, EngineTimeline, classify
 from kvtop.analysis.gaps import Gap, LogHistogram, ReqState
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
@@ -57,6 +57,7 @@ class Analyzer:
         self.records = 0
         self.token_records = 0
         self._scrapes: deque[tuple] = deque(maxlen=50_000)
+        self._median_cache: tuple[int, float | None] | None = None
         # accumulators for measured inputs (kvtop/analysis/inputs.py reads them)
         self.acc: dict[str, Any] = {
             "finished": 0, "cancelled": 0, "errors": 0, "prompt_hist": LogHistogram(lo=1.0, bins=800),
@@ -314,7 +315,7 @@ class Analyzer:
         i = bisect_right(self._active_t, t) - 1
         return self._active_v[i] if i >= 0 else None
 
-    def _co_stalled(self, g: Gap) -> tuple[int, float | None]:
+    def _co_stalled(self, g: Gap, enough: int | None = None) -> tuple[int, float | None]:
         L = g.t_end - g.t_start
         half = 0.5 * L
         lg = self._long
@@ -341,6 +342,8 @@ class Analyzer:
             if ov >= half:
                 seen.add(q.request_id)
                 lens.append(q.gap)
+                if enough is not None and len(seen) >= enough:
+                    break  # every other active stream already found stalled
         if not lens:
             return 0, None
         lens.sort()
@@ -364,7 +367,11 @@ class Analyzer:
         engine_pre = bool(r and any(g.t_start - 1e-6 <= t <= g.t_end + 1e-6 for t in r.engine_preempts))
         mid = 0.5 * (g.t_start + g.t_end)
         act = self._active_at(mid)
-        co, co_med = self._co_stalled(g)
+        base = g.stream_baseline or self.median_gap()
+        if base and g.gap < REL_SLOW * base:
+            co, co_med = 0, None  # not an outlier for its stream: no need to look for company
+        else:
+            co, co_med = self._co_stalled(g, None if act is None else max(1, act - 1))
         ctx = Context(
             timeline=self.timeline, preempts=self.preempts, global_median=self.median_gap(),
             co_stalled=co, co_gap_median=co_med, active_others=None if act is None else max(0, act - 1),
@@ -402,8 +409,13 @@ class Analyzer:
 
     # ---- results --------------------------------------------------------------------------
     def median_gap(self) -> float | None:
-        if self.hist.n:
-            return self.hist.quantile(0.5)
+        n = self.hist.n
+        if n:
+            c = self._median_cache
+            # the median moves slowly: refresh it when the sample grew by 1 %
+            if c is None or n - c[0] > max(64, c[0] // 100):
+                c = self._median_cache = (n, self.hist.quantile(0.5))
+            return c[1]
         if self._warm:
             vals = sorted(x.gap for x in self._warm)
             return vals[len(vals) // 2]
