@@ -62,7 +62,7 @@ def main() -> int:
                 ok = rep["verdict"]["action"] == EXPECTED.get(preset)
                 ok_verdicts += ok
 
-                def pr(c: str) -> str:
+                def pr(c: str, sc: dict = sc) -> str:
                     x = sc[c]
                     tot[c]["tp"] += x["tp"]
                     tot[c]["pred"] += x["predicted"]

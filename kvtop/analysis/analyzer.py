@@ -58,6 +58,7 @@ class Analyzer:
         self.token_records = 0
         self._scrapes: deque[tuple] = deque(maxlen=50_000)
         self._median_cache: tuple[int, float | None] | None = None
+        self._hold = False  # the fast path holds attribution until a whole chunk is in
         # accumulators for measured inputs (kvtop/analysis/inputs.py reads them)
         self.acc: dict[str, Any] = {
             "finished": 0, "cancelled": 0, "errors": 0, "prompt_hist": LogHistogram(lo=1.0, bins=800),
@@ -113,7 +114,7 @@ class Analyzer:
             self.t0 = t
         if t > self.now:
             self.now = t
-        if self._pending and self._pending[0].t_end + self.settle <= t:
+        if self._pending and not self._hold and self._pending[0].t_end + self.settle <= t:
             self.tick(t)
 
     def _req(self, rid: str) -> ReqState:
@@ -145,7 +146,7 @@ class Analyzer:
             return
         g = t - lt
         self._gap(r, lt, t, g, "token")
-        if self._pending and self._pending[0].t_end + self.settle <= t:
+        if self._pending and not self._hold and self._pending[0].t_end + self.settle <= t:
             self.tick(t)
 
     def _gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str) -> None:
@@ -187,7 +188,7 @@ class Analyzer:
                     self._pending.append(gp)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
-                      completion: Any = None) -> None:
+                      completion: Any = None, tokens_done: bool = False) -> None:
         r = self._req(rid)
         acc = self.acc
         if ev == "arrive":
@@ -207,11 +208,12 @@ class Analyzer:
                 self._set_active(t, +1)
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc["ttft_rate_hist"].add(r.prompt_tokens / (t - r.arrive_t))
-            lt = r.last_t
-            r.last_t = t
-            r.tokens += n if n else 1
-            if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
-                self._gap(r, lt, t, t - lt, "token")
+            if not tokens_done:  # the fast path has already counted it and its gap
+                lt = r.last_t
+                r.last_t = t
+                r.tokens += n if n else 1
+                if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
+                    self._gap(r, lt, t, t - lt, "token")
         elif ev in ("finish", "cancel", "error"):
             if r.end_t is None:
                 r.end_t = t
@@ -274,15 +276,23 @@ class Analyzer:
         """Attribute every pending spike whose evidence window has passed."""
         now = self.now if now is None else now
         settle = self.settle
+        ready = []
         while self._pending and self._pending[0].t_end + settle <= now:
-            self._attribute(self._pending.popleft())
+            ready.append(self._pending.popleft())
+        # spikes ending in the same engine step: a fixed order, so counter units go the same way
+        # whichever path (streaming or fast) produced them
+        ready.sort(key=lambda g: (g.t_end, g.request_id))
+        for g in ready:
+            self._attribute(g)
         self._prune(now)
 
     def finish(self) -> None:
         if self.itl_target_s is None and self._warm:
             self._derive_target()
-        while self._pending:
-            self._attribute(self._pending.popleft())
+        ready = sorted(self._pending, key=lambda g: (g.t_end, g.request_id))
+        self._pending.clear()
+        for g in ready:
+            self._attribute(g)
 
     def _prune(self, now: float) -> None:
         keep_from = now - self.horizon_s

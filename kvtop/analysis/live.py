@@ -14,7 +14,15 @@ from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.report import build_report
-from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord, to_dict
+from kvtop.model.records import (
+    EngineRecord,
+    GpuRecord,
+    HostRecord,
+    Record,
+    RequestRecord,
+    TruthRecord,
+    to_dict,
+)
 
 
 class LiveAnalyzer:

@@ -68,7 +68,7 @@ def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, 
         total = 0.0
         for lst in by_key.values():
             f, last = lst[0][2], lst[-1][2]
-            for (le, c1), (_, c0) in zip(last["buckets"], f["buckets"]):
+            for (le, c1), (_, c0) in zip(last["buckets"], f["buckets"], strict=False):
                 merged[float(le)] = merged.get(float(le), 0.0) + (c1 - c0)
             total += last["count"] - f["count"]
         if total <= 0:
@@ -82,19 +82,19 @@ def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, 
         return counts, None, None
     deltas = []
     for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:]):
+        for prev, cur in zip(lst, lst[1:], strict=False):
             if prev[4] is not None and cur[4] is not None:
                 deltas.append(max(0.0, cur[4] - prev[4]))
     typ = sorted(deltas)[len(deltas) // 2] if deltas else 0.0
     for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:]):
+        for prev, cur in zip(lst, lst[1:], strict=False):
             h0, h1 = prev[2], cur[2]
             dcount = h1["count"] - h0["count"]
             if dcount <= 0:
                 continue
             below = 0.0
             p50_le = None
-            for (le, c1), (_, c0) in zip(h1["buckets"], h0["buckets"]):
+            for (le, c1), (_, c0) in zip(h1["buckets"], h0["buckets"], strict=False):
                 if float(le) <= target:
                     below = c1 - c0
                 if p50_le is None and c1 - c0 >= 0.5 * dcount:
