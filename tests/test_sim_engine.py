@@ -257,7 +257,8 @@ def test_bad_workloads_are_rejected_with_one_line():
     with pytest.raises(WorkloadError, match="preemption_mode"):
         parse_workload({"engine": {"preemption_mode": "magic"}, "classes": [{"prompt": 10, "output": 10}]})
     with pytest.raises(WorkloadError, match="max_model_len"):
-        parse_workload({"engine": {"max_model_len": 100}, "classes": [{"prompt": 90, "output": 20}]})
+        parse_workload({"engine": {"max_model_len": 100},
+                        "classes": [{"prompt": {"median": 80, "max": 90}, "output": {"median": 20, "max": 20}}]})
 
 
 def test_reserved_kv_and_priority_protect_interactive_requests():
