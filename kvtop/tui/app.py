@@ -55,6 +55,7 @@ class Panel(Static):
     def __init__(self, builder: Any = None, **kw: Any):
         super().__init__("", **kw)
         self.builder = builder
+        self._shown: str | None = None
 
     def show(self, builder: Any) -> None:
         self.builder = builder
@@ -63,7 +64,10 @@ class Panel(Static):
     def _redraw(self) -> None:
         if self.builder is not None:
             width = self.size.width or self.app.size.width
-            self.update(self.builder(width))
+            markup = self.builder(width)
+            if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                self._shown = markup
+                self.update(markup)
 
     def on_resize(self) -> None:
         self._redraw()
@@ -176,8 +180,9 @@ class SeekScreen(ModalScreen[float | None]):
 
 
 class MainScreen(Screen[None]):
-    # Panels collapse below 100 columns (one line per GPU, compact engines).
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    # Panels collapse below 100 columns (one line per GPU, compact engines); from 220 columns
+    # GPUs sit two to a row.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (220, "-huge")]
 
     def compose(self) -> ComposeResult:
         yield Static("", id="topbar")
@@ -289,7 +294,7 @@ class KvtopApp(App[int]):
 
     async def _run_feed(self) -> None:
         try:
-            await self.feed.run(self._stop)  # type: ignore[union-attr]
+            await self.feed.run(stop=self._stop)  # type: ignore[union-attr]
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a feed failing must not take the console down
@@ -302,7 +307,16 @@ class KvtopApp(App[int]):
 
     # -- rendering ------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
-        s = self.core.snapshot()
+        feed = self.feed
+        feed_core = getattr(feed, "core", None)
+        if isinstance(feed_core, Core) and feed_core is not self.core:
+            # a replay seeking backwards re-feeds the trace into a fresh core
+            feed_core.paused = self.paused
+            self.core = feed_core
+            self._reset_tables()
+        # a replay's clock is the trace position, not the last record's time
+        now = getattr(feed, "t", None) if hasattr(feed, "seek") else None
+        s = self.core.snapshot(now=now) if isinstance(now, (int, float)) else self.core.snapshot()
         if self.taken_at is not None:
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
@@ -338,7 +352,8 @@ class KvtopApp(App[int]):
     def _render_topbar(self, s: Snapshot) -> None:
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
         state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
-        src = render.escape(s.source_label)
+        # "kvtop demo: preemption-storm" already names its source
+        src = "" if s.source_label.split(" ")[-1] in self.title else render.escape(s.source_label)
         pos = ""
         feed = self.feed
         if feed is not None and hasattr(feed, "seek"):
@@ -525,13 +540,15 @@ class KvtopApp(App[int]):
 
     def _on_theme_changed(self, _theme: Theme) -> None:
         self._cell_cache = {}
+        self._reset_tables()  # rebuilt cells take the new theme's colours
+        self.render_current()
+
+    def _reset_tables(self) -> None:
         if self._main_ready:
-            # rebuild the tables so their cells take the new theme's colours
             self.main.query_one("#req-table", DataTable).clear()
             self._req_cache = {}
             self._req_order = []
             self._events_key = None
-        self.render_current()
 
     # -- actions --------------------------------------------------------------------------------
     def action_view(self, name: str) -> None:
@@ -636,7 +653,13 @@ class KvtopApp(App[int]):
         self.tick(force=True)
 
     def action_step(self, seconds: float) -> None:
-        fn = getattr(self.feed, "step", None)
+        feed = self.feed
+        if seconds < 0 and hasattr(feed, "seek"):
+            # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
+            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))  # type: ignore[union-attr]
+            self.tick(force=True)
+            return
+        fn = getattr(feed, "step", None)
         if callable(fn):
             fn(seconds)
             self.tick(force=True)
