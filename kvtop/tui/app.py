@@ -271,6 +271,7 @@ class KvtopApp(App[int]):
         self._req_rows: dict[str, Any] = {}
         self._events_key: tuple[Any, ...] | None = None
         self._stop = asyncio.Event()
+        self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
         self._engine_panels: list[Panel] = []
         self.main = MainScreen()
@@ -326,10 +327,26 @@ class KvtopApp(App[int]):
             return
         self.snap = self.take_snapshot()
         self.ticks += 1
+        if self._note_verdict(self.snap):
+            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
         try:
             self.render_current()
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
+
+    def _note_verdict(self, s: Snapshot) -> bool:
+        """A changed verdict is worth an entry in the events log; True when one was added."""
+        v = (s.analysis or {}).get("verdict") or {}
+        action = v.get("action")
+        if action is None:
+            return False
+        prev, self._last_action = self._last_action, action
+        if prev is None or prev == action:
+            return False
+        conf = v.get("confidence")
+        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
+        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
+        return True
 
     def render_current(self) -> None:
         s = self.snap
