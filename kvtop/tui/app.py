@@ -14,6 +14,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual._two_way_dict import TwoWayDict
@@ -99,9 +102,41 @@ class LiveTable(DataTable[Any]):
         hit = self._stable_cells.get(key)
         if hit is not None and hit[0] is value:
             return hit[1]
-        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        lines = self._fast_cell(value, row_index, column_index, base_style, width, cursor, hover)
+        if lines is None:
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
         self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
         return lines
+
+    def _fast_cell(self, value: Any, row_index: int, column_index: int, base_style: Style, width: int,
+                   cursor: bool, hover: bool) -> list[list[Segment]] | None:
+        """The segments DataTable would make for a one-line, single-style Text that fits, built
+        directly instead of through Rich's Padding/Styled/render_lines (several times slower).
+        Anything else (spans, wrapping, overflow, fixed cells, row heights) returns None and goes
+        the normal way. tests/test_tui_fmt.py checks both paths give identical segments."""
+        pad = self.cell_padding
+        if (not isinstance(value, Text) or value.spans or "\n" in value.plain or self.fixed_rows
+                or self.fixed_columns or self.rows[self._row_locations.get_key(row_index)].height != 1):
+            return None
+        text = value.plain
+        fill = width - 2 * pad - cell_len(text)
+        if fill < 0:
+            return None
+        component_style, post_style = self._get_styles_to_render_cell(
+            False, False, False, hover, cursor, self.show_cursor, self._show_hover_cursor,
+            self.cursor_foreground_priority == "css", self.cursor_background_priority == "css",
+        )
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        pad_style = pre + Style.null() + post_style
+        vstyle = value.style if isinstance(value.style, Style) else Style.parse(value.style or "none")
+        segs = [Segment(" " * pad, pad_style)] if pad else []
+        if text:
+            segs.append(Segment(text, pre + vstyle + post_style))
+        if fill:
+            segs.append(Segment(" " * fill, pad_style))
+        if pad:
+            segs.append(Segment(" " * pad, pad_style))
+        return [segs]
 
     def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
         if not changes:
