@@ -90,6 +90,9 @@ class _RequestState:
     marks: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=256))
 
 
+ERROR_BURST_S = 1.0
+
+
 class Core:
     """Folds records; ``snapshot()`` derives the immutable view."""
 
@@ -115,6 +118,10 @@ class Core:
         self._host: HostRecord | None = None
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self._events: deque[EventView] = deque(maxlen=500)
+        # Streams ending in error within ERROR_BURST_S of each other: an engine aborting its active
+        # requests (llama.cpp's exhausted unified KV cache, an engine crash) -> one event per burst.
+        self._error_burst: list[RequestRecord] = []
+        self._error_burst_reported = False
         self.paused = False
 
     # -- ingest -----------------------------------------------------------------------------
@@ -264,6 +271,21 @@ class Core:
         elif ev in ("finish", "cancel", "error"):
             r.state = {"finish": "finished", "cancel": "cancelled", "error": "error"}[ev]
             r.end_t = rec.t
+            if ev == "error":
+                self._note_error(rec)
+
+    def _note_error(self, rec: RequestRecord) -> None:
+        burst = self._error_burst
+        if burst and rec.t - burst[-1].t > ERROR_BURST_S:
+            burst.clear()
+            self._error_burst_reported = False
+        burst.append(rec)
+        if len(burst) >= 2 and not self._error_burst_reported:
+            self._error_burst_reported = True
+            kinds = sorted({b.error or "error" for b in burst})
+            self.event(rec.t, "error", "requests_aborted",
+                       f"{len(burst)}+ streams ended in error together ({', '.join(kinds)}): the engine aborted "
+                       "its active requests")
 
     def _trim_requests(self) -> None:
         while len(self._requests) > self.max_requests:

@@ -86,3 +86,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         r = run_kvtop("simulate", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_fast_token_lines_equal_the_typed_records_serialisation():
+    from types import SimpleNamespace
+
+    from kvtop.model.records import RequestRecord, to_dict
+    from kvtop.sim.simulate import _token_lines
+
+    seqs = [SimpleNamespace(id="sim-3", generated=1), SimpleNamespace(id='odd"id\\', generated=7)]
+    for t in (1.0, 0.1 + 0.2, 12345.678901234, 3e-7):
+        want = [json.dumps(to_dict(RequestRecord(t, s.id, "first_token" if s.generated == 1 else "token", n=1,
+                                                 source="sim")), separators=(",", ":")) for s in seqs]
+        assert _token_lines(t, seqs).splitlines() == want

@@ -258,3 +258,49 @@ def test_bad_workloads_are_rejected_with_one_line():
         parse_workload({"engine": {"preemption_mode": "magic"}, "classes": [{"prompt": 10, "output": 10}]})
     with pytest.raises(WorkloadError, match="max_model_len"):
         parse_workload({"engine": {"max_model_len": 100}, "classes": [{"prompt": 90, "output": 20}]})
+
+
+def test_reserved_kv_and_priority_protect_interactive_requests():
+    cfg = EngineConfig(num_gpu_blocks=200, block_size=16, max_num_batched_tokens=8192, max_num_seqs=32)
+    eng = Engine(cfg)
+    eng.set_reservations({0: 0.5})  # half the pool only for priority-0 (interactive) requests
+
+    def spec(i, prio, prompt, out):
+        return RequestSpec(f"{'b' if prio else 'i'}{i}", 0.0, "batch" if prio else "interactive", prompt, out, out,
+                           None, prio, None, 0)
+
+    for i in range(6):
+        eng.add(spec(i, 1, 480, 2000))  # 30 blocks each: only 3 fit in the unreserved 100 blocks
+    eng.step()
+    assert [s.id for s in eng.running] == ["b0", "b1", "b2"]
+    assert eng.n_blocks - eng.available() == 3 * 30  # a 4th would pass the 100 unreserved blocks
+    eng.add(spec(0, 0, 1600, 400))  # 101 blocks: fits only thanks to the reservation
+    eng.step()
+    assert "i0" in {s.id for s in eng.running} and len(eng.waiting) == 3
+    # when memory runs out, the batch requests (priority 1) are preempted before the interactive one,
+    # although the interactive request arrived last
+    while eng.stats.preempt_events == 0:
+        eng.step()
+        eng.check_invariants()
+    assert all(s.id.startswith("b") for s in eng.waiting if s.n_preempts)
+    assert eng.seqs["i0"].n_preempts == 0
+
+
+def test_overlapped_swap_never_blocks_the_step_but_blocking_swap_does():
+    wl = load_preset("swap-vs-recompute").with_policy("swap-slow-link")
+    recs_block, _ = simulate(wl, duration=300, scrape=None, tokens=False)
+    blocking = truths(recs_block, "swap_stall")
+    assert blocking and all(r.data["blocked_s"] > 0 for r in blocking)
+    over = parse_workload({**_swap_preset_dict(), "policies": {
+        "async": {"preemption_mode": "swap", "swap": {"link_bytes_per_s": 2e9, "copy_bytes": 8192,
+                                                      "copy_overhead_s": 2e-5, "overlap": True}}}})
+    recs_over, res = simulate(over.with_policy("async"), duration=300, scrape=None, tokens=False)
+    assert not truths(recs_over, "swap_stall") and truths(recs_over, "resume")
+    assert res.stats.offload_bytes["CPU_to_GPU"] > 0
+
+
+def _swap_preset_dict() -> dict:
+    import json
+    from importlib import resources
+
+    return json.loads((resources.files("kvtop.sim") / "presets" / "swap-vs-recompute.json").read_text())

@@ -79,11 +79,12 @@ class Dist:
     median: float
     sigma: float = 0.0
     min: int = 1
-    max: int = 1 << 20
+    max: int | None = None  # None: only the engine's max_model_len caps it
 
     def sample(self, rng: random.Random) -> int:
         v = self.median if self.sigma <= 0 else rng.lognormvariate(math.log(self.median), self.sigma)
-        return int(min(self.max, max(self.min, round(v))))
+        v = max(self.min, round(v))
+        return int(v if self.max is None else min(self.max, v))
 
 
 @dataclass
@@ -140,19 +141,20 @@ class Workload:
 
     def requests(self, seed: int, duration_s: float) -> Iterator[RequestSpec]:
         """Arrivals before ``duration_s`` in time order; deterministic for a seed."""
-        gens = [_class_arrivals(c, seed, i, duration_s) for i, c in enumerate(self.classes)]
+        gens = [_class_arrivals(c, seed, i, duration_s, self.engine.max_model_len) for i, c in enumerate(self.classes)]
         for n, (t, _i, spec) in enumerate(heapq.merge(*gens, key=lambda x: (x[0], x[1]))):
             spec.id = f"sim-{n}"
             spec.t = t
             yield spec
 
 
-def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float) -> Iterator[tuple[float, int, RequestSpec]]:
+def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
+                    max_model_len: int) -> Iterator[tuple[float, int, RequestSpec]]:
     rng = random.Random(f"{seed}/{c.name}/{idx}")
-    max_tokens = c.max_tokens or c.output.max
+    max_tokens = c.max_tokens or c.output.max or max_model_len
 
     def spec(t: float) -> RequestSpec:
-        p = c.prompt.sample(rng)
+        p = min(c.prompt.sample(rng), max_model_len - 1)
         o = min(c.output.sample(rng), max_tokens)
         return RequestSpec("", t, c.name, max(p, c.prefix_tokens + 1) if c.prefix_id else p, o, max_tokens,
                            c.patience_s, c.priority, c.prefix_id, c.prefix_tokens)
@@ -240,7 +242,8 @@ def _dist(d: Any, where: str) -> Dist:
     _num(dist.median, f"{where}.median", 1)
     _num(dist.sigma, f"{where}.sigma", 0)
     _num(dist.min, f"{where}.min", 1, integer=True)
-    _num(dist.max, f"{where}.max", dist.min, integer=True)
+    if dist.max is not None:
+        _num(dist.max, f"{where}.max", dist.min, integer=True)
     return dist
 
 
@@ -278,7 +281,8 @@ def parse_workload(obj: Any, where: str = "workload") -> Workload:
             raise WorkloadError(f"{cw}.reserved_kv_frac must be in [0, 1)")
         if tc.prefix_id is not None:
             _num(tc.prefix_tokens, f"{cw}.prefix_tokens", 1, integer=True)
-        if max(tc.prompt.max, tc.prefix_tokens + 1) + (tc.max_tokens or tc.output.max) > eng.max_model_len:
+        longest = max(tc.prompt.max or 0, tc.prefix_tokens + 1)
+        if longest + (tc.max_tokens or tc.output.max or 0) > eng.max_model_len:
             raise WorkloadError(f"{cw}: longest prompt + max_tokens exceeds engine.max_model_len ({eng.max_model_len})")
         classes.append(tc)
     policies = obj.get("policies", {}) or {}

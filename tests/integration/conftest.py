@@ -7,6 +7,7 @@ green by skipping. Locally, deselect the tier with ``-m "not real_engine"``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -43,6 +44,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _DESELECTED: list[pytest.Item] = []
+
+
+@pytest.fixture(scope="session")
+def trace_dir() -> Path:
+    """Traces and reports of the last tier run, kept for a post-mortem (pytest's tmp dirs rotate away)."""
+    d = servers.CACHE / "last-tier-run"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    return d
 
 
 @pytest.fixture(scope="session")

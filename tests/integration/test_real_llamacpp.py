@@ -74,8 +74,8 @@ def test_token_rates_nonzero_under_load(llama):
     assert eng["prompt_tokens_per_s"] and eng["prompt_tokens_per_s"] > 0
 
 
-def test_proxy_records_four_concurrent_streams(llama, tmp_path):
-    trace = tmp_path / "trace.jsonl"
+def test_proxy_records_four_concurrent_streams(llama, trace_dir):
+    trace = trace_dir / "llamacpp-4-streams.jsonl"
     with Recorder(trace, llama.url) as rec:
         results = load.drive(rec.proxy_url, MODEL, 4, 80, seed=4)
         rc = rec.stop()
@@ -83,18 +83,21 @@ def test_proxy_records_four_concurrent_streams(llama, tmp_path):
     assert all(r.completion_tokens == 80 for r in results)
     tl = kvtop_run.timelines(read_trace(trace))
     assert len(tl) == 4
+    records = read_trace(trace)
+    finishes = {r["id"]: r for r in records if r.get("kind") == "request" and r["event"] == "finish"}
     for rid, ev in tl.items():
         assert len(ev["arrive"]) == 1 and len(ev["first_token"]) == 1 and len(ev["finish"]) == 1, rid
-        assert sum(n or 1 for _, n in ev["first_token"] + ev["token"]) == 80, rid
+        assert finishes[rid].get("completion_tokens") == 80, finishes[rid]
+        assert 40 <= len(ev["first_token"]) + len(ev["token"]) <= 80, rid
     # concurrent, not one after another: all four were in flight at the same moment
     spans = [(ev["arrive"][0][0], ev["finish"][0][0]) for ev in tl.values()]
     assert max(a for a, _ in spans) < min(f for _, f in spans)
 
 
-def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama, tmp_path):
+def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama, trace_dir):
     text, n = prompt_of(llama, 1500)
     assert 1400 <= n <= 1600
-    trace = tmp_path / "trace.jsonl"
+    trace = trace_dir / "llamacpp-prefill.jsonl"
     with Recorder(trace, llama.url) as rec:
         time.sleep(1.0)
         prompts = [load.prompt(i, seed=8) for i in range(3)] + [text]
@@ -127,13 +130,13 @@ def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama,
     assert kvtop_run.cause_count(report, "preemption") == 0  # llama.cpp never preempts
 
 
-def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, tmp_path):
+def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, trace_dir):
     binary, model = llamacpp_install
     # one 1,024-token KV cache shared by 4 slots (-kvu): 4 x 600 tokens cannot fit
     srv = servers.llama_server(binary, model, ctx=1024, parallel=4, unified_kv=True)
     try:
         srv.start(timeout=120)
-        trace = tmp_path / "trace.jsonl"
+        trace = trace_dir / "llamacpp-kvu.jsonl"
         with Recorder(trace, srv.url) as rec:
             results = load.drive(rec.proxy_url, MODEL, 4, 600, seed=9)
             time.sleep(1.0)
@@ -146,7 +149,6 @@ def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, tmp_pa
     tl = kvtop_run.timelines(read_trace(trace))
     assert len(tl) == 4
     assert all(ev["error"] and not ev["finish"] for ev in tl.values()), {k: dict(v) for k, v in tl.items()}
-    report = analyze(trace)
-    events = report.get("events") or []
-    aborts = [e for e in events if any(w in json.dumps(e).lower() for w in ("abort", "error", "exceeded"))]
-    assert aborts, f"no event for 4 streams aborted together: {events}"
+    # ... and the operator's event log (the console / replay) shows one abort of the active streams
+    aborted = [e for e in kvtop_run.replay_events(trace) if e["kind"] == "requests_aborted"]
+    assert len(aborted) == 1, aborted
