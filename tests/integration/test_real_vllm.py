@@ -136,10 +136,11 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
         others = sum(1 for rid, ts in times.items() if rid != s["request_id"] for t in ts if t0 < t < t1)
         assert own == [], f"{s['request_id']} received tokens inside its own stall"
         assert others > 0, f"stall of {s['request_id']} at {t0:.2f}: nobody else received tokens"
-        # a real preemption stall dwarfs the stream's normal rhythm (reference: > 50x)
+        # a real preemption stall dwarfs the stream's normal rhythm (reference: > 50x its usual gap)
         ts = times[s["request_id"]]
         gaps = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
-        assert s["gap_s"] > 10 * gaps[len(gaps) // 2]
+        body = gaps[: int(len(gaps) * 0.95)]
+        assert s["gap_s"] > 20 * sum(body) / len(body)
 
 
 def test_few_spikes_get_other_causes(preempted):
