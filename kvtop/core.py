@@ -20,6 +20,22 @@ from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView
 _LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
 
 
+TIMELINE_MAX_CHUNKS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimeline:
+    """One request's token arrivals and the engine events around it (request detail view)."""
+
+    id: str
+    arrive_t: float
+    end_t: float | None
+    state: str
+    tokens: tuple[tuple[float, int], ...]  # (t, tokens in chunk); the oldest drop past TIMELINE_MAX_CHUNKS
+    marks: tuple[tuple[float, str], ...]  # request-level preempt / resume events
+    engine_marks: tuple[tuple[float, str, float], ...]  # (t, "preemption" | "prompt_burst", amount)
+
+
 def pcie_capacity_bytes_per_s(gen: int | None, width: int | None) -> float | None:
     if not gen or not width or gen not in _LANE_BYTES_PER_S:
         return None
@@ -69,6 +85,12 @@ class _RequestState:
     last_token_t: float | None = None
     max_gap_s: float | None = None
     end_t: float | None = None
+    # (t, n) per token chunk plus preempt/resume marks, bounded, for the request detail view.
+    token_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=TIMELINE_MAX_CHUNKS))
+    marks: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=256))
+
+
+ERROR_BURST_S = 1.0
 
 
 class Core:
@@ -96,6 +118,10 @@ class Core:
         self._host: HostRecord | None = None
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
         self._events: deque[EventView] = deque(maxlen=500)
+        # Streams ending in error within ERROR_BURST_S of each other: an engine aborting its active
+        # requests (llama.cpp's exhausted unified KV cache, an engine crash) -> one event per burst.
+        self._error_burst: list[RequestRecord] = []
+        self._error_burst_reported = False
         self.paused = False
 
     # -- ingest -----------------------------------------------------------------------------
@@ -232,15 +258,34 @@ class Core:
                 gap = rec.t - r.last_token_t
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t
-            r.tokens += rec.n if rec.n is not None else 1
+            n = rec.n if rec.n is not None else 1
+            r.tokens += n
+            r.token_times.append((rec.t, n))
             r.state = "running"
         elif ev == "preempt":
             r.state = "preempted"
+            r.marks.append((rec.t, ev))
         elif ev == "resume":
             r.state = "running"
+            r.marks.append((rec.t, ev))
         elif ev in ("finish", "cancel", "error"):
             r.state = {"finish": "finished", "cancel": "cancelled", "error": "error"}[ev]
             r.end_t = rec.t
+            if ev == "error":
+                self._note_error(rec)
+
+    def _note_error(self, rec: RequestRecord) -> None:
+        burst = self._error_burst
+        if burst and rec.t - burst[-1].t > ERROR_BURST_S:
+            burst.clear()
+            self._error_burst_reported = False
+        burst.append(rec)
+        if len(burst) >= 2 and not self._error_burst_reported:
+            self._error_burst_reported = True
+            kinds = sorted({b.error or "error" for b in burst})
+            self.event(rec.t, "error", "requests_aborted",
+                       f"{len(burst)}+ streams ended in error together ({', '.join(kinds)}): the engine aborted "
+                       "its active requests")
 
     def _trim_requests(self) -> None:
         while len(self._requests) > self.max_requests:
@@ -353,6 +398,39 @@ class Core:
             paused=self.paused,
             source_label=self.source_label,
         )
+
+    def request_timeline(self, request_id: str) -> RequestTimeline | None:
+        """Token times of one request plus engine preemption rises / prompt bursts in its span."""
+        r = self._requests.get(request_id)
+        if r is None:
+            return None
+        t0, t1 = r.arrive_t, (r.end_t if r.end_t is not None else self.now)
+        return RequestTimeline(
+            id=r.id, arrive_t=r.arrive_t, end_t=r.end_t, state=r.state,
+            tokens=tuple(r.token_times), marks=tuple(r.marks), engine_marks=self.engine_marks(t0, t1),
+        )
+
+    def engine_marks(self, t0: float, t1: float) -> tuple[tuple[float, str, float], ...]:
+        """Scrape instants in [t0, t1] where any engine's preemption counter rose, or its prompt
+        token rate jumped to more than 3x its median over the span (a prefill burst)."""
+        out: list[tuple[float, str, float]] = []
+        for st in self._engines.values():
+            prev: tuple[float, float] | None = None
+            for t, v in st.preemptions.items():
+                if prev is not None and t0 <= t <= t1 and v > prev[1]:
+                    out.append((t, "preemption", v - prev[1]))
+                prev = (t, v)
+            rates: list[tuple[float, float]] = []
+            prev = None
+            for t, v in st.prompt.items():
+                if prev is not None and t0 <= t <= t1 and t > prev[0] and v >= prev[1]:
+                    rates.append((t, (v - prev[1]) / (t - prev[0])))
+                prev = (t, v)
+            if len(rates) >= 3:
+                med = sorted(r for _, r in rates)[len(rates) // 2]
+                out.extend((t, "prompt_burst", r) for t, r in rates if r > 3 * med and r > 0)
+        out.sort()
+        return tuple(out)
 
     def set_engine_capabilities(self, url: str, preempts: bool) -> None:
         for (u, _), st in self._engines.items():

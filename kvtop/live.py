@@ -49,19 +49,23 @@ class LiveRunner:
         self.interval_s = max(0.05, float(interval_s))
         self.sinks: list[Sink] = list(sinks or [])
         self._t0 = time.monotonic()
-        self.scrapers = [EngineScraper(u, adapter=adapter, token=token, timeout_s=timeout_s) for u in self.urls]
+        self.scrapers = [
+            EngineScraper(u, adapter=adapter, token=token, timeout_s=timeout_s, clock=self.now) for u in self.urls
+        ]
         self._want_gpu = gpu
         self._want_host = host
         self._gpu: Any = None
         self._host: Any = None
         self._gpu_lock = threading.Lock()
         self._host_lock = threading.Lock()
-        self._pids_cache: tuple[float, list[int]] = (-1e9, [])
+        self._pids: Callable[[], set[int]] | None = None
         self._sources: list[_Source] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._detected: set[int] = set()
         self._sink_failed = False
         self._opened = False
+        self._stopping = False
+        self.timeout_s = timeout_s
         self.gpu_status = "ok" if gpu else "disabled (--no-gpu)"
         if not gpu:
             core.set_gpu_status(self.gpu_status)
@@ -83,22 +87,15 @@ class LiveRunner:
                     self.core.event(rec.t, "error", "source_error", f"record sink failed: {e}")
 
     # -- engine pids (GPU/host sources use them to find the engine's processes) ---------------
-    def _engine_pids(self) -> list[int]:
-        t, pids = self._pids_cache
-        if time.monotonic() - t < 5.0:
-            return pids
-        try:
-            from kvtop.sources.procs import engine_pids_for_url
-        except ImportError:
-            return []
-        out: list[int] = []
-        for u in self.urls:
+    def _engine_pids(self) -> set[int]:
+        """PIDs of local engines behind the URLs (cached; empty for remote engines)."""
+        if self._pids is None:
             try:
-                out.extend(p for p in engine_pids_for_url(u) if p not in out)
-            except Exception:
-                continue
-        self._pids_cache = (time.monotonic(), out)
-        return out
+                from kvtop.sources.procs import EnginePids
+            except ImportError:
+                return set()
+            self._pids = EnginePids(self.urls)
+        return self._pids()
 
     # -- sources ------------------------------------------------------------------------------
     def _engine_poll(self, idx: int) -> Callable[[float], Awaitable[None]]:
@@ -207,7 +204,7 @@ class LiveRunner:
     async def _loop_source(self, src: _Source) -> None:
         assert src.wake is not None
         next_t = self.now()
-        while True:
+        while not self._stopping:
             try:
                 await src.poll(self.now())
             except asyncio.CancelledError:
@@ -227,6 +224,11 @@ class LiveRunner:
                 pass
             src.wake.clear()
 
+    def _wake_all(self) -> None:
+        for src in self._sources:
+            if src.wake is not None:
+                src.wake.set()
+
     # -- control ------------------------------------------------------------------------------
     def refresh_now(self) -> None:
         """Poll every source right away (safe from any thread)."""
@@ -234,11 +236,7 @@ class LiveRunner:
         if loop is None:
             return
 
-        def wake() -> None:
-            for src in self._sources:
-                if src.wake is not None:
-                    src.wake.set()
-
+        wake = self._wake_all
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -266,6 +264,7 @@ class LiveRunner:
         report's window ends at the duration rather than up to one interval before it.
         """
         await self._setup()
+        self._stopping = False
         tasks = [asyncio.create_task(self._loop_source(src), name=f"kvtop {src.name}") for src in self._sources]
         waiters: list[asyncio.Task[Any]] = []
         try:
@@ -280,9 +279,15 @@ class LiveRunner:
         finally:
             for w in waiters:
                 w.cancel()
-            for task in tasks:
+            # Let in-flight polls finish (each is bounded by its timeout) rather than cancel them:
+            # a cancelled httpx request can wedge in httpcore's connection clean-up. Waiting
+            # sources stop at once; only a poll stuck past its timeout is cancelled.
+            self._stopping = True
+            self._wake_all()
+            _, stuck = await asyncio.wait(tasks, timeout=self.timeout_s + 2.0) if tasks else (set(), set())
+            for task in stuck:
                 task.cancel()
-            await asyncio.gather(*tasks, *waiters, return_exceptions=True)
+            await asyncio.gather(*waiters, return_exceptions=True)
         try:
             if final_poll:
                 await self.poll_all()

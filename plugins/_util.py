@@ -4,6 +4,9 @@
 or do not carry the label at all", counters whose ``_total`` suffix depends on whether the page
 declared a ``# TYPE`` (prometheus-client appends ``_total`` to declared counters, a line re-read on
 its own after a parse error keeps its wire name), and truncation checks.
+
+The adapters here deliberately expose only ``parse(text, t)``, not a ``parse_page(Page, t)``
+shortcut: the truncation checks need the raw text (a missing final newline).
 """
 
 from __future__ import annotations

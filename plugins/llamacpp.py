@@ -87,9 +87,9 @@ class LlamaCppAdapter(EngineAdapter):
         return 0.95 if any(m in _CORE for m in metric_names) else 0.6
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
-        return [self.parse_page(read_page(text, _CORE), t)]
+        return [self._record(read_page(text, _CORE), t)]
 
-    def parse_page(self, page: Page, t: float) -> EngineRecord:
+    def _record(self, page: Page, t: float) -> EngineRecord:
         rec = EngineRecord(t=t, adapter=self.name, warnings=list(page.warnings))
         if not any(n.startswith(P) for n in page.samples):
             rec.warnings.append("no llamacpp: metrics on the page")

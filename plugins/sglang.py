@@ -96,9 +96,9 @@ class SglangAdapter(EngineAdapter):
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         page = read_page(text, _CORE)
         page.warnings.extend(incomplete_histograms(page, _HISTS))
-        return self.parse_page(page, t)
+        return self._records(page, t)
 
-    def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
+    def _records(self, page: Page, t: float) -> list[EngineRecord]:
         names = [n for n in page.samples if n.startswith(P)]
         if not names:
             return [EngineRecord(t=t, adapter=self.name, warnings=[*page.warnings, "no sglang: metrics on the page"])]
@@ -119,9 +119,13 @@ class SglangAdapter(EngineAdapter):
             for lb, _ in page.samples[n]:
                 if rank_ok(lb) and "model_name" in lb:  # skips helper series such as func_latency{name}
                     keys.setdefault((lb.get("engine_type"), lb.get("dp_rank")))
-        # a key without dp_rank is the tokenizer's view of an engine type that has DP ranks
+        # A key lacking dp_rank (or engine_type) is the tokenizer's server-wide view of engines
+        # that do carry the label: not an engine of its own.
+        typed = any(et is not None for et, _ in keys)
         ranked_types = {et for et, dp in keys if dp is not None}
-        inst = [k for k in keys if not (k[1] is None and k[0] in ranked_types)] or [(None, None)]
+        inst = [
+            k for k in keys if not (k[0] is None and typed) and not (k[1] is None and k[0] in ranked_types)
+        ] or [(None, None)]
         inst.sort(key=lambda k: (k[0] or "", _rank_key(k[1] or "0")))
         types = list(dict.fromkeys(et for et, _ in inst))
         primary_dp = {et: next(dp for e, dp in inst if e == et) for et in types}

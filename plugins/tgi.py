@@ -65,9 +65,9 @@ class TgiAdapter(EngineAdapter):
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         page = read_page(text, _CORE)
         page.warnings.extend(incomplete_histograms(page, _HISTS))
-        return [self.parse_page(page, t)]
+        return [self._record(page, t)]
 
-    def parse_page(self, page: Page, t: float) -> EngineRecord:
+    def _record(self, page: Page, t: float) -> EngineRecord:
         rec = EngineRecord(t=t, adapter=self.name, warnings=list(page.warnings))
         if not any(n.startswith(P) for n in page.samples):
             rec.warnings.append("no tgi_ metrics on the page")

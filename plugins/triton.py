@@ -64,9 +64,9 @@ class TritonAdapter(EngineAdapter):
         return 0.35 if any(m.startswith("nv_inference_") for m in metric_names) else 0.0
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
-        return self.parse_page(read_page(text, _CORE), t)
+        return self._records(read_page(text, _CORE), t)
 
-    def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
+    def _records(self, page: Page, t: float) -> list[EngineRecord]:
         inst: dict[tuple[str | None, str | None], None] = {}
         for n in page.samples:
             if n.startswith(P):

@@ -169,6 +169,15 @@ def test_tokenizer_metrics_only_on_lowest_dp_rank(modern):
     assert any("dp_rank 0" in n for n in r1.extra["notes"])
 
 
+def test_tokenizer_series_without_engine_type_join_the_scheduler_record():
+    page = (
+        'sglang:num_running_reqs{engine_type="unified",model_name="m",pp_rank="0",tp_rank="0"} 5.0\n'
+        'sglang:prompt_tokens_total{model_name="m"} 1234.0\n'
+    )
+    (r,) = SglangAdapter().parse(page, 0.0)
+    assert (r.running, r.prompt_tokens_total, r.engine) == (5, 1234, None)
+
+
 def test_cache_source_total_preferred():
     page = (
         "# TYPE sglang:cached_tokens_total counter\n"

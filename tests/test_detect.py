@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import FIXTURES
 
+from kvtop.model.records import from_dict, to_dict
 from kvtop.plugin import detect_adapter, list_adapters, load_adapter
 from kvtop.sources.prom import parse_page
 
@@ -47,6 +50,12 @@ def test_detected_adapter_parses_its_page(page):
     assert recs and all(r.adapter == cls.name for r in recs)
     # every record fills at least running or kv_usage or a token counter
     assert any(r.running is not None or r.kv_usage is not None or r.prompt_tokens_total is not None for r in recs)
+    # records survive the trace format (extra must be plain JSON)
+    for r in recs:
+        line = json.dumps(to_dict(r))
+        again = json.dumps(to_dict(from_dict(json.loads(line))))
+        # NaN != NaN, and the reader turns histogram counts into floats (4 == 4.0 still holds)
+        assert json.loads(again.replace("NaN", "null")) == json.loads(line.replace("NaN", "null"))
 
 
 def test_detect_works_on_names_as_a_scraper_sees_them_after_a_parse_error():
@@ -63,3 +72,53 @@ def test_triton_vllm_backend_page_goes_to_vllm():
 
 def test_unknown_page_detects_nothing():
     assert detect_adapter({"process_cpu_seconds_total", "http_requests_total"}) is None
+
+
+def _expand(field: str) -> list[str]:
+    """`offload_{out,in}_{bytes,seconds}_total` -> the four names."""
+    import itertools
+    import re
+
+    parts = re.split(r"\{([^}]*)\}", field)
+    choices = [p.split(",") if i % 2 else [p] for i, p in enumerate(parts)]
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def test_readme_field_tables_match_each_adapters_fields():
+    import re
+
+    from conftest import REPO
+
+    from kvtop.plugin import NORMALIZED_FIELDS
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Engine adapters", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"### [^\n]*\(`(\w+)`\)\n(.*?)(?=\n### |\Z)", section, re.S)
+    assert {name for name, _ in tables} == set(ENGINE_OF.values())
+    for name, body in tables:
+        documented: set[str] = set()
+        for row in re.findall(r"^\| (`[^|]*) \|", body, re.M):
+            for f in re.findall(r"`([a-z_{},]+)`", row):
+                documented.update(_expand(f))
+        assert documented <= set(NORMALIZED_FIELDS), name
+        assert documented == set(load_adapter(name).fields), name
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if not p.startswith("vllm")])
+def test_any_cut_of_a_page_parses_with_a_warning_never_raises(page):
+    text = (FIXTURES / page).read_text()
+    adapter = load_adapter(_engine(page))()
+    for i in range(1, 25):
+        cut = len(text) * i // 25
+        recs = adapter.parse(text[:cut], 0.0)
+        assert recs
+        if text[cut - 1] != "\n":  # cut inside a line: the page cannot be complete
+            assert all(r.warnings for r in recs), (page, cut)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if not p.startswith("vllm")])
+def test_garbage_in_the_middle_keeps_the_rest(page):
+    text = (FIXTURES / page).read_text()
+    mid = text.index("\n", len(text) // 2) + 1
+    recs = load_adapter(_engine(page))().parse(text[:mid] + "\x00\xff}{ not a metric\n" + text[mid:], 0.0)
+    assert recs and all(any("unparseable" in w for w in r.warnings) for r in recs)

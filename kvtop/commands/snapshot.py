@@ -53,12 +53,15 @@ def _finite(obj: Any) -> Any:
 
 
 def _analysis(itl_target_s: float | None) -> Any:
-    """The live analysis the core feeds (``Core(analysis=...)``); None until kvtop.analysis provides one."""
-    return None
+    """The live analysis the core feeds (``Core(analysis=...)``): spikes, causes and the verdict."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    return LiveAnalyzer(itl_target_s=itl_target_s)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import dataclasses
     import json
 
     from kvtop.config import load_config, parse_seconds, resolve
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sources.scrape import split_url
 
     cfg = load_config(getattr(args, "config", None))
-    urls: list[str] = resolve(args, cfg, "url", [])
+    # the same engine named twice would be scraped twice and counted once
+    urls: list[str] = list(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
     interval = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
     timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")
@@ -109,12 +113,25 @@ def run(args: argparse.Namespace) -> int:
 
     itl_target_s = None if itl_ms is None else itl_ms / 1000.0
     core = Core(window_s=duration, itl_target_s=itl_target_s, analysis=_analysis(itl_target_s))
+    first_t: list[float] = []
+
+    def note_first(rec: Any) -> None:
+        if not first_t and getattr(rec, "kind", None) == "engine" and rec.up:
+            first_t.append(rec.t)
+
     runner = LiveRunner(core, urls, interval_s=interval, gpu=gpu, host=host, token=token,
-                        adapter=adapter, timeout_s=timeout)
+                        adapter=adapter, timeout_s=timeout, sinks=[note_first])
     asyncio.run(runner.run(duration_s=duration, final_poll=True))
-    # The window is what was actually sampled: first poll at ~0 to the final poll.
-    core.window_s = max(round(core.now, 3), 0.001)
+    # The window is what was actually sampled: from the first good engine sample to the final
+    # poll, so rates and quantiles cover exactly the data they were computed from.
+    start = first_t[0] if first_t else 0.0
+    core.window_s = max(round(core.now - start, 3), 0.001)
     snap = core.snapshot()
+    # Engines in the order the user named them (the core keeps first-answered order).
+    order = {u.strip().rstrip("/"): i for i, u in enumerate(urls)}
+    snap = dataclasses.replace(
+        snap, engines=tuple(sorted(snap.engines, key=lambda e: (order.get(e.url, len(order)), e.engine or "")))
+    )
 
     if urls and not any(e.up for e in snap.engines):
         down = next((e for e in snap.engines if e.error), None)

@@ -28,7 +28,9 @@ class Histogram:
     sum: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"buckets": [[le, c] for le, c in self.buckets], "count": self.count, "sum": self.sum}
+        # JSON has no Infinity: the +Inf bound is written as the string "+Inf" (float() reads it back).
+        return {"buckets": [[le if le != float("inf") else "+Inf", c] for le, c in self.buckets],
+                "count": self.count, "sum": self.sum}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> Histogram | None:

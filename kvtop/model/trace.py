@@ -7,6 +7,7 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -15,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, from_dict, to_dict
+from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, RequestRecord, from_dict, to_dict
 
 
 class TraceError(Exception):
@@ -47,13 +48,40 @@ class TraceWriter:
         self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
         self._last_flush = time.monotonic()
         self.count = 0
+        self._ids: dict[str, str] = {}  # request id -> its JSON string, for the token fast path
         if new:
             self._f.write(json.dumps(header, separators=(",", ":")) + "\n")
             self.flush()
 
     def write(self, rec: Record | dict[str, Any]) -> None:
-        d = rec if isinstance(rec, dict) else to_dict(rec)
-        self._f.write(json.dumps(d, separators=(",", ":")) + "\n")
+        if isinstance(rec, dict):
+            d = rec
+        elif type(rec) is RequestRecord:
+            # The hot path: one per streamed chunk.
+            if (rec.event == "token" and type(rec.n) is int and type(rec.t) is float and math.isfinite(rec.t)
+                    and rec.prompt_tokens is None and rec.cls is None and rec.source is None
+                    and rec.finish_reason is None and rec.status is None and rec.error is None
+                    and rec.completion_tokens is None):
+                ids = self._ids
+                jid = ids.get(rec.id)
+                if jid is None:
+                    if len(ids) >= 4096:
+                        ids.clear()
+                    jid = ids[rec.id] = _encode(rec.id)
+                self._f.write(f'{{"kind":"request","t":{rec.t!r},"id":{jid},"event":"token","n":{rec.n}}}\n')
+                self.count += 1
+                if time.monotonic() - self._last_flush >= self.flush_interval_s:
+                    self.flush()
+                return
+            d = _request_dict(rec)
+        else:
+            d = to_dict(rec)
+        try:
+            line = _encode(d)
+        except ValueError:
+            # NaN/Infinity are not JSON (jq and most parsers reject them): unknown is null.
+            line = _encode(_finite(d))
+        self._f.write(line + "\n")
         self.count += 1
         self.flush_if_due()
 
@@ -76,6 +104,30 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_REQUEST_OPTIONAL = ("n", "prompt_tokens", "cls", "source", "finish_reason", "status", "error", "completion_tokens")
+
+
+def _request_dict(rec: RequestRecord) -> dict[str, Any]:
+    """Same dict as ``to_dict`` for a request record (same keys, same order), several times faster."""
+    d: dict[str, Any] = {"kind": "request", "t": rec.t, "id": rec.id, "event": rec.event}
+    for name in _REQUEST_OPTIONAL:
+        v = getattr(rec, name)
+        if v is not None:
+            d["class" if name == "cls" else name] = v
+    return d
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 class TraceReader:

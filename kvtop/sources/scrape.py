@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 
 import httpx
 
@@ -62,9 +63,17 @@ class EngineScraper:
         max_bytes: int = 16 << 20,
         token: str | None = None,
         client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] | None = None,
     ):
+        """``clock`` (the run clock): when given, records are stamped when the response arrived
+        rather than with the ``t`` passed to ``scrape`` (connection set-up or a slow engine would
+        otherwise skew rates computed between scrapes)."""
         self.url = url.strip().rstrip("/")
         self.base_url, self.metrics_url = split_url(url)
+        # llama.cpp router mode selects the model by query string: extra paths need it too.
+        self._query = httpx.URL(self.metrics_url).query.decode()
+        # Extra paths the server does not have (HTTP 404): said once, then no longer fetched.
+        self._absent_paths: set[str] = set()
         self.adapter_name = adapter
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -72,6 +81,8 @@ class EngineScraper:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._client = client
+        self._clock = clock
+        self._resp_t: float | None = None
         self._own_client = client is None
         self.adapter_cls: type[EngineAdapter] | None = None
         self._adapter: EngineAdapter | None = None
@@ -96,7 +107,7 @@ class EngineScraper:
         self.consecutive_failures = 0
         self.last_error = None
         self._retry_at = -math.inf
-        self.last_ok_t = t
+        self.last_ok_t = recs[0].t if recs else t
         return recs
 
     async def aclose(self) -> None:
@@ -129,10 +140,11 @@ class EngineScraper:
 
     async def _get(self, url: str) -> tuple[str, str, list[str]]:
         """(body text cut at ``max_bytes``, content type, warnings); ScrapeError on transport/HTTP failure."""
+        # No asyncio.wait_for here: cancelling an in-flight httpx request can leave the task stuck
+        # in httpcore's shielded connection clean-up. httpx's own per-phase timeouts bound each
+        # phase and _get_inner enforces the total deadline between body chunks.
         try:
-            return await asyncio.wait_for(self._get_inner(url), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})") from None
+            return await self._get_inner(url)
         except httpx.ConnectError as e:
             raise ScrapeError(f"cannot connect to {url}: {_one_line(e)}") from None
         except httpx.TimeoutException:
@@ -143,7 +155,11 @@ class EngineScraper:
     async def _get_inner(self, url: str) -> tuple[str, str, list[str]]:
         warnings: list[str] = []
         self.requests += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         async with self._http().stream("GET", url, headers=self._headers, timeout=self.timeout_s) as resp:
+            if self._clock is not None and url == self.metrics_url:
+                self._resp_t = self._clock()
             if resp.status_code != 200:
                 hint = " (wrong or missing --token?)" if resp.status_code in (401, 403) else ""
                 raise ScrapeError(f"HTTP {resp.status_code} from {url}{hint}")
@@ -151,6 +167,8 @@ class EngineScraper:
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.aiter_bytes():
+                if loop.time() > deadline:  # a server dripping bytes must not hold the scrape forever
+                    raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})")
                 chunks.append(chunk)
                 size += len(chunk)
                 if size >= self.max_bytes:
@@ -186,24 +204,28 @@ class EngineScraper:
         head = text.lstrip()[:1]
         if head in ("<", "{", "["):
             raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {'HTML' if head == '<' else 'JSON'}")
-        if self._adapter is not None and not callable(getattr(self._adapter, "parse_page", None)):
-            adapter, page = self._adapter, None
-        else:
+        adapter = self._adapter
+        if adapter is None:
+            # First good page: detect the engine from its metric names (one extra parse, once).
             page = parse_page(text)
             if not page.samples:
                 raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {self.metrics_url}")
             adapter = self._resolve(page)
         try:
-            parse_page_fn = getattr(adapter, "parse_page", None)
-            recs = parse_page_fn(page, t) if page is not None and callable(parse_page_fn) else adapter.parse(text, t)
+            recs = adapter.parse(text, t)
         except Exception as e:
             raise ScrapeError(f"adapter {adapter.name} failed on {self.metrics_url}: {_one_line(e)}") from None
+        if isinstance(recs, EngineRecord):  # lenient with third-party adapters returning one record
+            recs = [recs]
         if not recs:
             raise ScrapeError(f"adapter {adapter.name} found no engine at {self.metrics_url}")
         return adapter, recs
 
     async def _scrape(self, t: float) -> list[EngineRecord]:
+        self._resp_t = None
         text, ctype, warnings = await self._get(self.metrics_url)
+        if self._resp_t is not None:
+            t = self._resp_t
         if "html" in ctype or "json" in ctype:
             raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {ctype.split(';')[0]}")
         # Parsing a large page takes milliseconds: keep it off the event loop (the proxy shares it).
@@ -214,12 +236,19 @@ class EngineScraper:
             if warnings:
                 r.warnings = [*warnings, *r.warnings]
         for path in adapter.extra_paths:
+            if path in self._absent_paths:
+                continue
             url = self.base_url + (path if path.startswith("/") else "/" + path)
+            if self._query:
+                url += "?" + self._query
             try:
                 body, _, w = await self._get(url)
                 adapter.parse_extra(path, body, recs)
             except ScrapeError as e:
                 w = [f"{path}: {e}"]
+                if str(e).startswith("HTTP 404"):
+                    self._absent_paths.add(path)
+                    w = [f"{path}: not served here (HTTP 404); not asked again"]
             except Exception as e:  # an adapter's extra parser must not lose the main record
                 w = [f"{path}: adapter failed: {_one_line(e)}"]
             if w:

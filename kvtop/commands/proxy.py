@@ -1,0 +1,147 @@
+"""`kvtop proxy`: recording reverse proxy in front of an OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from kvtop.model.records import RequestRecord
+
+NAME = "proxy"
+HELP = "recording reverse proxy for an OpenAI-compatible server (per-request token timings)"
+DESCRIPTION = (
+    "Forward /v1/* (and everything else) to --upstream unchanged and unbuffered, recording each "
+    "completion's arrive/first_token/token/finish/cancel/error times. No prompt or completion text "
+    "and no header is ever recorded. Binds loopback unless --listen names another address."
+)
+ORDER = 40
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default="127.0.0.1:8001", metavar="HOST:PORT",
+                   help="address to listen on (default 127.0.0.1:8001; 0.0.0.0 only if you say so)")
+    p.add_argument("--upstream", required=True, metavar="URL", help="engine base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--record", metavar="FILE", help="append request records to this trace file (JSONL)")
+    p.add_argument("--class", dest="cls", metavar="LABEL", help="class label for every proxied request")
+    p.add_argument("--quiet", action="store_true", help="no per-request line on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvtop.errors import UsageError
+    from kvtop.proxy import parse_listen
+
+    try:
+        host, port = parse_listen(args.listen)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    from yarl import URL
+
+    if "://" not in args.upstream:
+        args.upstream = "http://" + args.upstream  # host:port, as the other commands take it
+    u = URL(args.upstream)
+    if u.scheme not in ("http", "https") or not u.host:
+        raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
+    return asyncio.run(_main(args, host, port))
+
+
+async def _main(args: argparse.Namespace, host: str, port: int) -> int:
+    import asyncio
+    import signal
+    import sys
+    import time
+
+    from kvtop.errors import UsageError
+    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.proxy import RecordingProxy
+
+    t0 = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - t0
+
+    writer = None
+    if args.record:
+        try:
+            writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": args.upstream},
+                                                          recorder="kvtop proxy"))
+        except OSError as e:
+            raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
+    summary = _Summary(sys.stderr) if not args.quiet else None
+
+    def emit(rec: RequestRecord) -> None:
+        if writer is not None:
+            writer.write(rec)
+        if summary is not None:
+            summary(rec)
+
+    proxy = RecordingProxy(args.upstream, emit, clock, host=host, port=port, cls=args.cls)
+    try:
+        await proxy.start()
+    except OSError as e:
+        if writer is not None:
+            writer.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    where = f", recording to {args.record}" if args.record else ""
+    print(f"kvtop proxy: {proxy.url} -> {args.upstream}{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+            if writer is not None:
+                writer.flush_if_due()  # an idle proxy still gets its last records onto disk
+    finally:
+        await proxy.stop()
+        if writer is not None:
+            writer.close()
+    print(f"kvtop proxy: stopped after {proxy.requests_seen} recorded request(s)", file=sys.stderr)
+    return 0
+
+
+@dataclass
+class _Open:
+    arrive_t: float
+    first_t: float | None = None
+    last_t: float | None = None
+    tokens: int = 0
+    max_gap_s: float = 0.0
+
+
+class _Summary:
+    """One stderr line per finished request: tokens, time to first token, largest gap."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._open: dict[str, _Open] = {}
+
+    def __call__(self, rec: RequestRecord) -> None:
+        if rec.event == "arrive":
+            if len(self._open) >= 10000:  # bounded: forget the oldest open request
+                self._open.pop(next(iter(self._open)))
+            self._open[rec.id] = _Open(rec.t)
+            return
+        st = self._open.get(rec.id)
+        if st is None:
+            return
+        if rec.event in ("first_token", "token"):
+            if st.first_t is None:
+                st.first_t = rec.t
+            if st.last_t is not None:
+                st.max_gap_s = max(st.max_gap_s, rec.t - st.last_t)
+            st.last_t = rec.t
+            st.tokens += rec.n or 1
+        elif rec.event in ("finish", "cancel", "error"):
+            del self._open[rec.id]
+            ttft = f"{(st.first_t - st.arrive_t) * 1000:.0f}ms" if st.first_t is not None else "n/a"
+            what = rec.event if rec.event != "error" else f"error {rec.status or ''} {rec.error or ''}".strip()
+            print(f"{rec.id} {what} tokens={st.tokens} ttft={ttft} max_gap={st.max_gap_s * 1000:.0f}ms "
+                  f"total={(rec.t - st.arrive_t) * 1000:.0f}ms", file=self.out, flush=True)

@@ -1,0 +1,104 @@
+"""`kvtop replay`: feed a recorded trace through the same core a live run uses."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+NAME = "replay"
+HELP = "replay a trace file (recorded speed or faster) through the console / a headless summary"
+DESCRIPTION = (
+    "Feed TRACE through the same core as a live run: in the console on a terminal (recorded speed; "
+    "pause, step and seek there), else headless, printing the report as it stands at the end of the "
+    "trace, or at --until."
+)
+ORDER = 35
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", help="trace file written by `kvtop record` / `kvtop proxy --record`")
+    p.add_argument("--speed", type=float, default=None,
+                   help="1 = recorded speed, 10 = ten times faster, 0 = as fast as possible "
+                        "(default: 1 in the console, 0 headless)")
+    p.add_argument("--headless", action="store_true",
+                   help="no console: print the report at the end (the default when output is not a terminal)")
+    p.add_argument("--until", type=float, default=None, metavar="S",
+                   help="stop at this trace time (seconds from the start of the recording)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="headless output format")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    import sys
+
+    from kvtop.core import Core
+    from kvtop.errors import UsageError
+    from kvtop.model.trace import TraceError
+    from kvtop.replay import ReplayFeed
+
+    if args.speed is not None and args.speed < 0:
+        raise UsageError("--speed must be >= 0")
+    console = not args.headless and args.until is None and sys.stdout.isatty() and sys.stdin.isatty()
+    speed = args.speed if args.speed is not None else (1.0 if console else 0.0)
+    try:
+        feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=speed)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot read trace {args.trace}: {e.strerror or e}") from None
+    if console:
+        feed.close()
+        try:
+            from kvtop.commands.tui import replay_console
+        except ImportError:  # a build without the console: the headless report instead
+            feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=0.0)
+        else:
+            return replay_console(args.trace, speed=speed)
+
+    async def go() -> None:
+        if args.until is not None:
+            if speed == 0:
+                feed.seek(args.until)
+                return
+            stop = asyncio.Event()
+            task = asyncio.create_task(feed.run(stop))
+            while not task.done() and feed.t < args.until:
+                await asyncio.sleep(0.05)
+            stop.set()
+            await task
+        else:
+            await feed.run()
+
+    try:
+        asyncio.run(go())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        feed.close()
+    warning = feed.warning()
+    if warning:
+        print(f"kvtop: warning: {warning}", file=sys.stderr)
+    snap = feed.core.snapshot(now=feed.t)
+    if args.format == "json":
+        print(json.dumps(_finite(snap.to_json()), indent=2, allow_nan=False))
+        return 0
+    try:
+        from kvtop.render_text import render_text
+    except ImportError:  # the text renderer lands with the snapshot command
+        print(json.dumps(_finite(snap.to_json()), indent=2, allow_nan=False))
+        return 0
+    print(render_text(snap), end="")
+    return 0
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity: unknown is null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,57 @@
+"""`kvtop sim-server`: the simulated engine as an OpenAI-compatible server with vLLM's /metrics."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "sim-server"
+HELP = "serve the simulated engine over HTTP (OpenAI-compatible streaming, vLLM /metrics)"
+ORDER = 61
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", default=None, help="built-in preset (default: healthy)")
+    src.add_argument("--workload", metavar="FILE", help="workload JSON file (engine part is used)")
+    p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: an ephemeral port, printed at start)")
+    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
+    p.add_argument("--seed", type=int, default=1, help="seed for output lengths the client does not fix")
+    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S wall seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import sys
+
+    from kvtop.errors import UsageError
+    from kvtop.sim.server import SimServer
+    from kvtop.sim.workload import load_preset, load_workload_file
+
+    if not args.speed > 0:
+        raise UsageError("--speed must be > 0")
+    if not 0 <= args.port <= 65535:
+        raise UsageError("--port must be between 0 and 65535")
+    wl = load_workload_file(args.workload) if args.workload else load_preset(args.preset or "healthy")
+    wl = wl.with_policy(args.policy)
+
+    async def main() -> None:
+        srv = SimServer(wl, speed=args.speed, seed=args.seed, host=args.host, port=args.port)
+        try:
+            url = await srv.start()
+        except OSError as e:
+            raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        sys.stdout.write(f"kvtop sim-server: {wl.name} ({wl.engine.model}, {wl.engine.preemption_mode}) "
+                         f"at {url} (speed {args.speed:g}x); metrics at {url}/metrics\n")
+        sys.stdout.flush()
+        try:
+            if args.duration is not None:
+                await asyncio.sleep(args.duration)
+            else:
+                await asyncio.Event().wait()
+        finally:
+            await srv.stop()
+
+    asyncio.run(main())
+    return 0

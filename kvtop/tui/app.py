@@ -1,0 +1,781 @@
+"""The console: renders ``Core.snapshot()`` on a timer; the feed (live, replay, demo) runs as a
+worker that pushes records into the core, so polling never blocks the UI.
+
+Screens (keys 1-5): Overview, Requests, Request detail, Advisor, Events. ``p`` pauses rendering
+(and a replay feed), ``space`` refreshes now, ``?`` shows help generated from the bindings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual import on
+from textual._two_way_dict import TwoWayDict
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.cache import LRUCache
+from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
+from textual.screen import ModalScreen, Screen
+from textual.theme import BUILTIN_THEMES, Theme
+from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
+from textual.widgets.data_table import ColumnKey, RowKey
+
+from kvtop.core import Core
+from kvtop.snapshot import Snapshot
+from kvtop.tui import fmt, render
+
+VIEWS: tuple[tuple[str, str], ...] = (
+    ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
+    ("advisor", "Advisor"), ("events", "Events"),
+)
+
+KVTOP_THEME = Theme(
+    name="kvtop", primary="#5fafff", secondary="#af87ff", accent="#ffaf5f", warning="#ffaf00",
+    error="#ff5f5f", success="#5fd75f", foreground="#d0d0d0", background="#121212", surface="#1c1c1c",
+    panel="#262626", dark=True,
+)
+# Low colour: the terminal's own 16-colour palette (reads well over SSH and in tmux).
+KVTOP_LOW_THEME = dataclasses.replace(BUILTIN_THEMES["ansi-dark"], name="kvtop-low")
+THEMES = ("kvtop", "kvtop-low")
+_CONTEXT = {"cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
+            "step": "replay", "seek": "replay", "back": "closes filter / detail"}
+_THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
+
+
+class Panel(Static):
+    """A Static whose markup depends on its own width; re-rendered on resize."""
+
+    def __init__(self, builder: Any = None, **kw: Any):
+        super().__init__("", **kw)
+        self.builder = builder
+        self._shown: str | None = None
+
+    def show(self, builder: Any) -> None:
+        self.builder = builder
+        self._redraw()
+
+    def _redraw(self) -> None:
+        if self.builder is not None:
+            width = self.size.width or self.app.size.width
+            markup = self.builder(width)
+            if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                self._shown = markup
+                self.update(markup)
+
+    def on_resize(self) -> None:
+        self._redraw()
+
+
+class LiveTable(DataTable[Any]):
+    """A DataTable that takes a tick's cell changes in one go.
+
+    ``update_cell`` refreshes the widget on every call; at 1,000 live rows x 3 changing columns
+    that alone costs ~150 ms a tick on 2 cores. ``set_cells`` writes the same cell store and
+    refreshes once. (Reaches into DataTable's ``_data``/``_update_count``; Textual is pinned <9.)"""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._stable_cells: LRUCache[tuple[Any, ...], tuple[Any, Any]] = LRUCache(6000)
+
+    def _render_cell(self, row_index: int, column_index: int, base_style: Any, width: int,
+                     cursor: bool = False, hover: bool = False) -> Any:
+        # DataTable keys its cell cache on a table-wide update counter, so one changed cell
+        # re-renders every visible cell. Key on the cell's value object instead (set_cells and
+        # the theme-aware cell cache keep unchanged values as the same object).
+        if row_index < 0 or column_index < 0:
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        row_key = self._row_locations.get_key(row_index)
+        col_key = self._column_locations.get_key(column_index)
+        value = self._data[row_key][col_key]
+        key = (row_key, col_key, row_index, id(value), base_style, width, cursor, hover,
+               self._show_hover_cursor, self.show_cursor, self._pseudo_class_state)
+        hit = self._stable_cells.get(key)
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        lines = self._fast_cell(value, row_index, column_index, base_style, width, cursor, hover)
+        if lines is None:
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
+        return lines
+
+    def _fast_cell(self, value: Any, row_index: int, column_index: int, base_style: Style, width: int,
+                   cursor: bool, hover: bool) -> list[list[Segment]] | None:
+        """The segments DataTable would make for a one-line, single-style Text that fits, built
+        directly instead of through Rich's Padding/Styled/render_lines (several times slower).
+        Anything else (spans, wrapping, overflow, fixed cells, row heights) returns None and goes
+        the normal way. tests/test_tui_fmt.py checks both paths give identical segments."""
+        pad = self.cell_padding
+        if (not isinstance(value, Text) or value.spans or "\n" in value.plain or self.fixed_rows
+                or self.fixed_columns or self.rows[self._row_locations.get_key(row_index)].height != 1):
+            return None
+        text = value.plain
+        fill = width - 2 * pad - cell_len(text)
+        if fill < 0:
+            return None
+        component_style, post_style = self._get_styles_to_render_cell(
+            False, False, False, hover, cursor, self.show_cursor, self._show_hover_cursor,
+            self.cursor_foreground_priority == "css", self.cursor_background_priority == "css",
+        )
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        pad_style = pre + Style.null() + post_style
+        vstyle = value.style if isinstance(value.style, Style) else Style.parse(value.style or "none")
+        segs = [Segment(" " * pad, pad_style)] if pad else []
+        if text:
+            segs.append(Segment(text, pre + vstyle + post_style))
+        if fill:
+            segs.append(Segment(" " * fill, pad_style))
+        if pad:
+            segs.append(Segment(" " * pad, pad_style))
+        return [segs]
+
+    def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
+        if not changes:
+            return
+        data = self._data
+        for row, col, value in changes:
+            data[RowKey(row)][ColumnKey(col)] = value
+        self._update_count += 1
+        self.refresh()
+
+    def remove_rows(self, keys: list[str]) -> None:
+        """Bulk remove (``remove_row`` re-indexes every row per call, O(n) each)."""
+        if not keys:
+            return
+        for k in keys:
+            rk = RowKey(k)
+            del self.rows[rk]
+            del self._data[rk]
+        self._require_update_dimensions = True
+        # indices are rebuilt by the set_order call that always follows a removal
+
+    def set_order(self, keys: list[str]) -> None:
+        """Put the rows in this order (the caller sorted them by their real values, not by
+        the rendered cell text)."""
+        self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(keys)})
+        self._update_count += 1
+        self.cursor_coordinate = self.cursor_coordinate  # clamp into the new row count
+        self.refresh(layout=True)
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if round(old_value) != round(new_value):
+            # off-screen rows are only re-rendered when they scroll into view
+            self.app.call_later(self.app.refresh_visible_requests)  # type: ignore[attr-defined]
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close", key_display="esc")]
+
+    def __init__(self, rows: list[tuple[str, str]]):
+        super().__init__()
+        self.rows = rows
+
+    def compose(self) -> ComposeResult:
+        kw = max((len(k) for k, _ in self.rows), default=4)
+        body = "\n".join(f"  [b]{k.ljust(kw).replace('[', chr(92) + '[')}[/b]  {d}" for k, d in self.rows)
+        extra = ("\n\n  [$text-muted]mouse: click a tab to switch screens, a column header to sort,"
+                 " a row twice to open it[/]")
+        with Vertical(id="help-box"):
+            yield Static("[b]kvtop keys[/b]  (esc closes)", id="help-title")
+            yield Static(body + extra, id="help-body")
+
+
+class SeekScreen(ModalScreen[float | None]):
+    BINDINGS = [Binding("escape", "dismiss_none", "Cancel")]
+
+    def __init__(self, duration: float | None):
+        super().__init__()
+        self.duration = duration
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="seek-box"):
+            total = f" of {fmt.dur(self.duration)}" if self.duration else ""
+            yield Static(f"seek to (seconds from the start{total}):")
+            yield Input(placeholder="e.g. 120", id="seek-input")
+
+    def action_dismiss_none(self) -> None:
+        self.dismiss(None)
+
+    @on(Input.Submitted)
+    def _submitted(self, ev: Input.Submitted) -> None:
+        try:
+            self.dismiss(max(0.0, float(ev.value)))
+        except ValueError:
+            self.notify(f"not a number of seconds: {ev.value!r}", severity="error")
+
+
+class MainScreen(Screen[None]):
+    # Panels collapse below 100 columns (one line per GPU, compact engines); from 220 columns
+    # GPUs sit two to a row.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (220, "-huge")]
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="topbar")
+        yield Static("", id="banner")
+        yield Tabs(*[Tab(f"{i + 1} {label}", id=f"tab-{key}") for i, (key, label) in enumerate(VIEWS)], id="tabs")
+        with ContentSwitcher(initial="overview", id="switcher"):
+            with VerticalScroll(id="overview"):
+                yield Static("[b]GPUs[/b]", classes="section")
+                yield Vertical(id="gpus")
+                yield Panel(id="host")
+                yield Static("[b]Engines[/b]", classes="section")
+                yield Vertical(id="engines")
+                yield Panel(id="summary")
+            with Vertical(id="requests"):
+                yield Static("", id="req-status")
+                table = LiveTable(id="req-table", cursor_type="row", zebra_stripes=True)
+                for key, label in render.COLUMNS:
+                    table.add_column(label, key=key)
+                yield table
+            with VerticalScroll(id="detail"):
+                yield Panel(id="detail-body")
+            with VerticalScroll(id="advisor"):
+                yield Panel(id="advisor-body")
+            with Vertical(id="events"):
+                ev: DataTable[Any] = DataTable(id="ev-table", cursor_type="row", zebra_stripes=True)
+                ev.add_column("t", key="t")
+                ev.add_column("severity", key="severity")
+                ev.add_column("kind", key="kind")
+                ev.add_column("message", key="message")
+                yield ev
+        yield Input(placeholder="filter (words match id, state, class, cause); enter keeps, esc clears",
+                    id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.main_ready()  # type: ignore[attr-defined]
+
+
+class KvtopApp(App[int]):
+    CSS_PATH = "kvtop.tcss"
+    TITLE = "kvtop"
+    ENABLE_COMMAND_PALETTE = True
+
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("p", "toggle_pause", "Pause"),
+        Binding("space", "refresh_now", "Refresh"),
+        Binding("1", "view('overview')", "Overview screen", show=False),
+        Binding("2", "view('requests')", "Requests screen", show=False),
+        Binding("3", "view('detail')", "Request detail screen", show=False),
+        Binding("4", "view('advisor')", "Advisor screen", show=False),
+        Binding("5", "view('events')", "Events screen", show=False),
+        Binding("slash", "filter", "Filter", key_display="/"),
+        Binding("s", "cycle_sort", "Sort"),
+        Binding("r", "reverse_sort", "Reverse", show=False),
+        Binding("escape", "back", "Back", show=False),
+        Binding("left_square_bracket", "step(-10)", "Back 10 s", key_display="["),
+        Binding("right_square_bracket", "step(10)", "Forward 10 s", key_display="]"),
+        Binding("g", "seek", "Seek to…"),
+    ]
+
+    def __init__(self, core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
+                 interval: float = 1.0, taken_at: str | None = None):
+        super().__init__()
+        self.core = core
+        self.feed = feed
+        self.title = title
+        self.interval = interval
+        # Fixed wall-clock text for screenshots and snapshot tests.
+        self.taken_at = taken_at
+        self.register_theme(KVTOP_THEME)
+        self.register_theme(KVTOP_LOW_THEME)
+        self._theme_name = theme or "kvtop"
+        self.paused = False
+        self.snap: Snapshot | None = None
+        self.view_name = "overview"
+        self.detail_id: str | None = None
+        self.filter_text = ""
+        self.sort_col = "max_gap"
+        self.sort_reverse = True
+        self.ticks = 0
+        self._req_cache: dict[str, tuple[str, ...]] = {}
+        self._cell_cache: dict[str, Text] = {}
+        self._req_order: list[str] = []
+        self._req_rows: dict[str, Any] = {}
+        self._events_key: tuple[Any, ...] | None = None
+        self._stop = asyncio.Event()
+        self._last_action: str | None = None
+        self._gpu_panels: list[Panel] = []
+        self._engine_panels: list[Panel] = []
+        self.main = MainScreen()
+        self._main_ready = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def get_default_screen(self) -> Screen[Any]:
+        return self.main
+
+    def on_mount(self) -> None:
+        self.theme = self._theme_name
+        self.theme_changed_signal.subscribe(self, self._on_theme_changed)
+        self._update_headers()
+        if self.feed is not None and hasattr(self.feed, "run"):
+            self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
+        self.set_interval(self.interval, self.tick, name="refresh")
+
+    def main_ready(self) -> None:
+        self._main_ready = True
+        self.tick(force=True)
+
+    async def _run_feed(self) -> None:
+        try:
+            await self.feed.run(stop=self._stop)  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a feed failing must not take the console down
+            msg = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            self.core.event(self.core.now, "error", "source_error", f"feed stopped: {msg}")
+            self.notify(f"data feed stopped: {msg}", severity="error", timeout=10)
+
+    async def on_unmount(self) -> None:
+        self._stop.set()
+
+    # -- rendering ------------------------------------------------------------------------------
+    def take_snapshot(self) -> Snapshot:
+        feed = self.feed
+        feed_core = getattr(feed, "core", None)
+        if isinstance(feed_core, Core) and feed_core is not self.core:
+            # a replay seeking backwards re-feeds the trace into a fresh core
+            feed_core.paused = self.paused
+            self.core = feed_core
+            self._reset_tables()
+        # a replay's clock is the trace position, not the last record's time
+        now = getattr(feed, "t", None) if hasattr(feed, "seek") else None
+        s = self.core.snapshot(now=now) if isinstance(now, (int, float)) else self.core.snapshot()
+        if self.taken_at is not None:
+            s = dataclasses.replace(s, taken_at=self.taken_at)
+        return s
+
+    def tick(self, force: bool = False) -> None:
+        if self.paused and not force:
+            return
+        self.snap = self.take_snapshot()
+        self.ticks += 1
+        if self._note_verdict(self.snap):
+            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
+        try:
+            self.render_current()
+        except NoMatches:  # the app is shutting down and its widgets are gone
+            pass
+
+    def _note_verdict(self, s: Snapshot) -> bool:
+        """A changed verdict is worth an entry in the events log; True when one was added."""
+        v = (s.analysis or {}).get("verdict") or {}
+        action = v.get("action")
+        if action is None:
+            return False
+        prev, self._last_action = self._last_action, action
+        if prev is None or prev == action:
+            return False
+        conf = v.get("confidence")
+        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
+        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
+        return True
+
+    def render_current(self) -> None:
+        s = self.snap
+        if s is None or not self._main_ready:
+            return
+        with self.batch_update():
+            self._render_topbar(s)
+            view = self.view_name
+            if view == "overview":
+                self._render_overview(s)
+            elif view == "requests":
+                self._render_requests(s)
+            elif view == "detail":
+                self._render_detail(s)
+            elif view == "advisor":
+                self.query_one("#advisor-body", Panel).show(lambda w: render.advisor(s, w))
+            elif view == "events":
+                self._render_events(s)
+
+    def _render_topbar(self, s: Snapshot) -> None:
+        clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
+        state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
+        # "kvtop demo: preemption-storm" already names its source
+        src = "" if s.source_label.split(" ")[-1] in self.title else render.escape(s.source_label)
+        pos = ""
+        feed = self.feed
+        if feed is not None and hasattr(feed, "seek"):
+            t = getattr(feed, "t", None)
+            d = getattr(feed, "duration", None)
+            if t is not None:
+                pos = f"  replay {fmt.dur(t)}" + (f"/{fmt.dur(d)}" if d else "")
+                if d:
+                    n = 20
+                    k = min(n, round(t / d * n)) if d > 0 else 0
+                    pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
+        n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
+        self.main.query_one("#topbar", Static).update(
+            f"[b]{render.escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
+            f"t={fmt.dur(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}"
+        )
+        banner = self.main.query_one("#banner", Static)
+        msgs = []
+        if s.gpu_status != "ok":
+            msgs.append(f"GPU: {render.escape(s.gpu_status)}")
+        down = [e for e in s.engines if not e.up]
+        if down:
+            msgs.append(f"{len(down)} engine(s) down: " + ", ".join(render.escape(e.url) for e in down[:3]))
+        banner.update("  ·  ".join(msgs))
+        banner.display = bool(msgs)
+
+    @staticmethod
+    def _panels(box: Vertical, have: list[Panel], n: int, cls: str) -> list[Panel]:
+        """Grow or shrink ``have`` to ``n`` panels (at least one, for the "no data" line)."""
+        n = max(1, n)
+        if len(have) < n:
+            new = [Panel(classes=cls) for _ in range(n - len(have))]
+            box.mount_all(new)
+            have = have + new
+        elif len(have) > n:
+            for p in have[n:]:
+                p.remove()
+            have = have[:n]
+        return have
+
+    def _render_overview(self, s: Snapshot) -> None:
+        scr = self.main
+        self._gpu_panels = self._panels(scr.query_one("#gpus", Vertical), self._gpu_panels, len(s.gpus), "gpu")
+        if not s.gpus:
+            why = "no GPU data yet" if s.gpu_status == "ok" else f"GPU: {s.gpu_status}"
+            self._gpu_panels[0].show(lambda w: render.muted(render.escape(why)))
+        for p, g in zip(self._gpu_panels, s.gpus, strict=False):
+            p.show(lambda w, g=g: render.gpu_line(g, w))
+        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w))
+        self._engine_panels = self._panels(scr.query_one("#engines", Vertical), self._engine_panels,
+                                           len(s.engines), "engine")
+        if not s.engines:
+            self._engine_panels[0].show(lambda w: render.muted("no engine data yet"))
+        for p, e in zip(self._engine_panels, s.engines, strict=False):
+            p.set_class(not e.up, "-down")
+            p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
+        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s))
+
+    def _render_requests(self, s: Snapshot) -> None:
+        """Keyed in-place update: bulk-remove gone rows, add new ones, reorder by the sort value
+        and re-render only the cells of rows on screen (off-screen rows catch up on scroll)."""
+        table = self.main.query_one("#req-table", LiveTable)
+        target = s.itl_target_s
+        rows = [r for r in s.requests if render.matches(r, self.filter_text)]
+        want = {r.id: r for r in rows}
+        self._req_rows = want
+        cache = self._req_cache
+        cursor_key = self._cursor_key(table)
+        gone = [k for k in cache if k not in want]
+        table.remove_rows(gone)
+        for k in gone:
+            del cache[k]
+        for r in rows:
+            if r.id not in cache:
+                cells = render.request_cells(r, target)
+                table.add_row(*[self.rich_cell(c) for c in cells], key=r.id)
+                cache[r.id] = cells
+        col = self.sort_col
+        # the id breaks ties so equal rows do not swap between ticks
+        order = [r.id for r in sorted(rows, key=lambda r: (render.sort_value(r, col), r.id), reverse=self.sort_reverse)]
+        if order != self._req_order or gone:
+            table.set_order(order)
+            self._req_order = order
+            if cursor_key is not None and cursor_key in want:
+                table.move_cursor(row=order.index(cursor_key), animate=False, scroll=False)
+        self.refresh_visible_requests()
+        self._update_headers()
+        shown, total = len(rows), len(s.requests)
+        flt = f"  filter: [b]{render.escape(self.filter_text)}[/b]" if self.filter_text else ""
+        label = dict(render.COLUMNS)[self.sort_col]
+        self.main.query_one("#req-status", Static).update(
+            f"{shown} of {total} requests{flt}  {render.muted('sort: ' + label + (' ▼' if self.sort_reverse else ' ▲'))}"
+            f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}"
+        )
+
+    def refresh_visible_requests(self) -> None:
+        if self.snap is None or self.view_name != "requests":
+            return
+        table = self.main.query_one("#req-table", LiveTable)
+        top = int(table.scroll_y)
+        height = max(table.size.height, self.size.height)
+        target = self.snap.itl_target_s
+        cache = self._req_cache
+        changes: list[tuple[str, str, Any]] = []
+        for rid in self._req_order[max(0, top - 2): top + height + 2]:
+            r = self._req_rows.get(rid)
+            if r is None:
+                continue
+            cells = render.request_cells(r, target)
+            old = cache.get(rid)
+            if old != cells:
+                for (ckey, _), a, b in zip(render.COLUMNS, old or (), cells, strict=False):
+                    if a != b:
+                        changes.append((rid, ckey, self.rich_cell(b)))
+                cache[rid] = cells
+        table.set_cells(changes)
+
+    @staticmethod
+    def _cursor_key(table: DataTable[Any]) -> str | None:
+        if table.row_count == 0:
+            return None
+        try:
+            return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        except Exception:  # cursor outside the rows (table emptied)
+            return None
+
+    def _update_headers(self) -> None:
+        try:
+            table = self.main.query_one("#req-table", DataTable)
+        except Exception:
+            return
+        for key, label in render.COLUMNS:
+            arrow = (" ▼" if self.sort_reverse else " ▲") if key == self.sort_col else ""
+            col = table.columns.get(key)  # type: ignore[call-overload]
+            if col is not None:
+                col.label = Text(label + arrow)
+        table.refresh()
+
+    def _render_detail(self, s: Snapshot) -> None:
+        rid = self.detail_id
+        if rid is None and s.requests:
+            # nothing chosen: the request with the worst gap is what an operator wants first
+            rid = max(s.requests, key=lambda r: (r.max_gap_s or 0.0, r.id)).id
+        rv = next((r for r in s.requests if r.id == rid), None) if rid else None
+        tl = self.core.request_timeline(rid) if rid else None
+        spikes = (s.analysis or {}).get("spikes") or []
+        self.main.query_one("#detail-body", Panel).show(
+            lambda w: render.detail(rv, tl, spikes, s.itl_target_s, s.t, w)
+        )
+
+    def _render_events(self, s: Snapshot) -> None:
+        table = self.main.query_one("#ev-table", DataTable)
+        evs = [e for e in s.events if not self.filter_text or self.filter_text.lower() in
+               f"{e.kind} {e.severity} {e.message}".lower()]
+        key = (len(s.events), s.events[-1] if s.events else None, self.filter_text)
+        if key == self._events_key:
+            return
+        self._events_key = key
+        # events change rarely and are bounded (500); newest first so 80x24 shows what just happened
+        table.clear()
+        for e in reversed(evs):
+            sev = {"warning": "warn", "error": "crit"}.get(e.severity, "ok")
+            table.add_row(*[self.rich_cell(c) for c in (f"{e.t:8.1f}s", render.sev(e.severity, sev),
+                                                        render.escape(e.kind), render.escape(e.message))])
+
+    def rich_cell(self, markup: str) -> Text:
+        """DataTable cells are Rich text: resolve theme variables ($warning ...) to the current
+        theme's colours so severity still follows the theme."""
+        t = self._cell_cache.get(markup)
+        if t is None:
+            if len(self._cell_cache) > 20000:
+                self._cell_cache.clear()
+            t = Text.from_markup(_THEME_VAR.sub(self._theme_colour, markup), end="")
+            if len(t.spans) == 1 and t.spans[0].start == 0 and t.spans[0].end == len(t.plain):
+                # a whole-cell colour as the base style renders far cheaper than a span
+                t = Text(t.plain, style=t.spans[0].style, end="")
+            self._cell_cache[markup] = t
+        return t
+
+    def _theme_colour(self, m: re.Match[str]) -> str:
+        v = self.theme_variables.get(m.group(1), "default")
+        v = v.removeprefix("ansi_")
+        return "dim" if m.group(1) == "text-muted" else v
+
+    def _on_theme_changed(self, _theme: Theme) -> None:
+        self._cell_cache = {}
+        self._reset_tables()  # rebuilt cells take the new theme's colours
+        self.render_current()
+
+    def _reset_tables(self) -> None:
+        if self._main_ready:
+            self.main.query_one("#req-table", DataTable).clear()
+            self._req_cache = {}
+            self._req_order = []
+            self._events_key = None
+
+    # -- actions --------------------------------------------------------------------------------
+    def action_view(self, name: str) -> None:
+        self.view_name = name
+        scr = self.main
+        if not self._main_ready:
+            return
+        scr.query_one("#switcher", ContentSwitcher).current = name
+        tabs = scr.query_one("#tabs", Tabs)
+        if tabs.active != f"tab-{name}":
+            tabs.active = f"tab-{name}"
+        if name == "requests":
+            scr.query_one("#req-table", DataTable).focus()
+        elif name == "events":
+            scr.query_one("#ev-table", DataTable).focus()
+        self.render_current()
+        self.refresh_bindings()
+
+    @on(Tabs.TabActivated)
+    def _tab(self, ev: Tabs.TabActivated) -> None:
+        name = (ev.tab.id or "tab-overview").removeprefix("tab-")
+        if name != self.view_name:
+            self.action_view(name)
+
+    @on(DataTable.RowSelected, "#req-table")
+    def _open_detail(self, ev: DataTable.RowSelected) -> None:
+        self.detail_id = ev.row_key.value
+        self.action_view("detail")
+
+    @on(DataTable.HeaderSelected, "#req-table")
+    def _header_sort(self, ev: DataTable.HeaderSelected) -> None:
+        col = ev.column_key.value or "id"
+        if col == self.sort_col:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_col, self.sort_reverse = col, col in render.NUMERIC
+        self.render_current()
+
+    def action_cycle_sort(self) -> None:
+        keys = [k for k, _ in render.COLUMNS]
+        self.sort_col = keys[(keys.index(self.sort_col) + 1) % len(keys)]
+        self.sort_reverse = self.sort_col in render.NUMERIC
+        self.render_current()
+
+    def action_reverse_sort(self) -> None:
+        self.sort_reverse = not self.sort_reverse
+        self.render_current()
+
+    def action_filter(self) -> None:
+        box = self.main.query_one("#filter", Input)
+        box.display = True
+        box.value = self.filter_text
+        box.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, ev: Input.Changed) -> None:
+        self.filter_text = ev.value.strip()
+        self.render_current()
+
+    @on(Input.Submitted, "#filter")
+    def _filter_done(self, ev: Input.Submitted) -> None:
+        ev.input.display = False
+        self._focus_view()
+
+    def _focus_view(self) -> None:
+        if self.view_name in ("requests", "events"):
+            self.main.query_one("#req-table" if self.view_name == "requests" else "#ev-table", DataTable).focus()
+        else:
+            self.screen.set_focus(None)
+
+    def action_back(self) -> None:
+        box = self.main.query_one("#filter", Input)
+        if box.display:
+            box.display = False
+            box.value = ""
+            self.filter_text = ""
+            self._focus_view()
+            self.render_current()
+        elif self.view_name == "detail":
+            self.action_view("requests")
+        elif self.filter_text:
+            self.filter_text = ""
+            self.render_current()
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        self.core.paused = self.paused
+        feed = self.feed
+        if feed is not None:
+            fn = getattr(feed, "pause" if self.paused else "resume", None)
+            if callable(fn):
+                fn()
+        # re-render once so the header says PAUSED; the data stays frozen until resumed
+        self.tick(force=True)
+
+    async def action_refresh_now(self) -> None:
+        fn = getattr(self.feed, "refresh_now", None)
+        if callable(fn):
+            res = fn()
+            if inspect.isawaitable(res):
+                await res
+        self.tick(force=True)
+
+    def action_step(self, seconds: float) -> None:
+        feed = self.feed
+        if seconds < 0 and hasattr(feed, "seek"):
+            # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
+            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))  # type: ignore[union-attr]
+            self.tick(force=True)
+            return
+        fn = getattr(feed, "step", None)
+        if callable(fn):
+            fn(seconds)
+            self.tick(force=True)
+
+    def action_seek(self) -> None:
+        if not hasattr(self.feed, "seek"):
+            return
+
+        def done(t: float | None) -> None:
+            if t is not None:
+                self.feed.seek(t)  # type: ignore[union-attr]
+                self.tick(force=True)
+
+        self.push_screen(SeekScreen(getattr(self.feed, "duration", None)), done)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.help_rows()))
+
+    def help_rows(self) -> list[tuple[str, str]]:
+        """One row per console binding, in binding order; keys that only act on some screens or
+        only in replay say so."""
+        rows: list[tuple[str, str]] = []
+        seen: set[str] = set()
+        for b in self.BINDINGS:
+            assert isinstance(b, Binding)
+            if not b.description or b.action in seen:
+                continue
+            seen.add(b.action)
+            where = _CONTEXT.get(b.action.split("(")[0], "")
+            rows.append((self.get_key_display(b),
+                         b.description + (f"  [$text-muted]({where})[/]" if where else "")))
+        rows.append((self.get_key_display(Binding(self.COMMAND_PALETTE_BINDING, "")),
+                     "Command palette (every action, searchable)"))
+        rows.insert(next((i for i, (_k, d) in enumerate(rows) if d.startswith("Filter")), len(rows)),
+                    ("enter", "Open the request under the cursor  [$text-muted](Requests)[/]"))
+        return rows
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in ("cycle_sort", "reverse_sort"):
+            return self.view_name == "requests"
+        if action == "filter":
+            return self.view_name in ("requests", "events")
+        if action == "step":
+            return hasattr(self.feed, "step")
+        if action == "seek":
+            return hasattr(self.feed, "seek")
+        return True
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for i, (key, label) in enumerate(VIEWS):
+            yield SystemCommand(f"Screen: {label}", f"show the {label} screen (key {i + 1})",
+                                lambda key=key: self.action_view(key))
+        yield SystemCommand("Pause / resume", "stop or restart re-rendering (key p)", self.action_toggle_pause)
+        yield SystemCommand("Refresh now", "take a snapshot now (key space)", self.action_refresh_now)
+        yield SystemCommand("Help", "list the keys (key ?)", self.action_help)
+        if self.view_name == "requests":
+            yield SystemCommand("Sort: next column", "cycle the requests sort column (key s)", self.action_cycle_sort)
+            yield SystemCommand("Filter", "filter the list (key /)", self.action_filter)
+
+
+def run_console(core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
+                interval: float = 1.0) -> int:
+    """Run the console until the user quits; returns the process exit code."""
+    app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval)
+    rc = app.run()
+    return int(rc or 0)

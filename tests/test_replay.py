@@ -1,0 +1,149 @@
+"""Replaying a trace through the core: speed, pause/step/seek, and the `kvtop replay` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_kvtop
+
+from kvtop.core import Core
+from kvtop.model.records import EngineRecord, RequestRecord
+from kvtop.model.trace import TraceError, TraceWriter, make_header
+from kvtop.replay import ReplayFeed, last_record_time
+
+URL = "http://127.0.0.1:8000"
+
+
+def _write_trace(path: Path) -> None:
+    """Engine every 0.5 s for 4 s (kv_usage = t / 10, preemptions +1 at t=2.0), and one request
+    with tokens at 1.0, 1.1, 1.2 then a 0.8 s gap to 2.0, finishing at 2.1."""
+    with TraceWriter(path, make_header(engine={"adapter": "vllm", "url": URL, "model": "m"})) as w:
+        reqs = [RequestRecord(0.9, "r1", "arrive", source="proxy"), RequestRecord(1.0, "r1", "first_token", n=1),
+                RequestRecord(1.1, "r1", "token", n=1), RequestRecord(1.2, "r1", "token", n=2),
+                RequestRecord(2.0, "r1", "token", n=1), RequestRecord(2.1, "r1", "finish", finish_reason="stop")]
+        for i in range(9):
+            t = i * 0.5
+            while reqs and reqs[0].t <= t:
+                w.write(reqs.pop(0))
+            w.write(EngineRecord(t, "vllm", url=URL, engine="0", model="m", kv_usage=t / 10,
+                                 running=1, waiting=0, preemptions_total=3.0 if t >= 2.0 else 2.0,
+                                 generation_tokens_total=100 + 10 * i))
+
+
+def _engine(core: Core):
+    (e,) = core.snapshot().engines
+    return e
+
+
+def _core() -> Core:
+    return Core(window_s=10, source_label="replay")
+
+
+def test_feed_as_fast_as_possible_then_seek_back_and_step(tmp_path: Path):
+    p = tmp_path / "t.jsonl"
+    _write_trace(p)
+    assert last_record_time(p) == 4.0
+    feed = ReplayFeed(p, _core(), speed=0, core_factory=_core)
+    assert feed.duration == 4.0 and feed.header["engine"]["model"] == "m"
+    asyncio.run(feed.run())
+    assert feed.done and feed.t == 4.0 and feed.fed == 9 + 6
+    e = _engine(feed.core)
+    assert e.kv_usage == pytest.approx(0.4) and e.preemptions_total == 3.0
+    (r,) = feed.core.snapshot().requests
+    assert r.state == "finished" and r.tokens == 5 and r.max_gap_s == pytest.approx(0.8)
+
+    old = feed.core
+    resets = []
+    feed.on_reset = resets.append
+    feed.seek(1.1)  # backwards: a fresh core, re-fed from the start up to t=1.1
+    assert feed.core is not old and resets == [feed.core]
+    assert feed.t == 1.1
+    assert _engine(feed.core).kv_usage == pytest.approx(0.1)
+    (r,) = feed.core.snapshot(now=feed.t).requests
+    assert r.state == "running" and r.tokens == 2
+    feed.step(1.0)  # to t=2.1: the gap and the finish are in
+    assert feed.t == pytest.approx(2.1)
+    assert _engine(feed.core).kv_usage == pytest.approx(0.2) and _engine(feed.core).preemptions_total == 3.0
+    (r,) = feed.core.snapshot(now=feed.t).requests
+    assert r.state == "finished" and r.max_gap_s == pytest.approx(0.8)
+    feed.step(100)
+    assert feed.done and feed.t == 4.0
+
+
+def test_backward_seek_without_factory_resets_the_same_core(tmp_path: Path):
+    p = tmp_path / "t.jsonl"
+    _write_trace(p)
+    core = Core(window_s=7, itl_target_s=0.05, source_label="replay x")
+    feed = ReplayFeed(core, p)  # either argument order
+    feed.seek(4.0)
+    assert feed.done and _engine(core).kv_usage == pytest.approx(0.4)
+    feed.seek(0.6)
+    # a view holding `core` sees the rewound state, with its settings kept
+    assert feed.core is core and not feed.done
+    assert _engine(core).kv_usage == pytest.approx(0.05)
+    assert core.snapshot(now=feed.t).requests == ()  # r1 arrives at 0.9
+    assert (core.window_s, core.itl_target_s, core.source_label) == (7, 0.05, "replay x")
+    feed.step(0.5)
+    (r,) = core.snapshot(now=feed.t).requests
+    assert r.tokens == 2 and feed.t == pytest.approx(1.1)
+
+
+async def test_recorded_speed_pause_and_resume(tmp_path: Path):
+    p = tmp_path / "t.jsonl"
+    _write_trace(p)
+    feed = ReplayFeed(p, _core(), speed=4.0)  # 4 s of trace in ~1 s
+    stop = asyncio.Event()
+    t0 = time.monotonic()
+    task = asyncio.create_task(feed.run(stop))
+    await asyncio.sleep(0.3)
+    # ~1.2 s of trace time has passed: the t=1.0 engine record is in, the t=1.5 one is not yet
+    assert 0.8 <= feed.t <= 1.6
+    feed.pause()
+    frozen = feed.t
+    fed = feed.fed
+    await asyncio.sleep(0.3)
+    assert feed.t == frozen and feed.fed == fed  # paused: nothing moves
+    feed.resume()
+    await asyncio.wait_for(task, 5)
+    wall = time.monotonic() - t0
+    # 4 s of trace at 4x, plus the 0.3 s pause
+    assert 1.2 <= wall < 2.5
+    assert feed.done and _engine(feed.core).kv_usage == pytest.approx(0.4)
+
+
+def test_replay_command_headless(tmp_path: Path):
+    p = tmp_path / "t.jsonl"
+    _write_trace(p)
+    r = run_kvtop("replay", str(p), "--headless", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    snap = json.loads(r.stdout)
+    assert snap["requests"][0]["tokens"] == 5 and snap["requests"][0]["state"] == "finished"
+    assert snap["engines"][0]["kv_usage"] == pytest.approx(0.4)
+    r = run_kvtop("replay", str(p), "--headless", "--until", "1.2", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["engines"][0]["kv_usage"] == pytest.approx(0.1)
+    r = run_kvtop("replay", str(p), "--headless")
+    assert r.returncode == 0 and "vllm" in r.stdout and "40" in r.stdout  # text report, KV 40 %
+
+
+def test_replay_bad_files_exit_2(tmp_path: Path):
+    notrace = tmp_path / "x.jsonl"
+    notrace.write_text('{"hello": 1}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    future = tmp_path / "v9.jsonl"
+    future.write_text('{"kind":"header","format":"kvtop-trace","version":9}\n')
+    for path in (tmp_path / "missing.jsonl", tmp_path, notrace, empty, binary, future):
+        r = run_kvtop("replay", str(path), "--headless")
+        assert r.returncode == 2, (path, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    r = run_kvtop("replay", str(notrace), "--speed", "-1")
+    assert r.returncode == 2
+    with pytest.raises(TraceError):
+        ReplayFeed(notrace, _core())

@@ -1,0 +1,82 @@
+"""Helpers for the console tests: the visible screen as plain text, and small fake feeds."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+def screen_text(app: Any) -> str:
+    """What a user sees right now (top screen, modal dialogs included), one line per row."""
+    strips = app.screen._compositor.render_strips()
+    return "\n".join("".join(seg.text for seg in strip).rstrip() for strip in strips)
+
+
+def vllm_adapter() -> Any:
+    """The real vLLM adapter, from the installed entry point or (editable checkouts where
+    ``kvtop_plugins`` is not mapped) from plugins/vllm.py through the --plugin loader."""
+    from pathlib import Path
+
+    from kvtop.plugin import PluginError, load_adapter, load_plugin_file
+
+    try:
+        return load_adapter("vllm")()
+    except PluginError:
+        load_plugin_file(Path(__file__).resolve().parents[1] / "plugins" / "vllm.py")
+        return load_adapter("vllm")()
+
+
+class TickFeed:
+    """A live-like feed: advances a sample generator by ``dt`` of run time every ``period`` s."""
+
+    def __init__(self, sample: Any, period: float = 0.02, dt: float = 1.0):
+        self.sample = sample
+        self.period = period
+        self.dt = dt
+        self.refreshes = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.sample.advance(self.dt)
+            try:
+                await asyncio.wait_for(stop.wait(), self.period)
+            except asyncio.TimeoutError:
+                pass
+
+    def refresh_now(self) -> None:
+        self.refreshes += 1
+        self.sample.advance(self.dt)
+
+
+class FakeReplay:
+    """The replay feed's control surface (pause/resume/seek/step, t, duration) over a sample:
+    seeking forward generates the sample up to the target time."""
+
+    def __init__(self, sample: Any, duration: float = 300.0):
+        self.sample = sample
+        self.duration = duration
+        self.t = sample.t
+        self.paused = False
+        self.calls: list[tuple[str, float | None]] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+
+    def pause(self) -> None:
+        self.paused = True
+        self.calls.append(("pause", None))
+
+    def resume(self) -> None:
+        self.paused = False
+        self.calls.append(("resume", None))
+
+    def seek(self, t: float) -> None:
+        self.calls.append(("seek", t))
+        t = min(t, self.duration)
+        while self.sample.t < t:
+            self.sample.advance(1.0)
+        self.t = t
+
+    def step(self, s: float) -> None:
+        self.calls.append(("step", s))
+        self.seek(max(0.0, self.t + s))
