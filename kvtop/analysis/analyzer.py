@@ -436,3 +436,12 @@ class Analyzer:
         if r is None:
             return (0, 0, None)
         return (r.spikes, r.preempt_spikes, r.last_cause)
+
+
+def __getattr__(name: str) -> Any:
+    # ``LiveAnalyzer`` lives in kvtop.analysis.live; some callers look for it here
+    if name == "LiveAnalyzer":
+        from kvtop.analysis.live import LiveAnalyzer
+
+        return LiveAnalyzer
+    raise AttributeError(name)
