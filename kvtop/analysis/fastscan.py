@@ -29,7 +29,7 @@ EV_TOK = b'","event":"token"'
 EV_FT = b'","event":"first_token"'
 N_KEY = b',"n":'
 T_WIDTH = 24
-ID_WIDTH = 64
+ID_WIDTH = 48
 CHUNK = 8 << 20
 
 
@@ -90,6 +90,35 @@ def _match(arr: Any, pos: Any, pat: bytes, ok: Any) -> Any:
     return ok
 
 
+def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
+    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared)."""
+    out = np.full(len(start), -1, dtype=np.int64)
+    idx = np.flatnonzero(ok)
+    lo = 0
+    for w in (16, width):  # most fields are short: a narrow window first, the rest after
+        if len(idx) == 0 or w <= lo:
+            break
+        cols = np.minimum(start[idx][:, None] + np.arange(lo, w), len(arr) - 1)
+        hit = arr[cols] == byte
+        found = hit.any(axis=1)
+        out[idx[found]] = lo + hit[found].argmax(axis=1)
+        idx = idx[~found]
+        lo = w
+    ok[idx] = False
+    return out
+
+
+def _has(arr: Any, start: Any, end: Any, byte: int, width: int, ok: Any) -> Any:
+    res = np.zeros(len(start), dtype=bool)
+    idx = np.flatnonzero(ok)
+    if len(idx) == 0:
+        return res
+    cols = start[idx][:, None] + np.arange(width)
+    inside = cols < end[idx][:, None]
+    res[idx] = ((arr[np.minimum(cols, len(arr) - 1)] == byte) & inside).any(axis=1)
+    return res
+
+
 def _gather(arr: Any, start: Any, end: Any, width: int) -> Any:
     idx = start[:, None] + np.arange(width)
     vals = arr[np.minimum(idx, len(arr) - 1)]
@@ -124,19 +153,15 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     ok &= arr[np.maximum(ends - 1, 0)] == 125  # a complete object ends the line
     ok = _match(arr, starts, PREFIX, ok)
     tstart = starts + len(PREFIX)
-    commas = np.flatnonzero(arr == 44)
-    if len(commas) == 0:
-        return _slow_lines(an, buf.split(b"\n"))
-    tend = commas[np.minimum(np.searchsorted(commas, tstart), len(commas) - 1)]
-    ok &= (tend > tstart) & (tend - tstart <= T_WIDTH) & (tend < ends)
+    # field ends from short fixed windows after each start (no whole-buffer scans for , and ")
+    tend = tstart + _find(arr, tstart, 44, T_WIDTH, ok)
+    ok &= (tend > tstart) & (tend < ends)
     ok = _match(arr, tend, ID_SEP, ok)
     idstart = tend + len(ID_SEP)
-    quotes = np.flatnonzero(arr == 34)
-    idend = quotes[np.minimum(np.searchsorted(quotes, idstart), len(quotes) - 1)]
-    ok &= (idend > idstart) & (idend - idstart <= ID_WIDTH) & (idend < ends)
-    bsl = np.flatnonzero(arr == 92)
-    if len(bsl):
-        ok &= np.searchsorted(bsl, idend) == np.searchsorted(bsl, idstart)  # escaped ids: JSON path
+    idend = idstart + _find(arr, idstart, 34, ID_WIDTH, ok)
+    ok &= (idend > idstart) & (idend < ends)
+    if b"\\" in buf:
+        ok &= ~_has(arr, idstart, idend, 92, ID_WIDTH, ok)  # escaped ids take the JSON path
     is_tok = _match(arr, idend, EV_TOK, ok.copy())
     is_ft = _match(arr, idend, EV_FT, ok.copy()) & ~is_tok
     fast = is_tok | is_ft
