@@ -245,6 +245,11 @@ def test_itl_histogram_has_one_sample_per_request_per_step_with_tokens():
     assert res.stats.generation_tokens == toks
     assert res.stats.itl.count == toks - firsts
     assert res.stats.ttft.count == firsts
+    # iteration_tokens counts generated tokens + whole prompts when their prefill finishes, never a
+    # victim's recomputed tokens (reference/real-engines.md): its sum is exactly these two counters
+    assert res.stats.preempt_events > 0
+    assert res.stats.iteration_tokens.sum == res.stats.generation_tokens + res.stats.prompt_tokens
+    assert res.stats.iteration_tokens.count == res.stats.steps
 
 
 def test_bad_workloads_are_rejected_with_one_line():

@@ -130,6 +130,9 @@ async def test_openai_shapes_and_metrics_page_read_by_the_vllm_adapter():
     assert [le for le, _ in itl.buckets][:5] == [0.01, 0.025, 0.05, 0.075, 0.1] and len(itl.buckets) == 20
     assert len(ttft.buckets) == 23
     assert 'vllm:iteration_tokens_total_bucket{engine="0",le="16384.0"' in page
+    it = pg.histogram("vllm:iteration_tokens_total")
+    assert it.sum == 12 + 5 + 2  # generated tokens + the two prompts (counted when their prefill finished)
+    assert pg.value("vllm:num_requests_waiting_by_reason", {"reason": "capacity"}) == 0
 
 
 async def test_server_and_simulate_produce_the_same_timeline_for_the_same_seed():

@@ -748,7 +748,6 @@ class Engine:
         st = self.stats
         st.steps += 1
         dt = t_end - t0
-        st.iteration_tokens.observe(float(n_dec + pf_tokens))
         stall = dt > self.cfg.itl_target_s
         affected: list[str] = []
         if stall:
@@ -770,6 +769,7 @@ class Engine:
             if g >= s.out_len:
                 finished.append(s)
         same = len(dec) - irregular
+        first_prompts = 0
         emitted = dec
         if sched:
             emitted = list(dec)
@@ -788,6 +788,7 @@ class Engine:
                     s.first_t = t_end
                     st.ttft.observe(t_end - s.arrival_t)
                     st.prompt_tokens += s.prompt
+                    first_prompts += s.prompt
                 elif s.last_t == t0:
                     same += 1
                 else:
@@ -801,6 +802,9 @@ class Engine:
         if same:
             itl.observe(dt, same)
         st.generation_tokens += len(emitted)
+        # vLLM V1 semantics: generated tokens + whole prompts of requests whose prefill finished in this
+        # step; prefill chunks before that and a victim's recomputed tokens are in no token counter
+        st.iteration_tokens.observe(float(len(emitted) + first_prompts))
         if emitted:
             self.sink.on_tokens(t_end, emitted)
         for s in finished:
