@@ -164,6 +164,14 @@ def _proc_cpu_s(pid: int) -> float:
     return user + system
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def _proc_cpu_split(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of a process: system is mostly the kernel's loopback TCP work."""
     with open(f"/proc/{pid}/stat") as f:
@@ -262,9 +270,11 @@ def main() -> int:
                                   args.warmup, "/bench/forward-only")
                 c1 = _proc_cpu_s(px.pid)
                 fwd_cpu_us = (c1 - c0) / (n_f * phase_s / args.seconds) * 1e6 if n_f else float("nan")
+            rss0 = _rss_mib(px.pid)
             u0, s0 = _proc_cpu_split(px.pid)
             lat_p, n_p = run_load(f"http://127.0.0.1:{px_port}", streams, args.clients, args.seconds, args.warmup)
             u1, s1 = _proc_cpu_split(px.pid)
+            rss1 = _rss_mib(px.pid)
             cpu0, cpu1 = u0 + s0, u1 + s1
             # chunks forwarded in the whole proxied phase (warm-up included) ~ measured * (1 + warmup/seconds)
             forwarded = n_p * phase_s / args.seconds
@@ -281,6 +291,7 @@ def main() -> int:
                 "proxy_cpu_us_per_chunk": cpu_us, "proxy_cpu_util": (cpu1 - cpu0) / (args.seconds + args.warmup),
                 "trace_lines": trace_lines, "forward_only_cpu_us_per_chunk": fwd_cpu_us,
                 "proxy_user_us_per_chunk": user_us, "proxy_sys_us_per_chunk": sys_us,
+                "proxy_rss_mib_before": rss0, "proxy_rss_mib_after": rss1,
             }
             r["added_p50_us"] = r["proxied_p50_us"] - r["direct_p50_us"]
             r["added_p99_us"] = r["proxied_p99_us"] - r["direct_p99_us"]
@@ -291,7 +302,8 @@ def main() -> int:
                   f"ADDED p50/p99 {r['added_p50_us']:6.0f}/{r['added_p99_us']:6.0f} us  "
                   f"proxy CPU {cpu_us:5.1f} us/chunk = user {user_us:.1f} + kernel {sys_us:.1f} "
                   f"({r['proxy_cpu_util'] * 100:.0f}% of a core)"
-                  + (f"; forwarding alone (no recording) {fwd_cpu_us:5.1f} us/chunk" if args.forward_only else ""))
+                  + (f"; forwarding alone (no recording) {fwd_cpu_us:5.1f} us/chunk" if args.forward_only else "")
+                  + f"; proxy RSS {rss0:.0f} -> {rss1:.0f} MiB")
             if prof_path and os.path.exists(prof_path):
                 import pstats
 

@@ -51,14 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if console:
         feed.close()
         try:
-            import kvtop.commands.tui  # noqa: F401  (is the console in this build?)
-        except ImportError:
-            pass
+            from kvtop.commands.tui import replay_console
+        except ImportError:  # a build without the console: the headless report instead
+            feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=0.0)
         else:
-            from kvtop.cli import main
-
-            return main(["tui", "--replay", str(args.trace)])
-        feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=0.0)
+            return replay_console(args.trace, speed=speed)
 
     async def go() -> None:
         if args.until is not None:
