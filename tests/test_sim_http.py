@@ -114,6 +114,11 @@ async def test_openai_shapes_and_metrics_page_read_by_the_vllm_adapter():
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         async with s.post(f"{srv.url}/v1/completions", data=b"{nope") as r:
             assert r.status == 400
+        async with s.post(f"{srv.url}/v1/completions", json={"prompt": "", "max_tokens": 3}) as r:
+            assert r.status == 400
+        too_long = {"prompt": "x", "max_tokens": 3, "stream": True, "kvtop": {"prompt_tokens": 9000}}
+        async with s.post(f"{srv.url}/v1/completions", json=too_long) as r:  # max_model_len 8192
+            assert r.status == 400 and "max_model_len" in (await r.json())["error"]["message"]
         async with s.get(f"{srv.url}/metrics") as r:
             page = await r.text()
     names = {ln.split("{")[0].split(" ")[0] for ln in page.splitlines() if ln and not ln.startswith("#")}
