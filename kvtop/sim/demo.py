@@ -87,18 +87,13 @@ def make_runner(core: Core, urls: list[str], interval_s: float) -> Any:
 
 
 def live_analysis(workload: Workload) -> Any:
-    """The live analysis for the core (None if kvtop.analysis is not installed). The simulated
-    engine's KV geometry is known, so the cost model gets bytes per token without a model config."""
-    try:
-        from kvtop.analysis.live import LiveAnalyzer
-    except ImportError:
-        return None
+    """The live analysis for the core. The simulated engine's KV geometry is known, so the cost
+    model gets bytes per token without a model config."""
+    from kvtop.analysis.live import LiveAnalyzer
+
     e = workload.engine
-    try:
-        return LiveAnalyzer(itl_target_s=e.itl_target_s, adapter="vllm", model=e.model,
-                            kv_bytes_per_token=e.bytes_per_token)
-    except TypeError:
-        return LiveAnalyzer(itl_target_s=e.itl_target_s)
+    return LiveAnalyzer(itl_target_s=e.itl_target_s, adapter="vllm", model=e.model,
+                        kv_bytes_per_token=e.bytes_per_token)
 
 
 class DemoFeed:
