@@ -45,7 +45,8 @@ def test_trace_has_header_engine_request_and_truth_records(tmp_path):
     events = {x.event for x in recs if x.kind == "request"}
     assert {"arrive", "first_token", "token", "finish"} <= events
     arrivals = [x for x in recs if x.kind == "request" and x.event == "arrive"]
-    assert all(x.prompt_tokens and x.cls == "interactive" and x.source == "sim" for x in arrivals)
+    assert all(x.prompt_tokens and x.cls in ("interactive", "batch") and x.source == "sim" for x in arrivals)
+    assert sum(x.cls == "batch" for x in arrivals) == 6  # the burst of long jobs at t = 0.5 ... 3 s
     truth = [x for x in recs if x.kind == "truth"]
     pre = [x for x in truth if x.event == "preempt"]
     assert pre and all(x.request_id for x in pre)

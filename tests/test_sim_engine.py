@@ -245,6 +245,11 @@ def test_itl_histogram_has_one_sample_per_request_per_step_with_tokens():
     assert res.stats.generation_tokens == toks
     assert res.stats.itl.count == toks - firsts
     assert res.stats.ttft.count == firsts
+    # iteration_tokens counts generated tokens + whole prompts when their prefill finishes, never a
+    # victim's recomputed tokens (reference/real-engines.md): its sum is exactly these two counters
+    assert res.stats.preempt_events > 0
+    assert res.stats.iteration_tokens.sum == res.stats.generation_tokens + res.stats.prompt_tokens
+    assert res.stats.iteration_tokens.count == res.stats.steps
 
 
 def test_bad_workloads_are_rejected_with_one_line():
@@ -348,3 +353,18 @@ def test_block_accounting_holds_at_every_step_and_every_request_completes(seed):
     assert eng.available() == eng.n_blocks and eng.host_used == 0
     st = res.stats
     assert sum(st.finished.values()) == res.requests
+
+
+@pytest.mark.parametrize("name,policy", [("healthy", None), ("preemption-storm", None), ("prefill-interference", None),
+                                         ("slow-decode", None), ("cancel-heavy", None), ("shared-prefix", None),
+                                         ("swap-vs-recompute", "swap-slow-link")])
+def test_every_preset_emits_records_in_time_order(name, policy):
+    recs, res = simulate(load_preset(name).with_policy(policy), duration=150 if name in ("slow-decode", "swap-vs-recompute") else 40)
+    ts = [r.t for r in recs]
+    assert ts == sorted(ts)
+    kinds = {r.event for r in recs if isinstance(r, TruthRecord)}
+    expected = {"preemption-storm": {"preempt", "resume"}, "prefill-interference": {"prefill_stall"},
+                "slow-decode": {"slow_step"}, "cancel-heavy": {"cancel"}, "swap-vs-recompute": {"swap_stall"}}
+    assert expected.get(name, set()) <= kinds
+    if name in ("healthy", "shared-prefix"):
+        assert not kinds

@@ -120,10 +120,9 @@ def run(args: argparse.Namespace) -> int:
                     "(or `url` in config.toml), or try `kvtop demo`\n"
                 )
                 return 2
+        from kvtop.analysis.live import LiveAnalyzer
         from kvtop.core import Core
         from kvtop.live import LiveRunner
-
-        from kvtop.analysis.live import LiveAnalyzer
 
         core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
