@@ -45,11 +45,17 @@ def _vllm_run(srv: servers.Server, work: Path, tag: str, n: int, tokens: int, se
         rec.stop()
     wall = time.monotonic() - t0
     delta = _preemptions(srv) - before
-    report = kvtop_run.analyze(trace)
-    causes = Counter(s["cause"] for s in report.get("spikes", []))
+    records = kvtop_run.read_trace(trace)
+    target = kvtop_run.slo_target_ms(records)
+    report = kvtop_run.analyze(trace, "--kv-bytes-per-token", "1024", "--itl-target-ms", f"{target:.1f}")
+    default = kvtop_run.analyze(trace, "--kv-bytes-per-token", "1024")
+    causes = {c: v["count"] for c, v in report["causes"].items()}
+    dcauses = {c: v["count"] for c, v in default["causes"].items()}
     return {
-        "tag": tag, "delta": delta, "pre": causes.get("preemption", 0),
-        "other": sum(v for k, v in causes.items() if k != "preemption"), "causes": dict(causes),
+        "tag": tag, "delta": delta, "pre": causes.get("preemption", 0), "target": target,
+        "other": sum(v for k, v in causes.items() if k != "preemption"), "causes": causes,
+        "dpre": dcauses.get("preemption", 0), "dother": sum(v for k, v in dcauses.items() if k != "preemption"),
+        "dtarget": (default.get("itl_target_s") or 0) * 1e3, "dverdict": default.get("verdict", {}).get("action"),
         "client_stalls": len(load.stalls(results)), "verdict": report.get("verdict", {}).get("action"),
         "tokens": sum(r.completion_tokens or 0 for r in results), "wall": wall,
         "trace_bytes": trace.stat().st_size,
@@ -63,16 +69,20 @@ def bench_vllm(runs: int, work: Path) -> None:
         srv.start(timeout=300)
         print(f"vLLM 0.32.0 CPU, tiny-llama, KV {servers.VLLM_KV_CAPACITY_TOKENS} token slots; "
               f"server ready in {srv.started_s:.1f} s")
-        hdr = f"{'run':<10}{'engine preempt':>15}{'kvtop preempt':>15}{'ratio':>7}{'other':>7}" \
-              f"{'client stalls':>15}{'verdict':>12}{'tok/s':>8}{'trace KB':>10}"
+        print("ITL target: 25x the run's typical token gap, at least 250 ms (what the tests use); "
+              "then kvtop's default target (4x median gap) for comparison")
+        hdr = f"{'run':<10}{'engine preempt':>15}{'target ms':>10}{'kvtop preempt':>14}{'ratio':>7}{'other':>7}" \
+              f"{'verdict':>14}{'| default ms':>12}{'preempt':>8}{'other':>7}{'verdict':>14}" \
+              f"{'client stalls':>14}{'tok/s':>7}{'trace KB':>9}"
         print(hdr)
         rows = [_vllm_run(srv, work, f"8x900-{i + 1}", 8, 900, seed=100 + i) for i in range(runs)]
         rows.append(_vllm_run(srv, work, "2x300", 2, 300, seed=200))
         for r in rows:
             ratio = r["pre"] / r["delta"] if r["delta"] else float("nan")
-            print(f"{r['tag']:<10}{r['delta']:>15.0f}{r['pre']:>15}{ratio:>7.2f}{r['other']:>7}"
-                  f"{r['client_stalls']:>15}{r['verdict'] or '-':>12}{r['tokens'] / r['wall']:>8.0f}"
-                  f"{r['trace_bytes'] / 1024:>10.0f}")
+            print(f"{r['tag']:<10}{r['delta']:>15.0f}{r['target']:>10.0f}{r['pre']:>14}{ratio:>7.2f}{r['other']:>7}"
+                  f"{r['verdict'] or '-':>14}{r['dtarget']:>12.0f}{r['dpre']:>8}{r['dother']:>7}"
+                  f"{r['dverdict'] or '-':>14}{r['client_stalls']:>14}{r['tokens'] / r['wall']:>7.0f}"
+                  f"{r['trace_bytes'] / 1024:>9.0f}")
         for r in rows:
             if r["other"]:
                 print(f"  {r['tag']}: other causes {r['causes']}")

@@ -31,7 +31,7 @@ WORKLOAD = {
                "max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 8192},
     "classes": [{"name": "interactive", "rate_per_s": 20,
                  "prompt": {"median": 400, "sigma": 0.6, "min": 16, "max": 4000},
-                 "output": {"median": 110, "sigma": 0.6, "min": 8, "max": 2000}}],
+                 "output": {"median": 140, "sigma": 0.6, "min": 8, "max": 2000}}],
 }
 
 
@@ -85,7 +85,7 @@ def main() -> None:
             print(f"  trace  : {res.records} records, {os.path.getsize(path) / 1e6:.0f} MB")
         return wall, cpu
 
-    print(f"workload: 20 req/s, prompt median 400, output median 110; {dur:.0f} simulated s"
+    print(f"workload: 20 req/s, prompt median 400, output median 140; {dur:.0f} simulated s"
           + ("" if a.full else " (extrapolated to 1 h: cost per simulated second is flat at steady state)"))
     results = {}
     for name, fn in (("engine", engine_only), ("records", records), ("trace", trace)):

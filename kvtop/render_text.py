@@ -125,18 +125,10 @@ def _engine_lines(e: EngineView) -> list[str]:
 
 
 def _analysis_lines(a: dict[str, Any]) -> list[str]:
-    verdict = a.get("verdict")
-    if isinstance(verdict, dict):
-        name = verdict.get("verdict") or verdict.get("name")
-        why = verdict.get("summary") or verdict.get("reason")
-    else:
-        name, why = verdict, a.get("summary")
-    if not name:
-        return []
-    line = f"verdict: {name}"
-    if why:
-        line += f" - {why}"
-    return [line]
+    """The analysis report as `kvtop analyze` prints it: causes, worst streams, verdict, numbers."""
+    from kvtop.analysis.report import render_report_text
+
+    return ["", *render_report_text(a).splitlines()]
 
 
 def render_text(snapshot: Snapshot) -> str:

@@ -252,3 +252,42 @@ def test_analyze_cli_bad_input(tmp_path, kvtop_cli):
         pass
     r = kvtop_cli("analyze", str(t), "--model-config", str(cfg))
     assert r.returncode == 2 and "num_hidden_layers" in r.stderr
+
+
+def test_fast_path_equals_streaming_path(tmp_path):
+    """The numpy fast path and the per-record path give the same spikes, causes and verdict."""
+    from kvtop.analysis.scan import analyze_trace
+
+    silent = {"r3": (4.0, 6.0), "r5": (7.0, 7.6)}
+    recs = stream_records(n_streams=10, dur=12.0, silent=silent) + engine_records(
+        dur=12.0, kv=0.97, pre_steps=(6.5,), run_drop=((4.4, 6.1),), wait_rise=((4.4, 6.1),))
+    recs += [{"kind": "request", "t": 5.0, "id": 'we"ird', "event": "first_token", "n": 1},  # escaped id
+             {"kind": "request", "t": 5.5, "id": 'we"ird', "event": "token", "n": 12},
+             {"t": 5.6, "kind": "request", "event": "token", "id": 'we"ird'}]  # other key order
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p, make_header(engine={"adapter": "vllm", "model": "llama-3.1-8b"})) as w:
+        for d in sorted(recs, key=lambda d: d["t"]):
+            w.write(d)
+    with open(p, "a") as f:
+        f.write('{"kind":"request","t":12.5,"id":"r1","event":"token","n":')  # torn last line
+    slow = analyze_trace(str(p), fast=False)
+    fast = analyze_trace(str(p), fast=True)
+    key = ("request_id", "t_start", "t_end", "gap_s", "cause", "confidence")
+    assert [tuple(s[k] for k in key) for s in fast["spikes"]] == [tuple(s[k] for k in key) for s in slow["spikes"]]
+    causes = {s["request_id"]: s["cause"] for s in fast["spikes"]}
+    assert causes["r3"] == "preemption" and causes["r5"] == "preemption"  # KV 0.97 while 9 others flow
+    assert fast["gaps"] == slow["gaps"] and fast["records"] == slow["records"]
+    assert fast["verdict"] == slow["verdict"]
+    assert {r["request_id"]: r["max_gap_s"] for r in fast["requests"]} == \
+        {r["request_id"]: r["max_gap_s"] for r in slow["requests"]}
+    assert any("malformed" in w for w in fast["warnings"]) and any("malformed" in w for w in slow["warnings"])
+    # small chunks: spikes and gaps that straddle chunk boundaries
+    from kvtop.analysis import fastscan
+    from kvtop.analysis.analyzer import Analyzer
+
+    an = Analyzer()
+    an.set_header({"engine": {"adapter": "vllm"}})
+    fastscan.scan(str(p), an, chunk_bytes=4096)
+    an.finish()
+    assert [(g.request_id, round(g.t_end, 6), g.cause) for g in an.spikes] == \
+        [(s["request_id"], s["t_end"], s["cause"]) for s in slow["spikes"]]

@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from kvtop.analysis.kvbytes import BUILTIN, ModelConfigError, kv_bytes_per_token, load_config_file, lookup_model, seq_bytes
+from kvtop.analysis.kvbytes import (
+    BUILTIN,
+    ModelConfigError,
+    kv_bytes_per_token,
+    load_config_file,
+    lookup_model,
+    seq_bytes,
+)
 
 
 @pytest.mark.parametrize("model,dtype,tp,expected", [

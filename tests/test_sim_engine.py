@@ -245,6 +245,11 @@ def test_itl_histogram_has_one_sample_per_request_per_step_with_tokens():
     assert res.stats.generation_tokens == toks
     assert res.stats.itl.count == toks - firsts
     assert res.stats.ttft.count == firsts
+    # iteration_tokens counts generated tokens + whole prompts when their prefill finishes, never a
+    # victim's recomputed tokens (reference/real-engines.md): its sum is exactly these two counters
+    assert res.stats.preempt_events > 0
+    assert res.stats.iteration_tokens.sum == res.stats.generation_tokens + res.stats.prompt_tokens
+    assert res.stats.iteration_tokens.count == res.stats.steps
 
 
 def test_bad_workloads_are_rejected_with_one_line():
@@ -257,7 +262,8 @@ def test_bad_workloads_are_rejected_with_one_line():
     with pytest.raises(WorkloadError, match="preemption_mode"):
         parse_workload({"engine": {"preemption_mode": "magic"}, "classes": [{"prompt": 10, "output": 10}]})
     with pytest.raises(WorkloadError, match="max_model_len"):
-        parse_workload({"engine": {"max_model_len": 100}, "classes": [{"prompt": 90, "output": 20}]})
+        parse_workload({"engine": {"max_model_len": 100},
+                        "classes": [{"prompt": {"median": 80, "max": 90}, "output": {"median": 20, "max": 20}}]})
 
 
 def test_reserved_kv_and_priority_protect_interactive_requests():
@@ -304,3 +310,61 @@ def _swap_preset_dict() -> dict:
     from importlib import resources
 
     return json.loads((resources.files("kvtop.sim") / "presets" / "swap-vs-recompute.json").read_text())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_accounting_holds_at_every_step_and_every_request_completes(seed):
+    """Random engines/traffic: prefixes, tight KV, both modes, cancels, reservations, priorities."""
+    import random
+
+    r = random.Random(seed)
+    mode = ("recompute", "swap")[seed % 2]
+    wl = parse_workload({"name": "fuzz", "engine": {
+        "bytes_per_token": 131072, "block_size": r.choice([8, 16, 32]), "num_gpu_blocks": r.randint(60, 400),
+        "max_num_seqs": r.randint(2, 40), "max_num_batched_tokens": r.choice([256, 512, 2048]),
+        "chunked_prefill": r.random() < 0.7, "prefix_caching": r.random() < 0.8, "max_model_len": 4096,
+        "preemption_mode": mode, "swap": {"overlap": seed % 4 >= 2, "host_capacity_bytes": r.choice([1e8, 1e10]),
+                                          "link_bytes_per_s": r.choice([1e9, 4e10])}},
+        "classes": [
+            {"name": "a", "rate_per_s": r.uniform(0.5, 6), "prefix_id": "p", "prefix_tokens": r.choice([100, 700]),
+             "prompt": {"median": 900, "sigma": 0.5, "min": 750, "max": 1500},
+             "output": {"median": 150, "sigma": 0.8, "max": 1500}, "patience_s": r.choice([None, 0.5, 3.0]),
+             "priority": r.choice([0, 1])},
+            {"name": "b", "rate_per_s": r.uniform(0.2, 3), "reserved_kv_frac": r.choice([0.0, 0.2]),
+             "prompt": {"median": 300, "sigma": 0.8, "max": 2000},
+             "output": {"median": 200, "sigma": 0.8, "max": 1500}}]})
+    sim = Simulation(wl, seed, 30, None, scrape_interval_s=5.0, tokens=False)
+    eng = sim.engine
+    commit = eng.commit
+
+    def checked(p):
+        commit(p)
+        eng.check_invariants()
+
+    eng.commit = checked  # type: ignore[method-assign]
+    res = sim.run()
+    assert res.steps > 100
+    while eng.has_work():  # no more arrivals: every admitted request must run to the end
+        if not eng.step():
+            nxt = eng.next_internal_event()
+            assert nxt is not None, "a request is stuck in the queue with nothing running"
+            eng.t = max(eng.t, nxt)
+    eng.check_invariants()
+    assert eng.available() == eng.n_blocks and eng.host_used == 0
+    st = res.stats
+    assert sum(st.finished.values()) == res.requests
+
+
+@pytest.mark.parametrize("name,policy", [("healthy", None), ("preemption-storm", None), ("prefill-interference", None),
+                                         ("slow-decode", None), ("cancel-heavy", None), ("shared-prefix", None),
+                                         ("swap-vs-recompute", "swap-slow-link")])
+def test_every_preset_emits_records_in_time_order(name, policy):
+    recs, res = simulate(load_preset(name).with_policy(policy), duration=150 if name in ("slow-decode", "swap-vs-recompute") else 40)
+    ts = [r.t for r in recs]
+    assert ts == sorted(ts)
+    kinds = {r.event for r in recs if isinstance(r, TruthRecord)}
+    expected = {"preemption-storm": {"preempt", "resume"}, "prefill-interference": {"prefill_stall"},
+                "slow-decode": {"slow_step"}, "cancel-heavy": {"cancel"}, "swap-vs-recompute": {"swap_stall"}}
+    assert expected.get(name, set()) <= kinds
+    if name in ("healthy", "shared-prefix"):
+        assert not kinds

@@ -276,3 +276,15 @@ async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):
         assert set(_table_ids(app)) == want
         assert "t=20.00s" in screen_text(app)
     feed.close()
+
+
+async def test_a_changed_verdict_is_logged_as_an_event():
+    s = sample()
+    app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        s.analysis.verdict = dict(s.analysis.verdict, action="recompute", confidence=0.61)
+        await pilot.press("space")  # the refresh that sees the new verdict logs it
+        await pilot.press("5")
+        assert "advisor: swap -> recompute (confidence 61%)" in screen_text(app)
+        assert "verdict_change" in screen_text(app)

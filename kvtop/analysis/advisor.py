@@ -14,7 +14,14 @@ from typing import Any
 
 from kvtop.analysis import capacity as cap
 from kvtop.analysis import chunking
-from kvtop.analysis.costmodel import EPSILON_ASYNC, EventInputs, Victim, choose_victim, evaluate_event, prefix_policy
+from kvtop.analysis.costmodel import (
+    EPSILON_ASYNC,
+    EventInputs,
+    Victim,
+    choose_victim,
+    evaluate_event,
+    prefix_policy,
+)
 from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BLOCK_TOKENS, DEFAULT_BW_PEAK, bw_eff
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")

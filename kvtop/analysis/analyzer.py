@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from kvtop.analysis import gaps as G
-from kvtop.analysis.attribution import Context, EngineTimeline, classify
+from kvtop.analysis.attribution import REL_SLOW, Context, EngineTimeline, classify
 from kvtop.analysis.gaps import Gap, LogHistogram, ReqState
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
@@ -57,6 +57,8 @@ class Analyzer:
         self.records = 0
         self.token_records = 0
         self._scrapes: deque[tuple] = deque(maxlen=50_000)
+        self._median_cache: tuple[int, float | None] | None = None
+        self._hold = False  # the fast path holds attribution until a whole chunk is in
         # accumulators for measured inputs (kvtop/analysis/inputs.py reads them)
         self.acc: dict[str, Any] = {
             "finished": 0, "cancelled": 0, "errors": 0, "prompt_hist": LogHistogram(lo=1.0, bins=800),
@@ -112,7 +114,7 @@ class Analyzer:
             self.t0 = t
         if t > self.now:
             self.now = t
-        if self._pending and self._pending[0].t_end + self.settle <= t:
+        if self._pending and not self._hold and self._pending[0].t_end + self.settle <= t:
             self.tick(t)
 
     def _req(self, rid: str) -> ReqState:
@@ -144,7 +146,7 @@ class Analyzer:
             return
         g = t - lt
         self._gap(r, lt, t, g, "token")
-        if self._pending and self._pending[0].t_end + self.settle <= t:
+        if self._pending and not self._hold and self._pending[0].t_end + self.settle <= t:
             self.tick(t)
 
     def _gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str) -> None:
@@ -186,7 +188,7 @@ class Analyzer:
                     self._pending.append(gp)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
-                      completion: Any = None) -> None:
+                      completion: Any = None, tokens_done: bool = False) -> None:
         r = self._req(rid)
         acc = self.acc
         if ev == "arrive":
@@ -206,11 +208,12 @@ class Analyzer:
                 self._set_active(t, +1)
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc["ttft_rate_hist"].add(r.prompt_tokens / (t - r.arrive_t))
-            lt = r.last_t
-            r.last_t = t
-            r.tokens += n if n else 1
-            if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
-                self._gap(r, lt, t, t - lt, "token")
+            if not tokens_done:  # the fast path has already counted it and its gap
+                lt = r.last_t
+                r.last_t = t
+                r.tokens += n if n else 1
+                if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
+                    self._gap(r, lt, t, t - lt, "token")
         elif ev in ("finish", "cancel", "error"):
             if r.end_t is None:
                 r.end_t = t
@@ -273,15 +276,23 @@ class Analyzer:
         """Attribute every pending spike whose evidence window has passed."""
         now = self.now if now is None else now
         settle = self.settle
+        ready = []
         while self._pending and self._pending[0].t_end + settle <= now:
-            self._attribute(self._pending.popleft())
+            ready.append(self._pending.popleft())
+        # spikes ending in the same engine step: a fixed order, so counter units go the same way
+        # whichever path (streaming or fast) produced them
+        ready.sort(key=lambda g: (g.t_end, g.request_id))
+        for g in ready:
+            self._attribute(g)
         self._prune(now)
 
     def finish(self) -> None:
         if self.itl_target_s is None and self._warm:
             self._derive_target()
-        while self._pending:
-            self._attribute(self._pending.popleft())
+        ready = sorted(self._pending, key=lambda g: (g.t_end, g.request_id))
+        self._pending.clear()
+        for g in ready:
+            self._attribute(g)
 
     def _prune(self, now: float) -> None:
         keep_from = now - self.horizon_s
@@ -314,7 +325,7 @@ class Analyzer:
         i = bisect_right(self._active_t, t) - 1
         return self._active_v[i] if i >= 0 else None
 
-    def _co_stalled(self, g: Gap) -> tuple[int, float | None]:
+    def _co_stalled(self, g: Gap, enough: int | None = None) -> tuple[int, float | None]:
         L = g.t_end - g.t_start
         half = 0.5 * L
         lg = self._long
@@ -341,6 +352,8 @@ class Analyzer:
             if ov >= half:
                 seen.add(q.request_id)
                 lens.append(q.gap)
+                if enough is not None and len(seen) >= enough:
+                    break  # every other active stream already found stalled
         if not lens:
             return 0, None
         lens.sort()
@@ -364,7 +377,11 @@ class Analyzer:
         engine_pre = bool(r and any(g.t_start - 1e-6 <= t <= g.t_end + 1e-6 for t in r.engine_preempts))
         mid = 0.5 * (g.t_start + g.t_end)
         act = self._active_at(mid)
-        co, co_med = self._co_stalled(g)
+        base = g.stream_baseline or self.median_gap()
+        if base and g.gap < REL_SLOW * base:
+            co, co_med = 0, None  # not an outlier for its stream: no need to look for company
+        else:
+            co, co_med = self._co_stalled(g, None if act is None else max(1, act - 1))
         ctx = Context(
             timeline=self.timeline, preempts=self.preempts, global_median=self.median_gap(),
             co_stalled=co, co_gap_median=co_med, active_others=None if act is None else max(0, act - 1),
@@ -402,8 +419,13 @@ class Analyzer:
 
     # ---- results --------------------------------------------------------------------------
     def median_gap(self) -> float | None:
-        if self.hist.n:
-            return self.hist.quantile(0.5)
+        n = self.hist.n
+        if n:
+            c = self._median_cache
+            # the median moves slowly: refresh it when the sample grew by 1 %
+            if c is None or n - c[0] > max(64, c[0] // 100):
+                c = self._median_cache = (n, self.hist.quantile(0.5))
+            return c[1]
         if self._warm:
             vals = sorted(x.gap for x in self._warm)
             return vals[len(vals) // 2]
@@ -414,3 +436,12 @@ class Analyzer:
         if r is None:
             return (0, 0, None)
         return (r.spikes, r.preempt_spikes, r.last_cause)
+
+
+def __getattr__(name: str) -> Any:
+    # ``LiveAnalyzer`` lives in kvtop.analysis.live; some callers look for it here
+    if name == "LiveAnalyzer":
+        from kvtop.analysis.live import LiveAnalyzer
+
+        return LiveAnalyzer
+    raise AttributeError(name)

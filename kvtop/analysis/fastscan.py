@@ -1,5 +1,315 @@
-"""Placeholder replaced below."""
+"""Fast path for ``kvtop analyze``: token records parsed and gapped with numpy, a chunk at a time.
+
+A trace is mostly token lines written by ``TraceWriter`` in a fixed key order
+(``{"kind":"request","t":T,"id":"ID","event":"token","n":N,...}``). Those are recognised and parsed
+as byte columns (no per-line JSON); inter-token gaps come from a stable sort by request and a diff.
+Every other line (engine, host, arrive, finish, cancel, first_token bookkeeping, anything written
+differently) goes through ``json.loads`` and the same ``Analyzer`` methods as the streaming path,
+in file order. Memory is bounded by the chunk size. Results equal the streaming path's (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from kvtop.analysis import gaps as G
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.gaps import Gap
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with the install; keep the slow path working
+    np = None  # type: ignore[assignment]
+
+PREFIX = b'{"kind":"request","t":'
+ID_SEP = b',"id":"'
+EV_TOK = b'","event":"token"'
+EV_FT = b'","event":"first_token"'
+N_KEY = b',"n":'
+T_WIDTH = 24
+ID_WIDTH = 48
+CHUNK = 8 << 20
 
 
 def available() -> bool:
-    return False
+    return np is not None
+
+
+def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
+    """Feed every record after the header line into ``an``; returns the count of malformed lines."""
+    skipped = 0
+    with open(path, "rb") as f:
+        f.readline()
+        carry = b""
+        while True:
+            block = f.read(chunk_bytes)
+            if not block:
+                if carry.strip():
+                    skipped += _chunk(an, carry + b"\n")
+                break
+            buf = carry + block
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                carry = buf
+                continue
+            carry = buf[cut + 1:]
+            skipped += _chunk(an, buf[: cut + 1])
+    return skipped
+
+
+def _slow_lines(an: Analyzer, lines: list[bytes]) -> int:
+    bad = 0
+    loads = json.loads
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            d = loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if not isinstance(d, dict) or "kind" not in d:
+            bad += 1
+            continue
+        an.feed_dict(d)
+    return bad
+
+
+def _match(arr: Any, pos: Any, pat: bytes, ok: Any) -> Any:
+    """ok & (arr[pos:pos+len(pat)] == pat), evaluated only where ok still holds."""
+    idx = np.flatnonzero(ok)
+    if len(idx) == 0:
+        return ok
+    p = np.minimum(pos[idx], len(arr) - 1 - len(pat))
+    hit = np.ones(len(idx), dtype=bool)
+    for k, c in enumerate(pat):
+        hit &= arr[p + k] == c
+    ok[idx[~hit]] = False
+    return ok
+
+
+def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
+    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared)."""
+    out = np.full(len(start), -1, dtype=np.int64)
+    idx = np.flatnonzero(ok)
+    lo = 0
+    for w in (16, width):  # most fields are short: a narrow window first, the rest after
+        if len(idx) == 0 or w <= lo:
+            break
+        cols = np.minimum(start[idx][:, None] + np.arange(lo, w), len(arr) - 1)
+        hit = arr[cols] == byte
+        found = hit.any(axis=1)
+        out[idx[found]] = lo + hit[found].argmax(axis=1)
+        idx = idx[~found]
+        lo = w
+    ok[idx] = False
+    return out
+
+
+def _has(arr: Any, start: Any, end: Any, byte: int, width: int, ok: Any) -> Any:
+    res = np.zeros(len(start), dtype=bool)
+    idx = np.flatnonzero(ok)
+    if len(idx) == 0:
+        return res
+    cols = start[idx][:, None] + np.arange(width)
+    inside = cols < end[idx][:, None]
+    res[idx] = ((arr[np.minimum(cols, len(arr) - 1)] == byte) & inside).any(axis=1)
+    return res
+
+
+def _gather(arr: Any, start: Any, end: Any, width: int) -> Any:
+    idx = start[:, None] + np.arange(width)
+    vals = arr[np.minimum(idx, len(arr) - 1)]
+    vals = np.where(idx < end[:, None], vals, 0).astype(np.uint8)
+    return np.ascontiguousarray(vals).view(f"S{width}").ravel()
+
+
+def _chunk(an: Analyzer, buf: bytes) -> int:
+    if an.itl_target_s is None:
+        # the target comes from the first gaps in file order: the streaming path derives it,
+        # then the rest of the chunk takes the fast path
+        pos = 0
+        bad = 0
+        while an.itl_target_s is None:
+            nl = buf.find(b"\n", pos)
+            if nl < 0:
+                return bad + _slow_lines(an, [buf[pos:]])
+            bad += _slow_lines(an, [buf[pos:nl]])
+            pos = nl + 1
+        if pos >= len(buf):
+            return bad
+        return bad + _chunk(an, buf[pos:])
+    arr = np.frombuffer(buf, np.uint8)
+    n = len(arr)
+    ends = np.flatnonzero(arr == 10)
+    if len(ends) == 0:
+        return 0
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    ok = (ends - starts) > len(PREFIX) + 16
+    ok &= arr[np.maximum(ends - 1, 0)] == 125  # a complete object ends the line
+    ok = _match(arr, starts, PREFIX, ok)
+    tstart = starts + len(PREFIX)
+    # field ends from short fixed windows after each start (no whole-buffer scans for , and ")
+    tend = tstart + _find(arr, tstart, 44, T_WIDTH, ok)
+    ok &= (tend > tstart) & (tend < ends)
+    ok = _match(arr, tend, ID_SEP, ok)
+    idstart = tend + len(ID_SEP)
+    idend = idstart + _find(arr, idstart, 34, ID_WIDTH, ok)
+    ok &= (idend > idstart) & (idend < ends)
+    if b"\\" in buf:
+        ok &= ~_has(arr, idstart, idend, 92, ID_WIDTH, ok)  # escaped ids take the JSON path
+    is_tok = _match(arr, idend, EV_TOK, ok.copy())
+    is_ft = _match(arr, idend, EV_FT, ok.copy()) & ~is_tok
+    fast = is_tok | is_ft
+    after = np.where(is_tok, idend + len(EV_TOK), idend + len(EV_FT))
+    # n: absent (1), or one or two digits
+    c0 = arr[np.minimum(after, n - 1)]
+    has_n = _match(arr, after, N_KEY, fast.copy())
+    d1 = arr[np.minimum(after + 5, n - 1)].astype(np.int64) - 48
+    d2 = arr[np.minimum(after + 6, n - 1)].astype(np.int64) - 48
+    e1 = arr[np.minimum(after + 6, n - 1)]
+    e2 = arr[np.minimum(after + 7, n - 1)]
+    one = has_n & (d1 >= 0) & (d1 <= 9) & ((e1 == 44) | (e1 == 125))
+    two = has_n & ~one & (d1 >= 0) & (d1 <= 9) & (d2 >= 0) & (d2 <= 9) & ((e2 == 44) | (e2 == 125))
+    no_n = fast & ~has_n & ((c0 == 44) | (c0 == 125))
+    fast &= one | two | no_n
+    nval = np.where(one, d1, np.where(two, d1 * 10 + d2, 1))
+
+    fi = np.flatnonzero(fast)
+    skipped = 0
+    max_t = an.now
+    an._hold = True
+    try:
+        if len(fi):
+            ts_, te_ = tstart[fi], tend[fi]
+            is_, ie_ = idstart[fi], idend[fi]
+            # narrowest fixed width that holds every value of this chunk
+            ts = _gather(arr, ts_, te_, int((te_ - ts_).max())).astype(np.float64)
+            ids = _gather(arr, is_, ie_, int((ie_ - is_).max()))
+            max_t = max(max_t, float(ts.max()))
+            L0 = len(an._long)
+            P0 = len(an._pending)
+            _tokens(an, ts, ids, nval[fi].astype(np.int64), is_ft[fi])
+        else:
+            L0, P0 = len(an._long), len(an._pending)
+        # every other line, and first_token bookkeeping, in file order through the normal methods
+        oi = np.flatnonzero(~fast | is_ft)
+        loads = json.loads
+        for i in oi.tolist():
+            line = buf[starts[i]:ends[i]]
+            if is_ft[i] and fast[i]:
+                d = loads(line)
+                an.records += 1
+                an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
+                                 d.get("class"), tokens_done=True)
+                continue
+            if not line.strip():
+                continue
+            try:
+                d = loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if not isinstance(d, dict) or "kind" not in d:
+                skipped += 1
+                continue
+            an.feed_dict(d)
+        an.records += int(np.count_nonzero(is_tok & fast))
+        # gaps from the two passes interleave in time: restore t_end order
+        if len(an._long) - L0 > 1:
+            an._long[L0:] = sorted(an._long[L0:], key=lambda g: g.t_end)
+        if len(an._pending) - P0 > 1:
+            tail = [an._pending.pop() for _ in range(len(an._pending) - P0)]
+            tail.sort(key=lambda g: g.t_end)
+            an._pending.extend(tail)
+    finally:
+        an._hold = False
+    an.now = max(an.now, max_t)
+    an.tick(an.now)
+    return skipped
+
+
+def _tokens(an: Analyzer, ts: Any, ids: Any, ns: Any, ft: Any) -> None:
+    """Gaps for a block of token events (file order), as ``Analyzer.token`` would compute them."""
+    uniq, inv = np.unique(ids, return_inverse=True)
+    order = np.argsort(inv, kind="stable")
+    c_s = inv[order]
+    t_s = ts[order]
+    n_s = ns[order]
+    m = len(c_s)
+    gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
+    gend = np.r_[gstart[1:], m]
+    reqs = []
+    last = np.full(len(uniq), np.nan)
+    tok0 = np.zeros(len(uniq), dtype=np.int64)
+    for u, raw in enumerate(uniq.tolist()):
+        rid = raw.decode("utf-8", "replace")
+        r = an.reqs.get(rid) or an._req(rid)
+        reqs.append(r)
+        if r.last_t is not None:
+            last[u] = r.last_t
+        tok0[u] = r.tokens
+    prev = np.empty(m)
+    prev[1:] = t_s[:-1]
+    prev[gstart] = last[c_s[gstart]]
+    gaps = t_s - prev
+    valid = ~np.isnan(gaps)
+    # tokens counted up to and including each event (what Analyzer.token records on a long gap)
+    cum = np.cumsum(n_s)
+    base = np.repeat(cum[gstart] - n_s[gstart], gend - gstart)
+    tokens_at = tok0[c_s] + (cum - base)
+    nvalid = int(np.count_nonzero(valid))
+    # the median sample: every 8th gap in file order, as the streaming path takes it
+    if nvalid:
+        pos = np.empty(m, dtype=np.int64)
+        pos[order] = np.arange(m)
+        file_valid = valid[pos]
+        gfile = gaps[pos][file_valid]
+        k = np.arange(an.n_gaps + 1, an.n_gaps + 1 + len(gfile))
+        sample = gfile[(k & 7) == 0]
+        if len(sample):
+            h = an.hist
+            idx = np.clip((np.log(np.maximum(sample, h._lo) / h._lo) * h._scale).astype(np.int64), 0,
+                          len(h.counts) - 1)
+            idx[sample <= h._lo] = 0
+            for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+                h.counts[int(i)] += int(c)
+            h.n += len(sample)
+    an.n_gaps += nvalid
+    an.token_records += int(np.count_nonzero(~ft))
+    tgt = an.itl_target_s
+    long_thr = G.LONG_FRACTION * tgt
+    gz = np.where(valid, gaps, -1.0)
+    longs = np.flatnonzero(gz >= long_thr).tolist()
+    gmax = np.maximum.reduceat(gz, gstart)
+    tsum = np.add.reduceat(n_s, gstart)
+    if longs:
+        grp = np.searchsorted(gstart, longs, side="right") - 1
+        for i, gi in zip(longs, grp.tolist(), strict=True):
+            r = reqs[int(c_s[i])]
+            g0 = int(gstart[gi])
+            w = [x for x in gaps[max(g0, i - G.RECENT):i].tolist() if not math.isnan(x)]
+            if len(w) < G.RECENT:
+                w = list(r.recent)[-(G.RECENT - len(w)):] + w if r.recent else w
+            w = w[-G.RECENT:]
+            bl = sorted(w)[len(w) // 2] if w else None
+            gv = float(gaps[i])
+            te = float(t_s[i])
+            gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
+            an._long.append(gp)
+            if gv > tgt:
+                an._pending.append(gp)
+    for gi in range(len(gstart)):
+        g0, g1 = int(gstart[gi]), int(gend[gi])
+        r = reqs[int(c_s[g0])]
+        r.last_t = float(t_s[g1 - 1])
+        r.tokens += int(tsum[gi])
+        mg = float(gmax[gi])
+        if mg > r.max_gap:
+            r.max_gap = mg
+        tail = gaps[max(g0, g1 - G.RECENT):g1]
+        r.recent.extend(x for x in tail.tolist() if not math.isnan(x))

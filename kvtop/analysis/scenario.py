@@ -10,7 +10,13 @@ from typing import Any
 from kvtop.analysis import chunking
 from kvtop.analysis.advisor import Num, Situation, advise
 from kvtop.analysis.costmodel import Victim
-from kvtop.analysis.kvbytes import Geometry, ModelConfigError, geometry_from_config, kv_bytes_per_token, lookup_model
+from kvtop.analysis.kvbytes import (
+    Geometry,
+    ModelConfigError,
+    geometry_from_config,
+    kv_bytes_per_token,
+    lookup_model,
+)
 
 
 class ScenarioError(ValueError):

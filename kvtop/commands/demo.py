@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     wl = load_preset(args.preset).with_policy(args.policy)
     window = max(10.0, args.duration) if args.duration else 60.0
     core = Core(window_s=window, itl_target_s=wl.engine.itl_target_s, source_label=f"demo {wl.name}",
-                analysis=live_analysis(wl.engine.itl_target_s))
+                analysis=live_analysis(wl))
     feed = DemoFeed(core, wl, seed=args.seed, speed=args.speed, interval_s=args.interval)
 
     if args.headless:

@@ -53,8 +53,10 @@ def _finite(obj: Any) -> Any:
 
 
 def _analysis(itl_target_s: float | None) -> Any:
-    """The live analysis the core feeds (``Core(analysis=...)``); None until kvtop.analysis provides one."""
-    return None
+    """The live analysis the core feeds (``Core(analysis=...)``): spikes, causes and the verdict."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    return LiveAnalyzer(itl_target_s=itl_target_s)
 
 
 def run(args: argparse.Namespace) -> int:

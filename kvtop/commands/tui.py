@@ -120,10 +120,11 @@ def run(args: argparse.Namespace) -> int:
                     "(or `url` in config.toml), or try `kvtop demo`\n"
                 )
                 return 2
+        from kvtop.analysis.live import LiveAnalyzer
         from kvtop.core import Core
         from kvtop.live import LiveRunner
 
-        core = Core(itl_target_s=itl_target_s, source_label="live")
+        core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
                           host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
                           adapter=resolve(args, cfg, "adapter"), timeout_s=timeout)
@@ -144,7 +145,9 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
     label = f"replay {Path(path).name}"
 
     def make_core() -> Core:
-        return Core(itl_target_s=itl_target_s, source_label=label)
+        from kvtop.analysis.live import LiveAnalyzer
+
+        return Core(itl_target_s=itl_target_s, source_label=label, analysis=LiveAnalyzer(itl_target_s=itl_target_s))
 
     try:
         feed = ReplayFeed(path, make_core(), speed=speed, core_factory=make_core)

@@ -86,16 +86,14 @@ def make_runner(core: Core, urls: list[str], interval_s: float) -> Any:
     return runner
 
 
-def live_analysis(itl_target_s: float | None) -> Any:
-    """The live analysis for the core, once kvtop.analysis provides one (else None)."""
-    try:
-        from kvtop.analysis.analyzer import LiveAnalyzer  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    try:
-        return LiveAnalyzer(itl_target_s=itl_target_s)
-    except TypeError:
-        return None
+def live_analysis(workload: Workload) -> Any:
+    """The live analysis for the core. The simulated engine's KV geometry is known, so the cost
+    model gets bytes per token without a model config."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    e = workload.engine
+    return LiveAnalyzer(itl_target_s=e.itl_target_s, adapter="vllm", model=e.model,
+                        kv_bytes_per_token=e.bytes_per_token)
 
 
 class DemoFeed:

@@ -748,7 +748,6 @@ class Engine:
         st = self.stats
         st.steps += 1
         dt = t_end - t0
-        st.iteration_tokens.observe(float(n_dec + pf_tokens))
         stall = dt > self.cfg.itl_target_s
         affected: list[str] = []
         if stall:
@@ -770,6 +769,7 @@ class Engine:
             if g >= s.out_len:
                 finished.append(s)
         same = len(dec) - irregular
+        first_prompts = 0
         emitted = dec
         if sched:
             emitted = list(dec)
@@ -788,6 +788,7 @@ class Engine:
                     s.first_t = t_end
                     st.ttft.observe(t_end - s.arrival_t)
                     st.prompt_tokens += s.prompt
+                    first_prompts += s.prompt
                 elif s.last_t == t0:
                     same += 1
                 else:
@@ -801,6 +802,9 @@ class Engine:
         if same:
             itl.observe(dt, same)
         st.generation_tokens += len(emitted)
+        # vLLM V1 semantics: generated tokens + whole prompts of requests whose prefill finished in this
+        # step; prefill chunks before that and a victim's recomputed tokens are in no token counter
+        st.iteration_tokens.observe(float(len(emitted) + first_prompts))
         if emitted:
             self.sink.on_tokens(t_end, emitted)
         for s in finished:
@@ -815,7 +819,7 @@ class Engine:
         if stall:
             self._label_stall(t0, t_end, dec_cost, pf_cost, blocked_s, prefills, affected, n_dec)
         elif self._slow_run is not None:
-            self._close_slow_run()
+            self._close_slow_run(t_end)
 
     def _resumed(self, s: Seq, t_end: float) -> None:
         """The victim's first output after a preemption: vLLM V1 counts the preemption now."""
@@ -851,32 +855,34 @@ class Engine:
                 r["max_batch"] = max(r["max_batch"], n_dec)
             return
         if self._slow_run is not None:
-            self._close_slow_run()
+            self._close_slow_run(t_end)
         if not affected:
             return
         if pf_cost >= blocked_s:
             main = max(prefills, key=lambda s: s.n_sched) if prefills else None
-            self.sink.on_truth(TruthRecord(t0, "prefill_stall", main.id if main else None, {
+            self.sink.on_truth(TruthRecord(t_end, "prefill_stall", main.id if main else None, {
                 "t_start": t0, "t_end": t_end, "step_s": round(t_end - t0, 6), "cause": "prefill_interference",
                 "affected": affected, "prefill_requests": [s.id for s in prefills],
                 "prefill_tokens": sum(s.n_sched for s in prefills),
                 "recompute": any(s.n_preempts > 0 for s in prefills),
                 "decode_only_s": round(dec_cost, 6)}))
         else:
-            self.sink.on_truth(TruthRecord(t0, "swap_stall", None, {
+            self.sink.on_truth(TruthRecord(t_end, "swap_stall", None, {
                 "t_start": t0, "t_end": t_end, "step_s": round(t_end - t0, 6), "cause": "swap_blocking",
                 "affected": affected, "blocked_s": round(blocked_s, 6)}))
 
-    def _close_slow_run(self) -> None:
+    def _close_slow_run(self, t: float) -> None:
+        """Emit the run of slow steps that just ended (record time = now, so traces stay in order;
+        the run's own span is in t_start / t_end)."""
         r = self._slow_run
         self._slow_run = None
         if r is not None:
             r["max_step_s"] = round(r["max_step_s"], 6)
-            self.sink.on_truth(TruthRecord(r["t_start"], "slow_step", None, r))
+            self.sink.on_truth(TruthRecord(max(t, r["t_end"]), "slow_step", None, r))
 
     def flush_truth(self) -> None:
         """Emit truth records still being accumulated (call at the end of a run)."""
-        self._close_slow_run()
+        self._close_slow_run(self.t)
 
     # --- checks (tests) -------------------------------------------------------------------------
 

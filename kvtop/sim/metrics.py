@@ -68,6 +68,12 @@ class EngineCollector:
                           e.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                           e.num_waiting)
+        fam = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Waiting requests by reason.",
+                                labels=sorted([*self.labels, "reason"]))
+        for reason, v in (("capacity", len(e.waiting)), ("deferred", len(e.swapping_in))):
+            lb = {**self.labels, "reason": reason}
+            fam.add_metric([lb[k] for k in sorted(lb)], v)
+        yield fam
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                             st.prefix_queries)

@@ -235,6 +235,10 @@ class SimServer:
             self.record(RequestRecord(t_arrive, spec.id, "arrive", prompt_tokens=spec.prompt_tokens, cls=spec.cls,
                                       source="sim"))
         seq = self.engine.add(spec, max(t_arrive, self.engine.t), user=q)
+        if seq.state == "done":  # rejected at admission: it could never fit in the KV cache
+            raise web.HTTPBadRequest(text=_err(
+                f"prompt of {spec.prompt_tokens} tokens does not fit in the KV cache "
+                f"({self.workload.engine.capacity_tokens} tokens)"), content_type="application/json")
         self._wake.set()
         model = self.workload.engine.model
         created = int(time.time())

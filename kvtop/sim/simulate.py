@@ -203,7 +203,7 @@ def _token_lines(t: float, seqs: list[Seq]) -> str:
 
 
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
-                      scrape_interval_s: float = 1.0) -> SimResult:
+                      scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None) -> SimResult:
     from kvtop.model.trace import TraceWriter
 
     with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
@@ -215,7 +215,8 @@ def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: st
             w.flush_if_due()
             return len(seqs)
 
-        sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s, emit_tokens=tokens)
+        sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s, emit_tokens=tokens,
+                         requests=iter(requests) if requests is not None else None)
         return sim.run()
 
 

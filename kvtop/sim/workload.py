@@ -317,3 +317,52 @@ def load_workload_file(path: str | Path) -> Workload:
     except ValueError as e:
         raise WorkloadError(f"workload {p} is not valid JSON: {e}") from None
     return parse_workload(obj, f"workload {p.name}")
+
+
+def requests_from_trace(path: str | Path, workload: Workload, seed: int = 1,
+                        duration_s: float | None = None) -> list[RequestSpec]:
+    """What-if input: the arrivals of a recorded kvtop trace (time, prompt length, class) with the
+    output lengths the clients received, to replay under this workload's engine and policy.
+
+    Requests that did not finish in the trace get at least one token more than they received there
+    (a draw from their class's output distribution, or the first class's), so a replay under the same
+    engine and policy reproduces the recorded run exactly. Times are the trace's run clock.
+    """
+    from kvtop.model.trace import TraceError, TraceReader
+
+    try:
+        reader = TraceReader(path)
+    except TraceError as e:
+        raise WorkloadError(str(e)) from None
+    arrivals: dict[str, tuple[float, int, str | None]] = {}
+    done: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for d in reader.dicts():
+        if d.get("kind") != "request":
+            continue
+        rid, ev = d.get("id"), d.get("event")
+        if not isinstance(rid, str):
+            continue
+        if ev == "arrive" and isinstance(d.get("prompt_tokens"), int) and d["prompt_tokens"] > 0:
+            arrivals.setdefault(rid, (float(d["t"]), int(d["prompt_tokens"]), d.get("class")))
+        elif ev in ("first_token", "token"):
+            seen[rid] = seen.get(rid, 0) + int(d.get("n") or 1)
+        elif ev == "finish":
+            ct = d.get("completion_tokens")
+            done[rid] = int(ct) if isinstance(ct, int) and ct > 0 else seen.get(rid, 1)
+    if not arrivals:
+        raise WorkloadError(f"{path}: no request arrivals with prompt_tokens in this trace")
+    rng = random.Random(f"{seed}/replay")
+    classes = {c.name: c for c in workload.classes}
+    lim = workload.engine.max_model_len
+    out = []
+    for rid, (t, prompt, cls) in sorted(arrivals.items(), key=lambda kv: kv[1][0]):
+        if duration_s is not None and t >= duration_s:
+            continue
+        tc = classes.get(cls or "", workload.classes[0])
+        p = min(prompt, lim - 1)
+        o = done.get(rid) or max(seen.get(rid, 0) + 1, tc.output.sample(rng))
+        o = max(1, min(o, lim - p))
+        max_tokens = max(o, tc.max_tokens or tc.output.max or o)
+        out.append(RequestSpec(rid, t, cls or tc.name, p, o, max_tokens, tc.patience_s, tc.priority))
+    return out

@@ -70,6 +70,10 @@ class EngineScraper:
         otherwise skew rates computed between scrapes)."""
         self.url = url.strip().rstrip("/")
         self.base_url, self.metrics_url = split_url(url)
+        # llama.cpp router mode selects the model by query string: extra paths need it too.
+        self._query = httpx.URL(self.metrics_url).query.decode()
+        # Extra paths the server does not have (HTTP 404): said once, then no longer fetched.
+        self._absent_paths: set[str] = set()
         self.adapter_name = adapter
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -232,12 +236,19 @@ class EngineScraper:
             if warnings:
                 r.warnings = [*warnings, *r.warnings]
         for path in adapter.extra_paths:
+            if path in self._absent_paths:
+                continue
             url = self.base_url + (path if path.startswith("/") else "/" + path)
+            if self._query:
+                url += "?" + self._query
             try:
                 body, _, w = await self._get(url)
                 adapter.parse_extra(path, body, recs)
             except ScrapeError as e:
                 w = [f"{path}: {e}"]
+                if str(e).startswith("HTTP 404"):
+                    self._absent_paths.add(path)
+                    w = [f"{path}: not served here (HTTP 404); not asked again"]
             except Exception as e:  # an adapter's extra parser must not lose the main record
                 w = [f"{path}: adapter failed: {_one_line(e)}"]
             if w:

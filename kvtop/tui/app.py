@@ -14,6 +14,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual._two_way_dict import TwoWayDict
@@ -99,9 +102,41 @@ class LiveTable(DataTable[Any]):
         hit = self._stable_cells.get(key)
         if hit is not None and hit[0] is value:
             return hit[1]
-        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        lines = self._fast_cell(value, row_index, column_index, base_style, width, cursor, hover)
+        if lines is None:
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
         self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
         return lines
+
+    def _fast_cell(self, value: Any, row_index: int, column_index: int, base_style: Style, width: int,
+                   cursor: bool, hover: bool) -> list[list[Segment]] | None:
+        """The segments DataTable would make for a one-line, single-style Text that fits, built
+        directly instead of through Rich's Padding/Styled/render_lines (several times slower).
+        Anything else (spans, wrapping, overflow, fixed cells, row heights) returns None and goes
+        the normal way. tests/test_tui_fmt.py checks both paths give identical segments."""
+        pad = self.cell_padding
+        if (not isinstance(value, Text) or value.spans or "\n" in value.plain or self.fixed_rows
+                or self.fixed_columns or self.rows[self._row_locations.get_key(row_index)].height != 1):
+            return None
+        text = value.plain
+        fill = width - 2 * pad - cell_len(text)
+        if fill < 0:
+            return None
+        component_style, post_style = self._get_styles_to_render_cell(
+            False, False, False, hover, cursor, self.show_cursor, self._show_hover_cursor,
+            self.cursor_foreground_priority == "css", self.cursor_background_priority == "css",
+        )
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        pad_style = pre + Style.null() + post_style
+        vstyle = value.style if isinstance(value.style, Style) else Style.parse(value.style or "none")
+        segs = [Segment(" " * pad, pad_style)] if pad else []
+        if text:
+            segs.append(Segment(text, pre + vstyle + post_style))
+        if fill:
+            segs.append(Segment(" " * fill, pad_style))
+        if pad:
+            segs.append(Segment(" " * pad, pad_style))
+        return [segs]
 
     def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
         if not changes:
@@ -271,6 +306,7 @@ class KvtopApp(App[int]):
         self._req_rows: dict[str, Any] = {}
         self._events_key: tuple[Any, ...] | None = None
         self._stop = asyncio.Event()
+        self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
         self._engine_panels: list[Panel] = []
         self.main = MainScreen()
@@ -326,10 +362,26 @@ class KvtopApp(App[int]):
             return
         self.snap = self.take_snapshot()
         self.ticks += 1
+        if self._note_verdict(self.snap):
+            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
         try:
             self.render_current()
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
+
+    def _note_verdict(self, s: Snapshot) -> bool:
+        """A changed verdict is worth an entry in the events log; True when one was added."""
+        v = (s.analysis or {}).get("verdict") or {}
+        action = v.get("action")
+        if action is None:
+            return False
+        prev, self._last_action = self._last_action, action
+        if prev is None or prev == action:
+            return False
+        conf = v.get("confidence")
+        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
+        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
+        return True
 
     def render_current(self) -> None:
         s = self.snap

@@ -30,6 +30,20 @@ def preemptions(srv: servers.Server) -> float:
     return float(m.group(1))
 
 
+def wait_for(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _up_again(trace: Path) -> bool:
+    ups = [e.get("up", True) for e in kvtop_run.engine_records(read_trace(trace))]
+    return False in ups and True in ups[ups.index(False):]
+
+
 def record_run(srv: servers.Server, trace: Path, n: int, tokens: int, seed: int) -> dict:
     """Record n concurrent streams through kvtop's proxy; return what kvtop and the engine saw."""
     before = preemptions(srv)
@@ -42,9 +56,16 @@ def record_run(srv: servers.Server, trace: Path, n: int, tokens: int, seed: int)
     assert rc == 0, f"kvtop record exited {rc}: {rec.stderr()}"
     records = read_trace(trace)
     # fp32 KV: 2 layers x (K,V) x 2 KV heads x 32 x 4 B = 1 KiB per token
-    report = analyze(trace, "--kv-bytes-per-token", "1024")
+    target = kvtop_run.slo_target_ms(records)
+    report = analyze(trace, "--kv-bytes-per-token", "1024", "--itl-target-ms", f"{target:.1f}")
     trace.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
-    return {"results": results, "delta": after - before, "records": records, "report": report}
+    # kvtop's own default target (4 x median gap), for the log only: on a busy box it flags noise too
+    default = analyze(trace, "--kv-bytes-per-token", "1024")
+    print(f"\n[real-engines] {trace.name}: ITL target {target:.0f} ms -> causes "
+          f"{ {c: v['count'] for c, v in report['causes'].items()} }; default target "
+          f"{(default.get('itl_target_s') or 0) * 1e3:.0f} ms -> {default.get('causes')}")
+    return {"results": results, "delta": after - before, "records": records, "report": report,
+            "target_ms": target}
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +136,11 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
         others = sum(1 for rid, ts in times.items() if rid != s["request_id"] for t in ts if t0 < t < t1)
         assert own == [], f"{s['request_id']} received tokens inside its own stall"
         assert others > 0, f"stall of {s['request_id']} at {t0:.2f}: nobody else received tokens"
-        # a real preemption stall dwarfs the stream's normal rhythm (reference: > 50x)
+        # a real preemption stall dwarfs the stream's normal rhythm (reference: > 50x its usual gap)
         ts = times[s["request_id"]]
         gaps = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
-        assert s["gap_s"] > 10 * gaps[len(gaps) // 2]
+        body = gaps[: int(len(gaps) * 0.95)]
+        assert s["gap_s"] > 20 * sum(body) / len(body)
 
 
 def test_few_spikes_get_other_causes(preempted):
@@ -163,7 +185,9 @@ def test_recorder_survives_engine_kill_and_restart(vllm, trace_dir):
         assert rec.alive(), f"kvtop record died with the engine: {rec.stderr()}"
         vllm.start(timeout=300)
         after = load.drive(rec.proxy_url, servers.VLLM_MODEL_NAME, 2, 100, seed=7)
-        time.sleep(2.0)
+        # the scraper backs off while the engine is down (up to 30 s between tries): wait until the
+        # recorder has seen it come back
+        assert wait_for(lambda: _up_again(trace), 60), "recorder never saw the restarted engine"
         rc = rec.stop()
     assert rc == 0, rec.stderr()
     assert all(r.completion_tokens == 200 for r in before_kill)

@@ -129,15 +129,12 @@ def drive(base_url: str, model: str, n: int, max_tokens: int, **kw) -> list[Stre
     return asyncio.run(run_streams(base_url, model, n, max_tokens, **kw))
 
 
-def stalls(results: list[StreamResult], factor: float = 50.0) -> list[tuple[int, float, float]]:
-    """Client-seen stalls: gaps > ``factor`` x the stream's median gap -> (stream, t_start, gap)."""
-    out = []
-    for r in results:
-        g = r.gaps
-        if len(g) < 5:
-            continue
-        med = sorted(g)[len(g) // 2]
-        for i, x in enumerate(g):
-            if x > factor * max(med, 1e-4):
-                out.append((r.index, r.token_times[i], x))
-    return out
+def stalls(results: list[StreamResult], factor: float = 25.0, floor_s: float = 0.25) -> list[tuple[int, float, float]]:
+    """Client-seen stalls: gaps above ``factor`` x the typical gap of all streams (mean of the gaps
+    below the 95th percentile), and at least ``floor_s`` -> (stream, t_start, gap)."""
+    gaps = sorted(g for r in results for g in r.gaps)
+    if not gaps:
+        return []
+    body = gaps[: max(1, int(len(gaps) * 0.95))]
+    limit = max(floor_s, factor * sum(body) / len(body))
+    return [(r.index, r.token_times[i], x) for r in results for i, x in enumerate(r.gaps) if x > limit]

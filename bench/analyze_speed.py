@@ -1,0 +1,154 @@
+"""`kvtop analyze` throughput on a large synthetic trace vs a pandas groupby/diff baseline.
+
+Writes a trace of 20,000 requests and 5 million token records (plus arrive/first_token/finish
+records and 1 s engine scrapes), then, each in its own process so peak memory is its own:
+  * kvtop: the full analysis (gaps, spikes, attribution, inputs, verdict), fast path;
+  * kvtop --stream: the same analysis through the per-record streaming path;
+  * pandas: read the token records (read_json, chunked) and compute gaps with groupby/diff.
+Prints records/s and peak RSS for each.
+
+    python bench/analyze_speed.py [--requests 20000] [--tokens 5000000] [--keep FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def write_trace(path: str, n_req: int, n_tok: int, seed: int = 1) -> int:
+    rnd = random.Random(seed)
+    per = n_tok // n_req
+    concurrency = 256
+    step = 0.025
+    lines = 0
+    with open(path, "w") as f:
+        f.write(json.dumps({"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-01-01T00:00:00Z",
+                            "host": "bench", "engine": {"adapter": "vllm", "model": "meta-llama/Llama-3.1-8B-Instruct"},
+                            "kv": {"bytes_per_token": 131072, "block_size": 16, "capacity_tokens": 400000}}) + "\n")
+        # slots of `concurrency` streams decode in lockstep; a request occupies a slot for `per` steps
+        active: list[list] = []
+        next_req = 0
+        t = 0.0
+        emitted = 0
+        next_scrape = 0.0
+        gen = 0
+        out = []
+        while emitted < n_tok:
+            while len(active) < concurrency and next_req < n_req:
+                rid = f"req-{next_req:06d}"
+                out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"arrive","prompt_tokens":{rnd.randint(100, 3000)},"source":"proxy"}}\n')
+                active.append([rid, 0, rnd.random() < 0.002])
+                next_req += 1
+            t += step
+            if t >= next_scrape:
+                out.append(f'{{"kind":"engine","t":{t:.6f},"adapter":"vllm","url":"http://127.0.0.1:8000","engine":"0",'
+                           f'"kv_usage":0.7,"running":{len(active)},"waiting":0,"preemptions_total":0.0,'
+                           f'"prompt_tokens_total":{gen * 10}.0,"generation_tokens_total":{gen}.0}}\n')
+                next_scrape += 1.0
+            keep = []
+            for a in active:
+                rid, k, stall = a[0], a[1], a[2]
+                if stall and k == per // 2:
+                    a[2] = False
+                    a.append(t + 1.0)  # a lone 1 s stall somewhere mid-stream
+                if len(a) == 4 and t < a[3]:
+                    keep.append(a)
+                    continue
+                ev = "first_token" if k == 0 else "token"
+                out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"{ev}","n":1,"source":"proxy"}}\n')
+                emitted += 1
+                gen += 1
+                a[1] = k + 1
+                if a[1] >= per:
+                    out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"finish","source":"proxy"}}\n')
+                else:
+                    keep.append(a)
+            active = keep
+            if len(out) > 100_000:
+                f.writelines(out)
+                lines += len(out)
+                out = []
+            if not active and next_req >= n_req:
+                break
+        f.writelines(out)
+        lines += len(out)
+    return lines
+
+
+CHILD_KVTOP = r"""
+import json, resource, sys, time
+from kvtop.analysis.scan import analyze_trace
+t0 = time.perf_counter()
+rep = analyze_trace(sys.argv[1], fast=sys.argv[2] == "fast")
+dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "records": rep["records"], "gaps": rep["gaps"], "spikes": rep["spikes_total"],
+                  "verdict": rep["verdict"]["action"],
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+CHILD_PANDAS = r"""
+import json, resource, sys, time
+import pandas as pd
+t0 = time.perf_counter()
+parts = []
+n = 0
+for chunk in pd.read_json(sys.argv[1], lines=True, chunksize=500_000):
+    n += len(chunk)
+    tok = chunk[(chunk["kind"] == "request") & chunk["event"].isin(["token", "first_token"])]
+    parts.append(tok[["id", "t"]])
+df = pd.concat(parts, ignore_index=True)
+df["gap"] = df.groupby("id")["t"].diff()
+gaps = int(df["gap"].notna().sum())
+dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "records": n, "gaps": gaps,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def child(code: str, *args: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(r.stderr[-2000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--tokens", type=int, default=5_000_000)
+    ap.add_argument("--keep", metavar="FILE", help="write the trace here and keep it")
+    ap.add_argument("--no-pandas", action="store_true")
+    ap.add_argument("--no-stream", action="store_true")
+    args = ap.parse_args()
+    d = tempfile.mkdtemp()
+    path = args.keep or os.path.join(d, "bench.jsonl")
+    t0 = time.perf_counter()
+    if not (args.keep and os.path.exists(path)):
+        lines = write_trace(path, args.requests, args.tokens)
+        print(f"wrote {lines:,} records ({os.path.getsize(path) / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
+    rows = [("kvtop analyze (fast path)", child(CHILD_KVTOP, path, "fast"))]
+    if not args.no_stream:
+        rows.append(("kvtop analyze (streaming)", child(CHILD_KVTOP, path, "stream")))
+    if not args.no_pandas:
+        rows.append(("pandas read_json + groupby/diff", child(CHILD_PANDAS, path)))
+    print(f"{'':<34}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}")
+    for name, r in rows:
+        print(f"{name:<34}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
+              f"{r['peak_rss_mb']:>9.0f} MB" + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else ""))
+    base = rows[-1][1] if not args.no_pandas else None
+    if base:
+        print(f"fast path vs pandas: {base['seconds'] / rows[0][1]['seconds']:.1f}x faster")
+    if not args.keep:
+        os.remove(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
