@@ -251,7 +251,7 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
     assert len([g for g in gaps if g > 0.2]) == 1  # the stall is one gap, not several
     sent = upstream.sent[ids["stall"]]
     assert sent[3] - sent[2] > 1.25  # 1.5 s as scripted, less any lateness of the third write
-    assert abs(max(gaps) - (sent[3] - sent[2])) < 0.005
+    assert abs(max(gaps) - (sent[3] - sent[2])) < 0.05
 
     fin = {n: rec.of(ids[n])[-1] for n in names}
     assert fin["steady"].finish_reason == "length"
@@ -259,7 +259,7 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
     assert fin["usage"].completion_tokens == 4 and fin["usage"].prompt_tokens == 7
     assert sum(r.n or 0 for r in rec.of(ids["usage"]) if r.event in ("first_token", "token")) == 4
     # finish is timestamped when [DONE] arrived
-    assert abs(fin["stall"].t - upstream.sent[ids["stall"]][-1]) < 0.005
+    assert abs(fin["stall"].t - upstream.sent[ids["stall"]][-1]) < 0.05
 
 
 async def test_chat_crlf_and_request_id_assigned(proxied):
@@ -275,7 +275,7 @@ async def test_chat_crlf_and_request_id_assigned(proxied):
     recs = rec.of(rid)
     assert [r.event for r in recs] == ["arrive", "first_token", "token", "finish"]
     sent = upstream.sent[rid]
-    assert abs(recs[1].t - sent[1]) < 0.005 and abs(recs[2].t - sent[2]) < 0.005
+    assert abs(recs[1].t - sent[1]) < 0.05 and abs(recs[2].t - sent[2]) < 0.05
     assert recs[-1].finish_reason == "stop"
 
 
