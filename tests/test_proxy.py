@@ -242,10 +242,10 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
         assert [r.n for r in toks] == [k for _, k in expected]
         errors.extend(abs(r.t - want_t) for r, (want_t, _) in zip(toks, expected, strict=True))
 
-    # Upstream, proxy and client share this process and a busy test machine: all but a rare token
-    # within 5 ms of when its bytes were sent, none beyond 50 ms.
+    # Upstream, proxy and client share this process and a busy test machine: every token but at
+    # most one within 5 ms of when its bytes were sent, none beyond 50 ms.
     errors.sort()
-    assert errors[int(0.95 * len(errors))] < 0.005 and errors[-1] < 0.05, errors[-3:]
+    assert len(errors) == 16 and errors[-2] < 0.005 and errors[-1] < 0.05, errors[-3:]
     stall = [r.t for r in rec.of(ids["stall"]) if r.event in ("first_token", "token")]
     gaps = [b - a for a, b in zip(stall, stall[1:], strict=False)]
     assert len([g for g in gaps if g > 0.2]) == 1  # the stall is one gap, not several
