@@ -82,6 +82,11 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
         if summary is not None:
             summary(rec)
 
+    # Handlers first: a signal that lands while the proxy starts must still stop it in order.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     proxy = make_proxy(args.upstream, emit, clock, host=host, port=port, cls=args.cls, workers=args.workers)
     try:
         await proxy.start()
@@ -89,10 +94,6 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
         if writer is not None:
             writer.close()
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     where = f", recording to {args.record}" if args.record else ""
     print(f"kvtop proxy: {proxy.url} -> {args.upstream}{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     try:

@@ -120,6 +120,11 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     from kvtop.live import LiveRunner
     from kvtop.model.trace import TraceWriter, make_header
 
+    # Handlers first: a signal that lands while starting up must still stop the recorder in order.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     core = Core(source_label="record")
     runner = LiveRunner(core, o["urls"], interval_s=o["interval"], gpu=o["gpu"], host=o["host"],
                         token=o["token"], adapter=o["adapter"], timeout_s=o["timeout"])
@@ -159,10 +164,6 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
                 proxy = None
                 raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         if args.probe:
             from kvtop.sources.probe import Probe
