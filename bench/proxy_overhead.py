@@ -73,6 +73,7 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
     async def main() -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", complete)
+        app.router.add_post("/bench/forward-only", complete)  # same stream on a path the proxy does not record
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, reuse_port=True, backlog=4096).start()
@@ -115,7 +116,7 @@ def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: 
 
 
 # -- load clients --------------------------------------------------------------------------------
-def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Queue) -> None:
+def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Queue, path: str) -> None:
     import aiohttp
 
     lat_us: list[float] = []
@@ -125,7 +126,7 @@ def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Que
         nonlocal chunks
         buf = b""
         while time.monotonic() < deadline:
-            async with session.post(url + "/v1/completions", json={"model": "m", "prompt": "p", "stream": True}) as r:
+            async with session.post(url + path, json={"model": "m", "prompt": "p", "stream": True}) as r:
                 async for data in r.content.iter_any():
                     now = time.monotonic_ns()
                     buf += data
@@ -159,15 +160,31 @@ def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Que
 
 
 def _proc_cpu_s(pid: int) -> float:
+    user, system = _proc_cpu_split(pid)
+    return user + system
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process: system is mostly the kernel's loopback TCP work."""
     with open(f"/proc/{pid}/stat") as f:
         parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(parts[11]) / tck, int(parts[12]) / tck
 
 
-def run_load(url: str, streams: int, clients: int, seconds: float, warmup: float) -> tuple[list[float], int]:
+def run_load(url: str, streams: int, clients: int, seconds: float, warmup: float,
+             path: str = "/v1/completions") -> tuple[list[float], int]:
     q: mp.Queue = mp.Queue()
     per = [streams // clients + (1 if i < streams % clients else 0) for i in range(clients)]
-    procs = [mp.Process(target=client_main, args=(url, n, seconds, warmup, q)) for n in per if n]
+    procs = [mp.Process(target=client_main, args=(url, n, seconds, warmup, q, path)) for n in per if n]
     for p in procs:
         p.start()
     lat: list[float] = []
@@ -216,6 +233,8 @@ def main() -> int:
     ap.add_argument("--upstream-procs", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the proxy and print the top functions")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
+    ap.add_argument("--forward-only", action="store_true",
+                    help="also measure the proxy's CPU on a path it forwards without recording")
     args = ap.parse_args()
 
     ctx_ready = [mp.Event() for _ in range(args.upstream_procs)]
@@ -242,12 +261,26 @@ def main() -> int:
             px.start()
             ready.wait(10)
             lat_d, n_d = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
-            cpu0 = _proc_cpu_s(px.pid)
+            phase_s = args.seconds + args.warmup
+            fwd_cpu_us = float("nan")
+            if args.forward_only:
+                # Same stream on a path the proxy forwards without recording: the pure aiohttp cost.
+                c0 = _proc_cpu_s(px.pid)
+                _, n_f = run_load(f"http://127.0.0.1:{px_port}", streams, args.clients, args.seconds,
+                                  args.warmup, "/bench/forward-only")
+                c1 = _proc_cpu_s(px.pid)
+                fwd_cpu_us = (c1 - c0) / (n_f * phase_s / args.seconds) * 1e6 if n_f else float("nan")
+            rss0 = _rss_mib(px.pid)
+            u0, s0 = _proc_cpu_split(px.pid)
             lat_p, n_p = run_load(f"http://127.0.0.1:{px_port}", streams, args.clients, args.seconds, args.warmup)
-            cpu1 = _proc_cpu_s(px.pid)
+            u1, s1 = _proc_cpu_split(px.pid)
+            rss1 = _rss_mib(px.pid)
+            cpu0, cpu1 = u0 + s0, u1 + s1
             # chunks forwarded in the whole proxied phase (warm-up included) ~ measured * (1 + warmup/seconds)
-            forwarded = n_p * (args.seconds + args.warmup) / args.seconds
+            forwarded = n_p * phase_s / args.seconds
             cpu_us = (cpu1 - cpu0) / forwarded * 1e6 if forwarded else float("nan")
+            user_us = (u1 - u0) / forwarded * 1e6 if forwarded else float("nan")
+            sys_us = (s1 - s0) / forwarded * 1e6 if forwarded else float("nan")
             px.terminate()
             px.join(10)
             trace_lines = sum(1 for _ in open(record))
@@ -256,7 +289,9 @@ def main() -> int:
                 "direct_p50_us": pct(lat_d, 50), "direct_p99_us": pct(lat_d, 99),
                 "proxied_p50_us": pct(lat_p, 50), "proxied_p99_us": pct(lat_p, 99),
                 "proxy_cpu_us_per_chunk": cpu_us, "proxy_cpu_util": (cpu1 - cpu0) / (args.seconds + args.warmup),
-                "trace_lines": trace_lines,
+                "trace_lines": trace_lines, "forward_only_cpu_us_per_chunk": fwd_cpu_us,
+                "proxy_user_us_per_chunk": user_us, "proxy_sys_us_per_chunk": sys_us,
+                "proxy_rss_mib_before": rss0, "proxy_rss_mib_after": rss1,
             }
             r["added_p50_us"] = r["proxied_p50_us"] - r["direct_p50_us"]
             r["added_p99_us"] = r["proxied_p99_us"] - r["direct_p99_us"]
@@ -265,7 +300,10 @@ def main() -> int:
                   f"latency direct p50/p99 {r['direct_p50_us']:7.0f}/{r['direct_p99_us']:7.0f} us  "
                   f"proxied p50/p99 {r['proxied_p50_us']:7.0f}/{r['proxied_p99_us']:7.0f} us  "
                   f"ADDED p50/p99 {r['added_p50_us']:6.0f}/{r['added_p99_us']:6.0f} us  "
-                  f"proxy CPU {cpu_us:5.1f} us/chunk ({r['proxy_cpu_util'] * 100:.0f}% of a core)")
+                  f"proxy CPU {cpu_us:5.1f} us/chunk = user {user_us:.1f} + kernel {sys_us:.1f} "
+                  f"({r['proxy_cpu_util'] * 100:.0f}% of a core)"
+                  + (f"; forwarding alone (no recording) {fwd_cpu_us:5.1f} us/chunk" if args.forward_only else "")
+                  + f"; proxy RSS {rss0:.0f} -> {rss1:.0f} MiB")
             if prof_path and os.path.exists(prof_path):
                 import pstats
 

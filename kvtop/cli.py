@@ -49,9 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _route_bare(raw: list[str]) -> list[str]:
+    """`kvtop [--config F] [--plugin P] [console options]` means `kvtop ... tui [console options]`:
+    insert the sub-command after the global options when no sub-command is named."""
+    names = {m.NAME for m in _commands()}
+    if "tui" not in names or any(t in names for t in raw) or any(t in ("-h", "--help", "--version") for t in raw):
+        return raw
+    i = 0
+    while i < len(raw):
+        if raw[i] in ("--config", "--plugin"):
+            i += 2
+        elif raw[i].startswith(("--config=", "--plugin=")):
+            i += 1
+        else:
+            break
+    return [*raw[:i], "tui", *raw[i:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_route_bare(list(argv if argv is not None else sys.argv[1:])))
     try:
         if args.plugin:
             from kvtop.plugin import PluginError, load_plugin_file

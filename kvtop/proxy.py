@@ -107,6 +107,31 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
     return 0
 
 
+# The commonest chunk (one choice, plain text delta, not finished) is counted without a JSON
+# parse. JSON escapes every quote inside a string, so these key patterns can only match real keys,
+# never text inside a value. Anything else (several choices, usage, token ids, logprobs, errors,
+# tool calls, finish) goes through the full parser.
+_SLOW_RE = re.compile(rb'"(?:usage|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
+_FINISH_NULL_RE = re.compile(rb'"finish_reason": ?null')
+_LOGPROBS_RE = re.compile(rb'"logprobs": ?(.)')
+_TEXT_RE = re.compile(rb'"(?:text|content)": ?(null|"")?')
+
+
+def _plain_token_chunk(data: bytes) -> int | None:
+    """1 token, 0 for an empty delta, or None when the chunk needs the full parser."""
+    if _SLOW_RE.search(data) is not None or data.count(b'"index"') != 1:
+        return None
+    if _FINISH_NULL_RE.search(data) is None:
+        return None
+    lp = _LOGPROBS_RE.search(data)
+    if lp is not None and lp.group(1) != b"n":
+        return None
+    found = _TEXT_RE.findall(data)
+    if len(found) != 1:
+        return None
+    return 0 if found[0] else 1
+
+
 class StreamRecorder:
     """Turns one response's bytes into request records. Shared by the proxy and the probe.
 
@@ -116,7 +141,7 @@ class StreamRecorder:
 
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
-        "_finish_reason", "_overflow",
+        "_finish_reason", "_overflow", "_pend_n", "_pend_t",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -132,6 +157,10 @@ class StreamRecorder:
         self._prompt_tokens: int | None = None
         self._finish_reason: str | None = None
         self._overflow = 0
+        # Token chunks that arrived in the same read share one timestamp; they become one record
+        # (n summed) at the end of the read: a gap of zero between them is TCP batching, not timing.
+        self._pend_n = 0
+        self._pend_t = 0.0
 
     @property
     def tokens(self) -> int:
@@ -161,6 +190,8 @@ class StreamRecorder:
             if self.ended:
                 self._buf = b""
                 return
+        if self._pend_n:
+            self._flush_tokens()
         rest = buf[start:] if start else buf
         if len(rest) > _SSE_BUFFER_CAP:
             # Not SSE after all (or a pathological event): stop parsing, keep forwarding.
@@ -170,17 +201,26 @@ class StreamRecorder:
         self._buf = rest
 
     def _event(self, raw: bytes, t: float) -> None:
-        data: bytes | None = None
-        for line in raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                v = line[5:]
-                if v.startswith(b" "):
-                    v = v[1:]
-                data = v if data is None else data + b"\n" + v
+        if raw.startswith(b"data: ") and b"\n" not in raw:
+            data: bytes | None = raw[6:]  # the usual one-line event
+        else:
+            data = None
+            for line in raw.split(b"\n"):
+                if line.startswith(b"data:"):
+                    v = line[5:]
+                    if v.startswith(b" "):
+                        v = v[1:]
+                    data = v if data is None else data + b"\n" + v
         if data is None:
             return
         if data == b"[DONE]":
             self.finish(t)
+            return
+        n = _plain_token_chunk(data)
+        if n is not None:
+            if n:
+                self._pend_n += n
+                self._pend_t = t
             return
         try:
             obj = json.loads(data)
@@ -223,11 +263,19 @@ class StreamRecorder:
                     n = ct - (self._usage_ct or 0)
                 self._usage_ct = ct
         if n:
-            self.emit(RequestRecord(t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
-            self._tokens += n
+            self._pend_n += n
+            self._pend_t = t
+
+    def _flush_tokens(self) -> None:
+        n = self._pend_n
+        self._pend_n = 0
+        self.emit(RequestRecord(self._pend_t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
+        self._tokens += n
 
     def _end(self, rec: RequestRecord) -> None:
         if not self.ended:
+            if self._pend_n:
+                self._flush_tokens()
             self.ended = True
             self.emit(rec)
 

@@ -57,6 +57,8 @@ class ReplayFeed:
         core_factory: Callable[[], Core] | None = None,
         on_reset: Callable[[Core], None] | None = None,
     ):
+        if isinstance(path, Core):  # ReplayFeed(core, path) reads just as well
+            path, core = core, path  # type: ignore[assignment]
         if speed < 0:
             raise ValueError("speed must be >= 0")
         self.path = Path(path)
@@ -123,11 +125,11 @@ class ReplayFeed:
         return n
 
     def seek(self, t: float) -> int:
-        """Jump the trace clock to ``t``. Backwards re-feeds from the start into a fresh core."""
+        """Jump the trace clock to ``t``. Backwards re-feeds from the start into a fresh core state:
+        a new core from ``core_factory`` when given (``on_reset`` hears of it), else the same core
+        object reset in place, so a view holding it stays valid."""
         t = max(0.0, t)
         if t < self.t:
-            if self.core_factory is None:
-                raise RuntimeError("seeking backwards needs a core_factory")
             self._reader.close()
             self._reader = TraceReader(self.path)
             self._it = self._reader.records()
@@ -135,7 +137,10 @@ class ReplayFeed:
             self._exhausted = False
             self.t = 0.0
             self.fed = 0
-            self.core = self.core_factory()
+            if self.core_factory is not None:
+                self.core = self.core_factory()
+            else:
+                _reset_in_place(self.core)
             if self.on_reset is not None:
                 self.on_reset(self.core)
         n = self._feed_until(t)
@@ -215,6 +220,22 @@ class ReplayFeed:
 
     def close(self) -> None:
         self._reader.close()
+
+
+def _reset_in_place(core: Core) -> None:
+    """Empty ``core`` of everything fed so far, keeping its settings (and its identity)."""
+    analysis = core.analysis
+    if analysis is not None:
+        reset = getattr(analysis, "reset", None)
+        if callable(reset):
+            reset()
+        else:
+            try:  # an analysis without reset(): a fresh one of the same kind
+                analysis = type(analysis)(itl_target_s=core.itl_target_s)  # type: ignore[call-arg]
+            except TypeError:
+                analysis = type(analysis)()  # type: ignore[call-arg]
+    Core.__init__(core, window_s=core.window_s, itl_target_s=core.itl_target_s, max_requests=core.max_requests,
+                  finished_keep_s=core.finished_keep_s, analysis=analysis, source_label=core.source_label)
 
 
 def _has_loop() -> bool:

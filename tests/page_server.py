@@ -24,6 +24,7 @@ class Route:
     token: str | None = None
     hits: list[float] = field(default_factory=list)
     auth: list[str | None] = field(default_factory=list)
+    queries: list[str] = field(default_factory=list)
 
 
 class PageServer:
@@ -50,6 +51,7 @@ class PageServer:
         i = len(r.hits)
         r.hits.append(time.monotonic())
         r.auth.append(request.headers.get("Authorization"))
+        r.queries.append(request.query_string)
         if r.token is not None and request.headers.get("Authorization") != f"Bearer {r.token}":
             return web.Response(status=401, text="unauthorized")
         if r.delay_s:

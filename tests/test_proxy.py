@@ -8,6 +8,7 @@ user wrote, the model wrote, or any header value may reach the trace.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import time
@@ -17,8 +18,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 from multidict import CIMultiDict
 
+import kvtop.proxy as proxy_mod
 from kvtop.model.records import RequestRecord
 from kvtop.model.trace import TraceReader, TraceWriter, make_header
 from kvtop.proxy import RecordingProxy, StreamRecorder
@@ -139,6 +143,13 @@ class ScriptedUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
+            if script == "dies":  # the engine crashes mid-stream
+                for i in range(2):
+                    await resp.write(sse(chunk(f"t{i}")))
+                    await asyncio.sleep(0.02)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
             if script == "endless":
                 i = 0
                 while True:
@@ -324,6 +335,21 @@ async def test_upstream_errors_pass_through_and_are_recorded(proxied):
     assert rec.of("error500")[1].error == "http_500"
 
 
+async def test_upstream_dying_mid_stream_is_an_error_and_the_client_sees_a_cut(proxied):
+    upstream, proxy, rec = proxied
+    got = b""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(proxy.url + "/v1/completions", json={"model": "m", "prompt": "p", "stream": True,
+                                                               "script": "dies"},
+                          headers={"X-Request-Id": "dies"}) as r:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for data in r.content.iter_any():
+                    got += data
+    assert got.count(b"\n\n") == 2  # what was sent before the crash still arrived
+    events = [(x.event, x.error) for x in rec.of("dies")]
+    assert events == [("arrive", None), ("first_token", None), ("token", None), ("error", "upstream_disconnected")]
+
+
 async def test_upstream_refused_gives_502_json():
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -382,17 +408,24 @@ def _feed_all(data: bytes, split: list[int]) -> list[RequestRecord]:
 
 
 def test_recorder_tolerates_any_split():
-    stream = b"".join(d for _, d, _ in SCRIPTS["usage"]) + b": keepalive comment\n\n"
+    events = [d for _, d, _ in SCRIPTS["usage"]]
+    stream = b"".join(events) + b": keepalive comment\n\n"
+    # one read per event: one record per content chunk, with its token count
+    per_event = _feed_all(stream, list(itertools.accumulate(len(e) for e in events))[:-1])
+    assert [(r.event, r.n) for r in per_event] == [
+        ("first_token", 1), ("token", 2), ("token", 1), ("finish", None)]
+    # chunks that arrive in one read share its timestamp and become one record (n summed)
     whole = _feed_all(stream, [])
-    assert [(r.event, r.n) for r in whole] == [("first_token", 1), ("token", 2), ("token", 1), ("finish", None)]
-    # split at every byte position: same records, each token stamped with the read that completed it
-    for cut in range(1, len(stream)):
-        got = _feed_all(stream, [cut])
-        assert [(r.event, r.n) for r in got] == [(r.event, r.n) for r in whole], cut
-    crlf = stream.replace(b"\n", b"\r\n")
-    for cut in range(1, len(crlf), 7):
-        got = _feed_all(crlf, [cut])
-        assert [(r.event, r.n) for r in got] == [(r.event, r.n) for r in whole], cut
+    assert [(r.event, r.n, r.t) for r in whole] == [("first_token", 4, 0.0), ("finish", None, 0.0)]
+    # any split, LF or CRLF: nothing lost or double-counted, each token stamped by the read completing it
+    for data in (stream, stream.replace(b"\n", b"\r\n")):
+        for cut in range(1, len(data)):
+            got = _feed_all(data, [cut])
+            toks = [r for r in got if r.event in ("first_token", "token")]
+            assert sum(r.n for r in toks) == 4, cut
+            assert [r.event for r in got] == ["first_token"] + ["token"] * (len(toks) - 1) + ["finish"], cut
+            assert [r.t for r in toks] == sorted({r.t for r in toks}), cut  # at most one record per read
+            assert set(r.t for r in toks) <= {0.0, 1.0}, cut
 
 
 def test_recorder_midstream_error_and_multi_token_chunks():
@@ -405,3 +438,46 @@ def test_recorder_midstream_error_and_multi_token_chunks():
     assert [(r.event, r.n, r.t) for r in out[:2]] == [("first_token", 2, 1.0), ("token", 3, 2.0)]
     assert out[2].event == "error" and out[2].error == "InternalServerError" and out[2].status == 500
     assert len(out) == 3 and PROMPT_MARKER not in repr(out)
+
+
+_texts = hs.lists(hs.sampled_from(["a", " ", '"', "\\", ":", "{", "}", "é", "\n", "null", '"text":"',
+                                   '"finish_reason":"stop"', '"usage"', '"index"']), max_size=5).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chat=hs.booleans(), text=_texts, finish=hs.sampled_from([None, "stop", "length"]),
+    logprobs=hs.sampled_from([None, "none", "list"]), choices=hs.integers(1, 2), spaced=hs.booleans(),
+    role=hs.booleans(), usage=hs.sampled_from([None, 1, 3]),
+)
+def test_fast_path_counts_like_the_full_parser(chat, text, finish, logprobs, choices, spaced, role, usage):
+    """The no-parse fast path for plain chunks must agree with the JSON parser on every chunk."""
+    def one(i: int) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": i, "finish_reason": finish}
+        if chat:
+            c["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+        else:
+            c["text"] = text
+        if logprobs == "none":
+            c["logprobs"] = None
+        elif logprobs == "list":
+            c["logprobs"] = {"tokens": ["a", "b"]} if not chat else {"content": [{"token": "a"}, {"token": "b"}]}
+        return c
+    obj: dict[str, Any] = {"id": "x", "choices": [one(i) for i in range(choices)]}
+    if usage is not None:
+        obj["usage"] = {"completion_tokens": usage}
+    data = json.dumps(obj, separators=(", ", ": ") if spaced else (",", ":"), ensure_ascii=spaced).encode()
+
+    def records(fast: bool) -> list[tuple[str, int | None]]:
+        out: list[RequestRecord] = []
+        sr = StreamRecorder("x", out.append, 200, True)
+        saved = proxy_mod._plain_token_chunk
+        if not fast:
+            proxy_mod._plain_token_chunk = lambda d: None
+        try:
+            sr.feed(b"data: " + data + b"\n\n", 1.0)
+        finally:
+            proxy_mod._plain_token_chunk = saved
+        return [(r.event, r.n) for r in out]
+
+    assert records(True) == records(False)

@@ -74,13 +74,22 @@ def test_feed_as_fast_as_possible_then_seek_back_and_step(tmp_path: Path):
     assert feed.done and feed.t == 4.0
 
 
-def test_backward_seek_without_factory_is_refused(tmp_path: Path):
+def test_backward_seek_without_factory_resets_the_same_core(tmp_path: Path):
     p = tmp_path / "t.jsonl"
     _write_trace(p)
-    feed = ReplayFeed(p, _core())
-    feed.seek(2.0)
-    with pytest.raises(RuntimeError):
-        feed.seek(1.0)
+    core = Core(window_s=7, itl_target_s=0.05, source_label="replay x")
+    feed = ReplayFeed(core, p)  # either argument order
+    feed.seek(4.0)
+    assert feed.done and _engine(core).kv_usage == pytest.approx(0.4)
+    feed.seek(0.6)
+    # a view holding `core` sees the rewound state, with its settings kept
+    assert feed.core is core and not feed.done
+    assert _engine(core).kv_usage == pytest.approx(0.05)
+    assert core.snapshot(now=feed.t).requests == ()  # r1 arrives at 0.9
+    assert (core.window_s, core.itl_target_s, core.source_label) == (7, 0.05, "replay x")
+    feed.step(0.5)
+    (r,) = core.snapshot(now=feed.t).requests
+    assert r.tokens == 2 and feed.t == pytest.approx(1.1)
 
 
 async def test_recorded_speed_pause_and_resume(tmp_path: Path):

@@ -181,3 +181,33 @@ async def test_extra_paths_are_fetched_and_parsed(server, tmp_path):
     (r,) = await s.scrape(1.0)
     await s.aclose()
     assert r.up and r.running == 2.0 and any("/slots" in w and "HTTP 503" in w for w in r.warnings)
+
+
+async def test_missing_extra_path_is_reported_once_then_not_fetched(server, tmp_path):
+    f = tmp_path / "slotsy.py"
+    f.write_text(PLUGIN)
+    load_plugin_file(f)
+    server.route("/metrics", "slotsy_requests_processing 2\n")  # no /slots route: 404
+    s = EngineScraper(server.url)
+    (r1,) = await s.scrape(0.0)
+    (r2,) = await s.scrape(1.0)
+    (r3,) = await s.scrape(2.0)
+    await s.aclose()
+    assert all(r.up and r.running == 2.0 for r in (r1, r2, r3))
+    assert any("/slots" in w and "404" in w for w in r1.warnings)
+    # said once; later scrapes neither warn nor spend a request on it
+    assert not any("/slots" in w for w in r2.warnings + r3.warnings)
+    assert len(server.routes["/metrics"].hits) == 3
+
+
+async def test_router_query_string_reaches_extra_paths(server, tmp_path):
+    f = tmp_path / "slotsy.py"
+    f.write_text(PLUGIN)
+    load_plugin_file(f)
+    m = server.route("/metrics", "slotsy_requests_processing 1\n")
+    sl = server.route("/slots", fixture_text("llamacpp-b9014-cassette-slots-idle.json"), content_type="application/json")
+    s = EngineScraper(server.url + "/metrics?model=gemma")
+    (r,) = await s.scrape(0.0)
+    await s.aclose()
+    assert r.kv_capacity_tokens == 256
+    assert m.queries == ["model=gemma"] and sl.queries == ["model=gemma"]

@@ -257,4 +257,94 @@ def test_bad_workloads_are_rejected_with_one_line():
     with pytest.raises(WorkloadError, match="preemption_mode"):
         parse_workload({"engine": {"preemption_mode": "magic"}, "classes": [{"prompt": 10, "output": 10}]})
     with pytest.raises(WorkloadError, match="max_model_len"):
-        parse_workload({"engine": {"max_model_len": 100}, "classes": [{"prompt": 90, "output": 20}]})
+        parse_workload({"engine": {"max_model_len": 100},
+                        "classes": [{"prompt": {"median": 80, "max": 90}, "output": {"median": 20, "max": 20}}]})
+
+
+def test_reserved_kv_and_priority_protect_interactive_requests():
+    cfg = EngineConfig(num_gpu_blocks=200, block_size=16, max_num_batched_tokens=8192, max_num_seqs=32)
+    eng = Engine(cfg)
+    eng.set_reservations({0: 0.5})  # half the pool only for priority-0 (interactive) requests
+
+    def spec(i, prio, prompt, out):
+        return RequestSpec(f"{'b' if prio else 'i'}{i}", 0.0, "batch" if prio else "interactive", prompt, out, out,
+                           None, prio, None, 0)
+
+    for i in range(6):
+        eng.add(spec(i, 1, 480, 2000))  # 30 blocks each: only 3 fit in the unreserved 100 blocks
+    eng.step()
+    assert [s.id for s in eng.running] == ["b0", "b1", "b2"]
+    assert eng.n_blocks - eng.available() == 3 * 30  # a 4th would pass the 100 unreserved blocks
+    eng.add(spec(0, 0, 1600, 400))  # 101 blocks: fits only thanks to the reservation
+    eng.step()
+    assert "i0" in {s.id for s in eng.running} and len(eng.waiting) == 3
+    # when memory runs out, the batch requests (priority 1) are preempted before the interactive one,
+    # although the interactive request arrived last
+    while eng.stats.preempt_events == 0:
+        eng.step()
+        eng.check_invariants()
+    assert all(s.id.startswith("b") for s in eng.waiting if s.n_preempts)
+    assert eng.seqs["i0"].n_preempts == 0
+
+
+def test_overlapped_swap_never_blocks_the_step_but_blocking_swap_does():
+    wl = load_preset("swap-vs-recompute").with_policy("swap-slow-link")
+    recs_block, _ = simulate(wl, duration=300, scrape=None, tokens=False)
+    blocking = truths(recs_block, "swap_stall")
+    assert blocking and all(r.data["blocked_s"] > 0 for r in blocking)
+    over = parse_workload({**_swap_preset_dict(), "policies": {
+        "async": {"preemption_mode": "swap", "swap": {"link_bytes_per_s": 2e9, "copy_bytes": 8192,
+                                                      "copy_overhead_s": 2e-5, "overlap": True}}}})
+    recs_over, res = simulate(over.with_policy("async"), duration=300, scrape=None, tokens=False)
+    assert not truths(recs_over, "swap_stall") and truths(recs_over, "resume")
+    assert res.stats.offload_bytes["CPU_to_GPU"] > 0
+
+
+def _swap_preset_dict() -> dict:
+    import json
+    from importlib import resources
+
+    return json.loads((resources.files("kvtop.sim") / "presets" / "swap-vs-recompute.json").read_text())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_accounting_holds_at_every_step_and_every_request_completes(seed):
+    """Random engines/traffic: prefixes, tight KV, both modes, cancels, reservations, priorities."""
+    import random
+
+    r = random.Random(seed)
+    mode = ("recompute", "swap")[seed % 2]
+    wl = parse_workload({"name": "fuzz", "engine": {
+        "bytes_per_token": 131072, "block_size": r.choice([8, 16, 32]), "num_gpu_blocks": r.randint(60, 400),
+        "max_num_seqs": r.randint(2, 40), "max_num_batched_tokens": r.choice([256, 512, 2048]),
+        "chunked_prefill": r.random() < 0.7, "prefix_caching": r.random() < 0.8, "max_model_len": 4096,
+        "preemption_mode": mode, "swap": {"overlap": seed % 4 >= 2, "host_capacity_bytes": r.choice([1e8, 1e10]),
+                                          "link_bytes_per_s": r.choice([1e9, 4e10])}},
+        "classes": [
+            {"name": "a", "rate_per_s": r.uniform(0.5, 6), "prefix_id": "p", "prefix_tokens": r.choice([100, 700]),
+             "prompt": {"median": 900, "sigma": 0.5, "min": 750, "max": 1500},
+             "output": {"median": 150, "sigma": 0.8, "max": 1500}, "patience_s": r.choice([None, 0.5, 3.0]),
+             "priority": r.choice([0, 1])},
+            {"name": "b", "rate_per_s": r.uniform(0.2, 3), "reserved_kv_frac": r.choice([0.0, 0.2]),
+             "prompt": {"median": 300, "sigma": 0.8, "max": 2000},
+             "output": {"median": 200, "sigma": 0.8, "max": 1500}}]})
+    sim = Simulation(wl, seed, 30, None, scrape_interval_s=5.0, tokens=False)
+    eng = sim.engine
+    commit = eng.commit
+
+    def checked(p):
+        commit(p)
+        eng.check_invariants()
+
+    eng.commit = checked  # type: ignore[method-assign]
+    res = sim.run()
+    assert res.steps > 100
+    while eng.has_work():  # no more arrivals: every admitted request must run to the end
+        if not eng.step():
+            nxt = eng.next_internal_event()
+            assert nxt is not None, "a request is stuck in the queue with nothing running"
+            eng.t = max(eng.t, nxt)
+    eng.check_invariants()
+    assert eng.available() == eng.n_blocks and eng.host_used == 0
+    st = res.stats
+    assert sum(st.finished.values()) == res.requests

@@ -44,7 +44,7 @@ def test_bad_arguments_are_one_line_exit_2(tmp_path):
         (("tui", "--interval", "0"), "--interval must be between 0.05 and 3600"),
         (("tui", "--theme", "nope", "--url", "http://127.0.0.1:1"), "unknown theme 'nope'; choose one of: kvtop, kvtop-low"),
         (("tui", "--replay", str(tmp_path / "missing.jsonl")), "trace file not found"),
-        (("tui", "--itl-target", "-1"), "--itl-target must be a positive number"),
+        (("tui", "--itl-target-ms", "-1"), "--itl-target-ms must be positive"),
     ):
         r = run_kvtop(*args)
         assert r.returncode == 2, (args, r.stderr)
@@ -100,3 +100,15 @@ def test_headless_paths_do_not_import_textual():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_bare_kvtop_takes_global_and_console_options(tmp_path):
+    port = _closed_port()
+    cfg = tmp_path / "other.toml"
+    cfg.write_text(f"probe_ports = [{port}]\n")
+    r = run_kvtop("--config", str(cfg))  # global option, then the console
+    assert r.returncode == 2 and f"no engine found on 127.0.0.1 ports {port}" in r.stderr
+    r = run_kvtop("--interval", "0")  # a console option without `tui`
+    assert r.returncode == 2 and "--interval must be between 0.05 and 3600" in r.stderr
+    r = run_kvtop("--help")
+    assert r.returncode == 0 and "COMMAND" in r.stdout  # still the top-level help

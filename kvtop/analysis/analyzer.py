@@ -314,7 +314,7 @@ class Analyzer:
         i = bisect_right(self._active_t, t) - 1
         return self._active_v[i] if i >= 0 else None
 
-    def _co_stalled(self, g: Gap) -> int:
+    def _co_stalled(self, g: Gap) -> tuple[int, float | None]:
         L = g.t_end - g.t_start
         half = 0.5 * L
         lg = self._long
@@ -329,6 +329,7 @@ class Analyzer:
             else:
                 hi = mid
         seen = set()
+        lens = []
         limit = g.t_end + self.settle + L
         for i in range(lo, len(lg)):
             q = lg[i]
@@ -339,7 +340,11 @@ class Analyzer:
             ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
             if ov >= half:
                 seen.add(q.request_id)
-        return len(seen)
+                lens.append(q.gap)
+        if not lens:
+            return 0, None
+        lens.sort()
+        return len(seen), lens[len(lens) // 2]
 
     def _first_token_near(self, g: Gap) -> tuple[str, int | None] | None:
         base = g.stream_baseline or self.median_gap() or 0.02
@@ -359,9 +364,10 @@ class Analyzer:
         engine_pre = bool(r and any(g.t_start - 1e-6 <= t <= g.t_end + 1e-6 for t in r.engine_preempts))
         mid = 0.5 * (g.t_start + g.t_end)
         act = self._active_at(mid)
+        co, co_med = self._co_stalled(g)
         ctx = Context(
             timeline=self.timeline, preempts=self.preempts, global_median=self.median_gap(),
-            co_stalled=self._co_stalled(g), active_others=None if act is None else max(0, act - 1),
+            co_stalled=co, co_gap_median=co_med, active_others=None if act is None else max(0, act - 1),
             first_token_near_end=self._first_token_near(g), engine_preempt=engine_pre,
             tol=1.5 * self.timeline.scrape_interval + 0.25,
         )

@@ -23,6 +23,8 @@ from kvtop.analysis.gaps import Gap
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 CO_STALL = 0.5  # share of other active streams stalled over the same interval for "all stalled"
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
+KV_FULL = 0.95
+LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
 
 
 @dataclass
@@ -177,6 +179,7 @@ class Context:
     first_token_near_end: tuple[str, int | None] | None  # (request id, prompt tokens) of a first token at the end
     engine_preempt: bool  # the engine/simulator reported a per-request preempt inside the gap
     tol: float
+    co_gap_median: float | None = None  # median length of the other streams' overlapping gaps
 
 
 def classify(g: Gap, ctx: Context) -> None:
@@ -232,7 +235,10 @@ def classify(g: Gap, ctx: Context) -> None:
                            ("running dropped" if w["running_drop"] else "waiting rose"))
             if g.ended_by == "cancel":
                 pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
-            strong = t_c is not None or (kv_high and (w["running_drop"] or w["waiting_rise"]))
+            # KV pinned at full while every other stream keeps flowing is itself the signature
+            # (kv-science §4), e.g. for victims the counter never counts (cancelled while preempted)
+            kv_full_flowing = frac is not None and w["kv_max"] is not None and w["kv_max"] >= KV_FULL
+            strong = t_c is not None or (kv_high and (w["running_drop"] or w["waiting_rise"])) or kv_full_flowing
             if strong:
                 if frac is not None:
                     score += 0.15
@@ -251,6 +257,15 @@ def classify(g: Gap, ctx: Context) -> None:
                            "no running/waiting change)" if ctx.preempts else "a lone stall (this engine never preempts)"]
         return
     # (nearly) every stream stalled together
+    if ctx.preempts and ctx.co_gap_median and g.gap > LONGER * ctx.co_gap_median:
+        # a prefill step stalled everyone, but this stream stayed silent longer: a victim
+        t_c = ctx.timeline.claim_counter(a, b, ctx.tol)
+        if t_c is not None or kv_high:
+            g.cause, g.confidence = "preemption", 0.6 + 0.2 * (t_c is not None)
+            g.evidence = ev + [f"silent {g.gap / ctx.co_gap_median:.1f}x longer than the other stalled streams"] + (
+                [f"preemption counter stepped at t={t_c:.2f}s"] if t_c is not None else []) + (
+                [f"KV usage {w['kv_max']:.2f}"] if kv_high else [])
+            return
     if ctx.preempts:
         d = ctx.timeline.counter_delta(a - 0.25, b + ctx.tol)
         if d >= max(2.0, 0.5 * (ctx.co_stalled + 1)) and not prefill_ev:

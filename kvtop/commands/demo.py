@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtop.core import Core
     from kvtop.errors import UsageError
-    from kvtop.sim.demo import DemoFeed
+    from kvtop.sim.demo import DemoFeed, live_analysis
     from kvtop.sim.workload import load_preset
 
     if args.headless and args.duration is None:
@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--interval must be > 0")
     wl = load_preset(args.preset).with_policy(args.policy)
     window = max(10.0, args.duration) if args.duration else 60.0
-    core = Core(window_s=window, itl_target_s=wl.engine.itl_target_s, source_label=f"demo {wl.name}")
+    core = Core(window_s=window, itl_target_s=wl.engine.itl_target_s, source_label=f"demo {wl.name}",
+                analysis=live_analysis(wl.engine.itl_target_s))
     feed = DemoFeed(core, wl, seed=args.seed, speed=args.speed, interval_s=args.interval)
 
     if args.headless:

@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     from yarl import URL
 
+    if "://" not in args.upstream:
+        args.upstream = "http://" + args.upstream  # host:port, as the other commands take it
     u = URL(args.upstream)
     if u.scheme not in ("http", "https") or not u.host:
         raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")

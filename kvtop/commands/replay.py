@@ -9,8 +9,9 @@ from typing import Any
 NAME = "replay"
 HELP = "replay a trace file (recorded speed or faster) through the console / a headless summary"
 DESCRIPTION = (
-    "Feed TRACE through the same core as a live run. Headless (the default until the console can "
-    "open a replay), it prints the report as it stands at the end of the trace, or at --until."
+    "Feed TRACE through the same core as a live run: in the console on a terminal (recorded speed; "
+    "pause, step and seek there), else headless, printing the report as it stands at the end of the "
+    "trace, or at --until."
 )
 ORDER = 35
 
@@ -20,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=None,
                    help="1 = recorded speed, 10 = ten times faster, 0 = as fast as possible "
                         "(default: 1 in the console, 0 headless)")
-    p.add_argument("--headless", action="store_true", help="no console: print a summary and exit")
+    p.add_argument("--headless", action="store_true",
+                   help="no console: print the report at the end (the default when output is not a terminal)")
     p.add_argument("--until", type=float, default=None, metavar="S",
                    help="stop at this trace time (seconds from the start of the recording)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="headless output format")
@@ -38,14 +40,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speed is not None and args.speed < 0:
         raise UsageError("--speed must be >= 0")
-    speed = args.speed if args.speed is not None else 0.0
+    console = not args.headless and args.until is None and sys.stdout.isatty() and sys.stdin.isatty()
+    speed = args.speed if args.speed is not None else (1.0 if console else 0.0)
     try:
-        feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=speed,
-                          core_factory=lambda: Core(source_label="replay"))
+        feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=speed)
     except TraceError as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot read trace {args.trace}: {e.strerror or e}") from None
+    if console:
+        feed.close()
+        try:
+            from kvtop.commands.tui import replay_console
+        except ImportError:  # a build without the console: the headless report instead
+            feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=0.0)
+        else:
+            return replay_console(args.trace, speed=speed)
 
     async def go() -> None:
         if args.until is not None:

@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (JSON Lines)")
     p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
                    help="simulated seconds between /metrics scrapes (default 1)")
+    p.add_argument("--arrivals-from", metavar="TRACE",
+                   help="what-if: replay the request arrivals (times, prompt and output lengths) of a recorded "
+                        "trace instead of the workload's traffic, on the preset's engine and --policy")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvtop.errors import UsageError
     from kvtop.sim.simulate import simulate_to_trace
-    from kvtop.sim.workload import load_preset, load_workload_file
+    from kvtop.sim.workload import load_preset, load_workload_file, requests_from_trace
 
     if args.duration <= 0:
         raise UsageError("--duration must be > 0")
@@ -40,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{out} already exists (refusing to append a second run to it)")
     if not out.parent.is_dir():
         raise UsageError(f"directory {out.parent} does not exist")
+    specs = None
+    if args.arrivals_from:
+        specs = requests_from_trace(args.arrivals_from, wl, args.seed, args.duration)
     res = simulate_to_trace(wl, args.seed, args.duration, str(out), policy=args.policy,
-                            scrape_interval_s=args.scrape_interval)
+                            scrape_interval_s=args.scrape_interval, requests=specs)
     st = res.stats
     truth = ", ".join(f"{k} {v}" for k, v in sorted(res.truth_counts.items())) or "none"
     sys.stdout.write(

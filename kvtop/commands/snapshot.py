@@ -53,8 +53,10 @@ def _finite(obj: Any) -> Any:
 
 
 def _analysis(itl_target_s: float | None) -> Any:
-    """The live analysis the core feeds (``Core(analysis=...)``); None until kvtop.analysis provides one."""
-    return None
+    """The live analysis the core feeds (``Core(analysis=...)``): spikes, causes and the verdict."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    return LiveAnalyzer(itl_target_s=itl_target_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sources.scrape import split_url
 
     cfg = load_config(getattr(args, "config", None))
-    urls: list[str] = resolve(args, cfg, "url", [])
+    # the same engine named twice would be scraped twice and counted once
+    urls: list[str] = list(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
     interval = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
     timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")

@@ -7,7 +7,6 @@ common serving ports of 127.0.0.1. Textual is imported only inside ``run``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,36 +27,21 @@ PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", default=[], metavar="URL",
+    p.add_argument("--url", action="append", default=None, metavar="URL",
                    help="engine base URL (repeatable); default: config, then probe local ports")
-    p.add_argument("--interval", type=float, default=None, metavar="S", help="refresh interval in seconds (default 1)")
-    p.add_argument("--theme", default=None, metavar="NAME", help="kvtop (default), kvtop-low (16 colours), or a Textual theme")
+    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll and refresh interval (default 1)")
+    p.add_argument("--theme", default=None, metavar="NAME",
+                   help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
-    p.add_argument("--itl-target", type=float, default=None, metavar="S", help="inter-token latency target in seconds")
-
-
-def config_path(explicit: str | None) -> Path:
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "kvtop" / "config.toml"
-
-
-def load_config(explicit: str | None) -> dict[str, Any]:
-    path = config_path(explicit)
-    if not path.exists():
-        if explicit:
-            raise UsageError(f"config file not found: {path}")
-        return {}
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise UsageError(f"cannot read config {path}: {e}") from None
+    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
+    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
+    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency target")
+    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
+                   help="do not read the GPU (NVML)")
+    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
+                   help="do not read host memory")
 
 
 def looks_like_metrics(text: str) -> bool:
@@ -86,17 +70,6 @@ def discover(ports: tuple[int, ...] | list[int] = PROBE_PORTS, host: str = "127.
     return [u for u in found if u]
 
 
-def _urls_from_config(cfg: dict[str, Any]) -> list[str]:
-    v = cfg.get("url")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(x, str) for x in v):
-        return list(v)
-    raise UsageError("config: url must be a string or a list of strings")
-
-
 def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
     v = cfg.get("probe_ports")
     if v is None:
@@ -107,38 +80,36 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvtop.config import load_config, parse_seconds, resolve
+
     cfg = load_config(getattr(args, "config", None))
-    interval = args.interval if args.interval is not None else cfg.get("interval", 1.0)
-    if not isinstance(interval, (int, float)) or not 0.05 <= float(interval) <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, got {interval}")
-    itl_target = args.itl_target if args.itl_target is not None else cfg.get("itl_target_s")
-    if itl_target is not None and (not isinstance(itl_target, (int, float)) or itl_target <= 0):
-        raise UsageError(f"--itl-target must be a positive number of seconds, got {itl_target}")
+    interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
+    if not 0.05 <= interval <= 3600:
+        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
+    timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
+    itl_ms = resolve(args, cfg, "itl_target_ms")
+    if itl_ms is not None and not itl_ms > 0:
+        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
+    itl_target_s = None if itl_ms is None else itl_ms / 1000.0
+    theme = resolve(args, cfg, "theme")
 
-    from textual.theme import BUILTIN_THEMES
+    from textual.theme import BUILTIN_THEMES  # Textual from here on
 
-    from kvtop.tui.app import THEMES  # Textual from here on
+    from kvtop.tui.app import THEMES
 
-    theme = args.theme or cfg.get("theme")
     known = list(THEMES) + sorted(BUILTIN_THEMES)
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
-
-    from kvtop.core import Core
 
     if args.replay:
         path = Path(args.replay)
         if not path.is_file():
             raise UsageError(f"trace file not found: {path}")
-        try:
-            from kvtop.replay import ReplayFeed  # type: ignore[import-not-found]
-        except ImportError:
-            raise UsageError("replay is not available in this build (kvtop.replay missing)") from None
-        core = Core(itl_target_s=itl_target, source_label=f"replay {path.name}")
-        feed = ReplayFeed(core, path)
-        title = "kvtop replay"
+        return replay_console(path, theme=theme, interval=interval, itl_target_s=itl_target_s)
     else:
-        urls = list(args.url) or _urls_from_config(cfg)
+        urls: list[str] = list(resolve(args, cfg, "url", []))
         if not urls:
             ports = _ports_from_config(cfg)
             urls = discover(ports)
@@ -149,15 +120,43 @@ def run(args: argparse.Namespace) -> int:
                     "(or `url` in config.toml), or try `kvtop demo`\n"
                 )
                 return 2
-        try:
-            from kvtop.live import LiveRunner  # type: ignore[import-not-found]
-        except ImportError:
-            raise UsageError("live polling is not available in this build (kvtop.live missing); "
-                             "try `kvtop demo` or `kvtop tui --replay FILE`") from None
-        core = Core(itl_target_s=itl_target, source_label="live")
-        feed = LiveRunner(core, urls=urls, interval=float(interval))
-        title = "kvtop"
+        from kvtop.core import Core
+        from kvtop.live import LiveRunner
+
+        from kvtop.analysis.live import LiveAnalyzer
+
+        core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
+        feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
+                          host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
+                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout)
 
     from kvtop.tui.app import run_console
 
-    return run_console(core, feed=feed, title=title, theme=theme, interval=float(interval))
+    return run_console(core, feed=feed, title="kvtop", theme=theme, interval=interval)
+
+
+def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
+                   itl_target_s: float | None = None) -> int:
+    """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
+    from kvtop.core import Core
+    from kvtop.model.trace import TraceError
+    from kvtop.replay import ReplayFeed
+    from kvtop.tui.app import run_console
+
+    label = f"replay {Path(path).name}"
+
+    def make_core() -> Core:
+        from kvtop.analysis.live import LiveAnalyzer
+
+        return Core(itl_target_s=itl_target_s, source_label=label, analysis=LiveAnalyzer(itl_target_s=itl_target_s))
+
+    try:
+        feed = ReplayFeed(path, make_core(), speed=speed, core_factory=make_core)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot read trace {path}: {e.strerror or e}") from None
+    try:
+        return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
+    finally:
+        feed.close()

@@ -48,6 +48,7 @@ class TraceWriter:
         self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
         self._last_flush = time.monotonic()
         self.count = 0
+        self._ids: dict[str, str] = {}  # request id -> its JSON string, for the token fast path
         if new:
             self._f.write(json.dumps(header, separators=(",", ":")) + "\n")
             self.flush()
@@ -56,7 +57,23 @@ class TraceWriter:
         if isinstance(rec, dict):
             d = rec
         elif type(rec) is RequestRecord:
-            d = _request_dict(rec)  # the hot path: one per streamed chunk
+            # The hot path: one per streamed chunk.
+            if (rec.event == "token" and type(rec.n) is int and type(rec.t) is float and math.isfinite(rec.t)
+                    and rec.prompt_tokens is None and rec.cls is None and rec.source is None
+                    and rec.finish_reason is None and rec.status is None and rec.error is None
+                    and rec.completion_tokens is None):
+                ids = self._ids
+                jid = ids.get(rec.id)
+                if jid is None:
+                    if len(ids) >= 4096:
+                        ids.clear()
+                    jid = ids[rec.id] = _encode(rec.id)
+                self._f.write(f'{{"kind":"request","t":{rec.t!r},"id":{jid},"event":"token","n":{rec.n}}}\n')
+                self.count += 1
+                if time.monotonic() - self._last_flush >= self.flush_interval_s:
+                    self.flush()
+                return
+            d = _request_dict(rec)
         else:
             d = to_dict(rec)
         try:

@@ -79,9 +79,23 @@ def make_runner(core: Core, urls: list[str], interval_s: float) -> Any:
         return _MiniRunner(core, urls, interval_s)
     try:
         # no GPU or host behind a simulated engine: their rows would describe this laptop, not the demo
-        return LiveRunner(core, urls, interval_s=interval_s, gpu=False, host=False)
+        runner = LiveRunner(core, urls, interval_s=interval_s, gpu=False, host=False)
     except TypeError:
         return LiveRunner(core, urls, interval_s)
+    core.set_gpu_status("none: the engine is simulated")
+    return runner
+
+
+def live_analysis(itl_target_s: float | None) -> Any:
+    """The live analysis for the core, once kvtop.analysis provides one (else None)."""
+    try:
+        from kvtop.analysis.analyzer import LiveAnalyzer  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        return LiveAnalyzer(itl_target_s=itl_target_s)
+    except TypeError:
+        return None
 
 
 class DemoFeed:

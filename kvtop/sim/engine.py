@@ -101,7 +101,7 @@ class Seq:
         "prefix_tokens", "patience", "key", "state", "num_tokens", "computed", "generated", "blocks",
         "shared", "n_sched", "last_t", "first_t", "preempted_at", "pending_preempts", "n_preempts",
         "materialising", "host_blocks", "out_done", "ready_t", "cancelled", "counted_prefix",
-        "resume_info", "inflight", "user",
+        "resume_info", "user",
     )
 
     def __init__(self, spec: RequestSpec, order: int, t: float):
@@ -136,7 +136,6 @@ class Seq:
         self.cancelled = False
         self.counted_prefix = False
         self.resume_info: dict[str, Any] | None = None
-        self.inflight = False
         self.user: Any = None  # owner's per-request data (the HTTP server's stream queue)
 
 
@@ -153,6 +152,7 @@ class _Prefix:
 class StepPlan(NamedTuple):
     t0: float
     t_end: float | None
+    dec: list[Seq]
     sched: list[Seq]
     n_dec: int
     pf_tokens: int
@@ -185,6 +185,7 @@ class Engine:
         self.link_out_free = t0
         self.link_in_free = t0
         self._slow_run: dict[str, Any] | None = None
+        self._inflight: StepPlan | None = None
         self.reserved: dict[int, int] = {}
         self.budget = cfg.max_num_batched_tokens if cfg.chunked_prefill else max(cfg.max_num_batched_tokens,
                                                                                  cfg.max_model_len)
@@ -277,9 +278,13 @@ class Engine:
         self.sink.on_truth(TruthRecord(t, "cancel", s.id, {
             "state": state, "cause": cause, "silent_s": round(t - s.last_t, 6), "generated": s.generated}))
         self.stats.finished["abort"] += 1
-        if s.inflight:
-            s.cancelled = True  # freed when the step in flight completes
-            return
+        p = self._inflight
+        if p is not None and s.state == RUNNING:
+            # in the step in flight: it produces nothing (its share of the step time stays spent)
+            for lst in (p.dec, p.sched, p.prefills):
+                if s in lst:
+                    lst.remove(s)
+        s.cancelled = True
         self._retire(s)
 
     def _retire(self, s: Seq) -> None:
@@ -525,10 +530,10 @@ class Engine:
                 s.state = RUNNING
                 insort(self.running, s, key=_key)
         budget = self.budget
-        sched: list[Seq] = []
+        sched: list[Seq] = []  # everything that is not a plain decode (prefill chunks, resumes)
+        dec: list[Seq] = []
         block_until = t0
         preempted = False
-        n_dec = 0
         ctx_sum = 0
         pf_cost = 0.0
         pf_tokens = 0
@@ -536,28 +541,33 @@ class Engine:
         a = cfg.step.prefill_token_s
         ak = a * cfg.step.k_att
         running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            s = running[i]
-            n = s.num_tokens - s.computed
+        n_slow_dec = 0
+        # Iterating while preempting is safe: victims are always taken from the end of the list.
+        for s in running:
+            if budget <= 0:
+                break
+            c = s.computed
+            n = s.num_tokens - c
             if n == 1:
-                if s.computed >= s.blocks * bs:
+                if c >= s.blocks * bs:
                     ok = self._grow(s, 1, t0, running)
                     if self._last_swap_done > block_until:
                         block_until = self._last_swap_done
                     if self._preempted_flag:
                         preempted = True
                     if not ok:
-                        continue  # s itself was the victim (it was last: the loop ends)
-                s.n_sched = 1
-                n_dec += 1
-                ctx_sum += s.computed
+                        break  # s itself was the victim (it was last)
+                ctx_sum += c
                 budget -= 1
-                sched.append(s)
-                i += 1
+                if s.generated and not s.pending_preempts:
+                    dec.append(s)  # plain decode: the commit fast path
+                else:
+                    s.n_sched = 1
+                    n_slow_dec += 1
+                    sched.append(s)
                 continue
             n = min(n, budget)
-            need = -(-(s.computed + n) // bs) - s.blocks
+            need = -(-(c + n) // bs) - s.blocks
             if need > 0:
                 ok = self._grow(s, need, t0, running)
                 if self._last_swap_done > block_until:
@@ -565,15 +575,14 @@ class Engine:
                 if self._preempted_flag:
                     preempted = True
                 if not ok:
-                    continue
+                    break
             s.n_sched = n
-            c = s.computed
             pf_cost += a * n + ak * ((c + n) * (c + n) - c * c)
             pf_tokens += n
             prefills.append(s)
             budget -= n
             sched.append(s)
-            i += 1
+        n_dec = len(dec) + n_slow_dec
         if not preempted:
             budget, w_cost, w_tokens, w_block, w_dec, w_ctx = self._admit(t0, budget, sched, prefills)
             pf_cost += w_cost
@@ -582,22 +591,24 @@ class Engine:
             ctx_sum += w_ctx
             if w_block > block_until:
                 block_until = w_block
-        if not sched:
+        if not sched and not dec:
             if block_until > t0:
                 self.t = block_until  # only swap-outs happened: the link kept the engine busy
-                return StepPlan(t0, None, sched, 0, 0, 0.0, 0.0, 0.0, prefills)
+                return StepPlan(t0, None, dec, sched, 0, 0, 0.0, 0.0, 0.0, prefills)
             return None
         st = cfg.step
         dec_cost = st.fixed_s + st.decode_seq_s * n_dec + st.decode_ctx_token_s * ctx_sum
         t_end = block_until + dec_cost + pf_cost
-        for s in sched:
-            s.inflight = True
-        return StepPlan(t0, t_end, sched, n_dec, pf_tokens, dec_cost, pf_cost, block_until - t0, prefills)
+        plan = StepPlan(t0, t_end, dec, sched, n_dec, pf_tokens, dec_cost, pf_cost, block_until - t0, prefills)
+        self._inflight = plan
+        return plan
 
     def commit(self, p: StepPlan) -> None:
         """Finish a planned step at its ``t_end``: tokens, finishes, counters, truth labels."""
         assert p.t_end is not None
-        self._commit(p.sched, p.t0, p.t_end, p.n_dec, p.pf_tokens, p.dec_cost, p.pf_cost, p.blocked_s, p.prefills)
+        self._inflight = None
+        self._commit(p.dec, p.sched, p.t0, p.t_end, p.n_dec, p.pf_tokens, p.dec_cost, p.pf_cost, p.blocked_s,
+                     p.prefills)
         self.t = p.t_end
 
     _last_swap_done = 0.0
@@ -732,30 +743,45 @@ class Engine:
         p.holders[s.id] = sh
         s.shared = sh
 
-    def _commit(self, sched: list[Seq], t0: float, t_end: float, n_dec: int, pf_tokens: int,
+    def _commit(self, dec: list[Seq], sched: list[Seq], t0: float, t_end: float, n_dec: int, pf_tokens: int,
                 dec_cost: float, pf_cost: float, blocked_s: float, prefills: list[Seq]) -> None:
         st = self.stats
         st.steps += 1
         dt = t_end - t0
         st.iteration_tokens.observe(float(n_dec + pf_tokens))
-        target = self.cfg.itl_target_s
-        stall = dt > target
-        affected: list[str] | None = [] if stall else None
-        emitted: list[Seq] = []
+        stall = dt > self.cfg.itl_target_s
+        affected: list[str] = []
+        if stall:
+            affected = [s.id for s in dec if s.last_t == t0]
+            affected += [s.id for s in sched if s.n_sched == 1 and s.generated and s.last_t == t0]
         finished: list[Seq] = []
-        same = 0
         itl = st.itl
-        for s in sched:
-            s.inflight = False
-            if s.cancelled:
-                continue
-            s.computed += s.n_sched
-            if s.materialising:
-                self._materialise(s)
-            if s.resume_info is not None and "recovered_t" not in s.resume_info \
-                    and s.computed >= s.resume_info["context_tokens"]:
-                s.resume_info["recovered_t"] = t_end
-            if s.computed == s.num_tokens:
+        irregular = 0
+        # plain decodes: one token each, no first tokens, no resumes (the hot loop)
+        for s in dec:
+            s.computed += 1
+            s.num_tokens += 1
+            s.generated = g = s.generated + 1
+            lt = s.last_t
+            if lt != t0:
+                irregular += 1
+                itl.observe(t_end - lt)
+            s.last_t = t_end
+            if g >= s.out_len:
+                finished.append(s)
+        same = len(dec) - irregular
+        emitted = dec
+        if sched:
+            emitted = list(dec)
+            for s in sched:
+                s.computed += s.n_sched
+                if s.materialising:
+                    self._materialise(s)
+                info = s.resume_info
+                if info is not None and "recovered_t" not in info and s.computed >= info["context_tokens"]:
+                    info["recovered_t"] = t_end
+                if s.computed != s.num_tokens:
+                    continue  # a prefill chunk that does not finish the prompt
                 s.num_tokens += 1
                 s.generated += 1
                 if s.generated == 1:
@@ -764,27 +790,10 @@ class Engine:
                     st.prompt_tokens += s.prompt
                 elif s.last_t == t0:
                     same += 1
-                    if affected is not None and s.n_sched == 1:
-                        affected.append(s.id)
                 else:
                     itl.observe(t_end - s.last_t)
                 if s.pending_preempts:
-                    counted = s.pending_preempts
-                    st.preemptions += counted
-                    s.pending_preempts = 0
-                    info = s.resume_info or {}
-                    self.sink.on_truth(TruthRecord(t_end, "resume", s.id, {
-                        **{k: v for k, v in info.items() if k in ("mode", "hit_tokens", "recompute_tokens",
-                                                                   "swap_out_s", "swap_in_s", "fallback")},
-                        "t_start": s.preempted_at, "t_end": t_end,
-                        "stall_s": round(t_end - (s.preempted_at or t_end), 6), "cause": "preemption",
-                        # wait: queued until memory was free again; resume: the mechanism's own cost
-                        "wait_s": round(info.get("readmit_t", t_end) - (s.preempted_at or t_end), 6),
-                        # readmission until the KV it had when preempted is back on the GPU
-                        "resume_s": round(info.get("recovered_t", t_end) - info.get("readmit_t", t_end), 6),
-                        "preemptions": s.n_preempts, "counted": counted}))
-                    s.preempted_at = None
-                    s.resume_info = None
+                    self._resumed(s, t_end)
                 s.last_t = t_end
                 emitted.append(s)
                 if s.generated >= s.out_len:
@@ -803,13 +812,29 @@ class Engine:
             s.state = DONE
             self.seqs.pop(s.id, None)
             self.sink.on_finish(t_end, s, reason)
-        for s in sched:
-            if s.cancelled and s.state != DONE:
-                self._retire(s)
         if stall:
-            self._label_stall(t0, t_end, dec_cost, pf_cost, blocked_s, prefills, affected or [], n_dec)
+            self._label_stall(t0, t_end, dec_cost, pf_cost, blocked_s, prefills, affected, n_dec)
         elif self._slow_run is not None:
             self._close_slow_run()
+
+    def _resumed(self, s: Seq, t_end: float) -> None:
+        """The victim's first output after a preemption: vLLM V1 counts the preemption now."""
+        counted = s.pending_preempts
+        self.stats.preemptions += counted
+        s.pending_preempts = 0
+        info = s.resume_info or {}
+        self.sink.on_truth(TruthRecord(t_end, "resume", s.id, {
+            **{k: v for k, v in info.items() if k in ("mode", "hit_tokens", "recompute_tokens",
+                                                       "swap_out_s", "swap_in_s", "fallback")},
+            "t_start": s.preempted_at, "t_end": t_end,
+            "stall_s": round(t_end - (s.preempted_at or t_end), 6), "cause": "preemption",
+            # wait: queued until memory was free again; resume: the mechanism's own cost, from
+            # readmission until the KV the victim had when preempted is back on the GPU
+            "wait_s": round(info.get("readmit_t", t_end) - (s.preempted_at or t_end), 6),
+            "resume_s": round(info.get("recovered_t", t_end) - info.get("readmit_t", t_end), 6),
+            "preemptions": s.n_preempts, "counted": counted}))
+        s.preempted_at = None
+        s.resume_info = None
 
     def _label_stall(self, t0: float, t_end: float, dec_cost: float, pf_cost: float, blocked_s: float,
                      prefills: list[Seq], affected: list[str], n_dec: int) -> None:

@@ -8,6 +8,7 @@ records are what a client (or kvtop's proxy) would see; truth records say what r
 from __future__ import annotations
 
 import heapq
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +24,18 @@ SIM_URL = "sim://"
 class RecordSink(Sink):
     """Turns engine callbacks into kvtop records handed to ``emit`` (in time order)."""
 
-    def __init__(self, emit: Callable[[Record], None], tokens: bool = True):
+    def __init__(self, emit: Callable[[Record], None], tokens: bool = True,
+                 emit_dict: Callable[[float, list[Seq]], None] | None = None):
         self.emit = emit
         self.tokens = tokens
+        # token records (most of a trace) can bypass typed records: emit_dict(t, seqs) writes them
+        self.emit_dict = emit_dict
 
     def on_tokens(self, t: float, seqs: list[Seq]) -> None:
         if not self.tokens:
+            return
+        if self.emit_dict is not None:
+            self.emit_dict(t, seqs)  # type: ignore[call-arg]
             return
         emit = self.emit
         for s in seqs:
@@ -76,13 +83,15 @@ class Simulation:
 
     def __init__(self, workload: Workload, seed: int, duration_s: float, emit: Callable[[Record], None] | None = None,
                  scrape_interval_s: float | None = 1.0, tokens: bool = True,
-                 requests: Iterator[RequestSpec] | None = None):
+                 requests: Iterator[RequestSpec] | None = None,
+                 emit_tokens: Callable[[float, list[Seq]], int] | None = None):
         self.workload = workload
         self.seed = seed
         self.duration_s = duration_s
         self._emit = emit or (lambda r: None)
         self.truth_counts: dict[str, int] = {}
-        self.sink = RecordSink(self._record, tokens=tokens)
+        self._emit_tokens = emit_tokens
+        self.sink = RecordSink(self._record, tokens=tokens, emit_dict=self._count_tokens if emit_tokens else None)
         self.engine = make_engine(workload, self.sink)
         self.scrape_interval_s = scrape_interval_s
         self._arrivals = requests if requests is not None else workload.requests(seed, duration_s)
@@ -103,6 +112,9 @@ class Simulation:
             self.truth_counts[rec.event] = self.truth_counts.get(rec.event, 0) + 1
         self.n_records += 1
         self._emit(rec)
+
+    def _count_tokens(self, t: float, seqs: list[Seq]) -> None:
+        self.n_records += self._emit_tokens(t, seqs)  # type: ignore[misc]
 
     def scrape(self, t: float) -> list[EngineRecord]:
         assert self._page is not None and self._adapter is not None
@@ -180,12 +192,31 @@ def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: 
     )
 
 
+def _token_lines(t: float, seqs: list[Seq]) -> str:
+    """The JSON lines ``to_dict(RequestRecord(t, id, event, n=1, source="sim"))`` would give, built
+    directly: token records are most of a trace and json.dumps per record dominated the run time."""
+    ts = repr(float(t))
+    return "".join(
+        f'{{"kind":"request","t":{ts},"id":{json.dumps(s.id)},"event":"'
+        f'{"first_token" if s.generated == 1 else "token"}","n":1,"source":"sim"}}\n'
+        for s in seqs)
+
+
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
-                      scrape_interval_s: float = 1.0) -> SimResult:
+                      scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None) -> SimResult:
     from kvtop.model.trace import TraceWriter
 
     with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
-        sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s)
+        f = w._f  # same file, same buffering: token lines are appended in time order with the rest
+
+        def tokens(t: float, seqs: list[Seq]) -> int:
+            f.write(_token_lines(t, seqs))
+            w.count += len(seqs)
+            w.flush_if_due()
+            return len(seqs)
+
+        sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s, emit_tokens=tokens,
+                         requests=iter(requests) if requests is not None else None)
         return sim.run()
 
 

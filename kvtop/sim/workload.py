@@ -79,11 +79,12 @@ class Dist:
     median: float
     sigma: float = 0.0
     min: int = 1
-    max: int = 1 << 20
+    max: int | None = None  # None: only the engine's max_model_len caps it
 
     def sample(self, rng: random.Random) -> int:
         v = self.median if self.sigma <= 0 else rng.lognormvariate(math.log(self.median), self.sigma)
-        return int(min(self.max, max(self.min, round(v))))
+        v = max(self.min, round(v))
+        return int(v if self.max is None else min(self.max, v))
 
 
 @dataclass
@@ -140,19 +141,20 @@ class Workload:
 
     def requests(self, seed: int, duration_s: float) -> Iterator[RequestSpec]:
         """Arrivals before ``duration_s`` in time order; deterministic for a seed."""
-        gens = [_class_arrivals(c, seed, i, duration_s) for i, c in enumerate(self.classes)]
+        gens = [_class_arrivals(c, seed, i, duration_s, self.engine.max_model_len) for i, c in enumerate(self.classes)]
         for n, (t, _i, spec) in enumerate(heapq.merge(*gens, key=lambda x: (x[0], x[1]))):
             spec.id = f"sim-{n}"
             spec.t = t
             yield spec
 
 
-def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float) -> Iterator[tuple[float, int, RequestSpec]]:
+def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
+                    max_model_len: int) -> Iterator[tuple[float, int, RequestSpec]]:
     rng = random.Random(f"{seed}/{c.name}/{idx}")
-    max_tokens = c.max_tokens or c.output.max
+    max_tokens = c.max_tokens or c.output.max or max_model_len
 
     def spec(t: float) -> RequestSpec:
-        p = c.prompt.sample(rng)
+        p = min(c.prompt.sample(rng), max_model_len - 1)
         o = min(c.output.sample(rng), max_tokens)
         return RequestSpec("", t, c.name, max(p, c.prefix_tokens + 1) if c.prefix_id else p, o, max_tokens,
                            c.patience_s, c.priority, c.prefix_id, c.prefix_tokens)
@@ -240,7 +242,8 @@ def _dist(d: Any, where: str) -> Dist:
     _num(dist.median, f"{where}.median", 1)
     _num(dist.sigma, f"{where}.sigma", 0)
     _num(dist.min, f"{where}.min", 1, integer=True)
-    _num(dist.max, f"{where}.max", dist.min, integer=True)
+    if dist.max is not None:
+        _num(dist.max, f"{where}.max", dist.min, integer=True)
     return dist
 
 
@@ -278,7 +281,8 @@ def parse_workload(obj: Any, where: str = "workload") -> Workload:
             raise WorkloadError(f"{cw}.reserved_kv_frac must be in [0, 1)")
         if tc.prefix_id is not None:
             _num(tc.prefix_tokens, f"{cw}.prefix_tokens", 1, integer=True)
-        if max(tc.prompt.max, tc.prefix_tokens + 1) + (tc.max_tokens or tc.output.max) > eng.max_model_len:
+        longest = max(tc.prompt.max or 0, tc.prefix_tokens + 1)
+        if longest + (tc.max_tokens or tc.output.max or 0) > eng.max_model_len:
             raise WorkloadError(f"{cw}: longest prompt + max_tokens exceeds engine.max_model_len ({eng.max_model_len})")
         classes.append(tc)
     policies = obj.get("policies", {}) or {}
@@ -313,3 +317,52 @@ def load_workload_file(path: str | Path) -> Workload:
     except ValueError as e:
         raise WorkloadError(f"workload {p} is not valid JSON: {e}") from None
     return parse_workload(obj, f"workload {p.name}")
+
+
+def requests_from_trace(path: str | Path, workload: Workload, seed: int = 1,
+                        duration_s: float | None = None) -> list[RequestSpec]:
+    """What-if input: the arrivals of a recorded kvtop trace (time, prompt length, class) with the
+    output lengths the clients received, to replay under this workload's engine and policy.
+
+    Requests that did not finish in the trace get at least one token more than they received there
+    (a draw from their class's output distribution, or the first class's), so a replay under the same
+    engine and policy reproduces the recorded run exactly. Times are the trace's run clock.
+    """
+    from kvtop.model.trace import TraceError, TraceReader
+
+    try:
+        reader = TraceReader(path)
+    except TraceError as e:
+        raise WorkloadError(str(e)) from None
+    arrivals: dict[str, tuple[float, int, str | None]] = {}
+    done: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for d in reader.dicts():
+        if d.get("kind") != "request":
+            continue
+        rid, ev = d.get("id"), d.get("event")
+        if not isinstance(rid, str):
+            continue
+        if ev == "arrive" and isinstance(d.get("prompt_tokens"), int) and d["prompt_tokens"] > 0:
+            arrivals.setdefault(rid, (float(d["t"]), int(d["prompt_tokens"]), d.get("class")))
+        elif ev in ("first_token", "token"):
+            seen[rid] = seen.get(rid, 0) + int(d.get("n") or 1)
+        elif ev == "finish":
+            ct = d.get("completion_tokens")
+            done[rid] = int(ct) if isinstance(ct, int) and ct > 0 else seen.get(rid, 1)
+    if not arrivals:
+        raise WorkloadError(f"{path}: no request arrivals with prompt_tokens in this trace")
+    rng = random.Random(f"{seed}/replay")
+    classes = {c.name: c for c in workload.classes}
+    lim = workload.engine.max_model_len
+    out = []
+    for rid, (t, prompt, cls) in sorted(arrivals.items(), key=lambda kv: kv[1][0]):
+        if duration_s is not None and t >= duration_s:
+            continue
+        tc = classes.get(cls or "", workload.classes[0])
+        p = min(prompt, lim - 1)
+        o = done.get(rid) or max(seen.get(rid, 0) + 1, tc.output.sample(rng))
+        o = max(1, min(o, lim - p))
+        max_tokens = max(o, tc.max_tokens or tc.output.max or o)
+        out.append(RequestSpec(rid, t, cls or tc.name, p, o, max_tokens, tc.patience_s, tc.priority))
+    return out

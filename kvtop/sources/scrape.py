@@ -70,6 +70,10 @@ class EngineScraper:
         otherwise skew rates computed between scrapes)."""
         self.url = url.strip().rstrip("/")
         self.base_url, self.metrics_url = split_url(url)
+        # llama.cpp router mode selects the model by query string: extra paths need it too.
+        self._query = httpx.URL(self.metrics_url).query.decode()
+        # Extra paths the server does not have (HTTP 404): said once, then no longer fetched.
+        self._absent_paths: set[str] = set()
         self.adapter_name = adapter
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -200,18 +204,19 @@ class EngineScraper:
         head = text.lstrip()[:1]
         if head in ("<", "{", "["):
             raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {'HTML' if head == '<' else 'JSON'}")
-        if self._adapter is not None and not callable(getattr(self._adapter, "parse_page", None)):
-            adapter, page = self._adapter, None
-        else:
+        adapter = self._adapter
+        if adapter is None:
+            # First good page: detect the engine from its metric names (one extra parse, once).
             page = parse_page(text)
             if not page.samples:
                 raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {self.metrics_url}")
             adapter = self._resolve(page)
         try:
-            parse_page_fn = getattr(adapter, "parse_page", None)
-            recs = parse_page_fn(page, t) if page is not None and callable(parse_page_fn) else adapter.parse(text, t)
+            recs = adapter.parse(text, t)
         except Exception as e:
             raise ScrapeError(f"adapter {adapter.name} failed on {self.metrics_url}: {_one_line(e)}") from None
+        if isinstance(recs, EngineRecord):  # lenient with third-party adapters returning one record
+            recs = [recs]
         if not recs:
             raise ScrapeError(f"adapter {adapter.name} found no engine at {self.metrics_url}")
         return adapter, recs
@@ -231,12 +236,19 @@ class EngineScraper:
             if warnings:
                 r.warnings = [*warnings, *r.warnings]
         for path in adapter.extra_paths:
+            if path in self._absent_paths:
+                continue
             url = self.base_url + (path if path.startswith("/") else "/" + path)
+            if self._query:
+                url += "?" + self._query
             try:
                 body, _, w = await self._get(url)
                 adapter.parse_extra(path, body, recs)
             except ScrapeError as e:
                 w = [f"{path}: {e}"]
+                if str(e).startswith("HTTP 404"):
+                    self._absent_paths.add(path)
+                    w = [f"{path}: not served here (HTTP 404); not asked again"]
             except Exception as e:  # an adapter's extra parser must not lose the main record
                 w = [f"{path}: adapter failed: {_one_line(e)}"]
             if w:

@@ -14,6 +14,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from rich.cells import cell_len
+from rich.segment import Segment
+from rich.style import Style
 from rich.text import Text
 from textual import on
 from textual._two_way_dict import TwoWayDict
@@ -55,6 +58,7 @@ class Panel(Static):
     def __init__(self, builder: Any = None, **kw: Any):
         super().__init__("", **kw)
         self.builder = builder
+        self._shown: str | None = None
 
     def show(self, builder: Any) -> None:
         self.builder = builder
@@ -63,7 +67,10 @@ class Panel(Static):
     def _redraw(self) -> None:
         if self.builder is not None:
             width = self.size.width or self.app.size.width
-            self.update(self.builder(width))
+            markup = self.builder(width)
+            if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                self._shown = markup
+                self.update(markup)
 
     def on_resize(self) -> None:
         self._redraw()
@@ -95,9 +102,41 @@ class LiveTable(DataTable[Any]):
         hit = self._stable_cells.get(key)
         if hit is not None and hit[0] is value:
             return hit[1]
-        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
+        lines = self._fast_cell(value, row_index, column_index, base_style, width, cursor, hover)
+        if lines is None:
+            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
         self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
         return lines
+
+    def _fast_cell(self, value: Any, row_index: int, column_index: int, base_style: Style, width: int,
+                   cursor: bool, hover: bool) -> list[list[Segment]] | None:
+        """The segments DataTable would make for a one-line, single-style Text that fits, built
+        directly instead of through Rich's Padding/Styled/render_lines (several times slower).
+        Anything else (spans, wrapping, overflow, fixed cells, row heights) returns None and goes
+        the normal way. tests/test_tui_fmt.py checks both paths give identical segments."""
+        pad = self.cell_padding
+        if (not isinstance(value, Text) or value.spans or "\n" in value.plain or self.fixed_rows
+                or self.fixed_columns or self.rows[self._row_locations.get_key(row_index)].height != 1):
+            return None
+        text = value.plain
+        fill = width - 2 * pad - cell_len(text)
+        if fill < 0:
+            return None
+        component_style, post_style = self._get_styles_to_render_cell(
+            False, False, False, hover, cursor, self.show_cursor, self._show_hover_cursor,
+            self.cursor_foreground_priority == "css", self.cursor_background_priority == "css",
+        )
+        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
+        pad_style = pre + Style.null() + post_style
+        vstyle = value.style if isinstance(value.style, Style) else Style.parse(value.style or "none")
+        segs = [Segment(" " * pad, pad_style)] if pad else []
+        if text:
+            segs.append(Segment(text, pre + vstyle + post_style))
+        if fill:
+            segs.append(Segment(" " * fill, pad_style))
+        if pad:
+            segs.append(Segment(" " * pad, pad_style))
+        return [segs]
 
     def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
         if not changes:
@@ -176,8 +215,9 @@ class SeekScreen(ModalScreen[float | None]):
 
 
 class MainScreen(Screen[None]):
-    # Panels collapse below 100 columns (one line per GPU, compact engines).
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    # Panels collapse below 100 columns (one line per GPU, compact engines); from 220 columns
+    # GPUs sit two to a row.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (220, "-huge")]
 
     def compose(self) -> ComposeResult:
         yield Static("", id="topbar")
@@ -266,6 +306,7 @@ class KvtopApp(App[int]):
         self._req_rows: dict[str, Any] = {}
         self._events_key: tuple[Any, ...] | None = None
         self._stop = asyncio.Event()
+        self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
         self._engine_panels: list[Panel] = []
         self.main = MainScreen()
@@ -289,7 +330,7 @@ class KvtopApp(App[int]):
 
     async def _run_feed(self) -> None:
         try:
-            await self.feed.run(self._stop)  # type: ignore[union-attr]
+            await self.feed.run(stop=self._stop)  # type: ignore[union-attr]
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a feed failing must not take the console down
@@ -302,7 +343,16 @@ class KvtopApp(App[int]):
 
     # -- rendering ------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
-        s = self.core.snapshot()
+        feed = self.feed
+        feed_core = getattr(feed, "core", None)
+        if isinstance(feed_core, Core) and feed_core is not self.core:
+            # a replay seeking backwards re-feeds the trace into a fresh core
+            feed_core.paused = self.paused
+            self.core = feed_core
+            self._reset_tables()
+        # a replay's clock is the trace position, not the last record's time
+        now = getattr(feed, "t", None) if hasattr(feed, "seek") else None
+        s = self.core.snapshot(now=now) if isinstance(now, (int, float)) else self.core.snapshot()
         if self.taken_at is not None:
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
@@ -312,10 +362,26 @@ class KvtopApp(App[int]):
             return
         self.snap = self.take_snapshot()
         self.ticks += 1
+        if self._note_verdict(self.snap):
+            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
         try:
             self.render_current()
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
+
+    def _note_verdict(self, s: Snapshot) -> bool:
+        """A changed verdict is worth an entry in the events log; True when one was added."""
+        v = (s.analysis or {}).get("verdict") or {}
+        action = v.get("action")
+        if action is None:
+            return False
+        prev, self._last_action = self._last_action, action
+        if prev is None or prev == action:
+            return False
+        conf = v.get("confidence")
+        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
+        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
+        return True
 
     def render_current(self) -> None:
         s = self.snap
@@ -338,7 +404,8 @@ class KvtopApp(App[int]):
     def _render_topbar(self, s: Snapshot) -> None:
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
         state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
-        src = render.escape(s.source_label)
+        # "kvtop demo: preemption-storm" already names its source
+        src = "" if s.source_label.split(" ")[-1] in self.title else render.escape(s.source_label)
         pos = ""
         feed = self.feed
         if feed is not None and hasattr(feed, "seek"):
@@ -525,13 +592,15 @@ class KvtopApp(App[int]):
 
     def _on_theme_changed(self, _theme: Theme) -> None:
         self._cell_cache = {}
+        self._reset_tables()  # rebuilt cells take the new theme's colours
+        self.render_current()
+
+    def _reset_tables(self) -> None:
         if self._main_ready:
-            # rebuild the tables so their cells take the new theme's colours
             self.main.query_one("#req-table", DataTable).clear()
             self._req_cache = {}
             self._req_order = []
             self._events_key = None
-        self.render_current()
 
     # -- actions --------------------------------------------------------------------------------
     def action_view(self, name: str) -> None:
@@ -636,7 +705,13 @@ class KvtopApp(App[int]):
         self.tick(force=True)
 
     def action_step(self, seconds: float) -> None:
-        fn = getattr(self.feed, "step", None)
+        feed = self.feed
+        if seconds < 0 and hasattr(feed, "seek"):
+            # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
+            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))  # type: ignore[union-attr]
+            self.tick(force=True)
+            return
+        fn = getattr(feed, "step", None)
         if callable(fn):
             fn(seconds)
             self.tick(force=True)

@@ -70,7 +70,7 @@ def gpu_line(g: GpuView, width: int) -> str:
         sw = max(8, min(60, (width - 52) // 2))
         tx = f"TX {fmt.spark(g.pcie_tx_history, sw, cap)} {fmt.rate(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
         rx = f"RX {fmt.spark(g.pcie_rx_history, sw, cap)} {fmt.rate(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
-        cap_txt = muted(f"  link max {fmt.rate(cap)}/dir") if cap else ""
+        cap_txt = muted(f"  cap {fmt.rate(cap)}") if cap else ""
         return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, 24)} {mem:>11}  "
                 f"{util:>8}  {link}{cap_txt}\n      {tx}   {rx}")
     bw = 8 if width >= 70 else 4
@@ -299,6 +299,13 @@ _WOULD_CHANGE = {
 }
 
 
+# The numbers an operator reads first (the cost model's inputs and outputs); the rest follow.
+_KEY_NUMBERS = ("itl_target", "spike_share", "preemptions_per_completed", "kv_bytes_per_token_rank", "bw_eff",
+                "prefill_rate", "cancel_prob", "seq_tokens", "bytes_moved", "t_out", "t_in", "swap_gpu_s",
+                "recompute_gpu_s", "p_star", "break_even_tokens", "n_floor", "n_ceiling", "chunk_budget",
+                "unchunked_step", "chunk_worst_step")
+
+
 def advisor(s: Snapshot, width: int) -> str:
     a = s.analysis
     if not a:
@@ -307,25 +314,25 @@ def advisor(s: Snapshot, width: int) -> str:
     v = a.get("verdict") or {}
     action = str(v.get("action", "insufficient_data"))
     conf = v.get("confidence")
-    lines = [f"[b]verdict:[/b] [b]{sev(escape(action.upper()), 'warn' if action not in ('no_action',) else 'ok')}[/b]"
-             + (f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a")
-             + ("   " + sev("MARGINAL (within ±30% of break-even)", "warn") if v.get("marginal") else "")]
+    good = action in ("no_action",)
+    head = f"[b]verdict:[/b] [b]{sev(escape(action.replace('_', ' ').upper()), 'ok' if good else 'warn')}[/b]"
+    mech = v.get("mechanism")
+    if mech and mech != action and len(str(mech)) <= 20:
+        head += f"  {muted('eviction mechanism:')} {escape(str(mech))}"
+    head += f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a"
+    if v.get("marginal"):
+        head += "   " + sev("MARGINAL (within ±30% of break-even)", "warn")
+    lines = [head]
     if v.get("also"):
-        lines.append(f"also: {escape(', '.join(map(str, v['also'])))}")
-    if v.get("mechanism"):
-        lines.append(f"why: {escape(str(v['mechanism']))}")
-    nums = v.get("numbers") or {}
-    if nums:
-        lines.append("")
-        lines.append("[b]numbers[/b]")
-        kw = max(len(str(k)) for k in nums)
-        for k, val in nums.items():
-            lines.append(f"  {escape(str(k)):<{kw}}  {escape(_num_text(k, val))}")
-    settings = v.get("settings") or []
+        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v['also']))}")
+    if mech and len(str(mech)) > 20:
+        lines.append(f"why: {escape(str(mech))}")
+    settings = v.get("settings") or {}
     lines.append("")
     lines.append("[b]settings to change[/b]")
-    if settings:
-        lines.extend(f"  • {escape(str(x))}" for x in settings)
+    items = [f"{k} {val}" for k, val in settings.items()] if isinstance(settings, dict) else [str(x) for x in settings]
+    if items:
+        lines.extend(f"  • {escape(x)}" for x in items)
     else:
         lines.append(muted("  none"))
     reasons = v.get("reasons") or []
@@ -340,28 +347,49 @@ def advisor(s: Snapshot, width: int) -> str:
         lines.extend(f"  • {escape(str(x))}" for x in (wc if isinstance(wc, list) else [wc]))
     else:
         lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
+    nums = v.get("numbers") or {}
+    rows = []
+    for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
+        n = nums[k]
+        val, unit, src = (n.get("value"), n.get("unit", ""), n.get("source")) if isinstance(n, dict) else (n, "", None)
+        if val is None or isinstance(val, (list, dict)):
+            continue  # tables (chunk plans, histograms) are in `kvtop analyze`
+        rows.append((str(k), _num_text(str(k), val, unit), src))
+    if rows:
+        lines.append("")
+        lines.append("[b]numbers[/b]")
+        kw = max(len(k) for k, _, _ in rows)
+        vw = max(len(t) for _, t, _ in rows)
+        for k, t, src in rows:
+            lines.append(f"  {escape(k):<{kw}}  {escape(t):>{vw}}" + (f"  {muted(escape('[' + str(src) + ']'))}" if src else ""))
     causes = a.get("causes") or {}
     lines.append("")
-    n_sp = len(a.get("spikes") or [])
+    n_sp = a.get("spikes_total", len(a.get("spikes") or []))
     lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes in the {fmt.dur(s.window_s)} window)')}")
-    if not causes:
+    if not any(float(c.get("count") or 0) for c in causes.values()):
         lines.append(muted("  no spikes"))
-    bw = max(10, min(40, width - 40))
-    for cause, c in sorted(causes.items(), key=lambda kv: -float(kv[1].get("count", 0))):
+    bw = max(10, min(40, width - 50))
+    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].get("count") or 0), kv[0])):
+        if not c.get("count"):
+            continue
         share = float(c.get("share") or 0.0)
         n = round(share * bw)
         col = CAUSE_VAR.get(cause, "$text-muted")
-        lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  ({c.get('count', 0)})")
+        mc = c.get("mean_confidence")
+        conf_txt = muted(f"  mean confidence {mc:.0%}") if isinstance(mc, (int, float)) else ""
+        lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  "
+                     f"({c.get('count', 0)}){conf_txt}")
     return "\n".join(lines)
 
 
-def _num_text(key: str, v: Any) -> str:
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
+def _num_text(key: str, v: Any, unit: str = "") -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
-    if key.endswith("_bytes_per_s"):
-        return fmt.rate(v)
-    if key.endswith("_bytes") or key.endswith("bytes_per_token"):
-        return f"{v:,.0f} B"
-    if key.endswith("_s"):
+    if unit == "s" or (not unit and key.endswith("_s")):
         return fmt.dur(v)
-    return f"{v:,.0f}" if float(v).is_integer() else f"{v:,.3g}"
+    if unit == "B/s" or (not unit and key.endswith("_bytes_per_s")):
+        return fmt.rate(v)
+    if unit == "B":
+        return fmt.ibytes(v)
+    text = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}"
+    return f"{text} {unit}" if unit else text

@@ -10,6 +10,7 @@ produces (spikes, causes, verdict). No Textual import: the bench uses this headl
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,35 +49,38 @@ class SampleAnalysis:
         total = len(self.spikes) or 1
         for c in causes.values():
             c["share"] = round(c["count"] / total, 3)
-        return {"spikes": list(self.spikes), "causes": causes, "verdict": dict(self.verdict)}
+        return {"spikes": list(self.spikes), "spikes_total": len(self.spikes), "causes": causes,
+                "verdict": dict(self.verdict)}
 
 
+def _n(value: Any, unit: str, source: str) -> dict[str, Any]:
+    return {"value": value, "unit": unit, "source": source}
+
+
+# The advisor's verdict in the shape kvtop.analysis.advisor.advise() returns.
 DEFAULT_VERDICT: dict[str, Any] = {
     "action": "swap",
-    "mechanism": "preempted requests are long; moving their KV over PCIe (2.1 GB at 24.8 GB/s usable) "
-                 "costs 85 ms, recomputing their 6,400-token prefix costs 410 ms",
+    "mechanism": "swap",
     "also": ["admission"],
     "numbers": {
-        "preemptions_per_min": 4.0,
-        "kv_bytes_per_token": 131072,
-        "mean_preempted_tokens": 6400,
-        "transfer_s": 0.085,
-        "recompute_s": 0.41,
-        "break_even_tokens": 1330,
-        "link_usable_bytes_per_s": 24.8e9,
+        "itl_target": _n(0.1, "s", "given"),
+        "kv_bytes_per_token_rank": _n(131072, "B/token", "model config"),
+        "bw_eff": _n(24.8e9, "B/s", "measured"),
+        "prefill_rate": _n(15600.0, "tokens/s", "measured"),
+        "cancel_prob": _n(0.04, "", "measured"),
+        "seq_tokens": _n(6400, "tokens", "measured"),
+        "bytes_moved": _n(838860800, "B", "derived"),
+        "swap_gpu_s": _n(0.085, "s", "derived"),
+        "recompute_gpu_s": _n(0.41, "s", "derived"),
+        "break_even_tokens": _n(1330, "tokens", "derived"),
     },
-    "settings": ["vLLM: --kv-offloading-size 16 (GiB of host memory)", "vLLM: --max-num-seqs 192 (from 256)"],
+    "settings": {"--kv-offloading-size": 16, "--max-num-seqs": 192},
     "confidence": 0.78,
     "marginal": False,
     "reasons": [
         "14 of 19 spikes coincide with the preemption counter rising while KV usage >= 0.97",
         "preempted requests resume with 6,400 tokens on average: recompute is 4.8x the transfer",
         "host has 310 GiB available for an offload pool",
-    ],
-    "would_change": [
-        "preempted requests shorter than ~1,330 tokens (recompute becomes cheaper)",
-        "usable PCIe bandwidth below ~5 GB/s (a down-trained or shared link)",
-        "fewer than 1 preemption per 10 minutes (no_action)",
     ],
 }
 
@@ -107,6 +111,7 @@ class Sample:
     fine: bool = True
     itl_target_s: float = 0.1
     verdict: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_VERDICT))
+    sink: Callable[[Record], None] | None = None  # sees every record (e.g. a TraceWriter.write)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -125,6 +130,11 @@ class Sample:
         for _ in range(self.requests):
             self._new_request(0.0)
 
+    def _ingest(self, rec: Record) -> None:
+        self.core.ingest(rec)
+        if self.sink is not None:
+            self.sink(rec)
+
     # -- generation ---------------------------------------------------------------------------
     def _new_request(self, t: float) -> None:
         self._n += 1
@@ -132,7 +142,7 @@ class Sample:
                  cls="interactive" if self._n % 3 else "batch", out_len=self.rng.randint(200, 2500))
         r.next_t = r.arrive + self.rng.uniform(0.15, 0.6)  # TTFT
         self._reqs.append(r)
-        self.core.ingest(RequestRecord(t=r.arrive, id=r.id, event="arrive", prompt_tokens=self.rng.randint(100, 8000),
+        self._ingest(RequestRecord(t=r.arrive, id=r.id, event="arrive", prompt_tokens=self.rng.randint(100, 8000),
                                        cls=r.cls, source="proxy"))
 
     def advance(self, dt: float = 1.0) -> None:
@@ -188,7 +198,7 @@ class Sample:
                                          completion_tokens=r.tokens, source="proxy"))
         out.sort(key=lambda x: x.t)
         for rec in out:
-            self.core.ingest(rec)
+            self._ingest(rec)
         # replace finished requests so the live count stays level
         for _ in range(sum(1 for r in self._reqs if r.done)):
             self._new_request(t1)
@@ -212,7 +222,7 @@ class Sample:
         for i in range(self.gpus):
             load = 0.5 + 0.5 * rng.random()
             down = i == 1  # one link trained down to Gen3 under load
-            self.core.ingest(GpuRecord(
+            self._ingest(GpuRecord(
                 t=t, index=i, uuid=f"GPU-{i:08x}-sample", name="NVIDIA H100 80GB HBM3",
                 mem_used_bytes=int((62 + 10 * load) * GIB), mem_total_bytes=80 * GIB,
                 mem_reserved_bytes=int(0.5 * GIB),
@@ -220,7 +230,7 @@ class Sample:
                 pcie_source="field_counters", pcie_link_gen=3 if down else 5, pcie_link_width=16,
                 pcie_link_gen_max=5, pcie_link_width_max=16, util_pct=60 + 35 * load, mig_mode=False,
             ))
-        self.core.ingest(HostRecord(
+        self._ingest(HostRecord(
             t=t, mem_total_bytes=512 * GIB, mem_available_bytes=310 * GIB, swap_total_bytes=8 * GIB,
             swap_used_bytes=0, pinned_bytes=24 * GIB, pinned_signal="pinned (all GUP)",
             pinned_signals={"pinned (all GUP)": 24 * GIB, "shmem (incl. CUDA pinned)": 26 * GIB},
@@ -235,7 +245,7 @@ class Sample:
                 e["pre"] += 1
             e["kv"] = min(0.985, max(0.5, e["kv"] + rng.uniform(-0.02, 0.035)))
             e["prompt"] += rng.randint(2000, 4000) + (60000 if burst else 0)
-            self.core.ingest(EngineRecord(
+            self._ingest(EngineRecord(
                 t=t, adapter="vllm", url=f"http://127.0.0.1:{8000 + k}", engine="0",
                 model="meta-llama/Llama-3.1-8B-Instruct", kv_usage=round(e["kv"], 4),
                 running=float(len(running) // self.engines), waiting=float(len(waiting) // self.engines),

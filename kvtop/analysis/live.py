@@ -1,0 +1,82 @@
+"""Incremental analysis for the live console and `kvtop snapshot` (the core's ``LiveAnalysis``).
+
+``Core(analysis=LiveAnalyzer(...))`` calls ``feed`` for every record. Work per record is O(1)
+(a dictionary update per token, a list append per long gap); spikes are attributed once their
+evidence window has passed, so a tick costs O(new records + newly settled spikes). Memory is bounded:
+at most ``max_requests`` request states, ``keep_spikes`` listed spikes and ``horizon_s`` of evidence.
+``report(now)`` has the same shape as ``kvtop analyze --format json``; it is rebuilt at most once per
+``report_every_s`` of stream time (the views poll it several times a second).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.report import build_report
+from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord, to_dict
+
+
+class LiveAnalyzer:
+    def __init__(self, itl_target_s: float | None = None, adapter: str | None = None, model: str | None = None,
+                 model_config: dict[str, Any] | None = None, kv_bytes_per_token: float | None = None,
+                 kv_dtype: str = "bf16", tp: int = 1, max_requests: int = 5000, keep_spikes: int = 500,
+                 horizon_s: float = 120.0, report_every_s: float = 1.0):
+        self.an = Analyzer(itl_target_s=itl_target_s, max_requests=max_requests, keep_spikes=keep_spikes,
+                           horizon_s=horizon_s)
+        self.an.set_header({"engine": {"adapter": adapter, "model": model}})
+        self.model_config = model_config
+        self.kv_bytes = kv_bytes_per_token
+        self.kv_dtype = kv_dtype
+        self.tp = tp
+        self.report_every_s = report_every_s
+        self._adapter: str | None = None
+        self._settings: dict[str, str] = {}
+        self._cached: tuple[float, int, dict[str, Any]] | None = None
+        self._warn: list[str] = []
+        if adapter:
+            self._set_adapter(adapter)
+
+    def _set_adapter(self, name: str) -> None:
+        from kvtop.analysis.scan import adapter_info
+
+        self._adapter = name
+        preempts, self._settings, warn = adapter_info(name)
+        self.an.preempts = preempts
+        self._warn = [warn] if warn else []
+
+    def feed(self, rec: Record) -> None:
+        an = self.an
+        if isinstance(rec, RequestRecord):
+            an.records += 1
+            if rec.event == "token":
+                an.token(rec.id, rec.t, rec.n)
+            else:
+                an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens)
+        elif isinstance(rec, EngineRecord):
+            if rec.adapter and rec.adapter != self._adapter:
+                self._set_adapter(rec.adapter)
+            if rec.model and not (an.header.get("engine") or {}).get("model"):
+                an.header["engine"]["model"] = rec.model
+            an.feed_dict(to_dict(rec))
+        elif isinstance(rec, (GpuRecord, HostRecord)):
+            an.feed_dict(to_dict(rec))
+        elif isinstance(rec, TruthRecord):
+            return  # ground truth is never analysis input
+
+    def request_info(self, request_id: str) -> tuple[int, int, str | None]:
+        return self.an.request_info(request_id)
+
+    def report(self, now: float) -> dict[str, Any] | None:
+        an = self.an
+        if an.records == 0:
+            return None
+        c = self._cached
+        if c is not None and 0 <= now - c[0] < self.report_every_s:
+            return c[2]
+        an.tick(now)
+        rep = build_report(an, self.model_config, self.kv_bytes, self.kv_dtype, self.tp, self._settings,
+                           self._adapter, list(self._warn))
+        rep["pending_spikes"] = len(an._pending)
+        self._cached = (now, an.records, rep)
+        return rep
