@@ -148,11 +148,11 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
             near = [p for t, p in engine if t0 - 1.0 <= t <= t1 + 2.0 and p is not None]
             assert near and max(near) - min(near) >= 2, \
                 f"stall of {s['request_id']} at {t0:.2f}: nobody else received tokens, and no mass preemption"
-        # a real preemption stall dwarfs the stream's normal rhythm (reference: > 50x its usual gap)
+        # a stall, not jitter: well above the stream's typical gap (the reference saw > 50x on a quiet box)
         ts = times[s["request_id"]]
         gaps = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
         body = gaps[: int(len(gaps) * 0.95)]
-        assert s["gap_s"] > 20 * sum(body) / len(body)
+        assert s["gap_s"] > 10 * sum(body) / len(body)
     # the usual signature: one stream silent while the others keep receiving tokens
     assert flowing >= 0.75 * len(spikes), f"only {flowing} of {len(spikes)} stalls had other streams flowing"
 
