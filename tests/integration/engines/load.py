@@ -157,7 +157,7 @@ def drive(base_url: str, model: str, n: int, max_tokens: int, **kw) -> list[Stre
     return asyncio.run(run_streams(base_url, model, n, max_tokens, **kw))
 
 
-def stalls(results: list[StreamResult], factor: float = 25.0, floor_s: float = 0.25) -> list[tuple[int, float, float]]:
+def stalls(results: list[StreamResult], factor: float = 25.0, floor_s: float = 0.5) -> list[tuple[int, float, float]]:
     """Client-seen stalls: gaps above ``factor`` x the typical gap of all streams (mean of the gaps
     below the 95th percentile), and at least ``floor_s`` -> (stream, t_start, gap)."""
     gaps = sorted(g for r in results for g in r.gaps)
