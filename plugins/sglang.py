@@ -77,7 +77,8 @@ class SglangAdapter(EngineAdapter):
     settings = {
         "max_seqs": "--max-running-requests",
         "chunked_prefill": "--chunked-prefill-size",
-        "batched_tokens": "--max-prefill-tokens",
+        "batched_tokens": "--chunked-prefill-size",
+        "max_prefill_tokens": "--max-prefill-tokens",
         "max_total_tokens": "--max-total-tokens",
         "gpu_memory": "--mem-fraction-static",
         "admission": "--schedule-conservativeness",

@@ -6,7 +6,7 @@ Memory is bounded by ``maxlen`` samples per series whatever the run length.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -137,10 +137,11 @@ def histogram_quantile(q: float, h: Histogram) -> float | None:
 class HistogramSeries:
     """Bounded history of cumulative histogram snapshots, for windowed quantiles."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_cache")
 
     def __init__(self, maxlen: int = 3600):
         self._items: deque[tuple[float, Histogram]] = deque(maxlen=maxlen)
+        self._cache: tuple[tuple, Histogram | None] | None = None
 
     def append(self, t: float, h: Histogram | None) -> None:
         if h is not None:
@@ -156,33 +157,54 @@ class HistogramSeries:
         return len(self._items)
 
     def window_delta(self, window_s: float, now: float | None = None) -> Histogram | None:
-        """Observations inside the window, summed across any resets."""
+        """Observations inside the window, summed across any resets.
+
+        Between resets the per-scrape deltas telescope, so only each segment's ends are
+        subtracted: O(snapshots) cheap comparisons plus O(buckets) per segment, not per scrape.
+        The result is cached for the latest snapshot, since views ask for several quantiles.
+        """
         if not self._items:
             return None
         end = self._items[-1][0] if now is None else now
-        # baseline: the last snapshot at or before the window start (if any)
-        base_i = None
-        for i, (t, _) in enumerate(self._items):
-            if t <= end - window_s:
-                base_i = i
-            else:
-                break
-        items = list(self._items)
-        start = 0 if base_i is None else base_i
-        if base_i is None:
-            # no snapshot before the window: the window covers the whole retained history,
-            # and the first snapshot's own content predates it, so count from it.
-            if len(items) == 1:
-                return None
+        key = (id(self._items[-1]), len(self._items), window_s, end)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        # baseline: the last snapshot at or before the window start; none -> the oldest retained
+        base_i = bisect_right(self._items, end - window_s, key=_item_t) - 1
+        start = max(base_i, 0)
+        if len(self._items) - start < 2:
+            self._cache = (key, None)
+            return None
         acc: Histogram | None = None
-        for (_, a), (_, b) in zip(items[start:], items[start + 1 :], strict=False):
-            d = histogram_delta(a, b)
-            acc = d if acc is None else _hist_add(acc, d)
+        base: Histogram | None = self._items[start][1]
+        prev = base
+        for i in range(start + 1, len(self._items)):
+            h = self._items[i][1]
+            if h.count < prev.count or len(h.buckets) != len(prev.buckets):
+                # reset: close the segment; the new one counts from zero
+                acc = _hist_add_opt(acc, _segment(base, prev))
+                base = None
+            prev = h
+        acc = _hist_add_opt(acc, _segment(base, prev))
+        self._cache = (key, acc)
         return acc
 
     def quantile(self, q: float, window_s: float, now: float | None = None) -> float | None:
         d = self.window_delta(window_s, now)
         return None if d is None else histogram_quantile(q, d)
+
+
+def _item_t(item: tuple[float, Histogram]) -> float:
+    return item[0]
+
+
+def _segment(base: Histogram | None, last: Histogram) -> Histogram:
+    """Observations from ``base`` to ``last`` within one reset-free segment (all of ``last`` if no base)."""
+    return last if base is None else histogram_delta(base, last)
+
+
+def _hist_add_opt(a: Histogram | None, b: Histogram) -> Histogram:
+    return b if a is None else _hist_add(a, b)
 
 
 def _hist_add(a: Histogram, b: Histogram) -> Histogram:

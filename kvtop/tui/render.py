@@ -155,7 +155,7 @@ def summary_line(s: Snapshot) -> str:
     spikes = len((s.analysis or {}).get("spikes") or [])
     return (f"[b]advisor:[/b] {sev(escape(str(v.get('action', '?'))), 'warn' if v.get('action') not in ('no_action', None) else 'ok')}"
             f" {muted('confidence')} {fmt.num(conf, '{:.0%}') if conf is not None else fmt.NA}{marg}"
-            f"  {muted(f'{spikes} spike(s) in window · press 4')}")
+            f"  {muted(f'{spikes} spike(s) since start · press 4')}")
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def advisor(s: Snapshot, width: int) -> str:
     causes = a.get("causes") or {}
     lines.append("")
     n_sp = a.get("spikes_total", len(a.get("spikes") or []))
-    lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes in the {fmt.dur(s.window_s)} window)')}")
+    lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes since the start of the run)')}")
     if not any(float(c.get("count") or 0) for c in causes.values()):
         lines.append(muted("  no spikes"))
     bw = max(10, min(40, width - 50))

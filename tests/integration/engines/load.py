@@ -49,10 +49,11 @@ class StreamResult:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, index: int,
-                     delay: float = 0.0) -> StreamResult:
+                     delay: float = 0.0, res: StreamResult | None = None) -> StreamResult:
     if delay:
         await asyncio.sleep(delay)
-    res = StreamResult(index=index, t_start=time.monotonic())
+    res = res or StreamResult(index=index)
+    res.t_start = time.monotonic()
     try:
         async with client.stream("POST", url, json=body) as r:
             res.status = r.status_code
@@ -125,11 +126,38 @@ async def run_streams(base_url: str, model: str, n: int, max_tokens: int, *, ign
         return list(await asyncio.gather(*tasks))
 
 
+def body(model: str, prompt_text: str, max_tokens: int, ignore_eos: bool = True) -> dict:
+    b = {"model": model, "prompt": prompt_text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+         "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        b["ignore_eos"] = True
+    return b
+
+
+async def run_interference(base_url: str, model: str, n_decoders: int, decode_tokens: int, long_text: str,
+                           after_tokens: int = 20, seed: int = 0,
+                           timeout: float = 600) -> tuple[list[StreamResult], StreamResult]:
+    """``n_decoders`` streams decode; once each has ``after_tokens`` events, a long prompt arrives."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=n_decoders + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10), limits=limits) as client:
+        decs = [StreamResult(index=i) for i in range(n_decoders)]
+        tasks = [asyncio.create_task(stream_one(client, url, body(model, prompt(i, seed=seed), decode_tokens), i,
+                                                res=decs[i])) for i in range(n_decoders)]
+        deadline = time.monotonic() + timeout
+        while any(len(d.token_times) < after_tokens for d in decs) and time.monotonic() < deadline:
+            if any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.01)
+        longres = await stream_one(client, url, body(model, long_text, 8), n_decoders)
+        return list(await asyncio.gather(*tasks)), longres
+
+
 def drive(base_url: str, model: str, n: int, max_tokens: int, **kw) -> list[StreamResult]:
     return asyncio.run(run_streams(base_url, model, n, max_tokens, **kw))
 
 
-def stalls(results: list[StreamResult], factor: float = 25.0, floor_s: float = 0.25) -> list[tuple[int, float, float]]:
+def stalls(results: list[StreamResult], factor: float = 25.0, floor_s: float = 0.5) -> list[tuple[int, float, float]]:
     """Client-seen stalls: gaps above ``factor`` x the typical gap of all streams (mean of the gaps
     below the 95th percentile), and at least ``floor_s`` -> (stream, t_start, gap)."""
     gaps = sorted(g for r in results for g in r.gaps)

