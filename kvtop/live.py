@@ -43,8 +43,13 @@ class LiveRunner:
         adapter: str | None = None,
         sinks: list[Sink] | None = None,
         timeout_s: float = 2.0,
+        probe_rate: float | None = None,
+        probe_max_tokens: int = 32,
     ):
         self.core = core
+        # --probe: kvtop's own canary streams against the first engine (off unless asked)
+        self.probe_rate = probe_rate
+        self.probe_max_tokens = probe_max_tokens
         self.urls = list(urls)
         self.interval_s = max(0.05, float(interval_s))
         self.sinks: list[Sink] = list(sinks or [])
@@ -267,6 +272,14 @@ class LiveRunner:
         self._stopping = False
         tasks = [asyncio.create_task(self._loop_source(src), name=f"kvtop {src.name}") for src in self._sources]
         waiters: list[asyncio.Task[Any]] = []
+        probe_stop = asyncio.Event()
+        probe_task = None
+        if self.probe_rate and self.scrapers:
+            from kvtop.sources.probe import Probe
+
+            probe = Probe(self.scrapers[0].base_url, self.probe_rate, self.emit, self.now,
+                          max_tokens=self.probe_max_tokens)
+            probe_task = asyncio.create_task(probe.run(probe_stop), name="kvtop probe")
         try:
             if stop is not None:
                 waiters.append(asyncio.create_task(stop.wait()))
@@ -279,6 +292,10 @@ class LiveRunner:
         finally:
             for w in waiters:
                 w.cancel()
+            if probe_task is not None:
+                probe_stop.set()
+                await asyncio.wait([probe_task], timeout=self.timeout_s + 2.0)
+                probe_task.cancel()
             # Let in-flight polls finish (each is bounded by its timeout) rather than cancel them:
             # a cancelled httpx request can wedge in httpcore's connection clean-up. Waiting
             # sources stop at once; only a poll stuck past its timeout is cancelled.

@@ -24,6 +24,12 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TIMEOUT_S = 2.0
 
 
+def _probe_rate(text: str) -> float:
+    from kvtop.sources.probe import probe_rate
+
+    return probe_rate(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", default=None, metavar="URL",
                    help="engine base URL or its /metrics URL (repeat for several engines)")
@@ -35,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
     p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
                    help="inter-token latency target")
+    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
+                   help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
     p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
                    help="do not read the GPU (NVML)")
     p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         if not first_t and getattr(rec, "kind", None) == "engine" and rec.up:
             first_t.append(rec.t)
 
-    runner = LiveRunner(core, urls, interval_s=interval, gpu=gpu, host=host, token=token,
+    runner = LiveRunner(core, urls, interval_s=interval, gpu=gpu, host=host, token=token, probe_rate=args.probe,
                         adapter=adapter, timeout_s=timeout, sinks=[note_first])
     asyncio.run(runner.run(duration_s=duration, final_poll=True))
     # The window is what was actually sampled: from the first good engine sample to the final

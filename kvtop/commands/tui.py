@@ -26,6 +26,12 @@ DESCRIPTION = (
 PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
+def _probe_rate(text: str) -> float:
+    from kvtop.sources.probe import probe_rate
+
+    return probe_rate(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", default=None, metavar="URL",
                    help="engine base URL (repeatable); default: config, then probe local ports")
@@ -40,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-token latency target")
     p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
                    help="do not read the GPU (NVML)")
+    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
+                   help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
     p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
                    help="do not read host memory")
 
@@ -127,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
                           host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
-                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout)
+                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
 
     from kvtop.tui.app import run_console
 

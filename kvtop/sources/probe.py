@@ -21,6 +21,19 @@ from kvtop.proxy import StreamRecorder
 PROBE_PROMPT = "Count from one to one hundred in words, separated by commas:"
 
 
+def probe_rate(text: str) -> float:
+    """argparse type for ``--probe RATE``: canary streams per second, bounded so a probe never loads an engine."""
+    import argparse
+
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--probe takes streams per second, not {text!r}") from None
+    if not 0 < rate <= 100:
+        raise argparse.ArgumentTypeError(f"--probe must be between 0 and 100 per second, not {rate:g}")
+    return rate
+
+
 class Probe:
     def __init__(
         self,
