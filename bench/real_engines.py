@@ -16,6 +16,7 @@ Engines are installed/built into ``$KVTOP_ENGINE_CACHE`` on first use (minutes; 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import re
 import sys
 import tempfile
@@ -96,21 +97,22 @@ def bench_llamacpp(work: Path) -> None:
     try:
         srv.start(timeout=120)
         load.drive(srv.url, "m", 4, 8, seed=99)
-        import httpx
-
-        text = load.long_prompt(900)
-        n = len(httpx.post(srv.url + "/tokenize", json={"content": text}, timeout=30).json()["tokens"])
+        text, n = load.llama_prompt_of(srv.url, 1500)
         trace = work / "llamacpp-prefill.jsonl"
         with kvtop_run.Recorder(trace, srv.url) as rec:
             time.sleep(1.0)
-            prompts = [load.prompt(i, seed=8) for i in range(3)] + [text]
-            load.drive(rec.proxy_url, "m", 4, 400, prompts=prompts, delays=[0, 0, 0, 3.0])
+            decoders, longreq = asyncio.run(load.run_interference(rec.proxy_url, "m", 3, 160, text, seed=8))
             time.sleep(1.0)
             rec.stop()
         report = kvtop_run.analyze(trace)
-        causes = Counter(s["cause"] for s in report.get("spikes", []))
-        print(f"llama.cpp Gemma 3 270M: {n}-token prompt during 3 decoding streams -> spikes by cause "
-              f"{dict(causes)}; verdict {report.get('verdict', {}).get('action')}")
+        tl = kvtop_run.timelines(kvtop_run.read_trace(trace))
+        long_id = max(tl, key=lambda rid: tl[rid]["arrive"][0][0])
+        t0, t1 = tl[long_id]["arrive"][0][0], tl[long_id]["first_token"][0][0]
+        during = [s for s in report["spikes"] if s["request_id"] != long_id and s["t_start"] < t1 and s["t_end"] > t0]
+        causes = Counter(s["cause"] for s in during)
+        print(f"llama.cpp Gemma 3 270M: {n}-token prompt prefilled in {t1 - t0:.2f} s while 3 streams decoded: "
+              f"{len({s['request_id'] for s in during})}/3 streams stalled; spikes in that window by cause {dict(causes)}; "
+              f"whole run {dict(Counter(s['cause'] for s in report['spikes']))}")
     finally:
         servers.cleanup(srv)
 

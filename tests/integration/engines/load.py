@@ -31,6 +31,23 @@ def long_prompt(n_words: int, seed: int = 1) -> str:
     return " ".join(rng.choice(WORDS) + str(rng.randint(0, 99)) for _ in range(n_words))
 
 
+def llama_prompt_of(base_url: str, target: int) -> tuple[str, int]:
+    """A prompt of about ``target`` tokens in a llama-server's tokenizer (its /tokenize endpoint)."""
+    def count(text: str) -> int:
+        r = httpx.post(base_url.rstrip("/") + "/tokenize", json={"content": text}, timeout=30)
+        r.raise_for_status()
+        return len(r.json()["tokens"])
+
+    words = target // 2
+    for _ in range(6):
+        text = long_prompt(words)
+        n = count(text)
+        if abs(n - target) <= target * 0.03:
+            break
+        words = max(1, int(words * target / n))
+    return text, n
+
+
 @dataclass
 class StreamResult:
     index: int

@@ -47,7 +47,9 @@ if ! healthy; then
   echo "kvtop-engines: vllm venv ready in $(( $(date +%s) - start )) s" >&2
 fi
 
-if [[ ! -f "$MODEL_DIR/.kvtop-ready" ]]; then
+MODEL_VERSION="$(sed -n 's/^VERSION = f"\(.*\)intermediate={INTERMEDIATE}"$/\1/p' "$HERE/build_tiny_model.py")"
+MODEL_VERSION="${MODEL_VERSION}intermediate=$(sed -n 's/^INTERMEDIATE = //p' "$HERE/build_tiny_model.py")"
+if [[ ! -f "$MODEL_DIR/.kvtop-ready" || "$(cat "$MODEL_DIR/.kvtop-ready")" != "$MODEL_VERSION" ]]; then
   echo "kvtop-engines: building the tiny model into $MODEL_DIR" >&2
   rm -rf "$MODEL_DIR"
   "$VENV/bin/python" "$HERE/build_tiny_model.py" "$MODEL_DIR" >&2
