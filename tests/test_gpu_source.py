@@ -238,17 +238,32 @@ def test_field_counters_rate_from_two_polls():
     assert r0.pcie_tx_bytes_per_s == pytest.approx(3.0e9)
     assert r0.pcie_rx_bytes_per_s == pytest.approx(5.0e8)
     assert r1.pcie_tx_bytes_per_s == 0.0 and r1.pcie_rx_bytes_per_s == 0.0
-    # The counter goes backwards (wrap / driver reset): no rate for that interval, RX still fine.
+    # A counter stepping back short of a 64-bit wrap is not a byte counter we can trust (seen on a
+    # real H200, driver 580: it moved < 1 % of 110 GB copied and went backwards): no rate for that
+    # interval, a note, and from then on the 20 ms throughput sampler measures this GPU.
     g.tx_bytes = 10
     g.rx_bytes += 250_000_000
-    r0, _ = src.poll(13.0)
-    assert r0.pcie_tx_bytes_per_s is None
-    assert r0.pcie_rx_bytes_per_s == pytest.approx(2.5e8)
+    g.tx_kbps, g.rx_kbps = 55_000_000, 1_000  # 55 GB/s and 1 MB/s in NVML's KB/s
+    r0, r1 = src.poll(13.0)
+    assert r0.pcie_tx_bytes_per_s is None and r0.pcie_rx_bytes_per_s is None
     assert any("went backwards" in n for n in r0.notes)
-    # And the next interval is measured from the new value.
-    g.tx_bytes = 10 + 4_000_000_000
+    assert r1.pcie_source == "field_counters"  # the other GPU keeps its counters
     r0, _ = src.poll(15.0)
-    assert r0.pcie_tx_bytes_per_s == pytest.approx(2.0e9)
+    assert r0.pcie_source == "throughput_20ms"
+    assert r0.pcie_tx_bytes_per_s == pytest.approx(55e9) and r0.pcie_rx_bytes_per_s == pytest.approx(1e6)
+    assert any("not monotonic" in n for n in r0.notes)
+
+
+def test_field_counters_64_bit_wrap_is_a_rate_not_a_fallback():
+    gpus = [FakeGpu()]
+    g = gpus[0]
+    src = GpuSource(nvml=FakeNvml(gpus))
+    g.tx_bytes, g.rx_bytes = (1 << 64) - 1_000_000_000, 0
+    src.poll(1.0)
+    g.tx_bytes = 3_000_000_000  # wrapped: 4 GB moved in 2 s
+    (r,) = src.poll(3.0)
+    assert r.pcie_source == "field_counters"
+    assert r.pcie_tx_bytes_per_s == pytest.approx(2e9)
 
 
 def test_field_counters_use_nvml_timestamps_when_consistent():
