@@ -258,12 +258,14 @@ def classify(g: Gap, ctx: Context) -> None:
         return
     # (nearly) every stream stalled together
     if ctx.preempts and ctx.co_gap_median and g.gap > LONGER * ctx.co_gap_median:
-        # a prefill step stalled everyone, but this stream stayed silent longer: a victim
+        # a prefill step stalled everyone, but this stream stayed silent longer: a victim — only
+        # with a counter step to claim. KV sits near full through a whole storm, so "longer and KV
+        # high" alone turned host hiccups that stall every stream into preemptions on a real vLLM.
         t_c = ctx.timeline.claim_counter(a, b, ctx.tol)
-        if t_c is not None or kv_high:
-            g.cause, g.confidence = "preemption", 0.6 + 0.2 * (t_c is not None)
-            g.evidence = ev + [f"silent {g.gap / ctx.co_gap_median:.1f}x longer than the other stalled streams"] + (
-                [f"preemption counter stepped at t={t_c:.2f}s"] if t_c is not None else []) + (
+        if t_c is not None:
+            g.cause, g.confidence = "preemption", 0.8
+            g.evidence = ev + [f"silent {g.gap / ctx.co_gap_median:.1f}x longer than the other stalled streams",
+                               f"preemption counter stepped at t={t_c:.2f}s"] + (
                 [f"KV usage {w['kv_max']:.2f}"] if kv_high else [])
             return
     if ctx.preempts:
