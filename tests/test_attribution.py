@@ -291,3 +291,23 @@ def test_fast_path_equals_streaming_path(tmp_path):
     an.finish()
     assert [(g.request_id, round(g.t_end, 6), g.cause) for g in an.spikes] == \
         [(s["request_id"], s["t_end"], s["cause"]) for s in slow["spikes"]]
+
+
+def test_fast_path_keeps_file_order_when_one_stream_mixes_line_shapes(tmp_path):
+    """A real vLLM API server merged 131 tokens into one SSE event mid-stall: that line (n >= 100)
+    is not fast-path shaped, and must still split the stall in two, exactly as the streaming path does."""
+    from kvtop.analysis.scan import analyze_trace
+
+    recs = stream_records(n_streams=4, dur=10.0)
+    # r0: tokens stop at 3.0, one 131-token chunk arrives at 5.0, tokens resume at 7.0
+    recs = [d for d in recs if not (d.get("id") == "r0" and 3.0 < d["t"] < 7.0)]
+    recs.append({"kind": "request", "t": 5.0, "id": "r0", "event": "token", "n": 131})
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p, make_header(engine={"adapter": "vllm", "model": "llama-3.1-8b"})) as w:
+        for d in sorted(recs, key=lambda d: d["t"]):
+            w.write(d)
+    for fast in (False, True):
+        rep = analyze_trace(str(p), fast=fast, itl_target_s=0.5)
+        r0 = [(s["t_start"], s["t_end"]) for s in rep["spikes"] if s["request_id"] == "r0"]
+        assert len(r0) == 2 and r0[0][1] == pytest.approx(5.0) and r0[1][0] == pytest.approx(5.0), (fast, r0)
+        assert {r["request_id"]: r["max_gap_s"] for r in rep["requests"]}["r0"] == pytest.approx(2.0, abs=0.1)

@@ -179,6 +179,13 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     fast &= one | two | no_n
     nval = np.where(one, d1, np.where(two, d1 * 10 + d2, 1))
 
+    # A token event the fast path cannot read (n >= 100, escaped id, another key order or spacing)
+    # would reach the JSON path out of file order and corrupt its stream's gaps: such a chunk goes
+    # through the streaming path whole. Correctness first; these lines are rare.
+    for i in np.flatnonzero(~fast).tolist():
+        line = buf[starts[i]:ends[i]]
+        if b'"token"' in line or b'"first_token"' in line:
+            return _slow_lines(an, [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
     fi = np.flatnonzero(fast)
     skipped = 0
     max_t = an.now
