@@ -145,3 +145,20 @@ def resolve(args: Any, config: Mapping[str, Any], key: str, default: Any = None,
         return v
     v = config.get(key)
     return default if v is None else v
+
+
+def engine_bases(urls: list[str]) -> list[str]:
+    """Base URLs of the engines the user named; one-line UsageError for anything else."""
+    from kvtop.errors import UsageError
+    from kvtop.sources.scrape import split_url
+
+    bases = []
+    for u in urls:
+        try:
+            base, _ = split_url(u)
+        except Exception:
+            raise UsageError(f"not a valid URL: {u!r}") from None
+        if not base.startswith(("http://", "https://")):
+            raise UsageError(f"only http:// and https:// URLs are supported, not {u!r}")
+        bases.append(base)
+    return bases

@@ -8,6 +8,7 @@ unknown is ``null``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,4 +161,15 @@ class Snapshot:
             out["events"] = [clean(e) for e in self.events]
         if self.analysis is not None:
             out["analysis"] = self.analysis
-        return out
+        return finite(out)
+
+
+def finite(obj: Any) -> Any:
+    """JSON has no NaN/Infinity (a histogram without _sum, a 0/0 rate): unknown is null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj

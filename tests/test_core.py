@@ -136,3 +136,20 @@ def test_engine_capabilities():
     core = two_scrapes()
     core.set_engine_capabilities(URL, preempts=False)
     assert core.snapshot().engines[0].preempts is False
+
+
+def test_snapshot_json_has_no_nan_for_any_caller():
+    import json
+    import math
+
+    from kvtop.snapshot import EngineView, Snapshot
+
+    snap = Snapshot(kvtop_version="x", taken_at="2026-01-01T00:00:00Z", t=1.0, window_s=1.0, gpu_status="ok",
+                    engines=(EngineView(url="u", adapter="vllm", up=True, itl_p50_s=math.nan,
+                                        prompt_tokens_per_s=math.inf, kv_usage=0.5),),
+                    analysis={"numbers": [math.nan, 2.0]})
+    d = snap.to_json()
+    e = d["engines"][0]
+    assert e["itl_p50_s"] is None and e["prompt_tokens_per_s"] is None and e["kv_usage"] == 0.5
+    assert d["analysis"]["numbers"] == [None, 2.0]
+    json.dumps(d, allow_nan=False)  # strict JSON

@@ -46,9 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvtop.config import load_config, parse_seconds, resolve
+    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
     from kvtop.errors import UsageError
-    from kvtop.sources.scrape import split_url
 
     cfg = load_config(getattr(args, "config", None))
     urls: list[str] = resolve(args, cfg, "url", [])
@@ -81,15 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--proxy-workers must be between 1 and 64")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
-    bases = []
-    for u in urls:
-        try:
-            base, _ = split_url(u)
-        except Exception:
-            raise UsageError(f"not a valid URL: {u!r}") from None
-        if not base.startswith(("http://", "https://")):
-            raise UsageError(f"only http:// and https:// URLs are supported, not {u!r}")
-        bases.append(base)
+    bases = engine_bases(urls)
     listen = None
     if args.proxy_listen:
         from kvtop.proxy import parse_listen

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
-from typing import Any
 
 NAME = "replay"
 HELP = "replay a trace file (recorded speed or faster) through the console / a headless summary"
@@ -82,23 +80,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtop: warning: {warning}", file=sys.stderr)
     snap = feed.core.snapshot(now=feed.t)
     if args.format == "json":
-        print(json.dumps(_finite(snap.to_json()), indent=2, allow_nan=False))
+        print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
         return 0
     try:
         from kvtop.render_text import render_text
     except ImportError:  # the text renderer lands with the snapshot command
-        print(json.dumps(_finite(snap.to_json()), indent=2, allow_nan=False))
+        print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
         return 0
     print(render_text(snap), end="")
     return 0
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: unknown is null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj

@@ -7,7 +7,6 @@ arguments or when none of the engines could be read at all (unreachable, not a m
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 NAME = "snapshot"
@@ -49,17 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not read host memory")
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN/Infinity: unknown is null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _analysis(itl_target_s: float | None) -> Any:
     """The live analysis the core feeds (``Core(analysis=...)``): spikes, causes and the verdict."""
     from kvtop.analysis.live import LiveAnalyzer
@@ -72,9 +60,8 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvtop.config import load_config, parse_seconds, resolve
+    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
     from kvtop.errors import UsageError
-    from kvtop.sources.scrape import split_url
 
     cfg = load_config(getattr(args, "config", None))
     # the same engine named twice would be scraped twice and counted once
@@ -99,13 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"format must be json or text, not {fmt!r}")
     if itl_ms is not None and not itl_ms > 0:
         raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    for u in urls:
-        try:
-            base, _ = split_url(u)
-        except Exception:
-            raise UsageError(f"not a valid URL: {u!r}") from None
-        if not base.startswith(("http://", "https://")):
-            raise UsageError(f"only http:// and https:// URLs are supported, not {u!r}")
+    engine_bases(urls)
     if adapter is not None:
         from kvtop.plugin import PluginError, load_adapter
 
@@ -150,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
 
     if fmt == "json":
-        print(json.dumps(_finite(snap.to_json()), indent=2, allow_nan=False))
+        print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
         from kvtop.render_text import render_text
 
