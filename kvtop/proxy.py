@@ -132,6 +132,13 @@ def _plain_token_chunk(data: bytes) -> int | None:
     return 0 if found[0] else 1
 
 
+
+def _upstream_url(upstream: str) -> str:
+    u = URL(upstream)
+    if u.scheme not in ("http", "https") or not u.host:
+        raise ValueError(f"upstream must be an http(s) URL, got {upstream!r}")
+    return upstream.rstrip("/")
+
 class StreamRecorder:
     """Turns one response's bytes into request records. Shared by the proxy and the probe.
 
@@ -356,10 +363,7 @@ class RecordingProxy:
         cls: str | None = None,
         reuse_port: bool = False,
     ):
-        u = URL(upstream)
-        if u.scheme not in ("http", "https") or not u.host:
-            raise ValueError(f"upstream must be an http(s) URL, got {upstream!r}")
-        self.upstream = upstream.rstrip("/")
+        self.upstream = _upstream_url(upstream)
         self.emit = emit
         self.clock = clock
         self.host = host
@@ -573,10 +577,7 @@ class ProxyPool:
 
     def __init__(self, upstream: str, emit: Emit, clock: Clock, host: str = "127.0.0.1", port: int = 0,
                  cls: str | None = None, workers: int = 2):
-        u = URL(upstream)
-        if u.scheme not in ("http", "https") or not u.host:
-            raise ValueError(f"upstream must be an http(s) URL, got {upstream!r}")
-        self.upstream = upstream.rstrip("/")
+        self.upstream = _upstream_url(upstream)
         self.emit = emit
         self.clock = clock
         self.host = host
