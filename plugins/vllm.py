@@ -36,17 +36,8 @@ _OFFLOAD = {
 _GIB = 1 << 30
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
-    v = labels.get(key)
-    if v is None or v in ("None", ""):
-        return None
-    try:
-        return int(float(v))
-    except ValueError:
-        return None
-
-
 def _float_label(labels: dict[str, str], key: str) -> float | None:
+    """cache_config_info values are str(python value): "None" and "" mean unknown."""
     v = labels.get(key)
     if v is None or v in ("None", ""):
         return None
@@ -54,6 +45,11 @@ def _float_label(labels: dict[str, str], key: str) -> float | None:
         return float(v)
     except ValueError:
         return None
+
+
+def _int_label(labels: dict[str, str], key: str) -> int | None:
+    v = _float_label(labels, key)
+    return None if v is None else int(v)
 
 
 class VllmAdapter(EngineAdapter):
