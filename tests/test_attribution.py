@@ -89,6 +89,49 @@ def test_lone_stall_without_evidence_is_not_preemption():
     assert rep["causes"]["preemption"]["count"] == 0
 
 
+def test_running_drop_from_the_stalled_streams_own_finish_is_not_preemption():
+    # the last stream alone: a 1.3 s stall whose closing token is its last; running falls 1 -> 0
+    # because it finished, not because it was preempted (a real vLLM tier run caught this)
+    recs = stream_records(n_streams=1, dur=6.0, silent={"r0": (4.0, 5.3)})
+    recs = [d for d in recs if d["t"] <= 5.32]
+    recs.append({"kind": "request", "t": 5.32, "id": "r0", "event": "finish"})
+    eng = engine_records(dur=9.0, kv=0.85, running=1)
+    for d in eng:
+        d["prompt_tokens_total"] = 4000.0  # no prefill anywhere near
+        if d["t"] > 5.32:
+            d["running"], d["kv_usage"] = 0, 0.0
+    (g,) = list(run(recs + eng).spikes)
+    assert g.cause == "unknown"
+    assert not any("running dropped" in e for e in g.evidence)
+    assert any("only active stream" in e for e in g.evidence)
+    # the same drop with the stream still running afterwards is a preemption sign
+    recs2 = stream_records(n_streams=1, dur=9.0, silent={"r0": (4.0, 5.3)})
+    eng2 = engine_records(dur=9.0, kv=0.85, running=1, run_drop=((4.4, 4.6),))
+    for d in eng2:
+        d["prompt_tokens_total"] = 4000.0
+    (g2,) = list(run(recs2 + eng2).spikes)
+    assert g2.cause == "preemption" and any("running dropped" in e for e in g2.evidence)
+
+
+def test_stall_across_missed_scrapes_is_called_a_host_stall():
+    recs = stream_records(silent={"r3": (4.0, 6.0)})
+    # scrapes on a 0.25 s beat, none from 4.0 s to 6.2 s: kvtop itself was frozen too
+    eng = []
+    for i in range(1, 40):
+        t = i * 0.25
+        if 4.0 < t < 6.2:
+            continue
+        eng.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://x", "engine": "0",
+                    "kv_usage": 0.4, "running": 8, "waiting": 0, "preemptions_total": 0.0})
+    (g,) = list(run(recs + eng).spikes)
+    assert g.cause == "unknown"
+    lag = [e for e in g.evidence if "scrapes stalled" in e]
+    assert lag == ["kvtop's own scrapes stalled 2.0s across it: the host or the engine's API server hung"]
+    # a regular beat says nothing of the kind
+    (g2,) = list(run(recs + engine_records(kv=0.4)).spikes)
+    assert not any("scrapes stalled" in e for e in g2.evidence)
+
+
 def test_counter_far_from_the_stall_does_not_count():
     # the counter steps 3 s after the stall ended: outside the tolerance window
     recs = stream_records(silent={"r3": (4.0, 6.0)}) + engine_records(kv=0.4, pre_steps=(9.5,))

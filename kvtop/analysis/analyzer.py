@@ -325,6 +325,19 @@ class Analyzer:
         i = bisect_right(self._active_t, t) - 1
         return self._active_v[i] if i >= 0 else None
 
+    def _departures(self, a: float, b: float) -> int:
+        """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
+        ts, vs = self._active_t, self._active_v
+        i = bisect_left(ts, a)
+        prev = vs[i - 1] if i > 0 else 0
+        n = 0
+        while i < len(ts) and ts[i] <= b:
+            if vs[i] < prev:
+                n += prev - vs[i]
+            prev = vs[i]
+            i += 1
+        return n
+
     def _co_stalled(self, g: Gap, enough: int | None = None) -> tuple[int, float | None]:
         L = g.t_end - g.t_start
         half = 0.5 * L
@@ -387,6 +400,8 @@ class Analyzer:
             co_stalled=co, co_gap_median=co_med, active_others=None if act is None else max(0, act - 1),
             first_token_near_end=self._first_token_near(g), engine_preempt=engine_pre,
             tol=1.5 * self.timeline.scrape_interval + 0.25,
+            departures=self._departures(g.t_start - self.timeline.scrape_interval,
+                                        g.t_end + 1.5 * self.timeline.scrape_interval + 0.25),
         )
         classify(g, ctx)
         self.n_spikes += 1

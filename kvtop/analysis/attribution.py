@@ -128,12 +128,26 @@ class EngineTimeline:
         best[2] -= 1
         return best[1]
 
+    def scrape_lag(self, a: float, b: float) -> float:
+        """The longest wait between two of kvtop's own scrapes that overlaps [a, b].
+
+        The recorder scrapes on a fixed beat; a beat missed for a second means the host (or the
+        engine's API server, which answers /metrics and streams tokens alike) stalled.
+        """
+        worst = 0.0
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                worst = max(worst, min(k.t[i + 1], b) - max(k.t[i], a))
+                i += 1
+        return worst
+
     def counter_delta(self, a: float, b: float) -> float:
         return sum(st[2] for st in self.steps if a <= st[1] <= b)
 
     def window(self, a: float, b: float) -> dict[str, Any]:
         """KV max, running drop, waiting rise and prompt-token increase around [a, b]."""
-        out: dict[str, Any] = {"kv_max": None, "running_drop": False, "waiting_rise": False, "prompt_delta": 0.0,
+        out: dict[str, Any] = {"kv_max": None, "running_drop": 0.0, "waiting_rise": False, "prompt_delta": 0.0,
                                "points": 0}
         for k in self.keys.values():
             if not k.t:
@@ -153,7 +167,7 @@ class EngineTimeline:
             later_r = [v for v in k.running[i0 + 1:i1] if v is not None]
             later_w = [v for v in k.waiting[i0 + 1:i1] if v is not None]
             if r0 is not None and later_r and min(later_r) < r0:
-                out["running_drop"] = True
+                out["running_drop"] = max(out["running_drop"], r0 - min(later_r))
             if w0 is not None and later_w and max(later_w) > w0:
                 out["waiting_rise"] = True
             if i1 - 1 > i0:
@@ -180,6 +194,7 @@ class Context:
     engine_preempt: bool  # the engine/simulator reported a per-request preempt inside the gap
     tol: float
     co_gap_median: float | None = None  # median length of the other streams' overlapping gaps
+    departures: int = 0  # streams that ended around the gap: a running drop they explain is no preemption
 
 
 def classify(g: Gap, ctx: Context) -> None:
@@ -205,6 +220,8 @@ def classify(g: Gap, ctx: Context) -> None:
         ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval")
     w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol)
     kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
+    # running falls by one whenever a stream finishes (this one too, if its last token ends the gap)
+    running_drop = w["running_drop"] > ctx.departures
     prompt_jump = False
     typ = ctx.timeline.typical_prompt_delta()
     if w["prompt_delta"] >= 512 and w["prompt_delta"] > 1.5 * typ * max(1.0, (b - a) / ctx.timeline.scrape_interval + 1):
@@ -229,16 +246,16 @@ def classify(g: Gap, ctx: Context) -> None:
             if kv_high:
                 score += 0.2
                 pev.append(f"KV usage {w['kv_max']:.2f}")
-            if w["running_drop"] or w["waiting_rise"]:
+            if running_drop or w["waiting_rise"]:
                 score += 0.2
-                pev.append("running dropped / waiting rose" if w["running_drop"] and w["waiting_rise"] else
-                           ("running dropped" if w["running_drop"] else "waiting rose"))
+                pev.append("running dropped / waiting rose" if running_drop and w["waiting_rise"] else
+                           ("running dropped" if running_drop else "waiting rose"))
             if g.ended_by == "cancel":
                 pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
             # KV pinned at full while every other stream keeps flowing is itself the signature
             # (kv-science §4), e.g. for victims the counter never counts (cancelled while preempted)
             kv_full_flowing = frac is not None and w["kv_max"] is not None and w["kv_max"] >= KV_FULL
-            strong = t_c is not None or (kv_high and (w["running_drop"] or w["waiting_rise"])) or kv_full_flowing
+            strong = t_c is not None or (kv_high and (running_drop or w["waiting_rise"])) or kv_full_flowing
             if strong:
                 if frac is not None:
                     score += 0.15
@@ -253,8 +270,16 @@ def classify(g: Gap, ctx: Context) -> None:
             g.evidence = ev + prefill_ev
             return
         g.cause, g.confidence = "unknown", 0.3
-        g.evidence = ev + ["a lone stall without preemption evidence (no counter step, KV not near full, "
-                           "no running/waiting change)" if ctx.preempts else "a lone stall (this engine never preempts)"]
+        lag = ctx.timeline.scrape_lag(a, b)
+        if lag >= 0.5 * g.gap and lag >= 2.0 * ctx.timeline.scrape_interval:
+            ev.append(f"kvtop's own scrapes stalled {lag:.1f}s across it: the host or the engine's API server hung")
+        if frac is None:
+            ev.append("the only active stream stalled, so nothing tells the engine apart from the host"
+                      + ("" if ctx.preempts else " (this engine never preempts)"))
+        else:
+            ev.append("a lone stall without preemption evidence (no counter step, KV not near full, "
+                      "no running/waiting change)" if ctx.preempts else "a lone stall (this engine never preempts)")
+        g.evidence = ev
         return
     # (nearly) every stream stalled together
     if ctx.preempts and ctx.co_gap_median and g.gap > LONGER * ctx.co_gap_median:
