@@ -113,6 +113,27 @@ def test_running_drop_from_the_stalled_streams_own_finish_is_not_preemption():
     assert g2.cause == "preemption" and any("running dropped" in e for e in g2.evidence)
 
 
+def test_engine_state_after_the_stall_ends_is_not_its_cause():
+    # r0 decodes alone, then stalls while seven new prompts prefill; their first tokens end the stall.
+    # The scrape after it shows KV full and a waiting request: a later preemption of someone else
+    # (a real vLLM tier run called this stall a preemption from that scrape)
+    recs = stream_records(n_streams=1, dur=8.0, silent={"r0": (4.0, 5.0)})
+    for i in range(1, 8):
+        rid = f"n{i}"
+        recs.append({"kind": "request", "t": 3.9, "id": rid, "event": "arrive", "prompt_tokens": 300})
+        recs.append({"kind": "request", "t": 5.0, "id": rid, "event": "first_token", "n": 1})
+        recs += [{"kind": "request", "t": round(5.0 + k * STEP, 6), "id": rid, "event": "token", "n": 1}
+                 for k in range(1, 150)]
+    eng = engine_records(dur=8.0, kv=0.3, running=1)
+    for d in eng:
+        d["prompt_tokens_total"] = 4000.0
+        if d["t"] > 5.0:
+            d["kv_usage"], d["running"], d["waiting"] = 1.0, 7, 1
+    spikes = [g for g in run(recs + eng).spikes if g.request_id == "r0"]
+    assert [g.cause for g in spikes] == ["prefill_interference"]
+    assert not any("KV usage" in e or "waiting rose" in e for e in spikes[0].evidence)
+
+
 def test_stall_across_missed_scrapes_is_called_a_host_stall():
     recs = stream_records(silent={"r3": (4.0, 6.0)})
     # scrapes on a 0.25 s beat, none from 4.0 s to 6.2 s: kvtop itself was frozen too

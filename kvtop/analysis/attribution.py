@@ -145,8 +145,12 @@ class EngineTimeline:
     def counter_delta(self, a: float, b: float) -> float:
         return sum(st[2] for st in self.steps if a <= st[1] <= b)
 
-    def window(self, a: float, b: float) -> dict[str, Any]:
-        """KV max, running drop, waiting rise and prompt-token increase around [a, b]."""
+    def window(self, a: float, b: float, state_end: float | None = None) -> dict[str, Any]:
+        """KV max, running drop and waiting rise over [a, state_end]; prompt-token increase over [a, b].
+
+        The prompt counter steps when a prefill completes, so it is read past the stall's end; the
+        gauges after the end show the engine after the stream resumed (or the next stall), not why
+        it stopped."""
         out: dict[str, Any] = {"kv_max": None, "running_drop": 0.0, "waiting_rise": False, "prompt_delta": 0.0,
                                "points": 0}
         for k in self.keys.values():
@@ -159,13 +163,14 @@ class EngineTimeline:
             if i0 < 0:
                 continue
             out["points"] += max(0, i1 - i0)
-            kvs = [v for v in k.kv[i0:i1] if v is not None]
+            i1s = i1 if state_end is None else min(i1, bisect_right(k.t, state_end, k.head))
+            kvs = [v for v in k.kv[i0:i1s] if v is not None]
             if kvs:
                 m = max(kvs)
                 out["kv_max"] = m if out["kv_max"] is None else max(out["kv_max"], m)
             r0, w0 = k.running[i0], k.waiting[i0]
-            later_r = [v for v in k.running[i0 + 1:i1] if v is not None]
-            later_w = [v for v in k.waiting[i0 + 1:i1] if v is not None]
+            later_r = [v for v in k.running[i0 + 1:i1s] if v is not None]
+            later_w = [v for v in k.waiting[i0 + 1:i1s] if v is not None]
             if r0 is not None and later_r and min(later_r) < r0:
                 out["running_drop"] = max(out["running_drop"], r0 - min(later_r))
             if w0 is not None and later_w and max(later_w) > w0:
@@ -218,7 +223,7 @@ def classify(g: Gap, ctx: Context) -> None:
     if ctx.active_others:
         frac = min(1.0, ctx.co_stalled / ctx.active_others)
         ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval")
-    w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol)
+    w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol, b + 0.1)
     kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
     # running falls by one whenever a stream finishes (this one too, if its last token ends the gap)
     running_drop = w["running_drop"] > ctx.departures
