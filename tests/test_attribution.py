@@ -134,6 +134,22 @@ def test_engine_state_after_the_stall_ends_is_not_its_cause():
     assert not any("KV usage" in e or "waiting rose" in e for e in spikes[0].evidence)
 
 
+def test_storm_streams_preempted_earlier_do_not_make_a_stall_engine_wide():
+    # r1..r6 were preempted at 1 s and wait until 9 s; r0 stalls 4-6 s while r7 keeps streaming
+    silent = {f"r{i}": (1.0, 9.0) for i in range(1, 7)} | {"r0": (4.0, 6.0)}
+    eng = engine_records(kv=0.97, running=2, pre_steps=(6.5,))
+    (g,) = [g for g in run(stream_records(silent=silent) + eng).spikes if g.request_id == "r0"]
+    assert g.cause == "preemption"
+    assert "6/7 other active streams stalled over the same interval (6 of them silent since before it)" in g.evidence
+    assert "the other streams kept flowing" in g.evidence
+    # the same, but r7 falls silent with r0: nobody streamed through 4-6 s, so no stream was singled
+    # out; one counter step cannot make both (or either) a preemption
+    silent["r7"] = (4.0, 6.0)
+    spikes = [g for g in run(stream_records(silent=silent) + eng).spikes if g.request_id in ("r0", "r7")]
+    assert [g.cause for g in spikes] == ["unknown", "unknown"]
+    assert all("all streams stalled together without a prefill or preemption signal" in g.evidence for g in spikes)
+
+
 def test_stall_across_missed_scrapes_is_called_a_host_stall():
     recs = stream_records(silent={"r3": (4.0, 6.0)})
     # scrapes on a 0.25 s beat, none from 4.0 s to 6.2 s: kvtop itself was frozen too

@@ -50,6 +50,10 @@ class Analyzer:
         self._first_tokens: list[tuple[float, str, int | None]] = []
         self._ft_head = 0
         self._active = 0
+        # streams between first token and end, and those that ended lately: the co-stall search
+        # needs streams whose silence had not ended when a spike is judged
+        self._live: dict[str, ReqState] = {}
+        self._ended: deque[ReqState] = deque()
         self._active_t: list[float] = []
         self._active_v: list[int] = []
         self.t0: float | None = None
@@ -130,7 +134,8 @@ class Analyzer:
             if v.end_t is not None:
                 del self.reqs[k]
                 return
-        self.reqs.popitem(last=False)
+        k, _ = self.reqs.popitem(last=False)
+        self._live.pop(k, None)
 
     def token(self, rid: Any, t: float, n: Any = None) -> None:
         """Hot path: one token event."""
@@ -206,6 +211,8 @@ class Analyzer:
                 r.first_t = t
                 self._first_tokens.append((t, rid, r.prompt_tokens))
                 self._set_active(t, +1)
+                if r.end_t is None:
+                    self._live[rid] = r
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc["ttft_rate_hist"].add(r.prompt_tokens / (t - r.arrive_t))
             if not tokens_done:  # the fast path has already counted it and its gap
@@ -220,6 +227,8 @@ class Analyzer:
                 r.ended_by = ev
                 if r.first_t is not None:
                     self._set_active(t, -1)
+                    if self._live.pop(rid, None) is not None:
+                        self._ended.append(r)
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
                     acc["finished"] += 1
@@ -320,6 +329,11 @@ class Analyzer:
                 del self._active_t[: i - 1]
                 del self._active_v[: i - 1]
         self.timeline.prune(keep_from - 60.0)
+        # an ended stream matters only to spikes ending before it did; later spikes end after now
+        ended = self._ended
+        drop_before = (self._pending[0].t_start if self._pending else now) - self.settle - 5.0
+        while ended and (ended[0].end_t or 0.0) < drop_before:
+            ended.popleft()
 
     def _active_at(self, t: float) -> int | None:
         i = bisect_right(self._active_t, t) - 1
@@ -338,15 +352,22 @@ class Analyzer:
             i += 1
         return n
 
-    def _co_stalled(self, g: Gap, enough: int | None = None) -> tuple[int, float | None]:
+    def _co_stalled(self, g: Gap, enough: int | None = None) -> tuple[int, float | None, int]:
+        """Other streams silent over at least half of the spike, the median of their silences, and
+        how many of them fell silent with it (up to a second, or half its length, before it began)
+        rather than long before (streams preempted earlier and still waiting).
+
+        A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
+        to then, and streams still silent then (preempted streams often resume much later). Lengths
+        are cut at that moment, so the batch path, which judges later, gets the same answer."""
         L = g.t_end - g.t_start
         half = 0.5 * L
+        cap = g.t_end + self.settle
         lg = self._long
-        # candidates end inside [a + L/2, b + settle]; long gaps are sorted by t_end
         lo = self._long_head
         hi = len(lg)
         a_end = g.t_start + half
-        while lo < hi:  # bisect on t_end
+        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
             mid = (lo + hi) // 2
             if lg[mid].t_end < a_end:
                 lo = mid + 1
@@ -354,23 +375,33 @@ class Analyzer:
                 hi = mid
         seen = set()
         lens = []
-        limit = g.t_end + self.settle + L
+        fresh_from = g.t_start - min(half, 1.0)
+        fresh = 0
         for i in range(lo, len(lg)):
             q = lg[i]
-            if q.t_end > limit:
-                break
             if q.request_id == g.request_id or q.request_id in seen:
                 continue
             ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
             if ov >= half:
                 seen.add(q.request_id)
-                lens.append(q.gap)
+                lens.append(min(q.t_end, cap) - q.t_start)
+                fresh += q.t_start >= fresh_from
                 if enough is not None and len(seen) >= enough:
                     break  # every other active stream already found stalled
+        if enough is None or len(seen) < enough:
+            for group in (self._live.values(), self._ended):
+                for r in group:
+                    lt = r.last_t
+                    if (lt is None or lt > a_end or r.id == g.request_id or r.id in seen
+                            or (r.end_t is not None and r.end_t < g.t_end)):
+                        continue
+                    seen.add(r.id)
+                    lens.append(cap - lt)
+                    fresh += lt >= fresh_from
         if not lens:
-            return 0, None
+            return 0, None, 0
         lens.sort()
-        return len(seen), lens[len(lens) // 2]
+        return len(seen), lens[len(lens) // 2], fresh
 
     def _first_token_near(self, g: Gap) -> tuple[str, int | None] | None:
         base = g.stream_baseline or self.median_gap() or 0.02
@@ -392,12 +423,12 @@ class Analyzer:
         act = self._active_at(mid)
         base = g.stream_baseline or self.median_gap()
         if base and g.gap < REL_SLOW * base:
-            co, co_med = 0, None  # not an outlier for its stream: no need to look for company
+            co, co_med, fresh = 0, None, 0  # not an outlier for its stream: no need to look for company
         else:
-            co, co_med = self._co_stalled(g, None if act is None else max(1, act - 1))
+            co, co_med, fresh = self._co_stalled(g, None if act is None else max(1, act - 1))
         ctx = Context(
             timeline=self.timeline, preempts=self.preempts, global_median=self.median_gap(),
-            co_stalled=co, co_gap_median=co_med, active_others=None if act is None else max(0, act - 1),
+            co_stalled=co, co_gap_median=co_med, co_fresh=fresh, active_others=None if act is None else max(0, act - 1),
             first_token_near_end=self._first_token_near(g), engine_preempt=engine_pre,
             tol=1.5 * self.timeline.scrape_interval + 0.25,
             departures=self._departures(g.t_start - self.timeline.scrape_interval,

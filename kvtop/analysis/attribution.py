@@ -5,8 +5,10 @@ Signatures:
   waiting rises; the preemption counter steps at the end of the stall or shortly after (vLLM V1
   counts a preemption when the victim *resumes*; SGLang when it is retracted). A victim cancelled
   while preempted may never be counted. A lone stall with none of this evidence is not a preemption.
-* prefill interference — (nearly) every running stream stalls over the same interval, with a new
-  request's first token at the end of the stall or a prompt-token jump.
+* prefill interference — no other stream streams through the stall (every one is silent over most
+  of it), with a new request's first token at its end or a prompt-token jump. Streams preempted
+  earlier and still waiting are silent too: whether anybody kept receiving tokens, not the share of
+  silent streams, tells a stall of one stream from a stall of the engine.
 * slow decode — the spike is no outlier for its stream: its gaps were already about as long.
 Engine records arrive about once a second, so every engine test uses a tolerance window.
 """
@@ -21,7 +23,6 @@ from typing import Any
 from kvtop.analysis.gaps import Gap
 
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
-CO_STALL = 0.5  # share of other active streams stalled over the same interval for "all stalled"
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
 KV_FULL = 0.95
 LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
@@ -152,7 +153,7 @@ class EngineTimeline:
         gauges after the end show the engine after the stream resumed (or the next stall), not why
         it stopped."""
         out: dict[str, Any] = {"kv_max": None, "running_drop": 0.0, "waiting_rise": False, "prompt_delta": 0.0,
-                               "points": 0}
+                               "points": 0, "intervals": 0}
         for k in self.keys.values():
             if not k.t:
                 continue
@@ -177,6 +178,7 @@ class EngineTimeline:
                 out["waiting_rise"] = True
             if i1 - 1 > i0:
                 out["prompt_delta"] += k.prompt[i1 - 1] - k.prompt[i0]
+                out["intervals"] += i1 - 1 - i0
         return out
 
     def typical_prompt_delta(self) -> float:
@@ -200,6 +202,7 @@ class Context:
     tol: float
     co_gap_median: float | None = None  # median length of the other streams' overlapping gaps
     departures: int = 0  # streams that ended around the gap: a running drop they explain is no preemption
+    co_fresh: int | None = None  # of co_stalled, those that fell silent with this stream (None: all)
 
 
 def classify(g: Gap, ctx: Context) -> None:
@@ -219,17 +222,21 @@ def classify(g: Gap, ctx: Context) -> None:
         return
     if rel is not None:
         ev.append(f"gap is {rel:.0f}x this stream's recent gaps")
-    frac = None
+    flowing = None  # other active streams that kept receiving tokens through the stall
     if ctx.active_others:
-        frac = min(1.0, ctx.co_stalled / ctx.active_others)
-        ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval")
+        fresh = ctx.co_stalled if ctx.co_fresh is None else ctx.co_fresh
+        flowing = max(0, ctx.active_others - ctx.co_stalled)
+        older = ctx.co_stalled - fresh
+        ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval"
+                  + (f" ({older} of them silent since before it)" if older else ""))
     w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol, b + 0.1)
     kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
     # running falls by one whenever a stream finishes (this one too, if its last token ends the gap)
     running_drop = w["running_drop"] > ctx.departures
     prompt_jump = False
     typ = ctx.timeline.typical_prompt_delta()
-    if w["prompt_delta"] >= 512 and w["prompt_delta"] > 1.5 * typ * max(1.0, (b - a) / ctx.timeline.scrape_interval + 1):
+    # a jump is well above what the scrapes in the window add at the usual rate
+    if w["prompt_delta"] >= 512 and w["prompt_delta"] > 1.5 * typ * max(1, w["intervals"]):
         prompt_jump = True
     ft = ctx.first_token_near_end
     prefill_ev = []
@@ -239,7 +246,11 @@ def classify(g: Gap, ctx: Context) -> None:
     if prompt_jump:
         prefill_ev.append(f"prompt tokens rose by {w['prompt_delta']:.0f} around the stall")
 
-    isolated = frac is None or frac < CO_STALL
+    # While any other stream still received tokens the engine kept stepping: this stream alone was
+    # left out. In a preemption storm most streams sit silent (preempted earlier, still waiting), so
+    # a share of silent streams says nothing; an engine-wide stall (a prefill step, a host hiccup)
+    # is one that nobody streamed through.
+    isolated = flowing is None or flowing > 0
     if isolated:
         if ctx.preempts:
             pev = []
@@ -259,17 +270,17 @@ def classify(g: Gap, ctx: Context) -> None:
                 pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
             # KV pinned at full while every other stream keeps flowing is itself the signature
             # (kv-science §4), e.g. for victims the counter never counts (cancelled while preempted)
-            kv_full_flowing = frac is not None and w["kv_max"] is not None and w["kv_max"] >= KV_FULL
+            kv_full_flowing = flowing is not None and w["kv_max"] is not None and w["kv_max"] >= KV_FULL
             strong = t_c is not None or (kv_high and (running_drop or w["waiting_rise"])) or kv_full_flowing
             if strong:
-                if frac is not None:
+                if flowing is not None:
                     score += 0.15
                     ev.append("the other streams kept flowing")
                 g.cause, g.confidence = "preemption", min(0.97, 0.3 + score)
                 g.evidence = ev + pev
                 return
             ev.extend(pev)
-        if prefill_ev and frac is None:
+        if prefill_ev and flowing is None:
             # a single running stream stalled by another request's prefill
             g.cause, g.confidence = "prefill_interference", 0.5
             g.evidence = ev + prefill_ev
@@ -278,7 +289,7 @@ def classify(g: Gap, ctx: Context) -> None:
         lag = ctx.timeline.scrape_lag(a, b)
         if lag >= 0.5 * g.gap and lag >= 2.0 * ctx.timeline.scrape_interval:
             ev.append(f"kvtop's own scrapes stalled {lag:.1f}s across it: the host or the engine's API server hung")
-        if frac is None:
+        if flowing is None:
             ev.append("the only active stream stalled, so nothing tells the engine apart from the host"
                       + ("" if ctx.preempts else " (this engine never preempts)"))
         else:
@@ -300,7 +311,8 @@ def classify(g: Gap, ctx: Context) -> None:
             return
     if ctx.preempts:
         d = ctx.timeline.counter_delta(a - 0.25, b + ctx.tol)
-        if d >= max(2.0, 0.5 * (ctx.co_stalled + 1)) and not prefill_ev:
+        fresh = ctx.co_stalled if ctx.co_fresh is None else ctx.co_fresh
+        if d >= max(2.0, 0.5 * (fresh + 1)) and not prefill_ev:
             g.cause, g.confidence = "preemption", 0.6
             g.evidence = ev + [f"the preemption counter rose by {d:.0f}: a mass preemption"]
             return
