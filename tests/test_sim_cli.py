@@ -89,17 +89,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_fast_token_lines_equal_the_typed_records_serialisation():
+def test_fast_token_lines_equal_the_trace_writers_lines(tmp_path):
     from types import SimpleNamespace
 
-    from kvtop.model.records import RequestRecord, to_dict
+    from kvtop.model.records import RequestRecord
+    from kvtop.model.trace import TraceWriter
     from kvtop.sim.simulate import _token_lines
 
     seqs = [SimpleNamespace(id="sim-3", generated=1), SimpleNamespace(id='odd"id\\', generated=7)]
-    for t in (1.0, 0.1 + 0.2, 12345.678901234, 3e-7):
-        want = [json.dumps(to_dict(RequestRecord(t, s.id, "first_token" if s.generated == 1 else "token", n=1,
-                                                 source="sim")), separators=(",", ":")) for s in seqs]
+    for i, t in enumerate((1.0, 0.1 + 0.2, 12345.678901234, 3e-7, 2.5e-6)):
+        path = tmp_path / f"{i}.jsonl"
+        with TraceWriter(path, {"kind": "header"}) as w:
+            for s in seqs:
+                w.write(RequestRecord(t, s.id, "first_token" if s.generated == 1 else "token", n=1, source="sim"))
+        want = path.read_text().splitlines()[1:]
         assert _token_lines(t, seqs).splitlines() == want
+        # to the microsecond, as every trace line
+        assert json.loads(want[0])["t"] == round(t, 6)
 
 
 def test_what_if_replays_a_traces_arrivals_exactly_then_under_another_policy(tmp_path):

@@ -143,3 +143,19 @@ def test_fast_request_path_writes_exactly_what_to_dict_gives(tmp_path: Path):
             w.write(r)
     lines = path.read_text().splitlines()[1:]
     assert lines == [json.dumps(R.to_dict(r), separators=(",", ":")) for r in recs]
+
+
+def test_times_are_written_to_the_microsecond(tmp_path: Path):
+    """Clock digits past the microsecond are noise; six decimals keep lines short and let the
+    analyzer's fast path parse every timestamp exactly (tests/test_attribution.py)."""
+    path = tmp_path / "t.jsonl"
+    t = 12.345678912345
+    with TraceWriter(path, make_header()) as w:
+        w.write(R.RequestRecord(t, "r1", "token", n=1))  # the token fast path
+        w.write(R.RequestRecord(t, "r1", "finish", finish_reason="stop"))  # the general path
+        d = {"kind": "engine", "t": t, "up": True}
+        w.write(d)
+        assert d["t"] == t  # the caller's dict is not changed
+    lines = path.read_text().splitlines()[1:]
+    assert [json.loads(x)["t"] for x in lines] == [12.345679] * 3
+    assert all('"t":12.345679,' in x for x in lines)

@@ -77,15 +77,21 @@ def _slow_lines(an: Analyzer, lines: list[bytes]) -> int:
     return bad
 
 
+PAD = 256  # zero bytes after each chunk: every fixed-width window below stays inside the buffer
+DIGITS = 16  # timestamps up to 16 characters (15 digits) are parsed exactly as integers
+
+
+def _rows(arr: Any, pos: Any, width: int) -> Any:
+    """The ``width`` bytes at each position, one row per position (a copy, no index matrix)."""
+    return np.lib.stride_tricks.sliding_window_view(arr, width)[pos]
+
+
 def _match(arr: Any, pos: Any, pat: bytes, ok: Any) -> Any:
     """ok & (arr[pos:pos+len(pat)] == pat), evaluated only where ok still holds."""
     idx = np.flatnonzero(ok)
     if len(idx) == 0:
         return ok
-    p = np.minimum(pos[idx], len(arr) - 1 - len(pat))
-    hit = np.ones(len(idx), dtype=bool)
-    for k, c in enumerate(pat):
-        hit &= arr[p + k] == c
+    hit = _rows(arr, pos[idx], len(pat)).view(f"S{len(pat)}").ravel() == pat
     ok[idx[~hit]] = False
     return ok
 
@@ -98,8 +104,7 @@ def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
     for w in (16, width):  # most fields are short: a narrow window first, the rest after
         if len(idx) == 0 or w <= lo:
             break
-        cols = np.minimum(start[idx][:, None] + np.arange(lo, w), len(arr) - 1)
-        hit = arr[cols] == byte
+        hit = _rows(arr, start[idx] + lo, w - lo) == byte
         found = hit.any(axis=1)
         out[idx[found]] = lo + hit[found].argmax(axis=1)
         idx = idx[~found]
@@ -113,17 +118,52 @@ def _has(arr: Any, start: Any, end: Any, byte: int, width: int, ok: Any) -> Any:
     idx = np.flatnonzero(ok)
     if len(idx) == 0:
         return res
-    cols = start[idx][:, None] + np.arange(width)
-    inside = cols < end[idx][:, None]
-    res[idx] = ((arr[np.minimum(cols, len(arr) - 1)] == byte) & inside).any(axis=1)
+    inside = np.arange(width) < (end[idx] - start[idx])[:, None]
+    res[idx] = ((_rows(arr, start[idx], width) == byte) & inside).any(axis=1)
     return res
 
 
-def _gather(arr: Any, start: Any, end: Any, width: int) -> Any:
-    idx = start[:, None] + np.arange(width)
-    vals = arr[np.minimum(idx, len(arr) - 1)]
-    vals = np.where(idx < end[:, None], vals, 0).astype(np.uint8)
-    return np.ascontiguousarray(vals).view(f"S{width}").ravel()
+def _field(arr: Any, start: Any, end: Any) -> Any:
+    """Each [start, end) as a row of the narrowest width that holds them all, zero-filled after its end."""
+    lens = end - start
+    width = int(lens.max())
+    m = _rows(arr, start, width)
+    if int(lens.min()) < width:
+        m[np.arange(width) >= lens[:, None]] = 0
+    return m
+
+
+def _strings(m: Any) -> Any:
+    return m.view(f"S{m.shape[1]}").ravel()
+
+
+def _times(m: Any) -> Any:
+    """Decimal timestamps (rows from ``_field``) as float64, equal to ``float(text)``.
+
+    Up to 15 digits the digits form an exact int64 and one IEEE division by a power of ten rounds
+    it correctly, as the JSON parser does; longer or unusual numbers (repr's 17 digits, exponents,
+    signs) go through numpy's own string conversion."""
+    n, width = m.shape
+    k = min(width, DIGITS)
+    head = m[:, :k]
+    dig = (head - 48) < 10  # uint8 wraps: any other byte is >= 10
+    dot = head == 46
+    lens = np.count_nonzero(m, axis=1)  # a field holds no zero bytes: they are the fill
+    has_dot = dot.any(axis=1)
+    fast = ((np.count_nonzero(dig, axis=1) + has_dot) == lens) & (np.count_nonzero(dot, axis=1) <= 1)
+    fast &= (lens <= k) & dig[:, 0] & (lens > 0)
+    fast &= dig[np.arange(n), np.clip(lens - 1, 0, k - 1)]  # "5." is no JSON number
+    vals = np.where(dig, head - 48, 0).astype(np.int64)
+    s = vals @ (10 ** np.arange(k - 1, -1, -1, dtype=np.int64))  # the text, dot as a 0, left-aligned
+    s //= 10 ** (k - np.minimum(lens, k))
+    frac = np.where(has_dot, lens - 1 - dot.argmax(axis=1), 0)
+    r = s % 10 ** frac
+    mant = np.where(has_dot, (s - r) // 10 + r, s)
+    out = mant / 10.0 ** frac
+    slow = np.flatnonzero(~fast)
+    if len(slow):
+        out[slow] = _strings(m[slow]).astype(np.float64)
+    return out
 
 
 def _chunk(an: Analyzer, buf: bytes) -> int:
@@ -141,9 +181,9 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
         if pos >= len(buf):
             return bad
         return bad + _chunk(an, buf[pos:])
-    arr = np.frombuffer(buf, np.uint8)
-    n = len(arr)
-    ends = np.flatnonzero(arr == 10)
+    n = len(buf)
+    arr = np.frombuffer(buf + bytes(PAD), np.uint8)
+    ends = np.flatnonzero(arr[:n] == 10)
     if len(ends) == 0:
         return 0
     starts = np.empty_like(ends)
@@ -195,8 +235,8 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             ts_, te_ = tstart[fi], tend[fi]
             is_, ie_ = idstart[fi], idend[fi]
             # narrowest fixed width that holds every value of this chunk
-            ts = _gather(arr, ts_, te_, int((te_ - ts_).max())).astype(np.float64)
-            ids = _gather(arr, is_, ie_, int((ie_ - is_).max()))
+            ts = _times(_field(arr, ts_, te_))
+            ids = _strings(_field(arr, is_, ie_))
             max_t = max(max_t, float(ts.max()))
             L0 = len(an._long)
             P0 = len(an._pending)
@@ -240,10 +280,36 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     return skipped
 
 
+def _unique(ids: Any) -> tuple[Any, Any]:
+    """``np.unique(ids, return_inverse=True)`` for fixed-width byte strings, through a 64-bit hash.
+
+    Sorting many strings is the slow part of np.unique; the hashes sort as integers and only the
+    few distinct ids sort as strings. A collision (checked) falls back to np.unique."""
+    n, width = len(ids), ids.dtype.itemsize
+    m = ids.view(np.uint8).reshape(n, width)
+    if width % 8:
+        m = np.concatenate([m, np.zeros((n, 8 - width % 8), np.uint8)], axis=1)
+    words = np.ascontiguousarray(m).view(np.uint64)
+    h = np.zeros(n, np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(words.shape[1]):
+            h = (h ^ words[:, j]) * np.uint64(0x9E3779B97F4A7C15)
+            h ^= h >> np.uint64(29)
+    hu, first, hinv = np.unique(h, return_index=True, return_inverse=True)
+    cand = ids[first]
+    if not np.array_equal(cand[hinv], ids):
+        return np.unique(ids, return_inverse=True)
+    perm = np.argsort(cand, kind="stable")
+    rank = np.empty_like(perm)
+    rank[perm] = np.arange(len(perm))
+    return cand[perm], rank[hinv.ravel()]
+
+
 def _tokens(an: Analyzer, ts: Any, ids: Any, ns: Any, ft: Any) -> None:
     """Gaps for a block of token events (file order), as ``Analyzer.token`` would compute them."""
-    uniq, inv = np.unique(ids, return_inverse=True)
-    order = np.argsort(inv, kind="stable")
+    uniq, inv = _unique(ids)
+    # few streams per chunk: a 16-bit key gets numpy's radix sort instead of a merge sort
+    order = np.argsort(inv.astype(np.uint16) if len(uniq) <= 1 << 16 else inv, kind="stable")
     c_s = inv[order]
     t_s = ts[order]
     n_s = ns[order]

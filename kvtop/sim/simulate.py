@@ -195,7 +195,7 @@ def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: 
 def _token_lines(t: float, seqs: list[Seq]) -> str:
     """The JSON lines ``to_dict(RequestRecord(t, id, event, n=1, source="sim"))`` would give, built
     directly: token records are most of a trace and json.dumps per record dominated the run time."""
-    ts = repr(float(t))
+    ts = repr(round(float(t), 6))  # to the microsecond, as TraceWriter writes every t
     return "".join(
         f'{{"kind":"request","t":{ts},"id":{json.dumps(s.id)},"event":"'
         f'{"first_token" if s.generated == 1 else "token"}","n":1,"source":"sim"}}\n'

@@ -159,10 +159,12 @@ def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
         return RequestSpec("", t, c.name, max(p, c.prefix_tokens + 1) if c.prefix_id else p, o, max_tokens,
                            c.patience_s, c.priority, c.prefix_id, c.prefix_tokens)
 
+    # arrivals on the microsecond grid traces are written on: a what-if run that reads them back
+    # from a trace replays exactly the same arrivals
     if c.arrival_times_s is not None:
         for t in sorted(c.arrival_times_s):
             if t < duration_s:
-                yield t, idx, spec(t)
+                yield round(t, 6), idx, spec(round(t, 6))
         return
     if c.rate_per_s <= 0:
         return
@@ -171,7 +173,7 @@ def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
         t += rng.expovariate(c.rate_per_s)
         if t >= duration_s:
             return
-        yield t, idx, spec(t)
+        yield round(t, 6), idx, spec(round(t, 6))
 
 
 # --- loading and validation -------------------------------------------------------------------
