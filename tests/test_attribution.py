@@ -391,3 +391,26 @@ def test_fast_path_keeps_file_order_when_one_stream_mixes_line_shapes(tmp_path):
         r0 = [(s["t_start"], s["t_end"]) for s in rep["spikes"] if s["request_id"] == "r0"]
         assert len(r0) == 2 and r0[0][1] == pytest.approx(5.0) and r0[1][0] == pytest.approx(5.0), (fast, r0)
         assert {r["request_id"]: r["max_gap_s"] for r in rep["requests"]}["r0"] == pytest.approx(2.0, abs=0.1)
+
+
+def test_fast_path_timestamps_equal_the_json_parsers_floats():
+    """Every timestamp shape a trace may hold (six decimals, repr's 17 digits, integers, exponents)
+    parses to exactly the float json.loads gives; gaps of streams built from them must not drift."""
+    import random
+
+    import numpy as np
+
+    from kvtop.analysis import fastscan
+
+    rnd = random.Random(5)
+    texts = ["0", "7", "12.5", "0.000001", "3e-07", "2.5E-6", "999999999.999999", "0.09475237799961178",
+             "1234567890123456", "123456789012345.6"]
+    for _ in range(3000):
+        x = rnd.uniform(0, 1e6)
+        texts += [f"{x:.6f}", repr(x), repr(round(x, rnd.randint(0, 9))), repr(rnd.random() * 10 ** rnd.randint(-3, 12))]
+    buf = ("\n".join(texts) + "\n").encode()
+    arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
+    ends = np.flatnonzero(arr[: len(buf)] == 10)
+    starts = np.r_[0, ends[:-1] + 1]
+    got = fastscan._times(fastscan._field(arr, starts, ends))
+    assert got.tolist() == [json.loads(t) for t in texts]
