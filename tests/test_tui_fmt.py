@@ -102,37 +102,3 @@ def test_request_cells_flag_gaps_over_target():
     assert cells[1] == "[$error]preempted[/]"
     assert cells[5] == "[$error]250ms[/]" and cells[6] == "[$warning]90ms[/]"
     assert cells[8] == "[$error]1[/]" and cells[9] == "[$error]preemption[/]"
-
-
-async def test_fast_table_cells_match_datatable_rendering():
-    """LiveTable builds simple cells itself; every visible cell, in every cursor/hover state and
-    both themes, must come out exactly as DataTable's own rendering."""
-    import pytest
-
-    pytest.importorskip("textual")
-    from rich.style import Style
-    from textual.widgets import DataTable
-
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.sample import FIXED_TAKEN_AT, sample
-
-    app = KvtopApp(sample().core, interval=3600, taken_at=FIXED_TAKEN_AT)
-    async with app.run_test(size=(140, 30)) as pilot:
-        await pilot.press("2")
-        t = app.main.query_one("#req-table")
-        checked = 0
-        for theme in ("kvtop", "kvtop-low"):
-            app.theme = theme
-            await pilot.pause()
-            for row in range(t.row_count):
-                for col, column in enumerate(t.ordered_columns):
-                    width = column.get_render_width(t)
-                    value = t._data[t._row_locations.get_key(row)][column.key]
-                    for cursor, hover, base in ((False, False, Style(bgcolor="#101010")), (True, False, Style()),
-                                                (False, True, Style(color="red")), (True, True, Style(bold=True))):
-                        fast = t._fast_cell(value, row, col, base, width, cursor, hover)
-                        slow = DataTable._render_cell(t, row, col, base, width, cursor, hover)
-                        if fast is not None:
-                            assert fast == slow, (theme, row, col, cursor, hover)
-                            checked += 1
-        assert checked > 0.9 * 2 * 4 * t.row_count * len(t.ordered_columns)

@@ -9,30 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import inspect
 import re
 from collections.abc import Iterable
 from typing import Any
 
-from rich.cells import cell_len
-from rich.segment import Segment
-from rich.style import Style
 from rich.text import Text
 from textual import on
-from textual._two_way_dict import TwoWayDict
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.cache import LRUCache
 from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
-from textual.widgets.data_table import ColumnKey, RowKey
 
 from kvtop.core import Core
 from kvtop.snapshot import Snapshot
 from kvtop.tui import fmt, render
+from kvtop.tui.table import RowTable
 
 VIEWS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
@@ -74,103 +70,6 @@ class Panel(Static):
 
     def on_resize(self) -> None:
         self._redraw()
-
-
-class LiveTable(DataTable[Any]):
-    """A DataTable that takes a tick's cell changes in one go.
-
-    ``update_cell`` refreshes the widget on every call; at 1,000 live rows x 3 changing columns
-    that alone costs ~150 ms a tick on 2 cores. ``set_cells`` writes the same cell store and
-    refreshes once. (Reaches into DataTable's ``_data``/``_update_count``; Textual is pinned <9.)"""
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self._stable_cells: LRUCache[tuple[Any, ...], tuple[Any, Any]] = LRUCache(6000)
-
-    def _render_cell(self, row_index: int, column_index: int, base_style: Any, width: int,
-                     cursor: bool = False, hover: bool = False) -> Any:
-        # DataTable keys its cell cache on a table-wide update counter, so one changed cell
-        # re-renders every visible cell. Key on the cell's value object instead (set_cells and
-        # the theme-aware cell cache keep unchanged values as the same object).
-        if row_index < 0 or column_index < 0:
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        row_key = self._row_locations.get_key(row_index)
-        col_key = self._column_locations.get_key(column_index)
-        value = self._data[row_key][col_key]
-        key = (row_key, col_key, row_index, id(value), base_style, width, cursor, hover,
-               self._show_hover_cursor, self.show_cursor, self._pseudo_class_state)
-        hit = self._stable_cells.get(key)
-        if hit is not None and hit[0] is value:
-            return hit[1]
-        lines = self._fast_cell(value, row_index, column_index, base_style, width, cursor, hover)
-        if lines is None:
-            lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        self._stable_cells[key] = (value, lines)  # holding value keeps its id from being reused
-        return lines
-
-    def _fast_cell(self, value: Any, row_index: int, column_index: int, base_style: Style, width: int,
-                   cursor: bool, hover: bool) -> list[list[Segment]] | None:
-        """The segments DataTable would make for a one-line, single-style Text that fits, built
-        directly instead of through Rich's Padding/Styled/render_lines (several times slower).
-        Anything else (spans, wrapping, overflow, fixed cells, row heights) returns None and goes
-        the normal way. tests/test_tui_fmt.py checks both paths give identical segments."""
-        pad = self.cell_padding
-        if (not isinstance(value, Text) or value.spans or "\n" in value.plain or self.fixed_rows
-                or self.fixed_columns or self.rows[self._row_locations.get_key(row_index)].height != 1):
-            return None
-        text = value.plain
-        fill = width - 2 * pad - cell_len(text)
-        if fill < 0:
-            return None
-        component_style, post_style = self._get_styles_to_render_cell(
-            False, False, False, hover, cursor, self.show_cursor, self._show_hover_cursor,
-            self.cursor_foreground_priority == "css", self.cursor_background_priority == "css",
-        )
-        pre = base_style + Style.from_meta({"row": row_index, "column": column_index}) + component_style
-        pad_style = pre + Style.null() + post_style
-        vstyle = value.style if isinstance(value.style, Style) else Style.parse(value.style or "none")
-        segs = [Segment(" " * pad, pad_style)] if pad else []
-        if text:
-            segs.append(Segment(text, pre + vstyle + post_style))
-        if fill:
-            segs.append(Segment(" " * fill, pad_style))
-        if pad:
-            segs.append(Segment(" " * pad, pad_style))
-        return [segs]
-
-    def set_cells(self, changes: list[tuple[str, str, Any]]) -> None:
-        if not changes:
-            return
-        data = self._data
-        for row, col, value in changes:
-            data[RowKey(row)][ColumnKey(col)] = value
-        self._update_count += 1
-        self.refresh()
-
-    def remove_rows(self, keys: list[str]) -> None:
-        """Bulk remove (``remove_row`` re-indexes every row per call, O(n) each)."""
-        if not keys:
-            return
-        for k in keys:
-            rk = RowKey(k)
-            del self.rows[rk]
-            del self._data[rk]
-        self._require_update_dimensions = True
-        # indices are rebuilt by the set_order call that always follows a removal
-
-    def set_order(self, keys: list[str]) -> None:
-        """Put the rows in this order (the caller sorted them by their real values, not by
-        the rendered cell text)."""
-        self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(keys)})
-        self._update_count += 1
-        self.cursor_coordinate = self.cursor_coordinate  # clamp into the new row count
-        self.refresh(layout=True)
-
-    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
-        super().watch_scroll_y(old_value, new_value)
-        if round(old_value) != round(new_value):
-            # off-screen rows are only re-rendered when they scroll into view
-            self.app.call_later(self.app.refresh_visible_requests)  # type: ignore[attr-defined]
 
 
 class HelpScreen(ModalScreen[None]):
@@ -233,10 +132,7 @@ class MainScreen(Screen[None]):
                 yield Panel(id="summary")
             with Vertical(id="requests"):
                 yield Static("", id="req-status")
-                table = LiveTable(id="req-table", cursor_type="row", zebra_stripes=True)
-                for key, label in render.COLUMNS:
-                    table.add_column(label, key=key)
-                yield table
+                yield RowTable(render.COLUMNS, self.app.request_cells, id="req-table")  # type: ignore[attr-defined]
             with VerticalScroll(id="detail"):
                 yield Panel(id="detail-body")
             with VerticalScroll(id="advisor"):
@@ -300,10 +196,12 @@ class KvtopApp(App[int]):
         self.sort_col = "max_gap"
         self.sort_reverse = True
         self.ticks = 0
-        self._req_cache: dict[str, tuple[str, ...]] = {}
+        # request id -> (the RequestView, its cell markup, its cells): a row keeps its cells object
+        # while its markup is unchanged, so the table reuses the painted line
+        self._req_cache: dict[str, tuple[Any, tuple[str, ...], tuple[Text, ...]]] = {}
         self._cell_cache: dict[str, Text] = {}
-        self._req_order: list[str] = []
         self._req_rows: dict[str, Any] = {}
+        self._req_target: float | None = None
         self._events_key: tuple[Any, ...] | None = None
         self._stop = asyncio.Event()
         self._last_action: str | None = None
@@ -327,6 +225,9 @@ class KvtopApp(App[int]):
     def main_ready(self) -> None:
         self._main_ready = True
         self.tick(force=True)
+        # Modules, widgets and styles live as long as the console: out of the collector's reach,
+        # a full collection (every few seconds at 1,000+ requests) scans only the data.
+        gc.freeze()
 
     async def _run_feed(self) -> None:
         try:
@@ -465,33 +366,23 @@ class KvtopApp(App[int]):
         scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s))
 
     def _render_requests(self, s: Snapshot) -> None:
-        """Keyed in-place update: bulk-remove gone rows, add new ones, reorder by the sort value
-        and re-render only the cells of rows on screen (off-screen rows catch up on scroll)."""
-        table = self.main.query_one("#req-table", LiveTable)
-        target = s.itl_target_s
+        """Hand the table the rows in sort order; it asks for the cells of the rows it paints."""
+        table = self.main.query_one("#req-table", RowTable)
+        self._req_target = s.itl_target_s
         rows = [r for r in s.requests if render.matches(r, self.filter_text)]
         want = {r.id: r for r in rows}
         self._req_rows = want
         cache = self._req_cache
-        cursor_key = self._cursor_key(table)
-        gone = [k for k in cache if k not in want]
-        table.remove_rows(gone)
-        for k in gone:
+        for k in [k for k in cache if k not in want]:
             del cache[k]
         for r in rows:
             if r.id not in cache:
-                cells = render.request_cells(r, target)
-                table.add_row(*[self.rich_cell(c) for c in cells], key=r.id)
-                cache[r.id] = cells
-        col = self.sort_col
+                table.fit(self.request_cells(r.id))  # columns fit every row, as it arrives
+        value = render.SORT_KEYS[self.sort_col]
         # the id breaks ties so equal rows do not swap between ticks
-        order = [r.id for r in sorted(rows, key=lambda r: (render.sort_value(r, col), r.id), reverse=self.sort_reverse)]
-        if order != self._req_order or gone:
-            table.set_order(order)
-            self._req_order = order
-            if cursor_key is not None and cursor_key in want:
-                table.move_cursor(row=order.index(cursor_key), animate=False, scroll=False)
-        self.refresh_visible_requests()
+        table.set_rows([r.id for r in sorted(rows, key=lambda r: (value(r), r.id), reverse=self.sort_reverse)])
+        for k in table.visible_keys():
+            table.fit(self.request_cells(k))
         self._update_headers()
         shown, total = len(rows), len(s.requests)
         flt = f"  filter: [b]{render.escape(self.filter_text)}[/b]" if self.filter_text else ""
@@ -501,48 +392,29 @@ class KvtopApp(App[int]):
             f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}"
         )
 
-    def refresh_visible_requests(self) -> None:
-        if self.snap is None or self.view_name != "requests":
-            return
-        table = self.main.query_one("#req-table", LiveTable)
-        top = int(table.scroll_y)
-        height = max(table.size.height, self.size.height)
-        target = self.snap.itl_target_s
-        cache = self._req_cache
-        changes: list[tuple[str, str, Any]] = []
-        for rid in self._req_order[max(0, top - 2): top + height + 2]:
-            r = self._req_rows.get(rid)
-            if r is None:
-                continue
-            cells = render.request_cells(r, target)
-            old = cache.get(rid)
-            if old != cells:
-                for (ckey, _), a, b in zip(render.COLUMNS, old or (), cells, strict=False):
-                    if a != b:
-                        changes.append((rid, ckey, self.rich_cell(b)))
-                cache[rid] = cells
-        table.set_cells(changes)
-
-    @staticmethod
-    def _cursor_key(table: DataTable[Any]) -> str | None:
-        if table.row_count == 0:
-            return None
-        try:
-            return table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
-        except Exception:  # cursor outside the rows (table emptied)
-            return None
+    def request_cells(self, rid: str) -> tuple[Text, ...]:
+        """The cells of one request row, built when the table paints the row."""
+        r = self._req_rows.get(rid)
+        hit = self._req_cache.get(rid)
+        if hit is not None and (r is None or hit[0] is r):
+            return hit[2]
+        if r is None:
+            return ()
+        markup = render.request_cells(r, self._req_target)
+        if hit is not None and hit[1] == markup:
+            self._req_cache[rid] = (r, markup, hit[2])
+            return hit[2]
+        cells = tuple(self.rich_cell(c) for c in markup)
+        self._req_cache[rid] = (r, markup, cells)
+        return cells
 
     def _update_headers(self) -> None:
         try:
-            table = self.main.query_one("#req-table", DataTable)
-        except Exception:
+            table = self.main.query_one("#req-table", RowTable)
+        except NoMatches:
             return
-        for key, label in render.COLUMNS:
-            arrow = (" ▼" if self.sort_reverse else " ▲") if key == self.sort_col else ""
-            col = table.columns.get(key)  # type: ignore[call-overload]
-            if col is not None:
-                col.label = Text(label + arrow)
-        table.refresh()
+        table.set_labels([label + ((" ▼" if self.sort_reverse else " ▲") if key == self.sort_col else "")
+                          for key, label in render.COLUMNS])
 
     def _render_detail(self, s: Snapshot) -> None:
         rid = self.detail_id
@@ -597,9 +469,8 @@ class KvtopApp(App[int]):
 
     def _reset_tables(self) -> None:
         if self._main_ready:
-            self.main.query_one("#req-table", DataTable).clear()
+            self.main.query_one("#req-table", RowTable).clear()
             self._req_cache = {}
-            self._req_order = []
             self._events_key = None
 
     # -- actions --------------------------------------------------------------------------------
@@ -613,7 +484,7 @@ class KvtopApp(App[int]):
         if tabs.active != f"tab-{name}":
             tabs.active = f"tab-{name}"
         if name == "requests":
-            scr.query_one("#req-table", DataTable).focus()
+            scr.query_one("#req-table", RowTable).focus()
         elif name == "events":
             scr.query_one("#ev-table", DataTable).focus()
         self.render_current()
@@ -625,14 +496,14 @@ class KvtopApp(App[int]):
         if name != self.view_name:
             self.action_view(name)
 
-    @on(DataTable.RowSelected, "#req-table")
-    def _open_detail(self, ev: DataTable.RowSelected) -> None:
-        self.detail_id = ev.row_key.value
+    @on(RowTable.RowSelected, "#req-table")
+    def _open_detail(self, ev: RowTable.RowSelected) -> None:
+        self.detail_id = ev.key
         self.action_view("detail")
 
-    @on(DataTable.HeaderSelected, "#req-table")
-    def _header_sort(self, ev: DataTable.HeaderSelected) -> None:
-        col = ev.column_key.value or "id"
+    @on(RowTable.HeaderSelected, "#req-table")
+    def _header_sort(self, ev: RowTable.HeaderSelected) -> None:
+        col = ev.key
         if col == self.sort_col:
             self.sort_reverse = not self.sort_reverse
         else:
@@ -667,7 +538,7 @@ class KvtopApp(App[int]):
 
     def _focus_view(self) -> None:
         if self.view_name in ("requests", "events"):
-            self.main.query_one("#req-table" if self.view_name == "requests" else "#ev-table", DataTable).focus()
+            self.main.query_one("#req-table" if self.view_name == "requests" else "#ev-table").focus()
         else:
             self.screen.set_focus(None)
 

@@ -183,13 +183,17 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
     )
 
 
+SORT_KEYS: dict[str, Any] = {
+    "id": lambda r: r.id, "state": lambda r: r.state, "cls": lambda r: r.cls or "",
+    "tokens": lambda r: r.tokens, "age": lambda r: r.age_s,
+    "gap": lambda r: r.current_gap_s if r.current_gap_s is not None else -1.0,
+    "max_gap": lambda r: r.max_gap_s if r.max_gap_s is not None else -1.0,
+    "spikes": lambda r: r.spikes, "preempt": lambda r: r.preempt_spikes, "cause": lambda r: r.last_cause or "",
+}
+
+
 def sort_value(r: RequestView, col: str) -> Any:
-    return {
-        "id": r.id, "state": r.state, "cls": r.cls or "", "tokens": r.tokens, "age": r.age_s,
-        "gap": r.current_gap_s if r.current_gap_s is not None else -1.0,
-        "max_gap": r.max_gap_s if r.max_gap_s is not None else -1.0,
-        "spikes": r.spikes, "preempt": r.preempt_spikes, "cause": r.last_cause or "",
-    }[col]
+    return SORT_KEYS[col](r)
 
 
 def matches(r: RequestView, needle: str) -> bool:

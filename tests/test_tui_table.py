@@ -1,0 +1,105 @@
+"""The Requests table: only rows on screen are painted, lines are reused while their cells are the
+same, the cursor follows its row through reorders, keys and clicks post the right messages."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("textual")
+
+from rich.text import Text  # noqa: E402
+from textual.app import App, ComposeResult  # noqa: E402
+
+from kvtop.tui.table import RowTable  # noqa: E402
+
+COLS = (("id", "request"), ("tokens", "tokens"), ("cause", "last cause"))
+
+
+class Host(App[None]):
+    def __init__(self, n: int):
+        super().__init__()
+        self.rows = {f"r{i:04d}": (Text(f"r{i:04d}"), Text(str(i * 7)), Text("preemption" if i % 3 == 0 else "",
+                                                                                style="red"))
+                     for i in range(n)}
+        self.asked: list[str] = []
+        self.selected: list[str] = []
+        self.headers: list[str] = []
+
+    def cells(self, key: str):
+        self.asked.append(key)
+        return self.rows[key]
+
+    def compose(self) -> ComposeResult:
+        yield RowTable(COLS, self.cells, id="t")
+
+    def on_row_table_row_selected(self, ev: RowTable.RowSelected) -> None:
+        self.selected.append(ev.key)
+
+    def on_row_table_header_selected(self, ev: RowTable.HeaderSelected) -> None:
+        self.headers.append(ev.key)
+
+
+def text_of(strip) -> str:
+    return "".join(seg.text for seg in strip)
+
+
+async def test_only_rows_on_screen_are_painted_and_unchanged_lines_are_reused():
+    app = Host(1000)
+    async with app.run_test(size=(60, 21)) as pilot:
+        t = app.query_one(RowTable)
+        for k in app.rows.values():
+            t.fit(k)
+        t.set_rows(sorted(app.rows))
+        t.focus()
+        await pilot.pause()
+        assert t.row_count == 1000
+        # 21 lines: the header and 20 rows, so 20 of the 1,000 rows were asked for their cells
+        assert len(set(app.asked)) == 20
+        header = text_of(t.render_line(0))
+        assert header.startswith(" request  tokens  last cause ")
+        first = t.render_line(1)
+        assert text_of(first).startswith(" r0000    0       preemption ")
+        # the cursor row (row 0) carries the cursor style; the value's own colour is kept elsewhere
+        cause = [seg for seg in t.render_line(4) if seg.text == "preemption"][0]  # r0003
+        assert cause.style.color.name == "red"
+        assert t.render_line(1) is first  # same cells, same cursor: the painted line is reused
+        app.rows["r0000"] = (Text("r0000"), Text("1"), Text(""))
+        assert t.render_line(1) is not first and text_of(t.render_line(1)).startswith(" r0000    1 ")
+
+
+async def test_cursor_keys_scroll_and_select_and_the_cursor_follows_its_row():
+    app = Host(200)
+    async with app.run_test(size=(60, 11)) as pilot:
+        t = app.query_one(RowTable)
+        t.set_rows(sorted(app.rows))
+        t.focus()
+        await pilot.pause()
+        await pilot.press("down", "down", "enter")
+        assert app.selected == ["r0002"]
+        await pilot.press("end")
+        assert t.cursor_row == 199 and int(t.scroll_y) == 200 - 10  # the last row on the last line
+        assert text_of(t.render_line(10)).startswith(" r0199")
+        await pilot.press("pageup")
+        assert t.cursor_row == 199 - 9
+        await pilot.press("home", "enter")
+        assert t.cursor_row == 0 and int(t.scroll_y) == 0 and app.selected[-1] == "r0000"
+        # reorder: the cursor stays on r0000 wherever it goes
+        t.set_rows(sorted(app.rows, reverse=True))
+        assert t.cursor_key == "r0000" and t.cursor_row == 199
+        # a row that leaves: the cursor stays at its place
+        t.set_rows(sorted(app.rows)[1:])
+        assert t.cursor_row == 198 and t.cursor_key == "r0199"
+
+
+async def test_clicks_on_the_header_and_on_a_row():
+    app = Host(30)
+    async with app.run_test(size=(60, 11)) as pilot:
+        t = app.query_one(RowTable)
+        t.set_rows(sorted(app.rows))
+        await pilot.pause()
+        await pilot.click(RowTable, offset=(t.column_x("tokens") + 1, 0))
+        await pilot.click(RowTable, offset=(t.column_x("cause") + 3, 0))
+        await pilot.click(RowTable, offset=(2, 4))
+        await pilot.pause()
+        assert app.headers == ["tokens", "cause"]
+        assert app.selected == ["r0003"] and t.cursor_row == 3
