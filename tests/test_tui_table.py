@@ -103,3 +103,24 @@ async def test_clicks_on_the_header_and_on_a_row():
         await pilot.pause()
         assert app.headers == ["tokens", "cause"]
         assert app.selected == ["r0003"] and t.cursor_row == 3
+
+
+async def test_a_table_wider_than_the_terminal_scrolls_sideways():
+    app = Host(5)
+    app.rows = {k: (Text(k * 6), v[1], v[2]) for k, v in app.rows.items()}  # 30-character ids
+    async with app.run_test(size=(30, 8)) as pilot:
+        t = app.query_one(RowTable)
+        for cells in app.rows.values():
+            t.fit(cells)
+        t.set_rows(sorted(app.rows))
+        t.focus()
+        await pilot.pause()
+        assert t.virtual_size.width == 32 + 8 + 12  # each column and its padding
+        assert text_of(t.render_line(1)) == " " + ("r0000" * 6)[:29]  # cut at the 30-column edge
+        await pilot.press("right")  # a column at a time, as far as the last column's right edge
+        await pilot.pause()
+        assert t.scroll_x == t.max_scroll_x == 52 - 30
+        assert text_of(t.render_line(0)).endswith(" tokens  last cause ")
+        await pilot.press("left")
+        await pilot.pause()
+        assert t.scroll_x == 0

@@ -88,6 +88,8 @@ class RowTable(ScrollView, can_focus=True):
         Binding("pagedown", "page(1)", "Page down", show=False),
         Binding("home", "move(-1e9)", "First row", show=False),
         Binding("end", "move(1e9)", "Last row", show=False),
+        Binding("left", "column(-1)", "Column left", show=False),
+        Binding("right", "column(1)", "Column right", show=False),
     ]
 
     class RowSelected(_Picked):
@@ -184,6 +186,18 @@ class RowTable(ScrollView, can_focus=True):
 
     def action_page(self, direction: int) -> None:
         self.move_cursor(self.cursor_row + direction * max(1, self.size.height - 2))
+
+    def action_column(self, direction: int) -> None:
+        """Scroll sideways a column at a time (a table wider than the terminal)."""
+        edges = [0]
+        for w in self._widths:
+            edges.append(edges[-1] + w + 2 * PAD)
+        x = int(self.scroll_x)
+        if direction > 0:
+            nxt = next((e for e in edges if e > x), x)
+        else:
+            nxt = next((e for e in reversed(edges) if e < x), 0)
+        self.scroll_to(x=nxt, animate=False)
 
     def action_select(self) -> None:
         key = self.cursor_key
