@@ -378,9 +378,10 @@ class KvtopApp(App[int]):
         for r in rows:
             if r.id not in cache:
                 table.fit(self.request_cells(r.id))  # columns fit every row, as it arrives
-        value = render.SORT_KEYS[self.sort_col]
-        # the id breaks ties so equal rows do not swap between ticks
-        table.set_rows([r.id for r in sorted(rows, key=lambda r: (value(r), r.id), reverse=self.sort_reverse)])
+        # the id breaks ties so equal rows do not swap between ticks (two stable sorts: no key tuples)
+        rows.sort(key=render.SORT_KEYS["id"], reverse=self.sort_reverse)
+        rows.sort(key=render.SORT_KEYS[self.sort_col], reverse=self.sort_reverse)
+        table.set_rows([r.id for r in rows])
         for k in table.visible_keys():
             table.fit(self.request_cells(k))
         self._update_headers()

@@ -4,6 +4,7 @@ $error, ...) so every theme, the low-colour one included, decides what severity 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 from textual.markup import escape
@@ -184,11 +185,11 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
 
 
 SORT_KEYS: dict[str, Any] = {
-    "id": lambda r: r.id, "state": lambda r: r.state, "cls": lambda r: r.cls or "",
-    "tokens": lambda r: r.tokens, "age": lambda r: r.age_s,
+    "id": attrgetter("id"), "state": attrgetter("state"), "cls": lambda r: r.cls or "",
+    "tokens": attrgetter("tokens"), "age": attrgetter("age_s"),
     "gap": lambda r: r.current_gap_s if r.current_gap_s is not None else -1.0,
     "max_gap": lambda r: r.max_gap_s if r.max_gap_s is not None else -1.0,
-    "spikes": lambda r: r.spikes, "preempt": lambda r: r.preempt_spikes, "cause": lambda r: r.last_cause or "",
+    "spikes": attrgetter("spikes"), "preempt": attrgetter("preempt_spikes"), "cause": lambda r: r.last_cause or "",
 }
 
 
