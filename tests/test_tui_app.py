@@ -288,3 +288,21 @@ async def test_a_changed_verdict_is_logged_as_an_event():
         await pilot.press("5")
         assert "advisor: swap -> recompute (confidence 61%)" in screen_text(app)
         assert "verdict_change" in screen_text(app)
+
+
+async def test_a_theme_change_recolours_the_requests_and_keeps_the_cursor_on_its_request():
+    s = sample()
+    app = KvtopApp(s.core, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("2", "down", "down")
+        await pilot.pause()
+        table = app.main.query_one("#req-table")
+        key = table.cursor_key
+        row = [r for r in s.core.snapshot().requests if r.preempt_spikes][0]
+        before = table.get_row_at(table.get_row_index(row.id))[8]  # "preempt": an error colour
+        app.theme = "kvtop-low"
+        await pilot.pause()
+        after = table.get_row_at(table.get_row_index(row.id))[8]
+        assert table.cursor_key == key and table.cursor_row == 2
+        assert after.plain == before.plain == str(row.preempt_spikes)
+        assert str(before.style) == "#fe5f5f" and str(after.style) == "red"  # $error in each theme

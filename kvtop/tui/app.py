@@ -469,10 +469,10 @@ class KvtopApp(App[int]):
         self.render_current()
 
     def _reset_tables(self) -> None:
-        if self._main_ready:
-            self.main.query_one("#req-table", RowTable).clear()
-            self._req_cache = {}
-            self._events_key = None
+        # new cell objects: the requests table repaints every row from them on the next tick
+        # (and keeps its cursor on the same request); the events table is rebuilt
+        self._req_cache = {}
+        self._events_key = None
 
     # -- actions --------------------------------------------------------------------------------
     def action_view(self, name: str) -> None:

@@ -137,13 +137,6 @@ class RowTable(ScrollView, can_focus=True):
             self._resize()
             self.refresh()
 
-    def clear(self) -> None:
-        self._keys, self._index, self._lines = [], {}, {}
-        self._widths = [cell_len(t.plain) for t in self._labels]
-        self.cursor_row = 0
-        self._resize()
-        self.refresh()
-
     # -- queries ---------------------------------------------------------------------------------
     @property
     def row_count(self) -> int:
