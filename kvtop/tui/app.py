@@ -617,8 +617,9 @@ class KvtopApp(App[int]):
                          b.description + (f"  [$text-muted]({where})[/]" if where else "")))
         rows.append((self.get_key_display(Binding(self.COMMAND_PALETTE_BINDING, "")),
                      "Command palette (every action, searchable)"))
-        rows.insert(next((i for i, (_k, d) in enumerate(rows) if d.startswith("Filter")), len(rows)),
-                    ("enter", "Open the request under the cursor  [$text-muted](Requests)[/]"))
+        at = next((i for i, (_k, d) in enumerate(rows) if d.startswith("Filter")), len(rows))
+        rows[at:at] = [("enter", "Open the request under the cursor  [$text-muted](Requests)[/]"),
+                       ("↑ ↓ PgUp PgDn", "Move the cursor; ← → scroll a column  [$text-muted](Requests)[/]")]
         return rows
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

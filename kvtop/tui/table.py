@@ -39,8 +39,8 @@ class _Picked(Message):
 
 
 class RowTable(ScrollView, can_focus=True):
-    """Header + rows; a row cursor; ``RowSelected`` on enter or click, ``HeaderSelected`` on a
-    header click. The owner sets the order (``set_rows``) and answers ``cells(key)``."""
+    """Header + rows; a row cursor; ``RowSelected`` on enter or a click on the cursor's row,
+    ``HeaderSelected`` on a header click. The owner sets the order (``set_rows``) and answers ``cells(key)``."""
 
     COMPONENT_CLASSES = {"rowtable--header", "rowtable--cursor", "rowtable--even-row"}
     DEFAULT_CSS = """
@@ -209,8 +209,11 @@ class RowTable(ScrollView, can_focus=True):
             return
         row = int(self.scroll_y) + y - 1
         if 0 <= row < len(self._keys):
-            self.move_cursor(row)
-            self.action_select()
+            # the first click puts the cursor on the row, a click on the cursor's row opens it
+            if row == self.cursor_row:
+                self.action_select()
+            else:
+                self.move_cursor(row)
 
     # -- painting --------------------------------------------------------------------------------
     def _fit(self, cells: Cells) -> bool:
