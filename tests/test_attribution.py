@@ -349,6 +349,7 @@ def test_fast_path_equals_streaming_path(tmp_path):
         for d in sorted(recs, key=lambda d: d["t"]):
             w.write(d)
     with open(p, "a") as f:
+        f.write('{"kind":"request","t":null,"id":"r1","event":"token","n":1}\n')  # no time: ignored by both
         f.write('{"kind":"request","t":12.5,"id":"r1","event":"token","n":')  # torn last line
     slow = analyze_trace(str(p), fast=False)
     fast = analyze_trace(str(p), fast=True)
@@ -412,5 +413,63 @@ def test_fast_path_timestamps_equal_the_json_parsers_floats():
     arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
     ends = np.flatnonzero(arr[: len(buf)] == 10)
     starts = np.r_[0, ends[:-1] + 1]
-    got = fastscan._times(fastscan._field(arr, starts, ends))
+    got = fastscan._times(fastscan._field(arr, starts, ends), ends - starts)
     assert got.tolist() == [json.loads(t) for t in texts]
+
+
+def _four_streams(stalls, ends, dur=20.0, step=0.05):
+    """Streams A, B, C, Y from 0.01 s, a token every 50 ms; ``stalls`` = {id: (a, b)} silences
+    (closed by a token at b), ``ends`` = {id: (t, event)} where a stream stops and ends."""
+    recs = [{"kind": "request", "t": 0.01, "id": s, "event": "first_token"} for s in "ABCY"]
+    t = step
+    while t < dur:
+        for s in "ABCY":
+            a, b = stalls.get(s, (None, None))
+            if (a is not None and a < t < b) or (s in ends and t > ends[s][0] - step):
+                continue
+            recs.append({"kind": "request", "t": round(t, 6), "id": s, "event": "token", "n": 1})
+        t += step
+    recs += [{"kind": "request", "t": b, "id": s, "event": "token", "n": 1} for s, (a, b) in stalls.items()]
+    recs += [{"kind": "request", "t": te, "id": s, "event": ev} for s, (te, ev) in ends.items()]
+    return recs
+
+
+def _scrapes(running, kv=0.9, prompt=None):
+    return [{"kind": "engine", "t": float(s), "url": "u", "engine": "0", "running": running(s), "waiting": 0,
+             "kv_usage": kv, "preemptions_total": None, "prompt_tokens_total": (prompt or (lambda s: 1000.0 * s))(s)}
+            for s in range(21)]
+
+
+def test_running_drop_is_weighed_against_the_streams_that_ended_between_the_same_scrapes():
+    # A is preempted 10.2-12.3 s: running 4 -> 3 at the scrapes of 11 and 12 s
+    def victim(y_end):
+        return lambda s: (4 if s < 11 or s > 12 else 3) - (1 if s > y_end else 0)
+
+    for y_end in (18.0, 13.5):  # Y finishing after the stall's scrapes does not hide the drop
+        an = run(_four_streams({"A": (10.2, 12.3)}, {"Y": (y_end, "finish")}) + _scrapes(victim(y_end)),
+                 itl_target_s=0.1)
+        (g,) = [g for g in an.spikes if g.request_id == "A"]
+        assert g.cause == "preemption" and "running dropped" in g.evidence, (y_end, g.evidence)
+    # Y finishing after the baseline scrape (9 s) explains the one-stream drop seen during A's stall
+    an = run(_four_streams({"A": (10.2, 12.3)}, {"Y": (9.1, "finish")}) + _scrapes(lambda s: 4 if s <= 9 else 3),
+             itl_target_s=0.1)
+    (g,) = [g for g in an.spikes if g.request_id == "A"]
+    assert g.cause == "unknown" and "running dropped" not in g.evidence
+
+
+def test_a_stream_that_errors_out_mid_stall_did_not_stream_through_it():
+    # every stream stalls 10.0-10.5 s for a 4,000-token prefill whose first token ends it; Y's last
+    # token came at 9.95 s and it errors at 10.3 s: nobody streamed through the stall
+    def prefill(y_end):
+        recs = _four_streams({s: (10.0, 10.5) for s in "ABC"}, {"Y": (y_end, "error")})
+        recs += [{"kind": "request", "t": 9.0, "id": "N", "event": "arrive", "prompt_tokens": 4000},
+                 {"kind": "request", "t": 10.5, "id": "N", "event": "first_token", "n": 1, "prompt_tokens": 4000}]
+        return recs + _scrapes(lambda s: 4, kv=0.3, prompt=lambda s: 1000.0 * s + (4000 if s > 10 else 0))
+
+    for y_end in (19.0, 10.3):
+        # Y is silent from 9.95 s until it errors
+        recs = [d for d in prefill(y_end) if not (d.get("id") == "Y" and d.get("event") == "token" and d["t"] > 9.96)]
+        an = run(recs, itl_target_s=0.1)
+        (g,) = [g for g in an.spikes if g.request_id == "A"]
+        assert g.cause == "prefill_interference", (y_end, g.evidence)
+        assert "3/3 other active streams stalled over the same interval" in g.evidence

@@ -40,6 +40,7 @@ class Analyzer:
         self.n_gaps = 0
         self._warm: list[Gap] = []  # every gap until the target is known
         self._long: list[Gap] = []  # long gaps by t_end (co-stall search)
+        self._long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
         self._long_head = 0
         self._pending: deque[Gap] = deque()
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
@@ -169,6 +170,8 @@ class Analyzer:
             if g >= G.LONG_FRACTION * tgt:
                 gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
                 self._long.append(gp)
+                if g > self._long_max:
+                    self._long_max = g
                 if g > tgt:
                     self._pending.append(gp)
         if ended_by == "token":
@@ -189,6 +192,7 @@ class Analyzer:
         for gp in warm:
             if gp.gap >= G.LONG_FRACTION * tgt:
                 self._long.append(gp)
+                self._long_max = max(self._long_max, gp.gap)
                 if gp.gap > tgt:
                     self._pending.append(gp)
 
@@ -329,6 +333,11 @@ class Analyzer:
                 del self._active_t[: i - 1]
                 del self._active_v[: i - 1]
         self.timeline.prune(keep_from - 60.0)
+        # a stream silent for the whole horizon without an end (a lost finish) is gone
+        if self._live:
+            stale = [k for k, r in self._live.items() if r.last_t is not None and r.last_t < keep_from]
+            for k in stale:
+                del self._live[k]
         # an ended stream matters only to spikes ending before it did; later spikes end after now
         ended = self._ended
         drop_before = (self._pending[0].t_start if self._pending else now) - self.settle - 5.0
@@ -377,8 +386,11 @@ class Analyzer:
         lens = []
         fresh_from = g.t_start - min(half, 1.0)
         fresh = 0
+        reach = a_end + self._long_max  # a gap ending later began after a + L/2: it cannot cover half
         for i in range(lo, len(lg)):
             q = lg[i]
+            if q.t_end > reach:
+                break
             if q.request_id == g.request_id or q.request_id in seen:
                 continue
             ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
@@ -392,11 +404,15 @@ class Analyzer:
             for group in (self._live.values(), self._ended):
                 for r in group:
                     lt = r.last_t
-                    if (lt is None or lt > a_end or r.id == g.request_id or r.id in seen
-                            or (r.end_t is not None and r.end_t < g.t_end)):
+                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen:
+                        continue
+                    # silent from its last token until now, or until it ended (a stream that
+                    # errors out mid-stall without a token streamed nothing through it either)
+                    end = cap if r.end_t is None else min(r.end_t, cap)
+                    if min(end, g.t_end) - max(lt, g.t_start) < half:
                         continue
                     seen.add(r.id)
-                    lens.append(cap - lt)
+                    lens.append(end - lt)
                     fresh += lt >= fresh_from
         if not lens:
             return 0, None, 0
@@ -431,8 +447,7 @@ class Analyzer:
             co_stalled=co, co_gap_median=co_med, co_fresh=fresh, active_others=None if act is None else max(0, act - 1),
             first_token_near_end=self._first_token_near(g), engine_preempt=engine_pre,
             tol=1.5 * self.timeline.scrape_interval + 0.25,
-            departures=self._departures(g.t_start - self.timeline.scrape_interval,
-                                        g.t_end + 1.5 * self.timeline.scrape_interval + 0.25),
+            departures=self._departures,
         )
         classify(g, ctx)
         self.n_spikes += 1

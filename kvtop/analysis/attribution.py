@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +154,7 @@ class EngineTimeline:
         gauges after the end show the engine after the stream resumed (or the next stall), not why
         it stopped."""
         out: dict[str, Any] = {"kv_max": None, "running_drop": 0.0, "waiting_rise": False, "prompt_delta": 0.0,
-                               "points": 0, "intervals": 0}
+                               "points": 0, "intervals": 0, "t_base": None, "t_state": None}
         for k in self.keys.values():
             if not k.t:
                 continue
@@ -170,6 +171,9 @@ class EngineTimeline:
                 m = max(kvs)
                 out["kv_max"] = m if out["kv_max"] is None else max(out["kv_max"], m)
             r0, w0 = k.running[i0], k.waiting[i0]
+            tb, ts = k.t[i0], k.t[max(i0, i1s - 1)]
+            out["t_base"] = tb if out["t_base"] is None else min(out["t_base"], tb)
+            out["t_state"] = ts if out["t_state"] is None else max(out["t_state"], ts)
             later_r = [v for v in k.running[i0 + 1:i1s] if v is not None]
             later_w = [v for v in k.waiting[i0 + 1:i1s] if v is not None]
             if r0 is not None and later_r and min(later_r) < r0:
@@ -201,7 +205,8 @@ class Context:
     engine_preempt: bool  # the engine/simulator reported a per-request preempt inside the gap
     tol: float
     co_gap_median: float | None = None  # median length of the other streams' overlapping gaps
-    departures: int = 0  # streams that ended around the gap: a running drop they explain is no preemption
+    # streams that ended in [t0, t1]: a running drop they explain is no preemption
+    departures: Callable[[float, float], int] | None = None
     co_fresh: int | None = None  # of co_stalled, those that fell silent with this stream (None: all)
 
 
@@ -231,8 +236,10 @@ def classify(g: Gap, ctx: Context) -> None:
                   + (f" ({older} of them silent since before it)" if older else ""))
     w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol, b + 0.1)
     kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
-    # running falls by one whenever a stream finishes (this one too, if its last token ends the gap)
-    running_drop = w["running_drop"] > ctx.departures
+    # running falls by one whenever a stream finishes (this one too, if its last token ends the gap):
+    # only a drop beyond the streams that ended between the scrapes it was read from is evidence
+    ended = ctx.departures(w["t_base"], w["t_state"]) if ctx.departures and w["t_base"] is not None else 0
+    running_drop = w["running_drop"] > ended
     prompt_jump = False
     typ = ctx.timeline.typical_prompt_delta()
     # a jump is well above what the scrapes in the window add at the usual rate

@@ -105,8 +105,9 @@ def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
         if len(idx) == 0 or w <= lo:
             break
         hit = _rows(arr, start[idx] + lo, w - lo) == byte
-        found = hit.any(axis=1)
-        out[idx[found]] = lo + hit[found].argmax(axis=1)
+        first = hit.argmax(axis=1)
+        found = hit[np.arange(len(idx)), first]  # argmax is 0 where nothing matched
+        out[idx[found]] = lo + first[found]
         idx = idx[~found]
         lo = w
     ok[idx] = False
@@ -137,7 +138,7 @@ def _strings(m: Any) -> Any:
     return m.view(f"S{m.shape[1]}").ravel()
 
 
-def _times(m: Any) -> Any:
+def _times(m: Any, lens: Any) -> Any:
     """Decimal timestamps (rows from ``_field``) as float64, equal to ``float(text)``.
 
     Up to 15 digits the digits form an exact int64 and one IEEE division by a power of ten rounds
@@ -148,22 +149,32 @@ def _times(m: Any) -> Any:
     head = m[:, :k]
     dig = (head - 48) < 10  # uint8 wraps: any other byte is >= 10
     dot = head == 46
-    lens = np.count_nonzero(m, axis=1)  # a field holds no zero bytes: they are the fill
-    has_dot = dot.any(axis=1)
+    dpos = dot.argmax(axis=1)
+    has_dot = dot[np.arange(n), dpos]
     fast = ((np.count_nonzero(dig, axis=1) + has_dot) == lens) & (np.count_nonzero(dot, axis=1) <= 1)
     fast &= (lens <= k) & dig[:, 0] & (lens > 0)
     fast &= dig[np.arange(n), np.clip(lens - 1, 0, k - 1)]  # "5." is no JSON number
     vals = np.where(dig, head - 48, 0).astype(np.int64)
     s = vals @ (10 ** np.arange(k - 1, -1, -1, dtype=np.int64))  # the text, dot as a 0, left-aligned
     s //= 10 ** (k - np.minimum(lens, k))
-    frac = np.where(has_dot, lens - 1 - dot.argmax(axis=1), 0)
+    frac = np.where(has_dot, lens - 1 - dpos, 0)
     r = s % 10 ** frac
     mant = np.where(has_dot, (s - r) // 10 + r, s)
     out = mant / 10.0 ** frac
     slow = np.flatnonzero(~fast)
     if len(slow):
-        out[slow] = _strings(m[slow]).astype(np.float64)
+        try:
+            out[slow] = _strings(m[slow]).astype(np.float64)
+        except ValueError:  # "t":null or other junk: NaN, and the caller takes the JSON path
+            out[slow] = [_float_or_nan(b) for b in _strings(m[slow]).tolist()]
     return out
+
+
+def _float_or_nan(b: bytes) -> float:
+    try:
+        return float(b)
+    except ValueError:
+        return math.nan
 
 
 def _chunk(an: Analyzer, buf: bytes) -> int:
@@ -235,7 +246,10 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             ts_, te_ = tstart[fi], tend[fi]
             is_, ie_ = idstart[fi], idend[fi]
             # narrowest fixed width that holds every value of this chunk
-            ts = _times(_field(arr, ts_, te_))
+            ts = _times(_field(arr, ts_, te_), te_ - ts_)
+            if np.isnan(ts).any():
+                # a token line whose time is not a number: the streaming path judges the chunk
+                return _slow_lines(an, [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
             ids = _strings(_field(arr, is_, ie_))
             max_t = max(max_t, float(ts.max()))
             L0 = len(an._long)
@@ -374,6 +388,8 @@ def _tokens(an: Analyzer, ts: Any, ids: Any, ns: Any, ft: Any) -> None:
             te = float(t_s[i])
             gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
             an._long.append(gp)
+            if gv > an._long_max:
+                an._long_max = gv
             if gv > tgt:
                 an._pending.append(gp)
     for gi in range(len(gstart)):
