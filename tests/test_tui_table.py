@@ -127,3 +127,25 @@ async def test_a_table_wider_than_the_terminal_scrolls_sideways():
         await pilot.press("left")
         await pilot.pause()
         assert t.scroll_x == 0
+
+
+async def test_the_cursor_row_never_hides_under_the_horizontal_scrollbar():
+    app = Host(200)
+    app.rows = {k: (Text(k * 8), v[1], v[2]) for k, v in app.rows.items()}  # wider than the terminal
+    async with app.run_test(size=(40, 11)) as pilot:
+        t = app.query_one(RowTable)
+        for cells in app.rows.values():
+            t.fit(cells)
+        t.set_rows(sorted(app.rows))
+        t.focus()
+        await pilot.pause()
+        lines = t.scrollable_content_region.height  # 11 less the scrollbar's line
+        assert lines == 10
+        for keys in (("end",), ("home", *["down"] * 9)):
+            await pilot.press(*keys)
+            await pilot.pause()
+            assert t.cursor_row - int(t.scroll_y) + 1 <= lines - 1, keys  # header + rows above it
+        # a label that grows (the sort arrow) widens the scrollable width at once
+        before = t.virtual_size.width
+        t.set_labels(["request", "tokens", "last cause ▼ and more"])
+        assert t.virtual_size.width == before + len(" ▼ and more")

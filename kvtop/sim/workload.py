@@ -162,18 +162,19 @@ def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
     # arrivals on the microsecond grid traces are written on: a what-if run that reads them back
     # from a trace replays exactly the same arrivals
     if c.arrival_times_s is not None:
-        for t in sorted(c.arrival_times_s):
+        for t in sorted(round(x, 6) for x in c.arrival_times_s):
             if t < duration_s:
-                yield round(t, 6), idx, spec(round(t, 6))
+                yield t, idx, spec(t)
         return
     if c.rate_per_s <= 0:
         return
     t = c.start_s
     while True:
         t += rng.expovariate(c.rate_per_s)
-        if t >= duration_s:
+        tq = round(t, 6)
+        if tq >= duration_s:
             return
-        yield round(t, 6), idx, spec(round(t, 6))
+        yield tq, idx, spec(tq)
 
 
 # --- loading and validation -------------------------------------------------------------------

@@ -113,7 +113,8 @@ class RowTable(ScrollView, can_focus=True):
     # -- the owner's side ------------------------------------------------------------------------
     def set_labels(self, labels: Sequence[str]) -> None:
         self._labels = [Text(x) for x in labels]
-        self._fit(self._labels)
+        if self._fit(self._labels):  # e.g. the sort arrow widened a column
+            self._resize()
         self.refresh()
 
     def set_rows(self, keys: list[str]) -> None:
@@ -157,16 +158,21 @@ class RowTable(ScrollView, can_focus=True):
         i = self.columns.index(key)
         return sum(w + 2 * PAD for w in self._widths[:i])
 
+    @property
+    def _rows_on_screen(self) -> int:
+        # the content region: a horizontal scrollbar takes the bottom line
+        return max(1, self.scrollable_content_region.height - 1)
+
     def visible_keys(self) -> list[str]:
         top = int(self.scroll_y)
-        return self._keys[top: top + max(0, self.size.height - 1)]
+        return self._keys[top: top + self._rows_on_screen]
 
     # -- cursor ----------------------------------------------------------------------------------
     def move_cursor(self, row: int) -> None:
         if not self._keys:
             return
         self.cursor_row = max(0, min(int(row), len(self._keys) - 1))
-        rows_on_screen = max(1, self.size.height - 1)
+        rows_on_screen = self._rows_on_screen
         top = int(self.scroll_y)
         if self.cursor_row < top:
             self.scroll_to(y=self.cursor_row, animate=False)
@@ -178,7 +184,7 @@ class RowTable(ScrollView, can_focus=True):
         self.move_cursor(self.cursor_row + int(max(-1e9, min(1e9, delta))))
 
     def action_page(self, direction: int) -> None:
-        self.move_cursor(self.cursor_row + direction * max(1, self.size.height - 2))
+        self.move_cursor(self.cursor_row + direction * max(1, self._rows_on_screen - 1))
 
     def action_column(self, direction: int) -> None:
         """Scroll sideways a column at a time (a table wider than the terminal)."""
@@ -269,7 +275,7 @@ class RowTable(ScrollView, can_focus=True):
         return segs
 
     def render_line(self, y: int) -> Strip:
-        width = self.size.width
+        width = self.scrollable_content_region.width
         base, header, even, cursor = self._row_styles()
         sx = int(self.scroll_x)
         if y == 0:
