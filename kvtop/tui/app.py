@@ -203,6 +203,7 @@ class KvtopApp(App[int]):
         self._req_rows: dict[str, Any] = {}
         self._req_target: float | None = None
         self._events_key: tuple[Any, ...] | None = None
+        self._banner_text: str | None = None
         self._stop = asyncio.Event()
         self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
@@ -324,7 +325,8 @@ class KvtopApp(App[int]):
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
         self.main.query_one("#topbar", Static).update(
             f"[b]{render.escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
-            f"t={fmt.dur(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}"
+            f"t={fmt.dur(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
+            layout=False,  # one line, always: a new text needs no layout pass
         )
         banner = self.main.query_one("#banner", Static)
         msgs = []
@@ -333,8 +335,11 @@ class KvtopApp(App[int]):
         down = [e for e in s.engines if not e.up]
         if down:
             msgs.append(f"{len(down)} engine(s) down: " + ", ".join(render.escape(e.url) for e in down[:3]))
-        banner.update("  ·  ".join(msgs))
-        banner.display = bool(msgs)
+        text = "  ·  ".join(msgs)
+        if text != self._banner_text:  # the banner's height follows its text: relayout only on change
+            self._banner_text = text
+            banner.update(text)
+            banner.display = bool(msgs)
 
     @staticmethod
     def _panels(box: Vertical, have: list[Panel], n: int, cls: str) -> list[Panel]:
@@ -393,7 +398,8 @@ class KvtopApp(App[int]):
         label = dict(render.COLUMNS)[self.sort_col]
         self.main.query_one("#req-status", Static).update(
             f"{shown} of {total} requests{flt}  {render.muted('sort: ' + label + (' ▼' if self.sort_reverse else ' ▲'))}"
-            f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}"
+            f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}",
+            layout=False,
         )
 
     def request_cells(self, rid: str) -> tuple[Text, ...]:
