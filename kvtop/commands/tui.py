@@ -103,11 +103,9 @@ def run(args: argparse.Namespace) -> int:
     itl_target_s = None if itl_ms is None else itl_ms / 1000.0
     theme = resolve(args, cfg, "theme")
 
-    from textual.theme import BUILTIN_THEMES  # Textual from here on
+    from kvtop.tui.app import known_themes  # the UI package (and Textual) from here on
 
-    from kvtop.tui.app import THEMES
-
-    known = list(THEMES) + sorted(BUILTIN_THEMES)
+    known = known_themes()
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
 

@@ -43,6 +43,11 @@ KVTOP_THEME = Theme(
 # Low colour: the terminal's own 16-colour palette (reads well over SSH and in tmux).
 KVTOP_LOW_THEME = dataclasses.replace(BUILTIN_THEMES["ansi-dark"], name="kvtop-low")
 THEMES = ("kvtop", "kvtop-low")
+
+
+def known_themes() -> list[str]:
+    """kvtop's own themes first, then every theme Textual ships."""
+    return list(THEMES) + sorted(BUILTIN_THEMES)
 _CONTEXT = {"cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
             "step": "replay", "seek": "replay", "back": "closes filter / detail"}
 _THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
