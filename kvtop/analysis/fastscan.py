@@ -59,22 +59,22 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
     return skipped
 
 
+def _feed_line(an: Analyzer, line: bytes) -> int:
+    """One line through the streaming path; 1 when it is malformed (blank lines are not)."""
+    if not line.strip():
+        return 0
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return 1
+    if not isinstance(d, dict) or "kind" not in d:
+        return 1
+    an.feed_dict(d)
+    return 0
+
+
 def _slow_lines(an: Analyzer, lines: list[bytes]) -> int:
-    bad = 0
-    loads = json.loads
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            d = loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if not isinstance(d, dict) or "kind" not in d:
-            bad += 1
-            continue
-        an.feed_dict(d)
-    return bad
+    return sum(_feed_line(an, line) for line in lines)
 
 
 PAD = 256  # zero bytes after each chunk: every fixed-width window below stays inside the buffer
@@ -186,8 +186,8 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
         while an.itl_target_s is None:
             nl = buf.find(b"\n", pos)
             if nl < 0:
-                return bad + _slow_lines(an, [buf[pos:]])
-            bad += _slow_lines(an, [buf[pos:nl]])
+                return bad + _feed_line(an, buf[pos:])
+            bad += _feed_line(an, buf[pos:nl])
             pos = nl + 1
         if pos >= len(buf):
             return bad
@@ -236,7 +236,7 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     for i in np.flatnonzero(~fast).tolist():
         line = buf[starts[i]:ends[i]]
         if b'"token"' in line or b'"first_token"' in line:
-            return _slow_lines(an, [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
+            return _slow_lines(an, buf.split(b"\n"))
     fi = np.flatnonzero(fast)
     skipped = 0
     max_t = an.now
@@ -249,7 +249,7 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             ts = _times(_field(arr, ts_, te_), te_ - ts_)
             if np.isnan(ts).any():
                 # a token line whose time is not a number: the streaming path judges the chunk
-                return _slow_lines(an, [buf[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
+                return _slow_lines(an, buf.split(b"\n"))
             ids = _strings(_field(arr, is_, ie_))
             max_t = max(max_t, float(ts.max()))
             L0 = len(an._long)
@@ -267,18 +267,8 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
                 an.records += 1
                 an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
                                  d.get("class"), tokens_done=True)
-                continue
-            if not line.strip():
-                continue
-            try:
-                d = loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            if not isinstance(d, dict) or "kind" not in d:
-                skipped += 1
-                continue
-            an.feed_dict(d)
+            else:
+                skipped += _feed_line(an, line)
         an.records += int(np.count_nonzero(is_tok & fast))
         # gaps from the two passes interleave in time: restore t_end order
         if len(an._long) - L0 > 1:
