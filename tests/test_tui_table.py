@@ -38,6 +38,16 @@ class Host(App[None]):
     def on_row_table_header_selected(self, ev: RowTable.HeaderSelected) -> None:
         self.headers.append(ev.key)
 
+    async def load(self, pilot) -> RowTable:
+        """Every row measured (as the console does when rows arrive), in id order, table focused."""
+        t = self.query_one(RowTable)
+        for cells in self.rows.values():
+            t.fit(cells)
+        t.set_rows(sorted(self.rows))
+        t.focus()
+        await pilot.pause()
+        return t
+
 
 def text_of(strip) -> str:
     return "".join(seg.text for seg in strip)
@@ -46,12 +56,7 @@ def text_of(strip) -> str:
 async def test_only_rows_on_screen_are_painted_and_unchanged_lines_are_reused():
     app = Host(1000)
     async with app.run_test(size=(60, 21)) as pilot:
-        t = app.query_one(RowTable)
-        for k in app.rows.values():
-            t.fit(k)
-        t.set_rows(sorted(app.rows))
-        t.focus()
-        await pilot.pause()
+        t = await app.load(pilot)
         assert t.row_count == 1000
         # 21 lines: the header and 20 rows, so 20 of the 1,000 rows were asked for their cells
         assert len(set(app.asked)) == 20
@@ -70,10 +75,7 @@ async def test_only_rows_on_screen_are_painted_and_unchanged_lines_are_reused():
 async def test_cursor_keys_scroll_and_select_and_the_cursor_follows_its_row():
     app = Host(200)
     async with app.run_test(size=(60, 11)) as pilot:
-        t = app.query_one(RowTable)
-        t.set_rows(sorted(app.rows))
-        t.focus()
-        await pilot.pause()
+        t = await app.load(pilot)
         await pilot.press("down", "down", "enter")
         assert app.selected == ["r0002"]
         await pilot.press("end")
@@ -94,9 +96,7 @@ async def test_cursor_keys_scroll_and_select_and_the_cursor_follows_its_row():
 async def test_clicks_on_the_header_and_on_a_row():
     app = Host(30)
     async with app.run_test(size=(60, 11)) as pilot:
-        t = app.query_one(RowTable)
-        t.set_rows(sorted(app.rows))
-        await pilot.pause()
+        t = await app.load(pilot)
         await pilot.click(RowTable, offset=(t.column_x("tokens") + 1, 0))
         await pilot.click(RowTable, offset=(t.column_x("cause") + 3, 0))
         await pilot.click(RowTable, offset=(2, 4))
@@ -112,12 +112,7 @@ async def test_a_table_wider_than_the_terminal_scrolls_sideways():
     app = Host(5)
     app.rows = {k: (Text(k * 6), v[1], v[2]) for k, v in app.rows.items()}  # 30-character ids
     async with app.run_test(size=(30, 8)) as pilot:
-        t = app.query_one(RowTable)
-        for cells in app.rows.values():
-            t.fit(cells)
-        t.set_rows(sorted(app.rows))
-        t.focus()
-        await pilot.pause()
+        t = await app.load(pilot)
         assert t.virtual_size.width == 32 + 8 + 12  # each column and its padding
         assert text_of(t.render_line(1)) == " " + ("r0000" * 6)[:29]  # cut at the 30-column edge
         await pilot.press("right")  # a column at a time, as far as the last column's right edge
@@ -133,12 +128,7 @@ async def test_the_cursor_row_never_hides_under_the_horizontal_scrollbar():
     app = Host(200)
     app.rows = {k: (Text(k * 8), v[1], v[2]) for k, v in app.rows.items()}  # wider than the terminal
     async with app.run_test(size=(40, 11)) as pilot:
-        t = app.query_one(RowTable)
-        for cells in app.rows.values():
-            t.fit(cells)
-        t.set_rows(sorted(app.rows))
-        t.focus()
-        await pilot.pause()
+        t = await app.load(pilot)
         lines = t.scrollable_content_region.height  # 11 less the scrollbar's line
         assert lines == 10
         for keys in (("end",), ("home", *["down"] * 9)):
