@@ -68,6 +68,12 @@ async def test_only_rows_on_screen_are_painted_and_unchanged_lines_are_reused():
         cause = [seg for seg in t.render_line(4) if seg.text == "preemption"][0]  # r0003
         assert cause.style.color.name == "red"
         assert t.render_line(1) is first  # same cells, same cursor: the painted line is reused
+        # a cell with several styles keeps each one, in the column's width
+        app.rows["r0001"] = (Text("r0001"), Text.from_markup("[red]4[/][bold]2[/]"), Text(""))
+        segs = [seg for seg in t.render_line(2) if seg.text in ("4", "2")]
+        assert [(seg.text, seg.style.color.name, seg.style.bold) for seg in segs] == \
+            [("4", "red", None), ("2", "#e0e0e0", True)]
+        assert text_of(t.render_line(2)).startswith(" r0001    42      ")
         app.rows["r0000"] = (Text("r0000"), Text("1"), Text(""))
         assert t.render_line(1) is not first and text_of(t.render_line(1)).startswith(" r0000    1 ")
 

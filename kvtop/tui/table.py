@@ -9,6 +9,7 @@ painted, and a painted line is reused while its cells are the same objects.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,10 +154,15 @@ class RowTable(ScrollView, can_focus=True):
     def get_row_at(self, index: int) -> list[Text]:
         return list(self._cells(self._keys[index]))
 
+    def _edges(self) -> list[int]:
+        """Where each column starts, in table cells from the left edge, then the table's width."""
+        edges = [0]
+        for w in self._widths:
+            edges.append(edges[-1] + w + 2 * PAD)
+        return edges
+
     def column_x(self, key: str) -> int:
-        """Where a column starts, in table cells from the left edge."""
-        i = self.columns.index(key)
-        return sum(w + 2 * PAD for w in self._widths[:i])
+        return self._edges()[self.columns.index(key)]
 
     @property
     def _rows_on_screen(self) -> int:
@@ -188,9 +194,7 @@ class RowTable(ScrollView, can_focus=True):
 
     def action_column(self, direction: int) -> None:
         """Scroll sideways a column at a time (a table wider than the terminal)."""
-        edges = [0]
-        for w in self._widths:
-            edges.append(edges[-1] + w + 2 * PAD)
+        edges = self._edges()
         x = int(self.scroll_x)
         if direction > 0:
             nxt = next((e for e in edges if e > x), x)
@@ -206,12 +210,9 @@ class RowTable(ScrollView, can_focus=True):
     def on_click(self, event: events.Click) -> None:
         x, y = event.x + int(self.scroll_x), event.y
         if y == 0:
-            edge = 0
-            for key, w in zip(self.columns, self._widths, strict=True):
-                edge += w + 2 * PAD
-                if x < edge:
-                    self.post_message(self.HeaderSelected(self, key))
-                    return
+            col = bisect_right(self._edges(), x) - 1
+            if 0 <= col < len(self.columns):
+                self.post_message(self.HeaderSelected(self, self.columns[col]))
             return
         row = int(self.scroll_y) + y - 1
         if 0 <= row < len(self._keys):
@@ -234,10 +235,13 @@ class RowTable(ScrollView, can_focus=True):
         return grew
 
     def _resize(self) -> None:
-        self.virtual_size = Size(sum(w + 2 * PAD for w in self._widths), len(self._keys) + 1)
+        self.virtual_size = Size(self._edges()[-1], len(self._keys) + 1)
 
     def render_lines(self, crop: Region) -> list[Strip]:
-        # the styles once per paint, not per line (rich_style walks the ancestors each time)
+        self._load_styles()  # once per paint, not per line: rich_style walks the ancestors each time
+        return super().render_lines(crop)
+
+    def _load_styles(self) -> None:
         base = self.rich_style
         key = (base, self.has_focus, self.app.theme)
         if self._style_set is None or self._style_set[0] != key:
@@ -245,14 +249,11 @@ class RowTable(ScrollView, can_focus=True):
             self._style_set = (key, base, get("rowtable--header"), get("rowtable--even-row"),
                                get("rowtable--cursor"))
             self._lines = {}
-        return super().render_lines(crop)
 
     def _row_styles(self) -> tuple[Style, Style, Style, Style]:
         if self._style_set is None:  # a line asked for outside a paint (tests)
-            get = self.get_component_rich_style
-            self._style_set = (None, self.rich_style, get("rowtable--header"), get("rowtable--even-row"),
-                               get("rowtable--cursor"))
-        return self._style_set[1:]  # type: ignore[return-value]
+            self._load_styles()
+        return self._style_set[1:]  # type: ignore[index, return-value]
 
     def _line(self, cells: Cells, row_style: Style, post: Style | None) -> list[Segment]:
         segs: list[Segment] = []
@@ -260,7 +261,7 @@ class RowTable(ScrollView, can_focus=True):
         for i, w in enumerate(self._widths):
             t = cells[i] if i < len(cells) else Text()
             if t.spans:
-                parts = [(t.plain[s:e], t.get_style_at_offset(self.app.console, s)) for s, e in _runs(t)]
+                parts = [(seg.text, seg.style or Style.null()) for seg in t.render(self.app.console)]
             else:
                 parts = [(t.plain, t.style if isinstance(t.style, Style) else Style.parse(t.style or "none"))]
             used = 0
@@ -303,12 +304,3 @@ class RowTable(ScrollView, can_focus=True):
     def on_resize(self) -> None:
         self._lines = {}
 
-
-def _runs(t: Text) -> list[tuple[int, int]]:
-    """Offsets where the style of a Text changes (span edges), as consecutive runs."""
-    cuts = {0, len(t.plain)}
-    for s in t.spans:
-        cuts.add(max(0, min(s.start, len(t.plain))))
-        cuts.add(max(0, min(s.end, len(t.plain))))
-    edges = sorted(cuts)
-    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
