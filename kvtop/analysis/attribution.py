@@ -199,15 +199,14 @@ class Context:
     timeline: EngineTimeline
     preempts: bool
     global_median: float | None
-    co_stalled: int  # other streams with a long gap over >= half of this spike
+    co_stalled: int  # other streams silent over >= half of this spike
+    co_fresh: int  # of those, the ones that fell silent with this stream (not long before)
     active_others: int | None
     first_token_near_end: tuple[str, int | None] | None  # (request id, prompt tokens) of a first token at the end
     engine_preempt: bool  # the engine/simulator reported a per-request preempt inside the gap
     tol: float
+    departures: Callable[[float, float], int]  # streams that ended in [t0, t1]
     co_gap_median: float | None = None  # median length of the other streams' overlapping gaps
-    # streams that ended in [t0, t1]: a running drop they explain is no preemption
-    departures: Callable[[float, float], int] | None = None
-    co_fresh: int | None = None  # of co_stalled, those that fell silent with this stream (None: all)
 
 
 def classify(g: Gap, ctx: Context) -> None:
@@ -229,16 +228,15 @@ def classify(g: Gap, ctx: Context) -> None:
         ev.append(f"gap is {rel:.0f}x this stream's recent gaps")
     flowing = None  # other active streams that kept receiving tokens through the stall
     if ctx.active_others:
-        fresh = ctx.co_stalled if ctx.co_fresh is None else ctx.co_fresh
         flowing = max(0, ctx.active_others - ctx.co_stalled)
-        older = ctx.co_stalled - fresh
+        older = ctx.co_stalled - ctx.co_fresh
         ev.append(f"{ctx.co_stalled}/{ctx.active_others} other active streams stalled over the same interval"
                   + (f" ({older} of them silent since before it)" if older else ""))
     w = ctx.timeline.window(a - ctx.timeline.scrape_interval, b + ctx.tol, b + 0.1)
     kv_high = w["kv_max"] is not None and w["kv_max"] >= KV_HIGH
     # running falls by one whenever a stream finishes (this one too, if its last token ends the gap):
     # only a drop beyond the streams that ended between the scrapes it was read from is evidence
-    ended = ctx.departures(w["t_base"], w["t_state"]) if ctx.departures and w["t_base"] is not None else 0
+    ended = ctx.departures(w["t_base"], w["t_state"]) if w["t_base"] is not None else 0
     running_drop = w["running_drop"] > ended
     prompt_jump = False
     typ = ctx.timeline.typical_prompt_delta()
@@ -318,8 +316,7 @@ def classify(g: Gap, ctx: Context) -> None:
             return
     if ctx.preempts:
         d = ctx.timeline.counter_delta(a - 0.25, b + ctx.tol)
-        fresh = ctx.co_stalled if ctx.co_fresh is None else ctx.co_fresh
-        if d >= max(2.0, 0.5 * (fresh + 1)) and not prefill_ev:
+        if d >= max(2.0, 0.5 * (ctx.co_fresh + 1)) and not prefill_ev:
             g.cause, g.confidence = "preemption", 0.6
             g.evidence = ev + [f"the preemption counter rose by {d:.0f}: a mass preemption"]
             return
