@@ -16,7 +16,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
-from kvtop.model.records import TRACE_FORMAT, TRACE_VERSION, Record, RequestRecord, from_dict, to_dict
+from kvtop.model.records import (
+    TRACE_FORMAT,
+    TRACE_VERSION,
+    Record,
+    RequestRecord,
+    from_dict,
+    to_dict,
+    trace_time,
+)
 
 
 class TraceError(Exception):
@@ -68,7 +76,7 @@ class TraceWriter:
                     if len(ids) >= 4096:
                         ids.clear()
                     jid = ids[rec.id] = _encode(rec.id)
-                self._f.write(f'{{"kind":"request","t":{round(rec.t, 6)!r},"id":{jid},"event":"token","n":{rec.n}}}\n')
+                self._f.write(f'{{"kind":"request","t":{trace_time(rec.t)!r},"id":{jid},"event":"token","n":{rec.n}}}\n')
                 self.count += 1
                 if time.monotonic() - self._last_flush >= self.flush_interval_s:
                     self.flush()
@@ -78,11 +86,9 @@ class TraceWriter:
             d = to_dict(rec)
         t = d.get("t")
         if type(t) is float:
-            # to the microsecond: finer digits are clock noise, and 6 decimals keep every line
-            # short and exactly parseable by the analyzer's fast path
             if d is rec:
                 d = dict(d)  # the caller's dict stays as it was
-            d["t"] = round(t, 6)
+            d["t"] = trace_time(t)
         try:
             line = _encode(d)
         except ValueError:

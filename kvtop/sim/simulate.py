@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord
+from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
 from kvtop.sim.engine import Engine, Seq, Sink
 from kvtop.sim.metrics import MetricsPage
 from kvtop.sim.workload import RequestSpec, Workload
@@ -195,7 +195,7 @@ def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: 
 def _token_lines(t: float, seqs: list[Seq]) -> str:
     """The JSON lines ``to_dict(RequestRecord(t, id, event, n=1, source="sim"))`` would give, built
     directly: token records are most of a trace and json.dumps per record dominated the run time."""
-    ts = repr(round(float(t), 6))  # to the microsecond, as TraceWriter writes every t
+    ts = repr(trace_time(float(t)))
     return "".join(
         f'{{"kind":"request","t":{ts},"id":{json.dumps(s.id)},"event":"'
         f'{"first_token" if s.generated == 1 else "token"}","n":1,"source":"sim"}}\n'

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtop.errors import UsageError
+from kvtop.model.records import trace_time
 
 
 class WorkloadError(UsageError):
@@ -162,7 +163,7 @@ def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
     # arrivals on the microsecond grid traces are written on: a what-if run that reads them back
     # from a trace replays exactly the same arrivals
     if c.arrival_times_s is not None:
-        for t in sorted(round(x, 6) for x in c.arrival_times_s):
+        for t in sorted(trace_time(x) for x in c.arrival_times_s):
             if t < duration_s:
                 yield t, idx, spec(t)
         return
@@ -171,7 +172,7 @@ def _class_arrivals(c: TrafficClass, seed: int, idx: int, duration_s: float,
     t = c.start_s
     while True:
         t += rng.expovariate(c.rate_per_s)
-        tq = round(t, 6)
+        tq = trace_time(t)
         if tq >= duration_s:
             return
         yield tq, idx, spec(tq)
