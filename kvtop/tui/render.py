@@ -193,9 +193,6 @@ SORT_KEYS: dict[str, Any] = {
 }
 
 
-def sort_value(r: RequestView, col: str) -> Any:
-    return SORT_KEYS[col](r)
-
 
 def matches(r: RequestView, needle: str) -> bool:
     if not needle:
