@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 # Round budgets an operator would set (the engine's own suggestions are powers of two and their
@@ -78,7 +77,3 @@ def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float
     if best is None or (ttft_slo_s is not None and best.prefill_s > ttft_slo_s):
         plan.disaggregate = True
     return plan
-
-
-def steps_for(P: int, B: int) -> int:
-    return math.ceil(P / B)

@@ -19,8 +19,3 @@ def bw_eff(copy_bytes: float, bw_peak: float = DEFAULT_BW_PEAK, alpha_s: float =
     if copy_bytes <= 0 or bw_peak <= 0:
         raise ValueError("copy size and peak bandwidth must be positive")
     return contention * copy_bytes / (copy_bytes / bw_peak + alpha_s)
-
-
-def default_copy_bytes(bytes_per_token_rank: float, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> float:
-    """One physical block across all layers on one rank (vLLM >= 0.12 contiguous layout)."""
-    return block_tokens * bytes_per_token_rank

@@ -7,7 +7,6 @@ records are what a client (or kvtop's proxy) would see; truth records say what r
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -218,7 +217,3 @@ def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: st
         sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s, emit_tokens=tokens,
                          requests=iter(requests) if requests is not None else None)
         return sim.run()
-
-
-def merge_sorted(*its: Iterator[Record]) -> Iterator[Record]:
-    return heapq.merge(*its, key=lambda r: r.t)
