@@ -7,7 +7,6 @@ bare parse of the same page in the same run (ratio = adapter / bare parse).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.plugin import load_adapter
 
-FIX = Path(os.environ.get("KVTOP_SHARED", Path(__file__).resolve().parents[2] / "shared")) / "fixtures" / "engines"
+FIX = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "engines"
 PAGES = {
     "sglang": "sglang-v0.4.3-docs-production-metrics.prom",
     "tgi": "tgi-v3.3-SYNTH.prom",

@@ -11,7 +11,6 @@ Usage: python bench/scrape_cost.py [--fixture PATH] [--rounds N] [--batch N]
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
@@ -22,8 +21,7 @@ from kvtop.core import Core
 from kvtop.sources.scrape import EngineScraper
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("KVTOP_SHARED", REPO.parent / "shared"))
-DEFAULT = SHARED / "fixtures" / "engines" / "vllm-0.32.0-cpu-live-idle.prom"
+DEFAULT = REPO / "tests" / "fixtures" / "engines" / "vllm-0.32.0-cpu-live-idle.prom"
 
 
 def bare_parse(text: str) -> int:

@@ -11,7 +11,6 @@ import argparse
 import functools
 import http.server
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,8 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("KVTOP_SHARED", REPO.parent / "shared"))
-DEFAULT = SHARED / "fixtures" / "engines" / "vllm-0.32.0-cpu-live-idle.prom"
+DEFAULT = REPO / "tests" / "fixtures" / "engines" / "vllm-0.32.0-cpu-live-idle.prom"
 
 
 def main() -> int:

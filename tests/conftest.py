@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# ../shared beside the checkout (CI puts a copy there too).
-SHARED = Path(os.environ.get("KVTOP_SHARED", REPO.parent / "shared"))
-FIXTURES = SHARED / "fixtures" / "engines"
-CATALOG = SHARED / "fixtures" / "catalog"
+# Engine captures live in the repo (tests/fixtures/engines/SOURCES.md says where each came from).
+FIXTURES = REPO / "tests" / "fixtures" / "engines"
 
 
 def fixture_text(name: str) -> str:

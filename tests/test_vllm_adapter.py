@@ -1,4 +1,4 @@
-"""vLLM adapter against the captures in shared/fixtures/engines (expected numbers read by hand).
+"""vLLM adapter against the captures in tests/fixtures/engines (expected numbers read by hand).
 
 Line numbers in comments are 1-based lines of the fixture file named in the test.
 """
