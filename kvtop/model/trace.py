@@ -6,6 +6,8 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
@@ -29,6 +31,21 @@ from kvtop.model.records import (
 
 class TraceError(Exception):
     """The file is not a kvtop trace (bad header / unsupported version)."""
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def is_gzip(path: str | os.PathLike[str]) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
+    """The trace's bytes, decompressed when it is a gzip file (the agent's rotated segments are)."""
+    if is_gzip(path):
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
 def make_header(
@@ -154,10 +171,14 @@ class TraceReader:
         self.skipped = 0
         self.unknown_kinds = 0
         try:
-            self._f: IO[str] = open(self.path, encoding="utf-8", errors="replace")
+            self._f: IO[str] = io.TextIOWrapper(open_binary(self.path), encoding="utf-8", errors="replace")
         except OSError as e:
             raise TraceError(f"cannot open trace {self.path}: {e.strerror or e}") from None
-        first = self._f.readline()
+        try:
+            first = self._f.readline()
+        except (OSError, EOFError) as e:  # a corrupt or cut gzip segment
+            self._f.close()
+            raise TraceError(f"cannot read trace {self.path}: {e}") from None
         try:
             header = json.loads(first)
         except ValueError:
@@ -173,7 +194,7 @@ class TraceReader:
 
     def dicts(self) -> Iterator[dict[str, Any]]:
         loads = json.loads
-        for line in self._f:
+        for line in self._lines():
             try:
                 d = loads(line)
             except ValueError:
@@ -184,6 +205,13 @@ class TraceReader:
                 continue
             yield d
         self._f.close()
+
+    def _lines(self) -> Iterator[str]:
+        try:
+            yield from self._f
+        except (OSError, EOFError):
+            # a gzip segment cut short (the agent died while compressing): keep what was read
+            self.skipped += 1
 
     def records(self) -> Iterator[Record]:
         for d in self.dicts():
