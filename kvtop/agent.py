@@ -13,7 +13,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 # Passive capture (another feature: `--capture`) plugs in here: a factory given the record sink and
 # the run clock, returning a coroutine that observes streams until the stop event is set.
-CaptureFactory = Callable[[Callable[[Any], None], Callable[[], float], asyncio.Event], Awaitable[None]]
+CaptureFactory = Callable[[Callable[[Any], None], Callable[[], float], asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
