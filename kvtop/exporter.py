@@ -212,9 +212,9 @@ class AgentMetrics:
                 (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes), (g_tx, g.pcie_tx_bytes_per_s),
                 (g_rx, g.pcie_rx_bytes_per_s), (g_gen, g.pcie_link_gen), (g_genm, g.pcie_link_gen_max),
                 (g_w, g.pcie_link_width), (g_wm, g.pcie_link_width_max), (g_rp, g.pcie_replay_count))
-            for fam, v in vals:
-                if v is not None:
-                    fam.add_metric(k, float(v))
+            for fam, val in vals:
+                if val is not None:
+                    fam.add_metric(k, float(val))
             g_dt.add_metric(k, 1.0 if g.link_downtrained else 0.0)
 
         gauge("kvtop_analysis_lag_seconds",

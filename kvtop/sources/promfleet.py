@@ -304,3 +304,56 @@ class PromFeed:
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
             loop.call_soon_threadsafe(wake.set)
+
+
+def parse_time(text: str, now: float | None = None) -> float:
+    """Unix seconds from ``now``, ``-1h`` / ``-30m`` (relative to now), unix seconds or RFC 3339."""
+    from datetime import datetime, timezone
+
+    now = time.time() if now is None else now
+    s = text.strip()
+    if s == "now":
+        return now
+    if s.startswith("-"):
+        from kvtop.config import parse_seconds
+
+        return now - parse_seconds(s[1:], "time")
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"not a time: {text!r} (use now, -1h, unix seconds or 2026-01-31T12:00:00Z)") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+AGENT_NOTE = ("aggregate analysis from the engines' own counters and histograms in Prometheus: per-request "
+              "causality (which stream stalled, and why) needs a kvtop agent observing the streams")
+
+
+def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,
+                    itl_target_s: float | None = None) -> dict[str, Any]:
+    """`kvtop analyze --prometheus`: the aggregate analysis of every engine instance over [start, end]."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    fleet = PromFleet(client, selector=selector, step_s=step, window_s=end - start)
+    # discover over the whole range, not just what is scraped now
+    names = fleet._sel(f'__name__=~"{ENGINE_NAMES}"')
+    rng = f"{max(1, int(math.ceil(end - start)))}s"
+    rows = client.query(f"count by (job, instance) (count_over_time({names}[{rng}]))", at=end)
+    out = []
+    for lb, _, _ in sorted(rows, key=lambda r: (r[0].get("instance", ""), r[0].get("job", ""))):
+        tg = Target(lb.get("job", ""), lb.get("instance", ""))
+        recs = fleet.history(tg, start, end, step)
+        an = LiveAnalyzer(itl_target_s=itl_target_s, report_every_s=0.0)
+        for r in recs:
+            an.feed(r)
+        rep = an.report(max((r.t for r in recs), default=0.0)) if recs else None
+        out.append({"job": tg.job, "instance": tg.instance, "adapter": tg.adapter, "samples": len(recs),
+                    "error": tg.error, "report": rep})
+    return {"prometheus": client.url, "start": start, "end": end, "step_s": step, "note": AGENT_NOTE,
+            "instances": out}
