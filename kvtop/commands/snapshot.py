@@ -173,6 +173,7 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     itl_target_s = None if itl_ms is None else itl_ms / 1000.0
     core = Core(window_s=window, itl_target_s=itl_target_s, analysis=_analysis(itl_target_s),
                 source_label=f"prometheus {args.prometheus}")
+    core.gpu_status = "not read (engines come from Prometheus)"
     step = max(1.0, min(15.0, window / 30))
     feed = PromFeed(core, args.prometheus, selector=args.selector, timeout_s=timeout, window_s=window, step_s=step,
                     token=resolve(args, cfg, "token"))

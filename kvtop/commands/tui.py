@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
     p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
                    help="do not read host memory")
+    p.add_argument("--prometheus", default=None, metavar="URL",
+                   help="show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
+    p.add_argument("--selector", default=None, metavar="MATCHERS",
+                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
 
 
 def looks_like_metrics(text: str) -> bool:
@@ -109,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
 
+    if getattr(args, "prometheus", None):
+        return prometheus_console(args, theme=theme, interval=interval, timeout=timeout, itl_target_s=itl_target_s)
     if args.replay:
         path = Path(args.replay)
         if not path.is_file():
@@ -165,3 +171,25 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
         return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
     finally:
         feed.close()
+
+
+def prometheus_console(args: argparse.Namespace, theme: str | None, interval: float, timeout: float,
+                       itl_target_s: float | None) -> int:
+    """The console over what a Prometheus server scrapes: the fleet screen first, enter opens one."""
+    from kvtop.analysis.live import LiveAnalyzer
+    from kvtop.core import Core
+    from kvtop.sources.promfleet import PromFeed, parse_selector
+    from kvtop.tui.app import run_console
+
+    if args.url or args.replay:
+        raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
+    try:
+        parse_selector(args.selector)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    core = Core(itl_target_s=itl_target_s, source_label=f"prometheus {args.prometheus}",
+                analysis=LiveAnalyzer(itl_target_s=itl_target_s))
+    core.gpu_status = "not read (engines come from Prometheus)"
+    feed = PromFeed(core, args.prometheus, selector=args.selector, interval_s=max(interval, 2.0),
+                    timeout_s=max(timeout, 5.0), window_s=core.window_s * 2)
+    return run_console(core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)

@@ -93,6 +93,7 @@ class AgentView:
     action: str | None = None
     mechanism: str | None = None
     confidence: float | None = None
+    itl_target_s: float | None = None
     spikes: dict[str, float] = field(default_factory=dict)  # cause -> spikes in the window
 
 
@@ -216,6 +217,8 @@ class PromFleet:
                 a.action, a.mechanism = lb.get("action"), lb.get("mechanism")
             for lb, _, v in self.client.query(f"kvtop_verdict_confidence{self._sel()}"):
                 agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).confidence = v
+            for lb, _, v in self.client.query(f"kvtop_itl_target_seconds{self._sel()}"):
+                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).itl_target_s = v
             q = f"sum by (engine, instance, cause) (increase(kvtop_token_gap_spikes_total{self._sel()}[{w}]))"
             for lb, _, v in self.client.query(q):
                 a = agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", "")))
