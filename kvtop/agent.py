@@ -91,7 +91,8 @@ class Agent:
             "itl_target_s": (rep or {}).get("itl_target_s"),
             "engines": [
                 {"engine": engine_label(e.url, e.engine), "up": e.up, "kv_usage": e.kv_usage,
-                 "preemptions_total": e.preemptions_total}
+                 "preemptions_total": e.preemptions_total, "preemptions_per_s": e.preemptions_per_s,
+                 "itl_p99_s": e.itl_p99_s}
                 for e in self.core.snapshot().engines
             ],
         }
@@ -101,7 +102,9 @@ class Agent:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _report(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self.report(), allow_nan=False), content_type="application/json")
+        from kvtop.model.trace import _finite
+
+        return web.Response(text=json.dumps(_finite(self.report()), allow_nan=False), content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

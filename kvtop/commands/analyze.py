@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace file (JSON Lines, or a .jsonl.gz agent segment) written by kvtop record / simulate / agent")
     p.add_argument("--prometheus", metavar="URL", default=None,
                    help="analyze the engines a Prometheus server holds instead of a trace (aggregate basis)")
-    p.add_argument("--start", default="-1h", metavar="TIME",
-                   help="with --prometheus: start (now, -1h, unix seconds or RFC 3339; default -1h)")
+    p.add_argument("--start", default="now-1h", metavar="TIME",
+                   help="with --prometheus: start (now-1h, unix seconds or RFC 3339; default now-1h)")
     p.add_argument("--end", default="now", metavar="TIME", help="with --prometheus: end (default now)")
     p.add_argument("--step", default="15s", metavar="SECONDS", help="with --prometheus: evaluation step (default 15s)")
     p.add_argument("--selector", default=None, metavar="MATCHERS",

@@ -317,6 +317,8 @@ def parse_time(text: str, now: float | None = None) -> float:
     s = text.strip()
     if s == "now":
         return now
+    if s.startswith("now-"):  # `--start now-1h` (argparse takes a bare -1h for an option)
+        s = s[3:]
     if s.startswith("-"):
         from kvtop.config import parse_seconds
 
@@ -328,7 +330,7 @@ def parse_time(text: str, now: float | None = None) -> float:
     try:
         dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
     except ValueError:
-        raise ValueError(f"not a time: {text!r} (use now, -1h, unix seconds or 2026-01-31T12:00:00Z)") from None
+        raise ValueError(f"not a time: {text!r} (use now, now-1h, unix seconds or 2026-01-31T12:00:00Z)") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()
