@@ -348,10 +348,10 @@ def analyze_history(client: PromClient, start: float, end: float, step: float, s
     fleet = PromFleet(client, selector=selector, step_s=step, window_s=end - start)
     # discover over the whole range, not just what is scraped now
     names = fleet._sel(f'__name__=~"{ENGINE_NAMES}"')
-    rng = f"{max(1, int(math.ceil(end - start)))}s"
-    rows = client.query(f"count by (job, instance) (count_over_time({names}[{rng}]))", at=end)
+    # a coarse range query: instances that existed at any point of [start, end], not just at its end
+    rows = client.query_range(f"count by (job, instance) ({names})", start, end, max(step, (end - start) / 60))
     out = []
-    for lb, _, _ in sorted(rows, key=lambda r: (r[0].get("instance", ""), r[0].get("job", ""))):
+    for lb, _ in sorted(rows, key=lambda r: (r[0].get("instance", ""), r[0].get("job", ""))):
         tg = Target(lb.get("job", ""), lb.get("instance", ""))
         recs = fleet.history(tg, start, end, step)
         an = LiveAnalyzer(itl_target_s=itl_target_s, report_every_s=0.0)
