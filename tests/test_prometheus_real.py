@@ -26,14 +26,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
 
 from kvtop.core import Core
 from kvtop.live import LiveRunner
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.workload import load_preset
-from kvtop.sources.promfleet import PromFeed, PromFleet
 from kvtop.sources.promapi import PromClient
-from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
+from kvtop.sources.promfleet import PromFeed, PromFleet
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
