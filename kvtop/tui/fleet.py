@@ -106,8 +106,8 @@ COLUMNS: tuple[tuple[str, str, Callable[[FleetRow], Any]], ...] = (
 
 def row_cells(r: FleetRow) -> tuple[str, ...]:
     if not r.up:
-        state = f"[b red]down[/] {r.error or ''}"[:60]
-        return (r.instance, r.job or "", r.adapter or "?", state, "", "", "", "", "", "")
+        return (r.instance, r.job or "", r.adapter or "?", "[b red]down[/]", "", "", "", "",
+                f"[red]{(r.error or 'unreachable')[:48]}[/]", "")
     itl = _num(r.itl_p99_s, ".0f", 1e3) + " ms" if r.itl_p99_s is not None else "n/a"
     if r.itl_p99_s is not None and r.itl_target_s:
         over = r.itl_p99_s > r.itl_target_s
