@@ -9,7 +9,10 @@ Cardinality is bounded by construction and never includes a request id:
   cause   preemption, prefill_interference, slow_decode, unknown
   gpu     one per GPU on the node; signal: the host's pinned-memory signals (a handful)
   source  proxy, probe, capture (how a stream was observed); action/mechanism: the advisor's enums
-so a node with E engines and G GPUs exports about 60 + 45 E + 11 G series (README "Fleet").
+Spike, stall, verdict and client-side histogram series exist for the engine the streams are observed
+in front of (the proxy's / probe's); every other engine adds its state only. bench/agent_metrics.py:
+61 series for one engine (no GPU), +7 per further engine, +10 per GPU, the same at 50 or 1,000
+live requests (README "Fleet").
 
 Two paths keep ``/metrics`` cheap whatever the load: per-token work (client-side gap and TTFT
 histograms) happens as records arrive, and everything derived from the core (spike counters, the
