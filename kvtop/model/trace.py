@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from kvtop.model.records import (
     TRACE_FORMAT,
@@ -44,7 +44,7 @@ def is_gzip(path: str | os.PathLike[str]) -> bool:
 def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
     """The trace's bytes, decompressed when it is a gzip file (the agent's rotated segments are)."""
     if is_gzip(path):
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     return open(path, "rb")
 
 
