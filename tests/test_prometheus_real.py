@@ -236,3 +236,25 @@ def test_a_broken_alert_rule_fails_promtool(tmp_path):
     (tmp_path / "bad.yml").write_text(text)
     r = subprocess.run([PROMTOOL, "check", "rules", str(tmp_path / "bad.yml")], capture_output=True, text=True)
     assert r.returncode != 0
+
+
+async def test_console_pointed_at_prometheus_shows_the_instance_with_its_agent(storm):
+    from kvtop.analysis.live import LiveAnalyzer
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.fleet import FleetScreen
+
+    core = Core(itl_target_s=0.1, analysis=LiveAnalyzer(itl_target_s=0.1))
+    feed = PromFeed(core, storm["prom"].url, interval_s=1.0, window_s=60, step_s=1.0)
+    app = KvtopApp(core, feed=feed, interval=0.5)
+    inst = storm["sim"].split("//")[1]
+    async with app.run_test(size=(150, 30)) as pilot:
+        for _ in range(60):
+            await pilot.pause(0.25)
+            screen = app.screen
+            if isinstance(screen, FleetScreen) and screen.rows and screen.rows[0].agent:
+                break
+        assert isinstance(app.screen, FleetScreen)
+        [row] = app.screen.rows
+        assert row.instance == inst and row.up and row.adapter == "vllm" and row.job == "vllm"
+        assert row.agent == storm["agent"].split("//")[1] and row.spikes.get("preemption", 0) > 0
+        assert row.engine is not None and row.engine.preemptions_total > 0
