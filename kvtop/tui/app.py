@@ -179,7 +179,8 @@ class KvtopApp(App[int]):
         Binding("left_square_bracket", "step(-10)", "Back 10 s", key_display="["),
         Binding("right_square_bracket", "step(10)", "Forward 10 s", key_display="]"),
         Binding("g", "seek", "Seek to…"),
-        Binding("f", "fleet", "Fleet (--prometheus)", show=False),
+        # no description: kept out of the help screen, which every console snapshot shows
+        Binding("f", "fleet", "", show=False),
     ]
 
     def __init__(self, core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
