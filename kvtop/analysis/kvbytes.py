@@ -78,11 +78,18 @@ def geometry_from_config(cfg: dict[str, Any]) -> Geometry:
         if not hidden:
             raise ModelConfigError("config lacks head_dim and hidden_size")
         head_dim = int(hidden) // heads_q
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        # hybrid models (SSM / linear attention layers) keep per-token KV only in attention layers;
+        # the others hold a fixed per-sequence state (given separately)
+        attn = [t for t in layer_types if _is_kv_layer(str(t))]
+        if attn and len(attn) < len(layer_types):
+            layers = len(attn)
+            layer_types = attn
     kv_lora = cfg.get("kv_lora_rank")
     rope = cfg.get("qk_rope_head_dim")
     window = None
     swa_layers = 0
-    layer_types = cfg.get("layer_types")
     sw = cfg.get("sliding_window")
     # Qwen2 ships sliding_window with use_sliding_window=false: the window is not applied.
     if sw and cfg.get("use_sliding_window", True):
@@ -102,6 +109,11 @@ def geometry_from_config(cfg: dict[str, Any]) -> Geometry:
         sliding_window=window, swa_layers=swa_layers,
         non_embedding_params=cfg.get("non_embedding_params"),
     )
+
+
+def _is_kv_layer(kind: str) -> bool:
+    k = kind.lower()
+    return "attention" in k and not any(x in k for x in ("linear", "mamba", "ssm", "delta"))
 
 
 def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
@@ -191,3 +203,102 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ModelConfigError(f"model config {path} is not a JSON object")
     geometry_from_config(d)  # validate now so the error names the file
     return d
+
+
+# ---- the one size function every byte count goes through ------------------------------------
+
+@dataclass(frozen=True)
+class KVSize:
+    """KV footprint of sequences on this deployment, per rank and over all ranks.
+
+    Every byte the advisor counts (freed, moved, gated, link demand, recommended host pool) comes
+    from ``rank_bytes`` / ``total_bytes`` so sliding windows, MLA replication, FP8, TP/PP splits and
+    a hybrid model's fixed per-sequence state are honoured in one place.
+
+    ``total`` means the physical bytes on all ``tp·pp`` GPUs together: for GQA with TP ≤ KV heads
+    that is the unsplit model size; for MLA (latent replicated on every TP rank) it is TP copies.
+    """
+
+    layer_bytes_rank: float  # one token, one attention layer, one rank
+    layers_rank: float  # attention layers on one rank (L / PP)
+    swa_layers_rank: float = 0.0  # of which sliding-window layers
+    window: int | None = None
+    state_bytes_rank: float = 0.0  # fixed per-sequence state (SSM / linear attention) on one rank
+    tp: int = 1
+    pp: int = 1
+    replicated: bool = False  # MLA latent: every TP rank holds the same bytes
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def token_bytes_rank(self) -> float:
+        """Per-token bytes on one rank while the context fits every window (β_rank)."""
+        return self.layer_bytes_rank * self.layers_rank
+
+    @property
+    def token_bytes_total(self) -> float:
+        """Per-token bytes over all ranks while the context fits every window (β)."""
+        return self.token_bytes_rank * self.ranks
+
+    def rank_bytes(self, n: float) -> float:
+        """Bytes one rank holds for an ``n``-token sequence (windows capped, state added)."""
+        return self.private_rank_bytes(n, 0.0)
+
+    def total_bytes(self, n: float) -> float:
+        return self.rank_bytes(n) * self.ranks
+
+    def private_rank_bytes(self, n: float, held: float) -> float:
+        """Bytes one rank holds for tokens [held, n) of an ``n``-token sequence.
+
+        ``held`` tokens at the start are shared with live requests (or already on the host): they
+        are neither freed nor moved. A windowed layer holds only the last ``window`` tokens, so a
+        prefix that slid out of the window costs nothing there. The fixed state is always private.
+        """
+        n = max(0.0, float(n))
+        held = min(max(0.0, float(held)), n)
+        full = self.layers_rank - self.swa_layers_rank
+        tokens = full * (n - held)
+        if self.swa_layers_rank:
+            w = float(self.window or n)
+            tokens += self.swa_layers_rank * max(0.0, n - max(n - w, held))
+        state = self.state_bytes_rank if n > 0 else 0.0
+        return self.layer_bytes_rank * tokens + state
+
+    def private_total_bytes(self, n: float, held: float) -> float:
+        return self.private_rank_bytes(n, held) * self.ranks
+
+    def describe(self) -> str:
+        bits = [f"TP={self.tp}"]
+        if self.pp > 1:
+            bits.append(f"PP={self.pp}")
+        if self.replicated:
+            bits.append("MLA latent replicated per rank")
+        if self.window and self.swa_layers_rank:
+            bits.append(f"{self.swa_layers_rank:g} of {self.layers_rank:g} layers windowed at {self.window}")
+        if self.state_bytes_rank:
+            bits.append(f"+{self.state_bytes_rank / 2**20:.3g} MiB fixed state per sequence per rank")
+        return ", ".join(bits)
+
+
+def kv_size(config: dict[str, Any] | Geometry | None = None, dtype: str = "bf16", tp: int = 1, pp: int = 1,
+            token_bytes_rank: float | None = None, state_bytes_total: float = 0.0) -> KVSize:
+    """The ``KVSize`` of a model (config or geometry), or of a given per-rank per-token size.
+
+    ``token_bytes_rank`` overrides the geometry's per-token size (an operator's measured figure);
+    the geometry's window structure still applies when a geometry is given.
+    """
+    tp, pp = max(1, int(tp)), max(1, int(pp))
+    state_rank = float(state_bytes_total) / (tp * pp)
+    if config is None:
+        if token_bytes_rank is None:
+            raise ModelConfigError("KV size unknown: give a model, a model config or bytes per token")
+        return KVSize(float(token_bytes_rank), 1.0, state_bytes_rank=state_rank, tp=tp, pp=pp)
+    g = config if isinstance(config, Geometry) else geometry_from_config(config)
+    layers = g.layers / pp
+    lb = _layer_bytes(g, dtype, tp)
+    if token_bytes_rank is not None:
+        lb = float(token_bytes_rank) / layers
+    swa = g.swa_layers / pp if g.sliding_window else 0.0
+    return KVSize(lb, layers, swa, g.sliding_window, state_rank, tp, pp, replicated=g.mla)
