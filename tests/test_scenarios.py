@@ -226,3 +226,72 @@ def test_prefill_counts_every_step_over_the_target():
     doc["traffic"]["long_prompts_per_s"] = 0.02
     v = _verdict(doc)
     assert v["action"] == "no_action" and v["decided_by"][0]["gate"] == "spike_pattern"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_every_verdict_names_the_gate_that_decided_it(path, kvtop_cli):
+    v = scenario.evaluate(scenario.load(path))["verdict"]
+    assert v["decided_by"], f"{path.stem}: no deciding gate"
+    assert all(d["gate"] and d["detail"] for d in v["decided_by"])
+
+
+def test_advise_text_says_which_gate_decided(kvtop_cli):
+    r = kvtop_cli("advise", "--scenario", str(HERE / "S12.json"))
+    assert r.returncode == 0, r.stderr
+    assert "decided by: cause_weight" in r.stdout and "97%" in r.stdout
+    assert "ADMISSION" in r.stdout
+
+
+def test_lost_time_outweighs_spike_counts():
+    """S12 with the time over target removed: 27 of 143 spikes (19 %) is no dominant cause."""
+    doc = scenario.load(HERE / "S12.json")
+    for c in doc["observed"]["causes"].values():
+        c.pop("lost_s")
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "insufficient_data"
+    # a single cause explaining most of the lost time always decides, however many short gaps there are
+    doc = scenario.load(HERE / "S12.json")
+    doc["observed"]["causes"]["unknown"].update(spikes=5000, lost_s=170)  # 181 / 351 = 52 %
+    doc["observed"]["spikes"] = 5027
+    assert scenario.evaluate(doc)["verdict"]["action"] == "admission"
+
+
+def test_no_host_tier_emits_no_offload_setting():
+    v = scenario.evaluate(scenario.load(HERE / "S8.json"))["verdict"]
+    assert not any("offload" in k for k in v["settings"])
+    assert any("no host KV tier" in r for r in v["reasons"])
+    s1 = scenario.evaluate(scenario.load(HERE / "S1.json"))["verdict"]
+    assert s1["action"] == "swap"  # the same case with a host tier
+
+
+def test_freed_bytes_are_totals_for_gqa_and_mla_alike():
+    """freed bytes = moved bytes over all ranks when nothing is shared, for GQA (S1) and MLA (S13)."""
+    for name in ("S1", "S13"):
+        n = scenario.evaluate(scenario.load(HERE / f"{name}.json"))["verdict"]["numbers"]
+        assert n["freed_bytes"]["value"] == pytest.approx(n["bytes_moved_total"]["value"], rel=1e-5)
+        assert n["kv_bytes_per_token"]["value"] == pytest.approx(
+            n["kv_bytes_per_token_rank"]["value"] * n["ranks"]["value"], rel=1e-5)
+
+
+@pytest.mark.parametrize("impl,keys", [
+    ("vllm_v0_swap", {"--preemption-mode": "swap", "--swap-space": 3}),
+    ("vllm_v1_offload", {"--kv-offloading-backend": "native", "--kv-offloading-size": 10}),
+    ("lmcache", {"--kv-offloading-backend": "lmcache", "--kv-offloading-size": 10, "LMCache local_cpu": True,
+                 "LMCache max_local_cpu_size": 2.6}),
+    ("sglang_hicache", {"--enable-hierarchical-cache": True, "--hicache-size": 3}),
+])
+def test_swap_settings_per_implementation(impl, keys):
+    """S1 (70B TP4, 32,000 tokens): V = 32,000 x 81,920 = 2.62 GB per rank, 10.49 GB over 4 ranks.
+
+    With 11 GB of pinned memory free the pool holds one sequence (10.49 GB, not 4 x 10.49):
+    V1 connector / LMCache --kv-offloading-size (all ranks): 10.49e9 / 2^30 = 9.77 -> 10 GiB;
+    LMCache max_local_cpu_size (per rank) = 10.49 / 4 = 2.62 -> 2.6 GB;
+    V0 --swap-space (per GPU) = 2.62e9 / 2^30 = 2.44 -> 3 GiB; HiCache --hicache-size (per rank) 2.62 -> 3 GB.
+    """
+    doc = scenario.load(HERE / "S1.json")
+    doc["swap"] = {"implementation": impl}
+    doc["host"] = {"pinned_free_bytes": 11e9}
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "swap"
+    for k, want in keys.items():
+        assert v["settings"][k] == want, (k, v["settings"])

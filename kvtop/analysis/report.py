@@ -33,6 +33,8 @@ def render_verdict_text(v: dict[str, Any]) -> str:
     if v.get("also"):
         head += "  also: " + ", ".join(a.replace("_", " ") for a in v["also"])
     lines.append(f"verdict: {head}   confidence {v['confidence']:.2f}" + ("   MARGINAL" if v.get("marginal") else ""))
+    for d in v.get("decided_by") or []:
+        lines.append(f"  decided by: {d['gate']} — {d['detail']}")
     for r in v.get("reasons", []):
         lines.append(f"  - {r}")
     if v.get("settings"):
