@@ -176,7 +176,7 @@ def test_two_rare_preemptions_are_no_action():
     v = _verdict(doc)
     assert v["action"] == "no_action"
     assert v["settings"] == {}
-    assert v["decided_by"][0]["gate"] == "spike_pattern"
+    assert v["numbers"]["decided_by"]["value"][0]["gate"] == "spike_pattern"
     # 0.002 per completed request alone (no count) also fails the 1 %-of-streams rule
     doc["observed"] = {}
     assert _verdict(doc)["action"] == "no_action"
@@ -193,7 +193,7 @@ def test_itl_within_target_is_no_action():
     doc["observed"] = {"itl_p99_ms": 95, "preemptions": 40, "window_s": 600}
     v = _verdict(doc)
     assert v["action"] == "no_action"
-    assert v["decided_by"][0]["gate"] == "itl_target_met"
+    assert v["numbers"]["decided_by"]["value"][0]["gate"] == "itl_target_met"
     doc["observed"]["itl_p99_ms"] = 400
     assert _verdict(doc)["action"] == "swap"
 
@@ -225,14 +225,14 @@ def test_prefill_counts_every_step_over_the_target():
     # ten times rarer prompts: 0.18 % of gaps -> the p99 target holds, no action
     doc["traffic"]["long_prompts_per_s"] = 0.02
     v = _verdict(doc)
-    assert v["action"] == "no_action" and v["decided_by"][0]["gate"] == "spike_pattern"
+    assert v["action"] == "no_action" and v["numbers"]["decided_by"]["value"][0]["gate"] == "spike_pattern"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_every_verdict_names_the_gate_that_decided_it(path, kvtop_cli):
     v = scenario.evaluate(scenario.load(path))["verdict"]
-    assert v["decided_by"], f"{path.stem}: no deciding gate"
-    assert all(d["gate"] and d["detail"] for d in v["decided_by"])
+    assert v["numbers"]["decided_by"]["value"], f"{path.stem}: no deciding gate"
+    assert all(d["gate"] and d["detail"] for d in v["numbers"]["decided_by"]["value"])
 
 
 def test_advise_text_says_which_gate_decided(kvtop_cli):

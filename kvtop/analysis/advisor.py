@@ -85,6 +85,8 @@ class Situation:
     size: KVSize | None = None  # the one KV-size function (windows, MLA, state, TP/PP)
     swap_impl: str | None = None  # vllm_v0_swap | vllm_v1_offload | lmcache | sglang_hicache | none
     evidence_hint: str | None = None
+    cause_confidence: dict[str, float] = field(default_factory=dict)  # mean attribution confidence per cause
+    confidence_scale: float = 1.0
     # inputs (Num values)
     n: dict[str, Num] = field(default_factory=dict)
     victims: list[Victim] = field(default_factory=list)
@@ -208,6 +210,8 @@ def advise(s: Situation) -> dict[str, Any]:
 
     diagnose(s)
     cause = s.cause
+    if s.attribution_confidence is None and s.basis != "given" and cause is not None:
+        conf = s.cause_confidence.get(cause, 0.3) * s.confidence_scale
     if cause == "preemption" and not s.preempts:
         cause = "unknown"
         reasons.append("this engine never preempts a running request; stalls are not preemptions")
@@ -268,6 +272,8 @@ def advise(s: Situation) -> dict[str, Any]:
     if action in ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch"):
         reasons.append(FAIRNESS)
     reasons.extend(s.notes)
+    # which gates decided, in order (kept with the numbers: every entry there says where it came from)
+    s.n["decided_by"] = Num(list(s.decided_by), "", "derived", "gates in the order they decided")
     return {
         "action": action,
         "mechanism": mechanism,
@@ -277,8 +283,6 @@ def advise(s: Situation) -> dict[str, Any]:
         "confidence": round(max(0.0, min(1.0, conf)), 3),
         "marginal": marginal,
         "reasons": reasons,
-        "decided_by": list(s.decided_by),
-        "evidence_hint": s.evidence_hint,
     }
 
 
