@@ -223,6 +223,9 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         for c, v in lost.items():
             if v:
                 s.n[f"lost_s_{c}"] = Num(v, "s", "measured", "time over the target")
+                s.n[f"streams_{c}"] = Num(hit_by[c], "", "measured", "streams hit by this cause")
+        if an.t0 is not None and an.now > an.t0:
+            s.n["window"] = Num(an.now - an.t0, "s", "measured", "trace span")
         cc_pre = conf
     else:
         s.spikes = total if s.v("itl_target") is not None else None

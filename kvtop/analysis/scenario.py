@@ -223,3 +223,104 @@ def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     s = situation(doc)
     verdict = advise(s)
     return {"scenario": doc.get("name"), "cause": s.cause, "verdict": verdict}
+
+
+# ---- an analyze report as a scenario (kvtop analyze --save-scenario) --------------------------
+
+# (number in the report, section, field, scale). Only measured/given/config figures travel: the
+# what-if keeps kvtop's documented defaults as defaults instead of freezing them as "given".
+_FROM_REPORT = (
+    ("kv_bytes_per_token_rank", None, "kv_bytes_per_token_rank", 1.0),
+    ("prefill_rate", "prefill", "tokens_per_s", 1.0),
+    ("k_att", "prefill", "k_att", 1.0),
+    ("bw_eff", "link", "bw_eff_gbps", 1e-9),
+    ("bw_h2d", "link", "bw_h2d_gbps", 1e-9),
+    ("bw_d2h", "link", "bw_d2h_gbps", 1e-9),
+    ("host_free_bytes", "host", "pinned_free_bytes", 1.0),
+    ("host_available_bytes", "host", "mem_available_bytes", 1.0),
+    ("cgroup_free_bytes", "host", "cgroup_free_bytes", 1.0),
+    ("seq_tokens", "preemption", "seq_tokens", 1.0),
+    ("cancel_prob", "preemption", "cancel_prob", 1.0),
+    ("preemption_rate", "preemption", "per_minute", 60.0),
+    ("preemptions_per_completed", "preemption", "per_completed", 1.0),
+    ("preemptions_per_preempted", "preemption", "per_preempted", 1.0),
+    ("prompt_mean", "traffic", "prompt_mean", 1.0),
+    ("output_mean", "traffic", "output_mean", 1.0),
+    ("output_p90", "traffic", "output_p90", 1.0),
+    ("output_p99", "traffic", "output_p99", 1.0),
+    ("long_prompt_tokens", "traffic", "long_prompt_tokens", 1.0),
+    ("long_prompt_rate", "traffic", "long_prompts_per_s", 1.0),
+    ("itl_target", "slo", "itl_ms", 1e3),
+    ("decode_step", "observed", "decode_step_ms", 1e3),
+    ("kv_usage_max", "observed", "kv_usage", 1.0),
+    ("running_mean", "observed", "running", 1.0),
+    ("preemptions", "observed", "preemptions", 1.0),
+    ("waiting", "observed", "waiting", 1.0),
+    ("gaps", "observed", "gaps", 1.0),
+    ("streams", "observed", "streams", 1.0),
+    ("streams_hit", "observed", "streams_hit", 1.0),
+    ("window", "observed", "window_s", 1.0),
+    ("kv_capacity_tokens", "capacity", "kv_capacity_tokens", 1.0),
+)
+_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes"}
+
+
+def from_report(rep: dict[str, Any], name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
+    """A scenario holding what an ``analyze`` report measured, ready for ``kvtop advise``.
+
+    Editing one field and re-running ``advise`` is a what-if that starts from a real trace.
+    """
+    nums = (rep.get("verdict") or {}).get("numbers") or {}
+    doc: dict[str, Any] = {"name": name,
+                           "description": "saved by kvtop analyze --save-scenario: measured figures of one trace"}
+    if engine:
+        doc["engine"] = engine
+    mk = nums.get("model_key")
+    if mk and mk.get("value"):
+        doc["model"] = mk["value"]
+    if tp > 1:
+        doc["tp"] = tp
+    for key, section, fld, scale in _FROM_REPORT:
+        n = nums.get(key)
+        if not n or n.get("value") is None or n.get("source") not in ("measured", "given", "config"):
+            continue
+        if key == "kv_bytes_per_token_rank" and n.get("source") == "config" and "model" in doc:
+            continue  # the model name carries it (with its window layout)
+        if key == "k_att" and n.get("source") == "config":
+            continue
+        v = float(n["value"]) * scale
+        if fld in _INTEGER_FIELDS:
+            v = int(round(v))
+        if fld == "kv_usage":
+            v = min(1.0, max(0.0, v))
+        if fld == "cancel_prob":
+            v = min(1.0, v)
+        if section is None:
+            doc[fld] = v
+        else:
+            doc.setdefault(section, {})[fld] = v
+    if "seq_tokens" in doc.get("preemption", {}) and doc["preemption"]["seq_tokens"] < 1:
+        doc["preemption"].pop("seq_tokens")
+    ob = doc.setdefault("observed", {})
+    if rep.get("spikes_total") is not None and rep.get("basis") == "requests":
+        ob["spikes"] = int(rep["spikes_total"])
+        causes: dict[str, Any] = {}
+        for c, info in (rep.get("causes") or {}).items():
+            if not info.get("count"):
+                continue
+            entry: dict[str, Any] = {"spikes": int(info["count"])}
+            lost = nums.get(f"lost_s_{c}")
+            if lost and lost.get("value") is not None:
+                entry["lost_s"] = float(lost["value"])
+            hit = nums.get(f"streams_{c}")
+            if hit and hit.get("value") is not None:
+                entry["streams"] = int(hit["value"])
+            causes[c] = entry
+        if causes:
+            ob["causes"] = causes
+    if not ob:
+        doc.pop("observed")
+    if not any(k in doc for k in ("model", "model_config", "kv_bytes_per_token", "kv_bytes_per_token_rank")):
+        raise ScenarioError("the report does not know the KV size: give --model-config or --kv-bytes-per-token")
+    validate(doc, "saved scenario")
+    return doc
