@@ -114,7 +114,7 @@ def test_advise_invalid_scenario(kvtop_cli, tmp_path):
 
 # ---- issue 13 regressions: each number below is worked out by hand in the docstring ----------
 
-def _verdict(doc):
+def _verdict(doc: dict) -> dict:
     scenario.validate(doc)
     return scenario.evaluate(doc)["verdict"]
 
@@ -214,10 +214,10 @@ def test_prefill_counts_every_step_over_the_target():
     assert steps == pytest.approx([0.40009, 0.50092, 0.55769], abs=1e-4)
     share = 0.2 * 3 / ((1 - 0.2 * sum(steps)) / 0.022 + 0.2 * 3)
     assert share == pytest.approx(0.0183, abs=2e-4)
-    doc = {"model": "llama-3.1-8b", "engine": "vllm", "prefill": {"tokens_per_s": 25000, "k_att": 1.8781e-5},
-           "slo": {"itl_ms": 100}, "observed": {"decode_step_ms": 22},
-           "traffic": {"long_prompt_tokens": 24000, "long_prompts_per_s": 0.2},
-           "engine_settings": {"max_num_batched_tokens": 8192}}
+    doc: dict = {"model": "llama-3.1-8b", "engine": "vllm", "prefill": {"tokens_per_s": 25000, "k_att": 1.8781e-5},
+                 "slo": {"itl_ms": 100}, "observed": {"decode_step_ms": 22},
+                 "traffic": {"long_prompt_tokens": 24000, "long_prompts_per_s": 0.2},
+                 "engine_settings": {"max_num_batched_tokens": 8192}}
     v = _verdict(doc)
     assert v["action"] == "chunked_prefill"
     assert v["numbers"]["spike_share"]["value"] == pytest.approx(share, rel=1e-3)

@@ -14,7 +14,6 @@ from typing import Any
 
 from kvtop.analysis import capacity as cap
 from kvtop.analysis import chunking, swapimpl
-from kvtop.analysis.diagnosis import diagnose
 from kvtop.analysis.costmodel import (
     EPSILON_ASYNC,
     EventInputs,
@@ -23,6 +22,7 @@ from kvtop.analysis.costmodel import (
     evaluate_event,
     prefix_policy,
 )
+from kvtop.analysis.diagnosis import diagnose
 from kvtop.analysis.kvbytes import KVSize
 from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
 from kvtop.analysis.swapimpl import IMPLEMENTATIONS
@@ -395,8 +395,8 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
         s.n["prefix_reload"] = Num(pp["prefix_reload_s"], "s", "derived")
         s.n["prefix_discard_cost"] = Num(pp["discard_cost_gpu_s_per_s"], "GPU-s/s", "derived")
         s.n["prefix_policy"] = Num(pp["policy"], "", "derived")
-        reasons.append(f"shared prefix: recompute {pp['prefix_recompute_s'] * 1e3:.1f} ms per miss vs reload "
-                       f"{pp['prefix_reload_s'] * 1e3:.1f} ms: keep or offload it, never discard")
+        reasons.append(f"shared prefix: recompute {float(pp['prefix_recompute_s']) * 1e3:.1f} ms per miss vs reload "
+                       f"{float(pp['prefix_reload_s']) * 1e3:.1f} ms: keep or offload it, never discard")
 
     if beta is not None and s.v("seq_tokens") is not None and bw:
         x, cost = _event(s, beta, beta_rank, a, k_att, bw)
@@ -498,16 +498,16 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             s.n["swap_bytes_per_event"] = Num(ch.swap_bytes_per_event, "B", "derived", "out + in")
     admission = ch.churn or ch.abandonment or (gates_fail and bool(s.v("gates_fail_persistently")))
     if admission:
-        why = []
+        grounds: list[str] = []
         if ch.churn:
-            why.append(f"churn (r_pre {ch.r_pre if ch.r_pre is not None else float('nan'):.3g} > {cap.CHURN_R_PRE:g}"
+            grounds.append(f"churn (r_pre {ch.r_pre if ch.r_pre is not None else float('nan'):.3g} > {cap.CHURN_R_PRE:g}"
                        + (f", k̄ {ch.k_bar:.2g} > {cap.CHURN_KBAR:g}" if ch.k_bar is not None and ch.k_bar > cap.CHURN_KBAR
                           else "") + ")")
         if ch.abandonment:
-            why.append(f"abandonment (p {ch.p:.2f} >= {cap.ABANDON_P:g})")
+            grounds.append(f"abandonment (p {ch.p:.2f} >= {cap.ABANDON_P:g})")
         if gates_fail and s.v("gates_fail_persistently"):
-            why.append("swap gates fail persistently")
-        _decided(s, "admission", "; ".join(why) + " -> admission takes priority over the mechanism")
+            grounds.append("swap gates fail persistently")
+        _decided(s, "admission", "; ".join(grounds) + " -> admission takes priority over the mechanism")
     plan = None
     c_kv = s.v("kv_capacity_tokens")
     if c_kv is None and s.v("kv_pool_bytes") and beta:

@@ -248,7 +248,7 @@ class Victim:
 def choose_victim(cands: list[Victim], deficit_bytes: float, beta: float, cost_per_token: float = 1.0
                   ) -> tuple[str, list[dict[str, Any]]]:
     """Rank victims: one that covers the deficit alone first, then freed bytes per unit cost."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for v in cands:
         freed = max(0.0, v.S - v.h_sh) * beta
         needed = math.ceil(deficit_bytes / freed) if freed > 0 else None

@@ -122,7 +122,7 @@ def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
         if dtype.lower() == "fp8_ds_mla":
             return _FP8_DS_MLA_LAYER_BYTES
         # the latent is replicated on every TP rank, never split
-        return (g.kv_lora_rank + (g.qk_rope_head_dim or 0)) * dtype_bytes(dtype)
+        return ((g.kv_lora_rank or 0) + (g.qk_rope_head_dim or 0)) * dtype_bytes(dtype)
     b = dtype_bytes(dtype)
     # heads are split across ranks until there are fewer heads than ranks, then replicated
     return 2 * g.kv_heads * g.head_dim * b / min(max(tp, 1), g.kv_heads)

@@ -262,7 +262,8 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         "spikes_listed": len(spikes),
         "spikes_total": total,
         "causes": {c: {"count": counts[c], "share": round(shares[c], 4),
-                       "mean_confidence": None if conf[c] is None else round(conf[c], 3)} for c in counts},
+                       "mean_confidence": None if conf.get(c) is None else round(float(conf[c] or 0.0), 3)}
+                   for c in counts},
         "requests": requests,
         "verdict": verdict,
         "warnings": list(warnings or []),
