@@ -130,18 +130,12 @@ def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
 
 def kv_bytes_per_token(config: dict[str, Any] | Geometry, dtype: str = "bf16", tp: int = 1) -> int:
     """KV bytes per token on one rank, for a context that fits every sliding window."""
-    g = config if isinstance(config, Geometry) else geometry_from_config(config)
-    return int(round(g.layers * _layer_bytes(g, dtype, tp)))
+    return int(round(kv_size(config, dtype, tp).token_bytes_rank))
 
 
 def seq_bytes(config: dict[str, Any] | Geometry, n: int, dtype: str = "bf16", tp: int = 1) -> int:
     """KV bytes of a whole ``n``-token sequence on one rank (sliding-window layers capped at W)."""
-    g = config if isinstance(config, Geometry) else geometry_from_config(config)
-    lb = _layer_bytes(g, dtype, tp)
-    if g.sliding_window and g.swa_layers:
-        full = g.layers - g.swa_layers
-        return int(round(lb * (full * n + g.swa_layers * min(n, g.sliding_window))))
-    return int(round(lb * g.layers * n))
+    return int(round(kv_size(config, dtype, tp).rank_bytes(n)))
 
 
 # Built-in table (kv-science §1.2, Hugging Face config.json values). N = non-embedding params.
