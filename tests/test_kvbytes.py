@@ -76,13 +76,19 @@ def test_hf_config_file(tmp_path):
         load_config_file(bad)
 
 
+def _key(name: str) -> str:
+    hit = lookup_model(name)
+    assert hit is not None, name
+    return hit[0]
+
+
 def test_lookup_served_names():
-    assert lookup_model("meta-llama/Llama-3.1-8B-Instruct")[0] == "llama-3.1-8b"
-    assert lookup_model("meta-llama/Meta-Llama-3.1-70B-Instruct")[0] == "llama-3.1-70b"
-    assert lookup_model("Qwen/Qwen2.5-7B-Instruct")[0] == "qwen2.5-7b"
-    assert lookup_model("mistralai/Mistral-7B-v0.1")[0] == "mistral-7b-v0.1"
-    assert lookup_model("mistralai/Mistral-7B-Instruct-v0.3")[0] == "mistral-7b"
-    assert lookup_model("sim-llama-3.1-70b-tp4")[0] == "llama-3.1-70b"
+    assert _key("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+    assert _key("meta-llama/Meta-Llama-3.1-70B-Instruct") == "llama-3.1-70b"
+    assert _key("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
+    assert _key("mistralai/Mistral-7B-v0.1") == "mistral-7b-v0.1"
+    assert _key("mistralai/Mistral-7B-Instruct-v0.3") == "mistral-7b"
+    assert _key("sim-llama-3.1-70b-tp4") == "llama-3.1-70b"
     assert lookup_model("tiny-llama") is None
 
 
