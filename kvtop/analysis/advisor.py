@@ -400,7 +400,7 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
 
     if beta is not None and s.v("seq_tokens") is not None and bw:
         x, cost = _event(s, beta, beta_rank, a, k_att, bw)
-        s.n["freed_bytes"] = Num(cost.freed_bytes, "B", "derived", "private tokens only")
+        s.n["freed_bytes"] = Num(cost.freed_bytes, "B", "derived", "GPU memory freed on all ranks (private tokens only)")
         s.n["bytes_moved"] = Num(cost.bytes_per_rank, "B", "derived", "per rank, one direction")
         s.n["bytes_moved_total"] = Num(cost.bytes_per_rank * x.ranks, "B", "derived", "all ranks")
         s.n["t_out"] = Num(cost.t_out, "s", "derived")
@@ -435,7 +435,8 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
                            f"vs {cost.c_rec * 1e3:.1f} ms to recompute ({ratio:.0f}x cheaper, {ratio_b:.0f}x even blocking); "
                            f"resume {cost.t_in * 1e3:.0f} ms vs >= {cost.t_pf * 1e3:.0f} ms")
         else:
-            why = "; ".join(cost.gate_notes[:2]) if gates_fail else (
+            failing = {k for k, v in cost.gates.items() if v is False}
+            why = "; ".join([m for m in cost.gate_notes if m.split(":", 1)[0] in failing][:2]) if gates_fail else (
                 f"recompute {cost.c_rec * 1e3:.1f} ms vs swap {cost.c_swap * 1e3:.1f} ms GPU time, "
                 f"swap resume {cost.t_in * 1e3:.1f} ms vs recompute {cost.t_pf * 1e3:.1f} ms")
             reasons.append(f"recompute: {why}")
@@ -447,8 +448,9 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
         if gates_fail:
             failed = [k for k, v in cost.gates.items() if v is False]
+            why_failed = [m for m in cost.gate_notes if m.split(":", 1)[0] in failed]
             _decided(s, "feasibility", f"swap infeasible ({', '.join(failed)}): "
-                     + "; ".join(cost.gate_notes[:2]) + " -> recompute")
+                     + "; ".join(why_failed[:2]) + " -> recompute")
         elif mechanism == "swap":
             _decided(s, "cost", f"swap {cost.c_swap * 1e3:.2f} ms GPU < recompute {cost.c_rec * 1e3:.1f} ms and "
                      f"resume {cost.t_in * 1e3:.0f} ms <= {cost.t_pf * 1e3:.0f} ms")
