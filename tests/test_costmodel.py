@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,7 +70,7 @@ def test_chunk_plan_s5():
 
 
 def test_gates():
-    base = dict(beta=131072, beta_rank=131072, S=3000, a=A8, k_att=K8, bw_eff=43.7e9)
+    base: dict[str, Any] = dict(beta=131072, beta_rank=131072, S=3000, a=A8, k_att=K8, bw_eff=43.7e9)
     assert evaluate_event(EventInputs(**base, host_free=1e9)).gates["host"] is True
     c = evaluate_event(EventInputs(**base, host_free=1e8))
     assert c.gates["host"] is False and c.mechanism == "recompute"
@@ -119,7 +121,7 @@ def test_directional_link_gates_each_direction_on_its_own_headroom():
     Measured per direction (20 GB/s each, full duplex): 10 <= 16 both ways -> it passes.
     GPU->host measured at 12 GB/s: 10 > 0.8 · 12 = 9.6 -> fails on the swap-out side alone.
     """
-    base = dict(beta=1e6, beta_rank=1e6, S=1000, a=A8, k_att=K8, bw_eff=20e9, rate=10.0)
+    base: dict[str, Any] = dict(beta=1e6, beta_rank=1e6, S=1000, a=A8, k_att=K8, bw_eff=20e9, rate=10.0)
     assert evaluate_event(EventInputs(**base)).gates["link"] is False
     c = evaluate_event(EventInputs(**base, bw_out=20e9, bw_in=20e9, directional=True))
     assert c.gates["link"] is True
