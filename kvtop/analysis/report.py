@@ -226,10 +226,8 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
                 s.n[f"streams_{c}"] = Num(hit_by[c], "", "measured", "streams hit by this cause")
         if an.t0 is not None and an.now > an.t0:
             s.n["window"] = Num(an.now - an.t0, "s", "measured", "trace span")
-        cc_pre = conf
     else:
         s.spikes = total if s.v("itl_target") is not None else None
-        cc_pre = conf
         s.evidence_hint = EVIDENCE_HINT
         waiting = _last_sum(an, "waiting")
         if waiting is not None:
@@ -238,7 +236,7 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
     # advise() runs the diagnosis; the verdict's confidence is the chosen cause's mean attribution
     # confidence, lowered when only aggregates were seen
-    s.cause_confidence = {c: v for c, v in cc_pre.items() if v is not None}
+    s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
     s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
     spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
