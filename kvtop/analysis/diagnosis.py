@@ -120,7 +120,7 @@ def _weigh(s: Situation, pattern: str) -> None:
     if named[best] >= MOST:
         s.cause = best
         why = f"{best.replace('_', ' ')} explains {named[best]:.0%} {unit}"
-    elif named[best] >= ENOUGH and named[best] >= shares["unknown"] * 0.5:
+    elif named[best] >= ENOUGH:
         s.cause = best
         why = f"largest named cause {best.replace('_', ' ')}: {named[best]:.0%} {unit}"
     else:
