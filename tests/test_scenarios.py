@@ -295,3 +295,15 @@ def test_swap_settings_per_implementation(impl, keys):
     assert v["action"] == "swap"
     for k, want in keys.items():
         assert v["settings"][k] == want, (k, v["settings"])
+
+
+def test_counted_spikes_without_causes_fall_back_to_the_sections():
+    """S1 with 40 spikes in 20,000 gaps (0.2 % >= 0.05 %) and no per-cause split: the preemption
+    section is the cause; with 2 spikes the pattern fails and nothing is changed."""
+    doc = scenario.load(HERE / "S1.json")
+    doc["observed"] = {"spikes": 40, "gaps": 20000}
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "swap"
+    assert [d["gate"] for d in v["numbers"]["decided_by"]["value"]][:2] == ["spike_pattern", "premise"]
+    doc["observed"] = {"spikes": 2, "gaps": 20000}
+    assert scenario.evaluate(doc)["verdict"]["action"] == "no_action"

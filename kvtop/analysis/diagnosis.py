@@ -85,6 +85,11 @@ def diagnose(s: Situation) -> None:
         if not ok:
             _no_action(s, "spike_pattern", f"not an ITL-miss pattern: {why}")
             return
+        if s.basis == "given" and not s.cause_counts and not s.cause_lost_s:
+            # a scenario that counts spikes without splitting them by cause: its sections say which
+            _decide(s, "spike_pattern", f"an ITL-miss pattern: {why}; causes not split, the sections decide")
+            _premise(s)
+            return
         s.itl_miss = True
         _weigh(s, why)
         return
