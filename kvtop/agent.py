@@ -183,14 +183,14 @@ class Agent:
 
 
 def build_agent(opts: AgentOptions) -> Agent:
-    """Wire Core + LiveRunner + analysis + exporter (+ rotating trace) for `kvtop agent`."""
-    from kvtop.analysis.live import LiveAnalyzer
+    """The pipeline's live feed (Core + sources + analysis) plus the exporter and the rotating trace."""
+    from kvtop.pipeline import SourceOptions, live_feed
 
-    core = Core(itl_target_s=opts.itl_target_s, source_label="agent",
-                analysis=LiveAnalyzer(itl_target_s=opts.itl_target_s))
-    runner = LiveRunner(core, opts.urls, interval_s=opts.interval_s, gpu=opts.gpu, host=opts.host,
-                        token=opts.token, adapter=opts.adapter, timeout_s=opts.timeout_s,
-                        probe_rate=opts.probe_rate, probe_max_tokens=opts.probe_max_tokens)
+    src = SourceOptions(urls=tuple(opts.urls), interval_s=opts.interval_s, timeout_s=opts.timeout_s, token=opts.token,
+                        adapter=opts.adapter, gpu=opts.gpu, host=opts.host, probe_rate=opts.probe_rate,
+                        itl_target_s=opts.itl_target_s)
+    runner = live_feed(src, label="agent", probe_max_tokens=opts.probe_max_tokens)
+    core = runner.core
     metrics = AgentMetrics(request_engine=engine_label(opts.urls[0]) if opts.urls else None)
     runner.sinks.append(metrics.sink)
     trace = None

@@ -35,14 +35,14 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help="engine base URL or its /metrics URL (repeat for several engines)")
+    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+
+    add_engine_options(p)
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="where /metrics is served (default 127.0.0.1:9470, loopback only)")
     p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
                    help="run the recording proxy here, in front of the first --url")
-    p.add_argument("--probe", type=float, default=None, metavar="RATE",
-                   help="send kvtop's own canary streams to the first engine at this many per second")
+    add_probe_option(p)
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--trace-dir", dest="trace_dir", default=None, metavar="DIR",
@@ -56,45 +56,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-keep-age", dest="trace_keep_age", default="24h", metavar="SECONDS",
                    help="delete segments older than this (default 24h)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: run until stopped)")
-    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
-    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
-                   help="inter-token latency target (default: measured)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
-    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
-    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
-    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
-                   help="do not read the GPU (NVML)")
-    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
-                   help="do not read host memory")
+    add_itl_option(p)
+    add_host_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvtop.agent import DEFAULT_LISTEN, AgentOptions
-    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
+    from kvtop.commands._options import source_options
+    from kvtop.config import load_config, parse_seconds
     from kvtop.errors import UsageError
     from kvtop.proxy import parse_listen
 
     cfg = load_config(getattr(args, "config", None))
-    urls: list[str] = list(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
-    if not urls:
+    src = source_options(args, cfg)
+    if not src.urls:
         raise UsageError("give the engine(s) to watch: --url URL")
-    engine_bases(urls)
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
-    interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
-    itl_ms = resolve(args, cfg, "itl_target_ms")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
-    if not 0.05 <= interval <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    if itl_ms is not None and not itl_ms > 0:
-        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    if args.probe is not None and not 0 < args.probe <= 100:
-        raise UsageError(f"--probe must be between 0 and 100 per second, not {args.probe:g}")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     max_age = parse_seconds(args.trace_max_age, "--trace-max-age")
@@ -106,14 +87,6 @@ def run(args: argparse.Namespace) -> int:
         proxy_listen = parse_listen(args.proxy_listen) if args.proxy_listen else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    adapter = resolve(args, cfg, "adapter")
-    if adapter is not None:
-        from kvtop.plugin import PluginError, load_adapter
-
-        try:
-            load_adapter(adapter)
-        except PluginError as e:
-            raise UsageError(str(e)) from None
     if args.trace_dir:
         from pathlib import Path
 
@@ -126,10 +99,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot create --trace-dir {d}: {e.strerror or e}") from None
 
     opts = AgentOptions(
-        urls=urls, listen=listen, interval_s=interval, timeout_s=timeout,
-        itl_target_s=None if itl_ms is None else itl_ms / 1000.0, token=resolve(args, cfg, "token"),
-        adapter=adapter, gpu=bool(resolve(args, cfg, "gpu", True)), host=bool(resolve(args, cfg, "host", True)),
-        proxy_listen=proxy_listen, probe_rate=args.probe, probe_max_tokens=args.probe_max_tokens,
+        urls=list(src.urls), listen=listen, interval_s=src.interval_s, timeout_s=src.timeout_s,
+        itl_target_s=src.itl_target_s, token=src.token, adapter=src.adapter, gpu=src.gpu, host=src.host,
+        proxy_listen=proxy_listen, probe_rate=src.probe_rate, probe_max_tokens=args.probe_max_tokens,
         trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
         trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
     )

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype for --model-config (bf16, fp8, ...)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for --model-config")
     p.add_argument("--format", choices=("json", "text"), default="text")
+    p.add_argument("--save-scenario", metavar="FILE",
+                   help="also write the measured inputs as a `kvtop advise` scenario (a what-if from this trace)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
         raise UsageError(str(e)) from None
+    if args.save_scenario:
+        _save_scenario(args, rep)
     if args.format == "json":
         print(json.dumps(rep, indent=1))
     else:
@@ -72,11 +76,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_scenario(args: argparse.Namespace, rep: dict) -> None:
+    from pathlib import Path
+
+    from kvtop.analysis import scenario
+    from kvtop.model.trace import TraceReader
+
+    reader = TraceReader(args.trace)
+    engine = (reader.header.get("engine") or {}).get("adapter")
+    reader.close()
+    try:
+        doc = scenario.from_report(rep, f"from {Path(args.trace).name}", engine, args.tp)
+    except scenario.ScenarioError as e:
+        raise UsageError(str(e)) from None
+    try:
+        Path(args.save_scenario).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {args.save_scenario}: {e.strerror or e}") from None
+
+
 def _prometheus(args: argparse.Namespace) -> int:
     import time
 
     from kvtop.analysis.report import render_report_text
     from kvtop.config import parse_seconds
+    from kvtop.model.trace import _finite
     from kvtop.sources.promapi import PromClient, PromError
     from kvtop.sources.promfleet import analyze_history, parse_selector, parse_time
 
@@ -110,8 +134,6 @@ def _prometheus(args: argparse.Namespace) -> int:
         raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
-        from kvtop.model.trace import _finite
-
         print(json.dumps(_finite(rep), indent=1, allow_nan=False, default=str))
         return 0
     print(f"note: {rep['note']}")

@@ -34,7 +34,7 @@ class RecordSink(Sink):
         if not self.tokens:
             return
         if self.emit_dict is not None:
-            self.emit_dict(t, seqs)  # type: ignore[call-arg]
+            self.emit_dict(t, seqs)
             return
         emit = self.emit
         for s in seqs:

@@ -277,7 +277,10 @@ class PromFeed:
         for tg in self.fleet.targets.values():
             self.core.engine_down(tg.url, self.now(), why, tg.adapter)
 
-    async def run(self, stop: Any = None, duration_s: float | None = None) -> None:
+    def controls(self) -> None:
+        return None  # no trace clock: Prometheus is read live
+
+    async def run(self, *, stop: Any = None, duration_s: float | None = None) -> None:
         import asyncio
 
         self._loop = asyncio.get_running_loop()
@@ -320,9 +323,7 @@ def parse_time(text: str, now: float | None = None) -> float:
     if s.startswith("now-"):  # `--start now-1h` (argparse takes a bare -1h for an option)
         s = s[3:]
     if s.startswith("-"):
-        from kvtop.config import parse_seconds
-
-        return now - parse_seconds(s[1:], "time")
+        return now - _seconds(s[1:], text)
     try:
         return float(s)
     except ValueError:
@@ -334,6 +335,20 @@ def parse_time(text: str, now: float | None = None) -> float:
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
     return dt.timestamp()
+
+
+def _seconds(s: str, text: str) -> float:
+    mult = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+    for suffix in ("ms", "s", "m", "h", "d", "w"):
+        if s.endswith(suffix):
+            try:
+                return float(s[: -len(suffix)]) * mult[suffix]
+            except ValueError:
+                break
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"not a time: {text!r} (use now, now-1h, unix seconds or 2026-01-31T12:00:00Z)") from None
 
 
 AGENT_NOTE = ("aggregate analysis from the engines' own counters and histograms in Prometheus: per-request "
