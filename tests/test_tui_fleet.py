@@ -113,12 +113,21 @@ async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
         class fleet:  # noqa: N801
             error = None
 
-        async def run(self, stop) -> None:  # noqa: ANN001
+        def __init__(self, core: Core):
+            self.core = core
+
+        async def run(self, *, stop=None) -> None:  # noqa: ANN001
             await stop.wait()
+
+        def refresh_now(self) -> None:
+            pass
+
+        def controls(self) -> None:
+            return None
 
     Feed.fleet.targets = targets
     Feed.fleet.agents = agents
-    app = KvtopApp(core, feed=Feed(), interval=3600)
+    app = KvtopApp(core, feed=Feed(core), interval=3600)
     async with app.run_test(size=(150, 30)) as pilot:
         await pilot.pause()
         assert isinstance(app.screen, FleetScreen)
