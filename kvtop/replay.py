@@ -27,7 +27,7 @@ _BATCH = 2000  # records fed between yields to the event loop at speed 0
 def last_record_time(path: str | os.PathLike[str]) -> float | None:
     """``t`` of the last readable record, reading only the file's tail (traces can be huge)."""
     p = Path(path)
-    if is_gzip(p):
+    if p.is_dir() or is_gzip(p):
         # a compressed segment cannot seek back cheaply: stream it (segments are size-bounded)
         last = None
         with open_binary(p) as g:

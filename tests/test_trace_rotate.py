@@ -5,12 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import time
 
 from conftest import run_kvtop
 
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.model.trace import TraceReader, make_header
-from kvtop.model.trace_rotate import RotatingTrace, segments
+from kvtop.model.trace_rotate import RotatingTrace, latest_run, segments
 from kvtop.replay import last_record_time
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
@@ -112,3 +113,36 @@ def test_a_truncated_gzip_segment_is_read_up_to_the_cut(tmp_path):
     n = sum(1 for _ in reader.dicts())
     assert 0 < n < len(recs) and reader.skipped >= 1
     assert os.path.getsize(cut) < len(data)
+
+
+def test_the_trace_directory_reads_as_the_latest_run_joined_in_order(tmp_path):
+    recs = _records(20.0)
+    old_run = RotatingTrace(tmp_path, lambda: make_header(agent_wall_t0=1000.0), max_bytes=1 << 30)
+    for r in recs[:500]:  # an earlier agent run, whose clock started over: not joined
+        old_run.write(r)
+    old_run.close()
+    time.sleep(0.01)  # segment names sort by their UTC start
+    rt = RotatingTrace(tmp_path, lambda: make_header(agent_wall_t0=2000.0, recorder="kvtop agent"),
+                       max_bytes=128 << 10, max_age_s=1e9)
+    for r in recs:
+        rt.write(r)
+    rt.close()
+    latest = latest_run(tmp_path)
+    assert len(latest) >= 3 and len(segments(tmp_path)) == len(latest) + 1
+    reader = TraceReader(tmp_path)
+    assert reader.header["agent_wall_t0"] == 2000.0
+    got = list(reader.dicts())
+    assert reader.skipped == reader.unknown_kinds == 0
+    assert [d["t"] for d in got] == [round(r.t, 6) for r in recs]  # every record once, no header in between
+    assert abs(last_record_time(tmp_path) - recs[-1].t) < 1e-6
+    r = run_kvtop("analyze", str(tmp_path), "--format", "json", "--itl-target-ms", "100")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["causes"]["preemption"]["count"] > 0
+    r = run_kvtop("replay", str(tmp_path), "--headless", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["engines"][0]["preemptions_total"] > 0
+
+
+def test_an_empty_trace_directory_is_a_one_line_error(tmp_path):
+    r = run_kvtop("analyze", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no kvtop trace segments" in r.stderr

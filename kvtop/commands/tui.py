@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return prometheus_console(args, cfg, theme)
     if args.replay:
         path = Path(args.replay)
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():
             raise UsageError(f"trace file not found: {path}")
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))

@@ -34,6 +34,10 @@ class TraceError(Exception):
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+# the agent's rotating segments (kvtop/model/trace_rotate.py): kvtop-<UTC start>.jsonl[.gz]
+SEGMENT_PREFIX = "kvtop-"
+ACTIVE_SUFFIX = ".jsonl"
+DONE_SUFFIX = ".jsonl.gz"
 
 
 def is_gzip(path: str | os.PathLike[str]) -> bool:
@@ -42,10 +46,60 @@ def is_gzip(path: str | os.PathLike[str]) -> bool:
 
 
 def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
-    """The trace's bytes, decompressed when it is a gzip file (the agent's rotated segments are)."""
+    """The trace's bytes, decompressed when it is a gzip file (the agent's rotated segments are).
+
+    A directory of agent segments (`kvtop agent --trace-dir`) reads as one trace: the segments of
+    the agent's latest run joined in order, the first segment's header only."""
+    if os.path.isdir(path):
+        segs = latest_run(path)
+        if not segs:
+            raise FileNotFoundError(f"no kvtop trace segments in {path}")
+        return cast(IO[bytes], io.BufferedReader(_Joined(segs), 1 << 20))
     if is_gzip(path):
         return cast(IO[bytes], gzip.open(path, "rb"))
     return open(path, "rb")
+
+
+class _Joined(io.RawIOBase):
+    """Segments read back to back; every segment after the first loses its header line."""
+
+    def __init__(self, paths: list[Path]):
+        self._paths = list(paths)
+        self._cur: IO[bytes] | None = None
+        self._first = True
+
+    def readable(self) -> bool:
+        return True
+
+    def _next(self) -> bool:
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+        if not self._paths:
+            return False
+        p = self._paths.pop(0)
+        self._cur = cast(IO[bytes], gzip.open(p, "rb")) if is_gzip(p) else open(p, "rb")
+        if not self._first:
+            self._cur.readline()
+        self._first = False
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while True:
+            if self._cur is None and not self._next():
+                return 0
+            assert self._cur is not None
+            n = self._cur.readinto(b)  # type: ignore[attr-defined]
+            if n:
+                return int(n)
+            self._cur.close()
+            self._cur = None
+
+    def close(self) -> None:
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+        super().close()
 
 
 def make_header(
@@ -235,3 +289,30 @@ class TraceReader:
         if self.skipped:
             return f"{self.path}: skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)"
         return None
+
+
+def latest_run(directory: str | os.PathLike[str]) -> list[Path]:
+    """Segments (compressed, and the one still being written) of the agent's latest run, in order.
+
+    A restarted agent starts its clock again, so runs are kept apart by the ``agent_wall_t0`` their
+    headers carry; a segment being compressed right now is taken once (the .gz when both exist)."""
+    d = Path(directory)
+    by_stem: dict[str, Path] = {}
+    for p in sorted(d.glob(f"{SEGMENT_PREFIX}*{ACTIVE_SUFFIX}")) + sorted(d.glob(f"{SEGMENT_PREFIX}*{DONE_SUFFIX}")):
+        stem = p.name.removesuffix(".gz").removesuffix(ACTIVE_SUFFIX)
+        by_stem[stem] = p  # .gz listed last: it wins
+    runs: list[tuple[Any, list[Path]]] = []
+    for stem in sorted(by_stem):
+        p = by_stem[stem]
+        try:
+            r = TraceReader(p)
+        except TraceError:
+            continue
+        run = r.header.get("agent_wall_t0")
+        r.close()
+        run = round(run, 1) if isinstance(run, (int, float)) else stem
+        if runs and runs[-1][0] == run:
+            runs[-1][1].append(p)
+        else:
+            runs.append((run, [p]))
+    return runs[-1][1] if runs else []

@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtop.model.records import Record
-from kvtop.model.trace import TraceWriter
+from kvtop.model.trace import ACTIVE_SUFFIX, DONE_SUFFIX, SEGMENT_PREFIX, TraceWriter, latest_run
 
-SEGMENT_PREFIX = "kvtop-"
-ACTIVE_SUFFIX = ".jsonl"
-DONE_SUFFIX = ".jsonl.gz"
+__all__ = ["RotatingTrace", "latest_run", "segments"]
 
 
 def segments(directory: str | os.PathLike[str]) -> list[Path]:
