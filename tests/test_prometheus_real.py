@@ -113,6 +113,7 @@ def storm():
             snap_direct = direct.snapshot()
             await asyncio.to_thread(feed.poll_once)
             out["direct"], out["via"] = snap_direct, via.snapshot()
+            out["computed"] = dict(feed.fleet.computed)
             out["load"] = await load
             stop.set()
             await watch
@@ -168,6 +169,14 @@ def test_reading_engines_back_through_prometheus_agrees_with_the_direct_scrape(s
         (d.preemptions_per_s, v.preemptions_per_s)
     assert d.itl_p99_s and v.itl_p99_s
     assert abs(d.itl_p99_s - v.itl_p99_s) <= 0.25 * d.itl_p99_s, (d.itl_p99_s, v.itl_p99_s)
+
+
+def test_rates_and_quantiles_prometheus_computes_agree_with_the_direct_scrape(storm):
+    d = next(e for e in storm["direct"].engines if e.up)
+    pre, p99 = storm["computed"][storm["sim"].split("//")[1]]
+    assert pre is not None and p99 is not None
+    assert abs(d.preemptions_per_s - pre) <= max(0.3, 0.25 * d.preemptions_per_s), (d.preemptions_per_s, pre)
+    assert abs(d.itl_p99_s - p99) <= 0.25 * d.itl_p99_s, (d.itl_p99_s, p99)
 
 
 def test_fleet_discovery_finds_the_engine_and_the_agents_verdict(storm):

@@ -33,6 +33,14 @@ _DROP_LABELS = frozenset({"__name__", "job", "instance"})
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 
 
+# What Prometheus itself computes for the fleet screen (instant queries): preemption rate and ITL p99,
+# per engine family, each spelled both ways (with the colon and as remote-write rewrites it). The
+# first ITL histogram an instance has wins (`or`): vLLM can expose both names for one distribution.
+_PREEMPT_NAMES = r"(vllm|sglang)[:_](num_preemptions_total|num_retracted_requests_total)"
+_ITL_BUCKETS = (r"(vllm|sglang)[:_]inter_token_latency_seconds_bucket",
+                r"(vllm|sglang)[:_]time_per_output_token_seconds_bucket")
+
+
 def canonical_name(name: str) -> str:
     """The engine's own metric name (``sglang_num_running_reqs`` -> ``sglang:num_running_reqs``)."""
     for p in _COLON_PREFIXES:
@@ -110,6 +118,9 @@ class PromFleet:
         self._clock = clock or (lambda: time.time() - self._epoch0)
         self.targets: dict[tuple[str, str], Target] = {}
         self.agents: dict[str, AgentView] = {}  # engine label -> what its agent says
+        # instance -> (preemptions/s, ITL p99) computed by Prometheus over rate_window_s
+        self.computed: dict[str, tuple[float | None, float | None]] = {}
+        self.rate_window_s = 60.0
         self._last_ts: dict[tuple[str, str], float] = {}
         self.error: str | None = None
 
@@ -174,6 +185,22 @@ class PromFleet:
             out.extend(recs)
         return out
 
+    def prom_rates(self, window_s: float) -> dict[str, tuple[float | None, float | None]]:
+        """instance -> (preemptions/s, ITL p99 s) as Prometheus computes them over ``window_s``."""
+        w = f"{max(1, int(round(window_s)))}s"
+        out: dict[str, list[float | None]] = {}
+        pre = self._sel(f'__name__=~"{_PREEMPT_NAMES}"')
+        for lb, _, v in self.client.query(f"sum by (job, instance) (rate({pre}[{w}]))"):
+            out.setdefault(lb.get("instance", ""), [None, None])[0] = None if math.isnan(v) else v
+        parts = []
+        for n in _ITL_BUCKETS:
+            sel = self._sel(f'__name__=~"{n}"')
+            parts.append(f"sum by (job, instance, le) (rate({sel}[{w}]))")
+        itl = " or ".join(parts)
+        for lb, _, v in self.client.query(f"histogram_quantile(0.99, {itl})"):
+            out.setdefault(lb.get("instance", ""), [None, None])[1] = None if math.isnan(v) else v
+        return {k: (a, b) for k, (a, b) in out.items()}
+
     def poll(self) -> list[EngineRecord]:
         """Discover, then read every instance's new evaluation steps since the last poll.
 
@@ -204,6 +231,10 @@ class PromFleet:
                 self._last_ts[key] = max(r.t for r in recs) + self._epoch0
             out.extend(recs)
         self.poll_agents()
+        try:
+            self.computed = self.prom_rates(self.rate_window_s)
+        except PromError as e:
+            self.error = str(e)
         return out
 
     # -- kvtop agents ---------------------------------------------------------------------------
@@ -250,6 +281,7 @@ class PromFeed:
         self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token), selector=selector,
                                step_s=step_s or max(1.0, min(self.interval_s, 15.0)), window_s=window_s,
                                clock=self.now)
+        self.fleet.rate_window_s = float(getattr(core, "window_s", 60.0))
         self._wake: asyncio.Event | None = None
         self._loop: Any = None
         self.polls = 0

@@ -46,6 +46,9 @@ class FleetRow:
     confidence: float | None
     spikes: dict[str, float]
     engine: EngineView | None = None
+    # the same two numbers as Prometheus computes them (rate(), histogram_quantile()): a cross-check
+    prom_preemptions_per_s: float | None = None
+    prom_itl_p99_s: float | None = None
 
 
 def _host_port(addr: str) -> tuple[str, str]:
@@ -67,13 +70,15 @@ def agent_for(instance: str, agents: dict[str, Any]) -> Any:
     return None
 
 
-def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict[str, Any]) -> list[FleetRow]:
+def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict[str, Any],
+               computed: dict[str, tuple[float | None, float | None]] | None = None) -> list[FleetRow]:
     jobs = {tg.instance: tg for tg in targets.values()}
     rows = []
     for e in snap.engines:
         inst = e.url + (f"/{e.engine}" if e.engine not in (None, "", "0") else "")
         tg = jobs.get(e.url)
         a = agent_for(e.url, agents)
+        pp, pq = (computed or {}).get(e.url, (None, None))
         rows.append(FleetRow(
             instance=inst, job=getattr(tg, "job", None), adapter=e.adapter, up=e.up,
             error=e.error or getattr(tg, "error", None), kv_usage=e.kv_usage, running=e.running, waiting=e.waiting,
@@ -81,7 +86,7 @@ def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict
             itl_target_s=getattr(a, "itl_target_s", None) or snap.itl_target_s,
             agent=getattr(a, "instance", None), action=getattr(a, "action", None),
             mechanism=getattr(a, "mechanism", None), confidence=getattr(a, "confidence", None),
-            spikes=dict(getattr(a, "spikes", {}) or {}), engine=e,
+            spikes=dict(getattr(a, "spikes", {}) or {}), engine=e, prom_preemptions_per_s=pp, prom_itl_p99_s=pq,
         ))
     return rows
 
@@ -139,6 +144,9 @@ def instance_text(r: FleetRow) -> str:
         lines.append(f"preemptions {_num(e.preemptions_per_s, '.2f')}/s (total {_num(e.preemptions_total, '.0f')})")
         lines.append(f"ITL p50 {_num(e.itl_p50_s, '.0f', 1e3)} ms   p99 {_num(e.itl_p99_s, '.0f', 1e3)} ms   "
                      f"TTFT p99 {_num(e.ttft_p99_s, '.0f', 1e3)} ms")
+        if r.prom_preemptions_per_s is not None or r.prom_itl_p99_s is not None:
+            lines.append(f"[dim]as Prometheus computes them: preemptions {_num(r.prom_preemptions_per_s, '.2f')}/s   "
+                         f"ITL p99 {_num(r.prom_itl_p99_s, '.0f', 1e3)} ms[/]")
         lines.append(f"tokens/s prompt {_num(e.prompt_tokens_per_s, '.0f')}   generation "
                      f"{_num(e.generation_tokens_per_s, '.0f')}")
         if e.kv_usage_history:
@@ -252,7 +260,7 @@ def open_fleet(app: Any) -> None:
         return
 
     def rows() -> list[FleetRow]:
-        return fleet_rows(app.core.snapshot(), fleet.targets, fleet.agents)
+        return fleet_rows(app.core.snapshot(), fleet.targets, fleet.agents, getattr(fleet, "computed", None))
 
     def status() -> str:
         return f"[b red]{fleet.error}[/]" if fleet.error else f"[dim]{getattr(feed, 'url', '')}[/]"
