@@ -146,6 +146,17 @@ def test_http_errors_are_one_line_messages(api):
         c.query("html")
 
 
+def test_a_malformed_answer_is_a_degraded_row(api):
+    url, routes = api
+    routes["count by (job, instance)"] = lambda q: _vec([({"job": "vllm", "instance": "odd:8000"}, 30)])
+    routes['instance="odd:8000"'] = lambda q: (200, {"status": "success", "data": {"resultType": "matrix", "result": [
+        {"metric": {"__name__": "vllm:num_requests_running"}, "values": [["not a time", "1"]]}]}})
+    core = Core()
+    PromFeed(core, url, window_s=10, step_s=1).poll_once()
+    [e] = core.snapshot().engines
+    assert not e.up and e.error.startswith("malformed Prometheus answer for ")
+
+
 def test_unreachable_prometheus():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

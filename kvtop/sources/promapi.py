@@ -102,15 +102,21 @@ class PromClient:
         if at is not None:
             params["time"] = f"{at:.3f}"
         out = []
-        for s in self._result(self._get("/api/v1/query", params), "vector"):
-            ts, v = s.get("value", (math.nan, "NaN"))
-            out.append((dict(s.get("metric") or {}), float(ts), _value(v)))
+        try:
+            for s in self._result(self._get("/api/v1/query", params), "vector"):
+                ts, v = s.get("value", (math.nan, "NaN"))
+                out.append((dict(s.get("metric") or {}), float(ts), _value(v)))
+        except (TypeError, ValueError, AttributeError):
+            raise PromError(f"malformed Prometheus answer for {expr!r}") from None
         return out
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[tuple[Labels, list[tuple[float, float]]]]:
         """Range matrix: (labels, [(t, value), ...]) per series."""
         params = {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{max(step, 0.001):g}"}
         out = []
-        for s in self._result(self._get("/api/v1/query_range", params), "matrix"):
-            out.append((dict(s.get("metric") or {}), [(float(t), _value(v)) for t, v in s.get("values") or ()]))
+        try:
+            for s in self._result(self._get("/api/v1/query_range", params), "matrix"):
+                out.append((dict(s.get("metric") or {}), [(float(t), _value(v)) for t, v in s.get("values") or ()]))
+        except (TypeError, ValueError, AttributeError):
+            raise PromError(f"malformed Prometheus answer for {expr!r}") from None
         return out

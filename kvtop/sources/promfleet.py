@@ -177,7 +177,11 @@ class PromFleet:
             return []
         out: list[EngineRecord] = []
         for t in sorted(by_t):
-            recs = adapter.parse(exposition(by_t[t]), self.to_run_clock(t))
+            try:
+                recs = adapter.parse(exposition(by_t[t]), self.to_run_clock(t))
+            except Exception as e:  # one odd step must not lose the instance's other steps
+                tg.error = f"adapter {adapter.name} failed on a step: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+                continue
             for r in recs:
                 r.url = tg.url
                 r.adapter = r.adapter or adapter.name
@@ -295,6 +299,9 @@ class PromFeed:
             recs = self.fleet.poll()
         except PromError as e:
             self._failed(str(e))
+            return
+        except Exception as e:  # an answer this code did not expect: one line, never a traceback
+            self._failed(f"poll failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
             return
         self.fleet.error = None
         for r in recs:
