@@ -22,7 +22,8 @@ from kvtop.model.trace_rotate import segments
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}  # a user's config must not leak in
     return subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import run_kvtop
 from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
 
 from kvtop.core import Core
@@ -50,7 +51,8 @@ def _need(tool: str) -> None:
 
 def _kvtop(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                  "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")})
 
 
 def _read_until(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:  # noqa: ANN001
@@ -211,15 +213,13 @@ def test_every_dashboard_query_runs_and_returns_data(storm):
 
 def test_snapshot_and_analyze_over_prometheus_from_the_command_line(storm):
     prom = storm["prom"].url
-    r = subprocess.run([sys.executable, "-m", "kvtop", "snapshot", "--prometheus", prom, "--duration", "60",
-                        "--format", "json"], capture_output=True, text=True, timeout=60)
+    r = run_kvtop("snapshot", "--prometheus", prom, "--duration", "60", "--format", "json", timeout=60)
     assert r.returncode == 0, r.stderr
     snap = json.loads(r.stdout)
     [eng] = snap["engines"]
     assert eng["url"] == storm["sim"].split("//")[1] and eng["preemptions_total"] > 0
-    r = subprocess.run([sys.executable, "-m", "kvtop", "analyze", "--prometheus", prom, "--start", "now-2m",
-                        "--step", "1s", "--format", "json", "--itl-target-ms", "100"],
-                       capture_output=True, text=True, timeout=60)
+    r = run_kvtop("analyze", "--prometheus", prom, "--start", "now-2m", "--step", "1s", "--format", "json",
+                  "--itl-target-ms", "100", timeout=60)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     [inst] = rep["instances"]
