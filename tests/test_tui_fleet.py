@@ -138,3 +138,26 @@ async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
         await pilot.press("f")
         await pilot.pause()
         assert isinstance(app.screen, FleetScreen)
+
+
+async def test_an_unreachable_prometheus_is_said_in_the_status_line_not_a_crash():
+    import socket
+
+    from kvtop.pipeline import prometheus_feed
+    from kvtop.tui.app import KvtopApp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    feed = prometheus_feed(f"http://127.0.0.1:{port}", timeout_s=1.0, interval_s=1.0)
+    app = KvtopApp(feed.core, feed=feed, interval=0.2)
+    async with app.run_test(size=(150, 20)) as pilot:
+        for _ in range(40):
+            await pilot.pause(0.1)
+            if feed.fleet.error:
+                break
+        await pilot.pause(0.5)
+        assert isinstance(app.screen, FleetScreen)
+        status = str(app.screen.query_one("#fleet-status").render())
+        # the OS's reason keeps its brackets (it is text, not markup)
+        assert f"cannot connect to Prometheus at http://127.0.0.1:{port}: [Errno" in status

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -111,8 +112,8 @@ COLUMNS: tuple[tuple[str, str, Callable[[FleetRow], Any]], ...] = (
 
 def row_cells(r: FleetRow) -> tuple[str, ...]:
     if not r.up:
-        return (r.instance, r.job or "", r.adapter or "?", "[b red]down[/]", "", "", "", "",
-                f"[red]{(r.error or 'unreachable')[:48]}[/]", "")
+        return (escape(r.instance), escape(r.job or ""), r.adapter or "?", "[b red]down[/]", "", "", "", "",
+                f"[red]{escape((r.error or 'unreachable')[:48])}[/]", "")
     itl = _num(r.itl_p99_s, ".0f", 1e3) + " ms" if r.itl_p99_s is not None else "n/a"
     if r.itl_p99_s is not None and r.itl_target_s:
         over = r.itl_p99_s > r.itl_target_s
@@ -129,16 +130,16 @@ def row_cells(r: FleetRow) -> tuple[str, ...]:
         conf = "" if r.confidence is None else f" ({r.confidence:.0%})"
         verdict = f"{r.action or '?'}{'/' + r.mechanism if r.mechanism and r.mechanism != 'none' else ''}{conf}"
         spikes = "/".join(f"{r.spikes.get(c, 0):.0f}" for c, _ in CAUSE_SHORT)
-    return (r.instance, r.job or "", r.adapter or "?", kv, _num(r.running, ".0f"), _num(r.waiting, ".0f"),
+    return (escape(r.instance), escape(r.job or ""), r.adapter or "?", kv, _num(r.running, ".0f"), _num(r.waiting, ".0f"),
             pre, itl, verdict, spikes)
 
 
 def instance_text(r: FleetRow) -> str:
     lines = [f"[b]{r.instance}[/b]  job {r.job or 'n/a'}  engine {r.adapter or 'n/a'}  "
-             + ("[green]up[/]" if r.up else f"[b red]down[/] ({r.error})")]
+             + ("[green]up[/]" if r.up else f"[b red]down[/] ({escape(r.error or '')})")]
     e = r.engine
     if e is not None:
-        lines.append(f"model {e.model or 'n/a'}")
+        lines.append(f"model {escape(e.model or 'n/a')}")
         lines.append(f"KV usage {_num(e.kv_usage, '.1%')}   running {_num(e.running, '.0f')}   "
                      f"waiting {_num(e.waiting, '.0f')}")
         lines.append(f"preemptions {_num(e.preemptions_per_s, '.2f')}/s (total {_num(e.preemptions_total, '.0f')})")
@@ -263,6 +264,6 @@ def open_fleet(app: Any) -> None:
         return fleet_rows(app.core.snapshot(), fleet.targets, fleet.agents, getattr(fleet, "computed", None))
 
     def status() -> str:
-        return f"[b red]{fleet.error}[/]" if fleet.error else f"[dim]{getattr(feed, 'url', '')}[/]"
+        return f"[b red]{escape(fleet.error)}[/]" if fleet.error else f"[dim]{escape(str(getattr(feed, 'url', '')))}[/]"
 
     app.push_screen(FleetScreen(rows, status, interval=getattr(app, "interval", 1.0)))
