@@ -142,9 +142,10 @@ class BlockPool:
     def acquire(self, s: Seq, sh: int, own: int) -> None:
         """Take the hit blocks found by ``lookup`` (they leave the cache / gain a reference)."""
         if sh:
-            p = self.prefixes[s.prefix_id]  # type: ignore[index]
+            pid = _prefix_id(s)
+            p = self.prefixes[pid]
             if sh > p.held:
-                self.cache_remove(("p", s.prefix_id), sh - p.held)  # type: ignore[arg-type]
+                self.cache_remove(("p", pid), sh - p.held)
                 p.held = sh
             p.holders[s.id] = sh
         if own:
@@ -163,16 +164,17 @@ class BlockPool:
     def acquire_shared_only(self, s: Seq, sh: int) -> None:
         """A swapped-in sequence re-references its resident prefix blocks (its private ones come
         back over the link)."""
-        p = self.prefixes[s.prefix_id]  # type: ignore[index]
+        pid = _prefix_id(s)
+        p = self.prefixes[pid]
         if sh > p.held:
-            self.cache_remove(("p", s.prefix_id), sh - p.held)  # type: ignore[arg-type]
+            self.cache_remove(("p", pid), sh - p.held)
             p.held = sh
         p.holders[s.id] = sh
         s.shared = sh
 
     def materialise(self, s: Seq) -> None:
         """Prefix blocks this sequence has computed become shared, hashed prefix blocks."""
-        p = self.prefixes[s.prefix_id]  # type: ignore[index]
+        p = self.prefixes[_prefix_id(s)]
         pb = s.prefix_tokens // self.bs
         new = min(pb, s.computed // self.bs, s.blocks)
         if new > s.shared:
@@ -189,10 +191,11 @@ class BlockPool:
     def release_prefix(self, s: Seq) -> None:
         if not s.shared:
             return
-        p = self.prefixes[s.prefix_id]  # type: ignore[index]
+        pid = _prefix_id(s)
+        p = self.prefixes[pid]
         p.holders.pop(s.id, None)
         new_held = max(p.holders.values(), default=0)
-        self.cache_add(("p", s.prefix_id), p.held - new_held)  # type: ignore[arg-type]
+        self.cache_add(("p", pid), p.held - new_held)
         p.held = new_held
         if p.materialiser == s.id:
             p.materialiser = None
@@ -212,7 +215,7 @@ class BlockPool:
         self.release_prefix(s)
         if s.materialising:
             s.materialising = False
-            p = self.prefixes.get(s.prefix_id)  # type: ignore[arg-type]
+            p = self.prefixes.get(_prefix_id(s))
             if p is not None and p.materialiser == s.id:
                 p.materialiser = None
         s.blocks = 0
@@ -232,3 +235,10 @@ class BlockPool:
         for pid, p in self.prefixes.items():
             assert p.held == max(p.holders.values(), default=0)
             assert self.lru.get(("p", pid), 0) == p.resident - p.held, (pid, p.resident, p.held)
+
+
+def _prefix_id(s: Seq) -> str:
+    """The prefix of a sequence that holds or computes shared blocks (it always has one)."""
+    pid = s.prefix_id
+    assert pid is not None, s.id
+    return pid
