@@ -178,3 +178,62 @@ def test_cli_bad_input_is_one_line_exit_2(args, tmp_path):
     r = subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+
+
+def _synthetic(path: Path) -> None:
+    """Three streams at a 20 ms pace; A stalls alone (counter steps after), everyone stalls until
+    D's first token, C stalls alone without a counter step; B slows down evenly at the end."""
+    recs: list[dict] = [{"kind": "header", "format": "kvtop-trace", "version": 1,
+                         "engine": {"adapter": "vllm"}, "kv": {}}]
+    for k in range(9):
+        t = 0.5 + k
+        recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "u", "engine": "0",
+                     "preemptions_total": 0.0 if t < 3.0 else 1.0, "prompt_tokens_total": 1000.0})
+    silent = {"A": [(2.0, 3.2), (5.0, 5.5)], "B": [(5.0, 5.5)], "C": [(4.0, 4.6), (5.0, 5.5)]}
+    for rid in ("A", "B", "C"):
+        recs.append({"kind": "request", "t": 0.05, "id": rid, "event": "arrive"})
+        t, first = 0.1, True
+        while t < 8.0:
+            if not any(a < t < b for a, b in silent[rid]):
+                recs.append({"kind": "request", "t": round(t, 6), "id": rid,
+                             "event": "first_token" if first else "token", "n": 1})
+                first = False
+            t += 0.1 if rid == "B" and t > 6.5 else 0.02
+        recs.append({"kind": "request", "t": 8.0, "id": rid, "event": "finish"})
+    recs.append({"kind": "request", "t": 5.5, "id": "D", "event": "first_token", "n": 1})
+    recs.append({"kind": "request", "t": 9.0, "id": "D", "event": "finish"})
+    recs.sort(key=lambda d: d.get("t", -1))
+    path.write_text("\n".join(json.dumps(d) for d in recs) + "\n")
+
+
+def test_rule_baseline_follows_the_readme_signal_table(tmp_path):
+    from bench.tracegen import baseline
+
+    p = tmp_path / "syn.jsonl"
+    _synthetic(p)
+    idx = baseline.TraceIndex(str(p))
+    lone_a = {"request_id": "A", "t_start": 1.98, "t_end": 3.22}
+    lone_c = {"request_id": "C", "t_start": 3.98, "t_end": 4.62}
+    shared = [{"request_id": r, "t_start": 4.98, "t_end": 5.5} for r in ("A", "B", "C")]
+    slow = {"request_id": "B", "t_start": 7.3, "t_end": 7.45}
+    got = baseline.classify([lone_c, lone_a, *shared, slow], idx)
+    # the one counter step goes to the stall it ends (A), not to C's stall a second later
+    assert got == ["unknown", "preemption", "prefill_interference", "prefill_interference",
+                   "prefill_interference", "slow_decode"]
+
+
+def test_scoring_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
+    from kvtop.analysis.scoring import label, truth_intervals
+
+    g = simulate("delivery", 2, 60.0)
+    p = tmp_path / "d.jsonl"
+    write(g, str(p), 1.0)
+    truth = truth_intervals(str(p))
+    stalls = [d for d in _lines(p) if d.get("kind") == "truth" and d["event"] == "stall"]
+    causes = {d["data"]["cause"] for d in stalls}
+    assert {"preemption", "slow_reader", "host_pause", "api_stall"} <= causes
+    for d in stalls[:200]:
+        spike = {"request_id": d["request_id"], "t_start": d["data"]["t_start"], "t_end": d["data"]["t_end"]}
+        own = [c for a, b, c in truth[d["request_id"]] if a <= spike["t_start"] and b >= spike["t_end"]]
+        assert label(spike, truth) in own
+        assert label({**spike, "request_id": "nobody"}, truth) is None

@@ -7,7 +7,7 @@ stall that lists the request among the ``affected`` streams, or a ``stall`` reco
 of one stream with its ``cause``: engine causes or delivery causes such as a slow reader or a host
 pause, as written by the independent generator in bench/tracegen). With ``engine_wide``, a
 ``slow_step`` run (no stream list: every decoding stream waited) labels every stream's overlapping
-gaps ``slow_decode``.
+gaps ``slow_decode`` (and wins a tie with a prefill stall: the decode part alone missed the target).
 """
 
 from __future__ import annotations
@@ -49,10 +49,15 @@ def truth_intervals(path: str, engine_wide: bool = False) -> dict[str, list[tupl
 
 def label(spike: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]]) -> str | None:
     best, best_ov = None, 0.0
-    own = truth.get(spike["request_id"], [])
-    for a, b, cause in (own + truth[ANY_STREAM]) if ANY_STREAM in truth else own:
+    for a, b, cause in truth.get(spike["request_id"], ()):
         ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
         if ov > best_ov:
+            best, best_ov = cause, ov
+    for a, b, cause in truth.get(ANY_STREAM, ()):
+        ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
+        # a prefill step inside a run of steps whose decode part alone misses the target: the
+        # stall would have happened without the prefill
+        if ov > best_ov or (ov > 0 and ov >= best_ov and best == "prefill_interference"):
             best, best_ov = cause, ov
     return best
 
