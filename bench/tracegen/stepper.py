@@ -187,7 +187,8 @@ class Stepper:
         tokens = v.computed
         self._release(v)
         v.need = v.prompt + v.generated  # recompute: prompt and everything generated so far
-        v.recompute = tokens
+        # tokens of the coming re-prefill that were computed before (all of them once it streamed)
+        v.recompute = v.need if v.generated else tokens
         if v.victim_of is None:
             # a victim preempted before its first token stalls no inter-token gap (i_from = -1)
             v.victim_of = len(self.run.victims)
