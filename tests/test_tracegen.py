@@ -237,3 +237,26 @@ def test_scoring_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
         own = [c for a, b, c in truth[d["request_id"]] if a <= spike["t_start"] and b >= spike["t_end"]]
         assert label(spike, truth) in own
         assert label({**spike, "request_id": "nobody"}, truth) is None
+
+
+@pytest.mark.parametrize("name", ["mixed", "sglang", "nopreempt"])
+def test_every_line_validates_against_the_trace_schema(name, tmp_path):
+    import jsonschema
+
+    schema = json.loads((REPO / "kvtop" / "schemas" / "trace.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    p = tmp_path / "t.jsonl"
+    write(simulate(name, 1, 20.0), str(p), 1.0)
+    recs = _lines(p)
+    kinds = {d["kind"] for d in recs}
+    assert {"header", "engine", "request", "truth"} <= kinds
+    tokens = 0
+    for d in recs:
+        if d.get("event") == "token":
+            tokens += 1
+            if tokens > 500:  # token lines all look alike; validating thousands only costs time
+                continue
+        errs = list(validator.iter_errors(d))
+        assert not errs, (d, errs[0].message)
+    ts = [d["t"] for d in recs[1:]]
+    assert ts == sorted(ts)
