@@ -260,3 +260,20 @@ def test_every_line_validates_against_the_trace_schema(name, tmp_path):
         assert not errs, (d, errs[0].message)
     ts = [d["t"] for d in recs[1:]]
     assert ts == sorted(ts)
+
+
+def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests(base):
+    from bench.tracegen.generate import pages
+    from kvtop.sources.prom import parse_page
+
+    g, _ = base
+    ts, text = list(pages(g, 1.0))[-1]
+    page = parse_page(text)
+    counter = page.value("vllm:num_preemptions_total")
+    hist_sum = page.value("vllm:request_num_preemptions_sum")
+    hist_n = page.value("vllm:request_num_preemptions_count")
+    ended = [r for r in g.run.reqs if r.end_t is not None and r.end_t <= ts]
+    live_counted = sum(r.counted for r in g.run.reqs if r.end_t is None or r.end_t > ts)
+    assert hist_n == len(ended)
+    assert hist_sum == counter - live_counted
+    assert hist_sum > 0

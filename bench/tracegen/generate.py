@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +18,16 @@ from kvtop.model.records import TruthRecord, to_dict, trace_time
 from kvtop.plugin import load_adapter
 
 from .delivery import Stream, deliver, windows
-from .pages import VLLM_ITL_BUCKETS, VLLM_TTFT_BUCKETS, Cum, State, sglang_page, tgi_page, vllm_page
+from .pages import (
+    VLLM_ITL_BUCKETS,
+    VLLM_NUM_PREEMPTIONS_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    Cum,
+    State,
+    sglang_page,
+    tgi_page,
+    vllm_page,
+)
 from .situations import ITL_TARGET_S, SITUATIONS, Situation, requests
 from .stepper import Run, Stepper
 
@@ -81,21 +91,22 @@ def scrape_times(g: Generated, interval_s: float) -> list[float]:
     return out
 
 
-def _engine_lines(g: Generated, interval_s: float) -> list[tuple[float, str]]:
+def pages(g: Generated, interval_s: float) -> Iterator[tuple[float, str]]:
+    """(scrape time, /metrics page text) for every scrape, in the engine family's own names."""
     run = g.run
     sem = g.sit.engine.semantics
-    adapter = load_adapter(ADAPTER[sem])()
     log_t = [e[0] for e in run.log]
     itl = Cum(VLLM_ITL_BUCKETS)
     ttft = Cum(VLLM_TTFT_BUCKETS)
-    ii = ti = 0
+    npre = Cum(VLLM_NUM_PREEMPTIONS_BUCKETS)
+    ended = sorted(run.ended)
+    ii = ti = ei = 0
     # TGI: per-request mean time per token, observed when the request finishes
     tpot = sorted((r.end_t, (r.emits[-1][0] - r.emits[0][0]) / (len(r.emits) - 1))
                   for r in run.reqs if r.end_kind == "finish" and r.end_t is not None and len(r.emits) > 1)
     arrivals = sorted((r.arrive, r.prompt) for r in run.reqs)
     ai = prompt_sum = 0
     fin_n = 0
-    out = []
     for ts in scrape_times(g, interval_s):
         k = bisect_right(log_t, ts) - 1
         e = run.log[k] if k >= 0 else (0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -122,7 +133,17 @@ def _engine_lines(g: Generated, interval_s: float) -> list[tuple[float, str]]:
             while ti < len(run.ttft) and run.ttft[ti][0] <= ts:
                 ttft.add(run.ttft[ti][1])
                 ti += 1
-            text = vllm_page(st, itl, ttft) if sem == "vllm" else sglang_page(st, itl, ttft)
+            while ei < len(ended) and ended[ei][0] <= ts:
+                npre.add(float(ended[ei][1]))
+                ei += 1
+            text = vllm_page(st, itl, ttft, npre) if sem == "vllm" else sglang_page(st, itl, ttft)
+        yield ts, text
+
+
+def _engine_lines(g: Generated, interval_s: float) -> list[tuple[float, str]]:
+    adapter = load_adapter(ADAPTER[g.sit.engine.semantics])()
+    out = []
+    for ts, text in pages(g, interval_s):
         for rec in adapter.parse(text, ts):
             rec.url = URL
             out.append((ts, json.dumps(to_dict(rec), separators=(",", ":"))))

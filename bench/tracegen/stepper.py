@@ -69,6 +69,7 @@ class Req:
     end_t: float | None = None
     end_kind: str | None = None  # finish | cancel
     finish_reason: str | None = None
+    counted: int = 0  # preemptions of this request the engine's counter added
 
 
 @dataclass
@@ -105,6 +106,8 @@ class Run:
     log: list[tuple[float, int, int, int, int, int, int, int, int, int]] = field(default_factory=list)
     itl: list[tuple[float, float, int]] = field(default_factory=list)  # (t, seconds, tokens) per request per step
     ttft: list[tuple[float, float]] = field(default_factory=list)
+    # (t, preemptions counted for the request) when a request ends: vLLM's request_num_preemptions
+    ended: list[tuple[float, int]] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     victims: list[Victim] = field(default_factory=list)
     steps: int = 0
@@ -159,6 +162,7 @@ class Stepper:
         self._release(r)
         r.state = "done"
         r.end_t, r.end_kind, r.finish_reason = t, kind, reason
+        self.run.ended.append((t, r.counted))
         if kind == "cancel":
             self.fin["abort"] += 1
             if r.victim_of is not None:
@@ -198,6 +202,7 @@ class Stepper:
         vi.recompute_tokens = v.need
         if self.s.semantics == "sglang":
             self.pre += 1
+            v.counted += 1
             vi.counted += 1
             vi.counted_at = t
         else:
@@ -386,6 +391,7 @@ class Stepper:
             if r.count_on_resume:
                 self.pre += r.count_on_resume
                 v.counted += r.count_on_resume
+                r.counted += r.count_on_resume
                 v.counted_at = t
                 r.count_on_resume = 0
             if v.i_from >= 0:
