@@ -275,5 +275,6 @@ def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests
     ended = [r for r in g.run.reqs if r.end_t is not None and r.end_t <= ts]
     live_counted = sum(r.counted for r in g.run.reqs if r.end_t is None or r.end_t > ts)
     assert hist_n == len(ended)
+    assert counter is not None and hist_sum is not None
     assert hist_sum == counter - live_counted
     assert hist_sum > 0
