@@ -104,6 +104,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 and 5 s scrapes, shorter runs")
     ap.add_argument("--seeds", type=int, nargs="+")
     ap.add_argument("--intervals", type=float, nargs="+")
+    ap.add_argument("--generators", nargs="+", choices=["tracegen", "sim"], default=["tracegen", "sim"])
     ap.add_argument("--situations", nargs="+", choices=list(SITUATIONS), metavar="NAME")
     ap.add_argument("--presets", nargs="+", choices=list(SIM_PRESETS), metavar="PRESET")
     ap.add_argument("--itl-target-ms", type=float, default=100.0, metavar="N", help="ITL target (default 100)")
@@ -111,8 +112,8 @@ def main() -> int:
     args = ap.parse_args()
     seeds = args.seeds or ([1] if args.quick else [1, 2])
     intervals = args.intervals or ([1.0, 5.0] if args.quick else [1.0, 5.0, 15.0])
-    situations = args.situations or list(SITUATIONS)
-    presets = args.presets if args.presets is not None else list(SIM_PRESETS)
+    situations = (args.situations or list(SITUATIONS)) if "tracegen" in args.generators else []
+    presets = (args.presets or list(SIM_PRESETS)) if "sim" in args.generators else []
     tg_dur = 60.0 if args.quick else None
     sim_dur = 60.0 if args.quick else 120.0
     t_start = time.perf_counter()
