@@ -278,3 +278,13 @@ def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests
     assert counter is not None and hist_sum is not None
     assert hist_sum == counter - live_counted
     assert hist_sum > 0
+
+
+def test_nothing_arrives_during_a_host_pause(tmp_path):
+    g = simulate("delivery", 1, 90.0)
+    p = tmp_path / "dl.jsonl"
+    write(g, str(p), 1.0)
+    recs = [d for d in _lines(p)[1:] if d["kind"] in ("request", "engine")]
+    assert recs
+    for a, dur in g.host_pauses:
+        assert not [d for d in recs if a + 0.001 < d["t"] < a + dur]

@@ -67,6 +67,10 @@ def simulate(name: str, seed: int, duration_s: float | None = None, observed_fra
     # an API stall and a host pause at once would make the truth ambiguous: keep the pause
     stalls = [(a, x) for a, x in stalls if all(a + x < p or a > p + q for p, q in pauses)]
     reqs = requests(sit, seed, dur)
+    for r in reqs:  # the proxy is on the paused host too: a request sent meanwhile lands at the end
+        for a, x in pauses:
+            if a <= r.arrive < a + x:
+                r.arrive = round(a + x + 0.0005, 6)
     run = Stepper(sit.engine, reqs, random.Random(f"{seed}:spec:{sit.name}"), pauses, ITL_TARGET_S).simulate(dur)
     streams = deliver(run, d, seed, sit.name, dur, pauses, stalls)
     return Generated(sit, seed, dur, run, streams, pauses, stalls)
