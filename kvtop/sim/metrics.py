@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from kvtop.sim.engine import Engine, Hist
+from kvtop.sim.engine import Engine
+from kvtop.sim.stats import Hist
 
 _GIB = 1 << 30
 
