@@ -39,12 +39,13 @@ def build(requests: int, engines: int = 1, gpus: int = 1, seed: int = 1) -> tupl
         m.sink(r)
 
     hist = Histogram([(0.05, 10.0), (0.1, 20.0), (float("inf"), 25.0)], 25.0, 1.0)
-    for t in range(0, 31):
+    for sec in range(0, 31):
+        t = float(sec)
         for e in range(engines):
-            emit(EngineRecord(t=float(t), adapter="vllm", url=f"http://10.0.0.{5 + e}:8000", kv_usage=0.9,
+            emit(EngineRecord(t=t, adapter="vllm", url=f"http://10.0.0.{5 + e}:8000", kv_usage=0.9,
                               running=64, waiting=8, preemptions_total=float(t), itl=hist, ttft=hist))
         for g in range(gpus):
-            emit(GpuRecord(t=float(t), index=g, uuid=f"GPU-{g}", mem_used_bytes=70 << 30, mem_total_bytes=80 << 30,
+            emit(GpuRecord(t=t, index=g, uuid=f"GPU-{g}", mem_used_bytes=70 << 30, mem_total_bytes=80 << 30,
                            pcie_tx_bytes_per_s=5e9, pcie_rx_bytes_per_s=2e9, pcie_link_gen=4, pcie_link_gen_max=4,
                            pcie_link_width=16, pcie_link_width_max=16, pcie_replay_count=0, util_pct=90))
     # 1,000 streams still running: 40 tokens each, 25 ms apart, one in twenty with a 400 ms stall

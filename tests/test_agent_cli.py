@@ -87,13 +87,13 @@ def test_agent_serves_metrics_and_leaves_replayable_segments(tmp_path):
             for d in TraceReader(p).dicts():
                 kinds[d["kind"]] += 1
         assert kinds["engine"] >= 4 and kinds["request"] > 50
-        r = run_kvtop("analyze", str(segs[-1]), "--format", "json")
-        assert r.returncode == 0 and json.loads(r.stdout)["records"] > 0
+        done = run_kvtop("analyze", str(segs[-1]), "--format", "json")
+        assert done.returncode == 0 and json.loads(done.stdout)["records"] > 0
     finally:
-        for p in (agent, sim):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("args", [

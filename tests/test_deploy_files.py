@@ -44,7 +44,7 @@ def _exported() -> set[str]:
 
 def _dashboard_exprs() -> list[str]:
     dash = json.loads((DEPLOY / "grafana" / "dashboards" / "kvtop-fleet.json").read_text())
-    out = []
+    out: list[str] = []
     for p in dash["panels"]:
         out.extend(t["expr"] for t in p.get("targets", []))
     return out

@@ -37,7 +37,7 @@ def test_size_limit_rotates_into_gzip_segments_that_hold_every_record_once(tmp_p
     segs = segments(tmp_path)
     assert len(segs) >= 3 and rt.rotations == len(segs)
     assert not list(tmp_path.glob("*.jsonl"))  # nothing left uncompressed after close
-    got = []
+    got: list[dict] = []
     for p in segs:
         with open(p, "rb") as f:
             assert f.read(2) == b"\x1f\x8b"

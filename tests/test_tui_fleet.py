@@ -16,8 +16,9 @@ pytest.importorskip("pytest_textual_snapshot")
 BOUNDS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, float("inf")]
 
 
-def _itl(counts: list[float]) -> Histogram:
-    cum, s = [], 0.0
+def _itl(counts: list[int]) -> Histogram:
+    cum: list[float] = []
+    s = 0.0
     for c in counts:
         s += c
         cum.append(s)
@@ -72,10 +73,10 @@ def test_rows_join_engines_with_their_agents():
     r5 = rows["10.0.0.5:8000"]
     assert r5.preemptions_per_s == pytest.approx(1.0)  # 60 preemptions in 60 s
     assert r5.action == "admission" and r5.spikes["preemption"] == 57 and r5.job == "vllm"
-    assert r5.itl_p99_s is not None and r5.itl_p99_s > r5.itl_target_s
+    assert r5.itl_p99_s is not None and r5.itl_target_s is not None and r5.itl_p99_s > r5.itl_target_s
     assert rows["10.0.0.7:30000"].agent == "10.0.0.7:9470"  # loopback-watching agent on that host
     assert rows["10.0.0.6:8000"].agent is None
-    assert not rows["10.0.0.9:8000"].up and "up == 0" in rows["10.0.0.9:8000"].error
+    assert not rows["10.0.0.9:8000"].up and "up == 0" in (rows["10.0.0.9:8000"].error or "")
     assert agent_for("10.0.0.8:8000", agents) is None
 
 
@@ -112,6 +113,8 @@ async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
 
         class fleet:  # noqa: N801
             error = None
+            targets: dict = {}
+            agents: dict = {}
 
         def __init__(self, core: Core):
             self.core = core
