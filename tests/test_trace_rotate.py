@@ -37,6 +37,7 @@ def test_size_limit_rotates_into_gzip_segments_that_hold_every_record_once(tmp_p
     segs = segments(tmp_path)
     assert len(segs) >= 3 and rt.rotations == len(segs)
     assert not list(tmp_path.glob("*.jsonl"))  # nothing left uncompressed after close
+    assert {p.stat().st_mode & 0o777 for p in segs} == {0o600}  # not readable by other users
     got: list[dict] = []
     for p in segs:
         with open(p, "rb") as f:

@@ -43,7 +43,8 @@ class RotatingTrace:
                  keep_age_s: float = 86400.0, flush_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # request timings are operational data: the directory is the agent user's alone
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._header = header
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
@@ -70,6 +71,7 @@ class RotatingTrace:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         path = self.dir / f"{SEGMENT_PREFIX}{stamp}{ACTIVE_SUFFIX}"
         w = TraceWriter(path, self._header(), flush_interval_s=self.flush_interval_s)
+        os.chmod(path, 0o600)  # also in a directory someone else made world-readable
         self._opened_at = self._clock()
         return w
 
@@ -123,7 +125,9 @@ class RotatingTrace:
         done = path.with_name(path.name[: -len(ACTIVE_SUFFIX)] + DONE_SUFFIX)
         tmp = done.with_name(done.name + ".part")
         try:
-            with open(path, "rb") as src, gzip.open(tmp, "wb", compresslevel=6) as dst:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with open(path, "rb") as src, os.fdopen(fd, "wb") as raw, \
+                    gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
             os.replace(tmp, done)  # readers never see a half-written .gz under the final name
             path.unlink()
