@@ -86,7 +86,7 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
 # -- proxy ---------------------------------------------------------------------------------------
 def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None, workers: int) -> None:
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import make_proxy
+    from kvtop.sources.proxy import make_proxy
 
     writer = TraceWriter(record, make_header(engine={"url": upstream}))
     t0 = time.monotonic()
@@ -219,7 +219,7 @@ def pct(xs: list[float], p: float) -> float:
 def recorder_cost_us(n: int = 20000) -> float:
     """CPU of parsing + recording one chunk, in isolation (no network)."""
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import StreamRecorder
+    from kvtop.sources.sse import StreamRecorder
 
     with tempfile.TemporaryDirectory() as d:
         w = TraceWriter(Path(d) / "t.jsonl", make_header())

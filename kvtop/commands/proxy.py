@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvtop.errors import UsageError
-    from kvtop.proxy import parse_listen
+    from kvtop.sources.proxy import parse_listen
 
     try:
         host, port = parse_listen(args.listen)
@@ -60,7 +60,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
 
     from kvtop.errors import UsageError
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import make_proxy
+    from kvtop.sources.proxy import make_proxy
 
     t0 = time.monotonic()
 

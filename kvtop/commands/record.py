@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     bases = engine_bases(urls)
     listen = None
     if args.proxy_listen:
-        from kvtop.proxy import parse_listen
+        from kvtop.sources.proxy import parse_listen
 
         try:
             listen = parse_listen(args.proxy_listen)
@@ -144,7 +144,7 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     proxy = None
     try:
         if o["listen"] is not None:
-            from kvtop.proxy import make_proxy
+            from kvtop.sources.proxy import make_proxy
 
             host, port = o["listen"]
             proxy = make_proxy(o["base"], runner.emit, runner.now, host=host, port=port,
