@@ -253,8 +253,9 @@ class Core:
             self._requests[rec.id] = r
             self._trim_requests()
         ev = rec.event
-        if ev in ("token", "first_token"):
-            if r.last_token_t is not None:
+        if ev in ("token", "first_token", "resync"):
+            # resync: tokens after a capture hole; the time since the last token is not a gap
+            if r.last_token_t is not None and ev != "resync":
                 gap = rec.t - r.last_token_t
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t

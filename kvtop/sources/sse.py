@@ -128,7 +128,7 @@ class StreamRecorder:
 
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
-        "_finish_reason", "_overflow", "_pend_n", "_pend_t",
+        "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -148,6 +148,12 @@ class StreamRecorder:
         # (n summed) at the end of the read: a gap of zero between them is TCP batching, not timing.
         self._pend_n = 0
         self._pend_t = 0.0
+        # Passive capture can lose bytes (a kernel drop): ``hole()`` counts it, the next token
+        # record is a "resync" (its gap from the previous token is unknown, never a stall) and
+        # the end record says incomplete.
+        self.holes = 0
+        self._skip = False
+        self._resync = False
 
     @property
     def tokens(self) -> int:
@@ -156,6 +162,10 @@ class StreamRecorder:
     def feed(self, chunk: bytes, t: float) -> None:
         if self.ended:
             return
+        if self._skip:
+            chunk = self._after_hole(chunk)
+            if not chunk:
+                return
         if not self.sse:
             cap = _ERROR_BODY_CAP if self.status >= 400 else _JSON_BODY_CAP
             if self._overflow + len(chunk) <= cap:
@@ -186,6 +196,31 @@ class StreamRecorder:
             self._overflow = _JSON_BODY_CAP + 1
             rest = b""
         self._buf = rest
+
+    def hole(self) -> None:
+        """Bytes of this response were lost between the last ``feed`` and the next."""
+        if self.ended:
+            return
+        self.holes += 1
+        if self._pend_n:
+            self._flush_tokens()
+        self._resync = True
+        if self.sse:
+            self._buf = b""
+            self._skip = True  # the next bytes may start mid-event
+        else:
+            self._overflow = _JSON_BODY_CAP + 1  # a JSON body with a hole in it cannot be parsed
+
+    def _after_hole(self, chunk: bytes) -> bytes:
+        if chunk.startswith(b"data:"):  # the hole ended on an event boundary (the usual case)
+            self._skip = False
+            return chunk
+        chunk = chunk.replace(b"\r\n", b"\n")
+        i = chunk.find(b"\n\n")
+        if i < 0:
+            return b""
+        self._skip = False
+        return chunk[i + 2:]
 
     def _event(self, raw: bytes, t: float) -> None:
         if raw.startswith(b"data: ") and b"\n" not in raw:
@@ -256,7 +291,14 @@ class StreamRecorder:
     def _flush_tokens(self) -> None:
         n = self._pend_n
         self._pend_n = 0
-        self.emit(RequestRecord(self._pend_t, self.id, "first_token" if self._tokens == 0 else "token", n=n))
+        if self._tokens == 0:
+            ev = "first_token"
+        elif self._resync:
+            ev = "resync"
+        else:
+            ev = "token"
+        self._resync = False
+        self.emit(RequestRecord(self._pend_t, self.id, ev, n=n))
         self._tokens += n
 
     def _end(self, rec: RequestRecord) -> None:
@@ -264,6 +306,8 @@ class StreamRecorder:
             if self._pend_n:
                 self._flush_tokens()
             self.ended = True
+            if self.holes:
+                rec.incomplete = True
             self.emit(rec)
 
     def finish(self, t: float) -> None:
