@@ -112,6 +112,7 @@ class Core:
         self.analysis = analysis
         self.source_label = source_label
         self.gpu_status = "ok"
+        self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
         self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
@@ -398,6 +399,7 @@ class Core:
             analysis=analysis,
             paused=self.paused,
             source_label=self.source_label,
+            capture=self.capture,
         )
 
     def request_timeline(self, request_id: str) -> RequestTimeline | None:

@@ -71,7 +71,8 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     if args.record:
         try:
             writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": args.upstream},
-                                                          recorder="kvtop proxy"))
+                                                          recorder="kvtop proxy",
+                                                          clock_t0_unix=round(time.time() - clock(), 6)))
         except OSError as e:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
     summary = _Summary(sys.stderr) if not args.quiet else None

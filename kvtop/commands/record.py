@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 NAME = "record"
-HELP = "record engine, GPU, host and (with --proxy-listen / --probe) per-request timings to a trace file"
+HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
 DESCRIPTION = (
     "Headless: scrapes the engine(s), the GPU and the host every --interval and appends every record "
     "to the trace (JSON Lines, flushed at least once a second). With --proxy-listen, a recording proxy "
-    "in front of the first --url records each request's token timeline; --probe RATE sends kvtop's "
-    "own small canary streams. Stops on Ctrl-C / SIGTERM or after --duration, flushing everything."
+    "in front of the first --url records each request's token timeline; --capture observes the "
+    "engine's own port passively (root or CAP_NET_RAW); --probe RATE sends kvtop's own small canary streams. Stops on Ctrl-C / SIGTERM or after --duration, flushing everything."
 )
 ORDER = 30
 
@@ -20,6 +20,8 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtop.sources.capture.options import add_capture_argument
+
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
     p.add_argument("--url", action="append", default=None, metavar="URL",
@@ -28,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the recording proxy here, in front of the first --url (e.g. 127.0.0.1:8001)")
     p.add_argument("--proxy-workers", dest="proxy_workers", type=int, default=1, metavar="N",
                    help="run the proxy as N processes sharing the port (for more than ~25K chunks/s)")
+    add_capture_argument(p)
     p.add_argument("--probe", type=float, default=None, metavar="RATE",
                    help="send canary streams at this many per second (e.g. 0.2); off by default")
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
@@ -81,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     bases = engine_bases(urls)
+    from kvtop.sources.capture.options import checked_capture_port
+
+    capture = checked_capture_port(args.capture, bases[0])
     listen = None
     if args.proxy_listen:
         from kvtop.sources.proxy import parse_listen
@@ -97,14 +103,16 @@ def run(args: argparse.Namespace) -> int:
         except PluginError as e:
             raise UsageError(str(e)) from None
     opts = dict(urls=urls, base=bases[0], duration=duration, interval=interval, timeout=timeout, token=token,
-                adapter=adapter, gpu=gpu, host=host, listen=listen)
+                adapter=adapter, gpu=gpu, host=host, listen=listen, capture=capture)
     return asyncio.run(_record(args, opts))
+
 
 
 async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     import asyncio
     import signal
     import sys
+    import time
 
     from kvtop.core import Core
     from kvtop.errors import UsageError
@@ -118,7 +126,7 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
         loop.add_signal_handler(sig, stop.set)
     core = Core(source_label="record")
     runner = LiveRunner(core, o["urls"], interval_s=o["interval"], gpu=o["gpu"], host=o["host"],
-                        token=o["token"], adapter=o["adapter"], timeout_s=o["timeout"])
+                        token=o["token"], adapter=o["adapter"], timeout_s=o["timeout"], capture_port=o["capture"])
     # One scrape before the header is written, so the header names the adapter and model.
     first = await runner.scrapers[0].scrape(runner.now())
     up = next((r for r in first if r.up), None)
@@ -126,7 +134,11 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
-    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": o["interval"]}
+    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
+    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": o["interval"],
+                             "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    if o["capture"] is not None:
+        extra["capture_port"] = o["capture"]
     if len(o["urls"]) > 1:
         extra["urls"] = o["urls"]
     try:
@@ -166,6 +178,8 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
             what += f", proxy {proxy.url} -> {o['base']}"
         if args.probe:
             what += f", probe {args.probe:g}/s"
+        if o["capture"] is not None:
+            what += f", capture :{o['capture']}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
             await runner.run(duration_s=o["duration"], stop=stop)
@@ -180,6 +194,11 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
             await proxy.stop()
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
+    cap = core.capture
+    if cap is not None and cap.get("status") == "ok":
+        print(f"kvtop record: capture :{cap['port']}: {cap['requests']} request(s), {cap['packets']} packet(s), "
+              f"{cap['kernel_drops']} kernel drop(s), {cap['holes']} hole(s), {cap['tls_connections']} TLS and "
+              f"{cap['http2_connections']} HTTP/2 connection(s) not observable", file=sys.stderr)
     return 0
 
 

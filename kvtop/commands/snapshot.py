@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-token latency target")
     p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
                    help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
+    from kvtop.sources.capture.options import add_capture_argument
+
+    add_capture_argument(p)
     p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
                    help="do not read the GPU (NVML)")
     p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
@@ -86,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"format must be json or text, not {fmt!r}")
     if itl_ms is not None and not itl_ms > 0:
         raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    engine_bases(urls)
+    bases = engine_bases(urls)
+    from kvtop.sources.capture.options import checked_capture_port
+
+    capture = checked_capture_port(args.capture, bases[0] if bases else None)
     if adapter is not None:
         from kvtop.plugin import PluginError, load_adapter
 
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             first_t.append(rec.t)
 
     runner = LiveRunner(core, urls, interval_s=interval, gpu=gpu, host=host, token=token, probe_rate=args.probe,
-                        adapter=adapter, timeout_s=timeout, sinks=[note_first])
+                        adapter=adapter, timeout_s=timeout, sinks=[note_first], capture_port=capture)
     asyncio.run(runner.run(duration_s=duration, final_poll=True))
     # The window is what was actually sampled: from the first good engine sample to the final
     # poll, so rates and quantiles cover exactly the data they were computed from.

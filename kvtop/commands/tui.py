@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not read the GPU (NVML)")
     p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
                    help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
+    from kvtop.sources.capture.options import add_capture_argument
+
+    add_capture_argument(p)
     p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
                    help="do not read host memory")
 
@@ -127,13 +130,18 @@ def run(args: argparse.Namespace) -> int:
                 )
                 return 2
         from kvtop.analysis.live import LiveAnalyzer
+        from kvtop.config import engine_bases
         from kvtop.core import Core
         from kvtop.live import LiveRunner
+        from kvtop.sources.capture.options import resolve_capture_port
 
+        # without privileges the console still runs: the banner says how to grant them
+        capture = resolve_capture_port(args.capture, engine_bases(urls)[0])
         core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
                           host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
-                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
+                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe,
+                          capture_port=capture)
 
     from kvtop.tui.app import run_console
 

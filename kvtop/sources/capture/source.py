@@ -30,13 +30,15 @@ class CaptureSource:
     """
 
     def __init__(self, port: int, emit: Emit, clock: Clock, cls: str | None = None,
-                 notice: Callable[[str], None] | None = None):
+                 notice: Callable[[str], None] | None = None,
+                 on_check: Callable[[CaptureStats], None] | None = None):
         if not 0 < port < 65536:
             raise ValueError(f"capture port must be 1-65535, not {port}")
         self.port = port
         self.emit = emit
         self.clock = clock
         self.notice = notice
+        self.on_check = on_check
         self.stats = CaptureStats()
         self.reassembler = Reassembler(port, emit, self.stats, cls=cls)
         self._sock: PacketSocket | None = None
@@ -101,6 +103,8 @@ class CaptureSource:
             self._sync_clock()
         self.reassembler.sweep(now)
         st = self.stats
+        if self.on_check is not None:
+            self.on_check(st)
         if st.tls_connections:
             self._tell("tls", f"capture: TLS on port {self.port}: cannot observe encrypted streams "
                               "(use --proxy-listen in front of the TLS terminator, or --probe)")
@@ -134,6 +138,7 @@ class CaptureSource:
         finally:
             loop.remove_reader(fd)
             self.poll()
+            self.check(self.clock())
             self.close()
 
     def close(self) -> None:
