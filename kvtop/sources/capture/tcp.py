@@ -123,56 +123,61 @@ class Reassembler:
     def _data(self, conn: Connection, flow: _Flow, from_client: bool, seq: int, payload: bytes, t: float) -> None:
         assert flow.next is not None
         d = _diff(seq, flow.next)
-        if d == 0:
-            self._deliver(conn, flow, from_client, payload, t)
-        elif d < 0:
-            if d + len(payload) <= 0:
-                self.stats.retransmits += 1
-                return
+        if d < 0:
             self.stats.retransmits += 1
-            self._deliver(conn, flow, from_client, payload[-d:], t)
-        else:
+            if d + len(payload) <= 0:
+                return
+            payload = payload[-d:]
+        elif d > 0:
             self.stats.out_of_order += 1
-            if seq not in flow.ooo or len(flow.ooo[seq][0]) < len(payload):
+            old = flow.ooo.get(seq)
+            if old is None or len(old[0]) < len(payload):
                 if not flow.ooo:
                     flow.ooo_since = t
-                old = flow.ooo.get(seq)
                 flow.ooo_bytes += len(payload) - (len(old[0]) if old else 0)
                 flow.ooo[seq] = (payload, t)
             if flow.ooo_bytes > OOO_CAP:
-                self._hole_to(conn, flow, from_client, min(flow.ooo, key=lambda s: _diff(s, flow.next or 0)), t)
+                self._hole_to(conn, flow, from_client, self._first_ooo(flow), t)
             elif flow.acked is not None and _diff(flow.acked, flow.next) > 0:
                 self._ack_beyond(conn, flow, from_client, flow.acked, t)
             return
+        flow.next = (flow.next + len(payload)) & 0xFFFFFFFF
         if flow.ooo:
-            self._drain(conn, flow, from_client)
+            # segments that waited become readable together with this one: at ``t``, as one read
+            payload = b"".join([payload, *self._collect(flow)])
+        self._deliver(conn, from_client, payload, t)
 
-    def _deliver(self, conn: Connection, flow: _Flow, from_client: bool, data: bytes, t: float) -> None:
-        assert flow.next is not None
-        flow.next = (flow.next + len(data)) & 0xFFFFFFFF
+    def _deliver(self, conn: Connection, from_client: bool, data: bytes, t: float) -> None:
         if from_client:
             conn.http.client_data(data, t)
         else:
             conn.http.server_data(data, t)
 
-    def _drain(self, conn: Connection, flow: _Flow, from_client: bool) -> None:
+    @staticmethod
+    def _first_ooo(flow: _Flow) -> int:
+        nxt = flow.next or 0
+        return min(flow.ooo, key=lambda s: _diff(s, nxt))
+
+    @staticmethod
+    def _collect(flow: _Flow) -> list[bytes]:
+        """Waiting segments that now continue the stream (advances ``next`` past them)."""
+        parts = []
         while flow.ooo:
             nxt = flow.next
             assert nxt is not None
-            hit = None
-            for s in flow.ooo:
-                d = _diff(s, nxt)
-                if d <= 0:
-                    hit = s
-                    break
+            hit = next((s for s in flow.ooo if _diff(s, nxt) <= 0), None)
             if hit is None:
-                return
-            payload, t = flow.ooo.pop(hit)
+                break
+            payload, _ = flow.ooo.pop(hit)
             flow.ooo_bytes -= len(payload)
             d = _diff(hit, nxt)
             if d + len(payload) > 0:
-                self._deliver(conn, flow, from_client, payload[-d:] if d else payload, t)
-        flow.ooo_bytes = 0
+                part = payload[-d:] if d else payload
+                parts.append(part)
+                flow.next = (nxt + len(part)) & 0xFFFFFFFF
+        if not flow.ooo:
+            flow.ooo_bytes = 0
+        return parts
 
     def _ack_beyond(self, conn: Connection, flow: _Flow, from_client: bool, ack: int, t: float) -> None:
         """The receiver has bytes up to ``ack`` that the capture did not deliver."""
@@ -180,7 +185,7 @@ class Reassembler:
         if flow.fin_seq is not None and ack == ((flow.fin_seq + 1) & 0xFFFFFFFF) and flow.next == flow.fin_seq:
             return  # the ack of a FIN (it takes one sequence number, carries no byte)
         if flow.ooo:
-            first = min(flow.ooo, key=lambda s: _diff(s, flow.next or 0))
+            first = self._first_ooo(flow)
             if _diff(first, ack) < 0:
                 ack = first
         self._hole_to(conn, flow, from_client, ack, t)
@@ -197,7 +202,9 @@ class Reassembler:
             conn.http.client_hole(lost, t)
         else:
             conn.http.server_hole(lost, t)
-        self._drain(conn, flow, from_client)
+        parts = self._collect(flow)
+        if parts:
+            self._deliver(conn, from_client, b"".join(parts), t)
 
     # -- connection ends ----------------------------------------------------------------------
     def _side_closed(self, key: tuple[bytes, int, bytes], conn: Connection, from_client: bool, t: float) -> None:
@@ -214,8 +221,7 @@ class Reassembler:
                by_client: bool = True) -> None:
         for flow, client in ((conn.c, True), (conn.s, False)):
             if flow.ooo and flow.next is not None:
-                first = min(flow.ooo, key=lambda s: _diff(s, flow.next or 0))
-                self._hole_to(conn, flow, client, first, t)
+                self._hole_to(conn, flow, client, self._first_ooo(flow), t)
         if by_client:
             conn.http.client_closed(t, reset)
         else:
@@ -239,8 +245,7 @@ class Reassembler:
         for key, conn in self.conns.items():
             for flow, client in ((conn.c, True), (conn.s, False)):
                 if flow.ooo and flow.next is not None and t - flow.ooo_since >= HOLE_WAIT_S:
-                    first = min(flow.ooo, key=lambda s: _diff(s, flow.next or 0))
-                    self._hole_to(conn, flow, client, first, t)
+                    self._hole_to(conn, flow, client, self._first_ooo(flow), t)
             if t - conn.last_t > idle_s:
                 stale.append(key)
         for key in stale:
