@@ -133,6 +133,10 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
     assert ends(crecs) == ends(precs)
     assert sorted(i for i, e in ends(crecs).items() if e == "cancel") == sorted(f"cap-{i}" for i in range(CANCELLED))
 
+    # On a quiet machine the two agree within 1 ms at p99 (KVTOP_STRICT_TIMING=1 holds them to that);
+    # on a loaded 2-core CI runner the proxy's reads wait for the CPU, by up to ~15 ms.
+    strict = os.environ.get("KVTOP_STRICT_TIMING") == "1"
+    tol = 0.002 if strict else 0.025
     lags = []
     stalls = 0
     for rid in sorted(ids):
@@ -144,14 +148,16 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
             assert abs(len(c_t) - len(p_t)) <= 1, rid  # a chunk in flight when the client left
         lags += [p - c for p, c in zip(p_t, c_t, strict=False)]
         if len(p_t) == OUTPUT:
-            # the stall (a preemption) is one gap in both timelines, of the same length
-            pg = [b - a for a, b in zip(p_t, p_t[1:], strict=False)]
-            cg = [b - a for a, b in zip(c_t, c_t[1:], strict=False)]
-            typical = sorted(cg)[len(cg) // 2]
-            if max(cg) > 5 * typical:
-                stalls += 1
-                assert abs(max(pg) - max(cg)) < 0.005, rid
-                assert sum(1 for g in cg if g > 5 * typical) == sum(1 for g in pg if g > 5 * typical), rid
+            # a stall (a preemption) is one gap in both timelines: same end, same length
+            pg = [(b - a, b) for a, b in zip(p_t, p_t[1:], strict=False)]
+            cg = [(b - a, b) for a, b in zip(c_t, c_t[1:], strict=False)]
+            typical = sorted(g for g, _ in cg)[len(cg) // 2]
+            big = [(g, te) for g, te in cg if g > 5 * typical]
+            stalls += bool(big)
+            for g, te in [*big, max(cg)]:
+                assert any(abs(g - gp) < tol and abs(te - tp) < tol for gp, tp in pg), (rid, g)
+            g, te = max(pg)
+            assert any(abs(g - gc) < tol and abs(te - tc) < tol for gc, tc in cg), (rid, g)
     assert stalls >= 1  # 20 x 1360 tokens overflow the preset's KV cache: someone was preempted
     lags.sort()
     p99 = lags[int(0.99 * (len(lags) - 1))]
@@ -160,8 +166,5 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
     print(f"proxy - capture per token: p50 {lags[len(lags) // 2] * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms, "
           f"min {lags[0] * 1e3:.3f} ms, max {lags[-1] * 1e3:.3f} ms over {len(lags)} tokens")
     assert lags[0] > -0.0005
-    # On a quiet machine the two agree within 1 ms at p99 (KVTOP_STRICT_TIMING=1 holds it to that);
-    # on a loaded 2-core CI runner the proxy's reads wait for the CPU, by up to ~10 ms at p99.
-    strict = os.environ.get("KVTOP_STRICT_TIMING") == "1"
     assert lags[len(lags) // 2] < (0.0005 if strict else 0.002)
     assert p99 < (0.001 if strict else 0.05), p99

@@ -22,4 +22,4 @@ def check_capture(port: int) -> None:
     """Raise ``CaptureUnavailable`` (with the one-line fix) unless a capture on ``port`` can open here."""
     from kvtop.sources.capture.packets import PacketSocket
 
-    PacketSocket(port, rcvbuf=1 << 16).close()
+    PacketSocket(port, rcvbuf=1 << 16, ring=False).close()

@@ -14,6 +14,7 @@ shows every packet twice). Timestamps are the kernel's receive times (``SO_TIMES
 from __future__ import annotations
 
 import ctypes
+import mmap
 import socket
 import struct
 import sys
@@ -29,6 +30,11 @@ SKF_AD_OFF = -0x1000
 SKF_AD_PROTOCOL, SKF_AD_PKTTYPE, SKF_AD_IFINDEX = 0, 4, 8
 RCVBUF = 64 << 20
 SNAPLEN = 262144
+PACKET_RX_RING, PACKET_VERSION, TPACKET_V3 = 5, 10, 2
+TP_STATUS_USER = 1
+RING_BLOCK = 1 << 20
+RING_BLOCKS = 64  # 64 MiB: seconds of a busy engine's traffic between two drains
+RING_RETIRE_MS = 10  # a partly filled block is handed over after this long
 
 HOW_TO_GRANT = (
     "passive capture needs CAP_NET_RAW: run as root, or grant it with "
@@ -46,43 +52,70 @@ def _ins(code: int, jt: int, jf: int, k: int) -> bytes:
 
 # classic BPF opcodes
 _LD_W_ABS, _LD_H_ABS, _LD_B_ABS = 0x20, 0x28, 0x30
-_LDX_MSH = 0xB1
-_LD_H_IND = 0x48
-_JEQ, _JSET = 0x15, 0x45
+_LD_H_IND, _LD_B_IND = 0x48, 0x50
+_LDX_MSH, _LDX_MEM, _ST = 0xB1, 0x61, 0x02
+_RSH_K, _AND_K, _ADD_X, _SUB_X, _TAX = 0x74, 0x54, 0x0C, 0x1C, 0x07
+_JEQ, _JGT, _JSET = 0x15, 0x25, 0x45
 _RET = 0x06
+_SYN_FIN_RST = 0x07
 
 
 def filter_code(port: int, lo_ifindex: int) -> bytes:
-    """The classic BPF program as the kernel reads it (an array of ``struct sock_filter``)."""
+    """The classic BPF program (an array of ``struct sock_filter``): TCP to or from ``port`` over
+    IPv4 (unfragmented) or IPv6 (no extension headers) that carries data or SYN/FIN/RST. Pure ACKs
+    are dropped in the kernel (half the packets of a stream, nothing a record needs; a lost
+    segment is then found by the segments after it). Loopback's outgoing copies are dropped too.
+    Offsets are from the IP header (a SOCK_DGRAM socket)."""
     L = "label"
     code: list[tuple[object, ...]] = [
-        # 0-3: drop loopback's outgoing copy
         (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_PKTTYPE),
-        (_JEQ, 0, 2, PACKET_OUTGOING),  # -> 2 : 4
+        (_JEQ, 0, ("proto",), PACKET_OUTGOING),
         (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_IFINDEX),
         (_JEQ, ("drop",), 0, lo_ifindex),
-        # 4-5: which IP version
+        (L, "proto"),
         (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_PROTOCOL),
         (_JEQ, 0, ("v6",), 0x0800),
-        # 6-14: IPv4
+        # IPv4
         (_LD_B_ABS, 0, 0, 9),
         (_JEQ, 0, ("drop",), 6),
         (_LD_H_ABS, 0, 0, 6),
-        (_JSET, ("drop",), 0, 0x1FFF),
-        (_LDX_MSH, 0, 0, 0),
+        (_JSET, ("drop",), 0, 0x1FFF),  # a later fragment
+        (_LDX_MSH, 0, 0, 0),  # X = IPv4 header length
         (_LD_H_IND, 0, 0, 0),
-        (_JEQ, ("accept",), 0, port),
+        (_JEQ, ("v4port",), 0, port),
         (_LD_H_IND, 0, 0, 2),
-        (_JEQ, ("accept",), ("drop",), port),
-        # v6: 15-21
+        (_JEQ, 0, ("drop",), port),
+        (L, "v4port"),
+        (_LD_B_IND, 0, 0, 13),
+        (_JSET, ("accept",), 0, _SYN_FIN_RST),
+        (_LD_B_IND, 0, 0, 12),
+        (_RSH_K, 0, 0, 2),
+        (_AND_K, 0, 0, 0x3C),  # TCP header length
+        (_ADD_X, 0, 0, 0),
+        (_ST, 0, 0, 0),
+        (_LD_H_ABS, 0, 0, 2),  # IPv4 total length
+        (_LDX_MEM, 0, 0, 0),
+        (_SUB_X, 0, 0, 0),  # payload bytes (a TSO packet's zero length wraps: kept)
+        (_JGT, ("accept",), ("drop",), 0),
+        # IPv6
         (L, "v6"),
         (_JEQ, 0, ("drop",), 0x86DD),
         (_LD_B_ABS, 0, 0, 6),
         (_JEQ, 0, ("drop",), 6),
         (_LD_H_ABS, 0, 0, 40),
-        (_JEQ, ("accept",), 0, port),
+        (_JEQ, ("v6port",), 0, port),
         (_LD_H_ABS, 0, 0, 42),
-        (_JEQ, ("accept",), ("drop",), port),
+        (_JEQ, 0, ("drop",), port),
+        (L, "v6port"),
+        (_LD_B_ABS, 0, 0, 53),
+        (_JSET, ("accept",), 0, _SYN_FIN_RST),
+        (_LD_B_ABS, 0, 0, 52),
+        (_RSH_K, 0, 0, 2),
+        (_AND_K, 0, 0, 0x3C),
+        (_TAX, 0, 0, 0),
+        (_LD_H_ABS, 0, 0, 4),  # IPv6 payload length (TCP header included)
+        (_SUB_X, 0, 0, 0),
+        (_JGT, ("accept",), ("drop",), 0),
         (L, "accept"),
         (_RET, 0, 0, SNAPLEN),
         (L, "drop"),
@@ -130,12 +163,14 @@ def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | 
 _TCP = struct.Struct("!HHIIH")
 _TS = struct.Struct("@qq")
 _STATS = struct.Struct("@II")
+_BLOCK = struct.Struct("@III")  # block_status, num_pkts, offset_to_first_pkt (at offset 8)
+_PKT = struct.Struct("@IIIIIIHH")  # next_offset, sec, nsec, snaplen, len, status, mac, net
 
 
 class PacketSocket:
     """A non-blocking capture socket for one TCP port on every interface."""
 
-    def __init__(self, port: int, rcvbuf: int = RCVBUF):
+    def __init__(self, port: int, rcvbuf: int = RCVBUF, ring: bool = True):
         af = getattr(socket, "AF_PACKET", None)
         if af is None or not sys.platform.startswith("linux"):
             raise CaptureUnavailable("passive capture needs Linux (AF_PACKET); use --proxy-listen or --probe instead")
@@ -170,6 +205,10 @@ class PacketSocket:
                     sock.recv(SNAPLEN)
                 except BlockingIOError:
                     break
+            self._ring: mmap.mmap | None = None
+            self._block = 0
+            if ring:
+                self._open_ring()
             self.stats()
             self.kernel_drops = 0
         except BaseException:
@@ -179,8 +218,29 @@ class PacketSocket:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def _open_ring(self) -> None:
+        """A TPACKET_V3 ring: the kernel writes packets into shared memory in blocks, so a drain costs
+        no system call per packet. Without it (old kernels, locked memory limits) ``recvmsg`` serves."""
+        try:
+            self.sock.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
+            req = struct.pack("@7I", RING_BLOCK, RING_BLOCKS, 2048, RING_BLOCK * RING_BLOCKS // 2048,
+                              RING_RETIRE_MS, 0, 0)
+            self.sock.setsockopt(SOL_PACKET, PACKET_RX_RING, req)
+            self._ring = mmap.mmap(self.sock.fileno(), RING_BLOCK * RING_BLOCKS, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            self._ring = None
+
+    @property
+    def uses_ring(self) -> bool:
+        return self._ring is not None
+
     def read(self, limit: int = 512) -> list[tuple[float, bytes]]:
-        """Up to ``limit`` queued packets as (kernel wall-clock time, bytes from the IP header)."""
+        """Queued packets as (kernel wall-clock time, bytes from the IP header): every filled ring
+        block, or up to ``limit`` from the socket queue."""
+        ring = self._ring
+        if ring is not None:
+            return self._read_ring(ring)
         out = []
         recvmsg = self.sock.recvmsg
         anc = self._anc
@@ -198,12 +258,33 @@ class PacketSocket:
             out.append((ts, data))
         return out
 
+    def _read_ring(self, ring: mmap.mmap) -> list[tuple[float, bytes]]:
+        out = []
+        block_unpack = _BLOCK.unpack_from
+        pkt_unpack = _PKT.unpack_from
+        for _ in range(RING_BLOCKS):
+            base = self._block * RING_BLOCK
+            status, n, off = block_unpack(ring, base + 8)
+            if not status & TP_STATUS_USER:
+                break
+            p = base + off
+            for _ in range(n):
+                nxt, sec, nsec, snap, _len, _st, _mac, net = pkt_unpack(ring, p)
+                out.append((sec + nsec * 1e-9, ring[p + net:p + net + snap]))
+                p += nxt
+            ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
+            self._block = (self._block + 1) % RING_BLOCKS
+        return out
+
     def stats(self) -> tuple[int, int]:
         """(packets, drops) since the last call (the kernel resets its counters when read)."""
-        raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, _STATS.size)
-        packets, drops = _STATS.unpack(raw)
+        raw = self.sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 12)  # tpacket_stats(_v3)
+        packets, drops = _STATS.unpack_from(raw)
         self.kernel_drops += drops
         return packets, drops
 
     def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         self.sock.close()
