@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy_overhead import _free_port, _proc_cpu_split, run_load, upstream_main  # noqa: E402
 
 
-def capture_main(port: int, record: str, ready: mp.Event, q: mp.Queue) -> None:
+def capture_main(port: int, record: str, ready: Any, q: mp.Queue) -> None:
     from kvtop.model.trace import TraceWriter, make_header
     from kvtop.sources.capture import CaptureSource
 
@@ -64,6 +65,13 @@ def capture_main(port: int, record: str, ready: mp.Event, q: mp.Queue) -> None:
                "records": writer.count})
 
     asyncio.run(main())
+
+
+def cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    user, system = _proc_cpu_split(pid)
+    return user + system
 
 
 def tokens_in(trace: str) -> int:
@@ -112,13 +120,13 @@ def main() -> int:
                 td = subprocess.Popen([tcpdump, "-i", "lo", "-w", "/dev/null", "-s", "0", "-B", "65536", "-n",
                                        f"tcp port {up_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(0.5)
-            c0 = sum(_proc_cpu_split(cap.pid))
-            t0 = sum(_proc_cpu_split(td.pid)) if td else 0.0
+            c0 = cpu_s(cap.pid)
+            t0 = cpu_s(td.pid if td else None)
             wall0 = time.monotonic()
             _, chunks = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
             wall = time.monotonic() - wall0
-            c1 = sum(_proc_cpu_split(cap.pid))
-            t1 = sum(_proc_cpu_split(td.pid)) if td else 0.0
+            c1 = cpu_s(cap.pid)
+            t1 = cpu_s(td.pid if td else None)
             td_packets = td_drops = None
             if td is not None:
                 td.send_signal(signal.SIGINT)
