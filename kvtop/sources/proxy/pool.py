@@ -24,7 +24,7 @@ class ProxyPool:
     """
 
     def __init__(self, upstream: str, emit: Emit, clock: Clock, host: str = "127.0.0.1", port: int = 0,
-                 cls: str | None = None, workers: int = 2):
+                 cls: str | None = None, workers: int = 2, loop: str = "asyncio"):
         self.upstream = upstream_url(upstream)
         self.emit = emit
         self.clock = clock
@@ -32,6 +32,7 @@ class ProxyPool:
         self.port = port
         self.cls = cls
         self.workers = max(1, workers)
+        self.loop = loop
         self.requests_seen = 0
         self._procs: list[asyncio.subprocess.Process] = []
         self._readers: list[asyncio.Task[None]] = []
@@ -61,7 +62,7 @@ class ProxyPool:
             self.port = reserve.getsockname()[1]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         args = [sys.executable, "-m", "kvtop.sources.proxy.worker", "--worker", "--upstream", self.upstream, "--host", self.host,
-                "--port", str(self.port), f"--offset={offset!r}"]
+                "--port", str(self.port), f"--offset={offset!r}", "--loop", self.loop]
         if self.cls:
             args += ["--class", self.cls]
         try:
@@ -153,7 +154,8 @@ class ProxyPool:
 
 
 def make_proxy(upstream: str, emit: Emit, clock: Clock, host: str = "127.0.0.1", port: int = 0,
-               cls: str | None = None, workers: int = 1) -> RecordingProxy | ProxyPool:
+               cls: str | None = None, workers: int = 1, loop: str = "asyncio") -> RecordingProxy | ProxyPool:
+    """One in-process proxy, or ``workers`` processes (each on event loop ``loop``)."""
     if workers <= 1:
         return RecordingProxy(upstream, emit, clock, host=host, port=port, cls=cls)
-    return ProxyPool(upstream, emit, clock, host=host, port=port, cls=cls, workers=workers)
+    return ProxyPool(upstream, emit, clock, host=host, port=port, cls=cls, workers=workers, loop=loop)

@@ -83,8 +83,11 @@ def _worker_main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--offset", type=float, required=True)
     p.add_argument("--class", dest="cls")
+    p.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop"))
     a = p.parse_args()
-    return asyncio.run(_worker(a.upstream, a.host, a.port, a.offset, a.cls))
+    from kvtop.sources.proxy.eventloop import run
+
+    return run(_worker(a.upstream, a.host, a.port, a.offset, a.cls), a.loop)
 
 
 if __name__ == "__main__":
