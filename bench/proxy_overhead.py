@@ -90,7 +90,7 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
 
 # -- proxy ---------------------------------------------------------------------------------------
 def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None, workers: int,
-               loop: str = "asyncio") -> None:
+               loop: str = "asyncio", per_worker_files: bool = False) -> None:
     from kvtop.model.trace import TraceWriter, make_header
     from kvtop.sources.proxy import make_proxy
 
@@ -98,8 +98,14 @@ def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: 
     t0 = time.monotonic()
 
     async def main() -> None:
-        proxy = make_proxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port, workers=workers,
-                           loop=loop)
+        if per_worker_files:
+            from kvtop.sources.proxy import ProxyPool
+
+            proxy: Any = ProxyPool(upstream, writer.write, lambda: time.monotonic() - t0, port=port,
+                                   workers=workers, loop=loop, trace_prefix=record)
+        else:
+            proxy = make_proxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port, workers=workers,
+                               loop=loop)
         await proxy.start()
         ready.set()
         while True:
@@ -302,8 +308,13 @@ def compare(args: argparse.Namespace, upstream: str, up_port: int) -> None:
             lat_d, n_d = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
             d50, d99 = pct(lat_d, 50), pct(lat_d, 99)
             print(f"\n{streams} streams: direct p50/p99 {d50:7.0f}/{d99:7.0f} us ({n_d / args.seconds:,.0f} chunks/s)")
-            variants: list[tuple[str, Any]] = [("nginx", None)] + [(f"kvtop proxy ({lp})", lp) for lp in loops]
-            for name, lp in variants:
+            variants: list[tuple[str, Any, int, bool]] = [("nginx", None, 1, False)]
+            variants += [(f"kvtop proxy ({lp})", lp, 1, False) for lp in loops]
+            if args.workers > 1:
+                lp = loops[-1]
+                variants += [(f"kvtop proxy x{args.workers} ({lp})", lp, args.workers, False),
+                             ("  same, per-worker files", lp, args.workers, True)]
+            for name, lp, nw, own in variants:
                 if lp is None:
                     started = start_nginx(d, up_port)
                     if started is None:
@@ -314,8 +325,8 @@ def compare(args: argparse.Namespace, upstream: str, up_port: int) -> None:
                 else:
                     port = _free_port()
                     ready = mp.Event()
-                    proc = mp.Process(target=proxy_main, args=(port, upstream, str(Path(d) / f"t-{lp}.jsonl"), ready,
-                                                               None, 1, lp))
+                    proc = mp.Process(target=proxy_main, args=(port, upstream, str(Path(d) / f"t-{lp}-{nw}.jsonl"),
+                                                               ready, None, nw, lp, own))
                     proc.start()
                     ready.wait(10)
                     pid = proc.pid
@@ -328,7 +339,7 @@ def compare(args: argparse.Namespace, upstream: str, up_port: int) -> None:
                 else:
                     proc.join(10)
                 fwd = n * (args.seconds + args.warmup) / args.seconds
-                print(f"  {name:22s} added p50/p99 {pct(lat, 50) - d50:7.0f}/{pct(lat, 99) - d99:7.0f} us; "
+                print(f"  {name:28s} added p50/p99 {pct(lat, 50) - d50:7.0f}/{pct(lat, 99) - d99:7.0f} us; "
                       f"CPU {(c1 - c0) / fwd * 1e6:5.1f} us/chunk ({(c1 - c0) / (args.seconds + args.warmup) * 100:.0f}%"
                       f" of a core)")
 

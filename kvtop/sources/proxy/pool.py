@@ -24,7 +24,7 @@ class ProxyPool:
     """
 
     def __init__(self, upstream: str, emit: Emit, clock: Clock, host: str = "127.0.0.1", port: int = 0,
-                 cls: str | None = None, workers: int = 2, loop: str = "asyncio"):
+                 cls: str | None = None, workers: int = 2, loop: str = "asyncio", trace_prefix: str | None = None):
         self.upstream = upstream_url(upstream)
         self.emit = emit
         self.clock = clock
@@ -33,6 +33,9 @@ class ProxyPool:
         self.cls = cls
         self.workers = max(1, workers)
         self.loop = loop
+        # each worker writes its own trace PREFIX.K.jsonl instead of sending records to this process
+        # (emit then never sees them; a measured alternative for bench/proxy_overhead.py)
+        self.trace_prefix = trace_prefix
         self.requests_seen = 0
         self._procs: list[asyncio.subprocess.Process] = []
         self._readers: list[asyncio.Task[None]] = []
@@ -66,9 +69,10 @@ class ProxyPool:
         if self.cls:
             args += ["--class", self.cls]
         try:
-            for _ in range(self.workers):
+            for k in range(self.workers):
+                own = ["--trace", f"{self.trace_prefix}.{k}.jsonl"] if self.trace_prefix else []
                 proc = await asyncio.create_subprocess_exec(
-                    *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    *args, *own, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20)
                 self._procs.append(proc)
             for proc in self._procs:

@@ -1,4 +1,5 @@
-"""One ``ProxyPool`` worker process: a ``RecordingProxy`` that writes its records to stdout.
+"""One ``ProxyPool`` worker process: a ``RecordingProxy`` that writes its records to stdout, or
+(``--trace FILE``) to its own trace file, sparing the parent a JSON decode per record.
 
 Run as ``python -m kvtop.sources.proxy.worker`` by the pool, never by users.
 """
@@ -11,7 +12,8 @@ from kvtop.model.records import RequestRecord
 from kvtop.sources.proxy.server import RecordingProxy
 
 
-async def _worker(upstream: str, host: str, port: int, offset: float, cls: str | None) -> int:
+async def _worker(upstream: str, host: str, port: int, offset: float, cls: str | None,
+                  trace: str | None = None) -> int:
     import signal
     import sys
     import time
@@ -38,6 +40,21 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
             scheduled = True
             loop.call_soon(flush)  # one write per loop iteration, not per record
 
+    writer = None
+    if trace is not None:
+        from kvtop.model.trace import TraceWriter, make_header
+
+        writer = TraceWriter(trace, make_header(engine={"adapter": None, "url": upstream},
+                                                recorder="kvtop proxy worker",
+                                                clock_t0_unix=round(time.time() - time.monotonic() - offset, 6)))
+        emit = writer.write
+
+        def flush_due() -> None:
+            writer.flush_if_due()
+            loop.call_later(0.5, flush_due)
+
+        loop.call_later(0.5, flush_due)
+
     proxy = RecordingProxy(upstream, emit, lambda: time.monotonic() + offset, host=host, port=port, cls=cls,
                            reuse_port=True)
     try:
@@ -62,6 +79,8 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
                 return
             if line.startswith(b"ping "):
                 flush()
+                if writer is not None:
+                    writer.flush()
                 out.write(b'{"pong":%d}\n' % int(line[5:]))
                 out.flush()
 
@@ -69,6 +88,8 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
     await stop.wait()
     await proxy.stop()
     flush()
+    if writer is not None:
+        writer.close()
     ctl.cancel()
     return 0
 
@@ -84,10 +105,11 @@ def _worker_main() -> int:
     p.add_argument("--offset", type=float, required=True)
     p.add_argument("--class", dest="cls")
     p.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop"))
+    p.add_argument("--trace")
     a = p.parse_args()
     from kvtop.sources.proxy.eventloop import run
 
-    return run(_worker(a.upstream, a.host, a.port, a.offset, a.cls), a.loop)
+    return run(_worker(a.upstream, a.host, a.port, a.offset, a.cls, a.trace), a.loop)
 
 
 if __name__ == "__main__":
