@@ -96,7 +96,12 @@ def test_capture_matches_the_proxy_on_real_vllm(vllm, trace_dir: Path) -> None:
     for i in range(1, N_STREAMS):
         rid = f"real-cap-{i}"
         p_t, c_t = _tokens(precs, rid, pt0), _tokens(crecs, rid, ct0)
-        assert len(p_t) == len(c_t) == N_TOKENS, rid
+        # vLLM merges tokens into one event when its API server falls behind (the recorders count
+        # one per event without token ids): both count the same events, and the usage says 200
+        assert len(p_t) == len(c_t) > 0, rid
+        for recs in (precs, crecs):
+            fin = [d for d in recs if d.get("kind") == "request" and d["id"] == rid and d["event"] == "finish"]
+            assert fin[0]["completion_tokens"] == N_TOKENS, rid
         lags += [p - c for p, c in zip(p_t, c_t, strict=True)]
     lags.sort()
     print(f"\n[real-engines] vLLM capture vs proxy, per token: p50 {lags[len(lags) // 2] * 1e3:.3f} ms, "
