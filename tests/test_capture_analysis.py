@@ -64,3 +64,25 @@ def test_console_request_view_does_not_show_the_hole_as_a_gap():
     view = next(r for r in core.snapshot().requests if r.id == "r0")
     assert view.max_gap_s is not None and view.max_gap_s < 0.05
     assert view.tokens == sum(1 for d in streams("resync") if d["id"] == "r0" and "n" in d)
+
+
+async def test_console_banner_says_how_to_grant_capture_and_counts_loss():
+    pytest.importorskip("textual")
+    from tui_support import screen_text
+
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.sample import FIXED_TAKEN_AT, sample
+
+    s = sample()
+    s.core.capture = {"port": 8000, "status": "passive capture needs CAP_NET_RAW: run as root, or grant it"}
+    app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await pilot.pause()
+        assert "capture: passive capture needs CAP_NET_RAW" in screen_text(app)
+        s.core.capture = {"port": 8000, "status": "ok", "kernel_drops": 12, "holes": 3}
+        await pilot.press("space")
+        assert "capture lost data: 12 kernel drop(s), 3 hole(s)" in screen_text(app)
+        s.core.capture = {"port": 8000, "status": "ok", "kernel_drops": 0, "holes": 0}
+        await pilot.press("space")
+        text = screen_text(app)
+        assert "capture lost data" not in text and "capture: " not in text  # nothing to say: no banner
