@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
+import jsonschema
 import pytest
 from conftest import REPO
 
@@ -156,6 +157,7 @@ async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -
             await sim.wait()
     assert snap.returncode == 0, err.decode()
     doc = json.loads(out)
+    jsonschema.validate(doc, json.loads((REPO / "kvtop" / "schemas" / "snapshot.schema.json").read_text()))
     cap = doc["capture"]
     assert cap["status"] == "ok" and cap["requests"] == 3 and cap["kernel_drops"] == 0
     seen = {r["id"]: r for r in doc["requests"]}
