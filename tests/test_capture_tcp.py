@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.sources.capture.packets import decode, filter_code
@@ -299,6 +300,31 @@ def test_a_lost_packet_inside_a_chunk_is_a_hole_not_a_stall():
     fin = out[-1]
     assert fin.event == "finish" and fin.incomplete is True and fin.completion_tokens == 6
     assert r.stats.holes == 1 and r.stats.hole_bytes == 1000
+
+
+def test_captured_records_including_holes_validate_against_the_trace_schema(tmp_path):
+    import jsonschema
+
+    from kvtop.model.trace import TraceWriter, make_header
+
+    schema = json.loads((Path(__file__).resolve().parents[1] / "kvtop" / "schemas" / "trace.schema.json").read_text())
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(SSE_HEAD + chunk(event()), 1.1)
+    w.reply(chunk(event()), 1.2, deliver=False)
+    w.reply(chunk(event()), 1.3)
+    w.client_ack(1.3)
+    w.reply(chunk(DONE) + LAST, 1.4)
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, make_header(clock_t0_unix=1.7e9)) as tw:
+        for rec in out:
+            tw.write(rec)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    v = jsonschema.Draft202012Validator(schema)
+    for d in lines:
+        assert not [e.message for e in v.iter_errors(d)], d
+    assert {d.get("event") for d in lines[1:]} == {"arrive", "first_token", "resync", "finish"}
 
 
 def test_a_lost_chunk_size_line_resynchronises_at_the_next_event():
