@@ -7,6 +7,7 @@ common serving ports of 127.0.0.1. Textual is imported only inside ``run``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,33 +27,23 @@ DESCRIPTION = (
 PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
-def _probe_rate(text: str) -> float:
-    from kvtop.sources.probe import probe_rate
-
-    return probe_rate(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help="engine base URL (repeatable); default: config, then probe local ports")
-    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll and refresh interval (default 1)")
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
+
+    add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
-    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
-    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
-    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
-                   help="inter-token latency target")
-    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
-                   help="do not read the GPU (NVML)")
-    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
-                   help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
-    from kvtop.sources.capture.options import add_capture_argument
-
-    add_capture_argument(p)
-    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
-                   help="do not read host memory")
+    add_itl_option(p)
+    add_probe_option(p)
+    add_capture_option(p)
+    add_host_options(p)
 
 
 def looks_like_metrics(text: str) -> bool:
@@ -91,19 +82,10 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.config import load_config, parse_seconds, resolve
+    from kvtop.commands._options import interval_s, itl_target_s, source_options
+    from kvtop.config import load_config, resolve
 
     cfg = load_config(getattr(args, "config", None))
-    interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
-    if not 0.05 <= interval <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    itl_ms = resolve(args, cfg, "itl_target_ms")
-    if itl_ms is not None and not itl_ms > 0:
-        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    itl_target_s = None if itl_ms is None else itl_ms / 1000.0
     theme = resolve(args, cfg, "theme")
 
     from kvtop.tui.app import known_themes  # the UI package (and Textual) from here on
@@ -116,55 +98,42 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.replay)
         if not path.is_file():
             raise UsageError(f"trace file not found: {path}")
-        return replay_console(path, theme=theme, interval=interval, itl_target_s=itl_target_s)
-    else:
-        urls: list[str] = list(resolve(args, cfg, "url", []))
-        if not urls:
-            ports = _ports_from_config(cfg)
-            urls = discover(ports)
-            if not urls:
-                sys.stderr.write(
-                    "kvtop: no engine found on 127.0.0.1 ports "
-                    f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
-                    "(or `url` in config.toml), or try `kvtop demo`\n"
-                )
-                return 2
-        from kvtop.analysis.live import LiveAnalyzer
-        from kvtop.config import engine_bases
-        from kvtop.core import Core
-        from kvtop.live import LiveRunner
+        return replay_console(path, theme=theme, interval=interval_s(args, cfg),
+                              itl_target_s=itl_target_s(args, cfg))
+    opts = source_options(args, cfg)
+    if not opts.urls:
+        ports = _ports_from_config(cfg)
+        found = discover(ports)
+        if not found:
+            sys.stderr.write(
+                "kvtop: no engine found on 127.0.0.1 ports "
+                f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
+                "(or `url` in config.toml), or try `kvtop demo`\n"
+            )
+            return 2
+        opts = dataclasses.replace(opts, urls=tuple(found))
+    if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
         from kvtop.sources.capture.options import resolve_capture_port
 
-        # without privileges the console still runs: the banner says how to grant them
-        capture = resolve_capture_port(args.capture, engine_bases(urls)[0])
-        core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
-        feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
-                          host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
-                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe,
-                          capture_port=capture)
+        opts = dataclasses.replace(opts, capture_port=resolve_capture_port(0, opts.urls[0]))
+    # without the privilege the console still runs: its banner says how to grant it
 
+    from kvtop.pipeline import live_feed
     from kvtop.tui.app import run_console
 
-    return run_console(core, feed=feed, title="kvtop", theme=theme, interval=interval)
+    feed = live_feed(opts, label="live")
+    return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
 
 def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
                    itl_target_s: float | None = None) -> int:
     """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
-    from kvtop.core import Core
     from kvtop.model.trace import TraceError
-    from kvtop.replay import ReplayFeed
+    from kvtop.pipeline import replay_feed
     from kvtop.tui.app import run_console
 
-    label = f"replay {Path(path).name}"
-
-    def make_core() -> Core:
-        from kvtop.analysis.live import LiveAnalyzer
-
-        return Core(itl_target_s=itl_target_s, source_label=label, analysis=LiveAnalyzer(itl_target_s=itl_target_s))
-
     try:
-        feed = ReplayFeed(path, make_core(), speed=speed, core_factory=make_core)
+        feed = replay_feed(path, speed=speed, itl_target_s=itl_target_s)
     except TraceError as e:
         raise UsageError(str(e)) from None
     except OSError as e:
