@@ -385,6 +385,15 @@ def test_generated_id_when_the_client_sends_none():
     assert len(ids) == 1 and len(ids.pop()) == 32
 
 
+def test_ipv6_packets_decode_to_the_same_segments():
+    payload = b"HTTP/1.1 200 OK\r\n"
+    tcp = struct.pack("!HHIIHHHH", PORT, 40000, 77, 88, (5 << 12) | ACK, 65535, 0, 0)
+    src, dst = bytes(15) + b"\x01", bytes(15) + b"\x02"
+    ip6 = struct.pack("!IHBB16s16s", 6 << 28, len(tcp) + len(payload), 6, 64, src, dst)
+    assert decode(ip6 + tcp + payload + b"\x00\x00") == (src, PORT, dst, 40000, 77, 88, ACK, payload)
+    assert decode(ip6[:6] + b"\x11" + ip6[7:] + tcp) is None  # UDP: not ours
+
+
 def test_filter_program_is_a_valid_classic_bpf_program():
     code = filter_code(8000, 1)
     n = len(code) // 8
