@@ -86,3 +86,23 @@ async def test_console_banner_says_how_to_grant_capture_and_counts_loss():
         await pilot.press("space")
         text = screen_text(app)
         assert "capture lost data" not in text and "capture: " not in text  # nothing to say: no banner
+
+
+async def test_live_runner_without_privilege_keeps_running_and_says_why(monkeypatch):
+    """The console's path: capture cannot open -> the snapshot's capture status and an event carry the
+    one-line fix, and the other sources keep running."""
+    import kvtop.sources.capture.source as source_mod
+    from kvtop.live import LiveRunner
+    from kvtop.sources.capture.packets import CaptureUnavailable
+
+    def no_socket(port: int) -> None:
+        raise CaptureUnavailable("passive capture needs CAP_NET_RAW: run as root")
+
+    monkeypatch.setattr(source_mod, "PacketSocket", no_socket)
+    core = Core()
+    runner = LiveRunner(core, [], gpu=False, host=False, capture_port=8000)
+    await runner.run(duration_s=0.1)
+    snap = core.snapshot()
+    assert snap.capture == {"port": 8000, "status": "passive capture needs CAP_NET_RAW: run as root"}
+    assert any(e.kind == "capture" and "CAP_NET_RAW" in e.message for e in snap.events)
+    assert snap.to_json()["capture"]["status"].startswith("passive capture needs")
