@@ -11,11 +11,28 @@ For another command (``kvtop agent``)::
     task = asyncio.create_task(cap.run(stop_event))
 """
 
-from kvtop.sources.capture.http import CaptureStats
-from kvtop.sources.capture.packets import CaptureUnavailable
-from kvtop.sources.capture.source import CaptureSource, RequestOwners
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtop.sources.capture.http import CaptureStats
+    from kvtop.sources.capture.packets import CaptureUnavailable
+    from kvtop.sources.capture.source import CaptureSource, RequestOwners
 
 __all__ = ["CaptureSource", "CaptureStats", "CaptureUnavailable", "RequestOwners", "check_capture"]
+
+# Every command's parser imports ``options`` from here: the parsing machinery loads on first use.
+_WHERE = {"CaptureStats": "http", "CaptureUnavailable": "packets", "CaptureSource": "source",
+          "RequestOwners": "source"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"kvtop.sources.capture.{_WHERE[name]}"), name)
+    raise AttributeError(name)
 
 
 def check_capture(port: int) -> None:
