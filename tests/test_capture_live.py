@@ -218,3 +218,42 @@ async def test_capture_follows_ipv6_loopback(tmp_path: Path) -> None:
     assert {r.id for r in got} == {"v6"} and events[0] == "arrive" and events[-1] == "finish"
     assert sum(r.n or 0 for r in got if r.event in ("first_token", "token")) == 15
     assert cap.stats.kernel_drops == 0 and cap.stats.holes == 0
+
+
+async def test_tls_on_the_port_is_reported_once_and_records_nothing() -> None:
+    """A TLS client on the engine port: the capture says it cannot observe it, and writes nothing."""
+    import contextlib
+    import ssl
+    import time
+
+    from kvtop.sources.capture import CaptureSource
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reader.read(4096), 2)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    got: list = []
+    notes: list[str] = []
+    t0 = time.monotonic()
+    cap = CaptureSource(port, got.append, lambda: time.monotonic() - t0, notice=notes.append)
+    stop = asyncio.Event()
+    task = asyncio.create_task(cap.run(stop))
+    try:
+        await asyncio.sleep(0.1)
+        ctx = ssl.create_default_context()
+        for _ in range(2):
+            with contextlib.suppress(Exception):  # the server never answers the handshake
+                _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx), 1)
+                w.close()
+        await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
+        server.close()
+    assert got == []
+    assert cap.stats.tls_connections == 2
+    assert [n for n in notes if "TLS" in n] == [f"capture: TLS on port {port}: cannot observe encrypted streams "
+                                                "(capture the plain-HTTP port behind the TLS terminator, or use --probe)"]

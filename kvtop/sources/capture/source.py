@@ -107,7 +107,7 @@ class CaptureSource:
             self.on_check(st)
         if st.tls_connections:
             self._tell("tls", f"capture: TLS on port {self.port}: cannot observe encrypted streams "
-                              "(use --proxy-listen in front of the TLS terminator, or --probe)")
+                              "(capture the plain-HTTP port behind the TLS terminator, or use --probe)")
         if st.http2_connections:
             self._tell("http2", f"capture: HTTP/2 (gRPC) on port {self.port}: cannot observe; "
                                 "only HTTP/1.1 streams are parsed")
