@@ -210,7 +210,6 @@ class HttpConnection:
         self.dead: str | None = None  # why we stopped parsing: tls, http2, not_http, lost
         self.pending: deque[_Exchange] = deque()  # requests (oldest first) whose response is not finished
         self._c_head = b""
-        self._c_head_t: float | None = None
         self._c_body: _Body | None = None
         self._c_ex: _Exchange | None = None
         self._c_started = False
@@ -238,7 +237,6 @@ class HttpConnection:
 
     def _client_head(self, data: bytes, t: float) -> bytes:
         if not self._c_head:
-            self._c_head_t = t
             if not data.startswith(_METHODS) and not data.lstrip(b"\r\n").startswith(_METHODS):
                 self._die("not_http")
                 return b""

@@ -3,9 +3,10 @@
 Each direction of a connection delivers its bytes to the HTTP parser in sequence order, exactly
 once: retransmitted bytes are dropped, out-of-order segments wait (bounded) until the gap before
 them fills. A gap that will never fill is a *hole*: bytes the receiver got but the capture lost (a
-kernel drop). It is declared when the peer acknowledges bytes we never saw, when the waiting
-segments pass a byte bound, or when they have waited ``HOLE_WAIT_S``; the parser is told how many
-bytes were lost so it can skip them or mark the stream incomplete.
+kernel drop). It is declared when a packet from the peer acknowledges bytes we never saw (pure ACKs
+are filtered out in the kernel, so this is the ACK field of the peer's data, FIN or RST), when the
+waiting segments pass a byte bound, when they have waited ``HOLE_WAIT_S``, or at the connection's
+end; the parser is told how many bytes were lost so it can skip them or mark the stream incomplete.
 """
 
 from __future__ import annotations
