@@ -404,3 +404,17 @@ def test_filter_program_is_a_valid_classic_bpf_program():
             assert i + 1 + jt < n and i + 1 + jf < n
     assert ins[-2][0] == 0x06 and ins[-2][3] > 0 and ins[-1] == (0x06, 0, 0, 0)
     assert sum(1 for op, _a, _b, k in ins if op == 0x15 and k == 8000) == 4  # v4/v6 x src/dst
+
+
+def test_a_stream_whose_end_was_lost_ends_incomplete_when_the_connection_goes_idle():
+    from kvtop.sources.capture.tcp import IDLE_S
+
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(SSE_HEAD + chunk(event()), 1.1)
+    w.reply(chunk(DONE) + LAST, 1.2, deliver=False)  # the end is lost and nothing follows
+    Wire(r, sport=40100).send(request("other"), 1.0 + IDLE_S + 5)  # any later packet drives the sweep
+    ends = [(x.event, x.error, x.incomplete) for x in out if x.id == "req-1" and x.event in ("finish", "error")]
+    assert ends == [("error", "capture_lost", True)]
+    assert r.stats.lost_connections == 1

@@ -338,7 +338,7 @@ class HttpConnection:
             if self._c_ex is not None:
                 self._c_ex.body_lost = True
             return
-        self._lose(t)
+        self.lose(t)
 
     # -- server -> client ---------------------------------------------------------------------
     def server_data(self, data: bytes, t: float) -> None:
@@ -453,12 +453,12 @@ class HttpConnection:
             elif body.to_close or lost < body.left:
                 body.left = max(0, body.left - lost)
             else:
-                self._lose(t)
+                self.lose(t)
                 return
             if ex.rec is not None:
                 ex.rec.hole()
             return
-        self._lose(t)
+        self.lose(t)
 
     # -- ends -----------------------------------------------------------------------------------
     def client_closed(self, t: float, reset: bool) -> None:
@@ -495,7 +495,7 @@ class HttpConnection:
         self._s_ex = None
         self._s_body = None
 
-    def _lose(self, t: float) -> None:
+    def lose(self, t: float) -> None:
         """A hole we cannot parse across: end what is in flight as incomplete, observe no more."""
         for ex in self.pending:
             if not (ex.recorded and ex.arrived):

@@ -250,4 +250,7 @@ class Reassembler:
             if t - conn.last_t > idle_s:
                 stale.append(key)
         for key in stale:
-            self.conns.pop(key, None)
+            conn = self.conns.pop(key)
+            if conn.http.pending:
+                # silent for IDLE_S with a stream open: its end was lost, so it ends here, incomplete
+                conn.http.lose(t)
