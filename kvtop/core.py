@@ -116,6 +116,7 @@ class Core:
         self.analysis = analysis
         self.source_label = source_label
         self.gpu_status = "ok"
+        self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
         self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
@@ -264,8 +265,9 @@ class Core:
             self._requests[rec.id] = r
             self._trim_requests()
         ev = rec.event
-        if ev in ("token", "first_token"):
-            if r.last_token_t is not None:
+        if ev in ("token", "first_token", "resync"):
+            # resync: tokens after a capture hole; the time since the last token is not a gap
+            if r.last_token_t is not None and ev != "resync":
                 gap = rec.t - r.last_token_t
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t
@@ -408,6 +410,7 @@ class Core:
             analysis=analysis,
             paused=self.paused,
             source_label=self.source_label,
+            capture=self.capture,
         )
 
     def request_timeline(self, request_id: str) -> RequestTimeline | None:

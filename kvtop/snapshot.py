@@ -131,6 +131,8 @@ class Snapshot:
     analysis: dict[str, Any] | None = None  # the analysis report (spikes, causes, verdict)
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
+    # passive capture (--capture): port, status ("ok" or why not) and its loss counters; None when off
+    capture: dict[str, Any] | None = None
 
     def to_json(self, include_history: bool = False) -> dict[str, Any]:
         """The documented JSON contract (schemas/snapshot.schema.json)."""
@@ -161,6 +163,8 @@ class Snapshot:
             out["events"] = [clean(e) for e in self.events]
         if self.analysis is not None:
             out["analysis"] = self.analysis
+        if self.capture is not None:
+            out["capture"] = dict(self.capture)
         return finite(out)
 
 

@@ -28,7 +28,13 @@ PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
 
     add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
@@ -36,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
     add_itl_option(p)
     add_probe_option(p)
+    add_capture_option(p)
     add_host_options(p)
     p.add_argument("--prometheus", default=None, metavar="URL",
                    help="show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
@@ -111,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         opts = dataclasses.replace(opts, urls=tuple(found))
+    if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
+        from kvtop.sources.capture.options import resolve_capture_port
+
+        opts = dataclasses.replace(opts, capture_port=resolve_capture_port(0, opts.urls[0]))
+    # without the privilege the console still runs: its banner says how to grant it
 
     from kvtop.pipeline import live_feed
     from kvtop.tui.app import run_console
