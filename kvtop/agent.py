@@ -13,7 +13,6 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +24,6 @@ from kvtop.live import LiveRunner
 
 DEFAULT_PORT = 9470
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
-
-# Passive capture (another feature: `--capture`) plugs in here: a factory given the record sink and
-# the run clock, returning a coroutine that observes streams until the stop event is set.
-CaptureFactory = Callable[[Callable[[Any], None], Callable[[], float], asyncio.Event], Coroutine[Any, Any, None]]
 
 
 @dataclass
@@ -50,7 +45,7 @@ class AgentOptions:
     trace_max_age_s: float = 600.0
     trace_keep_bytes: int = 1 << 30
     trace_keep_age_s: float = 86400.0
-    capture: CaptureFactory | None = None
+    capture_port: int | None = None  # --capture: the engine port observed passively (the live runner runs it)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -137,7 +132,7 @@ class Agent:
         tasks: list[asyncio.Task[Any]] = []
         try:
             if self.opts.proxy_listen is not None:
-                from kvtop.proxy import make_proxy
+                from kvtop.sources.proxy import make_proxy
 
                 host, port = self.opts.proxy_listen
                 self.proxy = make_proxy(self.runner.scrapers[0].base_url, self.runner.emit, self.runner.now,
@@ -147,8 +142,6 @@ class Agent:
                 except OSError as e:
                     self.proxy = None
                     raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-            if self.opts.capture is not None:
-                tasks.append(asyncio.create_task(self.opts.capture(self.runner.emit, self.runner.now, stop)))
             tasks.append(asyncio.create_task(self._tick_loop(stop)))
             self.tick()
             what = [f"metrics {self.url}/metrics", f"{len(self.opts.urls)} engine(s)"]
@@ -156,6 +149,8 @@ class Agent:
                 what.append(f"proxy {self.proxy.url}")
             if self.opts.probe_rate:
                 what.append(f"probe {self.opts.probe_rate:g}/s")
+            if self.opts.capture_port is not None:
+                what.append(f"capture port {self.opts.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
             print(f"kvtop agent: {', '.join(what)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
@@ -188,7 +183,7 @@ def build_agent(opts: AgentOptions) -> Agent:
 
     src = SourceOptions(urls=tuple(opts.urls), interval_s=opts.interval_s, timeout_s=opts.timeout_s, token=opts.token,
                         adapter=opts.adapter, gpu=opts.gpu, host=opts.host, probe_rate=opts.probe_rate,
-                        itl_target_s=opts.itl_target_s)
+                        itl_target_s=opts.itl_target_s, capture_port=opts.capture_port)
     runner = live_feed(src, label="agent", probe_max_tokens=opts.probe_max_tokens)
     core = runner.core
     metrics = AgentMetrics(request_engine=engine_label(opts.urls[0]) if opts.urls else None)

@@ -127,3 +127,47 @@ def test_a_trace_dir_that_is_a_file_and_a_busy_port_are_one_line_errors(tmp_path
                       "--duration", "5", timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"kvtop: error: cannot listen on 127.0.0.1:{port}") and r.stderr.count("\n") == 1
+
+
+def _can_capture() -> bool:
+    from kvtop.sources.capture import CaptureUnavailable, check_capture
+
+    try:
+        check_capture(1)
+    except CaptureUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+def test_agent_counts_captured_and_proxied_streams_once_each():
+    sim = _spawn("sim-server", "--seed", "1", "--port", "0", "--duration", "60")
+    agent = None
+    try:
+        sim_url = _line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--proxy-listen", "127.0.0.1:0",
+                       "--capture", "--no-gpu", "--no-host", "--interval", "0.5")
+        m = _line(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+).*capture port \d+")
+        url, proxy = m.group(1), m.group(2)
+        time.sleep(0.5)
+        body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 12,
+                "kvtop": {"prompt_tokens": 50, "output_tokens": 12}}
+        for base, n in ((proxy, 3), (sim_url, 2)):
+            for _ in range(n):
+                r = httpx.post(base + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200
+        deadline = time.monotonic() + 20
+        while True:
+            fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)}
+            seen = {s.labels["source"]: s.value for s in fams["kvtop_streams_observed"].samples
+                    if s.name.endswith("_total")}
+            if seen == {"proxy": 3.0, "capture": 2.0} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert seen == {"proxy": 3.0, "capture": 2.0}
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

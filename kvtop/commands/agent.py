@@ -10,8 +10,9 @@ HELP = "headless node agent: live analysis served as Prometheus metrics (+ rotat
 DESCRIPTION = (
     "Runs the console's sources and live analysis without a screen and serves them at "
     "http://LISTEN/metrics for Prometheus (default 127.0.0.1:9470; --listen 0.0.0.0:9470 to let a "
-    "remote Prometheus scrape it). Per-request causes need observed streams: --proxy-listen puts the "
-    "recording proxy in front of the first --url, --probe sends canary streams. --trace-dir keeps "
+    "remote Prometheus scrape it). Per-request causes need observed streams: --capture reads them "
+    "from the engine port's packets, --proxy-listen puts the recording proxy in front of the first "
+    "--url, --probe sends canary streams. --trace-dir keeps "
     "compressed, size/age-rotated trace segments that `kvtop replay` opens."
 )
 ORDER = 35
@@ -35,7 +36,13 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
 
     add_engine_options(p)
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
@@ -43,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
                    help="run the recording proxy here, in front of the first --url")
     add_probe_option(p)
+    add_capture_option(p)
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--trace-dir", dest="trace_dir", default=None, metavar="DIR",
@@ -64,15 +72,16 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvtop.agent import DEFAULT_LISTEN, AgentOptions
-    from kvtop.commands._options import source_options
+    from kvtop.commands._options import require_capture, source_options
     from kvtop.config import load_config, parse_seconds
     from kvtop.errors import UsageError
-    from kvtop.proxy import parse_listen
+    from kvtop.sources.proxy import parse_listen
 
     cfg = load_config(getattr(args, "config", None))
     src = source_options(args, cfg)
     if not src.urls:
         raise UsageError("give the engine(s) to watch: --url URL")
+    require_capture(src)
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
@@ -102,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         urls=list(src.urls), listen=listen, interval_s=src.interval_s, timeout_s=src.timeout_s,
         itl_target_s=src.itl_target_s, token=src.token, adapter=src.adapter, gpu=src.gpu, host=src.host,
         proxy_listen=proxy_listen, probe_rate=src.probe_rate, probe_max_tokens=args.probe_max_tokens,
+        capture_port=src.capture_port,
         trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
         trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
     )
