@@ -8,7 +8,8 @@ kvtop's alert rules loaded. Run with `pytest -m prometheus tests/test_prometheus
 
 Tolerances for "kvtop through Prometheus agrees with its direct scrape" over the same 20 s window,
 sampled at the same moment (Prometheus's copy lags by up to one 1 s scrape):
-KV usage within 0.05 absolute; preemption rate within 25 % (or 0.3/s); ITL p99 within 25 %.
+KV usage within 0.05 of the direct scrape's last few samples; preemption rate within 25 % (or
+0.3/s); ITL p99 within 25 %.
 """
 
 from __future__ import annotations
@@ -164,7 +165,10 @@ def test_reading_engines_back_through_prometheus_agrees_with_the_direct_scrape(s
     v = next(e for e in storm["via"].engines if e.up)
     assert v.url == storm["sim"].split("//")[1] and v.adapter == "vllm"
     assert d.kv_usage is not None and v.kv_usage is not None
-    assert abs(d.kv_usage - v.kv_usage) <= 0.05, (d.kv_usage, v.kv_usage)
+    # Prometheus's copy is up to one scrape behind: it must sit within 0.05 of what the direct
+    # scrape saw over its last few samples
+    recent = [*d.kv_usage_history[-4:], d.kv_usage]
+    assert min(recent) - 0.05 <= v.kv_usage <= max(recent) + 0.05, (recent, v.kv_usage)
     assert d.preemptions_per_s and d.preemptions_per_s > 0.2, "the storm preempts"
     assert v.preemptions_per_s is not None
     assert abs(d.preemptions_per_s - v.preemptions_per_s) <= max(0.3, 0.25 * d.preemptions_per_s), \
