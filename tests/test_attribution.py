@@ -183,7 +183,7 @@ def test_cancelled_victim_is_preemption_without_a_counter_step():
     an = run(recs)
     (g,) = list(an.spikes)
     assert g.request_id == "r5" and g.ended_by == "cancel" and g.cause == "preemption"
-    assert an.acc["preempted_cancelled"] == 1
+    assert an.acc.preempted_cancelled == 1
 
 
 def test_prefill_interference_all_streams_stall_with_new_first_token():

@@ -85,6 +85,6 @@ class LiveAnalyzer:
         an.tick(now)
         rep = build_report(an, self.model_config, self.kv_bytes, self.kv_dtype, self.tp, self._settings,
                            self._adapter, list(self._warn))
-        rep["pending_spikes"] = len(an._pending)
+        rep["pending_spikes"] = len(an.gaps.pending)
         self._cached = (now, an.records, rep)
         return rep

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.attribution import ALL, Cause
+from kvtop.analysis.attribution.aggregate import aggregate_causes
+
 
 def _fmt(v: Any, unit: str) -> str:
     if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
@@ -49,74 +53,7 @@ def render_verdict_text(v: dict[str, Any]) -> str:
 
 # ---- building the analyze report -------------------------------------------------------------
 
-def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, str | None]:
-    """Fallback without per-request timings: ITL histogram deltas per scrape vs counters."""
-    from kvtop.analysis.attribution import KV_HIGH
-
-    scrapes = list(an._scrapes)
-    counts = {c: 0 for c in ("preemption", "prefill_interference", "slow_decode", "unknown")}
-    if len(scrapes) < 2:
-        return counts, None, None
-    by_key: dict[Any, list[tuple]] = {}
-    for s in scrapes:
-        by_key.setdefault(s[1], []).append(s)
-    target = an.itl_target_s
-    src = an.target_source
-    if target is None:
-        # p50 of the whole run's histogram delta x k
-        merged: dict[float, float] = {}
-        total = 0.0
-        for lst in by_key.values():
-            f, last = lst[0][2], lst[-1][2]
-            for (le, c1), (_, c0) in zip(last["buckets"], f["buckets"], strict=False):
-                merged[float(le)] = merged.get(float(le), 0.0) + (c1 - c0)
-            total += last["count"] - f["count"]
-        if total <= 0:
-            return counts, None, None
-        for le in sorted(merged):
-            if merged[le] >= 0.5 * total:
-                target = k * le
-                src = f"derived: {k:g} x engine ITL histogram p50 (bucket bound)"
-                break
-    if target is None:
-        return counts, None, None
-    deltas = []
-    for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:], strict=False):
-            if prev[4] is not None and cur[4] is not None:
-                deltas.append(max(0.0, cur[4] - prev[4]))
-    typ = sorted(deltas)[len(deltas) // 2] if deltas else 0.0
-    for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:], strict=False):
-            h0, h1 = prev[2], cur[2]
-            dcount = h1["count"] - h0["count"]
-            if dcount <= 0:
-                continue
-            below = 0.0
-            p50_le = None
-            for (le, c1), (_, c0) in zip(h1["buckets"], h0["buckets"], strict=False):
-                if float(le) <= target:
-                    below = c1 - c0
-                if p50_le is None and c1 - c0 >= 0.5 * dcount:
-                    p50_le = float(le)
-            above = int(round(dcount - below))
-            if above <= 0:
-                continue
-            dpre = (cur[3] - prev[3]) if cur[3] is not None and prev[3] is not None and cur[3] >= prev[3] else 0
-            dprompt = (cur[4] - prev[4]) if cur[4] is not None and prev[4] is not None and cur[4] >= prev[4] else 0
-            kv = cur[6]
-            if an.preempts and dpre >= 1 and (kv is None or kv >= KV_HIGH) and above <= 3 * dpre:
-                counts["preemption"] += above
-            elif dprompt >= 512 and dprompt > 1.5 * typ and (cur[5] is None or above >= 0.5 * max(1, cur[5])):
-                counts["prefill_interference"] += above
-            elif p50_le is not None and p50_le > target:
-                counts["slow_decode"] += above
-            else:
-                counts["unknown"] += above
-    return counts, target, src
-
-
-def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
+def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
     from kvtop.analysis.advisor import Num, advise
@@ -127,18 +64,20 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
     s.settings_names = dict(settings_names or {})
     basis = "requests" if an.token_records else "aggregate"
     if basis == "requests":
-        counts = dict(an.cause_counts)
+        by_cause = dict(an.cause_counts)
         total = an.n_spikes
-        conf = {c: (an.cause_conf[c] / counts[c] if counts[c] else None) for c in counts}
+        conf = {c.value: (an.cause_conf[c] / by_cause[c] if by_cause[c] else None) for c in ALL}
     else:
-        counts, tgt, src = _aggregate_causes(an, an.k)
-        total = sum(counts.values())
-        conf = {c: (0.35 if counts[c] else None) for c in counts}
+        by_cause, tgt, src = aggregate_causes(list(an.scrapes), an.itl_target_s, an.k, an.preempts,
+                                              an.target_source)
+        total = sum(by_cause.values())
+        conf = {c.value: (0.35 if by_cause[c] else None) for c in ALL}
         if tgt is not None and "itl_target" not in s.n:
             s.n["itl_target"] = Num(tgt, "s", "measured", src)
             s.n["itl_slo"] = Num(tgt, "s", "measured", src)
         s.notes.append("no per-request token timings in this trace: causes come from the engine's ITL histogram "
                        "deltas vs preemption and prompt-token counters (lower confidence)")
+    counts: dict[str, int] = {c.value: by_cause[c] for c in ALL}
     shares = {c: (counts[c] / total if total else 0.0) for c in counts}
     s.cause_shares = {c: v for c, v in shares.items() if c != "unknown"}
     s.spikes = total
@@ -156,7 +95,7 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
     else:
         s.itl_miss = (total >= 3) if s.v("itl_target") is not None else None
     if s.itl_miss:
-        known = {c: counts[c] for c in ("preemption", "prefill_interference", "slow_decode")}
+        known = {c.value: counts[c.value] for c in (Cause.PREEMPTION, Cause.PREFILL, Cause.SLOW_DECODE)}
         best = max(known, key=lambda c: known[c])
         s.cause = best if known[best] >= 0.3 * total else "unknown"
         cc = conf.get(s.cause)
@@ -168,7 +107,7 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
     verdict = advise(s)
     spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
-               "gap_s": round(g.gap, 6), "cause": g.cause, "confidence": round(g.confidence, 3),
+               "gap_s": round(g.gap, 6), "cause": str(g.cause), "confidence": round(g.confidence, 3),
                "ended_by": g.ended_by, "evidence": g.evidence} for g in an.spikes]
     requests = []
     for r in an.reqs.values():
@@ -187,13 +126,17 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         "spikes": spikes,
         "spikes_listed": len(spikes),
         "spikes_total": total,
-        "causes": {c: {"count": counts[c], "share": round(shares[c], 4),
-                       "mean_confidence": None if conf[c] is None else round(conf[c], 3)} for c in counts},
+        "causes": {c: {"count": counts[c], "share": round(shares[c], 4), "mean_confidence": _round(conf[c], 3)}
+                   for c in counts},
         "requests": requests,
         "verdict": verdict,
         "warnings": list(warnings or []),
     }
     return out
+
+
+def _round(v: float | None, nd: int) -> float | None:
+    return None if v is None else round(v, nd)
 
 
 def render_report_text(rep: dict[str, Any]) -> str:

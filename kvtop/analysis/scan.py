@@ -46,6 +46,7 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     for d in reader.dicts():
         feed(d)
     an.finish()
-    if reader.warning():
-        warnings.append(reader.warning())
+    w = reader.warning()
+    if w:
+        warnings.append(w)
     return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
