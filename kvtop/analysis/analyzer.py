@@ -155,11 +155,8 @@ class Analyzer:
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc.ttft_rate_hist.add(r.prompt_tokens / (t - r.arrive_t))
             if not tokens_done:  # the fast path has already counted it and its gap
-                lt = r.last_t
-                r.last_t = t
-                r.tokens += n if n else 1
-                if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
-                    gt.gap(r, lt, t, t - lt, "token", n or 1)
+                # a token event; a second "first_token" (resumed streams in some proxies) is still a gap
+                gt.token(rid, t, n)
         elif ev in ("finish", "cancel", "error"):
             if gt.end(r, t, ev):
                 out = completion if completion is not None else r.tokens

@@ -21,6 +21,14 @@ WARMUP_GAPS = 2000
 # Gaps at least this fraction of the target are kept (for a while) to find streams that stalled together.
 LONG_FRACTION = 0.5
 RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream
+# Look-ahead after a spike (both paths see the same): token events within BURST_S of its end are
+# the chunk that ended it (a delivery stall ends with everything buffered at once, as one event or
+# many within a millisecond); then up to LOOKAHEAD following gaps that end within LOOKAHEAD_S.
+# LOOKAHEAD_S stays below the shortest settle time (2 s), so the live path, which judges a spike
+# ``settle`` after its end, has seen all of it: that is the live path's bounded deferral.
+BURST_S = 0.002
+LOOKAHEAD = 3
+LOOKAHEAD_S = 1.5
 
 
 class LogHistogram:
@@ -76,6 +84,12 @@ class ReqState:
     last_cause: str | None = None
     engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
     cancelled_after_preempt: bool = False
+    events: int = 0  # token events (tokens / events: the stream's usual chunk size)
+    watch: Gap | None = None  # the latest spike of this stream still collecting its look-ahead
+    engine: str | None = None  # which engine served it (url or name), where the record says
+
+    def tokens_per_event(self) -> float:
+        return self.tokens / self.events if self.events else 1.0
 
     def baseline_gap(self) -> float | None:
         if not self.recent:
@@ -99,7 +113,46 @@ class Gap:
     confidence: float = 0.0
     evidence: list[str] = field(default_factory=list)
     chunk_n: int = 1  # tokens delivered by the event that ended the gap
-    next_gap: float | None = None  # the stream's following gap, when known before judging (look-ahead)
+    burst_n: int = 0  # tokens delivered within BURST_S of the end (the closing event included)
+    after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
+    tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
+
+
+def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
+    """The stream's tokens per event before the event that closed a gap."""
+    if ended_by == "token":
+        return (r.tokens - chunk_n) / (r.events - 1) if r.events > 1 else 1.0
+    return r.tokens / r.events if r.events else 1.0
+
+
+def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
+    """One token event after spike ``w`` (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
+    if t - w.t_end <= BURST_S:
+        w.burst_n += k
+        return False
+    if t - w.t_end > LOOKAHEAD_S:
+        return True
+    w.after.append(g)
+    return len(w.after) >= LOOKAHEAD
+
+
+def _batch_look(cur: Gap | None, spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
+                g1: int) -> Gap | None:
+    """The look-ahead of a stream's spikes over one batch of its events (sorted positions g0..g1-1),
+    as ``token`` collects it event by event; returns the spike still watching at the batch's end."""
+    j = g0
+    k = 0
+    while True:
+        nxt = spikes[k][0] if k < len(spikes) else g1 - 1
+        while cur is not None and j <= nxt:
+            if _feed_look(cur, float(t_s[j]), int(n_s[j]), float(gaps[j])):
+                cur = None
+            j += 1
+        if k >= len(spikes):
+            return cur
+        i, cur = spikes[k]
+        j = i + 1
+        k += 1
 
 
 class GapTracker:
@@ -158,9 +211,20 @@ class GapTracker:
         r = self.reqs.get(rid) or self.req(rid)
         lt = r.last_t
         r.last_t = t
-        r.tokens += n if n else 1
+        k = n if n else 1
+        r.tokens += k
+        r.events += 1
         if lt is not None:
-            self.gap(r, lt, t, t - lt, "token", n or 1)
+            if r.watch is not None:
+                self._look(r, t, k, t - lt)
+            self.gap(r, lt, t, t - lt, "token", k)
+
+    @staticmethod
+    def _look(r: ReqState, t: float, k: int, g: float) -> None:
+        w = r.watch
+        assert w is not None
+        if _feed_look(w, t, k, g):
+            r.watch = None
 
     def gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int = 1) -> None:
         self.n_gaps += 1
@@ -169,7 +233,8 @@ class GapTracker:
         tgt = self.itl_target_s
         if tgt is None:
             gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-            gp.chunk_n = chunk_n
+            gp.chunk_n = gp.burst_n = chunk_n
+            gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -178,12 +243,15 @@ class GapTracker:
                 self.hist.add(g)
             if g >= LONG_FRACTION * tgt:
                 gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-                gp.chunk_n = chunk_n
+                gp.chunk_n = gp.burst_n = chunk_n
+                gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
                 if g > tgt:
                     self.pending.append(gp)
+                    if ended_by == "token":
+                        r.watch = gp
         if ended_by == "token":
             r.recent.append(g)
 
@@ -278,12 +346,14 @@ class GapTracker:
         reqs = []
         last = np.full(len(ids), np.nan)
         tok0 = np.zeros(len(ids), dtype=np.int64)
+        ev0 = [0] * len(ids)
         for u, rid in enumerate(ids):
             r = self.reqs.get(rid) or self.req(rid)
             reqs.append(r)
             if r.last_t is not None:
                 last[u] = r.last_t
             tok0[u] = r.tokens
+            ev0[u] = r.events
         prev = np.empty(m)
         prev[1:] = t_s[:-1]
         prev[gstart] = last[c_s[gstart]]
@@ -316,6 +386,7 @@ class GapTracker:
         longs = np.flatnonzero(gz >= long_thr).tolist()
         gmax = np.maximum.reduceat(gz, gstart)
         tsum = np.add.reduceat(n_s, gstart)
+        spikes: dict[int, list[tuple[int, Gap]]] = {}  # group -> (sorted index, spike)
         if longs:
             grp = np.searchsorted(gstart, longs, side="right") - 1
             for i, gi in zip(longs, grp.tolist(), strict=True):
@@ -329,16 +400,22 @@ class GapTracker:
                 gv = float(gaps[i])
                 te = float(t_s[i])
                 gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
-                gp.chunk_n = int(n_s[i])
+                gp.chunk_n = gp.burst_n = int(n_s[i])
+                before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
+                gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv
                 if gv > tgt:
                     self.pending.append(gp)
+                    spikes.setdefault(gi, []).append((i, gp))
         for gi in range(len(gstart)):
             g0, g1 = int(gstart[gi]), int(gend[gi])
             r = reqs[int(c_s[g0])]
+            if r.watch is not None or gi in spikes:
+                r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
             r.last_t = float(t_s[g1 - 1])
+            r.events += g1 - g0
             r.tokens += int(tsum[gi])
             mg = float(gmax[gi])
             if mg > r.max_gap:
