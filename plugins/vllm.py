@@ -65,6 +65,7 @@ class VllmAdapter(EngineAdapter):
         }
     )
     preempts = True
+    preempt_counted_at = "resume"  # V1 counts a preemption when the victim is scheduled again
     settings = {
         "max_seqs": "--max-num-seqs",
         "batched_tokens": "--max-num-batched-tokens",

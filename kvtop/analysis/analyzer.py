@@ -21,6 +21,7 @@ from typing import Any
 from kvtop.analysis import gaps as G
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
+from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, ReqState
 from kvtop.analysis.tally import Tally
 
@@ -36,6 +37,7 @@ class Analyzer:
         self.keep_spikes = keep_spikes
         self.horizon_s = horizon_s
         self.use_request_preempts = use_request_preempts
+        self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
@@ -79,6 +81,9 @@ class Analyzer:
     # ---- setup ----------------------------------------------------------------------------
     def set_header(self, h: dict[str, Any]) -> None:
         self.header = h
+        name = (h.get("engine") or {}).get("adapter")
+        if name and self.counted_at is None:
+            self.counted_at = engine_semantics(name)[2]
         if self.gaps.itl_target_s is None:
             tgt = h.get("itl_target_s")
             if tgt is None and isinstance(h.get("sim"), dict):
@@ -247,9 +252,10 @@ class Analyzer:
 
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
-        ev = gather(g, self.gaps, self.timeline, self.preempts, self.settle, r.engine_preempts if r else None)
+        ev = gather(g, self.gaps, self.timeline, self.preempts, self.settle, r.engine_preempts if r else None,
+                    self.counted_at, self.prefill_rate(), r.last_spike if r else None)
         f = classify(ev)
-        g.cause, g.confidence, g.evidence = f.cause, f.confidence, f.lines
+        g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
         self.cause_conf[f.cause] += f.confidence
@@ -260,6 +266,7 @@ class Analyzer:
         if r is not None:
             r.spikes += 1
             r.last_cause = f.cause.value
+            r.last_spike = g
             if f.cause is Cause.PREEMPTION:
                 r.preempt_spikes += 1
                 if r.id not in acc.preempted_ids:
@@ -276,6 +283,13 @@ class Analyzer:
             p = ft.prompt_tokens
             if p >= 512 and g.gap > base and len(acc.prefill_a) < 5000:
                 acc.prefill_a.append((g.gap - base) / p)
+
+    def prefill_rate(self) -> float | None:
+        """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT includes
+        queueing, so the true rate is higher). A prompt that this rate cannot make explain a stall
+        certainly does not explain it."""
+        h = self.acc.ttft_rate_hist
+        return h.quantile(0.5) if h.n >= 5 else None
 
     # ---- results --------------------------------------------------------------------------
     def median_gap(self) -> float | None:

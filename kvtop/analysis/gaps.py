@@ -20,7 +20,8 @@ K_TARGET = 4.0
 WARMUP_GAPS = 2000
 # Gaps at least this fraction of the target are kept (for a while) to find streams that stalled together.
 LONG_FRACTION = 0.5
-RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream
+RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
+# stall-free ones, within the target: the pace before a slowdown began)
 # Look-ahead after a spike (both paths see the same): token events within BURST_S of its end are
 # the chunk that ended it (a delivery stall ends with everything buffered at once, as one event or
 # many within a millisecond); then up to LOOKAHEAD following gaps that end within LOOKAHEAD_S.
@@ -78,18 +79,26 @@ class ReqState:
     end_t: float | None = None
     ended_by: str | None = None
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
     max_gap: float = 0.0
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
+    last_spike: Gap | None = None  # the stream's previous judged spike
     engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
     cancelled_after_preempt: bool = False
     events: int = 0  # token events (tokens / events: the stream's usual chunk size)
-    watch: Gap | None = None  # the latest spike of this stream still collecting its look-ahead
+    watch: list[Gap] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
     engine: str | None = None  # which engine served it (url or name), where the record says
 
     def tokens_per_event(self) -> float:
         return self.tokens / self.events if self.events else 1.0
+
+    def calm_gap(self) -> float | None:
+        if not self.calm:
+            return None
+        s = sorted(self.calm)
+        return s[len(s) // 2]
 
     def baseline_gap(self) -> float | None:
         if not self.recent:
@@ -110,12 +119,14 @@ class Gap:
     tokens_before: int
     ended_by: str = "token"
     cause: Any = None  # an attribution.Cause once judged (a str subclass)
+    kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
     confidence: float = 0.0
     evidence: list[str] = field(default_factory=list)
     chunk_n: int = 1  # tokens delivered by the event that ended the gap
     burst_n: int = 0  # tokens delivered within BURST_S of the end (the closing event included)
     after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
     tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
+    calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
 
 
 def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
@@ -136,21 +147,22 @@ def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
     return len(w.after) >= LOOKAHEAD
 
 
-def _batch_look(cur: Gap | None, spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
-                g1: int) -> Gap | None:
+def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
+                g1: int) -> list[Gap]:
     """The look-ahead of a stream's spikes over one batch of its events (sorted positions g0..g1-1),
-    as ``token`` collects it event by event; returns the spike still watching at the batch's end."""
+    as ``token`` collects it event by event; returns the spikes still watching at the batch's end."""
     j = g0
     k = 0
     while True:
         nxt = spikes[k][0] if k < len(spikes) else g1 - 1
-        while cur is not None and j <= nxt:
-            if _feed_look(cur, float(t_s[j]), int(n_s[j]), float(gaps[j])):
-                cur = None
+        while watch and j <= nxt:
+            t, n, g = float(t_s[j]), int(n_s[j]), float(gaps[j])
+            watch = [w for w in watch if not _feed_look(w, t, n, g)]
             j += 1
         if k >= len(spikes):
-            return cur
-        i, cur = spikes[k]
+            return watch
+        i, sp = spikes[k]
+        watch.append(sp)
         j = i + 1
         k += 1
 
@@ -215,16 +227,9 @@ class GapTracker:
         r.tokens += k
         r.events += 1
         if lt is not None:
-            if r.watch is not None:
-                self._look(r, t, k, t - lt)
+            if r.watch:
+                r.watch = [w for w in r.watch if not _feed_look(w, t, k, t - lt)]
             self.gap(r, lt, t, t - lt, "token", k)
-
-    @staticmethod
-    def _look(r: ReqState, t: float, k: int, g: float) -> None:
-        w = r.watch
-        assert w is not None
-        if _feed_look(w, t, k, g):
-            r.watch = None
 
     def gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int = 1) -> None:
         self.n_gaps += 1
@@ -235,6 +240,7 @@ class GapTracker:
             gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
             gp.chunk_n = gp.burst_n = chunk_n
             gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
+            gp.calm_baseline = r.calm_gap()
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -245,15 +251,18 @@ class GapTracker:
                 gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
                 gp.chunk_n = gp.burst_n = chunk_n
                 gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
+                gp.calm_baseline = r.calm_gap()
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
                 if g > tgt:
                     self.pending.append(gp)
                     if ended_by == "token":
-                        r.watch = gp
+                        r.watch.append(gp)
         if ended_by == "token":
             r.recent.append(g)
+            if tgt is None or g <= tgt:
+                r.calm.append(g)
 
     def derive_target(self) -> None:
         vals = sorted(x.gap for x in self.warm)
@@ -383,6 +392,7 @@ class GapTracker:
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
         gz = np.where(valid, gaps, -1.0)
+        sf_pos = np.flatnonzero(valid & (gz <= tgt))  # stall-free gaps: the baseline's sample
         longs = np.flatnonzero(gz >= long_thr).tolist()
         gmax = np.maximum.reduceat(gz, gstart)
         tsum = np.add.reduceat(n_s, gstart)
@@ -392,6 +402,12 @@ class GapTracker:
             for i, gi in zip(longs, grp.tolist(), strict=True):
                 r = reqs[int(c_s[i])]
                 g0 = int(gstart[gi])
+                lo_k = int(np.searchsorted(sf_pos, g0))
+                hi_k = int(np.searchsorted(sf_pos, i))
+                cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
+                if len(cw) < RECENT:
+                    cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw
+                cw = cw[-RECENT:]
                 w = [x for x in gaps[max(g0, i - RECENT):i].tolist() if not math.isnan(x)]
                 if len(w) < RECENT:
                     w = list(r.recent)[-(RECENT - len(w)):] + w if r.recent else w
@@ -403,6 +419,7 @@ class GapTracker:
                 gp.chunk_n = gp.burst_n = int(n_s[i])
                 before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
                 gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
+                gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv
@@ -412,7 +429,7 @@ class GapTracker:
         for gi in range(len(gstart)):
             g0, g1 = int(gstart[gi]), int(gend[gi])
             r = reqs[int(c_s[g0])]
-            if r.watch is not None or gi in spikes:
+            if r.watch or gi in spikes:
                 r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
             r.last_t = float(t_s[g1 - 1])
             r.events += g1 - g0
@@ -422,6 +439,9 @@ class GapTracker:
                 r.max_gap = mg
             tail = gaps[max(g0, g1 - RECENT):g1]
             r.recent.extend(x for x in tail.tolist() if not math.isnan(x))
+            lo_k = int(np.searchsorted(sf_pos, g0))
+            hi_k = int(np.searchsorted(sf_pos, g1))
+            r.calm.extend(gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist())
 
     # ---- queries -----------------------------------------------------------------------------
     def median_gap(self) -> float | None:

@@ -46,11 +46,12 @@ class LiveAnalyzer:
             self._set_adapter(adapter)
 
     def _set_adapter(self, name: str) -> None:
-        from kvtop.analysis.scan import adapter_info
+        from kvtop.analysis.engines import engine_semantics
 
         self._adapter = name
-        preempts, self._settings, warn = adapter_info(name)
+        preempts, self._settings, counted_at, warn = engine_semantics(name)
         self.an.preempts = preempts
+        self.an.counted_at = counted_at
         self._warn = [warn] if warn else []
 
     def feed(self, rec: Record) -> None:

@@ -32,3 +32,4 @@ class Finding:
     cause: Cause
     confidence: float
     lines: list[str] = field(default_factory=list)
+    kind: str | None = None  # a finer name where it helps: "host", "delivery", "recompute", "onset"

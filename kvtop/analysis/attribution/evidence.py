@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtop.analysis.attribution.thresholds import PROMPT_JUMP_MIN, PROMPT_JUMP_REL, REL_SLOW, STEP_EARLY_S
+from kvtop.analysis.attribution.thresholds import (
+    COARSE_SCRAPE_S,
+    KV_HIGH,
+    PROMPT_JUMP_MIN,
+    PROMPT_JUMP_REL,
+    REL_SLOW,
+    RESUME_LEAD_S,
+    RETRACT_LAG_S,
+    SPARSE_SHARE,
+    STEP_EARLY_S,
+)
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
 from kvtop.analysis.gaps import Gap, GapTracker
 
@@ -24,28 +34,40 @@ class FirstToken:
 
 @dataclass
 class Evidence:
-    gap: Gap
+    gap: Gap  # its length, the stream's stall-free baseline, how it ended, the chunk that ended it, look-ahead
     preempts: bool  # the engine can preempt at all (from its adapter)
-    baseline: float | None  # the stream's recent gaps, else the run's median gap
+    counted_at: str | None  # when its counter steps: "resume" (vLLM V1), "retract" (SGLang), None = unknown
+    baseline: float | None  # the stream's stall-free pace, else the run's median gap
     baseline_is_stream: bool
     engine_reported_preempt: bool  # a per-request preempt event inside the gap (engine/simulator)
-    active_others: int | None  # other streams between first token and end at the stall's middle
+    active_others: int | None  # other observed streams between first token and end at the stall's middle
     co_stalled: int  # of those, silent over at least half of this stall
     co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
     co_gap_median: float | None  # median length of their silences
+    prev_spike: Gap | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
     window: EngineWindow  # engine gauges/counters around the stall
     departures: int  # streams that ended between the window's two gauge readings
     typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
+    prefill_rate: float | None  # measured prompt tokens/s (None: not measured yet)
+    engine_running: float | None  # the engine's running gauge at the stall (all streams, observed or not)
     scrape_interval: float
     scrape_lag: float  # the longest pause between kvtop's own scrapes across the stall
-    tol: float  # how far after the stall a counter step still belongs to it
+    has_counter: bool  # the engine exports a preemption counter
+    tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
     timeline: EngineTimeline  # for claiming counter units (a spike consumes what it claims)
 
+    # ---- the stall and its stream -----------------------------------------------------------
     @property
     def rel(self) -> float | None:
         return self.gap.gap / self.baseline if self.baseline else None
 
+    @property
+    def resumed(self) -> bool:
+        """The stream produced a token again (not a cancel)."""
+        return self.gap.ended_by == "token"
+
+    # ---- the other streams ------------------------------------------------------------------
     @property
     def flowing(self) -> int | None:
         """Other active streams that kept receiving tokens through the stall (None: no others)."""
@@ -54,9 +76,27 @@ class Evidence:
         return max(0, self.active_others - self.co_stalled)
 
     @property
-    def kv_high(self) -> bool:
-        from kvtop.analysis.attribution.thresholds import KV_HIGH
+    def alone(self) -> bool:
+        """No other observed stream was decoding: none active, or all of them silent since before
+        the stall (preempted earlier, still waiting): nothing tells this stream from the engine."""
+        f = self.flowing
+        return f is None or (f == 0 and self.co_fresh == 0)
 
+    @property
+    def others_flowed(self) -> bool:
+        f = self.flowing
+        return f is not None and f > 0
+
+    @property
+    def observed_share(self) -> float | None:
+        """Observed active streams / the engine's running streams (sparse observation when low)."""
+        if not self.engine_running or self.active_others is None:
+            return None
+        return min(1.0, (self.active_others + 1) / self.engine_running)
+
+    # ---- the engine ---------------------------------------------------------------------------
+    @property
+    def kv_high(self) -> bool:
         return self.window.kv_max is not None and self.window.kv_max >= KV_HIGH
 
     @property
@@ -72,12 +112,57 @@ class Evidence:
         return w.prompt_delta >= PROMPT_JUMP_MIN and \
             w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
 
-    def claim_counter(self) -> float | None:
-        """Claim one preemption-counter unit that stepped near the stall's end; its scrape time."""
-        return self.timeline.claim_counter(self.gap.t_start, self.gap.t_end, self.tol)
+    @property
+    def prompt_excess(self) -> float:
+        w = self.window
+        return max(0.0, w.prompt_delta - self.typical_prompt_delta * max(1, w.intervals))
+
+    def counter_window(self) -> tuple[float, float, float]:
+        """(lo, hi, at): where this stall's preemption would have moved the counter."""
+        a, b = self.gap.t_start, self.gap.t_end
+        if self.counted_at == "resume" and self.resumed:
+            lead = RESUME_LEAD_S
+            if self.prefill_rate:
+                # the victim re-prefills its prompt and what it generated before its token comes
+                lead += self.gap.tokens_before / self.prefill_rate
+            return max(a, b - lead), b + STEP_EARLY_S, b
+        if self.counted_at == "retract":
+            return a - STEP_EARLY_S, min(b, a + RETRACT_LAG_S), a
+        return a - STEP_EARLY_S, b + STEP_EARLY_S, b
+
+    def claim_counter(self) -> tuple[float, float] | None:
+        """Claim one preemption-counter unit for this stall: (scrape time, interval length)."""
+        if self.counted_at is None:
+            t = self.timeline.claim_counter(self.gap.t_start, self.gap.t_end, self.tol)
+            return None if t is None else (t, self.scrape_interval)
+        lo, hi, at = self.counter_window()
+        return self.timeline.claim_in(lo, hi, at)
 
     def counter_delta(self) -> float:
-        return self.timeline.counter_delta(self.gap.t_start - STEP_EARLY_S, self.gap.t_end + self.tol)
+        """Counter units read around the stall (claimed or not)."""
+        if self.counted_at is None:
+            return self.timeline.counter_delta(self.gap.t_start - STEP_EARLY_S, self.gap.t_end + self.tol)
+        lo, hi, _ = self.counter_window()
+        return self.timeline.steps_in(lo, hi)
+
+    # ---- how much the evidence can say ----------------------------------------------------------
+    def certainty(self, interval: float | None = None) -> tuple[float, list[str]]:
+        """A factor (<= 1) for confidence, and why: coarse scrapes, sparse observation and merged
+        chunks each make one stream's evidence less specific."""
+        f = 1.0
+        why = []
+        si = interval if interval is not None else self.scrape_interval
+        if si > COARSE_SCRAPE_S:
+            f *= COARSE_SCRAPE_S / si
+            why.append(f"engine evidence read over a {si:.1f}s scrape interval")
+        share = self.observed_share
+        if share is not None and share < SPARSE_SHARE:
+            f *= 0.5 + share
+            why.append(f"only {share:.0%} of the engine's running streams observed")
+        if self.gap.tokens_per_event > 1.5:
+            f *= 0.85
+            why.append(f"the stream arrives in chunks of {self.gap.tokens_per_event:.1f} tokens")
+        return f, why
 
     def context_lines(self) -> list[str]:
         """How the stall compares with its stream and with the other streams (leads every answer)."""
@@ -93,7 +178,8 @@ class Evidence:
 
 
 def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
-           engine_preempts: list[float] | None = None) -> Evidence:
+           engine_preempts: list[float] | None = None, counted_at: str | None = None,
+           prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end)."""
     a, b = g.t_start, g.t_end
     reported = bool(engine_preempts and any(a - 1e-6 <= t <= b + 1e-6 for t in engine_preempts))
@@ -109,10 +195,11 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     w = timeline.window(a - si, b + tol, b + 0.1)
     ft = gaps.first_token_near(g)
     return Evidence(
-        gap=g, preempts=preempts, baseline=base, baseline_is_stream=bool(g.stream_baseline),
+        gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
-        co_stalled=co, co_fresh=fresh, co_gap_median=co_med,
+        co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
         first_token=FirstToken(ft[0], ft[1]) if ft else None, window=w,
         departures=gaps.departures(w.t_base, w.t_state) if w.t_base is not None and w.t_state is not None else 0,
-        typical_prompt_delta=timeline.typical_prompt_delta(), scrape_interval=si,
-        scrape_lag=timeline.scrape_lag(a, b), tol=tol, timeline=timeline)
+        typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate,
+        engine_running=timeline.running_at(0.5 * (a + b)), scrape_interval=si,
+        scrape_lag=timeline.scrape_lag(a, b), has_counter=timeline.has_counter, tol=tol, timeline=timeline)

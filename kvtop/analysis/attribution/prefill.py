@@ -1,37 +1,79 @@
-"""Prefill interference: nobody streamed through the stall, and a prefill ended it.
+"""Prefill interference: nobody streamed through the stall, and a prefill explains it.
 
-Signals: another request's first token at the stall's end, or a prompt-token counter jump around it.
+Signals: another request's first token at the stall's end, or a prompt-token counter jump around
+it. A signal counts only when its prompt tokens, at the prefill rate kvtop measured (a low estimate:
+the median of prompt tokens / TTFT, which includes queueing), cover at least ``PREFILL_SHARE`` of the stall's excess
+over the stream's pace: a 117-token prompt does not explain a 1.9 s freeze. A stall that every
+stream shares, with the preemption counter stepping at its end and no new prompt, is a resumed
+victim's re-prefill: a recompute stall (prefill work caused by preemption).
 """
 
 from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import PREFILL_SHARE
 
 
-def signals(ev: Evidence) -> list[str]:
+def _explains(ev: Evidence, tokens: float) -> bool | None:
+    """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
+    if not ev.prefill_rate or not tokens:
+        return None
+    excess = ev.gap.gap - (ev.baseline or 0.0)
+    return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
+
+
+def signals(ev: Evidence) -> tuple[list[str], bool]:
+    """The prefill signals that can explain the stall, in words, and whether one was checked
+    against the measured prefill rate."""
     out = []
+    checked = False
     ft = ev.first_token
     if ft is not None:
-        out.append(f"request {ft.request_id} got its first token at the end of the stall"
-                   + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else ""))
+        ok = _explains(ev, ft.prompt_tokens or 0)
+        if ok is not False:
+            checked |= ok is True
+            out.append(f"request {ft.request_id} got its first token at the end of the stall"
+                       + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else ""))
     if ev.prompt_jump:
-        out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
-    return out
+        ok = _explains(ev, ev.prompt_excess)
+        if ok is not False:
+            checked |= ok is True
+            out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
+    if checked and ev.prefill_rate:
+        out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
+    return out, checked
 
 
 def lone(ev: Evidence) -> Finding | None:
-    """The only running stream stalled, with a prefill signal (nobody else to compare with)."""
-    sig = signals(ev)
-    if not sig or ev.flowing is not None:
+    """The only decoding stream stalled, with a prefill signal (nobody else to compare with)."""
+    sig, checked = signals(ev)
+    if not sig:
         return None
-    return Finding(Cause.PREFILL, 0.5, sig)
+    f, why = ev.certainty()
+    return Finding(Cause.PREFILL, (0.6 if checked else 0.5) * f, sig + why)
 
 
 def shared(ev: Evidence) -> Finding | None:
     """Every stream stalled together and a prefill signal ends the stall."""
-    sig = signals(ev)
+    sig, checked = signals(ev)
     if not sig:
         return None
-    conf = min(0.95, 0.55 + 0.25 * (ev.first_token is not None) + 0.15 * ev.prompt_jump)
-    return Finding(Cause.PREFILL, conf, sig)
+    conf = min(0.95, 0.55 + 0.25 * (ev.first_token is not None and sig[0].startswith("request"))
+               + 0.15 * ev.prompt_jump + 0.05 * checked)
+    f, why = ev.certainty()
+    return Finding(Cause.PREFILL, conf * (0.5 + 0.5 * f), sig + why)
+
+
+def recompute(ev: Evidence) -> Finding | None:
+    """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
+    and re-prefilled (its recompute tokens are in no counter)."""
+    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter):
+        return None
+    d = ev.counter_delta()
+    if d < 1:
+        return None
+    f, why = ev.certainty()
+    return Finding(Cause.PREFILL, 0.55 * f, [
+        f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
+        "re-prefill (a recompute stall) held every stream"] + why, "recompute")

@@ -1,4 +1,10 @@
-"""Slow decode: the spike is no outlier for its stream — its gaps were already about as long."""
+"""Slow decode: the spike is no outlier for its stream's pace.
+
+Judged against the stream's recent gaps, with a look-ahead at the gaps that follow it (see
+``gaps.LOOKAHEAD``): a spike much longer than the gaps after it stood out, whatever came before.
+A spike the following gaps are just as long as, well above the stream's stall-free pace (its
+gaps within the target), is the onset of a slower pace (asked after the prefill rules).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,40 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import REL_SLOW
 
 
-def judge(ev: Evidence) -> Finding | None:
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    return s[len(s) // 2]
+
+
+def lifted(ev: Evidence) -> Finding | None:
+    """The gap is less than REL_SLOW x the stream's pace, and the gaps after it do not show it standing out."""
+    g = ev.gap
     rel = ev.rel
     if rel is None or rel >= REL_SLOW:
         return None
+    if g.after and g.gap >= REL_SLOW * _median(g.after):
+        return None  # the pace after it is much faster: this gap stood out
     return Finding(Cause.SLOW_DECODE, 0.7 if ev.baseline_is_stream else 0.5,
-                   [f"gap {ev.gap.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"])
+                   [f"gap {g.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"])
+
+
+def onset(ev: Evidence) -> Finding | None:
+    """The gaps after the spike are about as long: a new, slower pace (asked after the prefill rules:
+    a run of prefill steps lifts a few gaps in a row too)."""
+    g = ev.gap
+    after = g.after
+    p = ev.prev_spike
+    if len(after) < 2 and p is not None and p.cause is Cause.SLOW_DECODE and g.t_start - p.t_end <= REL_SLOW * g.gap \
+            and g.gap < REL_SLOW * p.gap and not (after and g.gap >= REL_SLOW * after[0]):
+        # too few gaps after it (the stream ended): it continues the slow pace of the spike just before
+        return Finding(Cause.SLOW_DECODE, 0.5, ["the stream's previous spike, just before, was slow decode at "
+                                                f"{p.gap * 1e3:.0f} ms: the same slower pace"])
+    calm = g.calm_baseline or ev.baseline
+    if len(after) < 2 or not calm:
+        return None
+    ahead = _median(after)
+    if g.gap < REL_SLOW * ahead and ahead >= REL_SLOW * calm:
+        return Finding(Cause.SLOW_DECODE, 0.6, [
+            f"the {len(after)} gaps after it are as long ({ahead * 1e3:.0f} ms, {ahead / calm:.1f}x the stall-free pace "
+            "before): the onset of a slower decode, not a stall"], "onset")
+    return None

@@ -58,7 +58,7 @@ class EngineTimeline:
     def __init__(self, horizon_s: float = 600.0):
         self.horizon_s = horizon_s
         self.keys: dict[tuple[Any, Any], _Key] = {}
-        # (t_prev, t, units left) per scrape where the counter rose, time-ordered
+        # (t_prev, t, units left, units) per scrape where the counter rose, time-ordered
         self.steps: deque[list[float]] = deque()
         self.intervals: deque[float] = deque(maxlen=64)
         self.prompt_deltas: deque[float] = deque(maxlen=256)
@@ -75,7 +75,7 @@ class EngineTimeline:
             self.has_counter = True
             d = _inc(k.last_pre, pre)
             if d > 0 and k.last_t is not None:
-                self.steps.append([k.last_t, t, d])
+                self.steps.append([k.last_t, t, d, d])  # (t_prev, t, units left, units)
             k.pre_cum += d
             k.last_pre = pre
         if prompt is not None:
@@ -116,7 +116,9 @@ class EngineTimeline:
 
     # -- queries ----------------------------------------------------------------------------
     def claim_counter(self, a: float, b: float, tol: float) -> float | None:
-        """Claim one preemption-counter unit that stepped in [a, b + tol]; returns its scrape time."""
+        """Claim one preemption-counter unit that stepped in [a, b + tol]; returns its scrape time.
+
+        For engines whose counting moment is unknown; ``claim_in`` is the bounded form."""
         best = None
         for st in self.steps:
             if st[1] < a - STEP_EARLY_S:
@@ -129,6 +131,38 @@ class EngineTimeline:
             return None
         best[2] -= 1
         return best[1]
+
+    def claim_in(self, lo: float, hi: float, at: float) -> tuple[float, float] | None:
+        """Claim one counter unit from a scrape interval (t_prev, t] that overlaps [lo, hi], the one
+        nearest to ``at`` first; returns (t, interval length). The interval bounds when the counter
+        really moved: a step read 5 s after a stall, from an interval that began after it, is
+        somebody else's."""
+        best = None
+        best_d = 0.0
+        for st in self.steps:
+            if st[1] < lo:
+                continue
+            if st[0] >= hi:
+                if st[0] > hi + 60.0:
+                    break
+                continue
+            if st[2] < 1:
+                continue
+            d = 0.0 if st[0] <= at <= st[1] else min(abs(st[0] - at), abs(st[1] - at))
+            if best is None or d < best_d:
+                best, best_d = st, d
+        if best is None:
+            return None
+        best[2] -= 1
+        return best[1], best[1] - best[0]
+
+    def steps_in(self, lo: float, hi: float) -> float:
+        """Counter units (claimed or not) read in scrape intervals that overlap [lo, hi]."""
+        n = 0.0
+        for st in self.steps:
+            if st[1] >= lo and st[0] < hi:
+                n += st[3]
+        return n
 
     def scrape_lag(self, a: float, b: float) -> float:
         """The longest wait between two of kvtop's own scrapes that overlaps [a, b].
@@ -143,6 +177,15 @@ class EngineTimeline:
                 worst = max(worst, min(k.t[i + 1], b) - max(k.t[i], a))
                 i += 1
         return worst
+
+    def running_at(self, t: float) -> float | None:
+        """The running gauge summed over instances, from each one's last scrape at or before ``t``."""
+        tot = None
+        for k in self.keys.values():
+            i = bisect_right(k.t, t, k.head) - 1
+            if i >= k.head and k.running[i] is not None:
+                tot = (tot or 0.0) + (k.running[i] or 0.0)
+        return tot
 
     def counter_delta(self, a: float, b: float) -> float:
         return sum(st[2] for st in self.steps if a <= st[1] <= b)
