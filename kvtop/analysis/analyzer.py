@@ -52,6 +52,7 @@ class Analyzer:
         self.scrapes: deque[Scrape] = deque(maxlen=50_000)
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
+        self._rate_cache: tuple[int, float | None] | None = None
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -289,7 +290,12 @@ class Analyzer:
         queueing, so the true rate is higher). A prompt that this rate cannot make explain a stall
         certainly does not explain it."""
         h = self.acc.ttft_rate_hist
-        return h.quantile(0.5) if h.n >= 5 else None
+        if h.n < 5:
+            return None
+        c = self._rate_cache
+        if c is None or h.n - c[0] > max(4, c[0] // 100):  # refreshed as the sample grows by 1 %
+            c = self._rate_cache = (h.n, h.quantile(0.5))
+        return c[1]
 
     # ---- results --------------------------------------------------------------------------
     def median_gap(self) -> float | None:

@@ -399,11 +399,13 @@ class GapTracker:
         spikes: dict[int, list[tuple[int, Gap]]] = {}  # group -> (sorted index, spike)
         if longs:
             grp = np.searchsorted(gstart, longs, side="right") - 1
-            for i, gi in zip(longs, grp.tolist(), strict=True):
+            # stall-free gaps of the same stream before each long gap: positions lo_ks[k]..hi_ks[k] of sf_pos
+            lo_ks = np.searchsorted(sf_pos, gstart[grp]).tolist()
+            hi_ks = np.searchsorted(sf_pos, longs).tolist()
+            for k, (i, gi) in enumerate(zip(longs, grp.tolist(), strict=True)):
                 r = reqs[int(c_s[i])]
                 g0 = int(gstart[gi])
-                lo_k = int(np.searchsorted(sf_pos, g0))
-                hi_k = int(np.searchsorted(sf_pos, i))
+                lo_k, hi_k = lo_ks[k], hi_ks[k]
                 cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
                 if len(cw) < RECENT:
                     cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw

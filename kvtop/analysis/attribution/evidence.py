@@ -8,6 +8,7 @@ the streaming and the fast path both reach it through ``Analyzer``. The rules
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvtop.analysis.attribution.thresholds import (
     COARSE_SCRAPE_S,
@@ -46,16 +47,37 @@ class Evidence:
     co_gap_median: float | None  # median length of their silences
     prev_spike: Gap | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
-    window: EngineWindow  # engine gauges/counters around the stall
-    departures: int  # streams that ended between the window's two gauge readings
     typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
-    prefill_rate: float | None  # measured prompt tokens/s (None: not measured yet)
-    engine_running: float | None  # the engine's running gauge at the stall (all streams, observed or not)
+    prefill_rate: float | None  # measured prompt tokens/s (a low estimate; None: not measured yet)
     scrape_interval: float
-    scrape_lag: float  # the longest pause between kvtop's own scrapes across the stall
     has_counter: bool  # the engine exports a preemption counter
     tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
-    timeline: EngineTimeline  # for claiming counter units (a spike consumes what it claims)
+    timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
+    gaps: GapTracker  # the other streams
+
+    # engine readings, read from the timeline when a rule first asks (most spikes never need them)
+    @cached_property
+    def window(self) -> EngineWindow:
+        """KV max, running drop, waiting rise from the scrape before the stall to just after its end;
+        prompt-counter increase over the stall and its evidence window."""
+        a, b = self.gap.t_start, self.gap.t_end
+        return self.timeline.window(a - self.scrape_interval, b + self.tol, b + 0.1)
+
+    @cached_property
+    def departures(self) -> int:
+        """Streams that ended between the window's two gauge readings."""
+        w = self.window
+        return self.gaps.departures(w.t_base, w.t_state) if w.t_base is not None and w.t_state is not None else 0
+
+    @cached_property
+    def scrape_lag(self) -> float:
+        """The longest pause between kvtop's own scrapes across the stall."""
+        return self.timeline.scrape_lag(self.gap.t_start, self.gap.t_end)
+
+    @cached_property
+    def engine_running(self) -> float | None:
+        """The engine's running gauge at the stall (all its streams, observed or not)."""
+        return self.timeline.running_at(0.5 * (self.gap.t_start + self.gap.t_end))
 
     # ---- the stall and its stream -----------------------------------------------------------
     @property
@@ -191,15 +213,11 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     else:
         co, co_med, fresh = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
-    tol = 1.5 * si + 0.25
-    w = timeline.window(a - si, b + tol, b + 0.1)
     ft = gaps.first_token_near(g)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
         co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
-        first_token=FirstToken(ft[0], ft[1]) if ft else None, window=w,
-        departures=gaps.departures(w.t_base, w.t_state) if w.t_base is not None and w.t_state is not None else 0,
-        typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate,
-        engine_running=timeline.running_at(0.5 * (a + b)), scrape_interval=si,
-        scrape_lag=timeline.scrape_lag(a, b), has_counter=timeline.has_counter, tol=tol, timeline=timeline)
+        first_token=FirstToken(ft[0], ft[1]) if ft else None,
+        typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, gaps=gaps)
