@@ -286,9 +286,9 @@ class Analyzer:
                 acc.prefill_a.append((g.gap - base) / p)
 
     def prefill_rate(self) -> float | None:
-        """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT includes
-        queueing, so the true rate is higher). A prompt that this rate cannot make explain a stall
-        certainly does not explain it."""
+        """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT
+        includes queueing and the decode work of the same steps, so the true rate is higher). A
+        prompt that this rate cannot make explain a stall certainly does not explain it."""
         h = self.acc.ttft_rate_hist
         if h.n < 5:
             return None

@@ -550,19 +550,25 @@ class GapTracker:
         lens.sort()
         return len(seen), lens[len(lens) // 2], fresh
 
-    def first_token_near(self, g: Gap) -> tuple[str, int | None] | None:
-        """Another request's first token close to the spike's end (the one with the longest prompt)."""
+    def first_token_near(self, g: Gap) -> tuple[str, int | None, int, int] | None:
+        """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
+        its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
+        engine step get their first tokens together, and the step's length is their sum."""
         base = g.stream_baseline or self.median_gap() or 0.02
         delta = max(0.05, 2.0 * base)
         ft = self.first_tokens
         i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
         best: tuple[str, int | None] | None = None
+        total = n = 0
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
             t, rid, p = ft[i]
-            if rid != g.request_id and t > g.t_start and (best is None or (p or 0) > (best[1] or 0)):
-                best = (rid, p)
+            if rid != g.request_id and t > g.t_start:
+                total += p or 0
+                n += 1
+                if best is None or (p or 0) > (best[1] or 0):
+                    best = (rid, p)
             i += 1
-        return best
+        return None if best is None else (best[0], best[1], total, n)
 
     def prune(self, keep_from: float, ended_before: float) -> None:
         """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""

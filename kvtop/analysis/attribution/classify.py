@@ -7,8 +7,8 @@
 4. a stall of this stream alone (others streamed through it, or none was decoding): preemption
    evidence, else (none decoding) a prefill that explains it, else the onset of a slower pace;
 5. a stall every decoding stream shared: a victim that stayed silent longer (counter step), a
-   prefill that explains it, a resumed victim's re-prefill (recompute), a mass preemption, the
-   onset of a slower pace;
+   prefill that explains it, the onset of a slower pace, a resumed victim's re-prefill
+   (recompute), a mass preemption, a stream whose own pace already missed the target;
 6. otherwise unknown.
 """
 
@@ -44,7 +44,7 @@ def classify(ev: Evidence) -> Finding:
         head += signs
         if found is None and ev.alone:
             found = prefill.lone(ev)
-        found = found or slow_decode.onset(ev)
+        found = found or slow_decode.onset(ev) or slow_decode.pace_missed(ev)
         if found is not None:
             return _with(head, found)
         if ev.flowing is None:
@@ -58,8 +58,8 @@ def classify(ev: Evidence) -> Finding:
         return Finding(Cause.UNKNOWN, 0.3, head)
     # every decoding stream stalled together
     sig, _ = prefill.signals(ev)
-    found = (preemption.longer_than_company(ev) or prefill.shared(ev) or prefill.recompute(ev)
-             or preemption.mass(ev, bool(sig)) or slow_decode.onset(ev))
+    found = (preemption.longer_than_company(ev) or prefill.shared(ev) or slow_decode.onset(ev)
+             or prefill.recompute(ev) or preemption.mass(ev, bool(sig)) or slow_decode.pace_missed(ev))
     if found is not None:
         return _with(head, found)
     return Finding(Cause.UNKNOWN, 0.35, head + ["all streams stalled together without a prefill or preemption signal"])

@@ -29,8 +29,10 @@ from kvtop.analysis.gaps import Gap, GapTracker
 class FirstToken:
     """Another request's first token at the end of the stall."""
 
-    request_id: str
+    request_id: str  # the one with the longest prompt
     prompt_tokens: int | None
+    total_prompt_tokens: int = 0  # of every first token at the end (admitted in the same step)
+    requests: int = 1
 
 
 @dataclass
@@ -50,6 +52,7 @@ class Evidence:
     typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
     prefill_rate: float | None  # measured prompt tokens/s (a low estimate; None: not measured yet)
     scrape_interval: float
+    target: float | None  # the ITL target
     has_counter: bool  # the engine exports a preemption counter
     tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
     timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
@@ -208,8 +211,9 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     act = gaps.active_at(0.5 * (a + b))
     median = gaps.median_gap()
     base = g.stream_baseline or median
-    if base and g.gap < REL_SLOW * base:
-        co, co_med, fresh = 0, None, 0  # not an outlier for its stream: no need to look for company
+    after = sorted(g.after)
+    if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
+        co, co_med, fresh = 0, None, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
         co, co_med, fresh = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
@@ -218,6 +222,7 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
         co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
-        first_token=FirstToken(ft[0], ft[1]) if ft else None,
+        first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
+        target=gaps.itl_target_s,
         has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, gaps=gaps)

@@ -3,7 +3,8 @@
 Signals: another request's first token at the stall's end, or a prompt-token counter jump around
 it. A signal counts only when its prompt tokens, at the prefill rate kvtop measured (a low estimate:
 the median of prompt tokens / TTFT, which includes queueing), cover at least ``PREFILL_SHARE`` of the stall's excess
-over the stream's pace: a 117-token prompt does not explain a 1.9 s freeze. A stall that every
+over the stream's pace: a 117-token prompt does not explain a 1.9 s freeze. Nor does a prefill
+explain a spike of a stream whose own pace already missed the target (that is slow decode). A stall that every
 stream shares, with the preemption counter stepping at its end and no new prompt, is a resumed
 victim's re-prefill: a recompute stall (prefill work caused by preemption).
 """
@@ -25,16 +26,21 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
 
 def signals(ev: Evidence) -> tuple[list[str], bool]:
     """The prefill signals that can explain the stall, in words, and whether one was checked
-    against the measured prefill rate."""
-    out = []
+    against the measured prefill rate. None where the stream's own pace already missed the target:
+    that spike would have been one without the prefill (slow decode)."""
+    out: list[str] = []
     checked = False
+    if ev.target and ev.baseline_is_stream and ev.baseline and ev.baseline >= ev.target:
+        return out, checked
     ft = ev.first_token
     if ft is not None:
-        ok = _explains(ev, ft.prompt_tokens or 0)
+        ok = _explains(ev, ft.total_prompt_tokens)
         if ok is not False:
             checked |= ok is True
             out.append(f"request {ft.request_id} got its first token at the end of the stall"
-                       + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else ""))
+                       + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else "")
+                       + (f", with {ft.requests - 1} more ({ft.total_prompt_tokens} prompt tokens in all)"
+                          if ft.requests > 1 else ""))
     if ev.prompt_jump:
         ok = _explains(ev, ev.prompt_excess)
         if ok is not False:

@@ -2,8 +2,8 @@
 
 Judged against the stream's recent gaps, with a look-ahead at the gaps that follow it (see
 ``gaps.LOOKAHEAD``): a spike much longer than the gaps after it stood out, whatever came before.
-A spike the following gaps are just as long as, well above the stream's stall-free pace (its
-gaps within the target), is the onset of a slower pace (asked after the prefill rules).
+A spike the following gaps are about as long as is (the onset of) a slower pace, not a stall
+(asked after the prefill and preemption rules: a run of prefill steps lifts a few gaps in a row).
 """
 
 from __future__ import annotations
@@ -41,12 +41,29 @@ def onset(ev: Evidence) -> Finding | None:
         # too few gaps after it (the stream ended): it continues the slow pace of the spike just before
         return Finding(Cause.SLOW_DECODE, 0.5, ["the stream's previous spike, just before, was slow decode at "
                                                 f"{p.gap * 1e3:.0f} ms: the same slower pace"])
-    calm = g.calm_baseline or ev.baseline
-    if len(after) < 2 or not calm:
+    if len(after) < 2:
         return None
+    ahead = _median(after)
+    if g.gap < REL_SLOW * ahead:
+        base = g.calm_baseline or ev.baseline
+        return Finding(Cause.SLOW_DECODE, 0.6, [
+            f"the {len(after)} gaps after it are about as long ({ahead * 1e3:.0f} ms"
+            + (f", {ahead / base:.1f}x the stall-free pace before" if base else "")
+            + "): a slower decode pace, not a stall"], "onset")
+    return None
     ahead = _median(after)
     if g.gap < REL_SLOW * ahead and ahead >= REL_SLOW * calm:
         return Finding(Cause.SLOW_DECODE, 0.6, [
             f"the {len(after)} gaps after it are as long ({ahead * 1e3:.0f} ms, {ahead / calm:.1f}x the stall-free pace "
             "before): the onset of a slower decode, not a stall"], "onset")
     return None
+
+
+def pace_missed(ev: Evidence) -> Finding | None:
+    """Nothing else explains a spike of a stream whose own pace already missed the target: its
+    decode is slow, and this gap is a longer one of the same (asked last)."""
+    if not (ev.target and ev.baseline_is_stream and ev.baseline and ev.baseline >= ev.target):
+        return None
+    return Finding(Cause.SLOW_DECODE, 0.5, [
+        f"this stream's pace ({ev.baseline * 1e3:.0f} ms per token) already misses the target: its decode is slow"],
+        "pace")

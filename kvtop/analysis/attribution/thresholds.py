@@ -24,7 +24,7 @@ BURST_EXPLAINS = 0.3  # the buffered tokens, at the stream's own pace, cover thi
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
-PREFILL_SHARE = 0.5
+PREFILL_SHARE = 0.3
 
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed,
 # says less about one stream.
