@@ -107,7 +107,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
     verdict = advise(s)
     spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
-               "gap_s": round(g.gap, 6), "cause": str(g.cause), "confidence": round(g.confidence, 3),
+               "gap_s": round(g.gap, 6), "cause": str(g.cause), "rule": g.kind, "confidence": round(g.confidence, 3),
                "ended_by": g.ended_by, "evidence": g.evidence} for g in an.spikes]
     requests = []
     for r in an.reqs.values():

@@ -55,11 +55,12 @@ def classify(ev: Evidence) -> Finding:
         else:
             head.append("a lone stall without preemption evidence (no counter step, KV not near full, "
                         "no running/waiting change)" if ev.preempts else "a lone stall (this engine never preempts)")
-        return Finding(Cause.UNKNOWN, 0.3, head)
+        return Finding(Cause.UNKNOWN, 0.3, head, "lone")
     # every decoding stream stalled together
     sig, _ = prefill.signals(ev)
     found = (preemption.longer_than_company(ev) or prefill.shared(ev) or slow_decode.onset(ev)
              or prefill.recompute(ev) or preemption.mass(ev, bool(sig)) or slow_decode.pace_missed(ev))
     if found is not None:
         return _with(head, found)
-    return Finding(Cause.UNKNOWN, 0.35, head + ["all streams stalled together without a prefill or preemption signal"])
+    return Finding(Cause.UNKNOWN, 0.35, head + ["all streams stalled together without a prefill or preemption signal"],
+                   "shared")

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kvtop.analysis.attribution.thresholds import (
+    CHUNKED_F,
+    CHUNKED_TOKENS,
+    COARSE_F,
     COARSE_SCRAPE_S,
     KV_HIGH,
     PROMPT_JUMP_MIN,
@@ -18,6 +21,7 @@ from kvtop.analysis.attribution.thresholds import (
     REL_SLOW,
     RESUME_LEAD_S,
     RETRACT_LAG_S,
+    SPARSE_F,
     SPARSE_SHARE,
     STEP_EARLY_S,
 )
@@ -178,14 +182,14 @@ class Evidence:
         why = []
         si = interval if interval is not None else self.scrape_interval
         if si > COARSE_SCRAPE_S:
-            f *= COARSE_SCRAPE_S / si
+            f *= COARSE_F
             why.append(f"engine evidence read over a {si:.1f}s scrape interval")
         share = self.observed_share
         if share is not None and share < SPARSE_SHARE:
-            f *= 0.5 + share
+            f *= SPARSE_F
             why.append(f"only {share:.0%} of the engine's running streams observed")
-        if self.gap.tokens_per_event > 1.5:
-            f *= 0.85
+        if self.gap.tokens_per_event > CHUNKED_TOKENS:
+            f *= CHUNKED_F
             why.append(f"the stream arrives in chunks of {self.gap.tokens_per_event:.1f} tokens")
         return f, why
 

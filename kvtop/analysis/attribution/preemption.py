@@ -23,7 +23,8 @@ def reported(ev: Evidence) -> Finding | None:
     """The engine (or simulator) itself reported a preempt event for this request inside the gap."""
     if not (ev.engine_reported_preempt and ev.preempts):
         return None
-    return Finding(Cause.PREEMPTION, 0.98, ["engine reported a preempt event for this request inside the gap"])
+    return Finding(Cause.PREEMPTION, 0.98, ["engine reported a preempt event for this request inside the gap"],
+                   "reported")
 
 
 def _step_line(ev: Evidence, t_c: float) -> str:
@@ -78,7 +79,12 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
         score += 0.15
         lines.append("the other streams kept flowing")
     f, why = ev.certainty(claim[1] if claim else None)
-    return Finding(Cause.PREEMPTION, min(0.97, 0.3 + score) * f, lines + pev + why), []
+    if claim is not None:
+        kind, conf = "counter", 0.97
+    else:
+        # state evidence alone: the old additive score (KV, running/waiting, others flowing)
+        kind, conf = ("cancelled" if ev.gap.ended_by == "cancel" else "state"), min(0.9, 0.3 + score)
+    return Finding(Cause.PREEMPTION, conf * f, lines + pev + why, kind), []
 
 
 def longer_than_company(ev: Evidence) -> Finding | None:
@@ -91,10 +97,10 @@ def longer_than_company(ev: Evidence) -> Finding | None:
     if claim is None:
         return None
     f, why = ev.certainty(claim[1])
-    return Finding(Cause.PREEMPTION, 0.8 * f,
+    return Finding(Cause.PREEMPTION, 0.9 * f,
                    [f"silent {ev.gap.gap / ev.co_gap_median:.1f}x longer than the other stalled streams",
                     f"preemption counter stepped at t={claim[0]:.2f}s"]
-                   + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []) + why)
+                   + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []) + why, "longer")
 
 
 def mass(ev: Evidence, prefill_signals: bool) -> Finding | None:
@@ -106,4 +112,5 @@ def mass(ev: Evidence, prefill_signals: bool) -> Finding | None:
     if d < max(2.0, 0.5 * (ev.co_fresh + 1)):
         return None
     f, why = ev.certainty()
-    return Finding(Cause.PREEMPTION, 0.6 * f, [f"the preemption counter rose by {d:.0f}: a mass preemption"] + why)
+    return Finding(Cause.PREEMPTION, 0.6 * f, [f"the preemption counter rose by {d:.0f}: a mass preemption"] + why,
+                   "mass")

@@ -57,7 +57,7 @@ def lone(ev: Evidence) -> Finding | None:
     if not sig:
         return None
     f, why = ev.certainty()
-    return Finding(Cause.PREFILL, (0.6 if checked else 0.5) * f, sig + why)
+    return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")
 
 
 def shared(ev: Evidence) -> Finding | None:
@@ -65,10 +65,10 @@ def shared(ev: Evidence) -> Finding | None:
     sig, checked = signals(ev)
     if not sig:
         return None
-    conf = min(0.95, 0.55 + 0.25 * (ev.first_token is not None and sig[0].startswith("request"))
-               + 0.15 * ev.prompt_jump + 0.05 * checked)
+    conf = min(0.97, 0.75 + 0.15 * (ev.first_token is not None and sig[0].startswith("request"))
+               + 0.1 * ev.prompt_jump + 0.05 * checked)
     f, why = ev.certainty()
-    return Finding(Cause.PREFILL, conf * (0.5 + 0.5 * f), sig + why)
+    return Finding(Cause.PREFILL, conf * f, sig + why, "shared")
 
 
 def recompute(ev: Evidence) -> Finding | None:
@@ -80,6 +80,6 @@ def recompute(ev: Evidence) -> Finding | None:
     if d < 1:
         return None
     f, why = ev.certainty()
-    return Finding(Cause.PREFILL, 0.55 * f, [
+    return Finding(Cause.PREFILL, 0.85 * f, [
         f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
         "re-prefill (a recompute stall) held every stream"] + why, "recompute")

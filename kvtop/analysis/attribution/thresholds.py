@@ -26,7 +26,13 @@ BURST_EXPLAINS = 0.3  # the buffered tokens, at the stream's own pace, cover thi
 # the stall's excess over the stream's pace.
 PREFILL_SHARE = 0.3
 
-# Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed,
-# says less about one stream.
+# Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
+# from a stream that arrives in merged chunks, says less about one stream. Each factor, like each
+# rule's base confidence, is the accuracy observed on development traces (bench/attribution_matrix.py
+# reports the reliability on traces not used to choose them).
 COARSE_SCRAPE_S = 2.0
+COARSE_F = 0.97
 SPARSE_SHARE = 0.5
+SPARSE_F = 0.65
+CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
+CHUNKED_F = 0.95
