@@ -51,12 +51,6 @@ def onset(ev: Evidence) -> Finding | None:
             + (f", {ahead / base:.1f}x the stall-free pace before" if base else "")
             + "): a slower decode pace, not a stall"], "onset")
     return None
-    ahead = _median(after)
-    if g.gap < REL_SLOW * ahead and ahead >= REL_SLOW * calm:
-        return Finding(Cause.SLOW_DECODE, 0.6, [
-            f"the {len(after)} gaps after it are as long ({ahead * 1e3:.0f} ms, {ahead / calm:.1f}x the stall-free pace "
-            "before): the onset of a slower decode, not a stall"], "onset")
-    return None
 
 
 def pace_missed(ev: Evidence) -> Finding | None:
