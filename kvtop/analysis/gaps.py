@@ -402,10 +402,10 @@ class GapTracker:
             # stall-free gaps of the same stream before each long gap: positions lo_ks[k]..hi_ks[k] of sf_pos
             lo_ks = np.searchsorted(sf_pos, gstart[grp]).tolist()
             hi_ks = np.searchsorted(sf_pos, longs).tolist()
-            for k, (i, gi) in enumerate(zip(longs, grp.tolist(), strict=True)):
+            for li, (i, gi) in enumerate(zip(longs, grp.tolist(), strict=True)):
                 r = reqs[int(c_s[i])]
                 g0 = int(gstart[gi])
-                lo_k, hi_k = lo_ks[k], hi_ks[k]
+                lo_k, hi_k = lo_ks[li], hi_ks[li]
                 cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
                 if len(cw) < RECENT:
                     cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw
