@@ -159,3 +159,35 @@ def test_fast_path_collects_the_same_look_ahead(tmp_path):
     assert key(fast) == key(slow)
     kinds = {g.request_id: g.kind for g in slow.spikes}
     assert kinds["r1"] == "delivery" and kinds["r2"] == "delivery" and kinds["r4"] == "counter"
+
+
+def test_real_vllm_page_gives_the_per_request_histograms():
+    from pathlib import Path
+
+    from kvtop_plugins.vllm import VllmAdapter
+
+    page = (Path(__file__).parent / "fixtures" / "vllm-0.32.0-cpu-preemption.prom").read_text()
+    (rec,) = VllmAdapter().parse(page, 1.0)
+    # captured mid-storm: 6 requests had finished, preempted 11 times in all; the counter says 18
+    # (the two still running had been preempted too)
+    assert rec.extra["request_preemptions"] == {"count": 6.0, "sum": 11.0}
+    assert rec.extra["prefill_kv_computed"] == {"count": 6.0, "sum": 390.0}
+    assert rec.preemptions_total == 18.0
+
+
+def test_per_request_histogram_pins_the_count_of_a_lone_finish():
+    # r3 is preempted once (4-6 s, counted at its resume) and finishes alone at 7.2 s; r5 finishes
+    # alone at 8.2 s and the engine says it was preempted twice, which kvtop never saw
+    recs = stream_records(silent={"r3": (4.0, 6.0)}, dur=10.0)
+    recs = [d for d in recs if not (d["id"] == "r3" and d["t"] > 7.2) and not (d["id"] == "r5" and d["t"] > 8.2)]
+    recs += [{"kind": "request", "t": 7.2, "id": "r3", "event": "finish"},
+             {"kind": "request", "t": 8.2, "id": "r5", "event": "finish"}]
+    eng = engine_records(dur=10.0, kv=0.97, pre_steps=(6.5,))
+    for d in eng:
+        fin = (d["t"] > 7.2) + (d["t"] > 8.2)
+        d["extra"] = {"request_preemptions": {"count": float(fin), "sum": float((d["t"] > 7.2) + 2 * (d["t"] > 8.2))}}
+    from kvtop.analysis.report import build_report
+
+    rep = build_report(run(recs + eng))
+    assert rep["request_preemptions"] == {"finished_requests": 2.0, "engine_preemptions": 3.0, "pinned_requests": 2,
+                                          "pinned_agree": 1, "pinned_kvtop_more": 0, "pinned_kvtop_fewer": 1}

@@ -21,6 +21,7 @@ from typing import Any
 from kvtop.analysis import gaps as G
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
+from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, ReqState
 from kvtop.analysis.tally import Tally
@@ -53,6 +54,7 @@ class Analyzer:
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
         self._rate_cache: tuple[int, float | None] | None = None
+        self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -168,6 +170,7 @@ class Analyzer:
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
                     acc.finished += 1
+                    self.request_preemptions.finish(t, rid)
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -199,6 +202,9 @@ class Analyzer:
         kv = d.get("kv_usage")
         if kv is not None:
             acc.kv_max = kv if acc.kv_max is None else max(acc.kv_max, kv)
+        rp = (d.get("extra") or {}).get("request_preemptions")
+        if isinstance(rp, dict):
+            self.request_preemptions.scrape(key, t, rp.get("count"), rp.get("sum"))
         itl = d.get("itl")
         if isinstance(itl, dict) and not self.token_records:
             # kept only while no per-request token timings exist: the aggregate fallback needs them

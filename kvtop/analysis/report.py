@@ -129,6 +129,8 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         "causes": {c: {"count": counts[c], "share": round(shares[c], 4), "mean_confidence": _round(conf[c], 3)}
                    for c in counts},
         "requests": requests,
+        "request_preemptions": an.request_preemptions.report(
+            {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"}),
         "verdict": verdict,
         "warnings": list(warnings or []),
     }
@@ -161,6 +163,12 @@ def render_report_text(rep: dict[str, Any]) -> str:
         for r in worst:
             lines.append(f"  {r['request_id']:<24} max gap {r['max_gap_s'] * 1e3:8.0f} ms  spikes {r['spikes']}"
                          f"  preemption {r['preemption_spikes']}  last cause {r['last_cause']}")
+    rp = rep.get("request_preemptions")
+    if rp and rp["finished_requests"]:
+        lines.append(f"engine per-request histogram: {rp['finished_requests']:.0f} finished requests preempted "
+                     f"{rp['engine_preemptions']:.0f} times; of {rp['pinned_requests']} pinned to one observed finish, "
+                     f"kvtop agrees on {rp['pinned_agree']} (more on {rp['pinned_kvtop_more']}, "
+                     f"fewer on {rp['pinned_kvtop_fewer']})")
     lines.append("")
     lines.append(render_verdict_text(rep["verdict"]))
     for w in rep.get("warnings", []):
