@@ -191,3 +191,19 @@ def test_per_request_histogram_pins_the_count_of_a_lone_finish():
     rep = build_report(run(recs + eng))
     assert rep["request_preemptions"] == {"finished_requests": 2.0, "engine_preemptions": 3.0, "pinned_requests": 2,
                                           "pinned_agree": 1, "pinned_kvtop_more": 0, "pinned_kvtop_fewer": 1}
+
+
+def test_a_scrape_late_by_the_stall_makes_it_a_host_stall_before_any_engine_cause():
+    # every stream stalls 4.55-5.0 s and a 4,000-token prompt jump is read around it, but kvtop's
+    # own scrape due at 4.5 s came at 4.9 s: the host (or the API server) paused, not the engine
+    recs = stream_records(silent={f"r{i}": (4.55, 5.0) for i in range(8)})
+    eng = engine_records(kv=0.4, prompt_steps=((5.5, 4000),))
+    for d in eng:
+        if d["t"] == 4.5:
+            d["t"] = 4.9
+    spikes = list(run(recs + eng).spikes)
+    assert spikes and {(str(g.cause), g.kind) for g in spikes} == {("unknown", "host")}
+    assert all(any("came 0.40s late" in e for e in g.evidence) for g in spikes)
+    # on time, the same stall is the prefill's
+    spikes = list(run(recs + engine_records(kv=0.4, prompt_steps=((5.5, 4000),))).spikes)
+    assert {str(g.cause) for g in spikes} == {"prefill_interference"}

@@ -40,6 +40,11 @@ def classify(ev: Evidence) -> Finding:
     # a share of silent streams says nothing; an engine-wide stall (a prefill step, a host hiccup)
     # is one that nobody streamed through.
     if ev.others_flowed or ev.alone:
+        # with nobody else decoding, a prefill that the measured rate confirms comes first: in a
+        # storm some counter step is near almost any stall of the only observed stream
+        found = prefill.lone(ev, checked_only=True) if ev.alone else None
+        if found is not None:
+            return _with(head, found)
         found, signs = preemption.lone(ev)
         head += signs
         if found is None and ev.alone:

@@ -82,6 +82,11 @@ class Evidence:
         return self.timeline.scrape_lag(self.gap.t_start, self.gap.t_end)
 
     @cached_property
+    def scrape_wait(self) -> float:
+        """The whole scrape interval that covers most of the stall (see ``EngineTimeline.covering_interval``)."""
+        return self.timeline.covering_interval(self.gap.t_start, self.gap.t_end)
+
+    @cached_property
     def engine_running(self) -> float | None:
         """The engine's running gauge at the stall (all its streams, observed or not)."""
         return self.timeline.running_at(0.5 * (self.gap.t_start + self.gap.t_end))

@@ -11,17 +11,26 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL
+from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL, HOST_LATE_MIN_S
 from kvtop.analysis.gaps import BURST_S
 
 
 def scrapes_stalled(ev: Evidence) -> bool:
-    lag = ev.scrape_lag
-    return lag >= 0.5 * ev.gap.gap and lag >= 2.0 * ev.scrape_interval
+    """A scrape beat missed (>= 2 intervals covering half the stall), or one late by at least half
+    the stall (and >= HOST_LATE_MIN_S, and a quarter of the interval): kvtop waited as the stream did."""
+    lag, si = ev.scrape_lag, ev.scrape_interval
+    if lag >= 0.5 * ev.gap.gap and lag >= 2.0 * si:
+        return True
+    wait = ev.scrape_wait
+    late = wait - si
+    return late >= 0.5 * ev.gap.gap and late >= HOST_LATE_MIN_S and wait >= 1.25 * si
 
 
 def line(ev: Evidence) -> str:
-    return f"kvtop's own scrapes stalled {ev.scrape_lag:.1f}s across it: the host or the engine's API server hung"
+    if ev.scrape_lag >= 2.0 * ev.scrape_interval:
+        return f"kvtop's own scrapes stalled {ev.scrape_lag:.1f}s across it: the host or the engine's API server hung"
+    return (f"kvtop's own scrape came {ev.scrape_wait - ev.scrape_interval:.2f}s late across it: the host or the "
+            "engine's API server hung")
 
 
 def judge(ev: Evidence) -> Finding | None:

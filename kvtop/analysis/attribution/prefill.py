@@ -51,10 +51,11 @@ def signals(ev: Evidence) -> tuple[list[str], bool]:
     return out, checked
 
 
-def lone(ev: Evidence) -> Finding | None:
-    """The only decoding stream stalled, with a prefill signal (nobody else to compare with)."""
+def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
+    """The only decoding stream stalled, with a prefill signal (nobody else to compare with);
+    ``checked_only``: only a signal the measured prefill rate confirms."""
     sig, checked = signals(ev)
-    if not sig:
+    if not sig or (checked_only and not checked):
         return None
     f, why = ev.certainty()
     return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")

@@ -16,6 +16,8 @@ STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's s
 RESUME_LEAD_S = 1.0  # the counter may step this long before the resumed token (plus the measured re-prefill)
 RETRACT_LAG_S = 1.0  # ... or this long after the stall began (SGLang)
 
+HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no scheduling jitter
+
 # A delivery stall (slow reader, API-server merging, network) ends with what was buffered: one big
 # chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
 BURST_MIN_TOKENS = 4

@@ -178,6 +178,19 @@ class EngineTimeline:
                 i += 1
         return worst
 
+    def covering_interval(self, a: float, b: float) -> float:
+        """The longest wait between two of kvtop's own scrapes that covers at least half of [a, b]
+        (its whole length, not clipped to [a, b]): a scrape late by about the stall waited with it."""
+        worst = 0.0
+        half = 0.5 * (b - a)
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                if min(k.t[i + 1], b) - max(k.t[i], a) >= half:
+                    worst = max(worst, k.t[i + 1] - k.t[i])
+                i += 1
+        return worst
+
     def running_at(self, t: float) -> float | None:
         """The running gauge summed over instances, from each one's last scrape at or before ``t``."""
         tot = None
