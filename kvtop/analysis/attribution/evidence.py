@@ -180,9 +180,10 @@ class Evidence:
         return self.timeline.steps_in(lo, hi)
 
     # ---- how much the evidence can say ----------------------------------------------------------
-    def certainty(self, interval: float | None = None) -> tuple[float, list[str]]:
+    def certainty(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[float, list[str]]:
         """A factor (<= 1) for confidence, and why: coarse scrapes, sparse observation and merged
-        chunks each make one stream's evidence less specific."""
+        chunks each make one stream's evidence less specific. Sparse observation matters to the
+        preemption rules (another stream's counter step may be claimed), not to an engine-wide stall."""
         f = 1.0
         why = []
         si = interval if interval is not None else self.scrape_interval
@@ -190,7 +191,7 @@ class Evidence:
             f *= COARSE_F
             why.append(f"engine evidence read over a {si:.1f}s scrape interval")
         share = self.observed_share
-        if share is not None and share < SPARSE_SHARE:
+        if sparse_matters and share is not None and share < SPARSE_SHARE:
             f *= SPARSE_F
             why.append(f"only {share:.0%} of the engine's running streams observed")
         if self.gap.tokens_per_event > CHUNKED_TOKENS:

@@ -57,7 +57,7 @@ def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
     sig, checked = signals(ev)
     if not sig or (checked_only and not checked):
         return None
-    f, why = ev.certainty()
+    f, why = ev.certainty(sparse_matters=False)
     return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")
 
 
@@ -68,7 +68,7 @@ def shared(ev: Evidence) -> Finding | None:
         return None
     conf = min(0.97, 0.75 + 0.15 * (ev.first_token is not None and sig[0].startswith("request"))
                + 0.1 * ev.prompt_jump + 0.05 * checked)
-    f, why = ev.certainty()
+    f, why = ev.certainty(sparse_matters=False)
     return Finding(Cause.PREFILL, conf * f, sig + why, "shared")
 
 
@@ -80,7 +80,7 @@ def recompute(ev: Evidence) -> Finding | None:
     d = ev.counter_delta()
     if d < 1:
         return None
-    f, why = ev.certainty()
-    return Finding(Cause.PREFILL, 0.85 * f, [
+    f, why = ev.certainty(sparse_matters=False)
+    return Finding(Cause.PREFILL, 0.9 * f, [
         f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
         "re-prefill (a recompute stall) held every stream"] + why, "recompute")

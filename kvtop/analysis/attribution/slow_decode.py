@@ -26,7 +26,7 @@ def lifted(ev: Evidence) -> Finding | None:
         return None
     if g.after and g.gap >= REL_SLOW * _median(g.after):
         return None  # the pace after it is much faster: this gap stood out
-    return Finding(Cause.SLOW_DECODE, 0.8 if ev.baseline_is_stream else 0.6,
+    return Finding(Cause.SLOW_DECODE, 0.97 if ev.baseline_is_stream else 0.8,
                    [f"gap {g.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"], "lifted")
 
 
@@ -39,14 +39,14 @@ def onset(ev: Evidence) -> Finding | None:
     if len(after) < 2 and p is not None and p.cause is Cause.SLOW_DECODE and g.t_start - p.t_end <= REL_SLOW * g.gap \
             and g.gap < REL_SLOW * p.gap and not (after and g.gap >= REL_SLOW * after[0]):
         # too few gaps after it (the stream ended): it continues the slow pace of the spike just before
-        return Finding(Cause.SLOW_DECODE, 0.9, ["the stream's previous spike, just before, was slow decode at "
+        return Finding(Cause.SLOW_DECODE, 0.95, ["the stream's previous spike, just before, was slow decode at "
                                                 f"{p.gap * 1e3:.0f} ms: the same slower pace"], "continued")
     if len(after) < 2:
         return None
     ahead = _median(after)
     if g.gap < REL_SLOW * ahead:
         base = g.calm_baseline or ev.baseline
-        return Finding(Cause.SLOW_DECODE, 0.9, [
+        return Finding(Cause.SLOW_DECODE, 0.95, [
             f"the {len(after)} gaps after it are about as long ({ahead * 1e3:.0f} ms"
             + (f", {ahead / base:.1f}x the stall-free pace before" if base else "")
             + "): a slower decode pace, not a stall"], "onset")

@@ -35,6 +35,6 @@ PREFILL_SHARE = 0.3
 COARSE_SCRAPE_S = 2.0
 COARSE_F = 0.97
 SPARSE_SHARE = 0.5
-SPARSE_F = 0.65
+SPARSE_F = 0.75
 CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
 CHUNKED_F = 0.95
