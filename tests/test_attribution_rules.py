@@ -207,3 +207,15 @@ def test_a_scrape_late_by_the_stall_makes_it_a_host_stall_before_any_engine_caus
     # on time, the same stall is the prefill's
     spikes = list(run(recs + engine_records(kv=0.4, prompt_steps=((5.5, 4000),))).spikes)
     assert {str(g.cause) for g in spikes} == {"prefill_interference"}
+
+
+def test_report_weighs_each_cause_by_the_time_over_target():
+    from kvtop.analysis.report import build_report
+
+    # one 2 s preemption stall (counter at its resume) and r5's lone 0.5 s stall without evidence
+    recs = stream_records(silent={"r3": (4.0, 6.0), "r5": (7.0, 7.5)}) + engine_records(kv=0.5, pre_steps=(6.5,))
+    rep = build_report(run(recs, itl_target_s=0.1))
+    assert rep["causes"]["preemption"]["count"] == rep["causes"]["unknown"]["count"] == 1
+    assert rep["over_target_s"]["preemption"] == pytest.approx(2.0 + STEP - 0.1, abs=0.01)
+    assert rep["over_target_s"]["unknown"] == pytest.approx(0.5 + STEP - 0.1, abs=0.01)
+    assert rep["over_target_s"]["slow_decode"] == 0.0

@@ -44,6 +44,8 @@ class Analyzer:
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
+        # seconds above the target each cause cost (what a verdict should weigh, not spike counts)
+        self.cause_over: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
         self.n_spikes = 0
         self.n_spikes_dropped = 0
         self.t0: float | None = None
@@ -266,6 +268,7 @@ class Analyzer:
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
         self.cause_conf[f.cause] += f.confidence
+        self.cause_over[f.cause] += max(0.0, g.gap - (self.gaps.itl_target_s or 0.0))
         if len(self.spikes) == self.spikes.maxlen:
             self.n_spikes_dropped += 1
         self.spikes.append(g)

@@ -78,6 +78,8 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         s.notes.append("no per-request token timings in this trace: causes come from the engine's ITL histogram "
                        "deltas vs preemption and prompt-token counters (lower confidence)")
     counts: dict[str, int] = {c.value: by_cause[c] for c in ALL}
+    # seconds above the target per cause (per-spike attribution only: the aggregate path has no gaps)
+    over = {c.value: an.cause_over[c] for c in ALL} if basis == "requests" else {}
     shares = {c: (counts[c] / total if total else 0.0) for c in counts}
     s.cause_shares = {c: v for c, v in shares.items() if c != "unknown"}
     s.spikes = total
@@ -128,6 +130,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         "spikes_total": total,
         "causes": {c: {"count": counts[c], "share": round(shares[c], 4), "mean_confidence": _round(conf[c], 3)}
                    for c in counts},
+        "over_target_s": {c: round(v, 3) for c, v in over.items()} or None,
         "requests": requests,
         "request_preemptions": an.request_preemptions.report(
             {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"}),
