@@ -174,8 +174,8 @@ class AgentMetrics:
         attributed = counter("kvtop_preemptions_attributed",
                              "Streams whose stall kvtop attributed to preemption (compare kvtop_engine_preemptions_total)",
                              ["engine"])
-        acc = getattr(an, "acc", None) or {}
-        attributed.add_metric([lab], float(len(acc.get("preempted_ids", ()))))
+        acc = getattr(an, "acc", None)
+        attributed.add_metric([lab], float(len(getattr(acc, "preempted_ids", ()))))
         rep = snap.analysis or {}
         verdict = rep.get("verdict") or {}
         v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])

@@ -74,6 +74,7 @@ class SglangAdapter(EngineAdapter):
         }
     )
     preempts = True  # retraction: the victim's KV is freed and it is recomputed later
+    preempt_counted_at = "retract"
     settings = {
         "max_seqs": "--max-running-requests",
         "chunked_prefill": "--chunked-prefill-size",

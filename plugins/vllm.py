@@ -65,6 +65,7 @@ class VllmAdapter(EngineAdapter):
         }
     )
     preempts = True
+    preempt_counted_at = "resume"  # V1 counts a preemption when the victim is scheduled again
     settings = {
         "max_seqs": "--max-num-seqs",
         "batched_tokens": "--max-num-batched-tokens",
@@ -124,6 +125,13 @@ class VllmAdapter(EngineAdapter):
                 setattr(rec, fld, page.value(legacy, {**(m or {}), "transfer_type": direction}))
             elif page.has(newer):
                 setattr(rec, fld, page.value(newer, m))
+        # per-request histograms observed when a request finishes (vLLM V1): how often each finished
+        # request was preempted, and the KV tokens its prefills computed (recompute included)
+        for key, base in (("request_preemptions", "vllm:request_num_preemptions"),
+                          ("prefill_kv_computed", "vllm:request_prefill_kv_computed_tokens")):
+            h = page.histogram(base, m)
+            if h is not None:
+                rec.extra[key] = {"count": h.count, "sum": h.sum}
         rec.model = self._model(page, m)
         self._cache_config(page, m, rec)
         for n in ("vllm:prompt_tokens_created", "vllm:num_preemptions_created"):

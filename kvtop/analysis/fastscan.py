@@ -5,7 +5,9 @@ A trace is mostly token lines written by ``TraceWriter`` in a fixed key order
 as byte columns (no per-line JSON); inter-token gaps come from a stable sort by request and a diff.
 Every other line (engine, host, arrive, finish, cancel, first_token bookkeeping, anything written
 differently) goes through ``json.loads`` and the same ``Analyzer`` methods as the streaming path,
-in file order. Memory is bounded by the chunk size. Results equal the streaming path's (tested).
+in file order. Gaps of the parsed token events come from the gap tracker's batch API
+(``Analyzer.add_token_batch``). Memory is bounded by the chunk size. Results equal the streaming
+path's (tested).
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ import json
 import math
 from typing import Any
 
-from kvtop.analysis import gaps as G
 from kvtop.analysis.analyzer import Analyzer
-from kvtop.analysis.gaps import Gap
 
 try:
     import numpy as np
@@ -241,9 +241,7 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             return _slow_lines(an, buf.split(b"\n"))
     fi = np.flatnonzero(fast)
     skipped = 0
-    max_t = an.now
-    an._hold = True
-    try:
+    with an.batch():
         if len(fi):
             ts_, te_ = tstart[fi], tend[fi]
             is_, ie_ = idstart[fi], idend[fi]
@@ -252,13 +250,9 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             if np.isnan(ts).any():
                 # a token line whose time is not a number: the streaming path judges the chunk
                 return _slow_lines(an, buf.split(b"\n"))
-            ids = _strings(_field(arr, is_, ie_))
-            max_t = max(max_t, float(ts.max()))
-            L0 = len(an._long)
-            P0 = len(an._pending)
-            _tokens(an, ts, ids, nval[fi].astype(np.int64), is_ft[fi])
-        else:
-            L0, P0 = len(an._long), len(an._pending)
+            uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
+            ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
+            an.add_token_batch(ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi])
         # every other line, and first_token bookkeeping, in file order through the normal methods
         oi = np.flatnonzero(~fast | is_ft)
         loads = json.loads
@@ -272,17 +266,6 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             else:
                 skipped += _feed_line(an, line)
         an.records += int(np.count_nonzero(is_tok & fast))
-        # gaps from the two passes interleave in time: restore t_end order
-        if len(an._long) - L0 > 1:
-            an._long[L0:] = sorted(an._long[L0:], key=lambda g: g.t_end)
-        if len(an._pending) - P0 > 1:
-            tail = [an._pending.pop() for _ in range(len(an._pending) - P0)]
-            tail.sort(key=lambda g: g.t_end)
-            an._pending.extend(tail)
-    finally:
-        an._hold = False
-    an.now = max(an.now, max_t)
-    an.tick(an.now)
     return skipped
 
 
@@ -309,88 +292,3 @@ def _unique(ids: Any) -> tuple[Any, Any]:
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
     return cand[perm], rank[hinv.ravel()]
-
-
-def _tokens(an: Analyzer, ts: Any, ids: Any, ns: Any, ft: Any) -> None:
-    """Gaps for a block of token events (file order), as ``Analyzer.token`` would compute them."""
-    uniq, inv = _unique(ids)
-    # few streams per chunk: a 16-bit key gets numpy's radix sort instead of a merge sort
-    order = np.argsort(inv.astype(np.uint16) if len(uniq) <= 1 << 16 else inv, kind="stable")
-    c_s = inv[order]
-    t_s = ts[order]
-    n_s = ns[order]
-    m = len(c_s)
-    gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
-    gend = np.r_[gstart[1:], m]
-    reqs = []
-    last = np.full(len(uniq), np.nan)
-    tok0 = np.zeros(len(uniq), dtype=np.int64)
-    for u, raw in enumerate(uniq.tolist()):
-        rid = raw.decode("utf-8", "replace")
-        r = an.reqs.get(rid) or an._req(rid)
-        reqs.append(r)
-        if r.last_t is not None:
-            last[u] = r.last_t
-        tok0[u] = r.tokens
-    prev = np.empty(m)
-    prev[1:] = t_s[:-1]
-    prev[gstart] = last[c_s[gstart]]
-    gaps = t_s - prev
-    valid = ~np.isnan(gaps)
-    # tokens counted up to and including each event (what Analyzer.token records on a long gap)
-    cum = np.cumsum(n_s)
-    base = np.repeat(cum[gstart] - n_s[gstart], gend - gstart)
-    tokens_at = tok0[c_s] + (cum - base)
-    nvalid = int(np.count_nonzero(valid))
-    # the median sample: every 8th gap in file order, as the streaming path takes it
-    if nvalid:
-        pos = np.empty(m, dtype=np.int64)
-        pos[order] = np.arange(m)
-        file_valid = valid[pos]
-        gfile = gaps[pos][file_valid]
-        k = np.arange(an.n_gaps + 1, an.n_gaps + 1 + len(gfile))
-        sample = gfile[(k & 7) == 0]
-        if len(sample):
-            h = an.hist
-            idx = np.clip((np.log(np.maximum(sample, h._lo) / h._lo) * h._scale).astype(np.int64), 0,
-                          len(h.counts) - 1)
-            idx[sample <= h._lo] = 0
-            for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-                h.counts[int(i)] += int(c)
-            h.n += len(sample)
-    an.n_gaps += nvalid
-    an.token_records += int(np.count_nonzero(~ft))
-    tgt = an.itl_target_s
-    long_thr = G.LONG_FRACTION * tgt
-    gz = np.where(valid, gaps, -1.0)
-    longs = np.flatnonzero(gz >= long_thr).tolist()
-    gmax = np.maximum.reduceat(gz, gstart)
-    tsum = np.add.reduceat(n_s, gstart)
-    if longs:
-        grp = np.searchsorted(gstart, longs, side="right") - 1
-        for i, gi in zip(longs, grp.tolist(), strict=True):
-            r = reqs[int(c_s[i])]
-            g0 = int(gstart[gi])
-            w = [x for x in gaps[max(g0, i - G.RECENT):i].tolist() if not math.isnan(x)]
-            if len(w) < G.RECENT:
-                w = list(r.recent)[-(G.RECENT - len(w)):] + w if r.recent else w
-            w = w[-G.RECENT:]
-            bl = sorted(w)[len(w) // 2] if w else None
-            gv = float(gaps[i])
-            te = float(t_s[i])
-            gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
-            an._long.append(gp)
-            if gv > an._long_max:
-                an._long_max = gv
-            if gv > tgt:
-                an._pending.append(gp)
-    for gi in range(len(gstart)):
-        g0, g1 = int(gstart[gi]), int(gend[gi])
-        r = reqs[int(c_s[g0])]
-        r.last_t = float(t_s[g1 - 1])
-        r.tokens += int(tsum[gi])
-        mg = float(gmax[gi])
-        if mg > r.max_gap:
-            r.max_gap = mg
-        tail = gaps[max(g0, g1 - G.RECENT):g1]
-        r.recent.extend(x for x in tail.tolist() if not math.isnan(x))

@@ -9,15 +9,27 @@ produces another token, and the engine may never count its preemption.
 from __future__ import annotations
 
 import math
-from collections import deque
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Default ITL target = K_TARGET × the median of the first WARMUP gaps (documented in the README).
 K_TARGET = 4.0
 WARMUP_GAPS = 2000
 # Gaps at least this fraction of the target are kept (for a while) to find streams that stalled together.
 LONG_FRACTION = 0.5
-RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream
+RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
+# stall-free ones, within the target: the pace before a slowdown began)
+# Look-ahead after a spike (both paths see the same): token events within BURST_S of its end are
+# the chunk that ended it (a delivery stall ends with everything buffered at once, as one event or
+# many within a millisecond); then up to LOOKAHEAD following gaps that end within LOOKAHEAD_S.
+# LOOKAHEAD_S stays below the shortest settle time (2 s), so the live path, which judges a spike
+# ``settle`` after its end, has seen all of it: that is the live path's bounded deferral.
+BURST_S = 0.002
+LOOKAHEAD = 3
+LOOKAHEAD_S = 1.5
 
 
 class LogHistogram:
@@ -66,13 +78,27 @@ class ReqState:
     tokens: int = 0
     end_t: float | None = None
     ended_by: str | None = None
-    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
     max_gap: float = 0.0
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
-    engine_preempts: list = field(default_factory=list)  # t of request-level preempt events (engine/sim)
+    last_spike: Gap | None = None  # the stream's previous judged spike
+    engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
     cancelled_after_preempt: bool = False
+    events: int = 0  # token events (tokens / events: the stream's usual chunk size)
+    watch: list[Gap] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
+    engine: str | None = None  # which engine served it (url or name), where the record says
+
+    def tokens_per_event(self) -> float:
+        return self.tokens / self.events if self.events else 1.0
+
+    def calm_gap(self) -> float | None:
+        if not self.calm:
+            return None
+        s = sorted(self.calm)
+        return s[len(s) // 2]
 
     def baseline_gap(self) -> float | None:
         if not self.recent:
@@ -92,6 +118,494 @@ class Gap:
     stream_baseline: float | None  # median of the stream's previous gaps
     tokens_before: int
     ended_by: str = "token"
-    cause: str | None = None
+    cause: Any = None  # an attribution.Cause once judged (a str subclass)
+    kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
     confidence: float = 0.0
     evidence: list[str] = field(default_factory=list)
+    chunk_n: int = 1  # tokens delivered by the event that ended the gap
+    burst_n: int = 0  # tokens delivered within BURST_S of the end (the closing event included)
+    after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
+    tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
+    calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
+
+
+def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
+    """The stream's tokens per event before the event that closed a gap."""
+    if ended_by == "token":
+        return (r.tokens - chunk_n) / (r.events - 1) if r.events > 1 else 1.0
+    return r.tokens / r.events if r.events else 1.0
+
+
+def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
+    """One token event after spike ``w`` (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
+    if t - w.t_end <= BURST_S:
+        w.burst_n += k
+        return False
+    if t - w.t_end > LOOKAHEAD_S:
+        return True
+    w.after.append(g)
+    return len(w.after) >= LOOKAHEAD
+
+
+def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
+                g1: int) -> list[Gap]:
+    """The look-ahead of a stream's spikes over one batch of its events (sorted positions g0..g1-1),
+    as ``token`` collects it event by event; returns the spikes still watching at the batch's end."""
+    j = g0
+    k = 0
+    while True:
+        nxt = spikes[k][0] if k < len(spikes) else g1 - 1
+        while watch and j <= nxt:
+            t, n, g = float(t_s[j]), int(n_s[j]), float(gaps[j])
+            watch = [w for w in watch if not _feed_look(w, t, n, g)]
+            j += 1
+        if k >= len(spikes):
+            return watch
+        i, sp = spikes[k]
+        watch.append(sp)
+        j = i + 1
+        k += 1
+
+
+class GapTracker:
+    """Owns the per-stream gap state: request states, the gap distribution, long gaps and spikes
+    waiting for attribution, first tokens and the count of active streams over time.
+
+    Both ingestion paths go through it: ``token`` one event at a time, ``add_batch`` a block of
+    token events parsed by the fast path (same results). The queries at the bottom are what the
+    evidence builder asks about other streams around a spike.
+    """
+
+    def __init__(self, itl_target_s: float | None = None, k: float = K_TARGET, max_requests: int | None = None):
+        self.itl_target_s = itl_target_s
+        self.target_source: str | None = "given" if itl_target_s else None
+        self.k = k
+        self.max_requests = max_requests
+        self.reqs: OrderedDict[str, ReqState] = OrderedDict()
+        self.hist = LogHistogram()  # every 8th gap after warm-up (a sample for the median)
+        self.n_gaps = 0
+        self.warm: list[Gap] = []  # every gap until the target is known
+        self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
+        self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
+        self.long_head = 0
+        self.pending: deque[Gap] = deque()
+        self.first_tokens: list[tuple[float, str, int | None]] = []
+        self.ft_head = 0
+        self.active = 0
+        # streams between first token and end, and those that ended lately: the co-stall search
+        # needs streams whose silence had not ended when a spike is judged
+        self.live: dict[str, ReqState] = {}
+        self.ended: deque[ReqState] = deque()
+        self.active_t: list[float] = []
+        self.active_v: list[int] = []
+        self._median_cache: tuple[int, float | None] | None = None
+        self._batch_marks: tuple[int, int] | None = None
+
+    # ---- per-stream state --------------------------------------------------------------------
+    def req(self, rid: str) -> ReqState:
+        r = self.reqs.get(rid)
+        if r is None:
+            r = self.reqs[rid] = ReqState(rid)
+            if self.max_requests is not None and len(self.reqs) > self.max_requests:
+                self._evict()
+        return r
+
+    def _evict(self) -> None:
+        for k, v in self.reqs.items():
+            if v.end_t is not None:
+                del self.reqs[k]
+                return
+        k, _ = self.reqs.popitem(last=False)
+        self.live.pop(k, None)
+
+    def token(self, rid: str, t: float, n: int | None = None) -> None:
+        """Hot path: one token event (``n`` tokens delivered at once)."""
+        r = self.reqs.get(rid) or self.req(rid)
+        lt = r.last_t
+        r.last_t = t
+        k = n if n else 1
+        r.tokens += k
+        r.events += 1
+        if lt is not None:
+            if r.watch:
+                r.watch = [w for w in r.watch if not _feed_look(w, t, k, t - lt)]
+            self.gap(r, lt, t, t - lt, "token", k)
+
+    def resync(self, r: ReqState, t: float, n: int | None = None) -> None:
+        """Tokens after a hole in the observed bytes: counted, and the stream's clock moves on
+        without a gap (the silence spans lost data, not a stall)."""
+        r.last_t = t
+        r.tokens += n if n else 1
+        r.events += 1
+
+    def gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int = 1) -> None:
+        self.n_gaps += 1
+        if g > r.max_gap:
+            r.max_gap = g
+        tgt = self.itl_target_s
+        if tgt is None:
+            gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
+            gp.chunk_n = gp.burst_n = chunk_n
+            gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
+            gp.calm_baseline = r.calm_gap()
+            self.warm.append(gp)
+            if len(self.warm) >= WARMUP_GAPS:
+                self.derive_target()
+        else:
+            if not self.n_gaps & 7:
+                self.hist.add(g)
+            if g >= LONG_FRACTION * tgt:
+                gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
+                gp.chunk_n = gp.burst_n = chunk_n
+                gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
+                gp.calm_baseline = r.calm_gap()
+                self.long.append(gp)
+                if g > self.long_max:
+                    self.long_max = g
+                if g > tgt:
+                    self.pending.append(gp)
+                    if ended_by == "token":
+                        r.watch.append(gp)
+        if ended_by == "token":
+            r.recent.append(g)
+            if tgt is None or g <= tgt:
+                r.calm.append(g)
+
+    def derive_target(self) -> None:
+        vals = sorted(x.gap for x in self.warm)
+        med = vals[len(vals) // 2] if vals else None
+        for x in self.warm:
+            self.hist.add(x.gap)
+        if med:
+            self.itl_target_s = self.k * med
+            self.target_source = f"derived: {self.k:g} x median gap of the first {len(vals)} gaps"
+        warm, self.warm = self.warm, []
+        tgt = self.itl_target_s
+        if tgt is None:
+            return
+        for gp in warm:
+            if gp.gap >= LONG_FRACTION * tgt:
+                self.long.append(gp)
+                self.long_max = max(self.long_max, gp.gap)
+                if gp.gap > tgt:
+                    self.pending.append(gp)
+
+    def first_token(self, r: ReqState, t: float) -> bool:
+        """Record a stream's first token; False when it already had one."""
+        if r.first_t is not None:
+            return False
+        r.first_t = t
+        self.first_tokens.append((t, r.id, r.prompt_tokens))
+        self._set_active(t, +1)
+        if r.end_t is None:
+            self.live[r.id] = r
+        return True
+
+    def end(self, r: ReqState, t: float, how: str) -> bool:
+        """A stream ended (finish / cancel / error); False when it had ended already."""
+        if r.end_t is not None:
+            return False
+        r.end_t = t
+        r.ended_by = how
+        if r.first_t is not None:
+            self._set_active(t, -1)
+            if self.live.pop(r.id, None) is not None:
+                self.ended.append(r)
+        if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
+            self.gap(r, r.last_t, t, t - r.last_t, "cancel")
+        return True
+
+    def _set_active(self, t: float, d: int) -> None:
+        self.active += d
+        if self.active_t and self.active_t[-1] == t:
+            self.active_v[-1] = self.active
+        else:
+            self.active_t.append(t)
+            self.active_v.append(self.active)
+
+    # ---- the fast path's batch API -----------------------------------------------------------
+    def begin_batch(self) -> None:
+        self._batch_marks = (len(self.long), len(self.pending))
+
+    def end_batch(self) -> None:
+        """Gaps from a batch and from the per-record events around it interleave in time: restore
+        t_end order of the long gaps and the pending spikes added since ``begin_batch``."""
+        if self._batch_marks is None:
+            return
+        l0, p0 = self._batch_marks
+        self._batch_marks = None
+        if len(self.long) - l0 > 1:
+            self.long[l0:] = sorted(self.long[l0:], key=lambda g: g.t_end)
+        if len(self.pending) - p0 > 1:
+            tail = [self.pending.pop() for _ in range(len(self.pending) - p0)]
+            tail.sort(key=lambda g: g.t_end)
+            self.pending.extend(tail)
+
+    def add_batch(self, ids: list[str], codes: Any, ts: Any, ns: Any, ft: Any) -> None:
+        """Gaps for a block of token events in file order, as ``token`` would compute them one by one.
+
+        ``ids`` are the distinct request ids of the block, ``codes`` each event's index into them,
+        ``ts`` times, ``ns`` tokens per event and ``ft`` whether it is a first_token event (its
+        bookkeeping follows through the per-record path). Needs a target (``itl_target_s``)."""
+        import numpy as np
+
+        tgt = self.itl_target_s
+        assert tgt is not None, "add_batch needs the ITL target (derived from the first gaps)"
+        # few streams per block: a 16-bit key gets numpy's radix sort instead of a merge sort
+        order = np.argsort(codes.astype(np.uint16) if len(ids) <= 1 << 16 else codes, kind="stable")
+        c_s = codes[order]
+        t_s = ts[order]
+        n_s = ns[order]
+        m = len(c_s)
+        gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
+        gend = np.r_[gstart[1:], m]
+        reqs = []
+        last = np.full(len(ids), np.nan)
+        tok0 = np.zeros(len(ids), dtype=np.int64)
+        ev0 = [0] * len(ids)
+        for u, rid in enumerate(ids):
+            r = self.reqs.get(rid) or self.req(rid)
+            reqs.append(r)
+            if r.last_t is not None:
+                last[u] = r.last_t
+            tok0[u] = r.tokens
+            ev0[u] = r.events
+        prev = np.empty(m)
+        prev[1:] = t_s[:-1]
+        prev[gstart] = last[c_s[gstart]]
+        gaps = t_s - prev
+        valid = ~np.isnan(gaps)
+        # tokens counted up to and including each event (what ``token`` records on a long gap)
+        cum = np.cumsum(n_s)
+        base = np.repeat(cum[gstart] - n_s[gstart], gend - gstart)
+        tokens_at = tok0[c_s] + (cum - base)
+        nvalid = int(np.count_nonzero(valid))
+        # the median sample: every 8th gap in file order, as the per-event path takes it
+        if nvalid:
+            pos = np.empty(m, dtype=np.int64)
+            pos[order] = np.arange(m)
+            file_valid = valid[pos]
+            gfile = gaps[pos][file_valid]
+            k = np.arange(self.n_gaps + 1, self.n_gaps + 1 + len(gfile))
+            sample = gfile[(k & 7) == 0]
+            if len(sample):
+                h = self.hist
+                idx = np.clip((np.log(np.maximum(sample, h._lo) / h._lo) * h._scale).astype(np.int64), 0,
+                              len(h.counts) - 1)
+                idx[sample <= h._lo] = 0
+                for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+                    h.counts[int(i)] += int(c)
+                h.n += len(sample)
+        self.n_gaps += nvalid
+        long_thr = LONG_FRACTION * tgt
+        gz = np.where(valid, gaps, -1.0)
+        sf_pos = np.flatnonzero(valid & (gz <= tgt))  # stall-free gaps: the baseline's sample
+        longs = np.flatnonzero(gz >= long_thr).tolist()
+        gmax = np.maximum.reduceat(gz, gstart)
+        tsum = np.add.reduceat(n_s, gstart)
+        spikes: dict[int, list[tuple[int, Gap]]] = {}  # group -> (sorted index, spike)
+        if longs:
+            grp = np.searchsorted(gstart, longs, side="right") - 1
+            # stall-free gaps of the same stream before each long gap: positions lo_ks[k]..hi_ks[k] of sf_pos
+            lo_ks = np.searchsorted(sf_pos, gstart[grp]).tolist()
+            hi_ks = np.searchsorted(sf_pos, longs).tolist()
+            for li, (i, gi) in enumerate(zip(longs, grp.tolist(), strict=True)):
+                r = reqs[int(c_s[i])]
+                g0 = int(gstart[gi])
+                lo_k, hi_k = lo_ks[li], hi_ks[li]
+                cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
+                if len(cw) < RECENT:
+                    cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw
+                cw = cw[-RECENT:]
+                w = [x for x in gaps[max(g0, i - RECENT):i].tolist() if not math.isnan(x)]
+                if len(w) < RECENT:
+                    w = list(r.recent)[-(RECENT - len(w)):] + w if r.recent else w
+                w = w[-RECENT:]
+                bl = sorted(w)[len(w) // 2] if w else None
+                gv = float(gaps[i])
+                te = float(t_s[i])
+                gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
+                gp.chunk_n = gp.burst_n = int(n_s[i])
+                before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
+                gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
+                gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
+                self.long.append(gp)
+                if gv > self.long_max:
+                    self.long_max = gv
+                if gv > tgt:
+                    self.pending.append(gp)
+                    spikes.setdefault(gi, []).append((i, gp))
+        for gi in range(len(gstart)):
+            g0, g1 = int(gstart[gi]), int(gend[gi])
+            r = reqs[int(c_s[g0])]
+            if r.watch or gi in spikes:
+                r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
+            r.last_t = float(t_s[g1 - 1])
+            r.events += g1 - g0
+            r.tokens += int(tsum[gi])
+            mg = float(gmax[gi])
+            if mg > r.max_gap:
+                r.max_gap = mg
+            tail = gaps[max(g0, g1 - RECENT):g1]
+            r.recent.extend(x for x in tail.tolist() if not math.isnan(x))
+            lo_k = int(np.searchsorted(sf_pos, g0))
+            hi_k = int(np.searchsorted(sf_pos, g1))
+            r.calm.extend(gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist())
+
+    # ---- queries -----------------------------------------------------------------------------
+    def median_gap(self) -> float | None:
+        n = self.hist.n
+        if n:
+            c = self._median_cache
+            # the median moves slowly: refresh it when the sample grew by 1 %
+            if c is None or n - c[0] > max(64, c[0] // 100):
+                c = self._median_cache = (n, self.hist.quantile(0.5))
+            return c[1]
+        if self.warm:
+            vals = sorted(x.gap for x in self.warm)
+            return vals[len(vals) // 2]
+        return None
+
+    def take_ready(self, now: float, settle: float) -> list[Gap]:
+        """Pending spikes whose evidence window (``settle`` after their end) has passed, in a fixed
+        order (t_end, request id) so counter units are claimed the same way whichever path
+        produced them."""
+        ready = []
+        while self.pending and self.pending[0].t_end + settle <= now:
+            ready.append(self.pending.popleft())
+        ready.sort(key=lambda g: (g.t_end, g.request_id))
+        return ready
+
+    def take_all(self) -> list[Gap]:
+        ready = sorted(self.pending, key=lambda g: (g.t_end, g.request_id))
+        self.pending.clear()
+        return ready
+
+    def active_at(self, t: float) -> int | None:
+        i = bisect_right(self.active_t, t) - 1
+        return self.active_v[i] if i >= 0 else None
+
+    def departures(self, a: float, b: float) -> int:
+        """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
+        ts, vs = self.active_t, self.active_v
+        i = bisect_left(ts, a)
+        prev = vs[i - 1] if i > 0 else 0
+        n = 0
+        while i < len(ts) and ts[i] <= b:
+            if vs[i] < prev:
+                n += prev - vs[i]
+            prev = vs[i]
+            i += 1
+        return n
+
+    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int]:
+        """Other streams silent over at least half of the spike, the median of their silences, and
+        how many of them fell silent with it (up to a second, or half its length, before it began)
+        rather than long before (streams preempted earlier and still waiting).
+
+        A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
+        to then, and streams still silent then (preempted streams often resume much later). Lengths
+        are cut at that moment, so the batch path, which judges later, gets the same answer."""
+        L = g.t_end - g.t_start
+        half = 0.5 * L
+        cap = g.t_end + settle
+        lg = self.long
+        lo = self.long_head
+        hi = len(lg)
+        a_end = g.t_start + half
+        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
+            mid = (lo + hi) // 2
+            if lg[mid].t_end < a_end:
+                lo = mid + 1
+            else:
+                hi = mid
+        seen = set()
+        lens = []
+        fresh_from = g.t_start - min(half, 1.0)
+        fresh = 0
+        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
+        for i in range(lo, len(lg)):
+            q = lg[i]
+            if q.t_end > reach:
+                break
+            if q.request_id == g.request_id or q.request_id in seen:
+                continue
+            ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
+            if ov >= half:
+                seen.add(q.request_id)
+                lens.append(min(q.t_end, cap) - q.t_start)
+                fresh += q.t_start >= fresh_from
+                if enough is not None and len(seen) >= enough:
+                    break  # every other active stream already found stalled
+        if enough is None or len(seen) < enough:
+            groups: tuple[Iterable[ReqState], ...] = (self.live.values(), self.ended)
+            for group in groups:
+                for r in group:
+                    lt = r.last_t
+                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen:
+                        continue
+                    # silent from its last token until now, or until it ended (a stream that
+                    # errors out mid-stall without a token streamed nothing through it either)
+                    end = cap if r.end_t is None else min(r.end_t, cap)
+                    if min(end, g.t_end) - max(lt, g.t_start) < half:
+                        continue
+                    seen.add(r.id)
+                    lens.append(end - lt)
+                    fresh += lt >= fresh_from
+        if not lens:
+            return 0, None, 0
+        lens.sort()
+        return len(seen), lens[len(lens) // 2], fresh
+
+    def first_token_near(self, g: Gap) -> tuple[str, int | None, int, int] | None:
+        """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
+        its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
+        engine step get their first tokens together, and the step's length is their sum."""
+        base = g.stream_baseline or self.median_gap() or 0.02
+        delta = max(0.05, 2.0 * base)
+        ft = self.first_tokens
+        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
+        best: tuple[str, int | None] | None = None
+        total = n = 0
+        while i < len(ft) and ft[i][0] <= g.t_end + delta:
+            t, rid, p = ft[i]
+            if rid != g.request_id and t > g.t_start:
+                total += p or 0
+                n += 1
+                if best is None or (p or 0) > (best[1] or 0):
+                    best = (rid, p)
+            i += 1
+        return None if best is None else (best[0], best[1], total, n)
+
+    def prune(self, keep_from: float, ended_before: float) -> None:
+        """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""
+        lg = self.long
+        h = self.long_head
+        while h < len(lg) and lg[h].t_end < keep_from:
+            h += 1
+        if h > 4096 and h > len(lg) // 2:
+            del lg[:h]
+            h = 0
+        self.long_head = h
+        ft = self.first_tokens
+        h = self.ft_head
+        while h < len(ft) and ft[h][0] < keep_from:
+            h += 1
+        if h > 4096 and h > len(ft) // 2:
+            del ft[:h]
+            h = 0
+        self.ft_head = h
+        if len(self.active_t) > 8192:
+            i = bisect_left(self.active_t, keep_from)
+            if i > 4096:
+                del self.active_t[: i - 1]
+                del self.active_v[: i - 1]
+        # a stream silent for the whole horizon without an end (a lost finish) is gone
+        if self.live:
+            stale = [k for k, r in self.live.items() if r.last_t is not None and r.last_t < keep_from]
+            for k in stale:
+                del self.live[k]
+        # an ended stream matters only to spikes ending before it did; later spikes end after now
+        ended = self.ended
+        while ended and (ended[0].end_t or 0.0) < ended_before:
+            ended.popleft()

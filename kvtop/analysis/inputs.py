@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtop.analysis.advisor import DEFAULT_RHO, Num, Situation
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.attribution import Cause
 from kvtop.analysis.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
@@ -25,8 +26,8 @@ def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | Non
 
 def _sum_delta(an: Analyzer, key: str) -> float | None:
     tot = None
-    for k, first in an.acc["engine_first"].items():
-        d = _delta(first, an.acc["engine_last"][k], key)
+    for k, first in an.acc.engine_first.items():
+        d = _delta(first, an.acc.engine_last[k], key)
         if d is not None:
             tot = (tot or 0.0) + d
     return tot
@@ -41,7 +42,7 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
     eng = hdr.get("engine") or {}
     model_name = eng.get("model")
     if not model_name:
-        for last in acc["engine_last"].values():
+        for last in acc.engine_last.values():
             if last.get("model"):
                 model_name = last["model"]
                 break
@@ -81,12 +82,12 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
 
     # prefill rate: from prefill stalls (stall length per prompt token of the request that ended it),
     # else from TTFT of the least contended long-prompt requests
-    pa = sorted(acc["prefill_a"])
+    pa = sorted(acc.prefill_a)
     if len(pa) >= 3:
         n["prefill_rate"] = Num(1.0 / pa[len(pa) // 2], "tokens/s", "measured",
                                 f"median of {len(pa)} prefill stalls / prompt tokens")
-    elif acc["ttft_rate_hist"].n >= MIN_SAMPLES:
-        n["prefill_rate"] = Num(acc["ttft_rate_hist"].quantile(0.9), "tokens/s", "measured",
+    elif acc.ttft_rate_hist.n >= MIN_SAMPLES:
+        n["prefill_rate"] = Num(acc.ttft_rate_hist.quantile(0.9), "tokens/s", "measured",
                                 "p90 of prompt tokens / TTFT (least contended requests)")
     else:
         key = n["model_key"].value if "model_key" in n else ""
@@ -102,14 +103,14 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
             bw_parts.append(b / sec)
     if bw_parts:
         n["bw_eff"] = Num(min(bw_parts), "B/s", "measured", "engine offload bytes / offload seconds")
-    elif acc["gpu_pcie_max"] > 1e9 and (_sum_delta(an, "offload_out_bytes_total") or 0) > 0:
-        n["bw_eff"] = Num(acc["gpu_pcie_max"], "B/s", "measured", "peak NVML PCIe throughput during offload traffic")
+    elif acc.gpu_pcie_max > 1e9 and (_sum_delta(an, "offload_out_bytes_total") or 0) > 0:
+        n["bw_eff"] = Num(acc.gpu_pcie_max, "B/s", "measured", "peak NVML PCIe throughput during offload traffic")
 
     # preemption statistics
-    n_pre_spikes = an.cause_counts["preemption"]
-    preempted = len(acc["preempted_ids"])
+    n_pre_spikes = an.cause_counts[Cause.PREEMPTION]
+    preempted = len(acc.preempted_ids)
     counter = _sum_delta(an, "preemptions_total")
-    finished = acc["finished"] or _sum_delta(an, "requests_finished_total") or 0
+    finished = acc.finished or _sum_delta(an, "requests_finished_total") or 0
     duration = max(1e-9, an.now - (an.t0 or 0.0))
     if counter is not None:
         n["preemptions"] = Num(counter, "", "measured", "engine counter increase")
@@ -121,12 +122,12 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
     if preempted:
         n["preemptions_per_preempted"] = Num(n_pre_spikes / preempted, "", "measured")
     if preempted >= MIN_SAMPLES:
-        n["cancel_prob"] = Num(acc["preempted_cancelled"] / preempted, "", "measured",
-                               f"{acc['preempted_cancelled']} of {preempted} preempted requests cancelled before resuming")
+        n["cancel_prob"] = Num(acc.preempted_cancelled / preempted, "", "measured",
+                               f"{acc.preempted_cancelled} of {preempted} preempted requests cancelled before resuming")
     elif preempted:
         n["cancel_prob"] = Num(0.0, "", "assumed", f"only {preempted} preempted requests seen")
-    if acc["S_pre_n"]:
-        n["seq_tokens"] = Num(acc["S_pre_sum"] / acc["S_pre_n"], "tokens", "measured",
+    if acc.seq_pre_n:
+        n["seq_tokens"] = Num(acc.seq_pre_sum / acc.seq_pre_n, "tokens", "measured",
                               "mean prompt + generated tokens of preemption victims")
 
     # shared prefixes
@@ -140,10 +141,10 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
 
     # host pinned capacity
     pool = None
-    for last in acc["engine_last"].values():
+    for last in acc.engine_last.values():
         if last.get("offload_capacity_bytes"):
             pool = (pool or 0) + last["offload_capacity_bytes"]
-    host = acc["host"]
+    host = acc.host
     if pool:
         n["host_free_bytes"] = Num(float(pool), "B", "measured", "engine offload pool size")
     elif host and host.get("mem_available_bytes"):
@@ -151,25 +152,26 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
                                    "half of available host memory could be pinned")
 
     # traffic and capacity
-    if acc["prompt_n"]:
-        n["prompt_mean"] = Num(acc["prompt_sum"] / acc["prompt_n"], "tokens", "measured")
-        p99 = acc["prompt_hist"].quantile(0.99)
+    if acc.prompt_n:
+        n["prompt_mean"] = Num(acc.prompt_sum / acc.prompt_n, "tokens", "measured")
+        p99 = acc.prompt_hist.quantile(0.99) or 0.0  # prompt_n > 0: the histogram is not empty
         n["long_prompt_tokens"] = Num(int(p99), "tokens", "measured", "p99 prompt length")
-        long_n = sum(c for i, c in enumerate(acc["prompt_hist"].counts) if c and acc["prompt_hist"].value_at(i) >= 0.5 * p99)
+        long_n = sum(c for i, c in enumerate(acc.prompt_hist.counts)
+                     if c and acc.prompt_hist.value_at(i) >= 0.5 * p99)
         n["long_prompt_rate"] = Num(long_n / duration, "1/s", "measured", "prompts >= half the p99 length")
-    if acc["output_n"]:
-        n["output_mean"] = Num(acc["output_sum"] / acc["output_n"], "tokens", "measured")
-        n["output_p90"] = Num(acc["output_hist"].quantile(0.9), "tokens", "measured")
-        n["output_p99"] = Num(acc["output_hist"].quantile(0.99), "tokens", "measured")
+    if acc.output_n:
+        n["output_mean"] = Num(acc.output_sum / acc.output_n, "tokens", "measured")
+        n["output_p90"] = Num(acc.output_hist.quantile(0.9), "tokens", "measured")
+        n["output_p99"] = Num(acc.output_hist.quantile(0.99), "tokens", "measured")
     cap = (hdr.get("kv") or {}).get("capacity_tokens")
     if not cap:
-        for last in acc["engine_last"].values():
+        for last in acc.engine_last.values():
             if last.get("kv_capacity_tokens"):
                 cap = (cap or 0) + last["kv_capacity_tokens"]
     if cap:
         n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
-    if acc["running_n"]:
-        n["running_mean"] = Num(acc["running_sum"] / acc["running_n"], "sequences", "measured")
-    if acc["kv_max"] is not None:
-        n["kv_usage_max"] = Num(acc["kv_max"], "", "measured")
+    if acc.running_n:
+        n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
+    if acc.kv_max is not None:
+        n["kv_usage_max"] = Num(acc.kv_max, "", "measured")
     return s

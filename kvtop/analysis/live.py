@@ -53,11 +53,12 @@ class LiveAnalyzer:
         return LiveAnalyzer(**self._settings_kw)
 
     def _set_adapter(self, name: str) -> None:
-        from kvtop.analysis.scan import adapter_info
+        from kvtop.analysis.engines import engine_semantics
 
         self._adapter = name
-        preempts, self._settings, warn = adapter_info(name)
+        preempts, self._settings, counted_at, warn = engine_semantics(name)
         self.an.preempts = preempts
+        self.an.counted_at = counted_at
         self._warn = [warn] if warn else []
 
     def feed(self, rec: Record) -> None:
@@ -92,6 +93,6 @@ class LiveAnalyzer:
         an.tick(now)
         rep = build_report(an, self.model_config, self.kv_bytes, self.kv_dtype, self.tp, self._settings,
                            self._adapter, list(self._warn))
-        rep["pending_spikes"] = len(an._pending)
+        rep["pending_spikes"] = len(an.gaps.pending)
         self._cached = (now, an.records, rep)
         return rep

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.attribution import ALL, Cause
+from kvtop.analysis.attribution.aggregate import aggregate_causes
+
 
 def _fmt(v: Any, unit: str) -> str:
     if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
@@ -51,96 +55,19 @@ def render_verdict_text(v: dict[str, Any]) -> str:
 
 # ---- building the analyze report -------------------------------------------------------------
 
-def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, str | None]:
-    """Fallback without per-request timings: ITL histogram deltas per scrape vs counters."""
-    from kvtop.analysis.attribution import KV_HIGH
-
-    scrapes = list(an._scrapes)
-    counts = {c: 0 for c in ("preemption", "prefill_interference", "slow_decode", "unknown")}
-    if len(scrapes) < 2:
-        return counts, None, None
-    by_key: dict[Any, list[tuple]] = {}
-    for s in scrapes:
-        by_key.setdefault(s[1], []).append(s)
-    target = an.itl_target_s
-    src = an.target_source
-    if target is None:
-        # p50 of the whole run's histogram delta x k
-        merged: dict[float, float] = {}
-        total = 0.0
-        for lst in by_key.values():
-            f, last = lst[0][2], lst[-1][2]
-            for (le, c1), (_, c0) in zip(last["buckets"], f["buckets"], strict=False):
-                merged[float(le)] = merged.get(float(le), 0.0) + (c1 - c0)
-            total += last["count"] - f["count"]
-        if total <= 0:
-            return counts, None, None
-        for le in sorted(merged):
-            if merged[le] >= 0.5 * total:
-                target = k * le
-                src = f"derived: {k:g} x engine ITL histogram p50 (bucket bound)"
-                break
-    if target is None:
-        return counts, None, None
-    deltas = []
-    for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:], strict=False):
-            if prev[4] is not None and cur[4] is not None:
-                deltas.append(max(0.0, cur[4] - prev[4]))
-    typ = sorted(deltas)[len(deltas) // 2] if deltas else 0.0
-    for lst in by_key.values():
-        for prev, cur in zip(lst, lst[1:], strict=False):
-            h0, h1 = prev[2], cur[2]
-            dcount = h1["count"] - h0["count"]
-            if dcount <= 0:
-                continue
-            below = 0.0
-            p50_le = None
-            for (le, c1), (_, c0) in zip(h1["buckets"], h0["buckets"], strict=False):
-                if float(le) <= target:
-                    below = c1 - c0
-                if p50_le is None and c1 - c0 >= 0.5 * dcount:
-                    p50_le = float(le)
-            above = int(round(dcount - below))
-            if above <= 0:
-                continue
-            dpre = (cur[3] - prev[3]) if cur[3] is not None and prev[3] is not None and cur[3] >= prev[3] else 0
-            dprompt = (cur[4] - prev[4]) if cur[4] is not None and prev[4] is not None and cur[4] >= prev[4] else 0
-            kv = cur[6]
-            if an.preempts and dpre >= 1 and (kv is None or kv >= KV_HIGH) and above <= 3 * dpre:
-                counts["preemption"] += above
-            elif dprompt >= 512 and dprompt > 1.5 * typ and (cur[5] is None or above >= 0.5 * max(1, cur[5])):
-                counts["prefill_interference"] += above
-            elif p50_le is not None and p50_le > target:
-                counts["slow_decode"] += above
-            else:
-                counts["unknown"] += above
-    return counts, target, src
-
-
 EVIDENCE_HINT = ("per-request evidence: run with --probe RATE, --capture or --proxy-listen to time every stream's "
                  "tokens; each stall then gets its own cause and the victims' length, cancel rate and prefill "
                  "rate are measured instead of assumed")
 
 
 def _lost_time(an: Any, counts: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
-    """Seconds over the target and streams hit per cause, from the listed spikes.
-
-    When older spikes were dropped from the list, each cause's listed time is scaled up by its
-    count over its listed count (the mean stall of a cause is assumed unchanged).
-    """
-    target = an.itl_target_s or 0.0
-    lost: dict[str, float] = {c: 0.0 for c in counts}
-    listed: dict[str, int] = {c: 0 for c in counts}
+    """Seconds over the target per cause (every spike) and streams hit per cause (the listed spikes)."""
+    # the analyzer sums every spike's time over the target as it attributes it, dropped ones included
+    lost: dict[str, float] = {c.value: an.cause_over[c] for c in ALL if c.value in counts}
     streams: dict[str, set[str]] = {c: set() for c in counts}
     for g in an.spikes:
-        c = g.cause if g.cause in lost else "unknown"
-        lost[c] += max(0.0, g.gap - target)
-        listed[c] += 1
+        c = str(g.cause) if str(g.cause) in streams else "unknown"
         streams[c].add(g.request_id)
-    for c in lost:
-        if listed[c] and counts.get(c, 0) > listed[c]:
-            lost[c] *= counts[c] / listed[c]
     return lost, {c: len(v) for c, v in streams.items()}
 
 
@@ -166,7 +93,7 @@ def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype:
         sec = _sum_delta(an, f"offload_{d}_seconds_total")
         if b and sec and sec > 0:
             s.n[key] = Num(b / sec, "B/s", "measured", f"engine offload {what} bytes / seconds")
-    host = an.acc.get("host") or {}
+    host = an.acc.host or {}
     if host.get("mem_available_bytes"):
         s.n["host_available_bytes"] = Num(float(host["mem_available_bytes"]), "B", "measured", "MemAvailable")
     if host.get("cgroup_mem_max_bytes"):
@@ -176,11 +103,11 @@ def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype:
 
 
 def _last_sum(an: Any, key: str) -> float | None:
-    vals = [d.get(key) for d in an.acc["engine_last"].values() if d.get(key) is not None]
+    vals = [d.get(key) for d in an.acc.engine_last.values() if d.get(key) is not None]
     return float(sum(vals)) if vals else None
 
 
-def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
+def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
     from kvtop.analysis.advisor import Num, advise
@@ -192,18 +119,22 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
     s.settings_names = dict(settings_names or {})
     basis = "requests" if an.token_records else "aggregate"
     if basis == "requests":
-        counts = dict(an.cause_counts)
+        by_cause = dict(an.cause_counts)
         total = an.n_spikes
-        conf = {c: (an.cause_conf[c] / counts[c] if counts[c] else None) for c in counts}
+        conf = {c.value: (an.cause_conf[c] / by_cause[c] if by_cause[c] else None) for c in ALL}
     else:
-        counts, tgt, src = _aggregate_causes(an, an.k)
-        total = sum(counts.values())
-        conf = {c: (0.35 if counts[c] else None) for c in counts}
+        by_cause, tgt, src = aggregate_causes(list(an.scrapes), an.itl_target_s, an.k, an.preempts,
+                                              an.target_source)
+        total = sum(by_cause.values())
+        conf = {c.value: (0.35 if by_cause[c] else None) for c in ALL}
         if tgt is not None and "itl_target" not in s.n:
             s.n["itl_target"] = Num(tgt, "s", "measured", src)
             s.n["itl_slo"] = Num(tgt, "s", "measured", src)
         s.notes.append("no per-request token timings in this trace: causes come from the engine's ITL histogram "
                        "deltas vs preemption and prompt-token counters (lower confidence)")
+    counts: dict[str, int] = {c.value: by_cause[c] for c in ALL}
+    # seconds above the target per cause (per-spike attribution only: the aggregate path has no gaps)
+    over = {c.value: an.cause_over[c] for c in ALL} if basis == "requests" else {}
     shares = {c: (counts[c] / total if total else 0.0) for c in counts}
     s.cause_counts = {c: float(v) for c, v in counts.items()}
     s.basis = basis
@@ -240,7 +171,7 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
     s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
     spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
-               "gap_s": round(g.gap, 6), "cause": g.cause, "confidence": round(g.confidence, 3),
+               "gap_s": round(g.gap, 6), "cause": str(g.cause), "rule": g.kind, "confidence": round(g.confidence, 3),
                "ended_by": g.ended_by, "evidence": g.evidence} for g in an.spikes]
     requests = []
     for r in an.reqs.values():
@@ -259,14 +190,20 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         "spikes": spikes,
         "spikes_listed": len(spikes),
         "spikes_total": total,
-        "causes": {c: {"count": counts[c], "share": round(shares[c], 4),
-                       "mean_confidence": None if conf.get(c) is None else round(float(conf[c] or 0.0), 3)}
+        "causes": {c: {"count": counts[c], "share": round(shares[c], 4), "mean_confidence": _round(conf[c], 3)}
                    for c in counts},
+        "over_target_s": {c: round(v, 3) for c, v in over.items()} or None,
         "requests": requests,
+        "request_preemptions": an.request_preemptions.report(
+            {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"}),
         "verdict": verdict,
         "warnings": list(warnings or []),
     }
     return out
+
+
+def _round(v: float | None, nd: int) -> float | None:
+    return None if v is None else round(v, nd)
 
 
 def render_report_text(rep: dict[str, Any]) -> str:
@@ -291,6 +228,12 @@ def render_report_text(rep: dict[str, Any]) -> str:
         for r in worst:
             lines.append(f"  {r['request_id']:<24} max gap {r['max_gap_s'] * 1e3:8.0f} ms  spikes {r['spikes']}"
                          f"  preemption {r['preemption_spikes']}  last cause {r['last_cause']}")
+    rp = rep.get("request_preemptions")
+    if rp and rp["finished_requests"]:
+        lines.append(f"engine per-request histogram: {rp['finished_requests']:.0f} finished requests preempted "
+                     f"{rp['engine_preemptions']:.0f} times; of {rp['pinned_requests']} pinned to one observed finish, "
+                     f"kvtop agrees on {rp['pinned_agree']} (more on {rp['pinned_kvtop_more']}, "
+                     f"fewer on {rp['pinned_kvtop_fewer']})")
     lines.append("")
     lines.append(render_verdict_text(rep["verdict"]))
     for w in rep.get("warnings", []):

@@ -5,21 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
 from kvtop.model.trace import TraceReader
-
-
-def adapter_info(name: str | None) -> tuple[bool, dict[str, str], str | None]:
-    """(preempts, setting names, warning) from the engine adapter named in a trace header."""
-    if not name:
-        return True, {}, None
-    from kvtop.plugin import PluginError, load_adapter
-
-    try:
-        cls = load_adapter(name)
-    except PluginError as e:
-        return True, {}, f"engine-specific settings unavailable: {e}"
-    return bool(getattr(cls, "preempts", True)), dict(getattr(cls, "settings", {}) or {}), None
 
 
 def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
@@ -28,8 +16,9 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")
-    preempts, settings, warn = adapter_info(eng)
+    preempts, settings, counted_at, warn = engine_semantics(eng)
     an = Analyzer(itl_target_s=itl_target_s, preempts=preempts, use_request_preempts=use_request_preempts)
+    an.counted_at = counted_at
     an.set_header(header)
     warnings = [warn] if warn else []
     if fast:
@@ -46,6 +35,7 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     for d in reader.dicts():
         feed(d)
     an.finish()
-    if reader.warning():
-        warnings.append(reader.warning())
+    w = reader.warning()
+    if w:
+        warnings.append(w)
     return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)

@@ -190,6 +190,39 @@ def test_verdict_under_churn_is_admission_or_recompute(preempted):
     assert v.get("reasons") and any(re.search(r"\d", r) for r in v["reasons"]), v
 
 
+def test_per_request_preemption_histogram_matches_the_counter(preempted):
+    """vLLM observes ``request_num_preemptions`` when a request finishes: over the run its sum is the
+    counter's increase (nobody was cancelled), and every stream finished; where one request finished
+    alone between two scrapes, kvtop's preemption spikes on it are checked against the engine's count."""
+    rp = preempted["report"]["request_preemptions"]
+    print(f"\n[real-engines] vLLM 8x900 per-request histogram: {rp}")
+    assert rp["finished_requests"] == N_STREAMS
+    assert rp["engine_preemptions"] == preempted["delta"]
+    assert rp["pinned_kvtop_more"] + rp["pinned_kvtop_fewer"] <= max(1, rp["pinned_requests"] // 4), rp
+
+
+def test_operator_target_of_100ms(preempted, trace_dir):
+    """The same run judged at 100 ms, what an operator would set (issue 12): the preemption spikes
+    match the engine's counter within 20 %, stalls across which kvtop's own scrapes paused (host or
+    API server) are neither preemption nor prefill, and the verdict still names admission or
+    recompute."""
+    trace = trace_dir / "vllm-8x900.jsonl"
+    report = analyze(trace, "--kv-bytes-per-token", "1024", "--itl-target-ms", "100")
+    trace.with_suffix(".report-100ms.json").write_text(json.dumps(report, indent=1))
+    delta = preempted["delta"]
+    attributed = kvtop_run.cause_count(report, "preemption")
+    print(f"\n[real-engines] vLLM 8x900 at 100 ms: engine preemptions {delta:.0f}, spikes "
+          f"{kvtop_run.spikes_total(report)}, causes { {c: v['count'] for c, v in report['causes'].items()} }, "
+          f"verdict {report['verdict']['action']} also {report['verdict'].get('also')}")
+    assert abs(attributed - delta) <= 0.2 * delta, (
+        f"kvtop attributed {attributed} spikes to preemption at 100 ms; the engine counted {delta:.0f}")
+    host = [s for s in report["spikes"]
+            if s.get("rule") == "host" or any("scrapes stalled" in e for e in s.get("evidence", []))]
+    assert all(s["cause"] not in ("preemption", "prefill_interference") for s in host), host
+    v = report["verdict"]
+    assert "admission" in [v["action"], *v.get("also", [])] or "recompute" in [v["action"], *v.get("also", [])], v
+
+
 def test_streams_that_fit_give_no_preemption_and_no_action(fitting):
     assert fitting["delta"] == 0
     assert all(r.completion_tokens == 300 for r in fitting["results"])

@@ -1,0 +1,238 @@
+"""Everything the rules may look at for one spike, gathered in one place.
+
+``gather`` is the only code that reads the gap tracker and the engine timeline for attribution;
+the streaming and the fast path both reach it through ``Analyzer``. The rules
+(``preemption``, ``prefill``, ``slow_decode``, ``host``) read an ``Evidence`` and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvtop.analysis.attribution.thresholds import (
+    CHUNKED_F,
+    CHUNKED_TOKENS,
+    COARSE_F,
+    COARSE_SCRAPE_S,
+    KV_HIGH,
+    PROMPT_JUMP_MIN,
+    PROMPT_JUMP_REL,
+    REL_SLOW,
+    RESUME_LEAD_S,
+    RETRACT_LAG_S,
+    SPARSE_F,
+    SPARSE_SHARE,
+    STEP_EARLY_S,
+)
+from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
+from kvtop.analysis.gaps import Gap, GapTracker
+
+
+@dataclass
+class FirstToken:
+    """Another request's first token at the end of the stall."""
+
+    request_id: str  # the one with the longest prompt
+    prompt_tokens: int | None
+    total_prompt_tokens: int = 0  # of every first token at the end (admitted in the same step)
+    requests: int = 1
+
+
+@dataclass
+class Evidence:
+    gap: Gap  # its length, the stream's stall-free baseline, how it ended, the chunk that ended it, look-ahead
+    preempts: bool  # the engine can preempt at all (from its adapter)
+    counted_at: str | None  # when its counter steps: "resume" (vLLM V1), "retract" (SGLang), None = unknown
+    baseline: float | None  # the stream's stall-free pace, else the run's median gap
+    baseline_is_stream: bool
+    engine_reported_preempt: bool  # a per-request preempt event inside the gap (engine/simulator)
+    active_others: int | None  # other observed streams between first token and end at the stall's middle
+    co_stalled: int  # of those, silent over at least half of this stall
+    co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
+    co_gap_median: float | None  # median length of their silences
+    prev_spike: Gap | None  # the stream's previous spike (judged), if any
+    first_token: FirstToken | None
+    typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
+    prefill_rate: float | None  # measured prompt tokens/s (a low estimate; None: not measured yet)
+    scrape_interval: float
+    target: float | None  # the ITL target
+    has_counter: bool  # the engine exports a preemption counter
+    tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
+    timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
+    gaps: GapTracker  # the other streams
+
+    # engine readings, read from the timeline when a rule first asks (most spikes never need them)
+    @cached_property
+    def window(self) -> EngineWindow:
+        """KV max, running drop, waiting rise from the scrape before the stall to just after its end;
+        prompt-counter increase over the stall and its evidence window."""
+        a, b = self.gap.t_start, self.gap.t_end
+        return self.timeline.window(a - self.scrape_interval, b + self.tol, b + 0.1)
+
+    @cached_property
+    def departures(self) -> int:
+        """Streams that ended between the window's two gauge readings."""
+        w = self.window
+        return self.gaps.departures(w.t_base, w.t_state) if w.t_base is not None and w.t_state is not None else 0
+
+    @cached_property
+    def scrape_lag(self) -> float:
+        """The longest pause between kvtop's own scrapes across the stall."""
+        return self.timeline.scrape_lag(self.gap.t_start, self.gap.t_end)
+
+    @cached_property
+    def scrape_wait(self) -> float:
+        """The whole scrape interval that covers most of the stall (see ``EngineTimeline.covering_interval``)."""
+        return self.timeline.covering_interval(self.gap.t_start, self.gap.t_end)
+
+    @cached_property
+    def engine_running(self) -> float | None:
+        """The engine's running gauge at the stall (all its streams, observed or not)."""
+        return self.timeline.running_at(0.5 * (self.gap.t_start + self.gap.t_end))
+
+    # ---- the stall and its stream -----------------------------------------------------------
+    @property
+    def rel(self) -> float | None:
+        return self.gap.gap / self.baseline if self.baseline else None
+
+    @property
+    def resumed(self) -> bool:
+        """The stream produced a token again (not a cancel)."""
+        return self.gap.ended_by == "token"
+
+    # ---- the other streams ------------------------------------------------------------------
+    @property
+    def flowing(self) -> int | None:
+        """Other active streams that kept receiving tokens through the stall (None: no others)."""
+        if not self.active_others:
+            return None
+        return max(0, self.active_others - self.co_stalled)
+
+    @property
+    def alone(self) -> bool:
+        """No other observed stream was decoding: none active, or all of them silent since before
+        the stall (preempted earlier, still waiting): nothing tells this stream from the engine."""
+        f = self.flowing
+        return f is None or (f == 0 and self.co_fresh == 0)
+
+    @property
+    def others_flowed(self) -> bool:
+        f = self.flowing
+        return f is not None and f > 0
+
+    @property
+    def observed_share(self) -> float | None:
+        """Observed active streams / the engine's running streams (sparse observation when low)."""
+        if not self.engine_running or self.active_others is None:
+            return None
+        return min(1.0, (self.active_others + 1) / self.engine_running)
+
+    # ---- the engine ---------------------------------------------------------------------------
+    @property
+    def kv_high(self) -> bool:
+        return self.window.kv_max is not None and self.window.kv_max >= KV_HIGH
+
+    @property
+    def running_drop(self) -> bool:
+        # running falls by one whenever a stream finishes (this one too, if its last token ends the
+        # gap): only a drop beyond the streams that ended between its readings is evidence
+        return self.window.running_drop > self.departures
+
+    @property
+    def prompt_jump(self) -> bool:
+        """The prompt counter rose well above what the scrapes in the window add at the usual rate."""
+        w = self.window
+        return w.prompt_delta >= PROMPT_JUMP_MIN and \
+            w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
+
+    @property
+    def prompt_excess(self) -> float:
+        w = self.window
+        return max(0.0, w.prompt_delta - self.typical_prompt_delta * max(1, w.intervals))
+
+    def counter_window(self) -> tuple[float, float, float]:
+        """(lo, hi, at): where this stall's preemption would have moved the counter."""
+        a, b = self.gap.t_start, self.gap.t_end
+        if self.counted_at == "resume" and self.resumed:
+            lead = RESUME_LEAD_S
+            if self.prefill_rate:
+                # the victim re-prefills its prompt and what it generated before its token comes
+                lead += self.gap.tokens_before / self.prefill_rate
+            return max(a, b - lead), b + STEP_EARLY_S, b
+        if self.counted_at == "retract":
+            return a - STEP_EARLY_S, min(b, a + RETRACT_LAG_S), a
+        return a - STEP_EARLY_S, b + STEP_EARLY_S, b
+
+    def claim_counter(self) -> tuple[float, float] | None:
+        """Claim one preemption-counter unit for this stall: (scrape time, interval length)."""
+        if self.counted_at is None:
+            t = self.timeline.claim_counter(self.gap.t_start, self.gap.t_end, self.tol)
+            return None if t is None else (t, self.scrape_interval)
+        lo, hi, at = self.counter_window()
+        return self.timeline.claim_in(lo, hi, at)
+
+    def counter_delta(self) -> float:
+        """Counter units read around the stall (claimed or not)."""
+        if self.counted_at is None:
+            return self.timeline.counter_delta(self.gap.t_start - STEP_EARLY_S, self.gap.t_end + self.tol)
+        lo, hi, _ = self.counter_window()
+        return self.timeline.steps_in(lo, hi)
+
+    # ---- how much the evidence can say ----------------------------------------------------------
+    def certainty(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[float, list[str]]:
+        """A factor (<= 1) for confidence, and why: coarse scrapes, sparse observation and merged
+        chunks each make one stream's evidence less specific. Sparse observation matters to the
+        preemption rules (another stream's counter step may be claimed), not to an engine-wide stall."""
+        f = 1.0
+        why = []
+        si = interval if interval is not None else self.scrape_interval
+        if si > COARSE_SCRAPE_S:
+            f *= COARSE_F
+            why.append(f"engine evidence read over a {si:.1f}s scrape interval")
+        share = self.observed_share
+        if sparse_matters and share is not None and share < SPARSE_SHARE:
+            f *= SPARSE_F
+            why.append(f"only {share:.0%} of the engine's running streams observed")
+        if self.gap.tokens_per_event > CHUNKED_TOKENS:
+            f *= CHUNKED_F
+            why.append(f"the stream arrives in chunks of {self.gap.tokens_per_event:.1f} tokens")
+        return f, why
+
+    def context_lines(self) -> list[str]:
+        """How the stall compares with its stream and with the other streams (leads every answer)."""
+        out = []
+        rel = self.rel
+        if rel is not None:
+            out.append(f"gap is {rel:.0f}x this stream's recent gaps")
+        if self.active_others:
+            older = self.co_stalled - self.co_fresh
+            out.append(f"{self.co_stalled}/{self.active_others} other active streams stalled over the same interval"
+                       + (f" ({older} of them silent since before it)" if older else ""))
+        return out
+
+
+def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
+           engine_preempts: list[float] | None = None, counted_at: str | None = None,
+           prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
+    """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end)."""
+    a, b = g.t_start, g.t_end
+    reported = bool(engine_preempts and any(a - 1e-6 <= t <= b + 1e-6 for t in engine_preempts))
+    act = gaps.active_at(0.5 * (a + b))
+    median = gaps.median_gap()
+    base = g.stream_baseline or median
+    after = sorted(g.after)
+    if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
+        co, co_med, fresh = 0, None, 0  # slow decode (see slow_decode.lifted): no need to look for company
+    else:
+        co, co_med, fresh = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
+    si = timeline.scrape_interval
+    ft = gaps.first_token_near(g)
+    return Evidence(
+        gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
+        engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
+        co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
+        first_token=FirstToken(*ft) if ft else None,
+        typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
+        target=gaps.itl_target_s,
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, gaps=gaps)

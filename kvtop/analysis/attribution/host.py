@@ -1,0 +1,53 @@
+"""Stalls outside the engine, checked before any engine cause.
+
+* The host or the engine's API server hung: kvtop's own scrapes paused across the stall too (the
+  recorder scrapes on a fixed beat; /metrics is answered by the same API server that streams tokens).
+* A delivery stall (slow reader, API-server merging, network): the stall ends with everything
+  buffered at once — one big chunk or many events within a couple of milliseconds — while a
+  resumed preemption victim emits one step's worth of tokens and then its usual pace.
+"""
+
+from __future__ import annotations
+
+from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL, HOST_LATE_MIN_S
+from kvtop.analysis.gaps import BURST_S
+
+
+def scrapes_stalled(ev: Evidence) -> bool:
+    """A scrape beat missed (>= 2 intervals covering half the stall), or one late by at least half
+    the stall (and >= HOST_LATE_MIN_S, and a quarter of the interval): kvtop waited as the stream did."""
+    lag, si = ev.scrape_lag, ev.scrape_interval
+    if lag >= 0.5 * ev.gap.gap and lag >= 2.0 * si:
+        return True
+    wait = ev.scrape_wait
+    late = wait - si
+    return late >= 0.5 * ev.gap.gap and late >= HOST_LATE_MIN_S and wait >= 1.25 * si
+
+
+def line(ev: Evidence) -> str:
+    if ev.scrape_lag >= 2.0 * ev.scrape_interval:
+        return f"kvtop's own scrapes stalled {ev.scrape_lag:.1f}s across it: the host or the engine's API server hung"
+    return (f"kvtop's own scrape came {ev.scrape_wait - ev.scrape_interval:.2f}s late across it: the host or the "
+            "engine's API server hung")
+
+
+def judge(ev: Evidence) -> Finding | None:
+    if scrapes_stalled(ev):
+        return Finding(Cause.UNKNOWN, 0.6, [line(ev), "not an engine cause: no engine setting fixes it"], "host")
+    g = ev.gap
+    p = ev.prev_spike
+    if p is not None and p.kind == "delivery" and g.t_start - p.t_end <= BURST_S:
+        return Finding(Cause.UNKNOWN, 0.5, ["it began where the stream's delivery stall ended: the same disruption"],
+                       "delivery")
+    usual = max(1.0, g.tokens_per_event)
+    if g.ended_by != "token" or g.burst_n < max(BURST_MIN_TOKENS, BURST_REL * usual):
+        return None
+    # the buffered tokens at the stream's own pace (baseline per event / tokens per event)
+    pace = (ev.baseline or 0.0) / usual
+    if pace and g.burst_n * pace < BURST_EXPLAINS * g.gap:
+        return None
+    return Finding(Cause.UNKNOWN, 0.6, [
+        f"the stall ended with {g.burst_n} tokens delivered at once (the stream usually gets {usual:.1f} per event):"
+        " a delivery stall (slow reader, API-server merging or network), not the engine"], "delivery")

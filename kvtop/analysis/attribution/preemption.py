@@ -1,0 +1,116 @@
+"""Preemption: one stream left out while the engine kept stepping, or a victim among stalled streams.
+
+What a preemption leaves behind depends on the engine (its adapter's ``preempt_counted_at``):
+* vLLM V1 counts a preemption when the victim *resumes*: a stall that ends in a token is a
+  preemption only if the counter stepped in the scrape interval around its end (the re-prefill
+  before the token included). KV pinned near full and a rising queue hold for every stream in a
+  storm, so they are evidence only for a silence that ended in a cancel (a victim cancelled while
+  waiting is never counted).
+* SGLang counts at retraction: the step belongs to the interval around the stall's start.
+* Unknown engines: a step near the end, or KV near full with running dropping / waiting rising.
+Each counter unit is claimed by one spike. Engines whose adapter says ``preempts = False`` never
+get this cause.
+"""
+
+from __future__ import annotations
+
+from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import KV_FULL, LONGER
+
+
+def reported(ev: Evidence) -> Finding | None:
+    """The engine (or simulator) itself reported a preempt event for this request inside the gap."""
+    if not (ev.engine_reported_preempt and ev.preempts):
+        return None
+    return Finding(Cause.PREEMPTION, 0.98, ["engine reported a preempt event for this request inside the gap"],
+                   "reported")
+
+
+def _step_line(ev: Evidence, t_c: float) -> str:
+    return f"preemption counter stepped at t={t_c:.2f}s ({t_c - ev.gap.t_end:+.2f}s from the stall's end)"
+
+
+def _state_signs(ev: Evidence) -> list[str]:
+    w = ev.window
+    out = []
+    if ev.kv_high:
+        out.append(f"KV usage {w.kv_max:.2f}")
+    if ev.running_drop or w.waiting_rise:
+        out.append("running dropped / waiting rose" if ev.running_drop and w.waiting_rise else
+                   ("running dropped" if ev.running_drop else "waiting rose"))
+    return out
+
+
+def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
+    """A stall of this stream alone (others streamed through it, or none was decoding).
+
+    Returns the finding when the evidence is strong enough, else None and the weaker signs seen
+    (they belong in whatever answer the stall gets instead)."""
+    if not ev.preempts:
+        return None, []
+    w = ev.window
+    # state evidence (KV, running, waiting) is about the engine, not this stream: it counts where
+    # the counter cannot (a victim cancelled while waiting) or where the engine's semantics are unknown
+    state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter
+    claim = ev.claim_counter() if ev.has_counter else None
+    pev = []
+    score = 0.0
+    if claim is not None:
+        score += 0.45
+        pev.append(_step_line(ev, claim[0]))
+    signs = _state_signs(ev)
+    if state_ok:
+        score += 0.2 * ev.kv_high + 0.2 * (ev.running_drop or w.waiting_rise)
+    pev += signs
+    if ev.gap.ended_by == "cancel":
+        pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
+    flowing = ev.flowing
+    # KV pinned at full while every other stream keeps flowing is itself the signature of a victim
+    # the counter never counts (cancelled while preempted)
+    kv_full_flowing = state_ok and flowing is not None and flowing > 0 and w.kv_max is not None and w.kv_max >= KV_FULL
+    strong = claim is not None or (state_ok and ev.kv_high and (ev.running_drop or w.waiting_rise)) or kv_full_flowing
+    if not strong:
+        if ev.counted_at == "resume" and ev.resumed and ev.has_counter and signs:
+            pev.append("the stream resumed but the counter did not step at its resume (this engine counts there)")
+        return None, pev
+    lines = []
+    if flowing is not None and flowing > 0:
+        score += 0.15
+        lines.append("the other streams kept flowing")
+    f, why = ev.certainty(claim[1] if claim else None)
+    if claim is not None:
+        kind, conf = "counter", 0.97
+    else:
+        # state evidence alone: the old additive score (KV, running/waiting, others flowing)
+        kind, conf = ("cancelled" if ev.gap.ended_by == "cancel" else "state"), min(0.9, 0.3 + score)
+    return Finding(Cause.PREEMPTION, conf * f, lines + pev + why, kind), []
+
+
+def longer_than_company(ev: Evidence) -> Finding | None:
+    """Every stream stalled (a prefill step, say) but this one stayed silent longer: a victim — only
+    with a counter step to claim. KV sits near full through a whole storm, so "longer and KV high"
+    alone turned host hiccups that stall every stream into preemptions on a real vLLM."""
+    if not (ev.preempts and ev.has_counter and ev.co_gap_median and ev.gap.gap > LONGER * ev.co_gap_median):
+        return None
+    claim = ev.claim_counter()
+    if claim is None:
+        return None
+    f, why = ev.certainty(claim[1])
+    return Finding(Cause.PREEMPTION, 0.9 * f,
+                   [f"silent {ev.gap.gap / ev.co_gap_median:.1f}x longer than the other stalled streams",
+                    f"preemption counter stepped at t={claim[0]:.2f}s"]
+                   + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []) + why, "longer")
+
+
+def mass(ev: Evidence, prefill_signals: bool) -> Finding | None:
+    """Streams fell silent together while the counter rose by about their number. Not for engines
+    that count at resume: there each victim's step comes at its own resume (``lone``)."""
+    if not ev.preempts or prefill_signals or ev.counted_at == "resume" or ev.co_fresh < 1:
+        return None
+    d = ev.counter_delta()
+    if d < max(2.0, 0.5 * (ev.co_fresh + 1)):
+        return None
+    f, why = ev.certainty()
+    return Finding(Cause.PREEMPTION, 0.6 * f, [f"the preemption counter rose by {d:.0f}: a mass preemption"] + why,
+                   "mass")

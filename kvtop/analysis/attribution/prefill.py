@@ -1,0 +1,86 @@
+"""Prefill interference: nobody streamed through the stall, and a prefill explains it.
+
+Signals: another request's first token at the stall's end, or a prompt-token counter jump around
+it. A signal counts only when its prompt tokens, at the prefill rate kvtop measured (a low estimate:
+the median of prompt tokens / TTFT, which includes queueing), cover at least ``PREFILL_SHARE`` of the stall's excess
+over the stream's pace: a 117-token prompt does not explain a 1.9 s freeze. Nor does a prefill
+explain a spike of a stream whose own pace already missed the target (that is slow decode). A stall that every
+stream shares, with the preemption counter stepping at its end and no new prompt, is a resumed
+victim's re-prefill: a recompute stall (prefill work caused by preemption).
+"""
+
+from __future__ import annotations
+
+from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import PREFILL_SHARE
+
+
+def _explains(ev: Evidence, tokens: float) -> bool | None:
+    """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
+    if not ev.prefill_rate or not tokens:
+        return None
+    excess = ev.gap.gap - (ev.baseline or 0.0)
+    return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
+
+
+def signals(ev: Evidence) -> tuple[list[str], bool]:
+    """The prefill signals that can explain the stall, in words, and whether one was checked
+    against the measured prefill rate. None where the stream's own pace already missed the target:
+    that spike would have been one without the prefill (slow decode)."""
+    out: list[str] = []
+    checked = False
+    if ev.target and ev.baseline_is_stream and ev.baseline and ev.baseline >= ev.target:
+        return out, checked
+    ft = ev.first_token
+    if ft is not None:
+        ok = _explains(ev, ft.total_prompt_tokens)
+        if ok is not False:
+            checked |= ok is True
+            out.append(f"request {ft.request_id} got its first token at the end of the stall"
+                       + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else "")
+                       + (f", with {ft.requests - 1} more ({ft.total_prompt_tokens} prompt tokens in all)"
+                          if ft.requests > 1 else ""))
+    if ev.prompt_jump:
+        ok = _explains(ev, ev.prompt_excess)
+        if ok is not False:
+            checked |= ok is True
+            out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
+    if checked and ev.prefill_rate:
+        out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
+    return out, checked
+
+
+def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
+    """The only decoding stream stalled, with a prefill signal (nobody else to compare with);
+    ``checked_only``: only a signal the measured prefill rate confirms."""
+    sig, checked = signals(ev)
+    if not sig or (checked_only and not checked):
+        return None
+    f, why = ev.certainty(sparse_matters=False)
+    return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")
+
+
+def shared(ev: Evidence) -> Finding | None:
+    """Every stream stalled together and a prefill signal ends the stall."""
+    sig, checked = signals(ev)
+    if not sig:
+        return None
+    conf = min(0.97, 0.75 + 0.15 * (ev.first_token is not None and sig[0].startswith("request"))
+               + 0.1 * ev.prompt_jump + 0.05 * checked)
+    f, why = ev.certainty(sparse_matters=False)
+    return Finding(Cause.PREFILL, conf * f, sig + why, "shared")
+
+
+def recompute(ev: Evidence) -> Finding | None:
+    """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
+    and re-prefilled (its recompute tokens are in no counter)."""
+    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter):
+        return None
+    d = ev.counter_delta()
+    if d < 1:
+        return None
+    f, why = ev.certainty(sparse_matters=False)
+    return Finding(Cause.PREFILL, 0.9 * f, [
+        f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
+        "re-prefill (a recompute stall) held every stream"] + why, "recompute")

@@ -1,0 +1,40 @@
+"""Thresholds shared by the per-spike rules and the aggregate (no request records) fallback."""
+
+from __future__ import annotations
+
+REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
+KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
+KV_FULL = 0.95
+LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
+PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
+PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
+STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's start (scrape skew)
+
+# When the counter steps (the engine adapter's ``preempt_counted_at``): vLLM V1 counts a preemption
+# when the victim is scheduled again, then re-prefills it and emits a token; SGLang counts at
+# retraction. The step must be read from a scrape interval overlapping that moment.
+RESUME_LEAD_S = 1.0  # the counter may step this long before the resumed token (plus the measured re-prefill)
+RETRACT_LAG_S = 1.0  # ... or this long after the stall began (SGLang)
+
+HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no scheduling jitter
+
+# A delivery stall (slow reader, API-server merging, network) ends with what was buffered: one big
+# chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
+BURST_MIN_TOKENS = 4
+BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
+BURST_EXPLAINS = 0.3  # the buffered tokens, at the stream's own pace, cover this share of the stall
+
+# A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
+# the stall's excess over the stream's pace.
+PREFILL_SHARE = 0.3
+
+# Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
+# from a stream that arrives in merged chunks, says less about one stream. Each factor, like each
+# rule's base confidence, is the accuracy observed on development traces (bench/attribution_matrix.py
+# reports the reliability on traces not used to choose them).
+COARSE_SCRAPE_S = 2.0
+COARSE_F = 0.97
+SPARSE_SHARE = 0.5
+SPARSE_F = 0.75
+CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
+CHUNKED_F = 0.95

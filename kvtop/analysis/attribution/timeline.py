@@ -1,0 +1,247 @@
+"""Engine evidence over time: per-instance gauges and counters from the scrapes, bounded.
+
+Engine records arrive about once a scrape interval, so every query works on a tolerance window.
+The preemption counter is kept as a pool of steps (a scrape where it rose): a spike claims one
+unit, so two spikes never explain themselves with the same preemption.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
+
+
+@dataclass
+class EngineWindow:
+    """What the engine's scrapes show around one spike (all instances together)."""
+
+    kv_max: float | None = None
+    running_drop: float = 0.0
+    waiting_rise: bool = False
+    prompt_delta: float = 0.0  # prompt-token counter increase
+    points: int = 0  # scrapes read
+    intervals: int = 0  # scrape intervals the prompt increase spans
+    t_base: float | None = None  # the scrape the gauges are compared with (at or before the start)
+    t_state: float | None = None  # the last scrape read for gauges
+
+
+@dataclass
+class _Key:
+    """Per engine instance: last raw counters (for resets) and time-ordered points."""
+
+    last_pre: float | None = None
+    last_prompt: float | None = None
+    last_t: float | None = None
+    pre_cum: float = 0.0
+    prompt_cum: float = 0.0
+    t: list[float] = field(default_factory=list)
+    running: list[float | None] = field(default_factory=list)
+    waiting: list[float | None] = field(default_factory=list)
+    kv: list[float | None] = field(default_factory=list)
+    prompt: list[float] = field(default_factory=list)
+    head: int = 0
+
+
+def _inc(prev: float | None, cur: float | None) -> float:
+    if prev is None or cur is None:
+        return 0.0
+    return cur - prev if cur >= prev else cur  # a drop is a restart: count from zero
+
+
+class EngineTimeline:
+    """Bounded engine evidence: per-instance points and a pool of preemption-counter steps."""
+
+    def __init__(self, horizon_s: float = 600.0):
+        self.horizon_s = horizon_s
+        self.keys: dict[tuple[Any, Any], _Key] = {}
+        # (t_prev, t, units left, units) per scrape where the counter rose, time-ordered
+        self.steps: deque[list[float]] = deque()
+        self.intervals: deque[float] = deque(maxlen=64)
+        self.prompt_deltas: deque[float] = deque(maxlen=256)
+        self.has_counter = False
+
+    def add(self, t: float, key: tuple[Any, Any], running: float | None, waiting: float | None,
+            kv: float | None, pre: float | None, prompt: float | None) -> None:
+        k = self.keys.get(key)
+        if k is None:
+            k = self.keys[key] = _Key()
+        if k.last_t is not None and t > k.last_t:
+            self.intervals.append(t - k.last_t)
+        if pre is not None:
+            self.has_counter = True
+            d = _inc(k.last_pre, pre)
+            if d > 0 and k.last_t is not None:
+                self.steps.append([k.last_t, t, d, d])  # (t_prev, t, units left, units)
+            k.pre_cum += d
+            k.last_pre = pre
+        if prompt is not None:
+            d = _inc(k.last_prompt, prompt)
+            if k.last_prompt is not None:
+                self.prompt_deltas.append(d)
+            k.prompt_cum += d
+            k.last_prompt = prompt
+        k.last_t = t
+        k.t.append(t)
+        k.running.append(running)
+        k.waiting.append(waiting)
+        k.kv.append(kv)
+        k.prompt.append(k.prompt_cum)
+        if len(k.t) - k.head > 4096 or (k.head > 2048):
+            self._compact(k, t)
+
+    def _compact(self, k: _Key, now: float) -> None:
+        cut = bisect_left(k.t, now - self.horizon_s, k.head)
+        if cut > k.head:
+            k.head = cut
+        if k.head > 2048:
+            for name in ("t", "running", "waiting", "kv", "prompt"):
+                lst = getattr(k, name)
+                del lst[: k.head]
+            k.head = 0
+
+    def prune(self, before: float) -> None:
+        while self.steps and self.steps[0][1] < before:
+            self.steps.popleft()
+
+    @property
+    def scrape_interval(self) -> float:
+        if not self.intervals:
+            return 1.0
+        s = sorted(self.intervals)
+        return s[len(s) // 2]
+
+    # -- queries ----------------------------------------------------------------------------
+    def claim_counter(self, a: float, b: float, tol: float) -> float | None:
+        """Claim one preemption-counter unit that stepped in [a, b + tol]; returns its scrape time.
+
+        For engines whose counting moment is unknown; ``claim_in`` is the bounded form."""
+        best = None
+        for st in self.steps:
+            if st[1] < a - STEP_EARLY_S:
+                continue
+            if st[1] > b + tol:
+                break
+            if st[2] >= 1 and (best is None or abs(st[1] - b) < abs(best[1] - b)):
+                best = st
+        if best is None:
+            return None
+        best[2] -= 1
+        return best[1]
+
+    def claim_in(self, lo: float, hi: float, at: float) -> tuple[float, float] | None:
+        """Claim one counter unit from a scrape interval (t_prev, t] that overlaps [lo, hi], the one
+        nearest to ``at`` first; returns (t, interval length). The interval bounds when the counter
+        really moved: a step read 5 s after a stall, from an interval that began after it, is
+        somebody else's."""
+        best = None
+        best_d = 0.0
+        for st in self.steps:
+            if st[1] < lo:
+                continue
+            if st[0] >= hi:
+                if st[0] > hi + 60.0:
+                    break
+                continue
+            if st[2] < 1:
+                continue
+            d = 0.0 if st[0] <= at <= st[1] else min(abs(st[0] - at), abs(st[1] - at))
+            if best is None or d < best_d:
+                best, best_d = st, d
+        if best is None:
+            return None
+        best[2] -= 1
+        return best[1], best[1] - best[0]
+
+    def steps_in(self, lo: float, hi: float) -> float:
+        """Counter units (claimed or not) read in scrape intervals that overlap [lo, hi]."""
+        n = 0.0
+        for st in self.steps:
+            if st[1] >= lo and st[0] < hi:
+                n += st[3]
+        return n
+
+    def scrape_lag(self, a: float, b: float) -> float:
+        """The longest wait between two of kvtop's own scrapes that overlaps [a, b].
+
+        The recorder scrapes on a fixed beat; a beat missed for a second means the host (or the
+        engine's API server, which answers /metrics and streams tokens alike) stalled.
+        """
+        worst = 0.0
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                worst = max(worst, min(k.t[i + 1], b) - max(k.t[i], a))
+                i += 1
+        return worst
+
+    def covering_interval(self, a: float, b: float) -> float:
+        """The longest wait between two of kvtop's own scrapes that covers at least half of [a, b]
+        (its whole length, not clipped to [a, b]): a scrape late by about the stall waited with it."""
+        worst = 0.0
+        half = 0.5 * (b - a)
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                if min(k.t[i + 1], b) - max(k.t[i], a) >= half:
+                    worst = max(worst, k.t[i + 1] - k.t[i])
+                i += 1
+        return worst
+
+    def running_at(self, t: float) -> float | None:
+        """The running gauge summed over instances, from each one's last scrape at or before ``t``."""
+        tot = None
+        for k in self.keys.values():
+            i = bisect_right(k.t, t, k.head) - 1
+            if i >= k.head and k.running[i] is not None:
+                tot = (tot or 0.0) + (k.running[i] or 0.0)
+        return tot
+
+    def counter_delta(self, a: float, b: float) -> float:
+        return sum(st[2] for st in self.steps if a <= st[1] <= b)
+
+    def window(self, a: float, b: float, state_end: float | None = None) -> EngineWindow:
+        """KV max, running drop and waiting rise over [a, state_end]; prompt-token increase over [a, b].
+
+        The prompt counter steps when a prefill completes, so it is read past the stall's end; the
+        gauges after the end show the engine after the stream resumed (or the next stall), not why
+        it stopped."""
+        out = EngineWindow()
+        for k in self.keys.values():
+            if not k.t:
+                continue
+            i0 = bisect_right(k.t, a, k.head) - 1  # last point at or before a
+            i1 = bisect_right(k.t, b, k.head)
+            if i0 < k.head:
+                i0 = k.head if k.t[k.head] <= b else -1
+            if i0 < 0:
+                continue
+            out.points += max(0, i1 - i0)
+            i1s = i1 if state_end is None else min(i1, bisect_right(k.t, state_end, k.head))
+            kvs = [v for v in k.kv[i0:i1s] if v is not None]
+            if kvs:
+                m = max(kvs)
+                out.kv_max = m if out.kv_max is None else max(out.kv_max, m)
+            r0, w0 = k.running[i0], k.waiting[i0]
+            tb, ts = k.t[i0], k.t[max(i0, i1s - 1)]
+            out.t_base = tb if out.t_base is None else min(out.t_base, tb)
+            out.t_state = ts if out.t_state is None else max(out.t_state, ts)
+            later_r = [v for v in k.running[i0 + 1:i1s] if v is not None]
+            later_w = [v for v in k.waiting[i0 + 1:i1s] if v is not None]
+            if r0 is not None and later_r and min(later_r) < r0:
+                out.running_drop = max(out.running_drop, r0 - min(later_r))
+            if w0 is not None and later_w and max(later_w) > w0:
+                out.waiting_rise = True
+            if i1 - 1 > i0:
+                out.prompt_delta += k.prompt[i1 - 1] - k.prompt[i0]
+                out.intervals += i1 - 1 - i0
+        return out
+
+    def typical_prompt_delta(self) -> float:
+        if not self.prompt_deltas:
+            return 0.0
+        s = sorted(self.prompt_deltas)
+        return s[len(s) // 2]

@@ -1,0 +1,21 @@
+"""What the analysis needs to know about an engine, from its adapter (loaded by name)."""
+
+from __future__ import annotations
+
+
+def engine_semantics(name: str | None) -> tuple[bool, dict[str, str], str | None, str | None]:
+    """(preempts, setting names, when its preemption counter steps, warning) from the adapter named
+    ``name``. The counting moment is "resume" (vLLM V1: when the victim is scheduled again),
+    "retract" (SGLang) or None (not stated: any step near the stall counts)."""
+    if not name:
+        return True, {}, None, None
+    from kvtop.plugin import PluginError, load_adapter
+
+    try:
+        cls = load_adapter(name)
+    except PluginError as e:
+        return True, {}, None, f"engine-specific settings unavailable: {e}"
+    counted = getattr(cls, "preempt_counted_at", None)
+    return (bool(getattr(cls, "preempts", True)), dict(getattr(cls, "settings", {}) or {}),
+            counted if counted in ("resume", "retract") else None, None)
+

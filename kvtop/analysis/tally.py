@@ -1,0 +1,36 @@
+"""Running totals an ``Analyzer`` keeps for the cost-model inputs (``inputs.build_situation``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.analysis.gaps import LogHistogram
+
+EngineKey = tuple[Any, Any]  # (url, engine instance)
+
+
+@dataclass
+class Tally:
+    finished: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    prompt_hist: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=800))
+    prompt_sum: float = 0.0
+    prompt_n: int = 0
+    output_hist: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=800))
+    output_sum: float = 0.0
+    output_n: int = 0
+    ttft_rate_hist: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=1000))
+    preempted_ids: set[str] = field(default_factory=set)
+    preempted_cancelled: int = 0  # preempted requests whose client gave up before they resumed
+    seq_pre_sum: float = 0.0  # prompt + generated tokens of preemption victims (the S of the cost model)
+    seq_pre_n: int = 0
+    prefill_a: list[float] = field(default_factory=list)  # stall seconds per prompt token of prefill stalls
+    engine_first: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    engine_last: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    running_sum: float = 0.0
+    running_n: int = 0
+    kv_max: float | None = None
+    host: dict[str, Any] | None = None  # the latest host record
+    gpu_pcie_max: float = 0.0
