@@ -79,9 +79,10 @@ class Agent:
         rep = self.core.analysis.report(self.core.now) if self.core.analysis is not None else None
         return {
             "engine": self.metrics.request_engine,
-            "spikes_by_cause": dict(getattr(an, "cause_counts", {}) or {}),
-            "stall_seconds_by_cause": {k: round(v, 6) for k, v in (getattr(an, "cause_seconds", {}) or {}).items()},
-            "preemptions_attributed": len((getattr(an, "acc", {}) or {}).get("preempted_ids", ())),
+            "spikes_by_cause": {str(k): v for k, v in (getattr(an, "cause_counts", {}) or {}).items()},
+            "stall_seconds_by_cause": {str(k): round(v, 6)
+                                       for k, v in (getattr(an, "cause_seconds", {}) or {}).items()},
+            "preemptions_attributed": len(getattr(getattr(an, "acc", None), "preempted_ids", ())),
             "verdict": {k: (rep or {}).get("verdict", {}).get(k) for k in ("action", "mechanism", "confidence")},
             "itl_target_s": (rep or {}).get("itl_target_s"),
             "engines": [

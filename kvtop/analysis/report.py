@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
-from kvtop.analysis.attribution import ALL, Cause
+from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
 
 
