@@ -112,6 +112,7 @@ class Core:
         self.analysis = analysis
         self.source_label = source_label
         self.gpu_status = "ok"
+        self.host_status = "ok"
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
         self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
@@ -397,6 +398,7 @@ class Core:
             analysis=analysis,
             paused=self.paused,
             source_label=self.source_label,
+            host_status=self.host_status,
         )
 
     def request_timeline(self, request_id: str) -> RequestTimeline | None:

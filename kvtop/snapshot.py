@@ -131,6 +131,7 @@ class Snapshot:
     analysis: dict[str, Any] | None = None  # the analysis report (spikes, causes, verdict)
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
+    host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
 
     def to_json(self, include_history: bool = False) -> dict[str, Any]:
         """The documented JSON contract (schemas/snapshot.schema.json)."""

@@ -78,8 +78,9 @@ def make_runner(core: Core, urls: list[str], interval_s: float) -> Any:
     except ImportError:
         return _MiniRunner(core, urls, interval_s)
     try:
-        # no GPU or host behind a simulated engine: their rows would describe this laptop, not the demo
-        runner = LiveRunner(core, urls, interval_s=interval_s, gpu=False, host=False)
+        # No GPU behind a simulated engine (its row would describe this machine's GPUs, not the
+        # demo's); the host row is this machine's memory, real and useful as a live example.
+        runner = LiveRunner(core, urls, interval_s=interval_s, gpu=False, host=True)
     except TypeError:
         return LiveRunner(core, urls, interval_s)
     core.set_gpu_status("none: the engine is simulated")

@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import inspect
 import re
+import signal
 from collections.abc import Iterable
 from typing import Any
 
@@ -163,10 +164,16 @@ class KvtopApp(App[int]):
     ENABLE_COMMAND_PALETTE = True
 
     BINDINGS = [
-        Binding("q", "quit", "Quit"),
-        Binding("question_mark", "help", "Help", key_display="?"),
+        # htop / btop / nvitop users reach for Ctrl-C and F10 to leave, F1 for help
+        Binding("q,f10,ctrl+c", "quit", "Quit", key_display="q", priority=True),
+        Binding("question_mark,f1", "help", "Help", key_display="?"),
         Binding("p", "toggle_pause", "Pause"),
         Binding("space", "refresh_now", "Refresh"),
+        # btop's convention: + lengthens the update interval, - shortens it
+        Binding("plus,equals_sign", "interval(2)", "Poll less often (interval ×2)", key_display="+"),
+        Binding("minus", "interval(0.5)", "Poll more often (interval ÷2)", key_display="-"),
+        Binding("j", "nav(1)", "Down (also ↓)", show=False),
+        Binding("k", "nav(-1)", "Up (also ↑)", show=False),
         Binding("1", "view('overview')", "Overview screen", show=False),
         Binding("2", "view('requests')", "Requests screen", show=False),
         Binding("3", "view('detail')", "Request detail screen", show=False),
@@ -182,8 +189,12 @@ class KvtopApp(App[int]):
     ]
 
     def __init__(self, core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
-                 interval: float = 1.0, taken_at: str | None = None):
+                 interval: float = 1.0, taken_at: str | None = None, handle_signals: bool = False):
         super().__init__()
+        # SIGTERM/SIGHUP end the console as q does (terminal restored, feed stopped); only for a
+        # real run: tests share the process's signal handlers.
+        self.handle_signals = handle_signals
+        self._refresh_timer: Any = None
         self.core = core
         self.feed = feed
         self.title = title
@@ -226,7 +237,11 @@ class KvtopApp(App[int]):
         self._update_headers()
         if self.feed is not None and hasattr(self.feed, "run"):
             self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
-        self.set_interval(self.interval, self.tick, name="refresh")
+        self._refresh_timer = self.set_interval(self.interval, self.tick, name="refresh")
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, self.exit)
 
     def main_ready(self) -> None:
         self._main_ready = True
@@ -250,6 +265,10 @@ class KvtopApp(App[int]):
 
     async def on_unmount(self) -> None:
         self._stop.set()
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
 
     # -- rendering ------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
@@ -368,7 +387,7 @@ class KvtopApp(App[int]):
             self._gpu_panels[0].show(lambda w: render.muted(render.escape(why)))
         for p, g in zip(self._gpu_panels, s.gpus, strict=False):
             p.show(lambda w, g=g: render.gpu_line(g, w))
-        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w))
+        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
         self._engine_panels = self._panels(scr.query_one("#engines", Vertical), self._engine_panels,
                                            len(s.engines), "engine")
         if not s.engines:
@@ -590,6 +609,33 @@ class KvtopApp(App[int]):
                 await res
         self.tick(force=True)
 
+    def action_interval(self, factor: float) -> None:
+        """Change the poll and refresh interval (the feed's sources follow on their next wait)."""
+        new = min(3600.0, max(0.05, round(self.interval * factor, 3)))
+        if new == self.interval:
+            return
+        self.interval = new
+        for obj in (self.feed, getattr(self.feed, "runner", None)):
+            if obj is not None and hasattr(obj, "interval_s"):
+                obj.interval_s = new
+        if self._refresh_timer is not None:
+            self._refresh_timer.stop()
+        self._refresh_timer = self.set_interval(new, self.tick, name="refresh")
+        self.notify(f"poll interval {fmt.dur(new)}", timeout=2)
+        self.tick(force=True)
+
+    def action_nav(self, delta: int) -> None:
+        """j / k: the focused table's cursor, else scroll the screen."""
+        w = self.focused
+        if isinstance(w, RowTable):
+            w.action_move(delta)
+        elif isinstance(w, DataTable):
+            (w.action_cursor_down if delta > 0 else w.action_cursor_up)()
+        else:
+            box = self.main.query(f"#{self.view_name}").first()
+            if isinstance(box, VerticalScroll):
+                (box.scroll_down if delta > 0 else box.scroll_up)(animate=False)
+
     def action_step(self, seconds: float) -> None:
         feed = self.feed
         if seconds < 0 and hasattr(feed, "seek"):
@@ -663,6 +709,6 @@ class KvtopApp(App[int]):
 def run_console(core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
                 interval: float = 1.0) -> int:
     """Run the console until the user quits; returns the process exit code."""
-    app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval)
+    app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval, handle_signals=True)
     rc = app.run()
     return int(rc or 0)
