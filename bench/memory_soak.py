@@ -49,7 +49,7 @@ def main() -> None:
     wl = dataclasses.replace(
         wl, engine=dataclasses.replace(wl.engine, max_num_seqs=512, num_gpu_blocks=4 * wl.engine.num_gpu_blocks,
                                    max_num_batched_tokens=4096),
-        classes=tuple(dataclasses.replace(c, rate_per_s=c.rate_per_s * args.rate / base,
+        classes=list(dataclasses.replace(c, rate_per_s=c.rate_per_s * args.rate / base,
                                           prompt=dataclasses.replace(c.prompt, median=c.prompt.median // 2),
                                           output=dataclasses.replace(c.output, median=c.output.median // 2))
                       for c in wl.classes))
@@ -82,7 +82,7 @@ def main() -> None:
           f"in {wall:.0f} s wall")
     print(f"RSS: before {rss0:.0f} MB, after 1st sample {samples[0][1]:.0f} MB, peak {peak:.0f} MB, "
           f"end {samples[-1][1]:.0f} MB; slope over the second half {slope:+.1f} MB per simulated hour")
-    fin = getattr(core, "finished_requests", tuple)()  # absent before finished requests were summarised
+    fin: tuple[object, ...] = getattr(core, "finished_requests", tuple)()  # absent before finished requests were summarised
     print(f"requests held by the core: {len(core._requests)} with timelines, {len(fin)} "
           f"summaries; shown in the snapshot at the end: {samples[-1][2]}")
     for t, rss, n in samples[:: max(1, len(samples) // 8)]:

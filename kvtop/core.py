@@ -435,21 +435,21 @@ class Core:
                 )
             engines.append(ev)
         gpus = []
-        for rec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
+        for grec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
             gpus.append(
                 GpuView(
-                    index=rec.index, uuid=rec.uuid, name=rec.name, lost=rec.lost,
-                    mem_used_bytes=rec.mem_used_bytes, mem_total_bytes=rec.mem_total_bytes,
-                    mem_reserved_bytes=rec.mem_reserved_bytes,
-                    pcie_tx_bytes_per_s=rec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=rec.pcie_rx_bytes_per_s,
-                    pcie_source=rec.pcie_source,
-                    pcie_link_gen=rec.pcie_link_gen, pcie_link_width=rec.pcie_link_width,
-                    pcie_link_gen_max=rec.pcie_link_gen_max, pcie_link_width_max=rec.pcie_link_width_max,
-                    pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(rec.pcie_link_gen, rec.pcie_link_width),
-                    link_downtrained=self._downtrained(rec),
-                    pcie_replay_count=rec.pcie_replay_count, util_pct=rec.util_pct, mig_mode=rec.mig_mode,
-                    engine_proc_mem_bytes=rec.engine_proc_mem_bytes,
-                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(rec.notes),
+                    index=grec.index, uuid=grec.uuid, name=grec.name, lost=grec.lost,
+                    mem_used_bytes=grec.mem_used_bytes, mem_total_bytes=grec.mem_total_bytes,
+                    mem_reserved_bytes=grec.mem_reserved_bytes,
+                    pcie_tx_bytes_per_s=grec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=grec.pcie_rx_bytes_per_s,
+                    pcie_source=grec.pcie_source,
+                    pcie_link_gen=grec.pcie_link_gen, pcie_link_width=grec.pcie_link_width,
+                    pcie_link_gen_max=grec.pcie_link_gen_max, pcie_link_width_max=grec.pcie_link_width_max,
+                    pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(grec.pcie_link_gen, grec.pcie_link_width),
+                    link_downtrained=self._downtrained(grec),
+                    pcie_replay_count=grec.pcie_replay_count, util_pct=grec.util_pct, mig_mode=grec.mig_mode,
+                    engine_proc_mem_bytes=grec.engine_proc_mem_bytes,
+                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(grec.notes),
                 )
             )
         host = None

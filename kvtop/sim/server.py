@@ -178,7 +178,8 @@ class SimServer:
     # --- requests ------------------------------------------------------------------------------
 
     def _spec(self, body: dict[str, Any], prompt_words: int, headers: Any) -> RequestSpec:
-        ext = body.get("kvtop") if isinstance(body.get("kvtop"), dict) else {}
+        raw = body.get("kvtop")
+        ext: dict[str, Any] = raw if isinstance(raw, dict) else {}
         cls_name = str(ext.get("class") or headers.get("X-Kvtop-Class") or self.workload.classes[0].name)
         tc = self._classes.get(cls_name, self.workload.classes[0])
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16

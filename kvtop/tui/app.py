@@ -20,7 +20,7 @@ from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Grid, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
@@ -28,9 +28,11 @@ from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, T
 
 from kvtop.core import Core
 from kvtop.snapshot import Snapshot
-from kvtop.tui import fmt, render
+from kvtop.tui import fmt, plot, render
+from kvtop.tui.charts import Chart, chart_specs
 from kvtop.tui.table import RowTable
 
+WINDOWS = (60.0, 300.0, 900.0, 3600.0)
 VIEWS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
     ("advisor", "Advisor"), ("events", "Events"),
@@ -49,8 +51,11 @@ THEMES = ("kvtop", "kvtop-low")
 def known_themes() -> list[str]:
     """kvtop's own themes first, then every theme Textual ships."""
     return list(THEMES) + sorted(BUILTIN_THEMES)
-_CONTEXT = {"cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
+_CONTEXT = {"window": "Overview charts", "cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
             "step": "replay", "seek": "replay", "back": "closes filter / detail"}
+_LONG_HELP = {"window": "History window: 1m → 5m → 15m → 1h", "quit": "Quit (also F10, Ctrl-C)",
+              "help": "Help (also F1)", "toggle_pause": "Pause: freeze the screen (and a replay); data keeps coming",
+              "refresh_now": "Refresh: poll every source and redraw now"}
 _THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
 
 
@@ -129,13 +134,17 @@ class MainScreen(Screen[None]):
         yield Static("", id="banner")
         yield Tabs(*[Tab(f"{i + 1} {label}", id=f"tab-{key}") for i, (key, label) in enumerate(VIEWS)], id="tabs")
         with ContentSwitcher(initial="overview", id="switcher"):
-            with VerticalScroll(id="overview"):
-                yield Static("[b]GPUs[/b]", classes="section")
-                yield Vertical(id="gpus")
-                yield Panel(id="host")
-                yield Static("[b]Engines[/b]", classes="section")
-                yield Vertical(id="engines")
-                yield Panel(id="summary")
+            with Vertical(id="overview"):
+                with VerticalScroll(id="ov-top"):
+                    yield Static("[b]GPUs[/b]", classes="section")
+                    yield Vertical(id="gpus")
+                    yield Panel(id="host")
+                    yield Static("[b]Engines[/b]", classes="section")
+                    yield Vertical(id="engines")
+                    yield Panel(id="summary")
+                yield Static("", id="charts-head", classes="section")
+                with VerticalScroll(id="charts"):
+                    yield Grid(id="chart-grid")
             with Vertical(id="requests"):
                 yield Static("", id="req-status")
                 yield RowTable(render.COLUMNS, self.app.request_cells, id="req-table")  # type: ignore[attr-defined]
@@ -170,8 +179,9 @@ class KvtopApp(App[int]):
         Binding("p", "toggle_pause", "Pause"),
         Binding("space", "refresh_now", "Refresh"),
         # btop's convention: + lengthens the update interval, - shortens it
-        Binding("plus,equals_sign", "interval(2)", "Poll less often (interval ×2)", key_display="+"),
-        Binding("minus", "interval(0.5)", "Poll more often (interval ÷2)", key_display="-"),
+        Binding("plus,equals_sign", "interval(2)", "Poll less often (interval ×2)", key_display="+", show=False),
+        Binding("minus", "interval(0.5)", "Poll more often (interval ÷2)", key_display="-", show=False),
+        Binding("w", "window", "Window"),
         Binding("j", "nav(1)", "Down (also ↓)", show=False),
         Binding("k", "nav(-1)", "Up (also ↑)", show=False),
         Binding("1", "view('overview')", "Overview screen", show=False),
@@ -223,6 +233,9 @@ class KvtopApp(App[int]):
         self._stop = asyncio.Event()
         self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
+        self._charts: list[Chart] = []
+        self._chart_fit: tuple[int, int] | None = None
+        self.window_s = WINDOWS[1]
         self._engine_panels: list[Panel] = []
         self.main = MainScreen()
         self._main_ready = False
@@ -396,6 +409,52 @@ class KvtopApp(App[int]):
             p.set_class(not e.up, "-down")
             p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
         scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s))
+        self._render_charts(s)
+
+    def _fit_charts(self) -> None:
+        """Columns from the width, row height from the height left under the panels."""
+        box = self.main.query_one("#charts", VerticalScroll)
+        grid = self.main.query_one("#chart-grid", Grid)
+        width = box.size.width or self.size.width
+        cols = 1 if width < 60 else 2 if width < 140 else 3
+        rows = max(1, -(-len(self._charts) // cols))
+        h = max(6, (box.size.height or 12) // rows)
+        if self._chart_fit != (cols, h):
+            self._chart_fit = (cols, h)
+            grid.styles.grid_size_columns = cols
+            grid.styles.grid_rows = f"{h}"
+            # the panels above may have changed height too: fit again once laid out
+            self.call_after_refresh(self._fit_charts)
+
+    def _render_charts(self, s: Snapshot) -> None:
+        """History charts under the panels: as many columns as the width allows, their height
+        shared out of what the terminal has left (a taller terminal, taller charts)."""
+        scr = self.main
+        specs = chart_specs(s, self.core.history)
+        grid = scr.query_one("#chart-grid", Grid)
+        have = self._charts
+        if len(have) < len(specs):
+            new = [Chart() for _ in range(len(specs) - len(have))]
+            grid.mount_all(new)
+            have = have + new
+        elif len(have) > len(specs):
+            for c in have[len(specs):]:
+                c.remove()
+            have = have[: len(specs)]
+        self._charts = have
+        self._fit_charts()
+        replay = hasattr(self.feed, "seek")
+        t1 = s.t
+        t0 = t1 - self.window_s
+        now_label = f"t={fmt.dur(t1)}" if replay else "now"
+        for c, spec in zip(have, specs, strict=False):
+            c.show(spec, t0, t1, now_label)
+        head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes by cause:"
+        scr.query_one("#charts-head", Static).update(
+            f"[b]History[/b] {render.muted(head)} "
+            "[$error]▲ preemption[/] [$warning]▲ prefill[/] [$secondary]▲ slow decode[/]",
+            layout=False,
+        )
 
     def _render_requests(self, s: Snapshot) -> None:
         """Hand the table the rows in sort order; it asks for the cells of the rows it paints."""
@@ -576,7 +635,7 @@ class KvtopApp(App[int]):
         else:
             self.screen.set_focus(None)
 
-    def action_back(self) -> None:
+    def action_back(self) -> None:  # type: ignore[override]
         box = self.main.query_one("#filter", Input)
         if box.display:
             box.display = False
@@ -624,6 +683,13 @@ class KvtopApp(App[int]):
         self.notify(f"poll interval {fmt.dur(new)}", timeout=2)
         self.tick(force=True)
 
+    def action_window(self) -> None:
+        """Cycle the history charts' time window."""
+        i = WINDOWS.index(self.window_s) if self.window_s in WINDOWS else 0
+        self.window_s = WINDOWS[(i + 1) % len(WINDOWS)]
+        self.notify(f"history window {plot.window_label(self.window_s)}", timeout=2)
+        self.render_current()
+
     def action_nav(self, delta: int) -> None:
         """j / k: the focused table's cursor, else scroll the screen."""
         w = self.focused
@@ -640,7 +706,7 @@ class KvtopApp(App[int]):
         feed = self.feed
         if seconds < 0 and hasattr(feed, "seek"):
             # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
-            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))  # type: ignore[union-attr]
+            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))
             self.tick(force=True)
             return
         fn = getattr(feed, "step", None)
@@ -673,8 +739,8 @@ class KvtopApp(App[int]):
                 continue
             seen.add(b.action)
             where = _CONTEXT.get(b.action.split("(")[0], "")
-            rows.append((self.get_key_display(b),
-                         b.description + (f"  [$text-muted]({where})[/]" if where else "")))
+            desc = _LONG_HELP.get(b.action, b.description)
+            rows.append((self.get_key_display(b), desc + (f"  [$text-muted]({where})[/]" if where else "")))
         rows.append((self.get_key_display(Binding(self.COMMAND_PALETTE_BINDING, "")),
                      "Command palette (every action, searchable)"))
         at = next((i for i, (_k, d) in enumerate(rows) if d.startswith("Filter")), len(rows))
