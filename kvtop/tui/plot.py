@@ -44,7 +44,7 @@ def plot_rows(primary: Sequence[float | None], secondary: Sequence[float | None]
     levels = height * 8
     ref_row = None
     if ref is not None and top > 0 and 0 <= ref <= top:
-        ref_row = height - 1 - min(height - 1, int(ref / top * height - 1e-9))
+        ref_row = height - 1 - min(height - 1, int(ref / top * height))
     sec_row: list[int | None] = [None] * n
     if secondary is not None:
         for c, v in enumerate(secondary):
