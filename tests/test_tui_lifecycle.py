@@ -199,3 +199,38 @@ def test_demo_console_quits_cleanly(how):
     assert "\x1b[?1049l" in tail
     assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     assert not any(_port_open(port) for port in ports)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_console_without_an_engine_opens_and_picks_one_up(tmp_path):
+    port = _free_port()
+    (tmp_path / "kvtop").mkdir()
+    (tmp_path / "kvtop" / "config.toml").write_text(f"probe_ports = [{port}]\n")
+    env_args = [sys.executable, "-c",
+                f"import os, sys; os.environ['XDG_CONFIG_HOME'] = {str(tmp_path)!r}; "
+                "from kvtop.cli import main; sys.exit(main(['--no-gpu']))"]
+    term = _Pty(env_args)
+    server = None
+    try:
+        assert _wait_for(lambda: b"no engine found on 127.0.0.1 ports" in term.out, 60), bytes(term.out[-2000:])
+        assert term.p.poll() is None  # still running: not an error for the console
+        assert b"host" in term.out
+        server = subprocess.Popen([*KVTOP, "sim-server", "--port", str(port), "--speed", "5"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        server.stdout.readline()
+        mark = len(term.out)
+        # picked up on the next probe: the engine's URL shows in its panel
+        assert _wait_for(lambda: f"127.0.0.1:{port}".encode() in term.out[mark:], 40), bytes(term.out[-3000:])
+        term.send(b"q")
+        rc = term.p.wait(timeout=30)
+    finally:
+        term.close()
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=20)
+    assert rc == 0

@@ -78,6 +78,68 @@ def discover(ports: tuple[int, ...] | list[int] = PROBE_PORTS, host: str = "127.
     return [u for u in found if u]
 
 
+class ProbingFeed:
+    """The console's feed when no engine answered at start: GPU and host polling run at once while
+    the local ports are probed every ``probe_every_s``; the first engines found are scraped from
+    then on (the same clock, so history carries on). ``notice`` is the banner while nothing is found."""
+
+    def __init__(self, make_runner: Any, ports: tuple[int, ...], probe_every_s: float = 5.0,
+                 host: str = "127.0.0.1"):
+        self.make_runner = make_runner  # urls -> LiveRunner
+        self.ports = ports
+        self.host = host
+        self.probe_every_s = probe_every_s
+        self.runner = make_runner([])
+        self.core = self.runner.core
+        self.urls: list[str] = []
+        self.notice: str | None = (
+            f"no engine found on {host} ports {', '.join(map(str, ports))} (still looking every "
+            f"{probe_every_s:g} s): point kvtop at one with --url http://HOST:PORT or `url` in config.toml, "
+            "or try `kvtop demo`")
+
+    @property
+    def interval_s(self) -> float:
+        return float(self.runner.interval_s)
+
+    @interval_s.setter
+    def interval_s(self, v: float) -> None:
+        self.runner.interval_s = v
+
+    def refresh_now(self) -> None:
+        self.runner.refresh_now()
+
+    async def run(self, stop: Any = None) -> None:
+        import asyncio
+
+        outer = stop or asyncio.Event()
+        inner = asyncio.Event()
+        task = asyncio.create_task(self.runner.run(stop=inner))
+        try:
+            while not outer.is_set() and not self.urls:
+                try:
+                    await asyncio.wait_for(outer.wait(), self.probe_every_s)
+                    break
+                except asyncio.TimeoutError:
+                    pass
+                found = await asyncio.to_thread(discover, self.ports, self.host)
+                if found and not outer.is_set():
+                    self.urls = found
+                    inner.set()
+                    await task
+                    old = self.runner
+                    self.runner = self.make_runner(found)
+                    self.runner._t0 = old._t0  # one run clock across the switch
+                    self.notice = None
+                    self.core.event(self.runner.now(), "info", "engine_up", "engine found: " + ", ".join(found))
+                    inner = asyncio.Event()
+                    task = asyncio.create_task(self.runner.run(stop=inner))
+            if not task.done():
+                await outer.wait()
+        finally:
+            inner.set()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
     v = cfg.get("probe_ports")
     if v is None:
@@ -116,24 +178,31 @@ def run(args: argparse.Namespace) -> int:
         return replay_console(path, theme=theme, interval=interval, itl_target_s=itl_target_s)
     else:
         urls: list[str] = list(resolve(args, cfg, "url", []))
+        ports = _ports_from_config(cfg)
         if not urls:
-            ports = _ports_from_config(cfg)
             urls = discover(ports)
-            if not urls:
-                sys.stderr.write(
-                    "kvtop: no engine found on 127.0.0.1 ports "
-                    f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
-                    "(or `url` in config.toml), or try `kvtop demo`\n"
-                )
-                return 2
+        if not urls and not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # no terminal to show the console in (a script, CI): say so and fail as headless commands do
+            sys.stderr.write(
+                "kvtop: no engine found on 127.0.0.1 ports "
+                f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
+                "(or `url` in config.toml), or try `kvtop demo`\n"
+            )
+            return 2
         from kvtop.analysis.live import LiveAnalyzer
         from kvtop.core import Core
         from kvtop.live import LiveRunner
 
         core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
-        feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
-                          host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
-                          adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
+
+        def make_runner(found: list[str]) -> LiveRunner:
+            return LiveRunner(core, found, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
+                              host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
+                              adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
+
+        # No engine yet is not an error for the console: it shows the GPUs and the host and keeps
+        # looking (headless commands still exit 2).
+        feed: Any = make_runner(urls) if urls else ProbingFeed(make_runner, ports)
 
     from kvtop.tui.app import run_console
 

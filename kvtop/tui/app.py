@@ -367,6 +367,9 @@ class KvtopApp(App[int]):
         )
         banner = self.main.query_one("#banner", Static)
         msgs = []
+        notice = getattr(self.feed, "notice", None)
+        if isinstance(notice, str) and notice:
+            msgs.append(render.escape(notice))
         if s.gpu_status != "ok":
             msgs.append(f"GPU: {render.escape(s.gpu_status)}")
         down = [e for e in s.engines if not e.up]
