@@ -74,7 +74,9 @@ def test_plot_rows_draw_levels_target_rule_and_overlay():
     assert text[0][1] == "┈"  # the reference rule where the bar leaves room
     assert text[0][3] == "━" and roles[0][3] == plot.LINE  # the secondary series at its level
     assert plot.scale_top([3.2, None], ref=None) == 5.0
-    assert plot.mark_row(4, 0.0, 4.0, [(1.5, "slow_decode"), (1.6, "preemption")]) == [None, "preemption", None, None]
+    marks = {"slow_decode": [1.5, 3.2], "preemption": [1.6]}
+    assert plot.mark_row(4, 0.0, 4.0, marks) == [None, "preemption", None, "slow_decode"]
+    assert plot.marks_between(marks, 1.0, 2.0) == {"slow_decode": 1, "preemption": 1}
 
 
 def _storm_core() -> Core:

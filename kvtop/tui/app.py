@@ -76,8 +76,10 @@ class Panel(Static):
             width = self.size.width or self.app.size.width
             markup = self.builder(width)
             if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                # the same number of lines: no layout pass (the Overview holds dozens of widgets)
+                relayout = self._shown is None or markup.count("\n") != self._shown.count("\n")
                 self._shown = markup
-                self.update(markup)
+                self.update(markup, layout=relayout)
 
     def on_resize(self) -> None:
         self._redraw()

@@ -10,8 +10,8 @@ tooltip reads the nearest sample back from the bounded store (kvtop/history.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.segment import Segment
@@ -41,7 +41,7 @@ class ChartSpec:
     ref_label: str = ""
     fixed_top: float | None = None
     over: float | None = None  # bars above this value take the warning colour
-    marks: Sequence[tuple[float, str]] = ()
+    marks: plot.Marks = field(default_factory=dict)
     empty: str = "no data yet"
     axis: Callable[[float], str] | None = None  # y-axis labels when ``fmt`` is too wide for the gutter
 
@@ -62,13 +62,32 @@ def _tok(v: float | None) -> str:
     return fmt.NA if v is None else fmt.tok_rate(v)
 
 
+_MARKS: dict[str, Any] = {"key": None, "marks": {}}
+
+
+def spike_marks(s: Snapshot) -> plot.Marks:
+    """The analysis' spikes as cause -> sorted end times; rebuilt only when the list changes (the
+    live analysis rebuilds its report at most once a second, and it can list hundreds of spikes)."""
+    spikes = (s.analysis or {}).get("spikes") or []
+    key = (len(spikes), id(spikes[0]) if spikes else None, id(spikes[-1]) if spikes else None)
+    if _MARKS["key"] != key:
+        by: dict[str, list[float]] = {}
+        for sp in spikes:
+            t = sp.get("t_end") or sp.get("t_start")
+            if isinstance(t, (int, float)):
+                by.setdefault(str(sp.get("cause") or "unknown"), []).append(float(t))
+        for ts in by.values():
+            ts.sort()
+        _MARKS["marks"], _MARKS["key"] = by, key
+    marks: plot.Marks = _MARKS["marks"]
+    return marks
+
+
 def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
     """The Overview's charts, most telling first: per engine KV, ITL, preemptions, queue, TTFT,
     tokens/s; per GPU memory and PCIe; host pinned memory."""
     out: list[ChartSpec] = []
-    spikes = (s.analysis or {}).get("spikes") or []
-    marks = [(float(sp.get("t_end") or sp.get("t_start") or 0.0), str(sp.get("cause") or "unknown"))
-             for sp in spikes]
+    marks = spike_marks(s)
     multi = len(s.engines) > 1
     for i, e in enumerate(s.engines):
         ser = history.engine_series(e.url, e.engine)
@@ -256,7 +275,7 @@ class Chart(Widget):
                 v = None if hit[1] != hit[1] else hit[1]
                 parts.append(f"{label or 'value'} {spec.fmt(v)}")
         lo, hi = t - (self.t1 - self.t0) / n / 2, t + (self.t1 - self.t0) / n / 2
-        causes = [cause for mt, cause in spec.marks if lo <= mt <= hi]
+        causes = plot.marks_between(spec.marks, lo, hi)
         if causes:
-            parts.append("spikes: " + ", ".join(f"{causes.count(cz)} {cz}" for cz in sorted(set(causes))))
+            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items())))
         return "\n".join(parts)

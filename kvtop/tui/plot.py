@@ -12,7 +12,8 @@ room.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
 
 _EIGHTHS = " ▁▂▃▄▅▆▇█"
 BAR, LINE, REF, EMPTY, OVER = "bar", "line", "ref", "empty", "over"
@@ -84,17 +85,40 @@ def _runs(cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
-def mark_row(n: int, t0: float, t1: float, marks: Sequence[tuple[float, str]]) -> list[str | None]:
-    """Per column, the cause of the worst-ranked mark that falls in it (preemption first), or None."""
+Marks = Mapping[str, Sequence[float]]  # cause -> sorted times of the spikes with that cause
+RANK = ("preemption", "prefill_interference", "slow_decode")
+
+
+def marks_between(marks: Marks, t0: float, t1: float) -> dict[str, int]:
+    """How many marks of each cause fall in [t0, t1]."""
+    out = {}
+    for cause, ts in marks.items():
+        k = bisect_right(ts, t1) - bisect_left(ts, t0)
+        if k:
+            out[cause] = k
+    return out
+
+
+def mark_row(n: int, t0: float, t1: float, marks: Marks) -> list[str | None]:
+    """Per column, the cause of the highest-ranked mark in it (preemption first), or None: a few
+    binary searches a column, however many spikes the window holds."""
     out: list[str | None] = [None] * n
-    if n <= 0 or t1 <= t0:
+    if n <= 0 or t1 <= t0 or not marks:
         return out
-    rank = {"preemption": 0, "prefill_interference": 1, "slow_decode": 2}
-    for t, cause in marks:
-        if t0 <= t <= t1:
-            c = min(n - 1, int((t - t0) / (t1 - t0) * n))
-            cur = out[c]
-            if cur is None or rank.get(cause, 9) < rank.get(cur, 9):
+    order = [c for c in RANK if c in marks] + sorted(c for c in marks if c not in RANK)
+    dt = (t1 - t0) / n
+    for cause in reversed(order):  # higher ranks overwrite lower ones
+        ts = marks[cause]
+        i = bisect_left(ts, t0)
+        if i >= len(ts) or ts[i] > t1:
+            continue
+        for c in range(n):
+            a = t0 + c * dt
+            b = t1 if c == n - 1 else a + dt
+            i = bisect_left(ts, a, i)
+            if i >= len(ts):
+                break
+            if ts[i] <= b:
                 out[c] = cause
     return out
 
