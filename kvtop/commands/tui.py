@@ -19,7 +19,8 @@ HELP = "the interactive console (the default when no command is given)"
 ORDER = 10
 DESCRIPTION = (
     "Live console: GPUs, host, engines, requests, the advisor's verdict and events. "
-    "Keys: 1-5 screens, p pause, space refresh, / filter, s sort, enter detail, ? help, q quit."
+    "Keys: 1-5 screens, w chart window, p pause, space refresh, +/- poll interval, / filter, s sort, "
+    "enter detail, ? or F1 help, q or F10 quit."
 )
 
 # vLLM / SGLang / TGI & llama.cpp / (common dev) / Triton metrics ports
