@@ -144,3 +144,41 @@ async def test_charts_fit_80x24():
         shown = [c for c in app.query(Chart) if c.region.height > 0]
         assert len(shown) >= 2  # two charts side by side stay on screen under the panels
         assert all(c.size.width >= 30 for c in shown)
+
+
+async def test_replay_charts_end_at_the_replay_position_and_follow_a_seek(tmp_path):
+    pytest.importorskip("textual")
+    from kvtop.analysis.live import LiveAnalyzer
+    from kvtop.replay import ReplayFeed
+    from kvtop.sim.simulate import simulate_to_trace
+    from kvtop.sim.workload import load_preset
+    from kvtop.tui.app import KvtopApp
+    from kvtop.tui.charts import Chart
+
+    path = tmp_path / "storm.jsonl"
+    simulate_to_trace(load_preset("preemption-storm"), 1, 90.0, str(path))
+
+    def make_core() -> Core:
+        return Core(itl_target_s=0.1, source_label="replay", analysis=LiveAnalyzer(itl_target_s=0.1))
+
+    feed = ReplayFeed(path, make_core(), speed=1.0, core_factory=make_core)
+    try:
+        app = KvtopApp(feed.core, feed=feed, interval=3600, taken_at="2026-01-01T00:00:00Z")
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            await pilot.press("p")
+            for _ in range(5):
+                await pilot.press("]")
+            await pilot.pause()
+            t = feed.t
+            assert t >= 45.0
+            kv = next(c for c in app.query(Chart) if c.spec.key == "e0kv")
+            assert kv.t1 == pytest.approx(t) and kv.now_label == f"t={t:.2f}s"
+            assert 0 < kv.spec.ring.t[-1] <= t + 1.0  # nothing from past the replay position
+            await pilot.press("g", "2", "0", "enter")
+            await pilot.pause()
+            kv = next(c for c in app.query(Chart) if c.spec.key == "e0kv")
+            assert feed.t == pytest.approx(20.0) and kv.t1 == pytest.approx(20.0)
+            assert kv.spec.ring.t[-1] <= 21.0  # the re-fed core's history stops at the seek target
+    finally:
+        feed.close()

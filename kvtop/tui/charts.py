@@ -231,6 +231,11 @@ class Chart(Widget):
         marks = plot.mark_row(n, self.t0, self.t1, spec.marks)
         left = f"-{plot.window_label(self.t1 - self.t0)}"
         right = self.now_label
+        # a time label is drawn whole or not at all: spike marks under it win
+        if any(marks[:len(left)]):
+            left = ""
+        if any(marks[n - len(right):]):
+            right = ""
         segs = [Segment(" " * (GUTTER - 1) + "└", styles["muted"])]
         cells: list[tuple[str, str]] = []
         for c in range(n):
@@ -239,7 +244,7 @@ class Chart(Widget):
                 cells.append(("▲", CAUSE_COLOUR.get(cause, "muted")))
             elif c < len(left):
                 cells.append((left[c], "muted"))
-            elif c >= n - len(right):
+            elif right and c >= n - len(right):
                 cells.append((right[c - (n - len(right))], "muted"))
             else:
                 cells.append(("─", "muted"))
