@@ -11,13 +11,14 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from typing import NoReturn
 
 from kvtop import __version__
 from kvtop.errors import UsageError
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse prints usage too)
         sys.stderr.write(f"kvtop: error: {message}\n")
         raise SystemExit(2)
 

@@ -98,6 +98,10 @@ class LiveAnalysis(Protocol):
 
     def report(self, now: float) -> dict[str, Any] | None: ...
 
+    def fresh(self) -> LiveAnalysis:
+        """A new, empty analysis with the same settings."""
+        ...
+
 
 @dataclass
 class _EngineState:
@@ -193,6 +197,13 @@ class Core:
         self._error_burst: list[RequestRecord] = []
         self._error_burst_reported = False
         self.paused = False
+
+    def reset(self) -> None:
+        """Forget everything ingested and keep the settings (a replay seeking backwards), so a view
+        holding this core stays valid."""
+        analysis = self.analysis.fresh() if self.analysis is not None else None
+        Core.__init__(self, window_s=self.window_s, itl_target_s=self.itl_target_s, max_requests=self.max_requests,
+                      finished_keep_s=self.finished_keep_s, analysis=analysis, source_label=self.source_label)
 
     # -- ingest -----------------------------------------------------------------------------
     def ingest(self, rec: Record) -> None:

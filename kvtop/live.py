@@ -253,6 +253,10 @@ class LiveRunner:
         else:
             loop.call_soon_threadsafe(wake)
 
+    def controls(self) -> None:
+        """A live run has no trace clock to move."""
+        return None
+
     async def poll_all(self) -> None:
         """Poll every source once, concurrently (used for a final sample at the end of a window)."""
         await self._setup()

@@ -118,6 +118,12 @@ class ReplayFeed:
         self._anchor = None
         self._poke()
 
+    def controls(self) -> ReplayFeed:
+        return self
+
+    def refresh_now(self) -> None:
+        """The trace clock moves on its own; a refresh needs nothing from the file."""
+
     def step(self, n_seconds: float) -> int:
         """Advance the trace clock by ``n_seconds`` now (paused or not); returns records fed."""
         n = self._feed_until(self.t + n_seconds)
@@ -140,7 +146,7 @@ class ReplayFeed:
             if self.core_factory is not None:
                 self.core = self.core_factory()
             else:
-                _reset_in_place(self.core)
+                self.core.reset()
             if self.on_reset is not None:
                 self.on_reset(self.core)
         n = self._feed_until(t)
@@ -220,22 +226,6 @@ class ReplayFeed:
 
     def close(self) -> None:
         self._reader.close()
-
-
-def _reset_in_place(core: Core) -> None:
-    """Empty ``core`` of everything fed so far, keeping its settings (and its identity)."""
-    analysis = core.analysis
-    if analysis is not None:
-        reset = getattr(analysis, "reset", None)
-        if callable(reset):
-            reset()
-        else:
-            try:  # an analysis without reset(): a fresh one of the same kind
-                analysis = type(analysis)(itl_target_s=core.itl_target_s)  # type: ignore[call-arg]
-            except TypeError:
-                analysis = type(analysis)()  # type: ignore[call-arg]
-    Core.__init__(core, window_s=core.window_s, itl_target_s=core.itl_target_s, max_requests=core.max_requests,
-                  finished_keep_s=core.finished_keep_s, analysis=analysis, source_label=core.source_label)
 
 
 def _has_loop() -> bool:

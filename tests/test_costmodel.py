@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtop.analysis.capacity import capacity_plan, recommend_max_seqs
-from kvtop.analysis.chunking import plan_chunking, spike_share
+from kvtop.analysis.chunking import plan_chunking, spike_share, spike_share_steps
 from kvtop.analysis.costmodel import EventInputs, break_even_tokens, evaluate_event, p_star, t_pf
 from kvtop.analysis.link import bw_eff
 
@@ -68,7 +70,7 @@ def test_chunk_plan_s5():
 
 
 def test_gates():
-    base = dict(beta=131072, beta_rank=131072, S=3000, a=A8, k_att=K8, bw_eff=43.7e9)
+    base: dict[str, Any] = dict(beta=131072, beta_rank=131072, S=3000, a=A8, k_att=K8, bw_eff=43.7e9)
     assert evaluate_event(EventInputs(**base, host_free=1e9)).gates["host"] is True
     c = evaluate_event(EventInputs(**base, host_free=1e8))
     assert c.gates["host"] is False and c.mechanism == "recompute"
@@ -110,3 +112,36 @@ def test_longer_sequences_never_favour_recompute_past_crossover(S, extra, bw, p,
     S1 = max(S, crossover)
     if _decision(S1, bw, p, kappa) == "swap":
         assert _decision(S1 + extra, bw, p, kappa) == "swap"
+
+
+def test_directional_link_gates_each_direction_on_its_own_headroom():
+    """V = 1 GB per victim at 10 preemptions/s, p = 0: 10 GB/s out and 10 GB/s back in.
+
+    One shared figure of 20 GB/s: demand 20 GB/s > 0.8 · 20 = 16 GB/s -> the link gate fails.
+    Measured per direction (20 GB/s each, full duplex): 10 <= 16 both ways -> it passes.
+    GPU->host measured at 12 GB/s: 10 > 0.8 · 12 = 9.6 -> fails on the swap-out side alone.
+    """
+    base: dict[str, Any] = dict(beta=1e6, beta_rank=1e6, S=1000, a=A8, k_att=K8, bw_eff=20e9, rate=10.0)
+    assert evaluate_event(EventInputs(**base)).gates["link"] is False
+    c = evaluate_event(EventInputs(**base, bw_out=20e9, bw_in=20e9, directional=True))
+    assert c.gates["link"] is True
+    c = evaluate_event(EventInputs(**base, bw_out=12e9, bw_in=50e9, directional=True))
+    assert c.gates["link"] is False and any("GPU->host" in n for n in c.gate_notes)
+    assert c.t_out == pytest.approx(1e9 / 12e9) and c.t_in == pytest.approx(1e9 / 50e9)
+
+
+def test_duplex_contention_slows_the_direction_that_overlaps():
+    """Same storm, 20 GB/s each way, duplex 0.5: host->GPU is busy 10 · 1 GB / 20 GB/s = 50 % of the
+    time, so GPU->host runs at 20 · (1 − 0.5 · 0.5) = 15 GB/s and a swap-out takes 66.7 ms, not 50."""
+    c = evaluate_event(EventInputs(beta=1e6, beta_rank=1e6, S=1000, a=A8, k_att=K8, bw_eff=20e9, rate=10.0,
+                                   bw_out=20e9, bw_in=20e9, directional=True, duplex=0.5))
+    assert c.t_out == pytest.approx(1e9 / 15e9)
+    assert c.t_in == pytest.approx(1e9 / 15e9)
+
+
+def test_spike_share_counts_every_step_over_the_target():
+    """Three steps of 0.4/0.5/0.56 s and one under the target: 3 spikes per prompt, not 1."""
+    steps = [0.4, 0.5, 0.56, 0.05]
+    per_s = (1 - 0.2 * sum(steps)) / 0.022 + 0.2 * 4
+    assert spike_share_steps(0.2, steps, 0.1, 0.022) == pytest.approx(0.2 * 3 / per_s)
+    assert spike_share_steps(0.2, [0.61], 0.1, 0.022) == pytest.approx(spike_share(0.2, 0.61, 0.022))

@@ -10,6 +10,7 @@ from kvtop.analysis.kvbytes import (
     BUILTIN,
     ModelConfigError,
     kv_bytes_per_token,
+    kv_size,
     load_config_file,
     lookup_model,
     seq_bytes,
@@ -75,11 +76,59 @@ def test_hf_config_file(tmp_path):
         load_config_file(bad)
 
 
+def _key(name: str) -> str:
+    hit = lookup_model(name)
+    assert hit is not None, name
+    return hit[0]
+
+
 def test_lookup_served_names():
-    assert lookup_model("meta-llama/Llama-3.1-8B-Instruct")[0] == "llama-3.1-8b"
-    assert lookup_model("meta-llama/Meta-Llama-3.1-70B-Instruct")[0] == "llama-3.1-70b"
-    assert lookup_model("Qwen/Qwen2.5-7B-Instruct")[0] == "qwen2.5-7b"
-    assert lookup_model("mistralai/Mistral-7B-v0.1")[0] == "mistral-7b-v0.1"
-    assert lookup_model("mistralai/Mistral-7B-Instruct-v0.3")[0] == "mistral-7b"
-    assert lookup_model("sim-llama-3.1-70b-tp4")[0] == "llama-3.1-70b"
+    assert _key("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+    assert _key("meta-llama/Meta-Llama-3.1-70B-Instruct") == "llama-3.1-70b"
+    assert _key("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
+    assert _key("mistralai/Mistral-7B-v0.1") == "mistral-7b-v0.1"
+    assert _key("mistralai/Mistral-7B-Instruct-v0.3") == "mistral-7b"
+    assert _key("sim-llama-3.1-70b-tp4") == "llama-3.1-70b"
     assert lookup_model("tiny-llama") is None
+
+
+def test_one_size_function_splits_and_counts_consistently():
+    """Llama-3.1-70B at TP4 x PP2: 80 layers / 2 stages = 40 per GPU, 8 KV heads / 4 = 2 per GPU.
+
+    per GPU per token = 40 · 2·2·128·2 = 40,960 B; all 8 GPUs = 327,680 B (the unsplit model).
+    DeepSeek-V3 at TP8: 70,272 B on every GPU (replicated latent), 562,176 B over the 8 GPUs.
+    """
+    s = kv_size(BUILTIN["llama-3.1-70b"], "bf16", tp=4, pp=2)
+    assert s.token_bytes_rank == 40 * 2 * 2 * 128 * 2 == 40_960
+    assert s.token_bytes_total == 327_680
+    assert s.total_bytes(1000) == 1000 * 327_680
+    mla = kv_size(BUILTIN["deepseek-v3"], "bf16", tp=8)
+    assert mla.token_bytes_rank == 70_272 and mla.token_bytes_total == 8 * 70_272
+
+
+def test_private_bytes_with_a_prefix_that_slid_out_of_the_window():
+    """Mistral-7B-v0.1 (all 32 layers windowed at 4,096), 8,192-token sequence, 131,072 B/token unwindowed.
+
+    The layers hold tokens [4096, 8192). A 2,048-token shared prefix lies outside: all 4,096 held
+    tokens are private, 4,096 · 131,072 = 512 MiB. A 6,000-token shared prefix overlaps: private
+    tokens [6000, 8192) = 2,192 · 131,072 = 287,309,824 B.
+    """
+    s = kv_size(BUILTIN["mistral-7b-v0.1"])
+    assert s.private_rank_bytes(8192, 2048) == 4096 * 131072 == 512 * (1 << 20)
+    assert s.private_rank_bytes(8192, 6000) == 2192 * 131072 == 287_309_824
+    # Gemma-2-9B: 21 global + 21 windowed layers at 8 KiB per token-layer; prefix 2,000 of 8,192:
+    # global 21·6,192 + windowed 21·4,096 token-layers = 216,048 · 8,192 B
+    g = kv_size(BUILTIN["gemma-2-9b"])
+    assert g.private_rank_bytes(8192, 2000) == (21 * 6192 + 21 * 4096) * 8192
+
+
+def test_hybrid_config_keeps_kv_only_in_attention_layers():
+    """48 layers, one in four full attention (12): 12 · 2·2·256·2 = 24,576 B/token; a 50 MiB state
+    per sequence over TP2 is 25 MiB per GPU, added once per sequence."""
+    cfg = {"num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+           "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12}
+    assert kv_bytes_per_token(cfg) == 24_576
+    s = kv_size(cfg, tp=2, state_bytes_total=50 * (1 << 20))
+    assert s.token_bytes_rank == 12_288  # 2 KV heads over 2 ranks
+    assert s.rank_bytes(1000) == 1000 * 12_288 + 25 * (1 << 20)
+    assert s.rank_bytes(0) == 0

@@ -147,3 +147,22 @@ def test_replay_bad_files_exit_2(tmp_path: Path):
     assert r.returncode == 2
     with pytest.raises(TraceError):
         ReplayFeed(notrace, _core())
+
+
+def test_headless_replay_reports_the_same_analysis_as_analyze(tmp_path: Path):
+    """`kvtop replay --headless` runs the live analysis through the same pipeline as the console:
+    on a simulated preemption storm it finds the spikes and the verdict `kvtop analyze` finds."""
+    trace = tmp_path / "storm.jsonl"
+    r = run_kvtop("simulate", "--preset", "preemption-storm", "--seed", "1", "--duration", "40", "-o", str(trace))
+    assert r.returncode == 0, r.stderr
+    r = run_kvtop("analyze", str(trace), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    batch = json.loads(r.stdout)
+    r = run_kvtop("replay", str(trace), "--headless", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    live = json.loads(r.stdout)["analysis"]
+    assert live["itl_target_s"] == pytest.approx(0.1)  # the target the trace was simulated against
+    pre = live["causes"]["preemption"]["count"]
+    assert pre >= 5 and pre == batch["causes"]["preemption"]["count"]
+    assert live["spikes_total"] == batch["spikes_total"]
+    assert live["verdict"]["action"] == batch["verdict"]["action"]

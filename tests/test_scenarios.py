@@ -110,3 +110,200 @@ def test_advise_invalid_scenario(kvtop_cli, tmp_path):
     p.write_text(json.dumps({"preemption": {"seq_tokens": 10}}))  # KV size unknowable
     r = kvtop_cli("advise", "--scenario", str(p))
     assert r.returncode == 2
+
+
+# ---- issue 13 regressions: each number below is worked out by hand in the docstring ----------
+
+def _verdict(doc: dict) -> dict:
+    scenario.validate(doc)
+    return scenario.evaluate(doc)["verdict"]
+
+
+def test_gemma2_sliding_window_bytes_keep_the_link_gate_open():
+    """Gemma-2-9B, 8,192 tokens, bf16: 21 global layers hold 8,192 tokens, 21 local layers 4,096.
+
+    per layer per token = 2·8·256·2 = 8,192 B
+    V = 8,192 · (21·8,192 + 21·4,096) = 2,113,929,216 B (2.11 GB), not 42·8,192·8,192 = 2,818,572,288
+    link demand at 3.3 preemptions/s, p = 0: 3.3 · V · 2 = 13.95 GB/s <= 0.8 · 20 GB/s = 16 GB/s
+    (the naive 2.82 GB would need 18.60 GB/s and fail the gate, flipping the verdict to recompute).
+    """
+    doc = {"model": "gemma-2-9b", "engine": "vllm", "prefill": {"tokens_per_s": 10000, "k_att": 1e-5},
+           "link": {"bw_eff_gbps": 20}, "host": {"pinned_free_bytes": 100e9},
+           "preemption": {"seq_tokens": 8192, "cancel_prob": 0, "per_minute": 198}}
+    v = _verdict(doc)
+    n = v["numbers"]
+    V = 8192 * (21 * 8192 + 21 * 4096)
+    assert V == 2_113_929_216
+    # reported numbers carry 6 significant digits
+    assert n["bytes_moved"]["value"] == pytest.approx(V, rel=1e-5)
+    assert n["freed_bytes"]["value"] == pytest.approx(V, rel=1e-5)
+    assert n["link_demand"]["value"] == pytest.approx(3.3 * V * 2, rel=1e-5)
+    assert n["gates"]["value"]["link"] is True
+    assert v["action"] == "swap"
+    # recommended pool: 4 sequences = 8.456 GB = 7.875 GiB -> 8 GiB
+    assert v["settings"]["--kv-offloading-size"] == 8
+
+
+def test_mistral_v01_window_caps_host_bytes():
+    """Mistral-7B-v0.1 at 32K: every layer windowed at 4,096, so a sequence holds 4,096 tokens.
+
+    V = 32 layers · 2·8·128·2 B · 4,096 = 536,870,912 B (512 MiB), not 32,768 · 131,072 = 4.29 GB.
+    Host gate with 4 GB pinned free: 0.54 GB fits (4.29 GB would not).
+    """
+    doc = {"model": "mistral-7b-v0.1", "prefill": {"tokens_per_s": 25000, "k_att": 1.8781e-5},
+           "link": {"bw_eff_gbps": 40}, "host": {"pinned_free_bytes": 4e9},
+           "preemption": {"seq_tokens": 32768, "cancel_prob": 0}}
+    v = _verdict(doc)
+    n = v["numbers"]
+    assert 32 * 4096 * 4096 == 536_870_912
+    assert n["bytes_moved"]["value"] == pytest.approx(536_870_912, rel=1e-5)
+    assert n["gates"]["value"]["host"] is True
+    assert v["action"] == "swap"
+    # the pool (4 x 512 MiB = 2 GiB) fits the 4 GB too
+    assert n["offload_pool"]["value"] == pytest.approx(4 * 536_870_912, rel=1e-5)
+
+
+def test_two_rare_preemptions_are_no_action():
+    """Two preemptions at 0.002 per completed request: 2 < 3 spikes, and 0.2 % of streams < 1 %.
+
+    analyze's spike-pattern rule (>= 3 spikes and >= 0.05 % of gaps or >= 1 % of streams) says this
+    is no ITL-miss pattern: no action, no swap setting.
+    """
+    doc = json.loads((HERE / "S1.json").read_text())
+    doc.pop("expect")
+    doc["observed"] = {"preemptions": 2}
+    doc["preemption"]["per_completed"] = 0.002
+    v = _verdict(doc)
+    assert v["action"] == "no_action"
+    assert v["settings"] == {}
+    assert v["numbers"]["decided_by"]["value"][0]["gate"] == "spike_pattern"
+    # 0.002 per completed request alone (no count) also fails the 1 %-of-streams rule
+    doc["observed"] = {}
+    assert _verdict(doc)["action"] == "no_action"
+    # at 0.02 per completed request (2 % of streams) the same preemptions matter
+    doc["preemption"]["per_completed"] = 0.02
+    assert _verdict(doc)["action"] == "swap"
+
+
+def test_itl_within_target_is_no_action():
+    """kv-science §11: ITL p99 95 ms under a 100 ms target -> no action, whatever the preemptions."""
+    doc = json.loads((HERE / "S1.json").read_text())
+    doc.pop("expect")
+    doc["slo"] = {"itl_ms": 100}
+    doc["observed"] = {"itl_p99_ms": 95, "preemptions": 40, "window_s": 600}
+    v = _verdict(doc)
+    assert v["action"] == "no_action"
+    assert v["numbers"]["decided_by"]["value"][0]["gate"] == "itl_target_met"
+    doc["observed"]["itl_p99_ms"] = 400
+    assert _verdict(doc)["action"] == "swap"
+
+
+def test_prefill_counts_every_step_over_the_target():
+    """24,000-token prompts at an 8,192-token budget on Llama-3.1-8B (a = 1/25,000, k_att = 1.8781e-5).
+
+    steps: 8,192 + 8,192 + 7,616 tokens; t_step = 22 ms + a·len + a·k·(end² − start²)
+        = 0.40009 s, 0.50092 s, 0.55769 s -> all three over the 100 ms target
+    at 0.2 prompts/s each stream sees per second 0.6 long samples and
+    (1 − 0.2·1.45870)/0.022 = 32.19 ordinary ones: share = 0.6/32.79 = 1.83 % (> 1 %, so p99 ≈ a long step).
+    Counting only the longest step gave 0.2/((1 − 0.2·0.55769)/0.022 + 0.2) = 0.49 % (< 1 %).
+    """
+    a, k = 1 / 25000, 1.8781e-5
+    steps = []
+    for start, ln in ((0, 8192), (8192, 8192), (16384, 7616)):
+        steps.append(0.022 + a * ln + a * k * ((start + ln) ** 2 - start ** 2))
+    assert steps == pytest.approx([0.40009, 0.50092, 0.55769], abs=1e-4)
+    share = 0.2 * 3 / ((1 - 0.2 * sum(steps)) / 0.022 + 0.2 * 3)
+    assert share == pytest.approx(0.0183, abs=2e-4)
+    doc: dict = {"model": "llama-3.1-8b", "engine": "vllm", "prefill": {"tokens_per_s": 25000, "k_att": 1.8781e-5},
+                 "slo": {"itl_ms": 100}, "observed": {"decode_step_ms": 22},
+                 "traffic": {"long_prompt_tokens": 24000, "long_prompts_per_s": 0.2},
+                 "engine_settings": {"max_num_batched_tokens": 8192}}
+    v = _verdict(doc)
+    assert v["action"] == "chunked_prefill"
+    assert v["numbers"]["spike_share"]["value"] == pytest.approx(share, rel=1e-3)
+    assert any("so p99 ITL ≈ that step" in r for r in v["reasons"])
+    # ten times rarer prompts: 0.18 % of gaps -> the p99 target holds, no action
+    doc["traffic"]["long_prompts_per_s"] = 0.02
+    v = _verdict(doc)
+    assert v["action"] == "no_action" and v["numbers"]["decided_by"]["value"][0]["gate"] == "spike_pattern"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_every_verdict_names_the_gate_that_decided_it(path, kvtop_cli):
+    v = scenario.evaluate(scenario.load(path))["verdict"]
+    assert v["numbers"]["decided_by"]["value"], f"{path.stem}: no deciding gate"
+    assert all(d["gate"] and d["detail"] for d in v["numbers"]["decided_by"]["value"])
+
+
+def test_advise_text_says_which_gate_decided(kvtop_cli):
+    r = kvtop_cli("advise", "--scenario", str(HERE / "S12.json"))
+    assert r.returncode == 0, r.stderr
+    assert "decided by: cause_weight" in r.stdout and "97%" in r.stdout
+    assert "ADMISSION" in r.stdout
+
+
+def test_lost_time_outweighs_spike_counts():
+    """S12 with the time over target removed: 27 of 143 spikes (19 %) is no dominant cause."""
+    doc = scenario.load(HERE / "S12.json")
+    for c in doc["observed"]["causes"].values():
+        c.pop("lost_s")
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "insufficient_data"
+    # a single cause explaining most of the lost time always decides, however many short gaps there are
+    doc = scenario.load(HERE / "S12.json")
+    doc["observed"]["causes"]["unknown"].update(spikes=5000, lost_s=170)  # 181 / 351 = 52 %
+    doc["observed"]["spikes"] = 5027
+    assert scenario.evaluate(doc)["verdict"]["action"] == "admission"
+
+
+def test_no_host_tier_emits_no_offload_setting():
+    v = scenario.evaluate(scenario.load(HERE / "S8.json"))["verdict"]
+    assert not any("offload" in k for k in v["settings"])
+    assert any("no host KV tier" in r for r in v["reasons"])
+    s1 = scenario.evaluate(scenario.load(HERE / "S1.json"))["verdict"]
+    assert s1["action"] == "swap"  # the same case with a host tier
+
+
+def test_freed_bytes_are_totals_for_gqa_and_mla_alike():
+    """freed bytes = moved bytes over all ranks when nothing is shared, for GQA (S1) and MLA (S13)."""
+    for name in ("S1", "S13"):
+        n = scenario.evaluate(scenario.load(HERE / f"{name}.json"))["verdict"]["numbers"]
+        assert n["freed_bytes"]["value"] == pytest.approx(n["bytes_moved_total"]["value"], rel=1e-5)
+        assert n["kv_bytes_per_token"]["value"] == pytest.approx(
+            n["kv_bytes_per_token_rank"]["value"] * n["ranks"]["value"], rel=1e-5)
+
+
+@pytest.mark.parametrize("impl,keys", [
+    ("vllm_v0_swap", {"--preemption-mode": "swap", "--swap-space": 3}),
+    ("vllm_v1_offload", {"--kv-offloading-backend": "native", "--kv-offloading-size": 10}),
+    ("lmcache", {"--kv-offloading-backend": "lmcache", "--kv-offloading-size": 10, "LMCache local_cpu": True,
+                 "LMCache max_local_cpu_size": 2.6}),
+    ("sglang_hicache", {"--enable-hierarchical-cache": True, "--hicache-size": 3}),
+])
+def test_swap_settings_per_implementation(impl, keys):
+    """S1 (70B TP4, 32,000 tokens): V = 32,000 x 81,920 = 2.62 GB per rank, 10.49 GB over 4 ranks.
+
+    With 11 GB of pinned memory free the pool holds one sequence (10.49 GB, not 4 x 10.49):
+    V1 connector / LMCache --kv-offloading-size (all ranks): 10.49e9 / 2^30 = 9.77 -> 10 GiB;
+    LMCache max_local_cpu_size (per rank) = 10.49 / 4 = 2.62 -> 2.6 GB;
+    V0 --swap-space (per GPU) = 2.62e9 / 2^30 = 2.44 -> 3 GiB; HiCache --hicache-size (per rank) 2.62 -> 3 GB.
+    """
+    doc = scenario.load(HERE / "S1.json")
+    doc["swap"] = {"implementation": impl}
+    doc["host"] = {"pinned_free_bytes": 11e9}
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "swap"
+    for k, want in keys.items():
+        assert v["settings"][k] == want, (k, v["settings"])
+
+
+def test_counted_spikes_without_causes_fall_back_to_the_sections():
+    """S1 with 40 spikes in 20,000 gaps (0.2 % >= 0.05 %) and no per-cause split: the preemption
+    section is the cause; with 2 spikes the pattern fails and nothing is changed."""
+    doc = scenario.load(HERE / "S1.json")
+    doc["observed"] = {"spikes": 40, "gaps": 20000}
+    v = scenario.evaluate(doc)["verdict"]
+    assert v["action"] == "swap"
+    assert [d["gate"] for d in v["numbers"]["decided_by"]["value"]][:2] == ["spike_pattern", "premise"]
+    doc["observed"] = {"spikes": 2, "gaps": 20000}
+    assert scenario.evaluate(doc)["verdict"]["action"] == "no_action"

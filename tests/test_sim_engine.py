@@ -9,8 +9,9 @@ from collections import defaultdict
 import pytest
 
 from kvtop.model.records import EngineRecord, RequestRecord, TruthRecord
-from kvtop.sim.engine import Engine, Sink
+from kvtop.sim.engine import Engine
 from kvtop.sim.simulate import Simulation
+from kvtop.sim.stats import Sink
 from kvtop.sim.workload import EngineConfig, RequestSpec, load_preset, parse_workload
 
 

@@ -43,9 +43,16 @@ class TickFeed:
             except asyncio.TimeoutError:
                 pass
 
+    @property
+    def core(self) -> Any:
+        return self.sample.core
+
     def refresh_now(self) -> None:
         self.refreshes += 1
         self.sample.advance(self.dt)
+
+    def controls(self) -> None:
+        return None
 
 
 class FakeReplay:
@@ -59,8 +66,18 @@ class FakeReplay:
         self.paused = False
         self.calls: list[tuple[str, float | None]] = []
 
+    @property
+    def core(self) -> Any:
+        return self.sample.core
+
     async def run(self, stop: asyncio.Event) -> None:
         await stop.wait()
+
+    def refresh_now(self) -> None:
+        pass
+
+    def controls(self) -> FakeReplay:
+        return self
 
     def pause(self) -> None:
         self.paused = True

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.analysis import capacity as cap
-from kvtop.analysis import chunking
+from kvtop.analysis import chunking, swapimpl
 from kvtop.analysis.costmodel import (
     EPSILON_ASYNC,
     EventInputs,
@@ -22,7 +22,10 @@ from kvtop.analysis.costmodel import (
     evaluate_event,
     prefix_policy,
 )
-from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BLOCK_TOKENS, DEFAULT_BW_PEAK, bw_eff
+from kvtop.analysis.diagnosis import diagnose
+from kvtop.analysis.kvbytes import KVSize
+from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
+from kvtop.analysis.swapimpl import IMPLEMENTATIONS
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
@@ -73,6 +76,17 @@ class Situation:
     itl_miss: bool | None = None
     attribution_confidence: float | None = None
     basis: str = "given"  # given | requests | aggregate
+    cause_given: str | None = None  # a scenario's explicit cause (decides the diagnosis)
+    cause_counts: dict[str, float] = field(default_factory=dict)  # spikes per cause
+    cause_lost_s: dict[str, float] = field(default_factory=dict)  # seconds over target per cause
+    cause_streams: dict[str, int] = field(default_factory=dict)  # streams hit per cause
+    has_preemption_section: bool = False
+    decided_by: list[dict[str, str]] = field(default_factory=list)
+    size: KVSize | None = None  # the one KV-size function (windows, MLA, state, TP/PP)
+    swap_impl: str | None = None  # vllm_v0_swap | vllm_v1_offload | lmcache | sglang_hicache | none
+    evidence_hint: str | None = None
+    cause_confidence: dict[str, float] = field(default_factory=dict)  # mean attribution confidence per cause
+    confidence_scale: float = 1.0
     # inputs (Num values)
     n: dict[str, Num] = field(default_factory=dict)
     victims: list[Victim] = field(default_factory=list)
@@ -91,6 +105,9 @@ def _setting(s: Situation, key: str) -> str:
 
 def _link(s: Situation, beta_rank: float) -> float:
     """BW_eff: measured/given directly, else the §2.2 model from (given or assumed) parts."""
+    if s.v("bw_eff") is None and s.v("bw_d2h") is not None and s.v("bw_h2d") is not None:
+        s.n["bw_eff"] = Num(min(s.v("bw_d2h"), s.v("bw_h2d")), "B/s", s.n["bw_d2h"].source,
+                            "slower direction (break-even uses one figure)")
     if s.v("bw_eff") is not None:
         return float(s.v("bw_eff"))
     if s.v("bw_peak") is None:
@@ -98,8 +115,13 @@ def _link(s: Situation, beta_rank: float) -> float:
     if s.v("alpha") is None:
         s.n["alpha"] = Num(DEFAULT_ALPHA_S, "s", "assumed", "fixed cost per contiguous copy")
     if s.v("copy_bytes") is None:
-        s.n["copy_bytes"] = Num(DEFAULT_BLOCK_TOKENS * beta_rank, "B", "assumed",
-                                "one 16-token block across all layers (vLLM >= 0.12 layout)")
+        impl = IMPLEMENTATIONS.get(s.swap_impl or "", IMPLEMENTATIONS["vllm_v1_offload"])
+        layers = s.size.layers_rank if s.size is not None else 0.0
+        note = {"layer_block": "one layer's K or V for a 16-token block (blocking V0 swap)",
+                "chunk": "one 256-token LMCache chunk across all layers"}.get(
+                    impl.copy, "one 16-token block across all layers (vLLM >= 0.12 layout)")
+        s.n["copy_bytes"] = Num(swapimpl.copy_bytes(impl, beta_rank, layers), "B",
+                                "derived" if s.swap_impl else "assumed", note)
     if s.v("contention") is None:
         s.n["contention"] = Num(1.0, "", "assumed")
     bw = bw_eff(s.v("copy_bytes"), s.v("bw_peak"), s.v("alpha"), s.v("contention"))
@@ -118,20 +140,49 @@ def _prefill(s: Situation) -> tuple[float, float]:
     return 1.0 / float(s.v("prefill_rate")), float(s.v("k_att"))
 
 
+def _host_limit(s: Situation) -> tuple[float | None, str | None]:
+    """The tightest known bound on host memory a pinned pool may take, and what it is."""
+    cands = []
+    for key, what in (("host_free_bytes", "free pinned"), ("host_available_bytes", "available host memory"),
+                      ("pinned_limit_bytes", "pinned-memory limit"), ("cgroup_free_bytes", "cgroup memory headroom")):
+        v = s.v(key)
+        if v is not None:
+            cands.append((float(v), what))
+    if not cands:
+        return None, None
+    return min(cands)
+
+
 def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> Any:
+    impl = IMPLEMENTATIONS.get(s.swap_impl or "")
     kappa = s.v("kappa")
     if kappa is None:
-        kappa = EPSILON_ASYNC
-        s.n["kappa"] = Num(kappa, "", "assumed", "asynchronous DMA offload (vLLM connector)")
+        if impl is not None and impl.kappa is not None:
+            kappa = impl.kappa
+            s.n["kappa"] = Num(kappa, "", "derived", impl.note)
+        else:
+            kappa = EPSILON_ASYNC
+            s.n["kappa"] = Num(kappa, "", "assumed", "asynchronous DMA offload (vLLM connector)")
+    host_free, _ = _host_limit(s)
+    h_res = s.v("resume_hit_tokens")
+    if s.size is not None and s.size.state_bytes_rank and h_res is None:
+        # a fixed SSM/linear-attention state cannot be resumed from a partial prefix
+        h_res = 0.0
+        s.n["resume_hit_tokens"] = Num(0.0, "tokens", "assumed", "hybrid state is all-or-nothing")
+    directional = s.v("bw_d2h") is not None and s.v("bw_h2d") is not None
     x = EventInputs(
         beta=beta, beta_rank=beta_rank, S=float(s.v("seq_tokens")), a=a, k_att=k_att, bw_eff=bw,
         h_sh=float(s.v("shared_tokens") or 0.0),
-        h_res=None if s.v("resume_hit_tokens") is None else float(s.v("resume_hit_tokens")),
+        h_res=None if h_res is None else float(h_res),
         h_host=float(s.v("host_tokens") or 0.0), p=float(s.v("cancel_prob") or 0.0), kappa=float(kappa),
         F=float(s.v("free_tokens") or 0.0), q_out=float(s.v("queue_out_bytes") or 0.0),
         q_in=float(s.v("queue_in_bytes") or 0.0), u_now=s.v("link_utilization"),
-        u_max=float(s.v("u_max") or 0.8), host_free=s.v("host_free_bytes"), ranks=int(s.v("ranks") or 1),
-        rate=s.v("preemption_rate"), t_iter=s.v("decode_step"),
+        u_max=float(s.v("u_max") or 0.8), host_free=host_free, ranks=int(s.v("ranks") or 1),
+        rate=s.v("preemption_rate"), t_iter=s.v("decode_step"), size=s.size,
+        bw_out=s.v("bw_d2h"), bw_in=s.v("bw_h2d"), directional=directional,
+        duplex=float(s.v("duplex") if s.v("duplex") is not None else 1.0),
+        swap_unavailable=("no host KV tier (swap.implementation: none); swap/offload needs one configured"
+                          if s.swap_impl == "none" else None),
     )
     return x, evaluate_event(x)
 
@@ -145,25 +196,45 @@ def advise(s: Situation) -> dict[str, Any]:
     marginal = False
     conf = s.attribution_confidence if s.attribution_confidence is not None else 0.9
 
+    if s.size is not None:
+        # per-token figures for labels and the break-even; every byte count uses s.size
+        s.n.setdefault("kv_bytes_per_token", Num(s.size.token_bytes_total, "B/token", "config",
+                                                 "all ranks, " + s.size.describe()))
+        s.n.setdefault("kv_bytes_per_token_rank", Num(s.size.token_bytes_rank, "B/token", "config",
+                                                      "one rank, " + s.size.describe()))
     beta = s.v("kv_bytes_per_token")
     beta_rank = s.v("kv_bytes_per_token_rank") or beta
     if beta is not None and s.v("kv_bytes_per_token_rank") is None:
         s.n["kv_bytes_per_token_rank"] = Num(beta_rank, "B/token", s.n["kv_bytes_per_token"].source)
     a, k_att = _prefill(s)
 
+    diagnose(s)
     cause = s.cause
+    if s.attribution_confidence is None and s.basis != "given" and cause is not None:
+        conf = s.cause_confidence.get(cause, 0.3) * s.confidence_scale
     if cause == "preemption" and not s.preempts:
         cause = "unknown"
         reasons.append("this engine never preempts a running request; stalls are not preemptions")
+    if cause in (None, "unknown") and s.itl_miss is not False:
+        churn_conf = _aggregate_churn(s, reasons)
+        if churn_conf is not None:
+            cause = "churn"
+            conf = churn_conf
 
     # ---- diagnosis first (rule 1) ---------------------------------------------------------
-    if s.itl_miss is False or (cause is None and s.itl_miss is None and s.spikes == 0):
+    if cause == "churn":
+        action, mechanism, marginal, conf = _preemption(s, beta, beta_rank, a, k_att, reasons, also, settings, conf)
+    elif s.itl_miss is False or (cause is None and s.itl_miss is None and s.spikes == 0):
         action = "no_action"
-        reasons.append("no token-gap spikes above the ITL target")
+        if not s.decided_by:
+            reasons.append("no token-gap spikes above the ITL target")
+        else:
+            reasons.append("ITL target met: " + s.decided_by[-1]["detail"])
     elif cause is None:
         action = "insufficient_data"
         reasons.append("no per-request token timings and no usable engine ITL histogram: cannot attribute")
         conf = min(conf, 0.2)
+        _decided(s, "insufficient_data", "no spikes or cause weights to judge (no timings, no usable histogram)")
     elif cause == "unknown":
         action = "insufficient_data"
         reasons.append("token-gap spikes found but none matches a known signature (no preemption counter step, "
@@ -193,11 +264,16 @@ def advise(s: Situation) -> dict[str, Any]:
                  "slow_decode": "reduce_batch"}.get(c2)
         if extra and extra != action and extra not in also:
             also.append(extra)
-            reasons.append(f"{share:.0%} of spikes are {c2.replace('_', ' ')}: also consider {extra.replace('_', ' ')}")
+            reasons.append(f"{share:.0%} of the weighed spikes are {c2.replace('_', ' ')}: "
+                           f"also consider {extra.replace('_', ' ')}")
 
+    if s.evidence_hint:
+        reasons.insert(0, s.evidence_hint)
     if action in ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch"):
         reasons.append(FAIRNESS)
     reasons.extend(s.notes)
+    # which gates decided, in order (kept with the numbers: every entry there says where it came from)
+    s.n["decided_by"] = Num(list(s.decided_by), "", "derived", "gates in the order they decided")
     return {
         "action": action,
         "mechanism": mechanism,
@@ -208,6 +284,39 @@ def advise(s: Situation) -> dict[str, Any]:
         "marginal": marginal,
         "reasons": reasons,
     }
+
+
+def _decided(s: Situation, gate: str, detail: str) -> None:
+    s.decided_by.append({"gate": gate, "detail": detail})
+
+
+def _aggregate_churn(s: Situation, reasons: list[str]) -> float | None:
+    """Churn read from counters alone: repeated preemption with KV pinned or a queue waiting.
+
+    Without per-request timings nothing ties a stall to a preemption, but preemptions per completed
+    request above the churn threshold, with the KV cache full or requests waiting, is admission's
+    signature by itself (kv-science §8). The confidence stays below what timings would give.
+    """
+    r_pre = s.v("preemptions_per_completed")
+    if r_pre is None or r_pre <= cap.CHURN_R_PRE or not s.preempts:
+        return None
+    kv = s.v("kv_usage_max")
+    if kv is None:
+        kv = s.v("kv_usage")
+    waiting = s.v("waiting")
+    pinned = kv is not None and kv >= 0.95
+    queued = waiting is not None and waiting > 0
+    if not (pinned or queued):
+        return None
+    bits = [f"{r_pre:.2f} preemptions per completed request (> {cap.CHURN_R_PRE:g})"]
+    if pinned:
+        bits.append(f"KV usage up to {kv:.2f}")
+    if queued:
+        bits.append(f"{waiting:.0f} waiting")
+    conf = 0.45 + (0.1 if pinned else 0.0) + (0.1 if queued else 0.0) + (0.1 if r_pre >= 0.5 else 0.0)
+    _decided(s, "churn_counters", "; ".join(bits) + " — churn from the engine's counters alone")
+    reasons.append("churn read from the engine's counters (no per-stream attribution): " + ", ".join(bits))
+    return conf
 
 
 def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: list[str],
@@ -286,12 +395,12 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
         s.n["prefix_reload"] = Num(pp["prefix_reload_s"], "s", "derived")
         s.n["prefix_discard_cost"] = Num(pp["discard_cost_gpu_s_per_s"], "GPU-s/s", "derived")
         s.n["prefix_policy"] = Num(pp["policy"], "", "derived")
-        reasons.append(f"shared prefix: recompute {pp['prefix_recompute_s'] * 1e3:.1f} ms per miss vs reload "
-                       f"{pp['prefix_reload_s'] * 1e3:.1f} ms: keep or offload it, never discard")
+        reasons.append(f"shared prefix: recompute {float(pp['prefix_recompute_s']) * 1e3:.1f} ms per miss vs reload "
+                       f"{float(pp['prefix_reload_s']) * 1e3:.1f} ms: keep or offload it, never discard")
 
     if beta is not None and s.v("seq_tokens") is not None and bw:
         x, cost = _event(s, beta, beta_rank, a, k_att, bw)
-        s.n["freed_bytes"] = Num(cost.freed_bytes, "B", "derived", "private tokens only")
+        s.n["freed_bytes"] = Num(cost.freed_bytes, "B", "derived", "GPU memory freed on all ranks (private tokens only)")
         s.n["bytes_moved"] = Num(cost.bytes_per_rank, "B", "derived", "per rank, one direction")
         s.n["bytes_moved_total"] = Num(cost.bytes_per_rank * x.ranks, "B", "derived", "all ranks")
         s.n["t_out"] = Num(cost.t_out, "s", "derived")
@@ -326,7 +435,8 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
                            f"vs {cost.c_rec * 1e3:.1f} ms to recompute ({ratio:.0f}x cheaper, {ratio_b:.0f}x even blocking); "
                            f"resume {cost.t_in * 1e3:.0f} ms vs >= {cost.t_pf * 1e3:.0f} ms")
         else:
-            why = "; ".join(cost.gate_notes[:2]) if gates_fail else (
+            failing = {k for k, v in cost.gates.items() if v is False}
+            why = "; ".join([m for m in cost.gate_notes if m.split(":", 1)[0] in failing][:2]) if gates_fail else (
                 f"recompute {cost.c_rec * 1e3:.1f} ms vs swap {cost.c_swap * 1e3:.1f} ms GPU time, "
                 f"swap resume {cost.t_in * 1e3:.1f} ms vs recompute {cost.t_pf * 1e3:.1f} ms")
             reasons.append(f"recompute: {why}")
@@ -336,12 +446,37 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.append(f"cancel probability p = {x.p:.2f} vs break-even p* = {cost.p_star:.2f}")
         if marginal:
             reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
+        if gates_fail:
+            failed = [k for k, v in cost.gates.items() if v is False]
+            why_failed = [m for m in cost.gate_notes if m.split(":", 1)[0] in failed]
+            _decided(s, "feasibility", f"swap infeasible ({', '.join(failed)}): "
+                     + "; ".join(why_failed[:2]) + " -> recompute")
+        elif mechanism == "swap":
+            _decided(s, "cost", f"swap {cost.c_swap * 1e3:.2f} ms GPU < recompute {cost.c_rec * 1e3:.1f} ms and "
+                     f"resume {cost.t_in * 1e3:.0f} ms <= {cost.t_pf * 1e3:.0f} ms")
+        else:
+            _decided(s, "cost", f"recompute {cost.c_rec * 1e3:.1f} ms GPU vs swap {cost.c_swap * 1e3:.1f} ms, "
+                     f"resume {cost.t_pf * 1e3:.0f} ms vs swap-in {cost.t_in * 1e3:.0f} ms")
         if mechanism == "swap":
-            gib = cost.bytes_per_rank * x.ranks * 4 / (1 << 30)
-            swap_settings[_setting(s, "offload_size")] = max(1, math.ceil(gib))
-            if "offload_backend" in s.settings_names:
-                swap_settings[_setting(s, "offload_backend")] = "native"
-            s.n["offload_pool"] = Num(gib * (1 << 30), "B", "derived", "room for 4 preempted sequences of this size")
+            per_seq = float(cost.bytes_total or cost.bytes_per_rank * x.ranks)
+            want = 4 * per_seq
+            limit, what = _host_limit(s)
+            pool = want
+            note = "room for 4 preempted sequences of this size (all ranks)"
+            if limit is not None and want > limit:
+                # never recommend a pool the host cannot pin: as many whole sequences as fit
+                fit = math.floor(limit / per_seq) if per_seq > 0 else 0
+                pool = fit * per_seq
+                note = f"{fit} sequence(s): the {what} ({limit / 1e9:.3g} GB) bounds the pool"
+                reasons.append(f"host memory: 4 sequences need {want / 1e9:.3g} GB but only {limit / 1e9:.3g} GB "
+                               f"({what}) is free; the pool holds {fit}")
+                if fit < 4:
+                    marginal = True
+            swap_settings.update(swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names))
+            s.n["offload_pool"] = Num(pool, "B", "derived", note)
+            if limit is not None:
+                s.n["host_limit"] = Num(limit, "B", s.n["host_free_bytes"].source if what == "free pinned" and
+                                        "host_free_bytes" in s.n else "given", what)
     else:
         if beta is not None:
             reasons.append("sequence length at preemption unknown: swap vs recompute not evaluated")
@@ -364,6 +499,17 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
         if ch.swap_bytes_per_event is not None:
             s.n["swap_bytes_per_event"] = Num(ch.swap_bytes_per_event, "B", "derived", "out + in")
     admission = ch.churn or ch.abandonment or (gates_fail and bool(s.v("gates_fail_persistently")))
+    if admission:
+        grounds: list[str] = []
+        if ch.churn:
+            grounds.append(f"churn (r_pre {ch.r_pre if ch.r_pre is not None else float('nan'):.3g} > {cap.CHURN_R_PRE:g}"
+                       + (f", k̄ {ch.k_bar:.2g} > {cap.CHURN_KBAR:g}" if ch.k_bar is not None and ch.k_bar > cap.CHURN_KBAR
+                          else "") + ")")
+        if ch.abandonment:
+            grounds.append(f"abandonment (p {ch.p:.2f} >= {cap.ABANDON_P:g})")
+        if gates_fail and s.v("gates_fail_persistently"):
+            grounds.append("swap gates fail persistently")
+        _decided(s, "admission", "; ".join(grounds) + " -> admission takes priority over the mechanism")
     plan = None
     c_kv = s.v("kv_capacity_tokens")
     if c_kv is None and s.v("kv_pool_bytes") and beta:

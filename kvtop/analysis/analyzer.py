@@ -21,6 +21,16 @@ from kvtop.analysis.gaps import Gap, LogHistogram, ReqState
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 
 
+def header_itl_target(h: dict[str, Any]) -> float | None:
+    """The ITL target a trace was recorded (or simulated) against, from its header; None if absent."""
+    tgt = h.get("itl_target_s")
+    if tgt is None and isinstance(h.get("sim"), dict):
+        tgt = h["sim"].get("itl_target_s")
+    if isinstance(tgt, (int, float)) and not isinstance(tgt, bool) and tgt > 0 and tgt == tgt and tgt != float("inf"):
+        return float(tgt)
+    return None
+
+
 class Analyzer:
     def __init__(self, itl_target_s: float | None = None, k: float = G.K_TARGET, preempts: bool = True,
                  max_requests: int | None = None, keep_spikes: int = 10_000, horizon_s: float = 120.0,
@@ -78,11 +88,9 @@ class Analyzer:
     def set_header(self, h: dict[str, Any]) -> None:
         self.header = h
         if self.itl_target_s is None:
-            tgt = h.get("itl_target_s")
-            if tgt is None and isinstance(h.get("sim"), dict):
-                tgt = h["sim"].get("itl_target_s")
-            if tgt:
-                self.itl_target_s = float(tgt)
+            tgt = header_itl_target(h)
+            if tgt is not None:
+                self.itl_target_s = tgt
                 self.target_source = "trace header"
 
     @property
@@ -498,11 +506,3 @@ class Analyzer:
             return (0, 0, None)
         return (r.spikes, r.preempt_spikes, r.last_cause)
 
-
-def __getattr__(name: str) -> Any:
-    # ``LiveAnalyzer`` lives in kvtop.analysis.live; some callers look for it here
-    if name == "LiveAnalyzer":
-        from kvtop.analysis.live import LiveAnalyzer
-
-        return LiveAnalyzer
-    raise AttributeError(name)

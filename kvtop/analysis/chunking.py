@@ -45,6 +45,7 @@ class ChunkPlan:
     prefill_s: float | None  # TTFT prefill phase at the recommended budget
     rows: list[BudgetRow] = field(default_factory=list)
     spike_share: float | None = None  # share of each stream's ITL samples that are spikes
+    current_steps_over: int | None = None  # steps per prompt above the target at the current budget
     ttft_slo_s: float | None = None
     disaggregate: bool = False
 
@@ -53,6 +54,19 @@ def spike_share(rate: float, t_spike: float, t_dec: float) -> float:
     """Share of a stream's ITL samples that land on a long prefill step (kv-science §12 S5)."""
     per_s = (1 - rate * t_spike) / t_dec + rate
     return rate / per_s if per_s > 0 else 1.0
+
+
+def spike_share_steps(rate: float, steps: list[float], target: float, t_dec: float) -> float:
+    """Share of a stream's ITL samples above ``target`` when each prompt runs as ``steps``.
+
+    Every step of a prompt emits one token per stream; those longer than the target are spikes.
+    The rest of each second is ordinary ``t_dec`` steps. With one step this is ``spike_share``.
+    """
+    over = sum(1 for t in steps if t > target)
+    per_s = (1 - rate * sum(steps)) / t_dec + rate * len(steps)
+    if per_s <= 0:
+        return 1.0 if over else 0.0
+    return rate * over / per_s
 
 
 def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float,
@@ -73,7 +87,9 @@ def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float
         prefill_s=best.prefill_s if best else None, rows=rows, ttft_slo_s=ttft_slo_s,
     )
     if rate is not None:
-        plan.spike_share = spike_share(rate, max(cur_steps), t_dec)
+        # every step above the target is a spike, not only the longest one
+        plan.spike_share = spike_share_steps(rate, cur_steps, itl_slo_s, t_dec)
+        plan.current_steps_over = sum(1 for t in cur_steps if t > itl_slo_s)
     if best is None or (ttft_slo_s is not None and best.prefill_s > ttft_slo_s):
         plan.disaggregate = True
     return plan

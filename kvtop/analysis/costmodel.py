@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.analysis.kvbytes import KVSize
+
 # kv-science §12 common defaults
 EPSILON_ASYNC = 0.05  # GPU cost fraction of an asynchronous (DMA, overlapped) copy
 U_MAX = 0.8  # link utilisation ceiling for the swap gate
@@ -52,6 +54,12 @@ class EventInputs:
     rate: float | None = None  # preemptions per second
     t_fix: float = 0.0
     t_iter: float | None = None  # one engine step (for the per-iteration move budget)
+    size: KVSize | None = None  # when given, every byte count comes from it (beta/beta_rank: labels only)
+    bw_out: float | None = None  # GPU->host usable B/s (default bw_eff)
+    bw_in: float | None = None  # host->GPU usable B/s (default bw_eff)
+    directional: bool = False  # directions measured separately: gate each on its own headroom
+    duplex: float = 1.0  # share of one-way rate left while the other direction copies too
+    swap_unavailable: str | None = None  # why no host tier exists (swap infeasible)
 
 
 @dataclass
@@ -72,6 +80,7 @@ class EventCost:
     gates: dict[str, bool | None] = field(default_factory=dict)
     gate_notes: list[str] = field(default_factory=list)
     tokens_per_iteration: float | None = None
+    bytes_total: float | None = None  # moved bytes over all ranks (host pool demand)
 
     @property
     def swap_feasible(self) -> bool:
@@ -142,20 +151,41 @@ def _first_positive(A: float, B: float, C: float) -> float | None:
 
 def evaluate_event(x: EventInputs) -> EventCost:
     h_res = x.h_sh if x.h_res is None else x.h_res
-    private = max(0.0, x.S - x.h_sh)
-    V = max(0.0, x.S - x.h_sh - x.h_host) * x.beta_rank
-    t_out = (x.q_out + V) / x.bw_eff
-    t_in = (x.q_in + V) / x.bw_eff
+    if x.size is not None:
+        # windows, MLA replication and fixed state: bytes come from the one size function
+        V = x.size.private_rank_bytes(x.S, x.h_sh + x.h_host)
+        V_total = x.size.private_total_bytes(x.S, x.h_sh + x.h_host)
+        freed = x.size.private_total_bytes(x.S, x.h_sh)
+        naive = x.S * x.size.token_bytes_total
+    else:
+        V = max(0.0, x.S - x.h_sh - x.h_host) * x.beta_rank
+        V_total = V * x.ranks
+        freed = max(0.0, x.S - x.h_sh) * x.beta
+        naive = x.S * x.beta
+    bw_out = x.bw_out or x.bw_eff
+    bw_in = x.bw_in or x.bw_eff
+    if x.rate is not None and x.duplex < 1.0:
+        # a storm overlaps swap-outs of new victims with swap-ins of resumed ones; while both
+        # directions run, each gets only ``duplex`` of its one-way rate (GPU->host suffers most)
+        busy_in = min(1.0, x.rate * (1 - x.p) * (x.q_in + V) / bw_in)
+        busy_out = min(1.0, x.rate * (x.q_out + V) / bw_out)
+        bw_out *= 1 - busy_in * (1 - x.duplex)
+        bw_in *= 1 - busy_out * (1 - x.duplex)
+    t_out = (x.q_out + V) / bw_out
+    t_in = (x.q_in + V) / bw_in
     tpf = t_pf(x.S, h_res, x.a, x.k_att, x.F)
     c_swap = x.kappa * (t_out + (1 - x.p) * t_in)
     c_swap_blocking = t_out + (1 - x.p) * t_in
     c_rec = (1 - x.p) * tpf
     gates: dict[str, bool | None] = {}
     notes: list[str] = []
+    if x.swap_unavailable:
+        gates["implementation"] = False
+        notes.append(f"implementation: {x.swap_unavailable}")
     if x.host_free is not None:
-        gates["host"] = V * x.ranks <= x.host_free
+        gates["host"] = V_total <= x.host_free
         if not gates["host"]:
-            notes.append(f"host: {V * x.ranks / 1e9:.2f} GB needed > {x.host_free / 1e9:.2f} GB free pinned")
+            notes.append(f"host: {V_total / 1e9:.2f} GB needed > {x.host_free / 1e9:.2f} GB free pinned")
     else:
         gates["host"] = None
         notes.append("host: free pinned memory unknown")
@@ -166,14 +196,27 @@ def evaluate_event(x: EventInputs) -> EventCost:
         notes.append(f"link: utilisation {u_now:.2f} > ceiling {x.u_max:.2f}")
     if x.rate is not None:
         demand = x.rate * V * (2 - x.p)
-        if demand > (x.u_max - u_now) * x.bw_eff:
+        head = x.u_max - u_now
+        if x.directional:
+            # a full-duplex link: each direction has its own headroom
+            d_out, d_in = x.rate * V, x.rate * V * (1 - x.p)
+            if d_out > head * bw_out:
+                link_ok = False
+                notes.append(f"link: GPU->host demand {d_out / 1e9:.2f} GB/s exceeds headroom "
+                             f"{max(0.0, head) * bw_out / 1e9:.2f} GB/s")
+            if d_in > head * bw_in:
+                link_ok = False
+                notes.append(f"link: host->GPU demand {d_in / 1e9:.2f} GB/s exceeds headroom "
+                             f"{max(0.0, head) * bw_in / 1e9:.2f} GB/s")
+        elif demand > head * x.bw_eff:
             link_ok = False
-            notes.append(f"link: demand {demand / 1e9:.2f} GB/s exceeds headroom")
+            notes.append(f"link: demand {demand / 1e9:.2f} GB/s exceeds headroom "
+                         f"{max(0.0, head) * x.bw_eff / 1e9:.2f} GB/s")
     gates["link"] = link_ok
-    n_free = x.bw_eff * x.t_iter / x.beta_rank if x.t_iter else None
+    n_free = min(bw_out, bw_in) * x.t_iter / x.beta_rank if x.t_iter else None
     return EventCost(
-        freed_bytes=private * x.beta,
-        naive_freed_bytes=x.S * x.beta,
+        freed_bytes=freed,
+        naive_freed_bytes=naive,
         bytes_per_rank=V,
         t_out=t_out,
         t_in=t_in,
@@ -189,6 +232,7 @@ def evaluate_event(x: EventInputs) -> EventCost:
         gates=gates,
         gate_notes=notes,
         tokens_per_iteration=n_free,
+        bytes_total=V_total,
     )
 
 
@@ -204,7 +248,7 @@ class Victim:
 def choose_victim(cands: list[Victim], deficit_bytes: float, beta: float, cost_per_token: float = 1.0
                   ) -> tuple[str, list[dict[str, Any]]]:
     """Rank victims: one that covers the deficit alone first, then freed bytes per unit cost."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for v in cands:
         freed = max(0.0, v.S - v.h_sh) * beta
         needed = math.ceil(deficit_bytes / freed) if freed > 0 else None

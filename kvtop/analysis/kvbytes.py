@@ -78,11 +78,18 @@ def geometry_from_config(cfg: dict[str, Any]) -> Geometry:
         if not hidden:
             raise ModelConfigError("config lacks head_dim and hidden_size")
         head_dim = int(hidden) // heads_q
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        # hybrid models (SSM / linear attention layers) keep per-token KV only in attention layers;
+        # the others hold a fixed per-sequence state (given separately)
+        attn = [t for t in layer_types if _is_kv_layer(str(t))]
+        if attn and len(attn) < len(layer_types):
+            layers = len(attn)
+            layer_types = attn
     kv_lora = cfg.get("kv_lora_rank")
     rope = cfg.get("qk_rope_head_dim")
     window = None
     swa_layers = 0
-    layer_types = cfg.get("layer_types")
     sw = cfg.get("sliding_window")
     # Qwen2 ships sliding_window with use_sliding_window=false: the window is not applied.
     if sw and cfg.get("use_sliding_window", True):
@@ -104,13 +111,18 @@ def geometry_from_config(cfg: dict[str, Any]) -> Geometry:
     )
 
 
+def _is_kv_layer(kind: str) -> bool:
+    k = kind.lower()
+    return "attention" in k and not any(x in k for x in ("linear", "mamba", "ssm", "delta"))
+
+
 def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
     """Bytes per token per layer on one rank."""
     if g.mla:
         if dtype.lower() == "fp8_ds_mla":
             return _FP8_DS_MLA_LAYER_BYTES
         # the latent is replicated on every TP rank, never split
-        return (g.kv_lora_rank + (g.qk_rope_head_dim or 0)) * dtype_bytes(dtype)
+        return ((g.kv_lora_rank or 0) + (g.qk_rope_head_dim or 0)) * dtype_bytes(dtype)
     b = dtype_bytes(dtype)
     # heads are split across ranks until there are fewer heads than ranks, then replicated
     return 2 * g.kv_heads * g.head_dim * b / min(max(tp, 1), g.kv_heads)
@@ -118,18 +130,12 @@ def _layer_bytes(g: Geometry, dtype: str, tp: int) -> float:
 
 def kv_bytes_per_token(config: dict[str, Any] | Geometry, dtype: str = "bf16", tp: int = 1) -> int:
     """KV bytes per token on one rank, for a context that fits every sliding window."""
-    g = config if isinstance(config, Geometry) else geometry_from_config(config)
-    return int(round(g.layers * _layer_bytes(g, dtype, tp)))
+    return int(round(kv_size(config, dtype, tp).token_bytes_rank))
 
 
 def seq_bytes(config: dict[str, Any] | Geometry, n: int, dtype: str = "bf16", tp: int = 1) -> int:
     """KV bytes of a whole ``n``-token sequence on one rank (sliding-window layers capped at W)."""
-    g = config if isinstance(config, Geometry) else geometry_from_config(config)
-    lb = _layer_bytes(g, dtype, tp)
-    if g.sliding_window and g.swa_layers:
-        full = g.layers - g.swa_layers
-        return int(round(lb * (full * n + g.swa_layers * min(n, g.sliding_window))))
-    return int(round(lb * g.layers * n))
+    return int(round(kv_size(config, dtype, tp).rank_bytes(n)))
 
 
 # Built-in table (kv-science §1.2, Hugging Face config.json values). N = non-embedding params.
@@ -191,3 +197,102 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ModelConfigError(f"model config {path} is not a JSON object")
     geometry_from_config(d)  # validate now so the error names the file
     return d
+
+
+# ---- the one size function every byte count goes through ------------------------------------
+
+@dataclass(frozen=True)
+class KVSize:
+    """KV footprint of sequences on this deployment, per rank and over all ranks.
+
+    Every byte the advisor counts (freed, moved, gated, link demand, recommended host pool) comes
+    from ``rank_bytes`` / ``total_bytes`` so sliding windows, MLA replication, FP8, TP/PP splits and
+    a hybrid model's fixed per-sequence state are honoured in one place.
+
+    ``total`` means the physical bytes on all ``tp·pp`` GPUs together: for GQA with TP ≤ KV heads
+    that is the unsplit model size; for MLA (latent replicated on every TP rank) it is TP copies.
+    """
+
+    layer_bytes_rank: float  # one token, one attention layer, one rank
+    layers_rank: float  # attention layers on one rank (L / PP)
+    swa_layers_rank: float = 0.0  # of which sliding-window layers
+    window: int | None = None
+    state_bytes_rank: float = 0.0  # fixed per-sequence state (SSM / linear attention) on one rank
+    tp: int = 1
+    pp: int = 1
+    replicated: bool = False  # MLA latent: every TP rank holds the same bytes
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def token_bytes_rank(self) -> float:
+        """Per-token bytes on one rank while the context fits every window (β_rank)."""
+        return self.layer_bytes_rank * self.layers_rank
+
+    @property
+    def token_bytes_total(self) -> float:
+        """Per-token bytes over all ranks while the context fits every window (β)."""
+        return self.token_bytes_rank * self.ranks
+
+    def rank_bytes(self, n: float) -> float:
+        """Bytes one rank holds for an ``n``-token sequence (windows capped, state added)."""
+        return self.private_rank_bytes(n, 0.0)
+
+    def total_bytes(self, n: float) -> float:
+        return self.rank_bytes(n) * self.ranks
+
+    def private_rank_bytes(self, n: float, held: float) -> float:
+        """Bytes one rank holds for tokens [held, n) of an ``n``-token sequence.
+
+        ``held`` tokens at the start are shared with live requests (or already on the host): they
+        are neither freed nor moved. A windowed layer holds only the last ``window`` tokens, so a
+        prefix that slid out of the window costs nothing there. The fixed state is always private.
+        """
+        n = max(0.0, float(n))
+        held = min(max(0.0, float(held)), n)
+        full = self.layers_rank - self.swa_layers_rank
+        tokens = full * (n - held)
+        if self.swa_layers_rank:
+            w = float(self.window or n)
+            tokens += self.swa_layers_rank * max(0.0, n - max(n - w, held))
+        state = self.state_bytes_rank if n > 0 else 0.0
+        return self.layer_bytes_rank * tokens + state
+
+    def private_total_bytes(self, n: float, held: float) -> float:
+        return self.private_rank_bytes(n, held) * self.ranks
+
+    def describe(self) -> str:
+        bits = [f"TP={self.tp}"]
+        if self.pp > 1:
+            bits.append(f"PP={self.pp}")
+        if self.replicated:
+            bits.append("MLA latent replicated per rank")
+        if self.window and self.swa_layers_rank:
+            bits.append(f"{self.swa_layers_rank:g} of {self.layers_rank:g} layers windowed at {self.window}")
+        if self.state_bytes_rank:
+            bits.append(f"+{self.state_bytes_rank / 2**20:.3g} MiB fixed state per sequence per rank")
+        return ", ".join(bits)
+
+
+def kv_size(config: dict[str, Any] | Geometry | None = None, dtype: str = "bf16", tp: int = 1, pp: int = 1,
+            token_bytes_rank: float | None = None, state_bytes_total: float = 0.0) -> KVSize:
+    """The ``KVSize`` of a model (config or geometry), or of a given per-rank per-token size.
+
+    ``token_bytes_rank`` overrides the geometry's per-token size (an operator's measured figure);
+    the geometry's window structure still applies when a geometry is given.
+    """
+    tp, pp = max(1, int(tp)), max(1, int(pp))
+    state_rank = float(state_bytes_total) / (tp * pp)
+    if config is None:
+        if token_bytes_rank is None:
+            raise ModelConfigError("KV size unknown: give a model, a model config or bytes per token")
+        return KVSize(float(token_bytes_rank), 1.0, state_bytes_rank=state_rank, tp=tp, pp=pp)
+    g = config if isinstance(config, Geometry) else geometry_from_config(config)
+    layers = g.layers / pp
+    lb = _layer_bytes(g, dtype, tp)
+    if token_bytes_rank is not None:
+        lb = float(token_bytes_rank) / layers
+    swa = g.swa_layers / pp if g.sliding_window else 0.0
+    return KVSize(lb, layers, swa, g.sliding_window, state_rank, tp, pp, replicated=g.mla)

@@ -30,6 +30,10 @@ class LiveAnalyzer:
                  model_config: dict[str, Any] | None = None, kv_bytes_per_token: float | None = None,
                  kv_dtype: str = "bf16", tp: int = 1, max_requests: int = 5000, keep_spikes: int = 500,
                  horizon_s: float = 120.0, report_every_s: float = 1.0):
+        self._settings_kw: dict[str, Any] = dict(
+            itl_target_s=itl_target_s, adapter=adapter, model=model, model_config=model_config,
+            kv_bytes_per_token=kv_bytes_per_token, kv_dtype=kv_dtype, tp=tp, max_requests=max_requests,
+            keep_spikes=keep_spikes, horizon_s=horizon_s, report_every_s=report_every_s)
         self.an = Analyzer(itl_target_s=itl_target_s, max_requests=max_requests, keep_spikes=keep_spikes,
                            horizon_s=horizon_s)
         self.an.set_header({"engine": {"adapter": adapter, "model": model}})
@@ -44,6 +48,9 @@ class LiveAnalyzer:
         self._warn: list[str] = []
         if adapter:
             self._set_adapter(adapter)
+
+    def fresh(self) -> LiveAnalyzer:
+        return LiveAnalyzer(**self._settings_kw)
 
     def _set_adapter(self, name: str) -> None:
         from kvtop.analysis.scan import adapter_info

@@ -33,6 +33,8 @@ def render_verdict_text(v: dict[str, Any]) -> str:
     if v.get("also"):
         head += "  also: " + ", ".join(a.replace("_", " ") for a in v["also"])
     lines.append(f"verdict: {head}   confidence {v['confidence']:.2f}" + ("   MARGINAL" if v.get("marginal") else ""))
+    for d in (v.get("numbers", {}).get("decided_by") or {}).get("value") or []:
+        lines.append(f"  decided by: {d['gate']} — {d['detail']}")
     for r in v.get("reasons", []):
         lines.append(f"  - {r}")
     if v.get("settings"):
@@ -116,6 +118,68 @@ def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, 
     return counts, target, src
 
 
+EVIDENCE_HINT = ("per-request evidence: run with --probe RATE, --capture or --proxy-listen to time every stream's "
+                 "tokens; each stall then gets its own cause and the victims' length, cancel rate and prefill "
+                 "rate are measured instead of assumed")
+
+
+def _lost_time(an: Any, counts: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
+    """Seconds over the target and streams hit per cause, from the listed spikes.
+
+    When older spikes were dropped from the list, each cause's listed time is scaled up by its
+    count over its listed count (the mean stall of a cause is assumed unchanged).
+    """
+    target = an.itl_target_s or 0.0
+    lost: dict[str, float] = {c: 0.0 for c in counts}
+    listed: dict[str, int] = {c: 0 for c in counts}
+    streams: dict[str, set[str]] = {c: set() for c in counts}
+    for g in an.spikes:
+        c = g.cause if g.cause in lost else "unknown"
+        lost[c] += max(0.0, g.gap - target)
+        listed[c] += 1
+        streams[c].add(g.request_id)
+    for c in lost:
+        if listed[c] and counts.get(c, 0) > listed[c]:
+            lost[c] *= counts[c] / listed[c]
+    return lost, {c: len(v) for c, v in streams.items()}
+
+
+def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
+    """What the advisor needs beyond inputs.py's figures: the KV-size function, per-direction link
+    rates from the engine's offload counters, and host-memory bounds for a recommended pool."""
+    from kvtop.analysis.advisor import Num
+    from kvtop.analysis.inputs import _sum_delta
+    from kvtop.analysis.kvbytes import BUILTIN, ModelConfigError, kv_size
+
+    geo_cfg = model_config
+    if geo_cfg is None and s.v("model_key") in BUILTIN:
+        geo_cfg = BUILTIN[s.v("model_key")]
+    rank = s.n.get("kv_bytes_per_token_rank")
+    override = rank.value if rank is not None and rank.source != "config" else None
+    try:
+        if geo_cfg is not None or override is not None:
+            s.size = kv_size(geo_cfg, dtype, tp, 1, override)
+    except ModelConfigError:
+        s.size = None
+    for d, key, what in (("out", "bw_d2h", "GPU->host"), ("in", "bw_h2d", "host->GPU")):
+        b = _sum_delta(an, f"offload_{d}_bytes_total")
+        sec = _sum_delta(an, f"offload_{d}_seconds_total")
+        if b and sec and sec > 0:
+            s.n[key] = Num(b / sec, "B/s", "measured", f"engine offload {what} bytes / seconds")
+    host = an.acc.get("host") or {}
+    if host.get("mem_available_bytes"):
+        s.n["host_available_bytes"] = Num(float(host["mem_available_bytes"]), "B", "measured", "MemAvailable")
+    if host.get("cgroup_mem_max_bytes"):
+        used = float(host.get("cgroup_shmem_bytes") or 0.0)
+        s.n["cgroup_free_bytes"] = Num(max(0.0, float(host["cgroup_mem_max_bytes"]) - used), "B", "measured",
+                                       "cgroup memory.max - shmem (upper bound)")
+
+
+def _last_sum(an: Any, key: str) -> float | None:
+    vals = [d.get(key) for d in an.acc["engine_last"].values() if d.get(key) is not None]
+    return float(sum(vals)) if vals else None
+
+
 def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
@@ -123,6 +187,7 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
     from kvtop.analysis.inputs import build_situation
 
     s = build_situation(an, model_config, kv_bytes, dtype, tp)
+    _size_link_host(an, s, model_config, dtype, tp)
     s.engine = engine
     s.settings_names = dict(settings_names or {})
     basis = "requests" if an.token_records else "aggregate"
@@ -140,32 +205,39 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         s.notes.append("no per-request token timings in this trace: causes come from the engine's ITL histogram "
                        "deltas vs preemption and prompt-token counters (lower confidence)")
     shares = {c: (counts[c] / total if total else 0.0) for c in counts}
-    s.cause_shares = {c: v for c, v in shares.items() if c != "unknown"}
-    s.spikes = total
+    s.cause_counts = {c: float(v) for c, v in counts.items()}
     s.basis = basis
     gaps = an.n_gaps
     if basis == "requests":
-        if not an.token_records:
-            s.itl_miss = None
-        else:
-            # a miss pattern: enough spikes to matter for a p99/p99.9 contract, or a visible share of
-            # streams hit (a few multi-second stalls in a long run still break users' streams)
-            streams = sum(1 for r in an.reqs.values() if r.first_t is not None)
-            hit = sum(1 for r in an.reqs.values() if r.spikes)
-            s.itl_miss = total >= 3 and (total >= 0.0005 * gaps or hit >= 0.01 * max(1, streams))
+        # the spike-pattern and cause-weight gates (kvtop.analysis.diagnosis) decide; they need the
+        # counts, the time over target each cause cost and the streams it hit
+        s.spikes = total
+        s.n["gaps"] = Num(float(gaps), "", "measured", "inter-token gaps")
+        streams = sum(1 for r in an.reqs.values() if r.first_t is not None)
+        hit = sum(1 for r in an.reqs.values() if r.spikes)
+        s.n["streams"] = Num(float(streams), "", "measured")
+        s.n["streams_hit"] = Num(float(hit), "", "measured", "streams with at least one spike")
+        lost, hit_by = _lost_time(an, counts)
+        s.cause_lost_s = lost
+        s.cause_streams = hit_by
+        for c, v in lost.items():
+            if v:
+                s.n[f"lost_s_{c}"] = Num(v, "s", "measured", "time over the target")
+                s.n[f"streams_{c}"] = Num(hit_by[c], "", "measured", "streams hit by this cause")
+        if an.t0 is not None and an.now > an.t0:
+            s.n["window"] = Num(an.now - an.t0, "s", "measured", "trace span")
     else:
-        s.itl_miss = (total >= 3) if s.v("itl_target") is not None else None
-    if s.itl_miss:
-        known = {c: counts[c] for c in ("preemption", "prefill_interference", "slow_decode")}
-        best = max(known, key=lambda c: known[c])
-        s.cause = best if known[best] >= 0.3 * total else "unknown"
-        cc = conf.get(s.cause)
-        s.attribution_confidence = (cc if cc is not None else 0.3) * (1.0 if basis == "requests" else 0.6)
-    elif s.itl_miss is None:
-        s.cause = None
-        s.spikes = None
+        s.spikes = total if s.v("itl_target") is not None else None
+        s.evidence_hint = EVIDENCE_HINT
+        waiting = _last_sum(an, "waiting")
+        if waiting is not None:
+            s.n["waiting"] = Num(waiting, "requests", "measured", "last scrape, all engines")
     if basis == "requests" and total:
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
+    # advise() runs the diagnosis; the verdict's confidence is the chosen cause's mean attribution
+    # confidence, lowered when only aggregates were seen
+    s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
+    s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
     spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
                "gap_s": round(g.gap, 6), "cause": g.cause, "confidence": round(g.confidence, 3),
@@ -188,7 +260,8 @@ def build_report(an: Any, model_config: dict[str, Any] | None = None, kv_bytes: 
         "spikes_listed": len(spikes),
         "spikes_total": total,
         "causes": {c: {"count": counts[c], "share": round(shares[c], 4),
-                       "mean_confidence": None if conf[c] is None else round(conf[c], 3)} for c in counts},
+                       "mean_confidence": None if conf.get(c) is None else round(float(conf[c] or 0.0), 3)}
+                   for c in counts},
         "requests": requests,
         "verdict": verdict,
         "warnings": list(warnings or []),

@@ -7,14 +7,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvtop.analysis import chunking
 from kvtop.analysis.advisor import Num, Situation, advise
 from kvtop.analysis.costmodel import Victim
 from kvtop.analysis.kvbytes import (
     Geometry,
     ModelConfigError,
     geometry_from_config,
-    kv_bytes_per_token,
+    kv_size,
     lookup_model,
 )
 
@@ -81,21 +80,24 @@ def situation(doc: dict[str, Any]) -> Situation:
     geo, key = _geometry(doc)
     dtype = doc.get("kv_dtype", "bf16")
     tp = int(doc.get("tp", 1))
+    pp = int(doc.get("pp", 1))
+    state = float(doc.get("state_bytes_per_seq", 0.0))
     if key:
         n["model_key"] = Num(key, "", "given")
+    given_rank = doc.get("kv_bytes_per_token_rank")
+    if given_rank is None and "kv_bytes_per_token" in doc:
+        given_rank = float(doc["kv_bytes_per_token"]) / (tp * pp)
+    try:
+        s.size = kv_size(geo, dtype, tp, pp, None if given_rank is None else float(given_rank), state)
+    except ModelConfigError as e:
+        raise ScenarioError(str(e)) from None
     if "kv_bytes_per_token" in doc:
-        n["kv_bytes_per_token"] = Num(float(doc["kv_bytes_per_token"]), "B/token", "given")
-    elif geo is not None:
-        n["kv_bytes_per_token"] = Num(kv_bytes_per_token(geo, dtype, 1) if not geo.mla else
-                                      kv_bytes_per_token(geo, dtype, tp), "B/token", "config",
-                                      f"{dtype}, all ranks" if not geo.mla else f"{dtype}, MLA latent")
+        n["kv_bytes_per_token"] = Num(float(doc["kv_bytes_per_token"]), "B/token", "given", "all ranks")
     if "kv_bytes_per_token_rank" in doc:
-        n["kv_bytes_per_token_rank"] = Num(float(doc["kv_bytes_per_token_rank"]), "B/token", "given")
-    elif geo is not None:
-        n["kv_bytes_per_token_rank"] = Num(kv_bytes_per_token(geo, dtype, tp), "B/token", "config", f"TP={tp}")
-    if "kv_bytes_per_token" not in n and "kv_bytes_per_token_rank" in n:
-        n["kv_bytes_per_token"] = Num(n["kv_bytes_per_token_rank"].value * tp, "B/token", "derived")
-    n["ranks"] = Num(tp, "", "given")
+        n["kv_bytes_per_token_rank"] = Num(float(doc["kv_bytes_per_token_rank"]), "B/token", "given", "one rank")
+    if state:
+        n["state_bytes_per_seq"] = Num(state, "B", "given", "fixed per-sequence state, all ranks")
+    n["ranks"] = Num(tp * pp, "", "given")
     if geo is not None and geo.k_att is not None:
         n["k_att"] = Num(geo.k_att, "1/token", "config", "L·H_q·d_h / N")
 
@@ -112,11 +114,15 @@ def situation(doc: dict[str, Any]) -> Situation:
                                   ("alpha_us", "alpha", "s", 1e-6), ("copy_bytes", "copy_bytes", "B", 1.0),
                                   ("contention", "contention", "", 1.0), ("utilization", "link_utilization", "", 1.0),
                                   ("u_max", "u_max", "", 1.0), ("queue_out_bytes", "queue_out_bytes", "B", 1.0),
-                                  ("queue_in_bytes", "queue_in_bytes", "B", 1.0)):
+                                  ("queue_in_bytes", "queue_in_bytes", "B", 1.0),
+                                  ("bw_h2d_gbps", "bw_h2d", "B/s", 1e9), ("bw_d2h_gbps", "bw_d2h", "B/s", 1e9),
+                                  ("duplex", "duplex", "", 1.0)):
         if src in ln:
             n[dst] = Num(float(ln[src]) * scale, unit, "given")
 
     sw = doc.get("swap", {})
+    if "implementation" in sw:
+        s.swap_impl = sw["implementation"]
     if "kappa" in sw:
         n["kappa"] = Num(float(sw["kappa"]), "", "given")
     elif sw.get("mode") == "blocking":
@@ -124,8 +130,13 @@ def situation(doc: dict[str, Any]) -> Situation:
     elif sw.get("mode") == "async":
         n["kappa"] = Num(0.05, "", "given", "asynchronous copy (ε)")
 
-    if "pinned_free_bytes" in doc.get("host", {}):
-        n["host_free_bytes"] = Num(float(doc["host"]["pinned_free_bytes"]), "B", "given")
+    host = doc.get("host", {})
+    for src, dst, note in (("pinned_free_bytes", "host_free_bytes", "free pinned"),
+                           ("mem_available_bytes", "host_available_bytes", "available host memory"),
+                           ("pinned_limit_bytes", "pinned_limit_bytes", "pinned-memory limit"),
+                           ("cgroup_free_bytes", "cgroup_free_bytes", "cgroup memory.max - memory.current")):
+        if src in host:
+            n[dst] = Num(float(host[src]), "B", "given", note)
 
     pre = doc.get("preemption", {})
     for src, dst, unit in (("seq_tokens", "seq_tokens", "tokens"), ("shared_tokens", "shared_tokens", "tokens"),
@@ -166,6 +177,30 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["kv_usage"] = Num(float(ob["kv_usage"]), "", "given")
     if "running" in ob:
         n["running_mean"] = Num(float(ob["running"]), "sequences", "given")
+    for src, dst, unit, scale in (("itl_p99_ms", "itl_p99", "s", 1e-3), ("miss_rate", "miss_rate", "", 1.0),
+                                  ("gaps", "gaps", "", 1.0), ("window_s", "window", "s", 1.0),
+                                  ("streams", "streams", "", 1.0), ("streams_hit", "streams_hit", "", 1.0),
+                                  ("preemptions", "preemptions", "", 1.0), ("waiting", "waiting", "", 1.0),
+                                  ("completed", "completed", "", 1.0)):
+        if src in ob:
+            n[dst] = Num(float(ob[src]) * scale, unit, "given")
+    if "spikes" in ob:
+        s.spikes = int(ob["spikes"])
+    for c, v in (ob.get("causes") or {}).items():
+        if "spikes" in v:
+            s.cause_counts[c] = float(v["spikes"])
+        if "lost_s" in v:
+            s.cause_lost_s[c] = float(v["lost_s"])
+        if "streams" in v:
+            s.cause_streams[c] = int(v["streams"])
+    if s.spikes is None and s.cause_counts:
+        s.spikes = int(sum(s.cause_counts.values()))
+    if "preemptions" in ob and "completed" in ob and ob["completed"] and "preemptions_per_completed" not in n:
+        n["preemptions_per_completed"] = Num(float(ob["preemptions"]) / float(ob["completed"]), "", "derived",
+                                             "observed preemptions / completed")
+    if "preemptions" in ob and "window_s" in ob and ob["window_s"] and "preemption_rate" not in n:
+        n["preemption_rate"] = Num(float(ob["preemptions"]) / float(ob["window_s"]), "1/s", "derived",
+                                   "observed preemptions / window")
     cp = doc.get("capacity", {})
     if "kv_pool_bytes" in cp:
         n["kv_pool_bytes"] = Num(float(cp["kv_pool_bytes"]), "B", "given")
@@ -179,34 +214,113 @@ def situation(doc: dict[str, Any]) -> Situation:
     if "max_tokens" in es:
         n["max_tokens_current"] = Num(es["max_tokens"], "tokens", "given")
 
-    s.cause = _cause(doc, s)
-    s.itl_miss = s.cause is not None
+    s.cause_given = doc.get("cause")
+    s.has_preemption_section = "preemption" in doc or "victims" in doc
     return s
-
-
-def _cause(doc: dict[str, Any], s: Situation) -> str | None:
-    c = doc.get("cause")
-    if c == "none":
-        return None
-    if c:
-        return c
-    observed_pre = doc.get("observed", {}).get("preemptions")
-    if ("preemption" in doc or "victims" in doc) and observed_pre != 0:
-        return "preemption"
-    slo, t_dec, P = s.v("itl_slo"), s.v("decode_step"), s.v("long_prompt_tokens")
-    if slo and t_dec and t_dec >= slo:
-        return "slow_decode"
-    if slo and t_dec and P:
-        a = 1.0 / (s.v("prefill_rate") or 25_000.0)
-        k = s.v("k_att") or 0.0
-        budget = s.v("batched_tokens_current")
-        steps = chunking.chunk_steps(int(P), int(budget), t_dec, a, k) if budget else [chunking.t_step(0, P, t_dec, a, k)]
-        if max(steps) > slo:
-            return "prefill_interference"
-    return None
 
 
 def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
     s = situation(doc)
     verdict = advise(s)
     return {"scenario": doc.get("name"), "cause": s.cause, "verdict": verdict}
+
+
+# ---- an analyze report as a scenario (kvtop analyze --save-scenario) --------------------------
+
+# (number in the report, section, field, scale). Only measured/given/config figures travel: the
+# what-if keeps kvtop's documented defaults as defaults instead of freezing them as "given".
+_FROM_REPORT = (
+    ("kv_bytes_per_token_rank", None, "kv_bytes_per_token_rank", 1.0),
+    ("prefill_rate", "prefill", "tokens_per_s", 1.0),
+    ("k_att", "prefill", "k_att", 1.0),
+    ("bw_eff", "link", "bw_eff_gbps", 1e-9),
+    ("bw_h2d", "link", "bw_h2d_gbps", 1e-9),
+    ("bw_d2h", "link", "bw_d2h_gbps", 1e-9),
+    ("host_free_bytes", "host", "pinned_free_bytes", 1.0),
+    ("host_available_bytes", "host", "mem_available_bytes", 1.0),
+    ("cgroup_free_bytes", "host", "cgroup_free_bytes", 1.0),
+    ("seq_tokens", "preemption", "seq_tokens", 1.0),
+    ("cancel_prob", "preemption", "cancel_prob", 1.0),
+    ("preemption_rate", "preemption", "per_minute", 60.0),
+    ("preemptions_per_completed", "preemption", "per_completed", 1.0),
+    ("preemptions_per_preempted", "preemption", "per_preempted", 1.0),
+    ("prompt_mean", "traffic", "prompt_mean", 1.0),
+    ("output_mean", "traffic", "output_mean", 1.0),
+    ("output_p90", "traffic", "output_p90", 1.0),
+    ("output_p99", "traffic", "output_p99", 1.0),
+    ("long_prompt_tokens", "traffic", "long_prompt_tokens", 1.0),
+    ("long_prompt_rate", "traffic", "long_prompts_per_s", 1.0),
+    ("itl_target", "slo", "itl_ms", 1e3),
+    ("decode_step", "observed", "decode_step_ms", 1e3),
+    ("kv_usage_max", "observed", "kv_usage", 1.0),
+    ("running_mean", "observed", "running", 1.0),
+    ("preemptions", "observed", "preemptions", 1.0),
+    ("waiting", "observed", "waiting", 1.0),
+    ("gaps", "observed", "gaps", 1.0),
+    ("streams", "observed", "streams", 1.0),
+    ("streams_hit", "observed", "streams_hit", 1.0),
+    ("window", "observed", "window_s", 1.0),
+    ("kv_capacity_tokens", "capacity", "kv_capacity_tokens", 1.0),
+)
+_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes"}
+
+
+def from_report(rep: dict[str, Any], name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
+    """A scenario holding what an ``analyze`` report measured, ready for ``kvtop advise``.
+
+    Editing one field and re-running ``advise`` is a what-if that starts from a real trace.
+    """
+    nums = (rep.get("verdict") or {}).get("numbers") or {}
+    doc: dict[str, Any] = {"name": name,
+                           "description": "saved by kvtop analyze --save-scenario: measured figures of one trace"}
+    if engine:
+        doc["engine"] = engine
+    mk = nums.get("model_key")
+    if mk and mk.get("value"):
+        doc["model"] = mk["value"]
+    if tp > 1:
+        doc["tp"] = tp
+    for key, section, fld, scale in _FROM_REPORT:
+        n = nums.get(key)
+        if not n or n.get("value") is None or n.get("source") not in ("measured", "given", "config"):
+            continue
+        if key == "kv_bytes_per_token_rank" and n.get("source") == "config" and "model" in doc:
+            continue  # the model name carries it (with its window layout)
+        if key == "k_att" and n.get("source") == "config":
+            continue
+        v = float(n["value"]) * scale
+        if fld in _INTEGER_FIELDS:
+            v = int(round(v))
+        if fld == "kv_usage":
+            v = min(1.0, max(0.0, v))
+        if fld == "cancel_prob":
+            v = min(1.0, v)
+        if section is None:
+            doc[fld] = v
+        else:
+            doc.setdefault(section, {})[fld] = v
+    if "seq_tokens" in doc.get("preemption", {}) and doc["preemption"]["seq_tokens"] < 1:
+        doc["preemption"].pop("seq_tokens")
+    ob = doc.setdefault("observed", {})
+    if rep.get("spikes_total") is not None and rep.get("basis") == "requests":
+        ob["spikes"] = int(rep["spikes_total"])
+        causes: dict[str, Any] = {}
+        for c, info in (rep.get("causes") or {}).items():
+            if not info.get("count"):
+                continue
+            entry: dict[str, Any] = {"spikes": int(info["count"])}
+            lost = nums.get(f"lost_s_{c}")
+            if lost and lost.get("value") is not None:
+                entry["lost_s"] = float(lost["value"])
+            hit = nums.get(f"streams_{c}")
+            if hit and hit.get("value") is not None:
+                entry["streams"] = int(hit["value"])
+            causes[c] = entry
+        if causes:
+            ob["causes"] = causes
+    if not ob:
+        doc.pop("observed")
+    if not any(k in doc for k in ("model", "model_config", "kv_bytes_per_token", "kv_bytes_per_token_rank")):
+        raise ScenarioError("the report does not know the KV size: give --model-config or --kv-bytes-per-token")
+    validate(doc, "saved scenario")
+    return doc

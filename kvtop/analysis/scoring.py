@@ -2,8 +2,12 @@
 
 Nothing in the analysis path imports this module: ``kvtop analyze`` never reads truth records.
 A spike's true cause is the truth event for the same request whose stall overlaps the spike most:
-a preemption (``resume`` with t_start/t_end, or ``preempt`` followed by a ``cancel``) or a prefill
-stall that lists the request among the ``affected`` streams.
+a preemption (``resume`` with t_start/t_end, or ``preempt`` followed by a ``cancel``), a prefill
+stall that lists the request among the ``affected`` streams, or a ``stall`` record (one stalled gap
+of one stream with its ``cause``: engine causes or delivery causes such as a slow reader or a host
+pause, as written by the independent generator in bench/tracegen). With ``engine_wide``, a
+``slow_step`` run (no stream list: every decoding stream waited) labels every stream's overlapping
+gaps ``slow_decode`` (and wins a tie with a prefill stall: the decode part alone missed the target).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from typing import Any
 from kvtop.model.trace import TraceReader
 
 TRUTH_CAUSES = ("preemption", "prefill_interference")
+# stalls that happen between the engine and the client: never the engine's doing
+NON_ENGINE_CAUSES = ("slow_reader", "api_merge", "api_stall", "host_pause")
+ANY_STREAM = "*"  # key of intervals that apply to every stream
 
 
-def truth_intervals(path: str) -> dict[str, list[tuple[float, float, str]]]:
+def truth_intervals(path: str, engine_wide: bool = False) -> dict[str, list[tuple[float, float, str]]]:
     out: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
     open_pre: dict[str, float] = {}
     for d in TraceReader(path).dicts():
@@ -33,6 +40,10 @@ def truth_intervals(path: str) -> dict[str, list[tuple[float, float, str]]]:
         elif ev == "prefill_stall":
             for a in data.get("affected", []):
                 out[a].append((data["t_start"], data["t_end"], "prefill_interference"))
+        elif ev == "stall" and rid:
+            out[rid].append((data["t_start"], data["t_end"], data["cause"]))
+        elif ev == "slow_step" and engine_wide:
+            out[ANY_STREAM].append((data["t_start"], data["t_end"], "slow_decode"))
     return out
 
 
@@ -42,20 +53,36 @@ def label(spike: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]
         ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
         if ov > best_ov:
             best, best_ov = cause, ov
+    for a, b, cause in truth.get(ANY_STREAM, ()):
+        ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
+        # a prefill step inside a run of steps whose decode part alone misses the target: the
+        # stall would have happened without the prefill
+        if ov > best_ov or (ov > 0 and ov >= best_ov and best == "prefill_interference"):
+            best, best_ov = cause, ov
     return best
+
+
+def labelled(report: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]]) -> list[tuple[str, str | None, float]]:
+    """(predicted cause, true cause or None, stated confidence) per reported spike."""
+    return [(s["cause"], label(s, truth), float(s.get("confidence") or 0.0)) for s in report["spikes"]]
+
+
+def precision_recall(pairs: list[tuple[str, str | None]], causes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Per cause: predicted, actual, true positives, precision and recall (None when undefined)."""
+    res: dict[str, dict[str, Any]] = {}
+    for c in causes:
+        pred = sum(1 for p, _ in pairs if p == c)
+        actual = sum(1 for _, t in pairs if t == c)
+        tp = sum(1 for p, t in pairs if p == c and t == c)
+        res[c] = {"predicted": pred, "actual": actual, "tp": tp,
+                  "precision": tp / pred if pred else None, "recall": tp / actual if actual else None}
+    return res
 
 
 def score(report: dict[str, Any], path: str) -> dict[str, Any]:
     """Precision and recall per cause over the spikes found (true label from truth records)."""
-    truth = truth_intervals(path)
-    res: dict[str, Any] = {}
-    labelled = [(s["cause"], label(s, truth)) for s in report["spikes"]]
-    for c in TRUTH_CAUSES:
-        pred = sum(1 for p, _ in labelled if p == c)
-        actual = sum(1 for _, t in labelled if t == c)
-        tp = sum(1 for p, t in labelled if p == c and t == c)
-        res[c] = {"predicted": pred, "actual": actual, "tp": tp,
-                  "precision": tp / pred if pred else None, "recall": tp / actual if actual else None}
-    res["spikes"] = len(labelled)
-    res["unlabelled"] = sum(1 for _, t in labelled if t is None)
+    pairs = [(p, t) for p, t, _ in labelled(report, truth_intervals(path))]
+    res: dict[str, Any] = dict(precision_recall(pairs, TRUTH_CAUSES))
+    res["spikes"] = len(pairs)
+    res["unlabelled"] = sum(1 for _, t in pairs if t is None)
     return res

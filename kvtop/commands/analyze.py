@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype for --model-config (bf16, fp8, ...)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for --model-config")
     p.add_argument("--format", choices=("json", "text"), default="text")
+    p.add_argument("--save-scenario", metavar="FILE",
+                   help="also write the measured inputs as a `kvtop advise` scenario (a what-if from this trace)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,8 +53,29 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
         raise UsageError(str(e)) from None
+    if args.save_scenario:
+        _save_scenario(args, rep)
     if args.format == "json":
         print(json.dumps(rep, indent=1))
     else:
         print(render_report_text(rep))
     return 0
+
+
+def _save_scenario(args: argparse.Namespace, rep: dict) -> None:
+    from pathlib import Path
+
+    from kvtop.analysis import scenario
+    from kvtop.model.trace import TraceReader
+
+    reader = TraceReader(args.trace)
+    engine = (reader.header.get("engine") or {}).get("adapter")
+    reader.close()
+    try:
+        doc = scenario.from_report(rep, f"from {Path(args.trace).name}", engine, args.tp)
+    except scenario.ScenarioError as e:
+        raise UsageError(str(e)) from None
+    try:
+        Path(args.save_scenario).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {args.save_scenario}: {e.strerror or e}") from None

@@ -49,9 +49,8 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
     import sys
 
-    from kvtop.core import Core
     from kvtop.errors import UsageError
-    from kvtop.sim.demo import DemoFeed, live_analysis
+    from kvtop.pipeline import demo_feed
     from kvtop.sim.workload import load_preset
 
     if args.headless and args.duration is None:
@@ -64,9 +63,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--interval must be > 0")
     wl = load_preset(args.preset).with_policy(args.policy)
     window = max(10.0, args.duration) if args.duration else 60.0
-    core = Core(window_s=window, itl_target_s=wl.engine.itl_target_s, source_label=f"demo {wl.name}",
-                analysis=live_analysis(wl))
-    feed = DemoFeed(core, wl, seed=args.seed, speed=args.speed, interval_s=args.interval)
+    feed = demo_feed(wl, seed=args.seed, speed=args.speed, interval_s=args.interval, window_s=window)
+    core = feed.core
 
     if args.headless:
         async def headless() -> None:
@@ -82,28 +80,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))
         return 0
-    try:
-        from kvtop.tui.app import run_console
-    except ImportError:
-        run_console = None
-    if run_console is not None:
-        return int(run_console(core=core, feed=feed, title=f"kvtop demo: {wl.name}") or 0)
+    from kvtop.tui.app import run_console
 
-    # No console installed yet: a headless live summary every few seconds until Ctrl-C / --duration.
-    async def live() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(feed.run(stop, duration_s=args.duration))
-        try:
-            while not task.done():
-                await asyncio.wait([task], timeout=5.0)
-                sys.stdout.write(_render(core.snapshot()) + "\n")
-                sys.stdout.flush()
-        finally:
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
-
-    try:
-        asyncio.run(live())
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    return int(run_console(core=core, feed=feed, title=f"kvtop demo: {wl.name}") or 0)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtop.commands._options import SourceOptions
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --proxy-listen / --probe) per-request timings to a trace file"
@@ -20,47 +23,34 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtop.commands._options import add_engine_options, add_host_options, add_probe_option
+
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help="engine base URL or its /metrics URL (repeat for several engines)")
+    add_engine_options(p)
     p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
                    help="run the recording proxy here, in front of the first --url (e.g. 127.0.0.1:8001)")
     p.add_argument("--proxy-workers", dest="proxy_workers", type=int, default=1, metavar="N",
                    help="run the proxy as N processes sharing the port (for more than ~25K chunks/s)")
-    p.add_argument("--probe", type=float, default=None, metavar="RATE",
-                   help="send canary streams at this many per second (e.g. 0.2); off by default")
+    add_probe_option(p)
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
-    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
-    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
-    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
-    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
-                   help="do not read the GPU (NVML)")
-    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
-                   help="do not read host memory")
+    add_host_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
+    from kvtop.commands._options import source_options
+    from kvtop.config import engine_bases, load_config, parse_seconds
     from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
-    urls: list[str] = resolve(args, cfg, "url", [])
+    opts = source_options(args, cfg)
     # Not from the config: its "duration" is the snapshot window, not how long to record.
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
-    interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
-    token = resolve(args, cfg, "token")
-    adapter = resolve(args, cfg, "adapter")
-    gpu = bool(resolve(args, cfg, "gpu", True))
-    host = bool(resolve(args, cfg, "host", True))
-
-    if not urls:
+    if not opts.urls:
         raise UsageError("give the engine to record: --url URL")
     out = Path(args.output)
     if out.is_dir():
@@ -70,17 +60,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.output} already exists (use --force to overwrite)")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
-    if not 0.05 <= interval <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    if args.probe is not None and not 0 < args.probe <= 100:
-        raise UsageError(f"--probe must be between 0 and 100 per second, not {args.probe:g}")
     if not 1 <= args.proxy_workers <= 64:
         raise UsageError("--proxy-workers must be between 1 and 64")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
-    bases = engine_bases(urls)
+    bases = engine_bases(list(opts.urls))
     listen = None
     if args.proxy_listen:
         from kvtop.proxy import parse_listen
@@ -89,46 +73,36 @@ def run(args: argparse.Namespace) -> int:
             listen = parse_listen(args.proxy_listen)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    if adapter is not None:
-        from kvtop.plugin import PluginError, load_adapter
-
-        try:
-            load_adapter(adapter)
-        except PluginError as e:
-            raise UsageError(str(e)) from None
-    opts = dict(urls=urls, base=bases[0], duration=duration, interval=interval, timeout=timeout, token=token,
-                adapter=adapter, gpu=gpu, host=host, listen=listen)
-    return asyncio.run(_record(args, opts))
+    return asyncio.run(_record(args, opts, base=bases[0], duration=duration, listen=listen))
 
 
-async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
+async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, duration: float | None,
+                  listen: tuple[str, int] | None) -> int:
     import asyncio
     import signal
     import sys
 
-    from kvtop.core import Core
     from kvtop.errors import UsageError
-    from kvtop.live import LiveRunner
     from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.pipeline import live_feed
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    core = Core(source_label="record")
-    runner = LiveRunner(core, o["urls"], interval_s=o["interval"], gpu=o["gpu"], host=o["host"],
-                        token=o["token"], adapter=o["adapter"], timeout_s=o["timeout"])
+    # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
+    runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
     # One scrape before the header is written, so the header names the adapter and model.
     first = await runner.scrapers[0].scrape(runner.now())
     up = next((r for r in first if r.up), None)
-    engine = {"adapter": up.adapter if up else None, "url": o["urls"][0], "model": up.model if up else None,
+    engine = {"adapter": up.adapter if up else None, "url": opts.urls[0], "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
-    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": o["interval"]}
-    if len(o["urls"]) > 1:
-        extra["urls"] = o["urls"]
+    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": opts.interval_s}
+    if len(opts.urls) > 1:
+        extra["urls"] = list(opts.urls)
     try:
         if args.force:
             Path(args.output).unlink(missing_ok=True)
@@ -143,11 +117,11 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
 
     proxy = None
     try:
-        if o["listen"] is not None:
+        if listen is not None:
             from kvtop.proxy import make_proxy
 
-            host, port = o["listen"]
-            proxy = make_proxy(o["base"], runner.emit, runner.now, host=host, port=port,
+            host, port = listen
+            proxy = make_proxy(base, runner.emit, runner.now, host=host, port=port,
                                workers=args.proxy_workers)
             try:
                 await proxy.start()
@@ -156,19 +130,14 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
                 raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
-        if args.probe:
-            from kvtop.sources.probe import Probe
-
-            probe = Probe(o["base"], args.probe, runner.emit, runner.now, max_tokens=args.probe_max_tokens)
-            tasks.append(asyncio.create_task(probe.run(stop)))
-        what = f"{len(o['urls'])} engine(s)"
+        what = f"{len(opts.urls)} engine(s)"
         if proxy is not None:
-            what += f", proxy {proxy.url} -> {o['base']}"
-        if args.probe:
-            what += f", probe {args.probe:g}/s"
+            what += f", proxy {proxy.url} -> {base}"
+        if opts.probe_rate:
+            what += f", probe {opts.probe_rate:g}/s"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
-            await runner.run(duration_s=o["duration"], stop=stop)
+            await runner.run(duration_s=duration, stop=stop)
         finally:
             stop.set()
             if proxy is not None:

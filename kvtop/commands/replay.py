@@ -15,6 +15,8 @@ ORDER = 35
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtop.commands._options import add_itl_option
+
     p.add_argument("trace", metavar="TRACE", help="trace file written by `kvtop record` / `kvtop proxy --record`")
     p.add_argument("--speed", type=float, default=None,
                    help="1 = recorded speed, 10 = ten times faster, 0 = as fast as possible "
@@ -24,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", type=float, default=None, metavar="S",
                    help="stop at this trace time (seconds from the start of the recording)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="headless output format")
+    add_itl_option(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,41 +34,35 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from kvtop.core import Core
+    from kvtop.commands._options import itl_target_s
     from kvtop.errors import UsageError
     from kvtop.model.trace import TraceError
-    from kvtop.replay import ReplayFeed
+    from kvtop.pipeline import replay_feed, run_for
 
     if args.speed is not None and args.speed < 0:
         raise UsageError("--speed must be >= 0")
+    target = itl_target_s(args, {})
     console = not args.headless and args.until is None and sys.stdout.isatty() and sys.stdin.isatty()
     speed = args.speed if args.speed is not None else (1.0 if console else 0.0)
+    if console:
+        try:
+            from kvtop.commands.tui import replay_console
+        except ImportError:  # a build without the console: the headless report instead
+            speed = 0.0
+        else:
+            return replay_console(args.trace, speed=speed, itl_target_s=target)
     try:
-        feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=speed)
+        feed = replay_feed(args.trace, speed=speed, itl_target_s=target, label="replay")
     except TraceError as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot read trace {args.trace}: {e.strerror or e}") from None
-    if console:
-        feed.close()
-        try:
-            from kvtop.commands.tui import replay_console
-        except ImportError:  # a build without the console: the headless report instead
-            feed = ReplayFeed(args.trace, Core(source_label="replay"), speed=0.0)
-        else:
-            return replay_console(args.trace, speed=speed)
 
     async def go() -> None:
-        if args.until is not None:
-            if speed == 0:
-                feed.seek(args.until)
-                return
-            stop = asyncio.Event()
-            task = asyncio.create_task(feed.run(stop))
-            while not task.done() and feed.t < args.until:
-                await asyncio.sleep(0.05)
-            stop.set()
-            await task
+        if args.until is not None and speed == 0:
+            feed.seek(args.until)
+        elif args.until is not None:
+            await run_for(feed, until=lambda: feed.t >= args.until)
         else:
             await feed.run()
 
@@ -82,12 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
         return 0
-    try:
-        from kvtop.render_text import render_text
-    except ImportError:  # the text renderer lands with the snapshot command
-        print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
-        return 0
+    from kvtop.render_text import render_text
+
     print(render_text(snap), end="")
     return 0
-
-

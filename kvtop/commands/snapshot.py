@@ -19,40 +19,17 @@ DESCRIPTION = (
 ORDER = 20
 
 DEFAULT_DURATION_S = 5.0
-DEFAULT_INTERVAL_S = 1.0
-DEFAULT_TIMEOUT_S = 2.0
-
-
-def _probe_rate(text: str) -> float:
-    from kvtop.sources.probe import probe_rate
-
-    return probe_rate(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help="engine base URL or its /metrics URL (repeat for several engines)")
+    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+
+    add_engine_options(p)
     p.add_argument("--duration", default=None, metavar="SECONDS", help="sampling duration (default 5; 10s, 2m ok)")
-    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
     p.add_argument("--format", choices=("json", "text"), default=None, help="output format (default text)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
-    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
-    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
-    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
-                   help="inter-token latency target")
-    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
-                   help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
-    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
-                   help="do not read the GPU (NVML)")
-    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
-                   help="do not read host memory")
-
-
-def _analysis(itl_target_s: float | None) -> Any:
-    """The live analysis the core feeds (``Core(analysis=...)``): spikes, causes and the verdict."""
-    from kvtop.analysis.live import LiveAnalyzer
-
-    return LiveAnalyzer(itl_target_s=itl_target_s)
+    add_itl_option(p)
+    add_probe_option(p)
+    add_host_options(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,56 +37,32 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
+    from kvtop.commands._options import source_options
+    from kvtop.config import load_config, parse_seconds, resolve
     from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
-    # the same engine named twice would be scraped twice and counted once
-    urls: list[str] = list(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
+    opts = source_options(args, cfg)
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
-    interval = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
-    timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")
     fmt = resolve(args, cfg, "format", "text")
-    token = resolve(args, cfg, "token")
-    adapter = resolve(args, cfg, "adapter")
-    itl_ms = resolve(args, cfg, "itl_target_ms")
-    gpu = bool(resolve(args, cfg, "gpu", True))
-    host = bool(resolve(args, cfg, "host", True))
-
     if not 0 < duration <= 86400:
         raise UsageError(f"--duration must be between 0 and 86400 seconds, not {duration:g}")
-    if not 0.05 <= interval <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
     if fmt not in ("json", "text"):
         raise UsageError(f"format must be json or text, not {fmt!r}")
-    if itl_ms is not None and not itl_ms > 0:
-        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    engine_bases(urls)
-    if adapter is not None:
-        from kvtop.plugin import PluginError, load_adapter
-
-        try:
-            load_adapter(adapter)
-        except PluginError as e:
-            raise UsageError(str(e)) from None
-    if not urls and not gpu and not host:
+    if not opts.urls and not opts.gpu and not opts.host:
         raise UsageError("nothing to sample: give --url URL (or drop --no-gpu / --no-host)")
+    urls = list(opts.urls)
 
-    from kvtop.core import Core
-    from kvtop.live import LiveRunner
+    from kvtop.pipeline import live_feed
 
-    itl_target_s = None if itl_ms is None else itl_ms / 1000.0
-    core = Core(window_s=duration, itl_target_s=itl_target_s, analysis=_analysis(itl_target_s))
     first_t: list[float] = []
 
     def note_first(rec: Any) -> None:
         if not first_t and getattr(rec, "kind", None) == "engine" and rec.up:
             first_t.append(rec.t)
 
-    runner = LiveRunner(core, urls, interval_s=interval, gpu=gpu, host=host, token=token, probe_rate=args.probe,
-                        adapter=adapter, timeout_s=timeout, sinks=[note_first])
+    runner = live_feed(opts, label="live", window_s=duration, sinks=[note_first])
+    core = runner.core
     asyncio.run(runner.run(duration_s=duration, final_poll=True))
     # The window is what was actually sampled: from the first good engine sample to the final
     # poll, so rates and quantiles cover exactly the data they were computed from.

@@ -7,6 +7,7 @@ common serving ports of 127.0.0.1. Textual is imported only inside ``run``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,30 +28,16 @@ DESCRIPTION = (
 PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
-def _probe_rate(text: str) -> float:
-    from kvtop.sources.probe import probe_rate
-
-    return probe_rate(text)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", action="append", default=None, metavar="URL",
-                   help="engine base URL (repeatable); default: config, then probe local ports")
-    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll and refresh interval (default 1)")
+    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+
+    add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
-    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
-    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
-    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
-                   help="inter-token latency target")
-    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
-                   help="do not read the GPU (NVML)")
-    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
-                   help="send kvtop's own canary streams to the first engine at this many per second (off by default)")
-    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
-                   help="do not read host memory")
+    add_itl_option(p)
+    add_probe_option(p)
+    add_host_options(p)
 
 
 def looks_like_metrics(text: str) -> bool:
@@ -91,7 +78,7 @@ class ProbingFeed:
         self.host = host
         self.probe_every_s = probe_every_s
         self.runner = make_runner([])
-        self.core = self.runner.core
+        self.core = self.runner.core  # the Feed protocol's core: one for the whole run
         self.urls: list[str] = []
         self.notice: str | None = (
             f"no engine found on {host} ports {', '.join(map(str, ports))} (still looking every "
@@ -108,6 +95,9 @@ class ProbingFeed:
 
     def refresh_now(self) -> None:
         self.runner.refresh_now()
+
+    def controls(self) -> None:
+        return None
 
     async def run(self, stop: Any = None) -> None:
         import asyncio
@@ -151,19 +141,10 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.config import load_config, parse_seconds, resolve
+    from kvtop.commands._options import interval_s, itl_target_s, source_options
+    from kvtop.config import load_config, resolve
 
     cfg = load_config(getattr(args, "config", None))
-    interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
-    if not 0.05 <= interval <= 3600:
-        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {interval:g}")
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    itl_ms = resolve(args, cfg, "itl_target_ms")
-    if itl_ms is not None and not itl_ms > 0:
-        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
-    itl_target_s = None if itl_ms is None else itl_ms / 1000.0
     theme = resolve(args, cfg, "theme")
 
     from kvtop.tui.app import known_themes  # the UI package (and Textual) from here on
@@ -176,13 +157,16 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.replay)
         if not path.is_file():
             raise UsageError(f"trace file not found: {path}")
-        return replay_console(path, theme=theme, interval=interval, itl_target_s=itl_target_s)
-    else:
-        urls: list[str] = list(resolve(args, cfg, "url", []))
+        return replay_console(path, theme=theme, interval=interval_s(args, cfg),
+                              itl_target_s=itl_target_s(args, cfg))
+    opts = source_options(args, cfg)
+    from kvtop.pipeline import live_feed, make_core
+
+    feed: Any
+    if not opts.urls:
         ports = _ports_from_config(cfg)
-        if not urls:
-            urls = discover(ports)
-        if not urls and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        found = discover(ports)
+        if not found and not (sys.stdin.isatty() and sys.stdout.isatty()):
             # no terminal to show the console in (a script, CI): say so and fail as headless commands do
             sys.stderr.write(
                 "kvtop: no engine found on 127.0.0.1 ports "
@@ -190,43 +174,34 @@ def run(args: argparse.Namespace) -> int:
                 "(or `url` in config.toml), or try `kvtop demo`\n"
             )
             return 2
-        from kvtop.analysis.live import LiveAnalyzer
-        from kvtop.core import Core
-        from kvtop.live import LiveRunner
+        if not found:
+            # No engine yet is not an error for the console: it shows the GPUs and the host and
+            # keeps looking (headless commands still exit 2).
+            core = make_core("live", opts.itl_target_s)
 
-        core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
+            def make_runner(urls: list[str]) -> Any:
+                return live_feed(dataclasses.replace(opts, urls=tuple(urls)), label="live", core=core)
 
-        def make_runner(found: list[str]) -> LiveRunner:
-            return LiveRunner(core, found, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
-                              host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
-                              adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
-
-        # No engine yet is not an error for the console: it shows the GPUs and the host and keeps
-        # looking (headless commands still exit 2).
-        feed: Any = make_runner(urls) if urls else ProbingFeed(make_runner, ports)
+            feed = ProbingFeed(make_runner, ports)
+        else:
+            opts = dataclasses.replace(opts, urls=tuple(found))
+    if opts.urls:
+        feed = live_feed(opts, label="live")
 
     from kvtop.tui.app import run_console
 
-    return run_console(core, feed=feed, title="kvtop", theme=theme, interval=interval)
+    return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
 
 def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
                    itl_target_s: float | None = None) -> int:
     """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
-    from kvtop.core import Core
     from kvtop.model.trace import TraceError
-    from kvtop.replay import ReplayFeed
+    from kvtop.pipeline import replay_feed
     from kvtop.tui.app import run_console
 
-    label = f"replay {Path(path).name}"
-
-    def make_core() -> Core:
-        from kvtop.analysis.live import LiveAnalyzer
-
-        return Core(itl_target_s=itl_target_s, source_label=label, analysis=LiveAnalyzer(itl_target_s=itl_target_s))
-
     try:
-        feed = ReplayFeed(path, make_core(), speed=speed, core_factory=make_core)
+        feed = replay_feed(path, speed=speed, itl_target_s=itl_target_s)
     except TraceError as e:
         raise UsageError(str(e)) from None
     except OSError as e:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from kvtop.sim.engine import Engine, Hist
+from kvtop.sim.engine import Engine
+from kvtop.sim.stats import Hist
 
 _GIB = 1 << 30
 
@@ -68,12 +69,12 @@ class EngineCollector:
                           e.num_running)
         yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                           e.num_waiting)
-        fam = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Waiting requests by reason.",
-                                labels=sorted([*self.labels, "reason"]))
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Waiting requests by reason.",
+                                    labels=sorted([*self.labels, "reason"]))
         for reason, v in (("capacity", len(e.waiting)), ("deferred", len(e.swapping_in))):
             lb = {**self.labels, "reason": reason}
-            fam.add_metric([lb[k] for k in sorted(lb)], v)
-        yield fam
+            waiting.add_metric([lb[k] for k in sorted(lb)], v)
+        yield waiting
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", e.kv_usage)
         yield self._counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                             st.prefix_queries)
@@ -83,11 +84,12 @@ class EngineCollector:
                             st.preemptions)
         yield self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.", st.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", st.generation_tokens)
-        fam = None
+        success: CounterMetricFamily | None = None
         for reason in ("stop", "length", "abort", "error", "repetition"):
-            fam = self._counter("vllm:request_success", "Count of successfully processed requests.",
-                                st.finished[reason], {"finished_reason": reason}, fam)
-        yield fam
+            success = self._counter("vllm:request_success", "Count of successfully processed requests.",
+                                    st.finished[reason], {"finished_reason": reason}, success)
+        assert success is not None
+        yield success
         yield self._hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                          st.iteration_tokens)
         yield self._hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", st.ttft)
@@ -96,10 +98,11 @@ class EngineCollector:
         if e.cfg.preemption_mode == "swap":
             for base, doc, src in (("vllm:kv_offload_total_bytes", "Bytes moved by KV offload.", st.offload_bytes),
                                    ("vllm:kv_offload_total_time", "Seconds spent in KV offload.", st.offload_time)):
-                fam = None
+                moved: CounterMetricFamily | None = None
                 for direction in ("GPU_to_CPU", "CPU_to_GPU"):
-                    fam = self._counter(base, doc, src[direction], {"transfer_type": direction}, fam)
-                yield fam
+                    moved = self._counter(base, doc, src[direction], {"transfer_type": direction}, moved)
+                assert moved is not None
+                yield moved
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=sorted(self.cache_config))
         info.add_metric([self.cache_config[k] for k in sorted(self.cache_config)], 1.0)
@@ -116,7 +119,7 @@ class MetricsPage:
     def __init__(self, engine: Engine, created: float | None = None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = EngineCollector(engine, created)
-        self.registry.register(self.collector)  # type: ignore[arg-type]
+        self.registry.register(self.collector)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode("utf-8")

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
-from kvtop.sim.engine import Engine, Seq, Sink
+from kvtop.sim.engine import Engine
 from kvtop.sim.metrics import MetricsPage
+from kvtop.sim.seq import Seq
+from kvtop.sim.stats import Sink
 from kvtop.sim.workload import RequestSpec, Workload
 
 SIM_URL = "sim://"
@@ -34,7 +36,7 @@ class RecordSink(Sink):
         if not self.tokens:
             return
         if self.emit_dict is not None:
-            self.emit_dict(t, seqs)  # type: ignore[call-arg]
+            self.emit_dict(t, seqs)
             return
         emit = self.emit
         for s in seqs:

@@ -87,7 +87,7 @@ class _Gpu:
 _WRAP_64 = 1 << 63
 
 
-def _code(e: BaseException) -> int | None:
+def _code(e: BaseException | None) -> int | None:
     v = getattr(e, "value", None)
     return v if isinstance(v, int) else None
 
@@ -109,6 +109,8 @@ class GpuSource:
         self._proc_fns: dict[str, str | None] = {}  # "compute"/"mps" -> working binding function name
         self.driver_version: str | None = None
         self.status = "ok"
+        # the binding module (or a stand-in with the same functions); typed loosely on purpose
+        self.nvml: Any = None
         if nvml is None:
             try:
                 nvml = importlib.import_module("pynvml")
@@ -121,7 +123,7 @@ class GpuSource:
             nvml.nvmlInit()
         except Exception as e:
             code = _code(e)
-            self.status = _INIT_REASONS.get(code) or f"NVML initialisation failed ({e}): {_ENGINE_ONLY}"
+            self.status = (_INIT_REASONS.get(code) if code is not None else None) or f"NVML initialisation failed ({e}): {_ENGINE_ONLY}"
             return
         self._initialized = True
         try:
@@ -131,7 +133,8 @@ class GpuSource:
         try:
             count = int(nvml.nvmlDeviceGetCount())
         except Exception as e:
-            self.status = _INIT_REASONS.get(_code(e)) or f"NVML cannot count GPUs ({e}): {_ENGINE_ONLY}"
+            code = _code(e)
+            self.status = (_INIT_REASONS.get(code) if code is not None else None) or f"NVML cannot count GPUs ({e}): {_ENGINE_ONLY}"
             return
         if count == 0:
             self.status = _INIT_REASONS[_GPU_NOT_FOUND]
@@ -462,7 +465,8 @@ class GpuSource:
         """Running processes, probing _v3/_v2/unversioned (535.98 dropped the v3 symbols)."""
         base = "nvmlDeviceGetComputeRunningProcesses" if kind == "compute" else \
             "nvmlDeviceGetMPSComputeRunningProcesses"
-        names = [self._proc_fns[kind]] if self._proc_fns.get(kind) else [f"{base}_v3", f"{base}_v2", base]
+        known = self._proc_fns.get(kind)
+        names = [known] if known else [f"{base}_v3", f"{base}_v2", base]
         for name in names:
             f = getattr(self.nvml, name, None)
             if f is None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import inspect
 import re
 import signal
 from collections.abc import Iterable
@@ -27,6 +26,7 @@ from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
 from kvtop.core import Core
+from kvtop.pipeline import Feed, ReplayControls, StaticFeed
 from kvtop.snapshot import Snapshot
 from kvtop.tui import fmt, plot, render
 from kvtop.tui.charts import Chart, chart_specs
@@ -200,7 +200,7 @@ class KvtopApp(App[int]):
         Binding("g", "seek", "Seek to…"),
     ]
 
-    def __init__(self, core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
+    def __init__(self, core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                  interval: float = 1.0, taken_at: str | None = None, handle_signals: bool = False):
         super().__init__()
         # SIGTERM/SIGHUP end the console as q does (terminal restored, feed stopped); only for a
@@ -208,7 +208,9 @@ class KvtopApp(App[int]):
         self.handle_signals = handle_signals
         self._refresh_timer: Any = None
         self.core = core
-        self.feed = feed
+        # a console over a core that something else fills still has a feed: one with nothing to run
+        self.feed: Feed = feed if feed is not None else StaticFeed(core)
+        self.replay: ReplayControls | None = self.feed.controls()
         self.title = title
         self.interval = interval
         # Fixed wall-clock text for screenshots and snapshot tests.
@@ -250,8 +252,7 @@ class KvtopApp(App[int]):
         self.theme = self._theme_name
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._update_headers()
-        if self.feed is not None and hasattr(self.feed, "run"):
-            self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
+        self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
         self._refresh_timer = self.set_interval(self.interval, self.tick, name="refresh")
         if self.handle_signals:
             loop = asyncio.get_running_loop()
@@ -270,7 +271,7 @@ class KvtopApp(App[int]):
 
     async def _run_feed(self) -> None:
         try:
-            await self.feed.run(stop=self._stop)  # type: ignore[union-attr]
+            await self.feed.run(stop=self._stop)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a feed failing must not take the console down
@@ -287,16 +288,14 @@ class KvtopApp(App[int]):
 
     # -- rendering ------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
-        feed = self.feed
-        feed_core = getattr(feed, "core", None)
-        if isinstance(feed_core, Core) and feed_core is not self.core:
+        feed_core = self.feed.core
+        if feed_core is not self.core:
             # a replay seeking backwards re-feeds the trace into a fresh core
             feed_core.paused = self.paused
             self.core = feed_core
             self._reset_tables()
         # a replay's clock is the trace position, not the last record's time
-        now = getattr(feed, "t", None) if hasattr(feed, "seek") else None
-        s = self.core.snapshot(now=now) if isinstance(now, (int, float)) else self.core.snapshot()
+        s = self.core.snapshot(now=self.replay.t) if self.replay is not None else self.core.snapshot()
         if self.taken_at is not None:
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
@@ -351,16 +350,14 @@ class KvtopApp(App[int]):
         # "kvtop demo: preemption-storm" already names its source
         src = "" if s.source_label.split(" ")[-1] in self.title else render.escape(s.source_label)
         pos = ""
-        feed = self.feed
-        if feed is not None and hasattr(feed, "seek"):
-            t = getattr(feed, "t", None)
-            d = getattr(feed, "duration", None)
-            if t is not None:
-                pos = f"  replay {fmt.dur(t)}" + (f"/{fmt.dur(d)}" if d else "")
-                if d:
-                    n = 20
-                    k = min(n, round(t / d * n)) if d > 0 else 0
-                    pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
+        replay = self.replay
+        if replay is not None:
+            t, d = replay.t, replay.duration
+            pos = f"  replay {fmt.dur(t)}" + (f"/{fmt.dur(d)}" if d else "")
+            if d:
+                n = 20
+                k = min(n, round(t / d * n)) if d > 0 else 0
+                pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
         self.main.query_one("#topbar", Static).update(
             f"[b]{render.escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
@@ -448,7 +445,7 @@ class KvtopApp(App[int]):
             have = have[: len(specs)]
         self._charts = have
         self._fit_charts()
-        replay = hasattr(self.feed, "seek")
+        replay = self.replay is not None
         t1 = s.t
         t0 = t1 - self.window_s
         now_label = f"t={fmt.dur(t1)}" if replay else "now"
@@ -657,20 +654,16 @@ class KvtopApp(App[int]):
     def action_toggle_pause(self) -> None:
         self.paused = not self.paused
         self.core.paused = self.paused
-        feed = self.feed
-        if feed is not None:
-            fn = getattr(feed, "pause" if self.paused else "resume", None)
-            if callable(fn):
-                fn()
+        if self.replay is not None:
+            if self.paused:
+                self.replay.pause()
+            else:
+                self.replay.resume()
         # re-render once so the header says PAUSED; the data stays frozen until resumed
         self.tick(force=True)
 
     async def action_refresh_now(self) -> None:
-        fn = getattr(self.feed, "refresh_now", None)
-        if callable(fn):
-            res = fn()
-            if inspect.isawaitable(res):
-                await res
+        self.feed.refresh_now()
         self.tick(force=True)
 
     def action_interval(self, factor: float) -> None:
@@ -708,27 +701,27 @@ class KvtopApp(App[int]):
                 (box.scroll_down if delta > 0 else box.scroll_up)(animate=False)
 
     def action_step(self, seconds: float) -> None:
-        feed = self.feed
-        if seconds < 0 and hasattr(feed, "seek"):
-            # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
-            feed.seek(max(0.0, float(getattr(feed, "t", 0.0)) + seconds))
-            self.tick(force=True)
+        replay = self.replay
+        if replay is None:
             return
-        fn = getattr(feed, "step", None)
-        if callable(fn):
-            fn(seconds)
-            self.tick(force=True)
+        if seconds < 0:
+            # stepping only moves forward; going back is a seek (a replay re-feeds from the start)
+            replay.seek(max(0.0, replay.t + seconds))
+        else:
+            replay.step(seconds)
+        self.tick(force=True)
 
     def action_seek(self) -> None:
-        if not hasattr(self.feed, "seek"):
+        replay = self.replay
+        if replay is None:
             return
 
         def done(t: float | None) -> None:
             if t is not None:
-                self.feed.seek(t)  # type: ignore[union-attr]
+                replay.seek(t)
                 self.tick(force=True)
 
-        self.push_screen(SeekScreen(getattr(self.feed, "duration", None)), done)
+        self.push_screen(SeekScreen(replay.duration), done)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.help_rows()))
@@ -758,10 +751,8 @@ class KvtopApp(App[int]):
             return self.view_name == "requests"
         if action == "filter":
             return self.view_name in ("requests", "events")
-        if action == "step":
-            return hasattr(self.feed, "step")
-        if action == "seek":
-            return hasattr(self.feed, "seek")
+        if action in ("step", "seek"):
+            return self.replay is not None
         return True
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
@@ -777,7 +768,7 @@ class KvtopApp(App[int]):
             yield SystemCommand("Filter", "filter the list (key /)", self.action_filter)
 
 
-def run_console(core: Core, feed: object | None = None, title: str = "kvtop", theme: str | None = None,
+def run_console(core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                 interval: float = 1.0) -> int:
     """Run the console until the user quits; returns the process exit code."""
     app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval, handle_signals=True)

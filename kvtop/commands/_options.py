@@ -1,0 +1,103 @@
+"""Option groups shared by the commands that watch engines (snapshot, record, the console).
+
+Each option is declared once here and range-checked once in ``source_options``; a command adds the
+groups it needs and gets one typed ``SourceOptions`` back, resolved flag > environment > config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtop.errors import UsageError
+from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
+
+
+def _probe_rate(text: str) -> float:
+    from kvtop.sources.probe import probe_rate
+
+    return probe_rate(text)
+
+
+def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = None) -> None:
+    """--url, --token, --adapter, --timeout, --interval: which engines, and how to scrape them."""
+    p.add_argument("--url", action="append", default=None, metavar="URL",
+                   help=url_help or "engine base URL or its /metrics URL (repeat for several engines)")
+    p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
+    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
+    p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
+
+
+def add_host_options(p: argparse.ArgumentParser) -> None:
+    """--no-gpu, --no-host: skip the local GPU (NVML) or host-memory sources."""
+    p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
+                   help="do not read the GPU (NVML)")
+    p.add_argument("--no-host", dest="host", action="store_const", const=False, default=None,
+                   help="do not read host memory")
+
+
+def add_probe_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--probe", type=_probe_rate, default=None, metavar="RATE",
+                   help="send kvtop's own canary streams to the first engine at this many per second "
+                        "(off by default)")
+
+
+def add_itl_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency target")
+
+
+def itl_target_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float | None:
+    """--itl-target-ms (or config) in seconds; None when unset."""
+    from kvtop.config import resolve
+
+    itl_ms = resolve(args, cfg, "itl_target_ms")
+    if itl_ms is None:
+        return None
+    if not itl_ms > 0:
+        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
+    return float(itl_ms) / 1000.0
+
+
+def interval_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
+    from kvtop.config import parse_seconds, resolve
+
+    v = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
+    if not 0.05 <= v <= 3600:
+        raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {v:g}")
+    return v
+
+
+def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptions:
+    """Resolve and check every option the groups above declare (absent groups take defaults)."""
+    from kvtop.config import engine_bases, parse_seconds, resolve
+
+    # the same engine named twice would be scraped twice and counted once
+    urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
+    engine_bases(list(urls))
+    timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
+    adapter = resolve(args, cfg, "adapter")
+    if adapter is not None:
+        from kvtop.plugin import PluginError, load_adapter
+
+        try:
+            load_adapter(adapter)
+        except PluginError as e:
+            raise UsageError(str(e)) from None
+    probe = getattr(args, "probe", None)
+    if probe is not None and not 0 < probe <= 100:
+        raise UsageError(f"--probe must be between 0 and 100 per second, not {probe:g}")
+    return SourceOptions(
+        urls=urls,
+        interval_s=interval_s(args, cfg),
+        timeout_s=timeout,
+        token=resolve(args, cfg, "token"),
+        adapter=adapter,
+        gpu=bool(resolve(args, cfg, "gpu", True)),
+        host=bool(resolve(args, cfg, "host", True)),
+        probe_rate=probe,
+        itl_target_s=itl_target_s(args, cfg),
+    )

@@ -1,0 +1,290 @@
+"""The independent trace generator (bench/tracegen): engine semantics, delivery, determinism.
+
+Facts are checked against the generator's own engine log (what really happened) and read back
+from the trace file the way kvtop reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_kvtop
+
+sys.path.insert(0, str(REPO))
+
+from bench.tracegen.generate import Generated, simulate, write  # noqa: E402
+
+CLI = str(REPO / "bench" / "tracegen" / "cli.py")
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _engine(recs: list[dict]) -> list[dict]:
+    return [d for d in recs if d.get("kind") == "engine"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Generated, list[dict]]:
+    g = simulate("base", 3, 60.0)
+    p = tmp_path_factory.mktemp("tg") / "base.jsonl"
+    write(g, str(p), 1.0)
+    return g, _lines(p)
+
+
+def test_vllm_counter_steps_when_the_victim_resumes_never_for_a_cancelled_one(base):
+    g, recs = base
+    victims = g.run.victims
+    resumed = [v for v in victims if v.outcome == "resumed"]
+    cancelled = [v for v in victims if v.outcome == "cancelled"]
+    assert resumed and cancelled, "the seed must produce both resumed and cancelled victims"
+    eng = _engine(recs)
+    # every rise of the counter between two scrapes is exactly the victims that resumed in between
+    for prev, cur in zip(eng, eng[1:], strict=False):
+        rise = cur["preemptions_total"] - prev["preemptions_total"]
+        resumed_between = sum(v.counted for v in resumed if prev["t"] < v.t_end <= cur["t"])
+        assert rise == resumed_between, (prev["t"], cur["t"])
+    assert all(v.counted == 0 for v in cancelled)
+    # a victim preempted again while waiting is counted once per preemption, at its resume
+    assert sum(v.counted for v in resumed) == sum(v.times for v in resumed)
+    assert eng[-1]["preemptions_total"] < sum(v.times for v in victims)
+
+
+def test_recomputed_prompt_tokens_are_in_no_counter(base):
+    g, recs = base
+    assert any(v.recompute_tokens > 0 for v in g.run.victims)
+    last = _engine(recs)[-1]
+    fresh = sum(r.prompt for r in g.run.reqs if r.emits and r.emits[0][0] <= last["t"])
+    assert last["prompt_tokens_total"] == fresh
+
+
+def test_sglang_counts_at_retraction_cancelled_or_not(tmp_path):
+    g = simulate("sglang", 1, 60.0)
+    p = tmp_path / "sg.jsonl"
+    write(g, str(p), 1.0)
+    recs = _lines(p)
+    assert recs[0]["engine"]["adapter"] == "sglang"
+    eng = _engine(recs)
+    assert all(d["adapter"] == "sglang" for d in eng)
+    cancelled = [v for v in g.run.victims if v.outcome == "cancelled"]
+    assert cancelled and all(v.counted == v.times for v in cancelled)
+    # the counter stepped when each victim was retracted: by the first retraction of every victim
+    # preempted before the last scrape, it had already counted it
+    last = eng[-1]
+    assert last["preemptions_total"] >= sum(1 for v in g.run.victims if v.t <= last["t"])
+    assert last["preemptions_total"] == sum(v.counted for v in g.run.victims)
+
+
+def test_never_preempting_engine_reads_as_tgi(tmp_path):
+    g = simulate("nopreempt", 1, 40.0)
+    p = tmp_path / "tgi.jsonl"
+    write(g, str(p), 1.0)
+    recs = _lines(p)
+    assert not g.run.victims
+    eng = _engine(recs)
+    assert eng and all(d["adapter"] == "tgi" and d["preemptions_total"] is None for d in eng)
+    assert max(d["waiting"] for d in eng) > 0  # KV pressure shows as queueing
+
+
+def test_merged_chunks_carry_n_above_one_or_arrive_within_a_millisecond(tmp_path):
+    g = simulate("multitoken", 2, 60.0)
+    p = tmp_path / "mt.jsonl"
+    write(g, str(p), 1.0)
+    recs = _lines(p)
+    toks: dict[str, list[tuple[float, int]]] = {}
+    for d in recs:
+        if d.get("kind") == "request" and d["event"] in ("first_token", "token"):
+            toks.setdefault(d["id"], []).append((d["t"], d["n"]))
+    merges = [d for d in recs if d.get("kind") == "truth" and d["event"] == "stall"
+              and d["data"]["cause"] == "api_merge"]
+    assert len(merges) >= 5
+    one_record = several_reads = 0
+    for m in merges:
+        ts = toks[m["request_id"]]
+        i = [t for t, _ in ts].index(m["data"]["t_end"])
+        burst = [n for t, n in ts[i:] if t <= m["data"]["t_end"] + 0.001]
+        assert sum(burst) > 1
+        if len(burst) > 1:
+            several_reads += 1
+        else:
+            one_record += 1
+    assert one_record and several_reads
+
+
+def test_host_pause_silences_streams_and_leaves_a_scrape_gap(tmp_path):
+    g = simulate("delivery", 1, 90.0)
+    assert g.host_pauses
+    p = tmp_path / "dl.jsonl"
+    write(g, str(p), 1.0)
+    recs = _lines(p)
+    eng_t = [d["t"] for d in _engine(recs)]
+    tok_t = [d["t"] for d in recs if d.get("kind") == "request" and d["event"] in ("first_token", "token")]
+    missed = 0
+    for a, dur in g.host_pauses:
+        assert not [t for t in eng_t if a < t < a + dur]
+        assert not [t for t in tok_t if a + 0.001 < t < a + dur]
+        before = max(t for t in eng_t if t <= a)
+        after = min(t for t in eng_t if t >= a + dur)
+        assert after - before > dur
+        missed += after - before > 1.2  # a beat fell in the pause and was answered only after it
+    assert missed >= 2
+    stalls = [d for d in recs if d.get("kind") == "truth" and d["event"] == "stall"
+              and d["data"]["cause"] == "host_pause"]
+    assert len(stalls) >= len(g.host_pauses)
+
+
+def test_sparse_observation_records_only_some_streams(tmp_path):
+    g = simulate("sparse", 1, 40.0)
+    p = tmp_path / "sp.jsonl"
+    write(g, str(p), 5.0)
+    recs = _lines(p)
+    seen = {d["id"] for d in recs if d.get("kind") == "request"}
+    assert 0.1 < len(seen) / len(g.run.reqs) < 0.35
+    eng_t = [d["t"] for d in _engine(recs)]
+    assert all(4.9 < b - a < 5.1 for a, b in zip(eng_t, eng_t[1:], strict=False))
+
+
+def test_same_seed_same_bytes_other_seed_other_trace(tmp_path):
+    out = []
+    for i, seed in enumerate((4, 4, 5)):
+        p = tmp_path / f"{i}.jsonl"
+        write(simulate("mixed", seed, 30.0), str(p), 5.0)
+        out.append(p.read_bytes())
+    assert out[0] == out[1]
+    assert out[0] != out[2]
+
+
+def test_kvtop_analyze_reads_the_trace_unchanged(tmp_path):
+    p = tmp_path / "t.jsonl"
+    r = subprocess.run([sys.executable, CLI, "--situation", "priority", "--seed", "1", "--duration", "45",
+                        "-o", str(p)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = run_kvtop("analyze", str(p), "--format", "json")
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["itl_target_s"] == pytest.approx(0.1)
+    assert rep["spikes_total"] > 0 and rep["causes"]["preemption"]["count"] > 0
+
+
+@pytest.mark.parametrize("args", [["--situation", "nope", "-o", "x.jsonl"], ["--situation", "base"],
+                                  ["--situation", "base", "-o", "x", "--scrape-interval", "0"]])
+def test_cli_bad_input_is_one_line_exit_2(args, tmp_path):
+    r = subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+
+
+def _synthetic(path: Path) -> None:
+    """Three streams at a 20 ms pace; A stalls alone (counter steps after), everyone stalls until
+    D's first token, C stalls alone without a counter step; B slows down evenly at the end."""
+    recs: list[dict] = [{"kind": "header", "format": "kvtop-trace", "version": 1,
+                         "engine": {"adapter": "vllm"}, "kv": {}}]
+    for k in range(9):
+        t = 0.5 + k
+        recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "u", "engine": "0",
+                     "preemptions_total": 0.0 if t < 3.0 else 1.0, "prompt_tokens_total": 1000.0})
+    silent = {"A": [(2.0, 3.2), (5.0, 5.5)], "B": [(5.0, 5.5)], "C": [(4.0, 4.6), (5.0, 5.5)]}
+    for rid in ("A", "B", "C"):
+        recs.append({"kind": "request", "t": 0.05, "id": rid, "event": "arrive"})
+        t, first = 0.1, True
+        while t < 8.0:
+            if not any(a < t < b for a, b in silent[rid]):
+                recs.append({"kind": "request", "t": round(t, 6), "id": rid,
+                             "event": "first_token" if first else "token", "n": 1})
+                first = False
+            t += 0.1 if rid == "B" and t > 6.5 else 0.02
+        recs.append({"kind": "request", "t": 8.0, "id": rid, "event": "finish"})
+    recs.append({"kind": "request", "t": 5.5, "id": "D", "event": "first_token", "n": 1})
+    recs.append({"kind": "request", "t": 9.0, "id": "D", "event": "finish"})
+    recs.sort(key=lambda d: d.get("t", -1))
+    path.write_text("\n".join(json.dumps(d) for d in recs) + "\n")
+
+
+def test_rule_baseline_follows_the_readme_signal_table(tmp_path):
+    from bench.tracegen import baseline
+
+    p = tmp_path / "syn.jsonl"
+    _synthetic(p)
+    idx = baseline.TraceIndex(str(p))
+    lone_a = {"request_id": "A", "t_start": 1.98, "t_end": 3.22}
+    lone_c = {"request_id": "C", "t_start": 3.98, "t_end": 4.62}
+    shared = [{"request_id": r, "t_start": 4.98, "t_end": 5.5} for r in ("A", "B", "C")]
+    slow = {"request_id": "B", "t_start": 7.3, "t_end": 7.45}
+    got = baseline.classify([lone_c, lone_a, *shared, slow], idx)
+    # the one counter step goes to the stall it ends (A), not to C's stall a second later
+    assert got == ["unknown", "preemption", "prefill_interference", "prefill_interference",
+                   "prefill_interference", "slow_decode"]
+
+
+def test_scoring_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
+    from kvtop.analysis.scoring import label, truth_intervals
+
+    g = simulate("delivery", 2, 60.0)
+    p = tmp_path / "d.jsonl"
+    write(g, str(p), 1.0)
+    truth = truth_intervals(str(p))
+    stalls = [d for d in _lines(p) if d.get("kind") == "truth" and d["event"] == "stall"]
+    causes = {d["data"]["cause"] for d in stalls}
+    assert {"preemption", "slow_reader", "host_pause", "api_stall"} <= causes
+    for d in stalls[:200]:
+        spike = {"request_id": d["request_id"], "t_start": d["data"]["t_start"], "t_end": d["data"]["t_end"]}
+        own = [c for a, b, c in truth[d["request_id"]] if a <= spike["t_start"] and b >= spike["t_end"]]
+        assert label(spike, truth) in own
+        assert label({**spike, "request_id": "nobody"}, truth) is None
+
+
+@pytest.mark.parametrize("name", ["mixed", "sglang", "nopreempt"])
+def test_every_line_validates_against_the_trace_schema(name, tmp_path):
+    import jsonschema
+
+    schema = json.loads((REPO / "kvtop" / "schemas" / "trace.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    p = tmp_path / "t.jsonl"
+    write(simulate(name, 1, 20.0), str(p), 1.0)
+    recs = _lines(p)
+    kinds = {d["kind"] for d in recs}
+    assert {"header", "engine", "request", "truth"} <= kinds
+    tokens = 0
+    for d in recs:
+        if d.get("event") == "token":
+            tokens += 1
+            if tokens > 500:  # token lines all look alike; validating thousands only costs time
+                continue
+        errs = list(validator.iter_errors(d))
+        assert not errs, (d, errs[0].message)
+    ts = [d["t"] for d in recs[1:]]
+    assert ts == sorted(ts)
+
+
+def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests(base):
+    from bench.tracegen.generate import pages
+    from kvtop.sources.prom import parse_page
+
+    g, _ = base
+    ts, text = list(pages(g, 1.0))[-1]
+    page = parse_page(text)
+    counter = page.value("vllm:num_preemptions_total")
+    hist_sum = page.value("vllm:request_num_preemptions_sum")
+    hist_n = page.value("vllm:request_num_preemptions_count")
+    ended = [r for r in g.run.reqs if r.end_t is not None and r.end_t <= ts]
+    live_counted = sum(r.counted for r in g.run.reqs if r.end_t is None or r.end_t > ts)
+    assert hist_n == len(ended)
+    assert counter is not None and hist_sum is not None
+    assert hist_sum == counter - live_counted
+    assert hist_sum > 0
+
+
+def test_nothing_arrives_during_a_host_pause(tmp_path):
+    g = simulate("delivery", 1, 90.0)
+    p = tmp_path / "dl.jsonl"
+    write(g, str(p), 1.0)
+    recs = [d for d in _lines(p)[1:] if d["kind"] in ("request", "engine")]
+    assert recs
+    for a, dur in g.host_pauses:
+        assert not [d for d in recs if a + 0.001 < d["t"] < a + dur]
