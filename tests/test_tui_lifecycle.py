@@ -234,3 +234,39 @@ def test_console_without_an_engine_opens_and_picks_one_up(tmp_path):
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=20)
     assert rc == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_record_with_a_proxy_stops_cleanly(tmp_path, sig):
+    server = subprocess.Popen([*KVTOP, "sim-server", "--preset", "preemption-storm", "--speed", "5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rec = None
+    try:
+        port = int(server.stdout.readline().split(" at http://127.0.0.1:")[1].split()[0])
+        listen = _free_port()
+        out = tmp_path / "trace.jsonl"
+        rec = subprocess.Popen([*KVTOP, "record", "-o", str(out), "--url", f"http://127.0.0.1:{port}",
+                                "--proxy-listen", f"127.0.0.1:{listen}", "--no-gpu", "--interval", "0.5"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = psutil.Process(rec.pid)
+        assert _wait_for(lambda: listen in _listening_ports(proc) or any(
+            listen in _listening_ports(k) for k in proc.children(recursive=True)), 30)
+        socks = _open_streams(listen, 3)  # streams in flight through the recording proxy
+        time.sleep(1.0)
+        kids = proc.children(recursive=True)
+        rec.send_signal(sig)
+        rc = rec.wait(timeout=30)
+        err = rec.stderr.read()
+        for s in socks:
+            s.close()
+    finally:
+        for p in (rec, server):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=20)
+    assert rc == 0, err
+    # its one status line (stdout is free for other uses), nothing else
+    assert [ln for ln in err.splitlines() if not ln.startswith("kvtop record: ")] == [], err
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    assert not _port_open(listen)
+    assert out.stat().st_size > 0
