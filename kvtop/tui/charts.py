@@ -10,6 +10,8 @@ tooltip reads the nearest sample back from the bounded store (kvtop/history.py).
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
+from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -145,14 +148,59 @@ class Chart(Widget):
         self._kv_size: tuple[int, int] = (0, 0)
         self._kv_top = 1.0
         self._kv_cols = 0
+        self._seen: tuple[float | None, ...] = (None, None)
+        self._raw = (0.0, 1.0)
 
     def show(self, spec: ChartSpec, t0: float, t1: float, now_label: str = "now") -> None:
+        """New data for the chart. The window is aligned to whole columns, so between two column
+        boundaries only the newest column, the title and the axis can change: only those regions
+        are repainted (a full repaint of every chart each tick would cost most of the budget)."""
+        w, h = self.size.width, self.size.height
+        n = max(4, w - GUTTER - 1)
+        self._raw = (t0, t1)
+        t0, t1 = self._aligned(n)
+        old = self.spec
+        full = (old is None or old.key != spec.key or (t0, t1) != (self.t0, self.t1) or n != self._kv_cols
+                or (old.ref, old.fixed_top, old.over) != (spec.ref, spec.fixed_top, spec.over)
+                or old.ring is not spec.ring or old.ring2 is not spec.ring2
+                or self._grew_past_top(spec))
+        axis = old is not None and (old.marks is not spec.marks and (old.marks or spec.marks)
+                                    or now_label != self.now_label)
         self.spec, self.t0, self.t1, self.now_label = spec, t0, t1, now_label
+        self._seen = tuple(r.t[-1] if r is not None and len(r) else None for r in (spec.ring, spec.ring2))
         self._kv_strips = None
-        self.refresh()
+        if full or h < 3 or w <= GUTTER + 2:
+            self.refresh()
+            return
+        regions = [Region(0, 0, w, 1), Region(GUTTER + n - 2, 1, 3, h - 2)]
+        if axis:
+            regions.append(Region(0, h - 1, w, 1))
+        self.refresh(*regions)
+
+    def _aligned(self, n: int) -> tuple[float, float]:
+        """The window [t0, t1] moved forward to the next whole column (stable bins between ticks)."""
+        t0, t1 = self._raw
+        span = t1 - t0
+        if span > 0 and self.size.width > 0:
+            dt = span / n
+            t1 = math.ceil(t1 / dt - 1e-9) * dt
+            t0 = t1 - span
+        return t0, t1
+
+    def _grew_past_top(self, spec: ChartSpec) -> bool:
+        """A sample since the last draw above the y axis' top: the scale changes, redraw it all."""
+        for ring, seen in zip((spec.ring, spec.ring2), self._seen, strict=True):
+            if ring is None or not len(ring):
+                continue
+            k = len(ring) if seen is None else bisect_right(ring.t, seen)
+            for v in ring.v[k:]:
+                if v > self._kv_top:  # NaN compares False
+                    return True
+        return False
 
     def on_resize(self) -> None:
         self._kv_strips = None
+        self.t0, self.t1 = self._aligned(max(4, self.size.width - GUTTER - 1))
 
     # -- drawing --------------------------------------------------------------------------------
     def _styles(self) -> dict[str, Style]:
