@@ -270,3 +270,17 @@ def test_record_with_a_proxy_stops_cleanly(tmp_path, sig):
     assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     assert not _port_open(listen)
     assert out.stat().st_size > 0
+
+
+async def test_q_typed_into_the_filter_is_text_not_quit():
+    from kvtop.core import Core
+    from kvtop.tui.app import KvtopApp
+
+    app = KvtopApp(Core(), interval=3600, taken_at="2026-01-01T00:00:00Z")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("2", "slash", "q", "u")
+        await pilot.pause()
+        assert app.is_running and app.filter_text == "qu"
+        await pilot.press("enter", "q")
+        await pilot.pause()
+        assert not app.is_running

@@ -176,7 +176,9 @@ class KvtopApp(App[int]):
 
     BINDINGS = [
         # htop / btop / nvitop users reach for Ctrl-C and F10 to leave, F1 for help
-        Binding("q,f10,ctrl+c", "quit", "Quit", key_display="q", priority=True),
+        Binding("q,f10", "quit", "Quit", key_display="q"),
+        # priority: the screen's own ctrl+c copies text; in a monitor it means quit (htop, nvitop)
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("question_mark,f1", "help", "Help", key_display="?"),
         Binding("p", "toggle_pause", "Pause"),
         Binding("space", "refresh_now", "Refresh"),
