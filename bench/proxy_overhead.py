@@ -14,6 +14,10 @@ RecordingProxy (in its own process, recording every token to a trace file, as ``
   * with ``--profile``: where the proxy's time goes (cProfile of the proxy process, top functions),
     and the recorder's own parse+record cost per chunk measured in isolation.
 
+With ``--compare``: per load, direct once, then nginx (the Debian package, one worker, buffering off),
+``kvtop proxy`` on asyncio and on uvloop (when installed), one after another on the same upstream:
+added latency p50/p99 and CPU per forwarded chunk of each.
+
 Targets (issue 4): p99 added latency < 1 ms at 512 streams; proxy CPU < 30 us per chunk.
 Needs as many free cores as processes for meaningful latency figures.
 """
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -84,15 +89,23 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
 
 
 # -- proxy ---------------------------------------------------------------------------------------
-def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None, workers: int) -> None:
+def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: str | None, workers: int,
+               loop: str = "asyncio", per_worker_files: bool = False) -> None:
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import make_proxy
+    from kvtop.sources.proxy import make_proxy
 
     writer = TraceWriter(record, make_header(engine={"url": upstream}))
     t0 = time.monotonic()
 
     async def main() -> None:
-        proxy = make_proxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port, workers=workers)
+        if per_worker_files:
+            from kvtop.sources.proxy import ProxyPool
+
+            proxy: Any = ProxyPool(upstream, writer.write, lambda: time.monotonic() - t0, port=port,
+                                   workers=workers, loop=loop, trace_prefix=record)
+        else:
+            proxy = make_proxy(upstream, writer.write, lambda: time.monotonic() - t0, port=port, workers=workers,
+                               loop=loop)
         await proxy.start()
         ready.set()
         while True:
@@ -112,7 +125,9 @@ def proxy_main(port: int, upstream: str, record: str, ready: mp.Event, profile: 
 
         signal.signal(signal.SIGTERM, dump)
         prof.enable()
-    asyncio.run(main())
+    from kvtop.sources.proxy.eventloop import run
+
+    run(main(), loop)
 
 
 # -- load clients --------------------------------------------------------------------------------
@@ -219,7 +234,7 @@ def pct(xs: list[float], p: float) -> float:
 def recorder_cost_us(n: int = 20000) -> float:
     """CPU of parsing + recording one chunk, in isolation (no network)."""
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import StreamRecorder
+    from kvtop.sources.sse import StreamRecorder
 
     with tempfile.TemporaryDirectory() as d:
         w = TraceWriter(Path(d) / "t.jsonl", make_header())
@@ -232,6 +247,101 @@ def recorder_cost_us(n: int = 20000) -> float:
         cost = (time.process_time() - t) / n * 1e6
         w.close()
     return cost
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {d}/nginx.pid;
+error_log {d}/error.log;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/b; proxy_temp_path {d}/p; fastcgi_temp_path {d}/f; uwsgi_temp_path {d}/u;
+  scgi_temp_path {d}/s;
+  upstream up {{ server 127.0.0.1:{up}; keepalive 1024; }}
+  server {{
+    listen 127.0.0.1:{port} reuseport backlog=4096;
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(d: str, up_port: int) -> tuple[Any, int] | None:
+    """nginx (the Debian package) as a streaming reverse proxy: one worker, buffering off."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+    if exe is None:
+        return None
+    port = _free_port()
+    conf = Path(d) / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(d=d, up=up_port, port=port))
+    proc = subprocess.Popen([exe, "-c", str(conf), "-p", d], stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, port
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    return None
+
+
+def compare(args: argparse.Namespace, upstream: str, up_port: int) -> None:
+    """direct / nginx / kvtop proxy on asyncio / on uvloop, one after another on the same upstream."""
+    try:
+        import uvloop  # noqa: F401
+
+        loops = ["asyncio", "uvloop"]
+    except ImportError:
+        loops = ["asyncio"]
+    with tempfile.TemporaryDirectory() as d:
+        for streams in [int(x) for x in args.streams.split(",")]:
+            lat_d, n_d = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
+            d50, d99 = pct(lat_d, 50), pct(lat_d, 99)
+            print(f"\n{streams} streams: direct p50/p99 {d50:7.0f}/{d99:7.0f} us ({n_d / args.seconds:,.0f} chunks/s)")
+            variants: list[tuple[str, Any, int, bool]] = [("nginx", None, 1, False)]
+            variants += [(f"kvtop proxy ({lp})", lp, 1, False) for lp in loops]
+            if args.workers > 1:
+                lp = loops[-1]
+                variants += [(f"kvtop proxy x{args.workers} ({lp})", lp, args.workers, False),
+                             ("  same, per-worker files", lp, args.workers, True)]
+            for name, lp, nw, own in variants:
+                if lp is None:
+                    started = start_nginx(d, up_port)
+                    if started is None:
+                        print("  nginx: not installed (apt-get install nginx-light)")
+                        continue
+                    proc, port = started
+                    pid = proc.pid
+                else:
+                    port = _free_port()
+                    ready = mp.Event()
+                    proc = mp.Process(target=proxy_main, args=(port, upstream, str(Path(d) / f"t-{lp}-{nw}.jsonl"),
+                                                               ready, None, nw, lp, own))
+                    proc.start()
+                    ready.wait(10)
+                    pid = proc.pid
+                c0 = sum(_proc_cpu_split(pid))
+                lat, n = run_load(f"http://127.0.0.1:{port}", streams, args.clients, args.seconds, args.warmup)
+                c1 = sum(_proc_cpu_split(pid))
+                proc.terminate()
+                if lp is None:
+                    proc.wait(10)
+                else:
+                    proc.join(10)
+                fwd = n * (args.seconds + args.warmup) / args.seconds
+                print(f"  {name:28s} added p50/p99 {pct(lat, 50) - d50:7.0f}/{pct(lat, 99) - d99:7.0f} us; "
+                      f"CPU {(c1 - c0) / fwd * 1e6:5.1f} us/chunk ({(c1 - c0) / (args.seconds + args.warmup) * 100:.0f}%"
+                      f" of a core)")
 
 
 def main() -> int:
@@ -247,6 +357,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="proxy worker processes (kvtop proxy --workers)")
     ap.add_argument("--forward-only", action="store_true",
                     help="also measure the proxy's CPU on a path it forwards without recording")
+    ap.add_argument("--compare", action="store_true",
+                    help="direct / nginx / kvtop proxy on asyncio / on uvloop in one run (one process each)")
     args = ap.parse_args()
 
     ctx_ready = [mp.Event() for _ in range(args.upstream_procs)]
@@ -262,6 +374,11 @@ def main() -> int:
     print(f"cpus={os.cpu_count()} python={sys.version.split()[0]} rate={args.rate:g}/s "
           f"seconds={args.seconds:g} clients={args.clients} upstream_procs={args.upstream_procs} "
           f"proxy_workers={args.workers}")
+    if args.compare:
+        compare(args, upstream, up_port)
+        for p in ups:
+            p.terminate()
+        return 0
     iso = recorder_cost_us()
     print(f"recorder alone (SSE parse + JSON decode + record + trace write): {iso:.1f} us/chunk")
     with tempfile.TemporaryDirectory() as d:

@@ -178,6 +178,7 @@ class Core:
         self.source_label = source_label
         self.gpu_status = "ok"
         self.host_status = "ok"
+        self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
         self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
@@ -337,8 +338,9 @@ class Core:
             self._requests[rec.id] = r
             self._trim_requests()
         ev = rec.event
-        if ev in ("token", "first_token"):
-            if r.last_token_t is not None:
+        if ev in ("token", "first_token", "resync"):
+            # resync: tokens after a capture hole; the time since the last token is not a gap
+            if r.last_token_t is not None and ev != "resync":
                 gap = rec.t - r.last_token_t
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t
@@ -507,6 +509,7 @@ class Core:
             paused=self.paused,
             source_label=self.source_label,
             host_status=self.host_status,
+            capture=self.capture,
         )
 
     def request_timeline(self, request_id: str) -> RequestTimeline | None:

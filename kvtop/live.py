@@ -8,6 +8,7 @@ their records are ingested back on the event loop, so the core is only ever touc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -45,8 +46,20 @@ class LiveRunner:
         timeout_s: float = 2.0,
         probe_rate: float | None = None,
         probe_max_tokens: int = 32,
+        capture_port: int | None = None,
     ):
         self.core = core
+        # --capture: passive observation of the engine port (opened by run(); the command checks
+        # privileges first); a request seen by the capture and by the proxy or probe is kept once
+        self.capture_port = capture_port
+        self.capture: Any = None
+        self._owners: Any = None
+        self._other_emit: Callable[[Any], None] | None = None
+        if capture_port is not None:
+            from kvtop.sources.capture import RequestOwners
+
+            self._owners = RequestOwners(self._ingest)
+            self._other_emit = self._owners.sink("other")
         # --probe: kvtop's own canary streams against the first engine (off unless asked)
         self.probe_rate = probe_rate
         self.probe_max_tokens = probe_max_tokens
@@ -84,6 +97,12 @@ class LiveRunner:
 
     def emit(self, rec: Record) -> None:
         """Ingest one record and hand it to every sink. Call on the event loop's thread."""
+        if self._other_emit is not None:
+            self._other_emit(rec)
+            return
+        self._ingest(rec)
+
+    def _ingest(self, rec: Record) -> None:
         self.core.ingest(rec)
         for sink in self.sinks:
             try:
@@ -286,6 +305,26 @@ class LiveRunner:
             probe = Probe(self.scrapers[0].base_url, self.probe_rate, self.emit, self.now,
                           max_tokens=self.probe_max_tokens)
             probe_task = asyncio.create_task(probe.run(probe_stop), name="kvtop probe")
+        capture_task = None
+        if self.capture_port is not None and self.capture is None:
+            from kvtop.sources.capture import CaptureSource, CaptureUnavailable
+
+            port = self.capture_port
+
+            def show(st: Any) -> None:
+                self.core.capture = {"port": port, "status": "ok", **dataclasses.asdict(st)}
+
+            cap = CaptureSource(port, self._owners.sink("capture"), self.now, on_check=show,
+                                notice=lambda msg: self.core.event(self.now(), "warning", "capture", msg))
+            try:
+                cap.open()
+            except CaptureUnavailable as e:
+                self.core.capture = {"port": port, "status": str(e)}
+                self.core.event(self.now(), "warning", "capture", str(e))
+            else:
+                show(cap.stats)
+                self.capture = cap
+                capture_task = asyncio.create_task(cap.run(probe_stop), name="kvtop capture")
         try:
             if stop is not None:
                 waiters.append(asyncio.create_task(stop.wait()))
@@ -302,6 +341,10 @@ class LiveRunner:
                 probe_stop.set()
                 await asyncio.wait([probe_task], timeout=self.timeout_s + 2.0)
                 probe_task.cancel()
+            if capture_task is not None:
+                probe_stop.set()
+                await asyncio.wait([capture_task], timeout=2.0)
+                self.capture = None
             # Let in-flight polls finish (each is bounded by its timeout) rather than cancel them:
             # a cancelled httpx request can wedge in httpcore's connection clean-up. Waiting
             # sources stop at once; only a poll stuck past its timeout is cancelled.

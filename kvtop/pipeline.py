@@ -44,6 +44,7 @@ class SourceOptions:
     host: bool = True
     probe_rate: float | None = None
     itl_target_s: float | None = None
+    capture_port: int | None = None  # --capture: the engine port observed passively
 
 
 class ReplayControls(Protocol):
@@ -111,14 +112,15 @@ def make_core(label: str, itl_target_s: float | None = None, window_s: float = 6
 
 def live_feed(opts: SourceOptions, label: str = "live", window_s: float = 60.0, analysis: bool = True,
               sinks: list[Sink] | None = None, core: Core | None = None, probe_max_tokens: int = 32) -> LiveRunner:
-    """Engines, GPU, host (and --probe canaries) polled into a fresh analysed Core."""
+    """Engines, GPU, host (and --probe canaries, --capture) polled into a fresh analysed Core."""
     from kvtop.live import LiveRunner
 
     if core is None:
         core = make_core(label, opts.itl_target_s, window_s=window_s, analysis=analysis)
     return LiveRunner(core, list(opts.urls), interval_s=opts.interval_s, gpu=opts.gpu, host=opts.host,
                       token=opts.token, adapter=opts.adapter, timeout_s=opts.timeout_s,
-                      probe_rate=opts.probe_rate, probe_max_tokens=probe_max_tokens, sinks=sinks)
+                      probe_rate=opts.probe_rate, probe_max_tokens=probe_max_tokens, sinks=sinks,
+                      capture_port=opts.capture_port)
 
 
 def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: float | None = None,

@@ -132,6 +132,8 @@ class Snapshot:
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
     host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
+    # passive capture (--capture): port, status ("ok" or why not) and its loss counters; None when off
+    capture: dict[str, Any] | None = None
 
     def to_json(self, include_history: bool = False) -> dict[str, Any]:
         """The documented JSON contract (schemas/snapshot.schema.json)."""
@@ -162,6 +164,8 @@ class Snapshot:
             out["events"] = [clean(e) for e in self.events]
         if self.analysis is not None:
             out["analysis"] = self.analysis
+        if self.capture is not None:
+            out["capture"] = dict(self.capture)
         return finite(out)
 
 

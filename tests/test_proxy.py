@@ -22,10 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from multidict import CIMultiDict
 
-import kvtop.proxy as proxy_mod
+import kvtop.sources.sse as sse_mod
 from kvtop.model.records import RequestRecord
 from kvtop.model.trace import TraceReader, TraceWriter, make_header
-from kvtop.proxy import RecordingProxy, StreamRecorder, make_proxy
+from kvtop.sources.proxy import RecordingProxy, make_proxy
+from kvtop.sources.sse import StreamRecorder
 
 PROMPT_MARKER = "PROMPT-MARKER-7f3a9c"
 COMPLETION_MARKER = "COMPLETION-MARKER-b81e44"
@@ -483,13 +484,13 @@ def test_fast_path_counts_like_the_full_parser(chat, text, finish, logprobs, cho
     def records(fast: bool) -> list[tuple[str, int | None]]:
         out: list[RequestRecord] = []
         sr = StreamRecorder("x", out.append, 200, True)
-        saved = proxy_mod._plain_token_chunk
+        saved = sse_mod._plain_token_chunk
         if not fast:
-            proxy_mod._plain_token_chunk = lambda d: None
+            sse_mod._plain_token_chunk = lambda d: None
         try:
             sr.feed(b"data: " + data + b"\n\n", 1.0)
         finally:
-            proxy_mod._plain_token_chunk = saved
+            sse_mod._plain_token_chunk = saved
         return [(r.event, r.n) for r in out]
 
     assert records(True) == records(False)

@@ -15,7 +15,7 @@ from conftest import REPO, run_kvtop
 from test_proxy import PROMPT_MARKER, ScriptedUpstream
 
 from kvtop.model.trace import TraceReader
-from kvtop.proxy import parse_listen
+from kvtop.sources.proxy import parse_listen
 
 
 def _free_port() -> int:

@@ -10,9 +10,9 @@ import aiohttp
 from test_proxy import Recorder
 
 from kvtop.model.records import RequestRecord, TruthRecord
-from kvtop.proxy import RecordingProxy
 from kvtop.sim.server import SimServer
 from kvtop.sim.workload import load_preset
+from kvtop.sources.proxy import RecordingProxy
 
 STREAMS = 20
 OUTPUT = 60

@@ -233,6 +233,13 @@ class Analyzer:
                 r.tokens += n if n else 1
                 if lt is not None:  # a second "first_token" (resumed streams in some proxies): still a gap
                     self._gap(r, lt, t, t - lt, "token")
+        elif ev == "resync":
+            # Tokens seen after bytes of this stream were lost: counted, but the time since the
+            # previous token spans the hole and is never a gap (nor a stall).
+            r.last_t = t
+            r.tokens += n if n else 1
+            if t > self.now:
+                self.now = t
         elif ev in ("finish", "cancel", "error"):
             if r.end_t is None:
                 r.end_t = t

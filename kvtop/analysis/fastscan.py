@@ -235,7 +235,7 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     # through the streaming path whole. Correctness first; these lines are rare.
     for i in np.flatnonzero(~fast).tolist():
         line = buf[starts[i]:ends[i]]
-        if b'"token"' in line or b'"first_token"' in line:
+        if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
             return _slow_lines(an, buf.split(b"\n"))
     fi = np.flatnonzero(fast)
     skipped = 0

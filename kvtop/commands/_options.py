@@ -43,6 +43,27 @@ def add_probe_option(p: argparse.ArgumentParser) -> None:
                         "(off by default)")
 
 
+def add_capture_option(p: argparse.ArgumentParser) -> None:
+    from kvtop.sources.capture.options import add_capture_argument
+
+    add_capture_argument(p)
+
+
+def require_capture(opts: SourceOptions) -> None:
+    """Headless commands: a capture that cannot open here is a one-line UsageError (exit 2) saying
+    how to grant the privilege. (The console runs on and shows the line in its banner instead.)"""
+    if opts.capture_port is None:
+        return
+    if opts.capture_port == 0:
+        raise UsageError("--capture without a PORT needs the engine's --url")
+    from kvtop.sources.capture import CaptureUnavailable, check_capture
+
+    try:
+        check_capture(opts.capture_port)
+    except CaptureUnavailable as e:
+        raise UsageError(str(e)) from None
+
+
 def add_itl_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
                    help="inter-token latency target")
@@ -90,6 +111,11 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
     probe = getattr(args, "probe", None)
     if probe is not None and not 0 < probe <= 100:
         raise UsageError(f"--probe must be between 0 and 100 per second, not {probe:g}")
+    capture = getattr(args, "capture", None)
+    if capture == 0 and urls:  # 0: the first engine's port (the console may still discover one)
+        from kvtop.sources.capture.options import resolve_capture_port
+
+        capture = resolve_capture_port(capture, engine_bases(list(urls))[0])
     return SourceOptions(
         urls=urls,
         interval_s=interval_s(args, cfg),
@@ -100,4 +126,5 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         host=bool(resolve(args, cfg, "host", True)),
         probe_rate=probe,
         itl_target_s=itl_target_s(args, cfg),
+        capture_port=capture,
     )

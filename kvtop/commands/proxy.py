@@ -28,13 +28,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-request line on stderr")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="forward in N processes sharing the port (one process tops out near 25K chunks/s)")
+    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="event loop: uvloop when installed (pip install 'kvtop[fast]'), else asyncio (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from kvtop.errors import UsageError
-    from kvtop.proxy import parse_listen
+    from kvtop.sources.proxy import parse_listen
+    from kvtop.sources.proxy.eventloop import LoopUnavailable, resolve_loop
+    from kvtop.sources.proxy.eventloop import run as run_loop
 
     try:
         host, port = parse_listen(args.listen)
@@ -49,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
     u = URL(args.upstream)
     if u.scheme not in ("http", "https") or not u.host:
         raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
-    return asyncio.run(_main(args, host, port))
+    try:
+        args.loop = resolve_loop(args.loop)
+    except LoopUnavailable as e:
+        raise UsageError(str(e)) from None
+    return run_loop(_main(args, host, port), args.loop)
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
@@ -60,7 +66,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
 
     from kvtop.errors import UsageError
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.proxy import make_proxy
+    from kvtop.sources.proxy import make_proxy
 
     t0 = time.monotonic()
 
@@ -71,7 +77,8 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     if args.record:
         try:
             writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": args.upstream},
-                                                          recorder="kvtop proxy"))
+                                                          recorder="kvtop proxy",
+                                                          clock_t0_unix=round(time.time() - clock(), 6)))
         except OSError as e:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
     summary = _Summary(sys.stderr) if not args.quiet else None
@@ -87,7 +94,8 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    proxy = make_proxy(args.upstream, emit, clock, host=host, port=port, cls=args.cls, workers=args.workers)
+    proxy = make_proxy(args.upstream, emit, clock, host=host, port=port, cls=args.cls, workers=args.workers,
+                       loop=args.loop)
     try:
         await proxy.start()
     except OSError as e:

@@ -10,12 +10,12 @@ if TYPE_CHECKING:
     from kvtop.commands._options import SourceOptions
 
 NAME = "record"
-HELP = "record engine, GPU, host and (with --proxy-listen / --probe) per-request timings to a trace file"
+HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
 DESCRIPTION = (
     "Headless: scrapes the engine(s), the GPU and the host every --interval and appends every record "
     "to the trace (JSON Lines, flushed at least once a second). With --proxy-listen, a recording proxy "
-    "in front of the first --url records each request's token timeline; --probe RATE sends kvtop's "
-    "own small canary streams. Stops on Ctrl-C / SIGTERM or after --duration, flushing everything."
+    "in front of the first --url records each request's token timeline; --capture observes the "
+    "engine's own port passively (root or CAP_NET_RAW); --probe RATE sends kvtop's own small canary streams. Stops on Ctrl-C / SIGTERM or after --duration, flushing everything."
 )
 ORDER = 30
 
@@ -23,7 +23,12 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_engine_options, add_host_options, add_probe_option
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_probe_option,
+    )
 
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
@@ -32,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the recording proxy here, in front of the first --url (e.g. 127.0.0.1:8001)")
     p.add_argument("--proxy-workers", dest="proxy_workers", type=int, default=1, metavar="N",
                    help="run the proxy as N processes sharing the port (for more than ~25K chunks/s)")
+    add_capture_option(p)
     add_probe_option(p)
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
@@ -42,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvtop.commands._options import source_options
+    from kvtop.commands._options import require_capture, source_options
     from kvtop.config import engine_bases, load_config, parse_seconds
     from kvtop.errors import UsageError
 
@@ -65,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     bases = engine_bases(list(opts.urls))
+    require_capture(opts)
     listen = None
     if args.proxy_listen:
-        from kvtop.proxy import parse_listen
+        from kvtop.sources.proxy import parse_listen
 
         try:
             listen = parse_listen(args.proxy_listen)
@@ -81,6 +88,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     import asyncio
     import signal
     import sys
+    import time
 
     from kvtop.errors import UsageError
     from kvtop.model.trace import TraceWriter, make_header
@@ -100,7 +108,11 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
-    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": opts.interval_s}
+    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
+    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
+                             "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    if opts.capture_port is not None:
+        extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
         extra["urls"] = list(opts.urls)
     try:
@@ -118,7 +130,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     proxy = None
     try:
         if listen is not None:
-            from kvtop.proxy import make_proxy
+            from kvtop.sources.proxy import make_proxy
 
             host, port = listen
             proxy = make_proxy(base, runner.emit, runner.now, host=host, port=port,
@@ -135,6 +147,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
             what += f", proxy {proxy.url} -> {base}"
         if opts.probe_rate:
             what += f", probe {opts.probe_rate:g}/s"
+        if opts.capture_port is not None:
+            what += f", capture :{opts.capture_port}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
             await runner.run(duration_s=duration, stop=stop)
@@ -149,6 +163,11 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
             await proxy.stop()
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
+    cap = runner.core.capture
+    if cap is not None and cap.get("status") == "ok":
+        print(f"kvtop record: capture :{cap['port']}: {cap['requests']} request(s), {cap['packets']} packet(s), "
+              f"{cap['kernel_drops']} kernel drop(s), {cap['holes']} hole(s), {cap['tls_connections']} TLS and "
+              f"{cap['http2_connections']} HTTP/2 connection(s) not observable", file=sys.stderr)
     return 0
 
 

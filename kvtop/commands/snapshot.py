@@ -22,13 +22,20 @@ DEFAULT_DURATION_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
 
     add_engine_options(p)
     p.add_argument("--duration", default=None, metavar="SECONDS", help="sampling duration (default 5; 10s, 2m ok)")
     p.add_argument("--format", choices=("json", "text"), default=None, help="output format (default text)")
     add_itl_option(p)
     add_probe_option(p)
+    add_capture_option(p)
     add_host_options(p)
 
 
@@ -37,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvtop.commands._options import source_options
+    from kvtop.commands._options import require_capture, source_options
     from kvtop.config import load_config, parse_seconds, resolve
     from kvtop.errors import UsageError
 
@@ -51,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"format must be json or text, not {fmt!r}")
     if not opts.urls and not opts.gpu and not opts.host:
         raise UsageError("nothing to sample: give --url URL (or drop --no-gpu / --no-host)")
+    require_capture(opts)
     urls = list(opts.urls)
 
     from kvtop.pipeline import live_feed

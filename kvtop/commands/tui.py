@@ -29,7 +29,13 @@ PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_engine_options, add_host_options, add_itl_option, add_probe_option
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
 
     add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
@@ -37,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
     add_itl_option(p)
     add_probe_option(p)
+    add_capture_option(p)
     add_host_options(p)
 
 
@@ -131,6 +138,12 @@ class ProbingFeed:
             await asyncio.gather(task, return_exceptions=True)
 
 
+def _capture_port(url: str) -> int | None:
+    from kvtop.sources.capture.options import resolve_capture_port
+
+    return resolve_capture_port(0, url)
+
+
 def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
     v = cfg.get("probe_ports")
     if v is None:
@@ -180,12 +193,18 @@ def run(args: argparse.Namespace) -> int:
             core = make_core("live", opts.itl_target_s)
 
             def make_runner(urls: list[str]) -> Any:
-                return live_feed(dataclasses.replace(opts, urls=tuple(urls)), label="live", core=core)
+                o = dataclasses.replace(opts, urls=tuple(urls))
+                if o.capture_port == 0:  # --capture without a port: the engine's, once there is one
+                    o = dataclasses.replace(o, capture_port=_capture_port(urls[0]) if urls else None)
+                return live_feed(o, label="live", core=core)
 
             feed = ProbingFeed(make_runner, ports)
         else:
             opts = dataclasses.replace(opts, urls=tuple(found))
     if opts.urls:
+        if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
+            opts = dataclasses.replace(opts, capture_port=_capture_port(opts.urls[0]))
+        # without the privilege the console still runs: its banner says how to grant it
         feed = live_feed(opts, label="live")
 
     from kvtop.tui.app import run_console

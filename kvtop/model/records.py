@@ -21,7 +21,7 @@ def trace_time(t: float) -> float:
     return round(t, 6)
 
 REQUEST_EVENTS = frozenset(
-    {"arrive", "first_token", "token", "finish", "cancel", "error", "preempt", "resume"}
+    {"arrive", "first_token", "token", "resync", "finish", "cancel", "error", "preempt", "resume"}
 )
 
 
@@ -134,7 +134,7 @@ class RequestRecord:
     t: float
     id: str
     event: str
-    n: int | None = None  # tokens in this chunk (token / first_token)
+    n: int | None = None  # tokens in this chunk (token / first_token / resync)
     prompt_tokens: int | None = None
     cls: str | None = None  # "class" on the wire
     source: str | None = None  # proxy, probe, engine, sim
@@ -142,6 +142,9 @@ class RequestRecord:
     status: int | None = None  # HTTP status for error
     error: str | None = None  # error type (never a message containing user text)
     completion_tokens: int | None = None
+    # On finish / cancel / error from passive capture: bytes of this stream were lost (its token
+    # count may be short; its "resync" records mark where).
+    incomplete: bool | None = None
 
 
 @dataclass(slots=True)

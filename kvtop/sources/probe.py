@@ -16,7 +16,7 @@ from collections.abc import Callable
 import aiohttp
 
 from kvtop.model.records import RequestRecord
-from kvtop.proxy import StreamRecorder
+from kvtop.sources.sse import StreamRecorder
 
 PROBE_PROMPT = "Count from one to one hundred in words, separated by commas:"
 

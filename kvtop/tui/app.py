@@ -373,6 +373,13 @@ class KvtopApp(App[int]):
             msgs.append(render.escape(notice))
         if s.gpu_status != "ok":
             msgs.append(f"GPU: {render.escape(s.gpu_status)}")
+        cap = s.capture
+        if cap is not None:
+            if cap.get("status") != "ok":
+                msgs.append(f"capture: {render.escape(str(cap.get('status')))}")
+            elif cap.get("kernel_drops") or cap.get("holes"):
+                msgs.append(f"capture lost data: {cap.get('kernel_drops', 0)} kernel drop(s), "
+                            f"{cap.get('holes', 0)} hole(s); those streams are marked incomplete")
         down = [e for e in s.engines if not e.up]
         if down:
             msgs.append(f"{len(down)} engine(s) down: " + ", ".join(render.escape(e.url) for e in down[:3]))

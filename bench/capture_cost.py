@@ -1,0 +1,162 @@
+"""Passive capture's cost: CPU per captured chunk and per packet, and drops, against tcpdump.
+
+    python bench/capture_cost.py [--streams 64,512] [--rate 50] [--seconds 6] [--clients 2]
+
+The same loopback SSE load as bench/proxy_overhead.py (a local upstream streaming ``--rate``
+tokens per second per stream to client processes, no proxy in the path) is observed, in the same
+phase, by two processes at once:
+
+  * kvtop's capture (``CaptureSource`` on the upstream port, every record written to a trace file,
+    as ``kvtop record --capture`` does);
+  * ``tcpdump -i lo -w /dev/null`` with the same port filter (the baseline: kernel filter plus
+    copying every packet out, no parsing).
+
+Printed per load: chunks/s on the wire, packets each saw, CPU microseconds per chunk and per packet
+(process user+sys / count), kernel drops (PACKET_STATISTICS / tcpdump's own count), sequence holes,
+and whether the capture's token count equals the tokens the clients received.
+Target (issue 15): under 10 us of CPU per chunk and zero drops at 25,000 chunks/s on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proxy_overhead import _free_port, _proc_cpu_split, run_load, upstream_main  # noqa: E402
+
+
+def capture_main(port: int, record: str, ready: Any, q: mp.Queue) -> None:
+    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.sources.capture import CaptureSource
+
+    writer = TraceWriter(record, make_header(engine={}, recorder="bench capture"))
+    t0 = time.monotonic()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        cap = CaptureSource(port, writer.write, lambda: time.monotonic() - t0)
+        cap.open()
+        task = asyncio.create_task(cap.run(stop))
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.25)
+            writer.flush_if_due()
+        await task
+        writer.close()
+        st = cap.stats
+        q.put({"packets": st.packets, "drops": st.kernel_drops, "holes": st.holes, "requests": st.requests,
+               "records": writer.count})
+
+    asyncio.run(main())
+
+
+def cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    user, system = _proc_cpu_split(pid)
+    return user + system
+
+
+def tokens_in(trace: str) -> int:
+    n = 0
+    with open(trace) as f:
+        f.readline()
+        for line in f:
+            d = json.loads(line)
+            if d.get("event") in ("first_token", "token", "resync"):
+                n += d.get("n") or 1
+    return n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="64,512")
+    ap.add_argument("--rate", type=float, default=50.0, help="tokens per second per stream")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per load")
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    ap.add_argument("--upstream-procs", type=int, default=1)
+    args = ap.parse_args()
+
+    tcpdump = shutil.which("tcpdump")
+    up_port = _free_port()
+    tokens = int(args.rate * 4)
+    readies = [mp.Event() for _ in range(args.upstream_procs)]
+    ups = [mp.Process(target=upstream_main, args=(up_port, args.rate, tokens, ev), daemon=True) for ev in readies]
+    for p in ups:
+        p.start()
+    for ev in readies:
+        ev.wait(10)
+    upstream = f"http://127.0.0.1:{up_port}"
+    print(f"cpus={os.cpu_count()} python={sys.version.split()[0]} rate={args.rate:g}/s seconds={args.seconds:g} "
+          f"clients={args.clients} tcpdump={'yes' if tcpdump else 'not installed'}")
+    with tempfile.TemporaryDirectory() as d:
+        for streams in [int(s) for s in args.streams.split(",")]:
+            record = str(Path(d) / f"capture-{streams}.jsonl")
+            q: mp.Queue = mp.Queue()
+            ready = mp.Event()
+            cap = mp.Process(target=capture_main, args=(up_port, record, ready, q))
+            cap.start()
+            ready.wait(10)
+            td = None
+            if tcpdump:
+                td = subprocess.Popen([tcpdump, "-i", "lo", "-w", "/dev/null", "-s", "0", "-B", "65536", "-n",
+                                       f"tcp port {up_port}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(0.5)
+            c0 = cpu_s(cap.pid)
+            t0 = cpu_s(td.pid if td else None)
+            wall0 = time.monotonic()
+            _, chunks = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
+            wall = time.monotonic() - wall0
+            c1 = cpu_s(cap.pid)
+            t1 = cpu_s(td.pid if td else None)
+            td_packets = td_drops = None
+            if td is not None:
+                td.send_signal(signal.SIGINT)
+                err = td.communicate(timeout=10)[1].decode()
+                m = re.search(r"(\d+) packets captured", err)
+                td_packets = int(m[1]) if m else None
+                m = re.search(r"(\d+) packets dropped by kernel", err)
+                td_drops = int(m[1]) if m else None
+            time.sleep(0.5)
+            cap.terminate()
+            st = q.get(timeout=30)
+            cap.join(10)
+            # every chunk the load generated in the phase (warm-up included) crossed the wire
+            wire_chunks = chunks * (args.seconds + args.warmup) / args.seconds
+            captured = tokens_in(record)
+            cpu_chunk = (c1 - c0) / captured * 1e6 if captured else float("nan")
+            cpu_pkt = (c1 - c0) / st["packets"] * 1e6 if st["packets"] else float("nan")
+            print(f"\n{streams} streams x {args.rate:g} tok/s: {wire_chunks / wall:,.0f} chunks/s on the wire "
+                  f"({wall:.1f} s)")
+            print(f"  kvtop capture: {st['packets']:,} packets, {captured:,} tokens in {st['requests']} requests; "
+                  f"CPU {cpu_chunk:.1f} us/chunk, {cpu_pkt:.1f} us/packet ({(c1 - c0) / wall * 100:.0f}% of a core); "
+                  f"kernel drops {st['drops']}, holes {st['holes']}")
+            if td is not None and td_packets:
+                print(f"  tcpdump -w /dev/null: {td_packets:,} packets; CPU {(t1 - t0) / td_packets * 1e6:.1f} "
+                      f"us/packet, {(t1 - t0) / max(1, captured) * 1e6:.1f} us per chunk "
+                      f"({(t1 - t0) / wall * 100:.0f}% of a core); kernel drops {td_drops}")
+    for p in ups:
+        p.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
