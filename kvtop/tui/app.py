@@ -419,7 +419,9 @@ class KvtopApp(App[int]):
         for p, e in zip(self._engine_panels, s.engines, strict=False):
             p.set_class(not e.up, "-down")
             p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
-        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s))
+        done, over = self.core.finished_total, self.core.gaps_over_target_total
+        retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
+        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)
         self._render_charts(s)
 
     def _fit_charts(self) -> None:
