@@ -32,6 +32,9 @@ class SampleAnalysis:
         self._by_req: dict[str, list[dict[str, Any]]] = {}
         self.verdict = verdict
 
+    def fresh(self) -> SampleAnalysis:
+        return SampleAnalysis(self.verdict)
+
     def feed(self, rec: Record) -> None:  # the spikes are registered by the generator
         return None
 
@@ -96,7 +99,7 @@ class Sample:
         self.t = 0.0
         self._n = 0
         self._reqs: list[_Req] = []
-        self._eng = [
+        self._eng: list[dict[str, Any]] = [
             {"pre": 0.0, "prompt": 0.0, "gen": 0.0, "itl": [0.0] * len(_ITL_BUCKETS),
              "ttft": [0.0] * len(_TTFT_BUCKETS), "itl_sum": 0.0, "ttft_sum": 0.0, "kv": 0.6}
             for _ in range(self.engines)
