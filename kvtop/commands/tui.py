@@ -127,6 +127,7 @@ class ProbingFeed:
                     old = self.runner
                     self.runner = self.make_runner(found)
                     self.runner._t0 = old._t0  # one run clock across the switch
+                    self.runner.interval_s = old.interval_s  # and the interval +/- may have changed
                     self.notice = None
                     self.core.event(self.runner.now(), "info", "engine_up", "engine found: " + ", ".join(found))
                     inner = asyncio.Event()
