@@ -96,7 +96,7 @@ class HelpScreen(ModalScreen[None]):
         kw = max((len(k) for k, _ in self.rows), default=4)
         body = "\n".join(f"  [b]{k.ljust(kw).replace('[', chr(92) + '[')}[/b]  {d}" for k, d in self.rows)
         extra = ("\n\n  [$text-muted]mouse: click a tab to switch screens, a column header to sort,"
-                 " a row twice to open it[/]")
+                 " a row twice to open it; hover a chart for the time and values there[/]")
         with Vertical(id="help-box"):
             yield Static("[b]kvtop keys[/b]  (esc closes)", id="help-title")
             yield Static(body + extra, id="help-body")
