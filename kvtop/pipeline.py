@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvtop.replay import ReplayFeed
     from kvtop.sim.demo import DemoFeed
     from kvtop.sim.workload import Workload
+    from kvtop.sources.promfleet import PromFeed
 
 
 DEFAULT_INTERVAL_S = 1.0
@@ -202,3 +203,17 @@ async def run_for(feed: Feed, duration_s: float | None = None,
     finally:
         stop.set()
         await task
+
+
+def prometheus_feed(url: str, selector: str | None = None, itl_target_s: float | None = None,
+                    window_s: float = 120.0, interval_s: float = 5.0, step_s: float | None = None,
+                    timeout_s: float = 5.0, token: str | None = None, core_window_s: float | None = None) -> PromFeed:
+    """Every engine instance a Prometheus server scrapes, read back into an analysed Core
+    (`--prometheus URL`); the engines' history over ``window_s`` is there from the first poll, and
+    rates and quantiles cover ``core_window_s`` (default: the whole window)."""
+    from kvtop.sources.promfleet import PromFeed
+
+    core = make_core(f"prometheus {url}", itl_target_s, window_s=core_window_s or window_s)
+    core.gpu_status = "not read (engines come from Prometheus)"
+    return PromFeed(core, url, selector=selector, interval_s=interval_s, timeout_s=timeout_s, window_s=window_s,
+                    step_s=step_s, token=token)

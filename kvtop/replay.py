@@ -18,7 +18,7 @@ from typing import Any
 
 from kvtop.core import Core
 from kvtop.model.records import Record
-from kvtop.model.trace import TraceReader
+from kvtop.model.trace import TraceReader, is_gzip, open_binary
 
 _TICK_S = 0.1  # the trace clock advances at least this often while running
 _BATCH = 2000  # records fed between yields to the event loop at speed 0
@@ -27,6 +27,18 @@ _BATCH = 2000  # records fed between yields to the event loop at speed 0
 def last_record_time(path: str | os.PathLike[str]) -> float | None:
     """``t`` of the last readable record, reading only the file's tail (traces can be huge)."""
     p = Path(path)
+    if p.is_dir() or is_gzip(p):
+        # a compressed segment cannot seek back cheaply: stream it (segments are size-bounded)
+        last = None
+        with open_binary(p) as g:
+            for line in g:
+                try:
+                    d = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(d, dict) and isinstance(d.get("t"), (int, float)) and d.get("kind") != "header":
+                    last = float(d["t"])
+        return last
     size = p.stat().st_size
     window = 64 << 10
     with open(p, "rb") as f:

@@ -34,3 +34,14 @@ def run_kvtop(*args: str, timeout: float = 120, env: dict[str, str] | None = Non
 @pytest.fixture
 def kvtop_cli():
     return run_kvtop
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The `prometheus` tier starts a real Prometheus server (~1 min): it runs when asked for
+    # (`-m prometheus`, as .ci/run does, or KVTOP_PROMETHEUS=1), not in the quick unit run.
+    if "prometheus" in (config.option.markexpr or "") or os.environ.get("KVTOP_PROMETHEUS") == "1":
+        return
+    keep = [i for i in items if i.get_closest_marker("prometheus") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("prometheus") is not None])
+        items[:] = keep

@@ -56,6 +56,7 @@ class Analyzer:
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
         self.cause_counts = dict.fromkeys(CAUSES, 0)
         self.cause_conf = dict.fromkeys(CAUSES, 0.0)
+        self.cause_seconds = dict.fromkeys(CAUSES, 0.0)  # stall time per cause (kvtop agent's counters)
         self.n_spikes = 0
         self.n_spikes_dropped = 0
         self._first_tokens: list[tuple[float, str, int | None]] = []
@@ -468,6 +469,7 @@ class Analyzer:
         self.n_spikes += 1
         self.cause_counts[g.cause] += 1
         self.cause_conf[g.cause] += g.confidence
+        self.cause_seconds[g.cause] += g.gap
         if len(self.spikes) == self.spikes.maxlen:
             self.n_spikes_dropped += 1
         self.spikes.append(g)

@@ -40,7 +40,9 @@ def available() -> bool:
 def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines."""
     skipped = 0
-    with open(path, "rb") as f:
+    from kvtop.model.trace import open_binary
+
+    with open_binary(path) as f:
         f.readline()
         carry = b""
         while True:

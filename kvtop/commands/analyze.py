@@ -16,7 +16,17 @@ ORDER = 40
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace file (JSON Lines) written by kvtop record / simulate")
+    p.add_argument("trace", nargs="?", default=None,
+                   help="trace file (JSON Lines, or a .jsonl.gz agent segment) written by kvtop record / simulate / agent")
+    p.add_argument("--prometheus", metavar="URL", default=None,
+                   help="analyze the engines a Prometheus server holds instead of a trace (aggregate basis)")
+    p.add_argument("--start", default="now-1h", metavar="TIME",
+                   help="with --prometheus: start (now-1h, unix seconds or RFC 3339; default now-1h)")
+    p.add_argument("--end", default="now", metavar="TIME", help="with --prometheus: end (default now)")
+    p.add_argument("--step", default="15s", metavar="SECONDS", help="with --prometheus: evaluation step (default 15s)")
+    p.add_argument("--selector", default=None, metavar="MATCHERS",
+                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+    p.add_argument("--timeout", default="30s", metavar="SECONDS", help="with --prometheus: per-query timeout")
     p.add_argument("--itl-target-ms", type=float, metavar="N",
                    help="ITL target; default: the trace header's, else 4 x the median of the first 2000 gaps")
     p.add_argument("--model-config", metavar="FILE", help="Hugging Face config.json of the served model")
@@ -40,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--kv-bytes-per-token must be positive")
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
+    if args.prometheus:
+        return _prometheus(args)
+    if args.trace is None:
+        raise UsageError("give a trace file, or --prometheus URL to analyze what Prometheus holds")
     cfg = None
     if args.model_config:
         try:
@@ -79,3 +93,56 @@ def _save_scenario(args: argparse.Namespace, rep: dict) -> None:
         Path(args.save_scenario).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     except OSError as e:
         raise UsageError(f"cannot write {args.save_scenario}: {e.strerror or e}") from None
+
+
+def _prometheus(args: argparse.Namespace) -> int:
+    import time
+
+    from kvtop.analysis.report import render_report_text
+    from kvtop.config import parse_seconds
+    from kvtop.model.trace import _finite
+    from kvtop.sources.promapi import PromClient, PromError
+    from kvtop.sources.promfleet import analyze_history, parse_selector, parse_time
+
+    if args.trace is not None:
+        raise UsageError("give either a trace file or --prometheus, not both")
+    now = time.time()
+    try:
+        start, end = parse_time(args.start, now), parse_time(args.end, now)
+        parse_selector(args.selector)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    step = parse_seconds(args.step, "--step")
+    timeout = parse_seconds(args.timeout, "--timeout")
+    if not end > start:
+        raise UsageError("--end must be after --start")
+    if not 0 < step <= 3600:
+        raise UsageError("--step must be between 0 and 3600 seconds")
+    if (end - start) / step > 11000:
+        raise UsageError(f"{(end - start) / step:.0f} steps: Prometheus answers at most 11000 per query; raise --step")
+    if not 0 < timeout <= 600:
+        raise UsageError("--timeout must be between 0 and 600 seconds")
+    client = PromClient(args.prometheus, timeout_s=timeout)
+    try:
+        rep = analyze_history(client, start, end, step, args.selector,
+                              None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
+    except PromError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        client.close()
+    if not rep["instances"]:
+        raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
+                         + (f" matching {args.selector}" if args.selector else ""))
+    if args.format == "json":
+        print(json.dumps(_finite(rep), indent=1, allow_nan=False, default=str))
+        return 0
+    print(f"note: {rep['note']}")
+    for inst in rep["instances"]:
+        print()
+        print(f"== {inst['instance']} (job {inst['job']}, {inst['adapter'] or 'unknown engine'}, "
+              f"{inst['samples']} samples)")
+        if inst["report"] is None:
+            print(f"no usable samples{': ' + inst['error'] if inst['error'] else ''}")
+        else:
+            print(render_report_text(inst["report"]))
+    return 0

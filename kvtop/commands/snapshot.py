@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_probe_option(p)
     add_capture_option(p)
     add_host_options(p)
+    p.add_argument("--prometheus", default=None, metavar="URL",
+                   help="read every engine a Prometheus server scrapes instead of --url (--duration: look-back, default 5m)")
+    p.add_argument("--selector", default=None, metavar="MATCHERS",
+                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
+    if getattr(args, "prometheus", None):
+        return _prometheus(args, cfg)
     opts = source_options(args, cfg)
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
     fmt = resolve(args, cfg, "format", "text")
@@ -91,6 +97,51 @@ def run(args: argparse.Namespace) -> int:
     if not urls and snap.gpu_status != "ok" and snap.host is None:
         raise UsageError(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
 
+    if fmt == "json":
+        print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
+    else:
+        from kvtop.render_text import render_text
+
+        print(render_text(snap), end="")
+    return 0
+
+
+def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
+    """`snapshot --prometheus URL`: one report over the last --duration of what Prometheus holds."""
+    import json
+
+    from kvtop.commands._options import itl_target_s
+    from kvtop.config import parse_seconds, resolve
+    from kvtop.errors import UsageError
+    from kvtop.pipeline import prometheus_feed
+    from kvtop.sources.promfleet import parse_selector
+
+    if args.url:
+        raise UsageError("give either --url or --prometheus, not both")
+    window = parse_seconds(args.duration, "--duration") if args.duration is not None else 300.0
+    timeout = parse_seconds(resolve(args, cfg, "timeout", 10.0), "--timeout")
+    fmt = resolve(args, cfg, "format", "text")
+    if not 1 <= window <= 7 * 86400:
+        raise UsageError(f"--duration (the look-back) must be between 1 s and 7 days, not {window:g}")
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
+    try:
+        parse_selector(args.selector)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    feed = prometheus_feed(args.prometheus, selector=args.selector, itl_target_s=itl_target_s(args, cfg),
+                           window_s=window, step_s=max(1.0, min(15.0, window / 30)), timeout_s=timeout,
+                           token=resolve(args, cfg, "token"))
+    try:
+        feed.poll_once()
+    finally:
+        feed.fleet.client.close()
+    if feed.fleet.error and not feed.fleet.targets:
+        raise UsageError(feed.fleet.error)
+    if not feed.fleet.targets:
+        raise UsageError(f"Prometheus at {feed.fleet.client.url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, "
+                         "Triton metric names)" + (f" matching {args.selector}" if args.selector else ""))
+    snap = feed.core.snapshot()
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:

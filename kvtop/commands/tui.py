@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_probe_option(p)
     add_capture_option(p)
     add_host_options(p)
+    p.add_argument("--prometheus", default=None, metavar="URL",
+                   help="show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
+    p.add_argument("--selector", default=None, metavar="MATCHERS",
+                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
 
 
 def looks_like_metrics(text: str) -> bool:
@@ -167,9 +171,11 @@ def run(args: argparse.Namespace) -> int:
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
 
+    if getattr(args, "prometheus", None):
+        return prometheus_console(args, cfg, theme)
     if args.replay:
         path = Path(args.replay)
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():
             raise UsageError(f"trace file not found: {path}")
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))
@@ -230,3 +236,27 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
         return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
     finally:
         feed.close()
+
+
+def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str | None) -> int:
+    """The console over what a Prometheus server scrapes: the fleet screen first, enter opens one."""
+    from kvtop.commands._options import interval_s, itl_target_s
+    from kvtop.config import parse_seconds, resolve
+    from kvtop.pipeline import prometheus_feed
+    from kvtop.sources.promfleet import parse_selector
+    from kvtop.tui.app import run_console
+
+    if args.url or args.replay:
+        raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
+    try:
+        parse_selector(args.selector)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    interval = interval_s(args, cfg)
+    timeout = parse_seconds(resolve(args, cfg, "timeout", 5.0), "--timeout")
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
+    feed = prometheus_feed(args.prometheus, selector=args.selector, itl_target_s=itl_target_s(args, cfg),
+                           interval_s=max(interval, 2.0), timeout_s=timeout, token=resolve(args, cfg, "token"),
+                           window_s=120.0, core_window_s=60.0)
+    return run_console(feed.core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)

@@ -6,6 +6,8 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
@@ -14,7 +16,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from kvtop.model.records import (
     TRACE_FORMAT,
@@ -29,6 +31,75 @@ from kvtop.model.records import (
 
 class TraceError(Exception):
     """The file is not a kvtop trace (bad header / unsupported version)."""
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+# the agent's rotating segments (kvtop/model/trace_rotate.py): kvtop-<UTC start>.jsonl[.gz]
+SEGMENT_PREFIX = "kvtop-"
+ACTIVE_SUFFIX = ".jsonl"
+DONE_SUFFIX = ".jsonl.gz"
+
+
+def is_gzip(path: str | os.PathLike[str]) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
+    """The trace's bytes, decompressed when it is a gzip file (the agent's rotated segments are).
+
+    A directory of agent segments (`kvtop agent --trace-dir`) reads as one trace: the segments of
+    the agent's latest run joined in order, the first segment's header only."""
+    if os.path.isdir(path):
+        segs = latest_run(path)
+        if not segs:
+            raise FileNotFoundError(f"no kvtop trace segments in {path}")
+        return cast(IO[bytes], io.BufferedReader(_Joined(segs), 1 << 20))
+    if is_gzip(path):
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return open(path, "rb")
+
+
+class _Joined(io.RawIOBase):
+    """Segments read back to back; every segment after the first loses its header line."""
+
+    def __init__(self, paths: list[Path]):
+        self._paths = list(paths)
+        self._cur: IO[bytes] | None = None
+        self._first = True
+
+    def readable(self) -> bool:
+        return True
+
+    def _next(self) -> bool:
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+        if not self._paths:
+            return False
+        p = self._paths.pop(0)
+        self._cur = cast(IO[bytes], gzip.open(p, "rb")) if is_gzip(p) else open(p, "rb")
+        if not self._first:
+            self._cur.readline()
+        self._first = False
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while True:
+            if self._cur is None and not self._next():
+                return 0
+            assert self._cur is not None
+            n = self._cur.readinto(b)  # type: ignore[attr-defined]
+            if n:
+                return int(n)
+            self._cur.close()
+            self._cur = None
+
+    def close(self) -> None:
+        if self._cur is not None:
+            self._cur.close()
+            self._cur = None
+        super().close()
 
 
 def make_header(
@@ -154,10 +225,14 @@ class TraceReader:
         self.skipped = 0
         self.unknown_kinds = 0
         try:
-            self._f: IO[str] = open(self.path, encoding="utf-8", errors="replace")
+            self._f: IO[str] = io.TextIOWrapper(open_binary(self.path), encoding="utf-8", errors="replace")
         except OSError as e:
             raise TraceError(f"cannot open trace {self.path}: {e.strerror or e}") from None
-        first = self._f.readline()
+        try:
+            first = self._f.readline()
+        except (OSError, EOFError) as e:  # a corrupt or cut gzip segment
+            self._f.close()
+            raise TraceError(f"cannot read trace {self.path}: {e}") from None
         try:
             header = json.loads(first)
         except ValueError:
@@ -173,7 +248,7 @@ class TraceReader:
 
     def dicts(self) -> Iterator[dict[str, Any]]:
         loads = json.loads
-        for line in self._f:
+        for line in self._lines():
             try:
                 d = loads(line)
             except ValueError:
@@ -184,6 +259,13 @@ class TraceReader:
                 continue
             yield d
         self._f.close()
+
+    def _lines(self) -> Iterator[str]:
+        try:
+            yield from self._f
+        except (OSError, EOFError):
+            # a gzip segment cut short (the agent died while compressing): keep what was read
+            self.skipped += 1
 
     def records(self) -> Iterator[Record]:
         for d in self.dicts():
@@ -207,3 +289,30 @@ class TraceReader:
         if self.skipped:
             return f"{self.path}: skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)"
         return None
+
+
+def latest_run(directory: str | os.PathLike[str]) -> list[Path]:
+    """Segments (compressed, and the one still being written) of the agent's latest run, in order.
+
+    A restarted agent starts its clock again, so runs are kept apart by the ``agent_wall_t0`` their
+    headers carry; a segment being compressed right now is taken once (the .gz when both exist)."""
+    d = Path(directory)
+    by_stem: dict[str, Path] = {}
+    for p in sorted(d.glob(f"{SEGMENT_PREFIX}*{ACTIVE_SUFFIX}")) + sorted(d.glob(f"{SEGMENT_PREFIX}*{DONE_SUFFIX}")):
+        stem = p.name.removesuffix(".gz").removesuffix(ACTIVE_SUFFIX)
+        by_stem[stem] = p  # .gz listed last: it wins
+    runs: list[tuple[Any, list[Path]]] = []
+    for stem in sorted(by_stem):
+        p = by_stem[stem]
+        try:
+            r = TraceReader(p)
+        except TraceError:
+            continue
+        run = r.header.get("agent_wall_t0")
+        r.close()
+        run = round(run, 1) if isinstance(run, (int, float)) else stem
+        if runs and runs[-1][0] == run:
+            runs[-1][1].append(p)
+        else:
+            runs.append((run, [p]))
+    return runs[-1][1] if runs else []

@@ -200,6 +200,8 @@ class KvtopApp(App[int]):
         Binding("left_square_bracket", "step(-10)", "Back 10 s", key_display="["),
         Binding("right_square_bracket", "step(10)", "Forward 10 s", key_display="]"),
         Binding("g", "seek", "Seek to…"),
+        # no description: kept out of the help screen, which every console snapshot shows
+        Binding("f", "fleet", "", show=False),
     ]
 
     def __init__(self, core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
@@ -264,6 +266,8 @@ class KvtopApp(App[int]):
     def main_ready(self) -> None:
         self._main_ready = True
         self.tick(force=True)
+        if getattr(self.feed, "fleet", None) is not None:
+            self.action_fleet()  # pointed at Prometheus: the fleet is the first thing to see
         # Modules, widgets and styles live as long as the console: out of the collector's reach,
         # a full collection (every few seconds at 1,000+ requests) scans only the data. Fewer,
         # larger young collections: each refresh allocates tens of thousands of short-lived
@@ -733,6 +737,11 @@ class KvtopApp(App[int]):
                 self.tick(force=True)
 
         self.push_screen(SeekScreen(replay.duration), done)
+
+    def action_fleet(self) -> None:
+        from kvtop.tui.fleet import open_fleet
+
+        open_fleet(self)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.help_rows()))

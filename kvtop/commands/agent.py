@@ -1,0 +1,133 @@
+"""`kvtop agent`: the long-running node agent that publishes kvtop's findings to Prometheus."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+NAME = "agent"
+HELP = "headless node agent: live analysis served as Prometheus metrics (+ rotating trace segments)"
+DESCRIPTION = (
+    "Runs the console's sources and live analysis without a screen and serves them at "
+    "http://LISTEN/metrics for Prometheus (default 127.0.0.1:9470; --listen 0.0.0.0:9470 to let a "
+    "remote Prometheus scrape it). Per-request causes need observed streams: --capture reads them "
+    "from the engine port's packets, --proxy-listen puts the recording proxy in front of the first "
+    "--url, --probe sends canary streams. --trace-dir keeps "
+    "compressed, size/age-rotated trace segments that `kvtop replay` opens."
+)
+ORDER = 35
+
+
+def _size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix) or t.endswith(suffix + "I"):
+            t = t.removesuffix("I").removesuffix(suffix)
+            mult = m
+            break
+    try:
+        v = float(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64M, 1G)") from None
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, not {text!r}")
+    return int(v)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtop.commands._options import (
+        add_capture_option,
+        add_engine_options,
+        add_host_options,
+        add_itl_option,
+        add_probe_option,
+    )
+
+    add_engine_options(p)
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="where /metrics is served (default 127.0.0.1:9470, loopback only)")
+    p.add_argument("--proxy-listen", dest="proxy_listen", default=None, metavar="HOST:PORT",
+                   help="run the recording proxy here, in front of the first --url")
+    add_probe_option(p)
+    add_capture_option(p)
+    p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
+                   help="max_tokens of each probe stream (default 32)")
+    p.add_argument("--trace-dir", dest="trace_dir", default=None, metavar="DIR",
+                   help="keep a rotating trace here (compressed segments `kvtop replay` opens)")
+    p.add_argument("--trace-max-size", dest="trace_max_size", type=_size, default=64 << 20, metavar="SIZE",
+                   help="start a new segment past this size (default 64M)")
+    p.add_argument("--trace-max-age", dest="trace_max_age", default="10m", metavar="SECONDS",
+                   help="start a new segment after this long (default 10m)")
+    p.add_argument("--trace-keep-size", dest="trace_keep_size", type=_size, default=1 << 30, metavar="SIZE",
+                   help="delete the oldest segments beyond this total (default 1G)")
+    p.add_argument("--trace-keep-age", dest="trace_keep_age", default="24h", metavar="SECONDS",
+                   help="delete segments older than this (default 24h)")
+    p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: run until stopped)")
+    add_itl_option(p)
+    add_host_options(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvtop.agent import DEFAULT_LISTEN, AgentOptions
+    from kvtop.commands._options import require_capture, source_options
+    from kvtop.config import load_config, parse_seconds
+    from kvtop.errors import UsageError
+    from kvtop.sources.proxy import parse_listen
+
+    cfg = load_config(getattr(args, "config", None))
+    src = source_options(args, cfg)
+    if not src.urls:
+        raise UsageError("give the engine(s) to watch: --url URL")
+    require_capture(src)
+    duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
+    if duration is not None and not duration > 0:
+        raise UsageError(f"--duration must be positive, not {duration:g}")
+    if not 1 <= args.probe_max_tokens <= 4096:
+        raise UsageError("--probe-max-tokens must be between 1 and 4096")
+    max_age = parse_seconds(args.trace_max_age, "--trace-max-age")
+    keep_age = parse_seconds(args.trace_keep_age, "--trace-keep-age")
+    if not max_age > 0 or not keep_age > 0:
+        raise UsageError("--trace-max-age and --trace-keep-age must be positive")
+    try:
+        listen = parse_listen(args.listen or DEFAULT_LISTEN, default_port=9470)
+        proxy_listen = parse_listen(args.proxy_listen) if args.proxy_listen else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.trace_dir:
+        from pathlib import Path
+
+        d = Path(args.trace_dir)
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--trace-dir {d} is not a directory")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create --trace-dir {d}: {e.strerror or e}") from None
+
+    opts = AgentOptions(
+        urls=list(src.urls), listen=listen, interval_s=src.interval_s, timeout_s=src.timeout_s,
+        itl_target_s=src.itl_target_s, token=src.token, adapter=src.adapter, gpu=src.gpu, host=src.host,
+        proxy_listen=proxy_listen, probe_rate=src.probe_rate, probe_max_tokens=args.probe_max_tokens,
+        capture_port=src.capture_port,
+        trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
+        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
+    )
+    return asyncio.run(_main(opts, duration))
+
+
+async def _main(opts: Any, duration: float | None) -> int:
+    import asyncio
+    import signal
+
+    from kvtop.agent import build_agent
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    agent = build_agent(opts)
+    await agent.run(stop, duration_s=duration)
+    return 0

@@ -1,0 +1,243 @@
+"""What `kvtop agent` publishes to Prometheus: kvtop's findings as metric families.
+
+Naming follows Prometheus conventions: prefix ``kvtop_``, base units (seconds, bytes, ratios),
+``_total`` for counters, no colons. GPU series reuse the DCGM exporter's quantities and label names
+(``gpu``, ``UUID``) so they sit next to ``DCGM_FI_DEV_FB_USED`` & co. in the same queries.
+
+Cardinality is bounded by construction and never includes a request id:
+  engine  one per engine instance the agent scrapes (``host:port``, ``/rank`` for DP ranks)
+  cause   preemption, prefill_interference, slow_decode, unknown
+  gpu     one per GPU on the node; signal: the host's pinned-memory signals (a handful)
+  source  proxy, probe, capture (how a stream was observed); action/mechanism: the advisor's enums
+Spike, stall, verdict and client-side histogram series exist for the engine the streams are observed
+in front of (the proxy's / probe's); every other engine adds its state only. bench/agent_metrics.py:
+61 series for one engine (no GPU), +7 per further engine, +10 per GPU, the same at 50 or 1,000
+live requests (README "Fleet").
+
+Two paths keep ``/metrics`` cheap whatever the load: per-token work (client-side gap and TTFT
+histograms) happens as records arrive, and everything derived from the core (spike counters, the
+verdict, engine and GPU state) is rebuilt once per agent tick into a cached list of families
+that a scrape only formats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtop import __version__
+from kvtop.model.records import EngineRecord, Record, RequestRecord
+from kvtop.snapshot import Snapshot
+
+CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_MAX_STREAMS = 20_000  # open streams remembered for gap / TTFT (oldest forgotten first)
+
+
+def engine_label(url: str | None, engine: str | None = None) -> str:
+    """Bounded, readable engine label: the scrape target's host:port, plus the DP rank if several."""
+    u = url or "?"
+    parts = urlsplit(u if "://" in u else "http://" + u)
+    base = parts.netloc or u
+    if parts.path and parts.path.rstrip("/") not in ("", "/metrics"):
+        base += parts.path.rstrip("/")
+    if engine not in (None, "", "0"):
+        base += f"/{engine}"
+    return base
+
+
+class _Cached(Collector):
+    def __init__(self) -> None:
+        self.families: list[Any] = []
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self.families)  # the list is swapped whole by update(): never half-built
+
+
+class AgentMetrics:
+    """Registry + record sink + per-tick update. Touch it from the agent's event loop only."""
+
+    def __init__(self, request_engine: str | None = None):
+        # requests are observed in front of one engine (the proxy's / probe's upstream)
+        self.request_engine = request_engine or "?"
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._cached = _Cached()
+        self.registry.register(self._cached)
+        self.gap = Histogram("kvtop_stream_inter_token_gap_seconds",
+                             "Client-side gap between streamed token chunks of the observed streams",
+                             ["engine"], buckets=GAP_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("kvtop_stream_time_to_first_token_seconds",
+                              "Client-side time from request to first streamed token",
+                              ["engine"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.streams = Counter("kvtop_streams_observed", "Streams kvtop observed, by how it saw them",
+                               ["engine", "source"], registry=self.registry)
+        self.scrape_errors = Counter("kvtop_scrape_errors", "Failed scrapes of a source", ["source"],
+                                     registry=self.registry)
+        self._gap_child = self.gap.labels(self.request_engine)
+        self._ttft_child = self.ttft.labels(self.request_engine)
+        self._open: OrderedDict[str, tuple[float, float | None]] = OrderedDict()  # id -> (arrive, last token)
+        self.dropped = 0  # records a sink could not keep (set by the agent)
+        self.updates = 0
+
+    # -- per record (hot path) ----------------------------------------------------------------
+    def sink(self, rec: Record) -> None:
+        if type(rec) is RequestRecord:
+            ev = rec.event
+            if ev == "token" or ev == "first_token":
+                st = self._open.get(rec.id)
+                if st is None:
+                    self._remember(rec.id, (rec.t, rec.t))
+                    return
+                arrive, last = st
+                if last is None:
+                    self._ttft_child.observe(max(0.0, rec.t - arrive))
+                else:
+                    self._gap_child.observe(max(0.0, rec.t - last))
+                self._open[rec.id] = (arrive, rec.t)
+            elif ev == "arrive":
+                self.streams.labels(self.request_engine, rec.source or "unknown").inc()
+                self._remember(rec.id, (rec.t, None))
+            elif ev in ("finish", "cancel", "error"):
+                self._open.pop(rec.id, None)
+        elif type(rec) is EngineRecord and not rec.up:
+            self.scrape_errors.labels(engine_label(rec.url, rec.engine)).inc()
+
+    def _remember(self, rid: str, st: tuple[float, float | None]) -> None:
+        self._open[rid] = st
+        if len(self._open) > _MAX_STREAMS:
+            self._open.popitem(last=False)
+
+    # -- per tick -----------------------------------------------------------------------------
+    def update(self, snap: Snapshot, analyzer: Any = None, stale_after_s: float = 10.0,
+               analysis_lag_s: float | None = None) -> None:
+        """Rebuild the derived families from one snapshot (and the live analyzer's counters)."""
+        fams: list[Any] = []
+
+        def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels or [])
+            fams.append(g)
+            return g
+
+        def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            fams.append(c)
+            return c
+
+        info = gauge("kvtop_agent_info", "kvtop agent build information", ["version"])
+        info.add_metric([__version__], 1)
+        gauge("kvtop_agent_last_update_timestamp_seconds",
+              "Unix time of the agent's last analysis tick (a stale agent stops moving it)").add_metric([], time.time())
+
+        e_up = gauge("kvtop_engine_up", "1 if the engine's last scrape succeeded", ["engine", "adapter"])
+        e_kv = gauge("kvtop_engine_kv_cache_usage_ratio", "KV cache usage of the engine (0..1)", ["engine"])
+        e_run = gauge("kvtop_engine_running_requests", "Requests in the engine's running batch", ["engine"])
+        e_wait = gauge("kvtop_engine_waiting_requests", "Requests waiting in the engine's queue", ["engine"])
+        e_pre = counter("kvtop_engine_preemptions", "The engine's own preemption counter, as scraped", ["engine"])
+        e_age = gauge("kvtop_source_last_success_age_seconds", "Seconds since the source last answered", ["source"])
+        stale = gauge("kvtop_source_stale", "1 if a source has not answered for a while", ["source"])
+        for e in snap.engines:
+            lab = engine_label(e.url, e.engine)
+            e_up.add_metric([lab, e.adapter or "unknown"], 1.0 if e.up else 0.0)
+            if e.kv_usage is not None:
+                e_kv.add_metric([lab], e.kv_usage)
+            if e.running is not None:
+                e_run.add_metric([lab], e.running)
+            if e.waiting is not None:
+                e_wait.add_metric([lab], e.waiting)
+            if e.preemptions_total is not None:
+                e_pre.add_metric([lab], e.preemptions_total)
+            if e.stale_s is not None:
+                e_age.add_metric([lab], e.stale_s)
+            stale.add_metric([lab], 1.0 if (not e.up or e.stale_s is None or e.stale_s > stale_after_s) else 0.0)
+        stale.add_metric(["gpu"], 0.0 if snap.gpu_status == "ok" or snap.gpu_status.startswith("disabled") else 1.0)
+
+        lab = self.request_engine
+        spikes = counter("kvtop_token_gap_spikes", "Inter-token gaps above the ITL target, by attributed cause",
+                         ["engine", "cause"])
+        stall = counter("kvtop_stall_seconds", "Seconds streams stalled in spikes, by attributed cause",
+                        ["engine", "cause"])
+        an = getattr(analyzer, "an", analyzer)
+        counts = getattr(an, "cause_counts", None) or {}
+        secs = getattr(an, "cause_seconds", None) or {}
+        for c in CAUSES:
+            spikes.add_metric([lab, c], float(counts.get(c, 0)))
+            stall.add_metric([lab, c], float(secs.get(c, 0.0)))
+        attributed = counter("kvtop_preemptions_attributed",
+                             "Streams whose stall kvtop attributed to preemption (compare kvtop_engine_preemptions_total)",
+                             ["engine"])
+        acc = getattr(an, "acc", None) or {}
+        attributed.add_metric([lab], float(len(acc.get("preempted_ids", ()))))
+        rep = snap.analysis or {}
+        verdict = rep.get("verdict") or {}
+        v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])
+        v_conf = gauge("kvtop_verdict_confidence", "Confidence of the current verdict (0..1)", ["engine"])
+        if verdict:
+            v_info.add_metric([lab, str(verdict.get("action") or "none"), str(verdict.get("mechanism") or "none")], 1)
+            if verdict.get("confidence") is not None:
+                v_conf.add_metric([lab], float(verdict["confidence"]))
+        tgt = rep.get("itl_target_s") if rep else snap.itl_target_s
+        if tgt:
+            gauge("kvtop_itl_target_seconds", "ITL target the spikes are measured against", ["engine"]).add_metric(
+                [lab], float(tgt))
+
+        if snap.host is not None:
+            h = snap.host
+            pin = gauge("kvtop_host_pinned_memory_bytes", "Host pinned (page-locked) memory by signal", ["signal"])
+            for sig, v in sorted(h.pinned_signals.items()):
+                if v is not None:
+                    pin.add_metric([sig], float(v))
+            if h.mem_available_bytes is not None:
+                gauge("kvtop_host_memory_available_bytes", "Host MemAvailable").add_metric([], h.mem_available_bytes)
+
+        gl = ["gpu", "UUID"]
+        g_used = gauge("kvtop_gpu_fb_used_bytes", "GPU framebuffer memory used (DCGM_FI_DEV_FB_USED, in bytes)", gl)
+        g_tot = gauge("kvtop_gpu_fb_total_bytes", "GPU framebuffer memory total", gl)
+        g_tx = gauge("kvtop_gpu_pcie_tx_bytes_per_second", "PCIe transmit rate (DCGM_FI_PROF_PCIE_TX_BYTES)", gl)
+        g_rx = gauge("kvtop_gpu_pcie_rx_bytes_per_second", "PCIe receive rate (DCGM_FI_PROF_PCIE_RX_BYTES)", gl)
+        g_gen = gauge("kvtop_gpu_pcie_link_gen", "Current PCIe link generation (DCGM_FI_DEV_PCIE_LINK_GEN)", gl)
+        g_genm = gauge("kvtop_gpu_pcie_link_gen_max", "Maximum PCIe link generation", gl)
+        g_w = gauge("kvtop_gpu_pcie_link_width", "Current PCIe link width in lanes (DCGM_FI_DEV_PCIE_LINK_WIDTH)", gl)
+        g_wm = gauge("kvtop_gpu_pcie_link_width_max", "Maximum PCIe link width in lanes", gl)
+        g_dt = gauge("kvtop_gpu_pcie_link_downtrained", "1 if the link runs below its max gen/width under load", gl)
+        g_rp = counter("kvtop_gpu_pcie_replay", "PCIe replay counter (DCGM_FI_DEV_PCIE_REPLAY_COUNTER)", gl)
+        for g in snap.gpus:
+            k = [str(g.index), g.uuid or ""]
+            vals: tuple[tuple[Any, float | int | None], ...] = (
+                (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes), (g_tx, g.pcie_tx_bytes_per_s),
+                (g_rx, g.pcie_rx_bytes_per_s), (g_gen, g.pcie_link_gen), (g_genm, g.pcie_link_gen_max),
+                (g_w, g.pcie_link_width), (g_wm, g.pcie_link_width_max), (g_rp, g.pcie_replay_count))
+            for fam, val in vals:
+                if val is not None:
+                    fam.add_metric(k, float(val))
+            g_dt.add_metric(k, 1.0 if g.link_downtrained else 0.0)
+
+        gauge("kvtop_analysis_lag_seconds",
+              "How far the analysis trails the newest record (spikes wait for their evidence window)").add_metric(
+            [], max(0.0, analysis_lag_s or 0.0))
+        gauge("kvtop_analysis_pending_spikes", "Spikes waiting for their evidence window").add_metric(
+            [], float(rep.get("pending_spikes", 0) if rep else 0))
+        counter("kvtop_dropped_records", "Records kvtop could not keep (trace write failures)", []).add_metric(
+            [], float(self.dropped))
+        self._cached.families = fams
+        self.updates += 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def analysis_lag(analyzer: Any, now: float) -> float:
+    """Seconds between now and the oldest spike still waiting for attribution (0 when none)."""
+    an = getattr(analyzer, "an", analyzer)
+    pending = getattr(an, "_pending", None)
+    if not pending:
+        return 0.0
+    return max(0.0, now - pending[0].t_end)

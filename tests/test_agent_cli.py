@@ -1,0 +1,173 @@
+"""`kvtop agent` as a user runs it: against `kvtop sim-server`, with probes and a trace directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import httpx
+import pytest
+from conftest import REPO, run_kvtop
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtop.model.trace import TraceReader
+from kvtop.model.trace_rotate import segments
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}  # a user's config must not leak in
+    return subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _line(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:  # noqa: ANN001
+    box: list[re.Match[str]] = []
+    seen: list[str] = []
+
+    def read() -> None:
+        for line in stream:
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                box.append(m)
+                return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert box, f"no {pattern!r} in {''.join(seen)[-1500:]}"
+    return box[0]
+
+
+@pytest.mark.slow
+def test_agent_serves_metrics_and_leaves_replayable_segments(tmp_path):
+    sim = _spawn("sim-server", "--preset", "healthy", "--port", "0", "--duration", "60")
+    agent = None
+    try:
+        sim_url = _line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--probe", "4", "--no-gpu",
+                       "--interval", "0.5", "--trace-dir", str(tmp_path / "traces"), "--trace-max-age", "3s")
+        url = _line(agent.stderr, r"metrics (http://[\d.:]+)/metrics").group(1)
+        deadline = time.monotonic() + 30
+        while True:
+            r = httpx.get(url + "/metrics", timeout=5)
+            fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+            streams = sum(s.value for s in fams["kvtop_streams_observed"].samples if s.name.endswith("_total"))
+            if streams >= 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert streams >= 10
+        engine = sim_url.split("//")[1]
+        up = {s.labels["engine"]: s.value for s in fams["kvtop_engine_up"].samples}
+        assert up == {engine: 1.0}
+        by: dict[str, float] = defaultdict(float)
+        for s in fams["kvtop_stream_inter_token_gap_seconds"].samples:
+            if s.name.endswith("_count"):
+                by[s.labels["engine"]] += s.value
+        assert by[engine] > 50  # the probes' tokens
+        rep = httpx.get(url + "/report", timeout=5).json()
+        assert rep["engine"] == engine and set(rep["spikes_by_cause"]) >= {"preemption", "slow_decode"}
+        assert httpx.get(url + "/healthz", timeout=5).text == "ok\n"
+        time.sleep(3.5)  # at least one age rotation
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+        segs = segments(tmp_path / "traces")
+        assert len(segs) >= 2 and not list((tmp_path / "traces").glob("*.jsonl"))
+        kinds: dict[str, int] = defaultdict(int)
+        for p in segs:
+            for d in TraceReader(p).dicts():
+                kinds[d["kind"]] += 1
+        assert kinds["engine"] >= 4 and kinds["request"] > 50
+        done = run_kvtop("analyze", str(segs[-1]), "--format", "json")
+        assert done.returncode == 0 and json.loads(done.stdout)["records"] > 0
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("args", [
+    ("agent",),
+    ("agent", "--url", "http://127.0.0.1:8000", "--listen", "127.0.0.1:notaport"),
+    ("agent", "--url", "ftp://x"),
+    ("agent", "--url", "http://127.0.0.1:8000", "--interval", "0"),
+    ("agent", "--url", "http://127.0.0.1:8000", "--trace-max-size", "lots"),
+    ("agent", "--url", "http://127.0.0.1:8000", "--trace-max-age", "0"),
+    ("agent", "--url", "http://127.0.0.1:8000", "--probe", "1000"),
+    ("agent", "--url", "http://127.0.0.1:8000", "--adapter", "nosuch"),
+])
+def test_bad_input_exits_2_with_one_line(args, tmp_path):
+    r = run_kvtop(*args, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_trace_dir_that_is_a_file_and_a_busy_port_are_one_line_errors(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = run_kvtop("agent", "--url", "http://127.0.0.1:9", "--trace-dir", str(f), timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"kvtop: error: --trace-dir {f} is not a directory"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = run_kvtop("agent", "--url", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}", "--no-gpu",
+                      "--duration", "5", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"kvtop: error: cannot listen on 127.0.0.1:{port}") and r.stderr.count("\n") == 1
+
+
+def _can_capture() -> bool:
+    from kvtop.sources.capture import CaptureUnavailable, check_capture
+
+    try:
+        check_capture(1)
+    except CaptureUnavailable:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+def test_agent_counts_captured_and_proxied_streams_once_each():
+    sim = _spawn("sim-server", "--seed", "1", "--port", "0", "--duration", "60")
+    agent = None
+    try:
+        sim_url = _line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--proxy-listen", "127.0.0.1:0",
+                       "--capture", "--no-gpu", "--no-host", "--interval", "0.5")
+        m = _line(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+).*capture port \d+")
+        url, proxy = m.group(1), m.group(2)
+        time.sleep(0.5)
+        body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 12,
+                "kvtop": {"prompt_tokens": 50, "output_tokens": 12}}
+        for base, n in ((proxy, 3), (sim_url, 2)):
+            for _ in range(n):
+                r = httpx.post(base + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200
+        deadline = time.monotonic() + 20
+        while True:
+            fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)}
+            seen = {s.labels["source"]: s.value for s in fams["kvtop_streams_observed"].samples
+                    if s.name.endswith("_total")}
+            if seen == {"proxy": 3.0, "capture": 2.0} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert seen == {"proxy": 3.0, "capture": 2.0}
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()

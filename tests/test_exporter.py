@@ -1,0 +1,157 @@
+"""`kvtop agent`'s Prometheus series (kvtop/exporter.py), fed by a simulated preemption storm."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtop.analysis.live import LiveAnalyzer
+from kvtop.core import Core
+from kvtop.exporter import AgentMetrics, engine_label
+from kvtop.model.records import EngineRecord, GpuRecord, RequestRecord
+from kvtop.sim.simulate import Simulation
+from kvtop.sim.workload import load_preset
+
+
+def _storm(seconds: float) -> tuple[Core, AgentMetrics, list]:
+    core = Core(itl_target_s=0.1, analysis=LiveAnalyzer(itl_target_s=0.1))
+    m = AgentMetrics(request_engine="10.0.0.5:8000")
+    recs: list = []
+
+    def emit(r) -> None:  # noqa: ANN001
+        if isinstance(r, EngineRecord):
+            r.url = "http://10.0.0.5:8000"
+        recs.append(r)
+        core.ingest(r)
+        m.sink(r)
+
+    Simulation(load_preset("preemption-storm"), 1, seconds, emit, scrape_interval_s=1.0).run()
+    assert core.analysis is not None
+    core.analysis.report(core.now + 30)  # let every spike's evidence window pass
+    m.update(core.snapshot(core.now + 30), core.analysis)
+    return core, m, recs
+
+
+def _samples(m: AgentMetrics) -> dict[str, list]:
+    out: dict[str, list] = defaultdict(list)
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[s.name].append((s.labels, s.value))
+    return out
+
+
+@pytest.fixture(scope="module")
+def storm():
+    return _storm(30.0)
+
+
+def test_spike_and_stall_counters_are_the_analyzers_counts(storm):
+    core, m, _ = storm
+    s = _samples(m)
+    an = core.analysis.an
+    spikes = {lb["cause"]: v for lb, v in s["kvtop_token_gap_spikes_total"]}
+    assert spikes == {c: float(n) for c, n in an.cause_counts.items()}
+    assert spikes["preemption"] >= 10, spikes  # the storm's stalls are preemptions
+    stall = {lb["cause"]: v for lb, v in s["kvtop_stall_seconds_total"]}
+    for c, n in spikes.items():
+        assert stall[c] >= 0.1 * n - 1e-9  # each spike is a gap longer than the 100 ms target
+    assert {lb["engine"] for lb, _ in s["kvtop_token_gap_spikes_total"]} == {"10.0.0.5:8000"}
+    [(lb, v)] = s["kvtop_preemptions_attributed_total"]
+    assert 0 < v <= spikes["preemption"]
+    [(lb, v)] = s["kvtop_engine_preemptions_total"]
+    assert v == core.snapshot().engines[0].preemptions_total > 0
+
+
+def test_client_side_histograms_count_every_gap_and_first_token(storm):
+    _, m, recs = storm
+    tokens: Counter[str] = Counter()
+    arrived = set()
+    for r in recs:
+        if isinstance(r, RequestRecord):
+            if r.event in ("token", "first_token"):
+                tokens[r.id] += 1
+            elif r.event == "arrive":
+                arrived.add(r.id)
+    s = _samples(m)
+    [(_, gaps)] = s["kvtop_stream_inter_token_gap_seconds_count"]
+    assert gaps == sum(n - 1 for n in tokens.values())
+    [(_, ttft)] = s["kvtop_stream_time_to_first_token_seconds_count"]
+    assert ttft == sum(1 for rid in tokens if rid in arrived)
+    # the storm's stalls show up in the tail: some gaps are above the 100 ms target
+    below = {lb["le"]: v for lb, v in s["kvtop_stream_inter_token_gap_seconds_bucket"]}
+    assert below["0.1"] < below["+Inf"]
+
+
+def test_series_follow_prometheus_conventions_and_never_carry_a_request_id(storm):
+    _, m, recs = storm
+    ids = {r.id for r in recs if isinstance(r, RequestRecord)}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        assert fam.name.startswith("kvtop_") and ":" not in fam.name
+        if fam.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in fam.samples)
+        for s in fam.samples:
+            assert not {"id", "request_id", "request"} & set(s.labels)
+            assert not ids & set(s.labels.values())
+
+
+def test_series_count_stays_bounded_as_the_run_grows():
+    def count(seconds: float) -> int:
+        _, m, _ = _storm(seconds)
+        return sum(len(f.samples) for f in text_string_to_metric_families(m.render().decode()))
+
+    short, long = count(5.0), count(25.0)
+    assert short == long  # no series per request, per stream or per spike
+
+
+def test_verdict_is_one_info_series_with_its_confidence(storm):
+    _, m, _ = storm
+    s = _samples(m)
+    [(lb, v)] = s["kvtop_verdict_info"]
+    assert v == 1 and lb["engine"] == "10.0.0.5:8000" and lb["action"] not in ("", "none")
+    [(_, conf)] = s["kvtop_verdict_confidence"]
+    assert 0 <= conf <= 1
+
+
+def test_gpu_series_use_dcgm_quantities_and_flag_a_downtrained_link():
+    core = Core()
+    m = AgentMetrics()
+    core.ingest(GpuRecord(t=1.0, index=0, uuid="GPU-abc", mem_used_bytes=40 << 30, mem_total_bytes=80 << 30,
+                          pcie_tx_bytes_per_s=6e9, pcie_rx_bytes_per_s=1e9, pcie_link_gen=3, pcie_link_gen_max=4,
+                          pcie_link_width=16, pcie_link_width_max=16, pcie_replay_count=7, util_pct=90))
+    core.ingest(GpuRecord(t=1.0, index=1, uuid="GPU-def", mem_used_bytes=1 << 30, mem_total_bytes=80 << 30,
+                          pcie_link_gen=4, pcie_link_gen_max=4, pcie_link_width=16, pcie_link_width_max=16))
+    m.update(core.snapshot())
+    s = _samples(m)
+    used = {lb["gpu"]: v for lb, v in s["kvtop_gpu_fb_used_bytes"]}
+    assert used == {"0": float(40 << 30), "1": float(1 << 30)}
+    assert {lb["UUID"] for lb, _ in s["kvtop_gpu_fb_used_bytes"]} == {"GPU-abc", "GPU-def"}
+    down = {lb["gpu"]: v for lb, v in s["kvtop_gpu_pcie_link_downtrained"]}
+    assert down == {"0": 1.0, "1": 0.0}
+    assert dict((lb["gpu"], v) for lb, v in s["kvtop_gpu_pcie_replay_total"]) == {"0": 7.0}
+    assert dict((lb["gpu"], v) for lb, v in s["kvtop_gpu_pcie_tx_bytes_per_second"]) == {"0": 6e9}
+
+
+def test_a_failed_scrape_counts_as_a_scrape_error_and_marks_the_source_stale():
+    core = Core()
+    m = AgentMetrics()
+    for t in (1.0, 2.0, 3.0):
+        rec = EngineRecord(t=t, adapter="vllm", url="http://10.0.0.7:8000", up=False, warnings=["refused"])
+        core.ingest(rec)
+        m.sink(rec)
+    m.update(core.snapshot(), stale_after_s=10.0)
+    s = _samples(m)
+    assert s["kvtop_scrape_errors_total"] == [({"source": "10.0.0.7:8000"}, 3.0)]
+    assert ({"source": "10.0.0.7:8000"}, 1.0) in s["kvtop_source_stale"]
+    assert ({"adapter": "vllm", "engine": "10.0.0.7:8000"}, 0.0) in s["kvtop_engine_up"]
+
+
+@pytest.mark.parametrize(("url", "engine", "want"), [
+    ("http://10.0.0.5:8000", None, "10.0.0.5:8000"),
+    ("http://10.0.0.5:8000/metrics", "0", "10.0.0.5:8000"),
+    ("10.0.0.5:30000", "1", "10.0.0.5:30000/1"),
+    ("https://gw.example/llama", None, "gw.example/llama"),
+])
+def test_engine_label(url, engine, want):
+    assert engine_label(url, engine) == want
