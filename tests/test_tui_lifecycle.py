@@ -284,3 +284,39 @@ async def test_q_typed_into_the_filter_is_text_not_quit():
         await pilot.press("enter", "q")
         await pilot.pause()
         assert not app.is_running
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_agent_with_a_proxy_stops_cleanly(sig):
+    server = subprocess.Popen([*KVTOP, "sim-server", "--preset", "preemption-storm", "--speed", "5"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agent = None
+    try:
+        port = int(server.stdout.readline().split(" at http://127.0.0.1:")[1].split()[0])
+        listen, proxy = _free_port(), _free_port()
+        agent = subprocess.Popen([*KVTOP, "agent", "--url", f"http://127.0.0.1:{port}", "--no-gpu",
+                                  "--listen", f"127.0.0.1:{listen}", "--proxy-listen", f"127.0.0.1:{proxy}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = psutil.Process(agent.pid)
+
+        def ports() -> set[int]:
+            return _listening_ports(proc).union(*(_listening_ports(k) for k in proc.children(recursive=True)))
+
+        assert _wait_for(lambda: {listen, proxy} <= ports(), 30)
+        socks = _open_streams(proxy, 3)  # streams in flight through the agent's proxy
+        time.sleep(1.0)
+        kids = proc.children(recursive=True)
+        agent.send_signal(sig)
+        rc = agent.wait(timeout=30)
+        err = agent.stderr.read()
+        for s in socks:
+            s.close()
+    finally:
+        for p in (agent, server):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=20)
+    assert rc == 0, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    assert not _port_open(listen) and not _port_open(proxy)
