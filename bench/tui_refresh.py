@@ -70,9 +70,21 @@ async def refresh_cost(ticks: int, requests: int) -> None:
 
 
 class _Feed:
+    """The console's Feed protocol over the sample generator, advanced once a second."""
+
     def __init__(self, sample: Sample):
         self.sample = sample
         self.gen_cpu = 0.0
+
+    @property
+    def core(self):  # noqa: ANN201
+        return self.sample.core
+
+    def refresh_now(self) -> None:
+        pass
+
+    def controls(self) -> None:
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -6,12 +6,14 @@ the only difference is where the records come from. Memory is bounded whatever t
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from kvtop import __version__
+from kvtop.history import History
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
 from kvtop.model.series import HistogramSeries, Series, counter_rate
 from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
@@ -21,6 +23,49 @@ _LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6:
 
 
 TIMELINE_MAX_CHUNKS = 1024
+MAX_MARKS = 256
+
+
+class _Chunks:
+    """A request's token arrivals as two flat arrays (12 bytes a chunk; a deque of tuples costs
+    ~90): at 20 requests/s this is most of what the core holds. Keeps the last TIMELINE_MAX_CHUNKS."""
+
+    __slots__ = ("t", "n")
+
+    def __init__(self) -> None:
+        self.t = array("d")
+        self.n = array("I")
+
+    def append(self, t: float, n: int) -> None:
+        self.t.append(t)
+        self.n.append(max(0, n))
+        if len(self.t) >= 2 * TIMELINE_MAX_CHUNKS:  # trim in batches: amortised O(1)
+            del self.t[:-TIMELINE_MAX_CHUNKS]
+            del self.n[:-TIMELINE_MAX_CHUNKS]
+
+    def items(self) -> tuple[tuple[float, int], ...]:
+        k = max(0, len(self.t) - TIMELINE_MAX_CHUNKS)
+        return tuple(zip(self.t[k:], self.n[k:], strict=True))
+
+    def __len__(self) -> int:
+        return min(len(self.t), TIMELINE_MAX_CHUNKS)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """What the core keeps of a request once it has left the screens: its size, its worst gaps and
+    how many went over the target, not its timeline."""
+
+    id: str
+    cls: str | None
+    state: str  # finished, cancelled, error
+    tokens: int
+    arrive_t: float
+    end_t: float
+    max_gap_s: float | None
+    gaps_over_target: int  # over the core's ITL target (0 when there is none)
+    gap_p50_s: float | None
+    gap_p99_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +135,24 @@ class _RequestState:
     max_gap_s: float | None = None
     end_t: float | None = None
     # (t, n) per token chunk plus preempt/resume marks, bounded, for the request detail view.
-    token_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=TIMELINE_MAX_CHUNKS))
-    marks: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=256))
+    token_times: _Chunks = field(default_factory=_Chunks)
+    marks: list[tuple[float, str]] = field(default_factory=list)
+
+    def mark(self, t: float, ev: str) -> None:
+        if len(self.marks) >= MAX_MARKS:
+            del self.marks[0]
+        self.marks.append((t, ev))
+
+    def summary(self, target: float | None) -> FinishedRequest:
+        ts = self.token_times.t
+        gaps = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
+        over = sum(1 for g in gaps if g > target) if target else 0
+
+        def q(p: float) -> float | None:
+            return gaps[min(len(gaps) - 1, int(p * len(gaps)))] if gaps else None
+
+        return FinishedRequest(self.id, self.cls, self.state, self.tokens, self.arrive_t, self.end_t or self.arrive_t,
+                               self.max_gap_s, over, q(0.5), q(0.99))
 
 
 ERROR_BURST_S = 1.0
@@ -116,12 +177,21 @@ class Core:
         self.analysis = analysis
         self.source_label = source_label
         self.gpu_status = "ok"
+        self.host_status = "ok"
         self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
         self._gpus: dict[int, tuple[GpuRecord, deque[float], deque[float]]] = {}
         self._host: HostRecord | None = None
+        # the console's history charts (bounded; fed the engine, GPU and host records)
+        self.history = History()
         self._requests: OrderedDict[str, _RequestState] = OrderedDict()
+        # Requests that ended, in end order; past finished_keep_s they leave the screens and
+        # ``_requests`` and only their summary stays (bounded).
+        self._ended: deque[tuple[float, str]] = deque()
+        self._finished: deque[FinishedRequest] = deque(maxlen=max_requests)
+        self.finished_total = 0
+        self.gaps_over_target_total = 0
         self._events: deque[EventView] = deque(maxlen=500)
         # Streams ending in error within ERROR_BURST_S of each other: an engine aborting its active
         # requests (llama.cpp's exhausted unified KV cache, an engine crash) -> one event per burst.
@@ -139,14 +209,17 @@ class Core:
     # -- ingest -----------------------------------------------------------------------------
     def ingest(self, rec: Record) -> None:
         self.now = max(self.now, rec.t)
-        if isinstance(rec, EngineRecord):
-            self._ingest_engine(rec)
-        elif isinstance(rec, RequestRecord):
+        if isinstance(rec, RequestRecord):
             self._ingest_request(rec)
+        elif isinstance(rec, EngineRecord):
+            self._ingest_engine(rec)
+            self.history.ingest(rec)
         elif isinstance(rec, GpuRecord):
             self._ingest_gpu(rec)
+            self.history.ingest(rec)
         elif isinstance(rec, HostRecord):
             self._host = rec
+            self.history.ingest(rec)
         elif isinstance(rec, TruthRecord):
             return  # ground truth is for scoring the analysis, never for views
         if self.analysis is not None:
@@ -273,19 +346,42 @@ class Core:
             r.last_token_t = rec.t
             n = rec.n if rec.n is not None else 1
             r.tokens += n
-            r.token_times.append((rec.t, n))
+            r.token_times.append(rec.t, n)
             r.state = "running"
         elif ev == "preempt":
             r.state = "preempted"
-            r.marks.append((rec.t, ev))
+            r.mark(rec.t, ev)
         elif ev == "resume":
             r.state = "running"
-            r.marks.append((rec.t, ev))
+            r.mark(rec.t, ev)
         elif ev in ("finish", "cancel", "error"):
             r.state = {"finish": "finished", "cancel": "cancelled", "error": "error"}[ev]
+            if r.end_t is None:
+                self._ended.append((rec.t, r.id))
             r.end_t = rec.t
             if ev == "error":
                 self._note_error(rec)
+        ended = self._ended
+        if ended and rec.t - ended[0][0] > self.finished_keep_s:
+            self._retire(rec.t)
+
+    def _retire(self, now: float) -> None:
+        """Requests that ended more than finished_keep_s ago leave the screens: keep their summary."""
+        ended, target = self._ended, self.itl_target_s
+        while ended and now - ended[0][0] > self.finished_keep_s:
+            _t, rid = ended.popleft()
+            r = self._requests.get(rid)
+            if r is None or r.end_t is None:
+                continue  # trimmed already, or an id that started again
+            del self._requests[rid]
+            s = r.summary(target)
+            self._finished.append(s)
+            self.finished_total += 1
+            self.gaps_over_target_total += s.gaps_over_target
+
+    def finished_requests(self) -> tuple[FinishedRequest, ...]:
+        """Summaries of the requests that left the screens, oldest first (the last max_requests)."""
+        return tuple(self._finished)
 
     def _note_error(self, rec: RequestRecord) -> None:
         burst = self._error_burst
@@ -312,6 +408,8 @@ class Core:
 
     # -- derive -----------------------------------------------------------------------------
     def snapshot(self, now: float | None = None) -> Snapshot:
+        if self._ended:
+            self._retire(self.now)
         now = self.now if now is None else now
         w = self.window_s
         engines = []
@@ -350,21 +448,21 @@ class Core:
                 )
             engines.append(ev)
         gpus = []
-        for rec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
+        for grec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
             gpus.append(
                 GpuView(
-                    index=rec.index, uuid=rec.uuid, name=rec.name, lost=rec.lost,
-                    mem_used_bytes=rec.mem_used_bytes, mem_total_bytes=rec.mem_total_bytes,
-                    mem_reserved_bytes=rec.mem_reserved_bytes,
-                    pcie_tx_bytes_per_s=rec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=rec.pcie_rx_bytes_per_s,
-                    pcie_source=rec.pcie_source,
-                    pcie_link_gen=rec.pcie_link_gen, pcie_link_width=rec.pcie_link_width,
-                    pcie_link_gen_max=rec.pcie_link_gen_max, pcie_link_width_max=rec.pcie_link_width_max,
-                    pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(rec.pcie_link_gen, rec.pcie_link_width),
-                    link_downtrained=self._downtrained(rec),
-                    pcie_replay_count=rec.pcie_replay_count, util_pct=rec.util_pct, mig_mode=rec.mig_mode,
-                    engine_proc_mem_bytes=rec.engine_proc_mem_bytes,
-                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(rec.notes),
+                    index=grec.index, uuid=grec.uuid, name=grec.name, lost=grec.lost,
+                    mem_used_bytes=grec.mem_used_bytes, mem_total_bytes=grec.mem_total_bytes,
+                    mem_reserved_bytes=grec.mem_reserved_bytes,
+                    pcie_tx_bytes_per_s=grec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=grec.pcie_rx_bytes_per_s,
+                    pcie_source=grec.pcie_source,
+                    pcie_link_gen=grec.pcie_link_gen, pcie_link_width=grec.pcie_link_width,
+                    pcie_link_gen_max=grec.pcie_link_gen_max, pcie_link_width_max=grec.pcie_link_width_max,
+                    pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(grec.pcie_link_gen, grec.pcie_link_width),
+                    link_downtrained=self._downtrained(grec),
+                    pcie_replay_count=grec.pcie_replay_count, util_pct=grec.util_pct, mig_mode=grec.mig_mode,
+                    engine_proc_mem_bytes=grec.engine_proc_mem_bytes,
+                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(grec.notes),
                 )
             )
         host = None
@@ -410,6 +508,7 @@ class Core:
             analysis=analysis,
             paused=self.paused,
             source_label=self.source_label,
+            host_status=self.host_status,
             capture=self.capture,
         )
 
@@ -421,7 +520,7 @@ class Core:
         t0, t1 = r.arrive_t, (r.end_t if r.end_t is not None else self.now)
         return RequestTimeline(
             id=r.id, arrive_t=r.arrive_t, end_t=r.end_t, state=r.state,
-            tokens=tuple(r.token_times), marks=tuple(r.marks), engine_marks=self.engine_marks(t0, t1),
+            tokens=r.token_times.items(), marks=tuple(r.marks), engine_marks=self.engine_marks(t0, t1),
         )
 
     def engine_marks(self, t0: float, t1: float) -> tuple[tuple[float, str, float], ...]:

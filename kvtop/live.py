@@ -87,6 +87,8 @@ class LiveRunner:
         self.gpu_status = "ok" if gpu else "disabled (--no-gpu)"
         if not gpu:
             core.set_gpu_status(self.gpu_status)
+        if not host:
+            core.host_status = "off (--no-host)"
 
     # -- clock and ingest ---------------------------------------------------------------------
     def now(self) -> float:

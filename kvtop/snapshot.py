@@ -131,6 +131,7 @@ class Snapshot:
     analysis: dict[str, Any] | None = None  # the analysis report (spikes, causes, verdict)
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
+    host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
     # passive capture (--capture): port, status ("ok" or why not) and its loss counters; None when off
     capture: dict[str, Any] | None = None
 

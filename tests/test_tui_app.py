@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("textual")
 
-from tui_support import FakeReplay, TickFeed, screen_text  # noqa: E402
+from tui_support import RENDER_VERDICT, FakeReplay, TickFeed, screen_text  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
 from kvtop.tui.app import KvtopApp  # noqa: E402
@@ -23,7 +23,7 @@ def _table_ids(app: KvtopApp) -> list[str]:
 
 
 async def test_screens_switch_with_number_keys_and_tabs():
-    s = sample()
+    s = sample(verdict=RENDER_VERDICT)
     app = KvtopApp(s.core, taken_at=FIXED_TAKEN_AT)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
@@ -279,7 +279,7 @@ async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):
 
 
 async def test_a_changed_verdict_is_logged_as_an_event():
-    s = sample()
+    s = sample(verdict=RENDER_VERDICT)
     app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()

@@ -6,6 +6,39 @@ import asyncio
 from typing import Any
 
 
+def _n(value: Any, unit: str, source: str) -> dict[str, Any]:
+    return {"value": value, "unit": unit, "source": source}
+
+
+# A fixed verdict in the shape kvtop.analysis.advisor.advise() returns, to test how the console renders
+# one (the sample generator makes none; screenshots show the real analysis').
+RENDER_VERDICT: dict[str, Any] = {
+    "action": "swap",
+    "mechanism": "swap",
+    "also": ["admission"],
+    "numbers": {
+        "itl_target": _n(0.1, "s", "given"),
+        "kv_bytes_per_token_rank": _n(131072, "B/token", "model config"),
+        "bw_eff": _n(24.8e9, "B/s", "measured"),
+        "prefill_rate": _n(15600.0, "tokens/s", "measured"),
+        "cancel_prob": _n(0.04, "", "measured"),
+        "seq_tokens": _n(6400, "tokens", "measured"),
+        "bytes_moved": _n(838860800, "B", "derived"),
+        "swap_gpu_s": _n(0.085, "s", "derived"),
+        "recompute_gpu_s": _n(0.41, "s", "derived"),
+        "break_even_tokens": _n(1330, "tokens", "derived"),
+    },
+    "settings": {"--kv-offloading-size": 16, "--max-num-seqs": 192},
+    "confidence": 0.78,
+    "marginal": False,
+    "reasons": [
+        "14 of 19 spikes coincide with the preemption counter rising while KV usage >= 0.97",
+        "preempted requests resume with 6,400 tokens on average: recompute is 4.8x the transfer",
+        "host has 310 GiB available for an offload pool",
+    ],
+}
+
+
 def screen_text(app: Any) -> str:
     """What a user sees right now (top screen, modal dialogs included), one line per row."""
     strips = app.screen._compositor.render_strips()

@@ -67,7 +67,17 @@ def run(args: argparse.Namespace) -> int:
     core = feed.core
 
     if args.headless:
-        asyncio.run(feed.run(duration_s=args.duration))
+        async def headless() -> None:
+            import signal
+
+            # Ctrl-C / SIGTERM end the run early, in order, and still print the report.
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await feed.run(stop=stop, duration_s=args.duration)
+
+        asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))
         return 0
     from kvtop.tui.app import run_console

@@ -37,6 +37,13 @@ def run(args: argparse.Namespace) -> int:
     wl = wl.with_policy(args.policy)
 
     async def main() -> None:
+        import signal
+
+        # Ctrl-C and SIGTERM stop the server in order: streams hung up, port released, no traceback.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         srv = SimServer(wl, speed=args.speed, seed=args.seed, host=args.host, port=args.port)
         try:
             url = await srv.start()
@@ -46,10 +53,9 @@ def run(args: argparse.Namespace) -> int:
                          f"at {url} (speed {args.speed:g}x); metrics at {url}/metrics\n")
         sys.stdout.flush()
         try:
-            if args.duration is not None:
-                await asyncio.sleep(args.duration)
-            else:
-                await asyncio.Event().wait()
+            await asyncio.wait_for(stop.wait(), args.duration)
+        except asyncio.TimeoutError:
+            pass
         finally:
             await srv.stop()
 

@@ -20,7 +20,8 @@ HELP = "the interactive console (the default when no command is given)"
 ORDER = 10
 DESCRIPTION = (
     "Live console: GPUs, host, engines, requests, the advisor's verdict and events. "
-    "Keys: 1-5 screens, p pause, space refresh, / filter, s sort, enter detail, ? help, q quit."
+    "Keys: 1-5 screens, w chart window, p pause, space refresh, +/- poll interval, / filter, s sort, "
+    "enter detail, ? or F1 help, q or F10 quit."
 )
 
 # vLLM / SGLang / TGI & llama.cpp / (common dev) / Triton metrics ports
@@ -76,6 +77,78 @@ def discover(ports: tuple[int, ...] | list[int] = PROBE_PORTS, host: str = "127.
     return [u for u in found if u]
 
 
+class ProbingFeed:
+    """The console's feed when no engine answered at start: GPU and host polling run at once while
+    the local ports are probed every ``probe_every_s``; the first engines found are scraped from
+    then on (the same clock, so history carries on). ``notice`` is the banner while nothing is found."""
+
+    def __init__(self, make_runner: Any, ports: tuple[int, ...], probe_every_s: float = 5.0,
+                 host: str = "127.0.0.1"):
+        self.make_runner = make_runner  # urls -> LiveRunner
+        self.ports = ports
+        self.host = host
+        self.probe_every_s = probe_every_s
+        self.runner = make_runner([])
+        self.core = self.runner.core  # the Feed protocol's core: one for the whole run
+        self.urls: list[str] = []
+        self.notice: str | None = (
+            f"no engine found on {host} ports {', '.join(map(str, ports))} (still looking every "
+            f"{probe_every_s:g} s): point kvtop at one with --url http://HOST:PORT or `url` in config.toml, "
+            "or try `kvtop demo`")
+
+    @property
+    def interval_s(self) -> float:
+        return float(self.runner.interval_s)
+
+    @interval_s.setter
+    def interval_s(self, v: float) -> None:
+        self.runner.interval_s = v
+
+    def refresh_now(self) -> None:
+        self.runner.refresh_now()
+
+    def controls(self) -> None:
+        return None
+
+    async def run(self, stop: Any = None) -> None:
+        import asyncio
+
+        outer = stop or asyncio.Event()
+        inner = asyncio.Event()
+        task = asyncio.create_task(self.runner.run(stop=inner))
+        try:
+            while not outer.is_set() and not self.urls:
+                try:
+                    await asyncio.wait_for(outer.wait(), self.probe_every_s)
+                    break
+                except asyncio.TimeoutError:
+                    pass
+                found = await asyncio.to_thread(discover, self.ports, self.host)
+                if found and not outer.is_set():
+                    self.urls = found
+                    inner.set()
+                    await task
+                    old = self.runner
+                    self.runner = self.make_runner(found)
+                    self.runner._t0 = old._t0  # one run clock across the switch
+                    self.runner.interval_s = old.interval_s  # and the interval +/- may have changed
+                    self.notice = None
+                    self.core.event(self.runner.now(), "info", "engine_up", "engine found: " + ", ".join(found))
+                    inner = asyncio.Event()
+                    task = asyncio.create_task(self.runner.run(stop=inner))
+            if not task.done():
+                await outer.wait()
+        finally:
+            inner.set()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _capture_port(url: str) -> int | None:
+    from kvtop.sources.capture.options import resolve_capture_port
+
+    return resolve_capture_port(0, url)
+
+
 def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
     v = cfg.get("probe_ports")
     if v is None:
@@ -107,27 +180,42 @@ def run(args: argparse.Namespace) -> int:
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))
     opts = source_options(args, cfg)
+    from kvtop.pipeline import live_feed, make_core
+
+    feed: Any
     if not opts.urls:
         ports = _ports_from_config(cfg)
         found = discover(ports)
-        if not found:
+        if not found and not (sys.stdin.isatty() and sys.stdout.isatty()):
+            # no terminal to show the console in (a script, CI): say so and fail as headless commands do
             sys.stderr.write(
                 "kvtop: no engine found on 127.0.0.1 ports "
                 f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
                 "(or `url` in config.toml), or try `kvtop demo`\n"
             )
             return 2
-        opts = dataclasses.replace(opts, urls=tuple(found))
-    if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
-        from kvtop.sources.capture.options import resolve_capture_port
+        if not found:
+            # No engine yet is not an error for the console: it shows the GPUs and the host and
+            # keeps looking (headless commands still exit 2).
+            core = make_core("live", opts.itl_target_s)
 
-        opts = dataclasses.replace(opts, capture_port=resolve_capture_port(0, opts.urls[0]))
-    # without the privilege the console still runs: its banner says how to grant it
+            def make_runner(urls: list[str]) -> Any:
+                o = dataclasses.replace(opts, urls=tuple(urls))
+                if o.capture_port == 0:  # --capture without a port: the engine's, once there is one
+                    o = dataclasses.replace(o, capture_port=_capture_port(urls[0]) if urls else None)
+                return live_feed(o, label="live", core=core)
 
-    from kvtop.pipeline import live_feed
+            feed = ProbingFeed(make_runner, ports)
+        else:
+            opts = dataclasses.replace(opts, urls=tuple(found))
+    if opts.urls:
+        if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
+            opts = dataclasses.replace(opts, capture_port=_capture_port(opts.urls[0]))
+        # without the privilege the console still runs: its banner says how to grant it
+        feed = live_feed(opts, label="live")
+
     from kvtop.tui.app import run_console
 
-    feed = live_feed(opts, label="live")
     return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
 

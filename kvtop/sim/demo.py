@@ -42,8 +42,9 @@ class DemoFeed:
     async def run(self, stop: asyncio.Event | None = None, duration_s: float | None = None) -> None:
         self.server = SimServer(self.workload, speed=self.speed, seed=self.seed, host=self.host)
         self.url = await self.server.start()
-        # no GPU behind a simulated engine: its rows would describe this laptop, not the demo
-        self.runner = LiveRunner(self.core, [self.url], interval_s=self.interval_s, gpu=False, host=False)
+        # No GPU behind a simulated engine (its row would describe this machine's GPUs, not the
+        # demo's); the host row is this machine's memory, real and useful as a live example.
+        self.runner = LiveRunner(self.core, [self.url], interval_s=self.interval_s, gpu=False, host=True)
         self.core.set_gpu_status("none: the engine is simulated")
         horizon = duration_s * self.speed + 60 if duration_s is not None else 10 * 365 * 86400.0
         load = asyncio.create_task(run_load(self.url, self.workload, horizon, self.seed, self.runner.emit,

@@ -82,6 +82,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self._streams: set[asyncio.Queue[tuple[str, Any]]] = set()
         self._n = 0
         self.url = ""
 
@@ -108,7 +109,8 @@ class SimServer:
     async def start(self) -> str:
         self._wall0 = time.monotonic()
         self.engine.t = 0.0
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        # shutdown_timeout: a handler still running at stop() is cancelled after this long
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -120,6 +122,12 @@ class SimServer:
         return self.url
 
     async def stop(self) -> None:
+        # Streams in flight end now (their clients see the stream close) rather than wait on an
+        # engine that is about to stop.
+        for q in list(self._streams):
+            q.put_nowait(("shutdown", None))
+        if self._streams:
+            await asyncio.sleep(0)
         if self._task is not None:
             self._task.cancel()
             try:
@@ -170,7 +178,8 @@ class SimServer:
     # --- requests ------------------------------------------------------------------------------
 
     def _spec(self, body: dict[str, Any], prompt_words: int, headers: Any) -> RequestSpec:
-        ext = body.get("kvtop") if isinstance(body.get("kvtop"), dict) else {}
+        raw = body.get("kvtop")
+        ext: dict[str, Any] = raw if isinstance(raw, dict) else {}
         cls_name = str(ext.get("class") or headers.get("X-Kvtop-Class") or self.workload.classes[0].name)
         tc = self._classes.get(cls_name, self.workload.classes[0])
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
@@ -239,6 +248,7 @@ class SimServer:
             raise web.HTTPBadRequest(text=_err(
                 f"prompt of {spec.prompt_tokens} tokens does not fit in the KV cache "
                 f"({self.workload.engine.capacity_tokens} tokens)"), content_type="application/json")
+        self._streams.add(q)
         self._wake.set()
         model = self.workload.engine.model
         created = int(time.time())
@@ -270,6 +280,12 @@ class SimServer:
                         await resp.write(_sse({"id": spec.id, "object": obj, "created": created, "model": model,  # type: ignore[union-attr]
                                                "choices": [choice]}))
                     continue
+                if kind == "shutdown":
+                    if resp is not None:
+                        await resp.write_eof()
+                        return resp
+                    raise web.HTTPServiceUnavailable(text=_err("server shutting down"),
+                                                     content_type="application/json")
                 reason = val
                 break
             done = True
@@ -299,7 +315,13 @@ class SimServer:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        except ConnectionError:
+            # The client hung up between two tokens (aiohttp raises ClientConnectionResetError,
+            # a ConnectionResetError, before it cancels the handler): an ordinary end of a
+            # stream, not a server error to log. aiohttp finishes a dead response quietly.
+            return resp if resp is not None else web.Response(status=499)
         finally:
+            self._streams.discard(q)
             if not done:
                 # the client went away (handler cancelled or a write failed): abort in the engine
                 self.engine.cancel(seq, max(self.sim_now(), self.engine.t))

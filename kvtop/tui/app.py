@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import gc
 import re
+import signal
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +19,7 @@ from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Grid, Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
@@ -27,9 +28,11 @@ from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, T
 from kvtop.core import Core
 from kvtop.pipeline import Feed, ReplayControls, StaticFeed
 from kvtop.snapshot import Snapshot
-from kvtop.tui import fmt, render
+from kvtop.tui import fmt, plot, render
+from kvtop.tui.charts import Chart, chart_specs
 from kvtop.tui.table import RowTable
 
+WINDOWS = (60.0, 300.0, 900.0, 3600.0)
 VIEWS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
     ("advisor", "Advisor"), ("events", "Events"),
@@ -48,8 +51,11 @@ THEMES = ("kvtop", "kvtop-low")
 def known_themes() -> list[str]:
     """kvtop's own themes first, then every theme Textual ships."""
     return list(THEMES) + sorted(BUILTIN_THEMES)
-_CONTEXT = {"cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
+_CONTEXT = {"window": "Overview charts", "cycle_sort": "Requests", "reverse_sort": "Requests", "filter": "Requests, Events",
             "step": "replay", "seek": "replay", "back": "closes filter / detail"}
+_LONG_HELP = {"window": "History window: 1m → 5m → 15m → 1h", "quit": "Quit (also F10, Ctrl-C)",
+              "help": "Help (also F1)", "toggle_pause": "Pause: freeze the screen (and a replay); data keeps coming",
+              "refresh_now": "Refresh: poll every source and redraw now"}
 _THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
 
 
@@ -70,8 +76,10 @@ class Panel(Static):
             width = self.size.width or self.app.size.width
             markup = self.builder(width)
             if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
+                # the same number of lines: no layout pass (the Overview holds dozens of widgets)
+                relayout = self._shown is None or markup.count("\n") != self._shown.count("\n")
                 self._shown = markup
-                self.update(markup)
+                self.update(markup, layout=relayout)
 
     def on_resize(self) -> None:
         self._redraw()
@@ -88,7 +96,7 @@ class HelpScreen(ModalScreen[None]):
         kw = max((len(k) for k, _ in self.rows), default=4)
         body = "\n".join(f"  [b]{k.ljust(kw).replace('[', chr(92) + '[')}[/b]  {d}" for k, d in self.rows)
         extra = ("\n\n  [$text-muted]mouse: click a tab to switch screens, a column header to sort,"
-                 " a row twice to open it[/]")
+                 " a row twice to open it; hover a chart for the time and values there[/]")
         with Vertical(id="help-box"):
             yield Static("[b]kvtop keys[/b]  (esc closes)", id="help-title")
             yield Static(body + extra, id="help-body")
@@ -128,13 +136,17 @@ class MainScreen(Screen[None]):
         yield Static("", id="banner")
         yield Tabs(*[Tab(f"{i + 1} {label}", id=f"tab-{key}") for i, (key, label) in enumerate(VIEWS)], id="tabs")
         with ContentSwitcher(initial="overview", id="switcher"):
-            with VerticalScroll(id="overview"):
-                yield Static("[b]GPUs[/b]", classes="section")
-                yield Vertical(id="gpus")
-                yield Panel(id="host")
-                yield Static("[b]Engines[/b]", classes="section")
-                yield Vertical(id="engines")
-                yield Panel(id="summary")
+            with Vertical(id="overview"):
+                with VerticalScroll(id="ov-top"):
+                    yield Static("[b]GPUs[/b]", classes="section")
+                    yield Vertical(id="gpus")
+                    yield Panel(id="host")
+                    yield Static("[b]Engines[/b]", classes="section")
+                    yield Vertical(id="engines")
+                    yield Panel(id="summary")
+                yield Static("", id="charts-head", classes="section")
+                with VerticalScroll(id="charts"):
+                    yield Grid(id="chart-grid")
             with Vertical(id="requests"):
                 yield Static("", id="req-status")
                 yield RowTable(render.COLUMNS, self.app.request_cells, id="req-table")  # type: ignore[attr-defined]
@@ -163,10 +175,19 @@ class KvtopApp(App[int]):
     ENABLE_COMMAND_PALETTE = True
 
     BINDINGS = [
-        Binding("q", "quit", "Quit"),
-        Binding("question_mark", "help", "Help", key_display="?"),
+        # htop / btop / nvitop users reach for Ctrl-C and F10 to leave, F1 for help
+        Binding("q,f10", "quit", "Quit", key_display="q"),
+        # priority: the screen's own ctrl+c copies text; in a monitor it means quit (htop, nvitop)
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
+        Binding("question_mark,f1", "help", "Help", key_display="?"),
         Binding("p", "toggle_pause", "Pause"),
         Binding("space", "refresh_now", "Refresh"),
+        # btop's convention: + lengthens the update interval, - shortens it
+        Binding("plus,equals_sign", "interval(2)", "Poll less often (interval ×2)", key_display="+", show=False),
+        Binding("minus", "interval(0.5)", "Poll more often (interval ÷2)", key_display="-", show=False),
+        Binding("w", "window", "Window"),
+        Binding("j", "nav(1)", "Down (also ↓)", show=False),
+        Binding("k", "nav(-1)", "Up (also ↑)", show=False),
         Binding("1", "view('overview')", "Overview screen", show=False),
         Binding("2", "view('requests')", "Requests screen", show=False),
         Binding("3", "view('detail')", "Request detail screen", show=False),
@@ -184,8 +205,12 @@ class KvtopApp(App[int]):
     ]
 
     def __init__(self, core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
-                 interval: float = 1.0, taken_at: str | None = None):
+                 interval: float = 1.0, taken_at: str | None = None, handle_signals: bool = False):
         super().__init__()
+        # SIGTERM/SIGHUP end the console as q does (terminal restored, feed stopped); only for a
+        # real run: tests share the process's signal handlers.
+        self.handle_signals = handle_signals
+        self._refresh_timer: Any = None
         self.core = core
         # a console over a core that something else fills still has a feed: one with nothing to run
         self.feed: Feed = feed if feed is not None else StaticFeed(core)
@@ -216,6 +241,9 @@ class KvtopApp(App[int]):
         self._stop = asyncio.Event()
         self._last_action: str | None = None
         self._gpu_panels: list[Panel] = []
+        self._charts: list[Chart] = []
+        self._chart_fit: tuple[int, int] | None = None
+        self.window_s = WINDOWS[1]
         self._engine_panels: list[Panel] = []
         self.main = MainScreen()
         self._main_ready = False
@@ -229,7 +257,11 @@ class KvtopApp(App[int]):
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
         self._update_headers()
         self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
-        self.set_interval(self.interval, self.tick, name="refresh")
+        self._refresh_timer = self.set_interval(self.interval, self.tick, name="refresh")
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.add_signal_handler(sig, self.exit)
 
     def main_ready(self) -> None:
         self._main_ready = True
@@ -255,6 +287,10 @@ class KvtopApp(App[int]):
 
     async def on_unmount(self) -> None:
         self._stop.set()
+        if self.handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
 
     # -- rendering ------------------------------------------------------------------------------
     def take_snapshot(self) -> Snapshot:
@@ -336,6 +372,9 @@ class KvtopApp(App[int]):
         )
         banner = self.main.query_one("#banner", Static)
         msgs = []
+        notice = getattr(self.feed, "notice", None)
+        if isinstance(notice, str) and notice:
+            msgs.append(render.escape(notice))
         if s.gpu_status != "ok":
             msgs.append(f"GPU: {render.escape(s.gpu_status)}")
         cap = s.capture
@@ -376,7 +415,7 @@ class KvtopApp(App[int]):
             self._gpu_panels[0].show(lambda w: render.muted(render.escape(why)))
         for p, g in zip(self._gpu_panels, s.gpus, strict=False):
             p.show(lambda w, g=g: render.gpu_line(g, w))
-        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w))
+        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
         self._engine_panels = self._panels(scr.query_one("#engines", Vertical), self._engine_panels,
                                            len(s.engines), "engine")
         if not s.engines:
@@ -384,7 +423,55 @@ class KvtopApp(App[int]):
         for p, e in zip(self._engine_panels, s.engines, strict=False):
             p.set_class(not e.up, "-down")
             p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
-        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s))
+        done, over = self.core.finished_total, self.core.gaps_over_target_total
+        retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
+        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)
+        self._render_charts(s)
+
+    def _fit_charts(self) -> None:
+        """Columns from the width, row height from the height left under the panels."""
+        box = self.main.query_one("#charts", VerticalScroll)
+        grid = self.main.query_one("#chart-grid", Grid)
+        width = box.size.width or self.size.width
+        cols = 1 if width < 60 else 2 if width < 140 else 3
+        rows = max(1, -(-len(self._charts) // cols))
+        h = max(6, (box.size.height or 12) // rows)
+        if self._chart_fit != (cols, h):
+            self._chart_fit = (cols, h)
+            grid.styles.grid_size_columns = cols
+            grid.styles.grid_rows = f"{h}"
+            # the panels above may have changed height too: fit again once laid out
+            self.call_after_refresh(self._fit_charts)
+
+    def _render_charts(self, s: Snapshot) -> None:
+        """History charts under the panels: as many columns as the width allows, their height
+        shared out of what the terminal has left (a taller terminal, taller charts)."""
+        scr = self.main
+        specs = chart_specs(s, self.core.history)
+        grid = scr.query_one("#chart-grid", Grid)
+        have = self._charts
+        if len(have) < len(specs):
+            new = [Chart() for _ in range(len(specs) - len(have))]
+            grid.mount_all(new)
+            have = have + new
+        elif len(have) > len(specs):
+            for c in have[len(specs):]:
+                c.remove()
+            have = have[: len(specs)]
+        self._charts = have
+        self._fit_charts()
+        replay = self.replay is not None
+        t1 = s.t
+        t0 = t1 - self.window_s
+        now_label = f"t={fmt.dur(t1)}" if replay else "now"
+        for c, spec in zip(have, specs, strict=False):
+            c.show(spec, t0, t1, now_label)
+        head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes by cause:"
+        scr.query_one("#charts-head", Static).update(
+            f"[b]History[/b] {render.muted(head)} "
+            "[$error]▲ preemption[/] [$warning]▲ prefill[/] [$secondary]▲ slow decode[/]",
+            layout=False,
+        )
 
     def _render_requests(self, s: Snapshot) -> None:
         """Hand the table the rows in sort order; it asks for the cells of the rows it paints."""
@@ -565,7 +652,7 @@ class KvtopApp(App[int]):
         else:
             self.screen.set_focus(None)
 
-    def action_back(self) -> None:
+    def action_back(self) -> None:  # type: ignore[override]
         box = self.main.query_one("#filter", Input)
         if box.display:
             box.display = False
@@ -593,6 +680,40 @@ class KvtopApp(App[int]):
     async def action_refresh_now(self) -> None:
         self.feed.refresh_now()
         self.tick(force=True)
+
+    def action_interval(self, factor: float) -> None:
+        """Change the poll and refresh interval (the feed's sources follow on their next wait)."""
+        new = min(3600.0, max(0.05, round(self.interval * factor, 3)))
+        if new == self.interval:
+            return
+        self.interval = new
+        for obj in (self.feed, getattr(self.feed, "runner", None)):
+            if obj is not None and hasattr(obj, "interval_s"):
+                obj.interval_s = new
+        if self._refresh_timer is not None:
+            self._refresh_timer.stop()
+        self._refresh_timer = self.set_interval(new, self.tick, name="refresh")
+        self.notify(f"poll interval {fmt.dur(new)}", timeout=2)
+        self.tick(force=True)
+
+    def action_window(self) -> None:
+        """Cycle the history charts' time window."""
+        i = WINDOWS.index(self.window_s) if self.window_s in WINDOWS else 0
+        self.window_s = WINDOWS[(i + 1) % len(WINDOWS)]
+        self.notify(f"history window {plot.window_label(self.window_s)}", timeout=2)
+        self.render_current()
+
+    def action_nav(self, delta: int) -> None:
+        """j / k: the focused table's cursor, else scroll the screen."""
+        w = self.focused
+        if isinstance(w, RowTable):
+            w.action_move(delta)
+        elif isinstance(w, DataTable):
+            (w.action_cursor_down if delta > 0 else w.action_cursor_up)()
+        else:
+            box = self.main.query(f"#{self.view_name}").first()
+            if isinstance(box, VerticalScroll):
+                (box.scroll_down if delta > 0 else box.scroll_up)(animate=False)
 
     def action_step(self, seconds: float) -> None:
         replay = self.replay
@@ -636,8 +757,8 @@ class KvtopApp(App[int]):
                 continue
             seen.add(b.action)
             where = _CONTEXT.get(b.action.split("(")[0], "")
-            rows.append((self.get_key_display(b),
-                         b.description + (f"  [$text-muted]({where})[/]" if where else "")))
+            desc = _LONG_HELP.get(b.action, b.description)
+            rows.append((self.get_key_display(b), desc + (f"  [$text-muted]({where})[/]" if where else "")))
         rows.append((self.get_key_display(Binding(self.COMMAND_PALETTE_BINDING, "")),
                      "Command palette (every action, searchable)"))
         at = next((i for i, (_k, d) in enumerate(rows) if d.startswith("Filter")), len(rows))
@@ -670,6 +791,6 @@ class KvtopApp(App[int]):
 def run_console(core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                 interval: float = 1.0) -> int:
     """Run the console until the user quits; returns the process exit code."""
-    app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval)
+    app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval, handle_signals=True)
     rc = app.run()
     return int(rc or 0)

@@ -80,9 +80,9 @@ def gpu_line(g: GpuView, width: int) -> str:
             f"RX {fmt.rate(g.pcie_rx_bytes_per_s)} {link}")
 
 
-def host_line(h: HostView | None, width: int) -> str:
+def host_line(h: HostView | None, width: int, status: str = "ok") -> str:
     if h is None:
-        return f"[b]host[/b] {muted('no host data yet')}"
+        return f"[b]host[/b] {muted(escape(status) if status != 'ok' else 'no host data yet')}"
     used = None
     if h.mem_total_bytes is not None and h.mem_available_bytes is not None:
         used = h.mem_total_bytes - h.mem_available_bytes

@@ -1,17 +1,19 @@
-"""Deterministic sample data for the console's tests, screenshots and bench.
+"""Deterministic synthetic load for the console's tests and bench (the screenshots come from a
+simulated run with the real analysis: scripts/make_screenshots.py).
 
 A seeded generator that drives a real ``Core`` with hand-made records: GPUs with PCIe traffic (one
 link down-trained), host memory, vLLM-shaped engine records (KV usage, counters, ITL/TTFT
 histograms) and per-request token streams with injected stalls. Stalls are known when they are
 made, so ``SampleAnalysis`` reports them with their true cause in the shape the analysis package
-produces (spikes, causes, verdict). No Textual import: the bench uses this headless.
+produces (spikes, causes); it gives no verdict unless a test hands one in. No Textual import: the
+bench uses this headless.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtop.core import Core
@@ -25,10 +27,13 @@ _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 class SampleAnalysis:
     """The LiveAnalysis protocol over stalls whose causes the generator knows."""
 
-    def __init__(self, verdict: dict[str, Any]):
+    def __init__(self, verdict: dict[str, Any] | None):
         self.spikes: list[dict[str, Any]] = []
         self._by_req: dict[str, list[dict[str, Any]]] = {}
         self.verdict = verdict
+
+    def fresh(self) -> SampleAnalysis:
+        return SampleAnalysis(self.verdict)
 
     def feed(self, rec: Record) -> None:  # the spikes are registered by the generator
         return None
@@ -49,40 +54,11 @@ class SampleAnalysis:
         total = len(self.spikes) or 1
         for c in causes.values():
             c["share"] = round(c["count"] / total, 3)
-        return {"spikes": list(self.spikes), "spikes_total": len(self.spikes), "causes": causes,
-                "verdict": dict(self.verdict)}
+        out: dict[str, Any] = {"spikes": list(self.spikes), "spikes_total": len(self.spikes), "causes": causes}
+        if self.verdict is not None:
+            out["verdict"] = dict(self.verdict)
+        return out
 
-
-def _n(value: Any, unit: str, source: str) -> dict[str, Any]:
-    return {"value": value, "unit": unit, "source": source}
-
-
-# The advisor's verdict in the shape kvtop.analysis.advisor.advise() returns.
-DEFAULT_VERDICT: dict[str, Any] = {
-    "action": "swap",
-    "mechanism": "swap",
-    "also": ["admission"],
-    "numbers": {
-        "itl_target": _n(0.1, "s", "given"),
-        "kv_bytes_per_token_rank": _n(131072, "B/token", "model config"),
-        "bw_eff": _n(24.8e9, "B/s", "measured"),
-        "prefill_rate": _n(15600.0, "tokens/s", "measured"),
-        "cancel_prob": _n(0.04, "", "measured"),
-        "seq_tokens": _n(6400, "tokens", "measured"),
-        "bytes_moved": _n(838860800, "B", "derived"),
-        "swap_gpu_s": _n(0.085, "s", "derived"),
-        "recompute_gpu_s": _n(0.41, "s", "derived"),
-        "break_even_tokens": _n(1330, "tokens", "derived"),
-    },
-    "settings": {"--kv-offloading-size": 16, "--max-num-seqs": 192},
-    "confidence": 0.78,
-    "marginal": False,
-    "reasons": [
-        "14 of 19 spikes coincide with the preemption counter rising while KV usage >= 0.97",
-        "preempted requests resume with 6,400 tokens on average: recompute is 4.8x the transfer",
-        "host has 310 GiB available for an offload pool",
-    ],
-}
 
 
 @dataclass
@@ -110,7 +86,8 @@ class Sample:
     seed: int = 7
     fine: bool = True
     itl_target_s: float = 0.1
-    verdict: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_VERDICT))
+    # no verdict unless a test hands one in: a verdict is the analysis' to give, never made up
+    verdict: dict[str, Any] | None = None
     sink: Callable[[Record], None] | None = None  # sees every record (e.g. a TraceWriter.write)
 
     def __post_init__(self) -> None:
@@ -122,7 +99,7 @@ class Sample:
         self.t = 0.0
         self._n = 0
         self._reqs: list[_Req] = []
-        self._eng = [
+        self._eng: list[dict[str, Any]] = [
             {"pre": 0.0, "prompt": 0.0, "gen": 0.0, "itl": [0.0] * len(_ITL_BUCKETS),
              "ttft": [0.0] * len(_TTFT_BUCKETS), "itl_sum": 0.0, "ttft_sum": 0.0, "kv": 0.6}
             for _ in range(self.engines)
@@ -262,8 +239,8 @@ class Sample:
 
 
 def sample(gpus: int = 2, engines: int = 1, requests: int = 12, seconds: int = 40, seed: int = 7,
-           fine: bool = True) -> Sample:
-    return Sample(gpus=gpus, engines=engines, requests=requests, seed=seed, fine=fine).run(seconds)
+           fine: bool = True, verdict: dict[str, Any] | None = None) -> Sample:
+    return Sample(gpus=gpus, engines=engines, requests=requests, seed=seed, fine=fine, verdict=verdict).run(seconds)
 
 
 FIXED_TAKEN_AT = "2026-01-01T00:00:00Z"

@@ -1,0 +1,183 @@
+"""Bounded time series for the console's history charts.
+
+The core hands every engine, GPU and host record to ``History.ingest``; each record adds one sample
+per chart series, derived at ingest (rates from counter deltas, ITL/TTFT quantiles over the last
+``QUANTILE_WINDOW_S`` of histogram deltas) so a chart only reads numbers. Every series is a pair of
+flat arrays capped at ``MAX_POINTS`` samples (an hour at the default 1 s poll; ~30 KB a series):
+memory stays flat however long the console runs. Pure: no I/O, no Textual.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from bisect import bisect_left, bisect_right
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtop.model.records import EngineRecord, GpuRecord, Histogram, HostRecord, Record
+from kvtop.model.series import histogram_delta, histogram_quantile
+
+MAX_POINTS = 3600
+QUANTILE_WINDOW_S = 10.0
+NAN = float("nan")
+
+
+class Ring:
+    """(t, value) samples in time order, the last ``maxlen`` kept; a missing value is NaN."""
+
+    __slots__ = ("t", "v", "maxlen")
+
+    def __init__(self, maxlen: int = MAX_POINTS):
+        self.t = array("d")
+        self.v = array("d")
+        self.maxlen = maxlen
+
+    def append(self, t: float, v: float | None) -> None:
+        if self.t and t < self.t[-1]:
+            return  # out of order (a late poll): the chart's x axis is time
+        self.t.append(t)
+        self.v.append(NAN if v is None else float(v))
+        if len(self.t) >= self.maxlen + self.maxlen // 4:  # trim in batches: amortised O(1)
+            del self.t[: len(self.t) - self.maxlen]
+            del self.v[: len(self.v) - self.maxlen]
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def last(self) -> float | None:
+        for i in range(len(self.v) - 1, max(-1, len(self.v) - 4), -1):
+            if not math.isnan(self.v[i]):
+                return self.v[i]
+        return None
+
+    def span(self, t0: float, t1: float) -> tuple[int, int]:
+        """Index range of the samples with t0 <= t <= t1."""
+        return bisect_left(self.t, t0), bisect_right(self.t, t1)
+
+    def columns(self, t0: float, t1: float, n: int, how: str = "max") -> list[float | None]:
+        """``n`` equal time columns over [t0, t1]: each column's max (spikes stay visible when
+        an hour is squeezed into 60 columns) or mean; None where a column has no sample."""
+        out: list[float | None] = [None] * n
+        if n <= 0 or t1 <= t0:
+            return out
+        i, j = self.span(t0, t1)
+        ts, vs = self.t, self.v
+        scale = n / (t1 - t0)
+        if how == "max":
+            for k in range(i, j):
+                v = vs[k]
+                if v != v:  # NaN
+                    continue
+                c = min(n - 1, int((ts[k] - t0) * scale))
+                cur = out[c]
+                if cur is None or v > cur:
+                    out[c] = v
+            return out
+        sums = [0.0] * n
+        cnt = [0] * n
+        for k in range(i, j):
+            v = vs[k]
+            if v != v:
+                continue
+            c = min(n - 1, int((ts[k] - t0) * scale))
+            sums[c] += v
+            cnt[c] += 1
+        return [sums[c] / cnt[c] if cnt[c] else None for c in range(n)]
+
+    def at(self, t: float) -> tuple[float, float] | None:
+        """The sample nearest to ``t`` (hover readout)."""
+        if not self.t:
+            return None
+        k = bisect_left(self.t, t)
+        best = min((x for x in (k - 1, k) if 0 <= x < len(self.t)), key=lambda x: abs(self.t[x] - t))
+        return self.t[best], self.v[best]
+
+
+ENGINE_SERIES = ("kv_usage", "running", "waiting", "preemptions_per_s", "itl_p50_s", "itl_p99_s",
+                 "ttft_p99_s", "prompt_tokens_per_s", "generation_tokens_per_s")
+GPU_SERIES = ("mem_used_bytes", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s")
+HOST_SERIES = ("pinned_bytes", "mem_used_bytes")
+
+
+@dataclass
+class _EngineHist:
+    series: dict[str, Ring] = field(default_factory=lambda: {k: Ring() for k in ENGINE_SERIES})
+    prev: EngineRecord | None = None
+    itl: deque[tuple[float, Histogram]] = field(default_factory=deque)
+    ttft: deque[tuple[float, Histogram]] = field(default_factory=deque)
+
+
+def _rate(prev: float | None, cur: float | None, dt: float) -> float | None:
+    if prev is None or cur is None or dt <= 0:
+        return None
+    d = cur - prev
+    return (cur if d < 0 else d) / dt  # a counter that went down restarted from zero
+
+
+def _windowed_quantiles(hist: deque[tuple[float, Histogram]], t: float, h: Histogram | None,
+                        qs: tuple[float, ...]) -> list[float | None]:
+    if h is None:
+        return [None] * len(qs)
+    if hist and h.count < hist[-1][1].count:
+        hist.clear()  # counters reset (engine restart)
+    hist.append((t, h))
+    while len(hist) > 2 and hist[1][0] <= t - QUANTILE_WINDOW_S:
+        hist.popleft()
+    if len(hist) < 2:
+        return [None] * len(qs)
+    d = histogram_delta(hist[0][1], h)
+    if d.count <= 0:
+        return [None] * len(qs)
+    return [histogram_quantile(q, d) for q in qs]
+
+
+class History:
+    """Per engine / GPU / host chart series, fed record by record."""
+
+    def __init__(self) -> None:
+        self.engines: dict[tuple[str, str | None], _EngineHist] = {}
+        self.gpus: dict[int, dict[str, Ring]] = {}
+        self.host: dict[str, Ring] = {k: Ring() for k in HOST_SERIES}
+
+    def ingest(self, rec: Record) -> None:
+        if isinstance(rec, EngineRecord):
+            if rec.up:
+                self._engine(rec)
+        elif isinstance(rec, GpuRecord):
+            g = self.gpus.get(rec.index)
+            if g is None:
+                g = self.gpus[rec.index] = {k: Ring() for k in GPU_SERIES}
+            for k in GPU_SERIES:
+                g[k].append(rec.t, None if rec.lost else getattr(rec, k))
+        elif isinstance(rec, HostRecord):
+            used = None
+            if rec.mem_total_bytes is not None and rec.mem_available_bytes is not None:
+                used = rec.mem_total_bytes - rec.mem_available_bytes
+            self.host["pinned_bytes"].append(rec.t, rec.pinned_bytes)
+            self.host["mem_used_bytes"].append(rec.t, used)
+
+    def _engine(self, rec: EngineRecord) -> None:
+        key = (rec.url or "?", rec.engine)
+        e = self.engines.get(key)
+        if e is None:
+            e = self.engines[key] = _EngineHist()
+        s, prev, t = e.series, e.prev, rec.t
+        dt = t - prev.t if prev is not None else 0.0
+        s["kv_usage"].append(t, rec.kv_usage)
+        s["running"].append(t, rec.running)
+        s["waiting"].append(t, rec.waiting)
+        s["preemptions_per_s"].append(t, _rate(None if prev is None else prev.preemptions_total, rec.preemptions_total, dt))
+        s["prompt_tokens_per_s"].append(t, _rate(None if prev is None else prev.prompt_tokens_total, rec.prompt_tokens_total, dt))
+        s["generation_tokens_per_s"].append(
+            t, _rate(None if prev is None else prev.generation_tokens_total, rec.generation_tokens_total, dt))
+        p50, p99 = _windowed_quantiles(e.itl, t, rec.itl, (0.5, 0.99))
+        s["itl_p50_s"].append(t, p50)
+        s["itl_p99_s"].append(t, p99)
+        (ttft99,) = _windowed_quantiles(e.ttft, t, rec.ttft, (0.99,))
+        s["ttft_p99_s"].append(t, ttft99)
+        e.prev = rec
+
+    def engine_series(self, url: str, engine: str | None) -> dict[str, Ring] | None:
+        e = self.engines.get((url, engine))
+        return e.series if e is not None else None

@@ -1,0 +1,334 @@
+"""History charts for the Overview: one ``Chart`` widget per series group, drawn line by line.
+
+Why our own widget rather than plotext / textual-plotext: a refresh redraws 20-30 charts (8 GPUs,
+several engines) inside the console's 50 ms budget at 1,000 requests; plotext builds each plot as
+an ANSI string that Rich then re-parses (milliseconds a chart), and its charts carry axes and
+legends that do not fit the 5-8 rows a chart gets at 80x24. Here a chart is a few lists of runs
+(kvtop/tui/plot.py), drawn only for the lines on screen, coloured by the current theme, and a hover
+tooltip reads the nearest sample back from the bounded store (kvtop/history.py).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.segment import Segment
+from rich.style import Style
+from textual import events
+from textual.geometry import Region
+from textual.strip import Strip
+from textual.widget import Widget
+
+from kvtop.history import Ring
+from kvtop.snapshot import Snapshot
+from kvtop.tui import fmt, plot
+
+GUTTER = 7  # y-axis labels
+CAUSE_COLOUR = {"preemption": "error", "prefill_interference": "warning", "slow_decode": "secondary"}
+
+
+@dataclass
+class ChartSpec:
+    key: str
+    title: str
+    ring: Ring | None
+    label: str
+    fmt: Callable[[float | None], str]
+    ring2: Ring | None = None
+    label2: str = ""
+    ref: float | None = None
+    ref_label: str = ""
+    fixed_top: float | None = None
+    over: float | None = None  # bars above this value take the warning colour
+    marks: plot.Marks = field(default_factory=dict)
+    empty: str = "no data yet"
+    axis: Callable[[float], str] | None = None  # y-axis labels when ``fmt`` is too wide for the gutter
+
+
+def _pct(v: float | None) -> str:
+    return fmt.NA if v is None else f"{v * 100:.0f}%"
+
+
+def _count(v: float | None) -> str:
+    return fmt.NA if v is None else (f"{v:.0f}" if v >= 10 or v == int(v) else f"{v:.1f}")
+
+
+def _per_s(v: float | None) -> str:
+    return fmt.NA if v is None else f"{v:.2f}/s"
+
+
+def _tok(v: float | None) -> str:
+    return fmt.NA if v is None else fmt.tok_rate(v)
+
+
+_MARKS: dict[str, Any] = {"key": None, "marks": {}}
+
+
+def spike_marks(s: Snapshot) -> plot.Marks:
+    """The analysis' spikes as cause -> sorted end times; rebuilt only when the list changes (the
+    live analysis rebuilds its report at most once a second, and it can list hundreds of spikes)."""
+    spikes = (s.analysis or {}).get("spikes") or []
+    key = (len(spikes), id(spikes[0]) if spikes else None, id(spikes[-1]) if spikes else None)
+    if _MARKS["key"] != key:
+        by: dict[str, list[float]] = {}
+        for sp in spikes:
+            t = sp.get("t_end") or sp.get("t_start")
+            if isinstance(t, (int, float)):
+                by.setdefault(str(sp.get("cause") or "unknown"), []).append(float(t))
+        for ts in by.values():
+            ts.sort()
+        _MARKS["marks"], _MARKS["key"] = by, key
+    marks: plot.Marks = _MARKS["marks"]
+    return marks
+
+
+def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
+    """The Overview's charts, most telling first: per engine KV, ITL, preemptions, queue, TTFT,
+    tokens/s; per GPU memory and PCIe; host pinned memory."""
+    out: list[ChartSpec] = []
+    marks = spike_marks(s)
+    multi = len(s.engines) > 1
+    for i, e in enumerate(s.engines):
+        ser = history.engine_series(e.url, e.engine)
+        if ser is None:
+            continue
+        pre = f"E{i} " if multi else ""
+        k = f"e{i}"
+        tgt = s.itl_target_s
+        out.append(ChartSpec(k + "kv", f"{pre}KV cache usage", ser["kv_usage"], "KV", _pct, ref=1.0,
+                             ref_label="100%", fixed_top=1.0, over=0.9))
+        out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", fmt.dur, ser["itl_p50_s"], "p50",
+                             ref=tgt, ref_label=f"target {fmt.dur(tgt)}" if tgt else "", over=tgt, marks=marks))
+        if e.preempts:
+            out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
+                                 axis=lambda v: f"{v:g}"))
+        out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", _count, ser["waiting"],
+                             "waiting"))
+        out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", fmt.dur))
+        out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", _tok,
+                             ser["prompt_tokens_per_s"], "prompt"))
+    for g in s.gpus:
+        gs = history.gpus.get(g.index)
+        if gs is None:
+            continue
+        out.append(ChartSpec(f"g{g.index}m", f"GPU{g.index} memory", gs["mem_used_bytes"], "used", fmt.ibytes,
+                             ref=g.mem_total_bytes, ref_label=f"total {fmt.ibytes(g.mem_total_bytes)}",
+                             fixed_top=float(g.mem_total_bytes) if g.mem_total_bytes else None))
+        cap = g.pcie_capacity_bytes_per_s
+        out.append(ChartSpec(f"g{g.index}p", f"GPU{g.index} PCIe", gs["pcie_tx_bytes_per_s"], "TX", fmt.rate,
+                             gs["pcie_rx_bytes_per_s"], "RX", ref=cap,
+                             ref_label=f"link {fmt.rate(cap)}" if cap else "", fixed_top=cap))
+    host_empty = "no host data yet" if s.host_status == "ok" else s.host_status
+    out.append(ChartSpec("host", "host pinned memory", history.host["pinned_bytes"], "pinned", fmt.ibytes,
+                         empty=host_empty))
+    return out
+
+
+class Chart(Widget):
+    """One history chart; ``show(spec, t0, t1)`` each tick, drawn lazily per visible line."""
+
+    DEFAULT_CSS = """
+    Chart {
+        height: 1fr;
+        padding: 0 1 0 0;
+    }
+    """
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.spec: ChartSpec | None = None
+        self.t0 = 0.0
+        self.t1 = 1.0
+        self.now_label = "now"
+        self._kv_strips: list[Strip] | None = None
+        self._kv_size: tuple[int, int] = (0, 0)
+        self._kv_top = 1.0
+        self._kv_cols = 0
+        self._seen: tuple[float | None, ...] = (None, None)
+        self._raw = (0.0, 1.0)
+
+    def show(self, spec: ChartSpec, t0: float, t1: float, now_label: str = "now") -> None:
+        """New data for the chart. The window is aligned to whole columns, so between two column
+        boundaries only the newest column, the title and the axis can change: only those regions
+        are repainted (a full repaint of every chart each tick would cost most of the budget)."""
+        w, h = self.size.width, self.size.height
+        n = max(4, w - GUTTER - 1)
+        self._raw = (t0, t1)
+        t0, t1 = self._aligned(n)
+        old = self.spec
+        full = (old is None or old.key != spec.key or (t0, t1) != (self.t0, self.t1) or n != self._kv_cols
+                or (old.ref, old.fixed_top, old.over) != (spec.ref, spec.fixed_top, spec.over)
+                or old.ring is not spec.ring or old.ring2 is not spec.ring2
+                or self._grew_past_top(spec))
+        axis = old is not None and (old.marks is not spec.marks and (old.marks or spec.marks)
+                                    or now_label != self.now_label)
+        self.spec, self.t0, self.t1, self.now_label = spec, t0, t1, now_label
+        self._seen = tuple(r.t[-1] if r is not None and len(r) else None for r in (spec.ring, spec.ring2))
+        self._kv_strips = None
+        if full or h < 3 or w <= GUTTER + 2:
+            self.refresh()
+            return
+        regions = [Region(0, 0, w, 1), Region(GUTTER + n - 2, 1, 3, h - 2)]
+        if axis:
+            regions.append(Region(0, h - 1, w, 1))
+        self.refresh(*regions)
+
+    def _aligned(self, n: int) -> tuple[float, float]:
+        """The window [t0, t1] moved forward to the next whole column (stable bins between ticks)."""
+        t0, t1 = self._raw
+        span = t1 - t0
+        if span > 0 and self.size.width > 0:
+            dt = span / n
+            t1 = math.ceil(t1 / dt - 1e-9) * dt
+            t0 = t1 - span
+        return t0, t1
+
+    def _grew_past_top(self, spec: ChartSpec) -> bool:
+        """A sample since the last draw above the y axis' top: the scale changes, redraw it all."""
+        for ring, seen in zip((spec.ring, spec.ring2), self._seen, strict=True):
+            if ring is None or not len(ring):
+                continue
+            k = len(ring) if seen is None else bisect_right(ring.t, seen)
+            for v in ring.v[k:]:
+                if v > self._kv_top:  # NaN compares False
+                    return True
+        return False
+
+    def on_resize(self) -> None:
+        self._kv_strips = None
+        self.t0, self.t1 = self._aligned(max(4, self.size.width - GUTTER - 1))
+
+    # -- drawing --------------------------------------------------------------------------------
+    def _styles(self) -> dict[str, Style]:
+        tv = self.app.theme_variables
+
+        def st(var: str, **kw: Any) -> Style:
+            c = tv.get(var, "default").removeprefix("ansi_")
+            try:
+                return Style(color=c, **kw)
+            except Exception:
+                return Style(**kw)
+
+        return {
+            plot.BAR: st("primary"), plot.OVER: st("warning"), plot.LINE: st("accent", bold=True),
+            plot.REF: st("text-muted"), plot.EMPTY: Style(), "muted": Style(dim=True), "title": Style(bold=True),
+            "error": st("error", bold=True), "warning": st("warning", bold=True),
+            "secondary": st("secondary", bold=True),
+        }
+
+    def _build(self) -> list[Strip]:
+        w, h = self.size.width, self.size.height
+        spec = self.spec
+        styles = self._styles()
+        if spec is None or w <= 0 or h <= 0:
+            return [Strip.blank(w)] * max(0, h)
+        n = max(4, w - GUTTER - 1)
+        self._kv_cols = n
+        t0, t1 = self.t0, self.t1
+        p = spec.ring.columns(t0, t1, n) if spec.ring is not None else [None] * n
+        q = spec.ring2.columns(t0, t1, n) if spec.ring2 is not None else None
+        top = plot.scale_top(p + (q or []), spec.ref, spec.fixed_top)
+        self._kv_top = top
+        lines: list[Strip] = []
+        # title: name, the latest values, the reference on the right
+        last = spec.ring.last() if spec.ring is not None else None
+        segs = [Segment(" " + spec.title, styles["title"])]
+        if last is not None or spec.ring2 is not None:
+            segs.append(Segment(f"  {spec.label + ' ' if spec.label else ''}{spec.fmt(last)}", styles[plot.BAR]))
+        if spec.ring2 is not None:
+            segs.append(Segment(f"  ━ {spec.label2} {spec.fmt(spec.ring2.last())}", styles[plot.LINE]))
+        if spec.ref_label:
+            segs.append(Segment(f"  ┈ {spec.ref_label}", styles["muted"]))
+        lines.append(Strip(segs).crop_extend(0, w, None))
+        plot_h = max(1, h - 2) if h >= 3 else max(0, h - 1)
+        if plot_h == 0:
+            return lines
+        has_data = any(v is not None for v in p) or (q is not None and any(v is not None for v in q))
+        rows = plot.plot_rows(p, q, top, plot_h, spec.ref, spec.over)
+        axis = spec.axis or spec.fmt
+        for r, runs in enumerate(rows):
+            if not has_data:
+                lab = ""
+            elif r == 0:
+                lab = axis(top)
+            elif r == plot_h - 1 and plot_h > 1:
+                lab = "0"
+            else:
+                lab = ""
+            segs = [Segment(lab[: GUTTER - 1].rjust(GUTTER - 1) + "│", styles["muted"])]
+            segs.extend(Segment(text, styles[role]) for text, role in runs)
+            lines.append(Strip(segs).crop_extend(0, w, None))
+        if not has_data:
+            msg = f" {spec.empty} "
+            mid = 1 + plot_h // 2
+            if mid < len(lines):
+                pad = max(0, (n - len(msg)) // 2)
+                lines[mid] = Strip([Segment(" " * (GUTTER - 1) + "│", styles["muted"]),
+                                    Segment(" " * pad), Segment(msg, styles["muted"])]).crop_extend(0, w, None)
+        if h >= 3:
+            lines.append(self._axis(n, w, styles))
+        return lines
+
+    def _axis(self, n: int, w: int, styles: dict[str, Style]) -> Strip:
+        spec = self.spec
+        assert spec is not None
+        marks = plot.mark_row(n, self.t0, self.t1, spec.marks)
+        left = f"-{plot.window_label(self.t1 - self.t0)}"
+        right = self.now_label
+        # a time label is drawn whole or not at all: spike marks under it win
+        if any(marks[:len(left)]):
+            left = ""
+        if any(marks[n - len(right):]):
+            right = ""
+        segs = [Segment(" " * (GUTTER - 1) + "└", styles["muted"])]
+        cells: list[tuple[str, str]] = []
+        for c in range(n):
+            cause = marks[c]
+            if cause is not None:
+                cells.append(("▲", CAUSE_COLOUR.get(cause, "muted")))
+            elif c < len(left):
+                cells.append((left[c], "muted"))
+            elif right and c >= n - len(right):
+                cells.append((right[c - (n - len(right))], "muted"))
+            else:
+                cells.append(("─", "muted"))
+        for text, role in plot._runs(cells):
+            segs.append(Segment(text, styles.get(role, styles["muted"])))
+        return Strip(segs).crop_extend(0, w, None)
+
+    def render_line(self, y: int) -> Strip:
+        size = (self.size.width, self.size.height)
+        if self._kv_strips is None or size != self._kv_size:
+            self._kv_size = size
+            self._kv_strips = self._build()
+        if 0 <= y < len(self._kv_strips):
+            return self._kv_strips[y]
+        return Strip.blank(self.size.width)
+
+    # -- hover ----------------------------------------------------------------------------------
+    def on_mouse_move(self, ev: events.MouseMove) -> None:
+        self.tooltip = self.readout(ev.x)
+
+    def readout(self, x: int) -> str | None:
+        """What the mouse over column ``x`` shows: the time and the nearest sample of each series."""
+        spec = self.spec
+        c = x - GUTTER
+        n = self._kv_cols or max(4, self.size.width - GUTTER - 1)
+        if spec is None or c < 0 or c >= n or self.t1 <= self.t0:
+            return None
+        t = self.t0 + (c + 0.5) * (self.t1 - self.t0) / n
+        parts = [f"{spec.title} at t={fmt.dur(t)} ({fmt.dur(self.t1 - t)} before {self.now_label})"]
+        for ring, label in ((spec.ring, spec.label), (spec.ring2, spec.label2)):
+            hit = ring.at(t) if ring is not None else None
+            if hit is not None and abs(hit[0] - t) <= (self.t1 - self.t0) / n + 1.5:
+                v = None if hit[1] != hit[1] else hit[1]
+                parts.append(f"{label or 'value'} {spec.fmt(v)}")
+        lo, hi = t - (self.t1 - self.t0) / n / 2, t + (self.t1 - self.t0) / n / 2
+        causes = plot.marks_between(spec.marks, lo, hi)
+        if causes:
+            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items())))
+        return "\n".join(parts)
