@@ -242,7 +242,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
             tok_row.append(muted("·"))
     mark_row = [" "] * w
     for i, (c, _s) in enumerate(cols.spike_starts[:9]):
-        mark_row[c] = f"[{CAUSE_VAR.get(_s.get('cause'), '$text-muted')}]{i + 1}[/]"
+        mark_row[c] = f"[{CAUSE_VAR.get(str(_s.get('cause')), '$text-muted')}]{i + 1}[/]"
     eng_row = []
     for m in cols.engine:
         eng_row.append({"P": "[$error]P[/]", "B": "[$warning]B[/]", "p": "[$error]p[/]", "r": "[$success]r[/]"}.get(m, " "))

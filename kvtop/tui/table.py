@@ -253,7 +253,7 @@ class RowTable(ScrollView, can_focus=True):
     def _row_styles(self) -> tuple[Style, Style, Style, Style]:
         if self._style_set is None:  # a line asked for outside a paint (tests)
             self._load_styles()
-        return self._style_set[1:]  # type: ignore[index, return-value]
+        return self._style_set[1:]  # type: ignore[index]
 
     def _line(self, cells: Cells, row_style: Style, post: Style | None) -> list[Segment]:
         segs: list[Segment] = []
