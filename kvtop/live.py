@@ -65,6 +65,7 @@ class LiveRunner:
         self.probe_max_tokens = probe_max_tokens
         self.urls = list(urls)
         self.interval_s = max(0.05, float(interval_s))
+        self.notice: str | None = None
         self.sinks: list[Sink] = list(sinks or [])
         self._t0 = time.monotonic()
         self.scrapers = [

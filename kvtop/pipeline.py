@@ -69,6 +69,9 @@ class ReplayControls(Protocol):
 class Feed(Protocol):
     """What the console (and every headless runner) drives."""
 
+    interval_s: float  # how often its sources poll; the console's +/- keys set it
+    notice: str | None  # a one-line banner the console shows while it stands (e.g. "no engine yet")
+
     @property
     def core(self) -> Core: ...
 
@@ -84,6 +87,8 @@ class StaticFeed:
 
     def __init__(self, core: Core):
         self._core = core
+        self.interval_s = 1.0
+        self.notice: str | None = None
 
     @property
     def core(self) -> Core:

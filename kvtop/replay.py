@@ -89,6 +89,8 @@ class ReplayFeed:
         self._paused = False
         self._wake = asyncio.Event() if _has_loop() else None
         self._anchor: tuple[float, float] | None = None  # (loop time, trace time) while running
+        self.interval_s = 1.0  # nothing to poll: the trace clock moves on its own
+        self.notice: str | None = None
 
     # -- state --------------------------------------------------------------------------------
     @property

@@ -104,19 +104,22 @@ async def test_sort_and_open_an_instance():
 
 
 async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
+    from kvtop.sources.promfleet import PromFeed
     from kvtop.tui.app import KvtopApp
 
     core, targets, agents = fleet_state()
 
-    class Feed:
+    class Feed(PromFeed):  # the Prometheus feed's surface without a server behind it
         url = "http://prometheus:9090"
+        interval_s = 3600.0
+        notice = None
 
         class fleet:  # noqa: N801
             error = None
             targets: dict = {}
             agents: dict = {}
 
-        def __init__(self, core: Core):
+        def __init__(self, core: Core):  # no super().__init__: nothing to connect to
             self.core = core
 
         async def run(self, *, stop=None) -> None:  # noqa: ANN001

@@ -67,6 +67,8 @@ class TickFeed:
         self.period = period
         self.dt = dt
         self.refreshes = 0
+        self.interval_s = period
+        self.notice: str | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -98,6 +100,8 @@ class FakeReplay:
         self.t = sample.t
         self.paused = False
         self.calls: list[tuple[str, float | None]] = []
+        self.interval_s = 1.0
+        self.notice: str | None = None
 
     @property
     def core(self) -> Any:

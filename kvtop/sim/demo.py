@@ -26,7 +26,8 @@ class DemoFeed:
         self.workload = workload
         self.seed = seed
         self.speed = speed
-        self.interval_s = interval_s
+        self._interval_s = interval_s
+        self.notice: str | None = None
         self.host = host
         self.runner: LiveRunner | None = None
         self.server: SimServer | None = None
@@ -35,6 +36,16 @@ class DemoFeed:
     def refresh_now(self) -> None:
         if self.runner is not None:
             self.runner.refresh_now()
+
+    @property
+    def interval_s(self) -> float:
+        return self._interval_s
+
+    @interval_s.setter
+    def interval_s(self, v: float) -> None:
+        self._interval_s = v
+        if self.runner is not None:  # the runner that scrapes the simulated engine follows
+            self.runner.interval_s = v
 
     def controls(self) -> None:
         return None

@@ -281,6 +281,7 @@ class PromFeed:
         self.core = core
         self.url = url
         self.interval_s = max(0.5, interval_s)
+        self.notice: str | None = None
         self._t0 = time.monotonic()
         self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token), selector=selector,
                                step_s=step_s or max(1.0, min(self.interval_s, 15.0)), window_s=window_s,

@@ -266,7 +266,9 @@ class KvtopApp(App[int]):
     def main_ready(self) -> None:
         self._main_ready = True
         self.tick(force=True)
-        if getattr(self.feed, "fleet", None) is not None:
+        from kvtop.sources.promfleet import PromFeed
+
+        if isinstance(self.feed, PromFeed):
             self.action_fleet()  # pointed at Prometheus: the fleet is the first thing to see
         # Modules, widgets and styles live as long as the console: out of the collector's reach,
         # a full collection (every few seconds at 1,000+ requests) scans only the data. Fewer,
@@ -372,8 +374,8 @@ class KvtopApp(App[int]):
         )
         banner = self.main.query_one("#banner", Static)
         msgs = []
-        notice = getattr(self.feed, "notice", None)
-        if isinstance(notice, str) and notice:
+        notice = self.feed.notice
+        if notice:
             msgs.append(render.escape(notice))
         if s.gpu_status != "ok":
             msgs.append(f"GPU: {render.escape(s.gpu_status)}")
@@ -687,9 +689,7 @@ class KvtopApp(App[int]):
         if new == self.interval:
             return
         self.interval = new
-        for obj in (self.feed, getattr(self.feed, "runner", None)):
-            if obj is not None and hasattr(obj, "interval_s"):
-                obj.interval_s = new
+        self.feed.interval_s = new
         if self._refresh_timer is not None:
             self._refresh_timer.stop()
         self._refresh_timer = self.set_interval(new, self.tick, name="refresh")

@@ -254,16 +254,18 @@ class FleetScreen(Screen[None]):
 
 def open_fleet(app: Any) -> None:
     """Push the fleet screen for a console whose feed reads Prometheus (no-op otherwise)."""
-    feed = getattr(app, "feed", None)
-    fleet = getattr(feed, "fleet", None)
-    if fleet is None:
+    from kvtop.sources.promfleet import PromFeed
+
+    feed = app.feed
+    if not isinstance(feed, PromFeed):
         app.notify("the fleet screen needs --prometheus URL", severity="warning")
         return
+    fleet = feed.fleet
 
     def rows() -> list[FleetRow]:
         return fleet_rows(app.core.snapshot(), fleet.targets, fleet.agents, getattr(fleet, "computed", None))
 
     def status() -> str:
-        return f"[b red]{escape(fleet.error)}[/]" if fleet.error else f"[dim]{escape(str(getattr(feed, 'url', '')))}[/]"
+        return f"[b red]{escape(fleet.error)}[/]" if fleet.error else f"[dim]{escape(feed.url)}[/]"
 
-    app.push_screen(FleetScreen(rows, status, interval=getattr(app, "interval", 1.0)))
+    app.push_screen(FleetScreen(rows, status, interval=app.interval))
