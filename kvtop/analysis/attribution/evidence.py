@@ -19,6 +19,7 @@ from kvtop.analysis.attribution.thresholds import (
     PROMPT_JUMP_MIN,
     PROMPT_JUMP_REL,
     REL_SLOW,
+    SHARED_FRESH,
     RESUME_LEAD_S,
     RETRACT_LAG_S,
     SPARSE_F,
@@ -118,8 +119,11 @@ class Evidence:
 
     @property
     def others_flowed(self) -> bool:
+        """Another stream kept receiving tokens while this one stalled, and most of the others did
+        not fall silent with it (when most stall together it is an engine-wide or delivery event
+        that a few streams' buffered tokens hid: judged as a shared stall)."""
         f = self.flowing
-        return f is not None and f > 0
+        return f is not None and f > 0 and self.co_fresh < SHARED_FRESH * (self.active_others or 0)
 
     @property
     def observed_share(self) -> float | None:

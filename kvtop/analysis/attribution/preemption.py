@@ -53,8 +53,16 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     # state evidence (KV, running, waiting) is about the engine, not this stream: it counts where
     # the counter cannot (a victim cancelled while waiting) or where the engine's semantics are unknown
     state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter
-    claim = ev.claim_counter() if ev.has_counter else None
     pev = []
+    # nobody else observed was decoding: a counter step says the engine preempted *someone*, and the
+    # unobserved streams (or an engine-wide stall that only this stream shows) cannot be told apart
+    # from this one. On the independent traces every such claim was wrong (a prefill of an
+    # unobserved request): the honest answer is unknown.
+    blind = ev.alone and ev.resumed
+    claim = ev.claim_counter() if ev.has_counter and not blind else None
+    if blind and ev.has_counter and ev.counter_delta() > 0:
+        pev.append("the counter stepped, but no other observed stream was decoding: the step may belong to "
+                   "a stream kvtop does not see")
     score = 0.0
     if claim is not None:
         score += 0.45

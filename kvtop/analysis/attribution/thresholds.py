@@ -5,6 +5,7 @@ from __future__ import annotations
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
 KV_FULL = 0.95
+SHARED_FRESH = 0.5  # this share of the other active streams falling silent with a stall makes it shared
 LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
 PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
@@ -22,7 +23,7 @@ HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no schedul
 # chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
 BURST_MIN_TOKENS = 4
 BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
-BURST_EXPLAINS = 0.3  # the buffered tokens, at the stream's own pace, cover this share of the stall
+BURST_EXPLAINS = 0.1  # the buffered tokens, at the stream's own pace, cover this share of the stall
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
