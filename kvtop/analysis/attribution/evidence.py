@@ -155,6 +155,13 @@ class Evidence:
         w = self.window
         return max(0.0, w.prompt_delta - self.typical_prompt_delta * max(1, w.intervals))
 
+    @property
+    def counter_unread(self) -> bool:
+        """No scrape was read after the stall's end (the run ended first): the counter step of an
+        engine that counts at resume cannot be seen at all."""
+        last = self.timeline.last_scrape
+        return self.counted_at == "resume" and self.resumed and (last is None or last < self.gap.t_end)
+
     def counter_window(self) -> tuple[float, float, float]:
         """(lo, hi, at): where this stall's preemption would have moved the counter."""
         a, b = self.gap.t_start, self.gap.t_end

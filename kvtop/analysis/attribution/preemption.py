@@ -52,7 +52,9 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     w = ev.window
     # state evidence (KV, running, waiting) is about the engine, not this stream: it counts where
     # the counter cannot (a victim cancelled while waiting) or where the engine's semantics are unknown
-    state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter
+    # (or where no scrape after the stall was read: the run ended before the counter could show it)
+    unread = ev.counter_unread and not ev.alone
+    state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter or unread
     pev = []
     # nobody else observed was decoding: a counter step says the engine preempted *someone*, and the
     # unobserved streams (or an engine-wide stall that only this stream shows) cannot be told apart
@@ -71,6 +73,8 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     if state_ok:
         score += 0.2 * ev.kv_high + 0.2 * (ev.running_drop or w.waiting_rise)
     pev += signs
+    if unread:
+        pev.append("no scrape was read after its end (the run ended): the counter cannot confirm it")
     if ev.gap.ended_by == "cancel":
         pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
     flowing = ev.flowing
@@ -91,7 +95,8 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
         kind, conf = "counter", 0.97
     else:
         # state evidence alone: the old additive score (KV, running/waiting, others flowing)
-        kind, conf = ("cancelled" if ev.gap.ended_by == "cancel" else "state"), min(0.9, 0.3 + score)
+        kind = "cancelled" if ev.gap.ended_by == "cancel" else ("unread" if unread else "state")
+        conf = min(0.9, 0.3 + score)
     return Finding(Cause.PREEMPTION, conf * f, lines + pev + why, kind), []
 
 

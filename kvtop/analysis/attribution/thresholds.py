@@ -23,7 +23,7 @@ HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no schedul
 # chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
 BURST_MIN_TOKENS = 4
 BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
-BURST_EXPLAINS = 0.1  # the buffered tokens, at the stream's own pace, cover this share of the stall
+BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover this share of the stall
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
