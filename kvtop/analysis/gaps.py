@@ -120,6 +120,8 @@ class Gap:
     ended_by: str = "token"
     cause: Any = None  # an attribution.Cause once judged (a str subclass)
     kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
+    rule_key: str | None = None  # the finding's calibration key (thresholds.CONFIDENCE)
+    discounts: tuple[str, ...] = ()  # the confidence discounts applied (thresholds.DISCOUNT)
     confidence: float = 0.0
     evidence: list[str] = field(default_factory=list)
     chunk_n: int = 1  # tokens delivered by the event that ended the gap

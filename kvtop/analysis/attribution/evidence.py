@@ -10,19 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.thresholds import (
-    CHUNKED_F,
     CHUNKED_TOKENS,
-    COARSE_F,
     COARSE_SCRAPE_S,
+    CONFIDENCE,
+    DISCOUNT,
     KV_HIGH,
     PROMPT_JUMP_MIN,
     PROMPT_JUMP_REL,
     REL_SLOW,
-    SHARED_FRESH,
     RESUME_LEAD_S,
     RETRACT_LAG_S,
-    SPARSE_F,
+    SHARED_FRESH,
     SPARSE_SHARE,
     STEP_EARLY_S,
 )
@@ -191,24 +191,34 @@ class Evidence:
         return self.timeline.steps_in(lo, hi)
 
     # ---- how much the evidence can say ----------------------------------------------------------
-    def certainty(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[float, list[str]]:
-        """A factor (<= 1) for confidence, and why: coarse scrapes, sparse observation and merged
-        chunks each make one stream's evidence less specific. Sparse observation matters to the
-        preemption rules (another stream's counter step may be claimed), not to an engine-wide stall."""
-        f = 1.0
+    def weaknesses(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[tuple[str, ...], list[str]]:
+        """What makes this stall's evidence less specific (``DISCOUNT`` names), and why: coarse
+        scrapes, sparse observation and merged chunks. Sparse observation matters to the preemption
+        rules (another stream's counter step may be claimed), not to an engine-wide stall."""
+        names: list[str] = []
         why = []
         si = interval if interval is not None else self.scrape_interval
         if si > COARSE_SCRAPE_S:
-            f *= COARSE_F
+            names.append("coarse")
             why.append(f"engine evidence read over a {si:.1f}s scrape interval")
         share = self.observed_share
         if sparse_matters and share is not None and share < SPARSE_SHARE:
-            f *= SPARSE_F
+            names.append("sparse")
             why.append(f"only {share:.0%} of the engine's running streams observed")
         if self.gap.tokens_per_event > CHUNKED_TOKENS:
-            f *= CHUNKED_F
+            names.append("chunked")
             why.append(f"the stream arrives in chunks of {self.gap.tokens_per_event:.1f} tokens")
-        return f, why
+        return tuple(names), why
+
+    def found(self, cause: Cause, key: str, lines: list[str], kind: str, interval: float | None = None,
+              sparse_matters: bool = True, weighed: bool = True) -> Finding:
+        """A finding of rule ``key`` with its calibrated confidence (see thresholds.CONFIDENCE),
+        discounted for each weakness of the evidence (``weighed=False``: none apply)."""
+        names, why = self.weaknesses(interval, sparse_matters) if weighed else ((), [])
+        conf = CONFIDENCE[key]
+        for n in names:
+            conf *= DISCOUNT[n]
+        return Finding(cause, conf, lines + why, kind, key=key, discounts=names)
 
     def context_lines(self) -> list[str]:
         """How the stall compares with its stream and with the other streams (leads every answer)."""

@@ -57,8 +57,8 @@ def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
     sig, checked = signals(ev)
     if not sig or (checked_only and not checked):
         return None
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")
+    return ev.found(Cause.PREFILL, "prefill/lone-checked" if checked else "prefill/lone", sig, "lone",
+                    sparse_matters=False)
 
 
 def shared(ev: Evidence) -> Finding | None:
@@ -66,10 +66,8 @@ def shared(ev: Evidence) -> Finding | None:
     sig, checked = signals(ev)
     if not sig:
         return None
-    conf = min(0.97, 0.75 + 0.15 * (ev.first_token is not None and sig[0].startswith("request"))
-               + 0.1 * ev.prompt_jump + 0.05 * checked)
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, conf * f, sig + why, "shared")
+    return ev.found(Cause.PREFILL, "prefill/shared-checked" if checked else "prefill/shared", sig, "shared",
+                    sparse_matters=False)
 
 
 def recompute(ev: Evidence) -> Finding | None:
@@ -80,7 +78,6 @@ def recompute(ev: Evidence) -> Finding | None:
     d = ev.counter_delta()
     if d < 1:
         return None
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, 0.9 * f, [
+    return ev.found(Cause.PREFILL, "prefill/recompute", [
         f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
-        "re-prefill (a recompute stall) held every stream"] + why, "recompute")
+        "re-prefill (a recompute stall) held every stream"], "recompute", sparse_matters=False)

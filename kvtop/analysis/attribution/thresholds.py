@@ -30,12 +30,36 @@ BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover th
 PREFILL_SHARE = 0.3
 
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
-# from a stream that arrives in merged chunks, says less about one stream. Each factor, like each
-# rule's base confidence, is the accuracy observed on development traces (bench/attribution_matrix.py
-# reports the reliability on traces not used to choose them).
+# from a stream that arrives in merged chunks, says less about one stream.
 COARSE_SCRAPE_S = 2.0
-COARSE_F = 0.97
 SPARSE_SHARE = 0.5
-SPARSE_F = 0.75
 CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
-CHUNKED_F = 0.95
+
+# Calibrated confidence: a finding's confidence is CONFIDENCE[its rule] x DISCOUNT[each weakness of
+# its evidence]. Fit by bench/calibrate.py on kvtop's own simulator (``kvtop simulate`` presets,
+# seed 1, 1/5/15 s scrapes): the base is the share of the rule's undiscounted calls that were right,
+# a discount the share right among the calls it applies to over what the bases predicted. The
+# independent generator (bench/tracegen) is held out: calibrate.py prints the reliability there.
+# Rules too rare on the simulator to fit (< 20 calls) keep a hand-set value (marked "set").
+# BEGIN FITTED (bench/calibrate.py --write rewrites this block)
+CONFIDENCE: dict[str, float] = {
+    "preemption/reported": 0.98,
+    "preemption/counter": 0.97,
+    "preemption/state": 0.8,
+    "preemption/cancelled": 0.8,
+    "preemption/unread": 0.6,
+    "preemption/longer": 0.9,
+    "preemption/mass": 0.6,
+    "prefill/lone-checked": 0.8,
+    "prefill/lone": 0.6,
+    "prefill/shared-checked": 0.95,
+    "prefill/shared": 0.85,
+    "prefill/recompute": 0.9,
+    "slow/lifted": 0.97,
+    "slow/lifted-run": 0.8,
+    "slow/continued": 0.95,
+    "slow/onset": 0.95,
+    "slow/pace": 0.7,
+}
+DISCOUNT: dict[str, float] = {"coarse": 0.97, "sparse": 0.75, "chunked": 0.95}
+# END FITTED
