@@ -219,3 +219,51 @@ def test_report_weighs_each_cause_by_the_time_over_target():
     assert rep["over_target_s"]["preemption"] == pytest.approx(2.0 + STEP - 0.1, abs=0.01)
     assert rep["over_target_s"]["unknown"] == pytest.approx(0.5 + STEP - 0.1, abs=0.01)
     assert rep["over_target_s"]["slow_decode"] == 0.0
+
+
+def test_a_counter_step_is_no_evidence_about_the_only_observed_stream():
+    # one observed stream of an engine running 8 (sparse observation): its 2 s stall ends in the
+    # interval where the counter stepped, but nobody observed kept decoding, so whose preemption it
+    # was (or whether an unobserved prompt stalled the engine) cannot be told
+    recs = stream_records(n_streams=1, silent={"r0": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))
+    g = _one(run(recs), "r0")
+    assert g.cause == "unknown" and g.confidence <= 0.35
+    assert any("stream kvtop does not see" in e for e in g.evidence)
+    # with a second observed stream flowing through the stall, the same step is r0's own
+    recs = stream_records(n_streams=2, silent={"r0": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))
+    assert _one(run(recs), "r0").kind == "counter"
+
+
+def test_a_stall_most_streams_share_is_no_lone_preemption():
+    # 6 of 8 streams fall silent together 4.0-4.25 s (2 keep flowing: their tokens were buffered
+    # elsewhere), a counter step read in the interval that holds the end: judged as a shared stall,
+    # where one counter unit does not make six preemptions
+    silent = {f"r{i}": (4.0, 4.25) for i in range(6)}
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(4.5,)))
+    causes = [g.cause for g in an.spikes if g.request_id in silent]
+    assert len(causes) == 6 and causes.count("preemption") <= 1
+    # one stream alone with the same step stays a preemption
+    g = _one(run(stream_records(silent={"r3": (4.0, 4.25)}) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
+    assert g.cause == "preemption"
+
+
+def test_a_stall_after_the_last_scrape_reads_kv_and_queue_instead_of_the_resume_counter():
+    # r3 silent 8.7-9.8 s; scrapes stop at 8.5 s (the run ended), KV pinned and the queue rising:
+    # the resume counter cannot show it, so the state evidence speaks, at lower confidence
+    recs = stream_records(silent={"r3": (8.7, 9.8)}) + engine_records(dur=8.6, kv=0.97, wait_rise=((8.4, 8.6),))
+    g = _one(run(recs), "r3")
+    assert g.cause == "preemption" and g.kind == "unread"
+    assert g.confidence < 0.9
+    assert any("no scrape was read after its end" in e for e in g.evidence)
+    # the same stall with a scrape after it and no counter step: vLLM would have counted it
+    recs = stream_records(silent={"r3": (8.7, 9.8)}) + engine_records(dur=10.6, kv=0.97, wait_rise=((8.4, 10.6),))
+    assert _one(run(recs), "r3").cause == "unknown"
+
+
+def test_confidence_comes_from_the_rule_table_times_its_discounts():
+    from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
+
+    g = _one(run(stream_records(silent={"r3": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))), "r3")
+    assert g.rule_key == "preemption/counter" and g.discounts == ()
+    assert g.confidence == pytest.approx(CONFIDENCE["preemption/counter"])
+    assert all(0.0 < v < 1.0 for v in list(CONFIDENCE.values()) + list(DISCOUNT.values()))
