@@ -267,3 +267,33 @@ def test_confidence_comes_from_the_rule_table_times_its_discounts():
     assert g.rule_key == "preemption/counter" and g.discounts == ()
     assert g.confidence == pytest.approx(CONFIDENCE["preemption/counter"])
     assert all(0.0 < v < 1.0 for v in list(CONFIDENCE.values()) + list(DISCOUNT.values()))
+
+
+def test_a_first_token_ending_a_gap_that_dwarfs_the_pace_on_both_sides_is_prefill():
+    # six streams step every 20 ms; all stall 4.0-4.5 s and come back at 40 ms (the engine now runs
+    # 2x slower: a flood of short requests, throttled clocks). Request q's first token ends the stall
+    def recs(prompt: int | None) -> list[dict]:
+        out = []
+        for i in range(6):
+            rid = f"r{i}"
+            out.append({"kind": "request", "t": 0.0, "id": rid, "event": "arrive", "prompt_tokens": 500})
+            out.append({"kind": "request", "t": 0.05, "id": rid, "event": "first_token", "n": 1})
+            t = 0.05
+            while t < 8.0:
+                t = round(4.5 if 3.99 < t < 4.5 else t + (0.02 if t < 4.0 else 0.04), 6)
+                out.append({"kind": "request", "t": t, "id": rid, "event": "token", "n": 1})
+        if prompt is not None:
+            out += [{"kind": "request", "t": 3.9, "id": "q", "event": "arrive", "prompt_tokens": prompt},
+                    {"kind": "request", "t": 4.5, "id": "q", "event": "first_token", "n": 1}]
+        return out
+
+    def stalls(prompt: int | None) -> set[tuple[str, str | None]]:
+        an = run(recs(prompt) + engine_records(dur=8.0), itl_target_s=0.1)
+        return {(str(g.cause), g.kind) for g in an.spikes if 3.9 <= g.t_start <= 4.1}
+
+    # 1,000 prompt tokens at the measured 10,000 tokens/s are 0.1 s: too little for the stall at the
+    # calm pace (shared), enough at the 2x slower pace the engine now runs at
+    assert stalls(1000) == {("prefill_interference", "dominant")}
+    # 300 tokens explain it at neither pace; no first token at all: not prefill
+    assert all(c != "prefill_interference" for c, _ in stalls(300))
+    assert all(c != "prefill_interference" for c, _ in stalls(None))

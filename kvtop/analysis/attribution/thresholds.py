@@ -28,6 +28,9 @@ BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover th
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
 PREFILL_SHARE = 0.3
+# A gap this many times the decode-only pace after it, ended by another request's first token: the
+# step was mostly prefill (its decode part alone would have kept the pace).
+PREFILL_DOMINANT = 2.0
 
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
 # from a stream that arrives in merged chunks, says less about one stream.
@@ -54,6 +57,7 @@ CONFIDENCE: dict[str, float] = {
     "prefill/lone": 0.600,  # set
     "prefill/shared-checked": 0.990,  # fit on 514
     "prefill/shared": 0.850,  # set
+    "prefill/dominant": 0.800,  # set
     "prefill/recompute": 0.900,  # set
     "slow/lifted": 0.990,  # fit on 29946
     "slow/lifted-run": 0.990,  # fit on 48
