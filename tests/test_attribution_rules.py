@@ -297,3 +297,14 @@ def test_a_first_token_ending_a_gap_that_dwarfs_the_pace_on_both_sides_is_prefil
     # 300 tokens explain it at neither pace; no first token at all: not prefill
     assert all(c != "prefill_interference" for c, _ in stalls(300))
     assert all(c != "prefill_interference" for c, _ in stalls(None))
+
+
+def test_victims_resumed_together_are_preemptions_when_the_counter_stepped_for_each():
+    # r0-r4 fall silent at 4 s and come back together at 6 s (vLLM resumes waiting victims as one
+    # batch once KV frees) while r5-r7 keep flowing; the counter read at 6.5 s rose by 5: one per victim
+    silent = {f"r{i}": (4.0, 6.0) for i in range(5)}
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(6.5,) * 5))
+    assert sorted(str(g.cause) for g in an.spikes if g.request_id in silent) == ["preemption"] * 5
+    # one step for five streams that stalled and resumed as one: not five preemptions
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(6.5,)))
+    assert sum(g.cause == "preemption" for g in an.spikes if g.request_id in silent) <= 1

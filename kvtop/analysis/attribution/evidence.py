@@ -51,6 +51,7 @@ class Evidence:
     active_others: int | None  # other observed streams between first token and end at the stall's middle
     co_stalled: int  # of those, silent over at least half of this stall
     co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
+    co_together: int  # ... and of those, the ones that also came back with it
     co_gap_median: float | None  # median length of their silences
     prev_spike: Gap | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
@@ -120,10 +121,19 @@ class Evidence:
     @property
     def others_flowed(self) -> bool:
         """Another stream kept receiving tokens while this one stalled, and most of the others did
-        not fall silent with it (when most stall together it is an engine-wide or delivery event
-        that a few streams' buffered tokens hid: judged as a shared stall)."""
+        not fall silent and come back with it (when most do, it is one engine-wide or delivery event
+        that a few streams' buffered tokens hid: judged as a shared stall), unless the preemption
+        counter stepped once for each of them."""
         f = self.flowing
-        return f is not None and f > 0 and self.co_fresh < SHARED_FRESH * (self.active_others or 0)
+        if f is None or f == 0:
+            return False
+        if self.co_together < SHARED_FRESH * (self.active_others or 0):
+            return True
+        # victims that vLLM resumes together once KV frees step the counter once each: as many
+        # steps as streams coming back is a batch of resumed victims, not one event (read only where
+        # the scrapes are finer than the stall: a coarse interval holds steps of the whole storm)
+        return self.has_counter and self.scrape_interval <= self.gap.gap and \
+            self.counter_delta() >= self.co_together + 1
 
     @property
     def observed_share(self) -> float | None:
@@ -244,15 +254,15 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     base = g.stream_baseline or median
     after = sorted(g.after)
     if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
-        co, co_med, fresh = 0, None, 0  # slow decode (see slow_decode.lifted): no need to look for company
+        co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
-        co, co_med, fresh = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
+        co, co_med, fresh, together = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
     ft = gaps.first_token_near(g)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
-        co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
+        co_stalled=co, co_fresh=fresh, co_together=together, co_gap_median=co_med, prev_spike=prev_spike,
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
         target=gaps.itl_target_s,

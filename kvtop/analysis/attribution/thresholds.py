@@ -5,7 +5,7 @@ from __future__ import annotations
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
 KV_FULL = 0.95
-SHARED_FRESH = 0.5  # this share of the other active streams falling silent with a stall makes it shared
+SHARED_FRESH = 0.5  # this share of the other active streams falling silent and resuming with a stall makes it shared
 LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
 PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
