@@ -219,3 +219,92 @@ def test_report_weighs_each_cause_by_the_time_over_target():
     assert rep["over_target_s"]["preemption"] == pytest.approx(2.0 + STEP - 0.1, abs=0.01)
     assert rep["over_target_s"]["unknown"] == pytest.approx(0.5 + STEP - 0.1, abs=0.01)
     assert rep["over_target_s"]["slow_decode"] == 0.0
+
+
+def test_a_counter_step_is_no_evidence_about_the_only_observed_stream():
+    # one observed stream of an engine running 8 (sparse observation): its 2 s stall ends in the
+    # interval where the counter stepped, but nobody observed kept decoding, so whose preemption it
+    # was (or whether an unobserved prompt stalled the engine) cannot be told
+    recs = stream_records(n_streams=1, silent={"r0": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))
+    g = _one(run(recs), "r0")
+    assert g.cause == "unknown" and g.confidence <= 0.35
+    assert any("stream kvtop does not see" in e for e in g.evidence)
+    # with a second observed stream flowing through the stall, the same step is r0's own
+    recs = stream_records(n_streams=2, silent={"r0": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))
+    assert _one(run(recs), "r0").kind == "counter"
+
+
+def test_a_stall_most_streams_share_is_no_lone_preemption():
+    # 6 of 8 streams fall silent together 4.0-4.25 s (2 keep flowing: their tokens were buffered
+    # elsewhere), a counter step read in the interval that holds the end: judged as a shared stall,
+    # where one counter unit does not make six preemptions
+    silent = {f"r{i}": (4.0, 4.25) for i in range(6)}
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(4.5,)))
+    causes = [g.cause for g in an.spikes if g.request_id in silent]
+    assert len(causes) == 6 and causes.count("preemption") <= 1
+    # one stream alone with the same step stays a preemption
+    g = _one(run(stream_records(silent={"r3": (4.0, 4.25)}) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
+    assert g.cause == "preemption"
+
+
+def test_a_stall_after_the_last_scrape_reads_kv_and_queue_instead_of_the_resume_counter():
+    # r3 silent 8.7-9.8 s; scrapes stop at 8.5 s (the run ended), KV pinned and the queue rising:
+    # the resume counter cannot show it, so the state evidence speaks, at lower confidence
+    recs = stream_records(silent={"r3": (8.7, 9.8)}) + engine_records(dur=8.6, kv=0.97, wait_rise=((8.4, 8.6),))
+    g = _one(run(recs), "r3")
+    assert g.cause == "preemption" and g.kind == "unread"
+    assert g.confidence < 0.9
+    assert any("no scrape was read after its end" in e for e in g.evidence)
+    # the same stall with a scrape after it and no counter step: vLLM would have counted it
+    recs = stream_records(silent={"r3": (8.7, 9.8)}) + engine_records(dur=10.6, kv=0.97, wait_rise=((8.4, 10.6),))
+    assert _one(run(recs), "r3").cause == "unknown"
+
+
+def test_confidence_comes_from_the_rule_table_times_its_discounts():
+    from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
+
+    g = _one(run(stream_records(silent={"r3": (4.0, 6.0)}) + engine_records(kv=0.97, pre_steps=(6.5,))), "r3")
+    assert g.rule_key == "preemption/counter" and g.discounts == ()
+    assert g.confidence == pytest.approx(CONFIDENCE["preemption/counter"])
+    assert all(0.0 < v < 1.0 for v in list(CONFIDENCE.values()) + list(DISCOUNT.values()))
+
+
+def test_a_first_token_ending_a_gap_that_dwarfs_the_pace_on_both_sides_is_prefill():
+    # six streams step every 20 ms; all stall 4.0-4.5 s and come back at 40 ms (the engine now runs
+    # 2x slower: a flood of short requests, throttled clocks). Request q's first token ends the stall
+    def recs(prompt: int | None) -> list[dict]:
+        out = []
+        for i in range(6):
+            rid = f"r{i}"
+            out.append({"kind": "request", "t": 0.0, "id": rid, "event": "arrive", "prompt_tokens": 500})
+            out.append({"kind": "request", "t": 0.05, "id": rid, "event": "first_token", "n": 1})
+            t = 0.05
+            while t < 8.0:
+                t = round(4.5 if 3.99 < t < 4.5 else t + (0.02 if t < 4.0 else 0.04), 6)
+                out.append({"kind": "request", "t": t, "id": rid, "event": "token", "n": 1})
+        if prompt is not None:
+            out += [{"kind": "request", "t": 3.9, "id": "q", "event": "arrive", "prompt_tokens": prompt},
+                    {"kind": "request", "t": 4.5, "id": "q", "event": "first_token", "n": 1}]
+        return out
+
+    def stalls(prompt: int | None) -> set[tuple[str, str | None]]:
+        an = run(recs(prompt) + engine_records(dur=8.0), itl_target_s=0.1)
+        return {(str(g.cause), g.kind) for g in an.spikes if 3.9 <= g.t_start <= 4.1}
+
+    # 1,000 prompt tokens at the measured 10,000 tokens/s are 0.1 s: too little for the stall at the
+    # calm pace (shared), enough at the 2x slower pace the engine now runs at
+    assert stalls(1000) == {("prefill_interference", "dominant")}
+    # 300 tokens explain it at neither pace; no first token at all: not prefill
+    assert all(c != "prefill_interference" for c, _ in stalls(300))
+    assert all(c != "prefill_interference" for c, _ in stalls(None))
+
+
+def test_victims_resumed_together_are_preemptions_when_the_counter_stepped_for_each():
+    # r0-r4 fall silent at 4 s and come back together at 6 s (vLLM resumes waiting victims as one
+    # batch once KV frees) while r5-r7 keep flowing; the counter read at 6.5 s rose by 5: one per victim
+    silent = {f"r{i}": (4.0, 6.0) for i in range(5)}
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(6.5,) * 5))
+    assert sorted(str(g.cause) for g in an.spikes if g.request_id in silent) == ["preemption"] * 5
+    # one step for five streams that stalled and resumed as one: not five preemptions
+    an = run(stream_records(silent=silent) + engine_records(kv=0.97, pre_steps=(6.5,)))
+    assert sum(g.cause == "preemption" for g in an.spikes if g.request_id in silent) <= 1

@@ -278,6 +278,7 @@ class Analyzer:
                     self.counted_at, self.prefill_rate(), r.last_spike if r else None)
         f = classify(ev)
         g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
+        g.rule_key, g.discounts = f.key, f.discounts
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
         self.cause_conf[f.cause] += f.confidence

@@ -120,6 +120,8 @@ class Gap:
     ended_by: str = "token"
     cause: Any = None  # an attribution.Cause once judged (a str subclass)
     kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
+    rule_key: str | None = None  # the finding's calibration key (thresholds.CONFIDENCE)
+    discounts: tuple[str, ...] = ()  # the confidence discounts applied (thresholds.DISCOUNT)
     confidence: float = 0.0
     evidence: list[str] = field(default_factory=list)
     chunk_n: int = 1  # tokens delivered by the event that ended the gap
@@ -498,10 +500,12 @@ class GapTracker:
             i += 1
         return n
 
-    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int]:
+    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
         """Other streams silent over at least half of the spike, the median of their silences, and
         how many of them fell silent with it (up to a second, or half its length, before it began)
-        rather than long before (streams preempted earlier and still waiting).
+        rather than long before (streams preempted earlier and still waiting), and how many of those
+        also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
+        end: one engine-wide or delivery event, not victims resuming one by one).
 
         A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
         to then, and streams still silent then (preempted streams often resume much later). Lengths
@@ -522,7 +526,8 @@ class GapTracker:
         seen = set()
         lens = []
         fresh_from = g.t_start - min(half, 1.0)
-        fresh = 0
+        fresh = together = 0
+        tol = max(0.05, 0.25 * L)
         reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
         for i in range(lo, len(lg)):
             q = lg[i]
@@ -534,7 +539,9 @@ class GapTracker:
             if ov >= half:
                 seen.add(q.request_id)
                 lens.append(min(q.t_end, cap) - q.t_start)
-                fresh += q.t_start >= fresh_from
+                if q.t_start >= fresh_from:
+                    fresh += 1
+                    together += abs(q.t_end - g.t_end) <= tol
                 if enough is not None and len(seen) >= enough:
                     break  # every other active stream already found stalled
         if enough is None or len(seen) < enough:
@@ -553,9 +560,9 @@ class GapTracker:
                     lens.append(end - lt)
                     fresh += lt >= fresh_from
         if not lens:
-            return 0, None, 0
+            return 0, None, 0, 0
         lens.sort()
-        return len(seen), lens[len(lens) // 2], fresh
+        return len(seen), lens[len(lens) // 2], fresh, together
 
     def first_token_near(self, g: Gap) -> tuple[str, int | None, int, int] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,

@@ -33,3 +33,5 @@ class Finding:
     confidence: float
     lines: list[str] = field(default_factory=list)
     kind: str | None = None  # a finer name where it helps: "host", "delivery", "recompute", "onset"
+    key: str | None = None  # its entry in thresholds.CONFIDENCE (the calibrated base confidence)
+    discounts: tuple[str, ...] = ()  # thresholds.DISCOUNT entries applied (coarse, sparse, chunked)

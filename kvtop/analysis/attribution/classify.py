@@ -7,7 +7,8 @@
 4. a stall of this stream alone (others streamed through it, or none was decoding): preemption
    evidence, else (none decoding) a prefill that explains it, else the onset of a slower pace;
 5. a stall every decoding stream shared: a victim that stayed silent longer (counter step), a
-   prefill that explains it, the onset of a slower pace, a resumed victim's re-prefill
+   prefill that explains it, a first token ending a gap that dwarfs the pace on both sides of it
+   (a mostly-prefill step on a slower engine), the onset of a slower pace, a resumed victim's re-prefill
    (recompute), a mass preemption, a stream whose own pace already missed the target;
 6. otherwise unknown.
 """
@@ -63,7 +64,7 @@ def classify(ev: Evidence) -> Finding:
         return Finding(Cause.UNKNOWN, 0.3, head, "lone")
     # every decoding stream stalled together
     sig, _ = prefill.signals(ev)
-    found = (preemption.longer_than_company(ev) or prefill.shared(ev) or slow_decode.onset(ev)
+    found = (preemption.longer_than_company(ev) or prefill.shared(ev) or prefill.dominant(ev) or slow_decode.onset(ev)
              or prefill.recompute(ev) or preemption.mass(ev, bool(sig)) or slow_decode.pace_missed(ev))
     if found is not None:
         return _with(head, found)

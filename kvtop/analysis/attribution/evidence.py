@@ -10,18 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.thresholds import (
-    CHUNKED_F,
     CHUNKED_TOKENS,
-    COARSE_F,
     COARSE_SCRAPE_S,
+    CONFIDENCE,
+    DISCOUNT,
     KV_HIGH,
     PROMPT_JUMP_MIN,
     PROMPT_JUMP_REL,
     REL_SLOW,
     RESUME_LEAD_S,
     RETRACT_LAG_S,
-    SPARSE_F,
+    SHARED_FRESH,
     SPARSE_SHARE,
     STEP_EARLY_S,
 )
@@ -50,6 +51,7 @@ class Evidence:
     active_others: int | None  # other observed streams between first token and end at the stall's middle
     co_stalled: int  # of those, silent over at least half of this stall
     co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
+    co_together: int  # ... and of those, the ones that also came back with it
     co_gap_median: float | None  # median length of their silences
     prev_spike: Gap | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
@@ -118,8 +120,20 @@ class Evidence:
 
     @property
     def others_flowed(self) -> bool:
+        """Another stream kept receiving tokens while this one stalled, and most of the others did
+        not fall silent and come back with it (when most do, it is one engine-wide or delivery event
+        that a few streams' buffered tokens hid: judged as a shared stall), unless the preemption
+        counter stepped once for each of them."""
         f = self.flowing
-        return f is not None and f > 0
+        if f is None or f == 0:
+            return False
+        if self.co_together < SHARED_FRESH * (self.active_others or 0):
+            return True
+        # victims that vLLM resumes together once KV frees step the counter once each: as many
+        # steps as streams coming back is a batch of resumed victims, not one event (read only where
+        # the scrapes are finer than the stall: a coarse interval holds steps of the whole storm)
+        return self.has_counter and self.scrape_interval <= self.gap.gap and \
+            self.counter_delta() >= self.co_together + 1
 
     @property
     def observed_share(self) -> float | None:
@@ -151,6 +165,13 @@ class Evidence:
         w = self.window
         return max(0.0, w.prompt_delta - self.typical_prompt_delta * max(1, w.intervals))
 
+    @property
+    def counter_unread(self) -> bool:
+        """No scrape was read after the stall's end (the run ended first): the counter step of an
+        engine that counts at resume cannot be seen at all."""
+        last = self.timeline.last_scrape
+        return self.counted_at == "resume" and self.resumed and (last is None or last < self.gap.t_end)
+
     def counter_window(self) -> tuple[float, float, float]:
         """(lo, hi, at): where this stall's preemption would have moved the counter."""
         a, b = self.gap.t_start, self.gap.t_end
@@ -180,24 +201,34 @@ class Evidence:
         return self.timeline.steps_in(lo, hi)
 
     # ---- how much the evidence can say ----------------------------------------------------------
-    def certainty(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[float, list[str]]:
-        """A factor (<= 1) for confidence, and why: coarse scrapes, sparse observation and merged
-        chunks each make one stream's evidence less specific. Sparse observation matters to the
-        preemption rules (another stream's counter step may be claimed), not to an engine-wide stall."""
-        f = 1.0
+    def weaknesses(self, interval: float | None = None, sparse_matters: bool = True) -> tuple[tuple[str, ...], list[str]]:
+        """What makes this stall's evidence less specific (``DISCOUNT`` names), and why: coarse
+        scrapes, sparse observation and merged chunks. Sparse observation matters to the preemption
+        rules (another stream's counter step may be claimed), not to an engine-wide stall."""
+        names: list[str] = []
         why = []
         si = interval if interval is not None else self.scrape_interval
         if si > COARSE_SCRAPE_S:
-            f *= COARSE_F
+            names.append("coarse")
             why.append(f"engine evidence read over a {si:.1f}s scrape interval")
         share = self.observed_share
         if sparse_matters and share is not None and share < SPARSE_SHARE:
-            f *= SPARSE_F
+            names.append("sparse")
             why.append(f"only {share:.0%} of the engine's running streams observed")
         if self.gap.tokens_per_event > CHUNKED_TOKENS:
-            f *= CHUNKED_F
+            names.append("chunked")
             why.append(f"the stream arrives in chunks of {self.gap.tokens_per_event:.1f} tokens")
-        return f, why
+        return tuple(names), why
+
+    def found(self, cause: Cause, key: str, lines: list[str], kind: str, interval: float | None = None,
+              sparse_matters: bool = True, weighed: bool = True) -> Finding:
+        """A finding of rule ``key`` with its calibrated confidence (see thresholds.CONFIDENCE),
+        discounted for each weakness of the evidence (``weighed=False``: none apply)."""
+        names, why = self.weaknesses(interval, sparse_matters) if weighed else ((), [])
+        conf = CONFIDENCE[key]
+        for n in names:
+            conf *= DISCOUNT[n]
+        return Finding(cause, conf, lines + why, kind, key=key, discounts=names)
 
     def context_lines(self) -> list[str]:
         """How the stall compares with its stream and with the other streams (leads every answer)."""
@@ -223,15 +254,15 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     base = g.stream_baseline or median
     after = sorted(g.after)
     if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
-        co, co_med, fresh = 0, None, 0  # slow decode (see slow_decode.lifted): no need to look for company
+        co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
-        co, co_med, fresh = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
+        co, co_med, fresh, together = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
     ft = gaps.first_token_near(g)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
-        co_stalled=co, co_fresh=fresh, co_gap_median=co_med, prev_spike=prev_spike,
+        co_stalled=co, co_fresh=fresh, co_together=together, co_gap_median=co_med, prev_spike=prev_spike,
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
         target=gaps.itl_target_s,

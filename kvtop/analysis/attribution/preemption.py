@@ -23,8 +23,8 @@ def reported(ev: Evidence) -> Finding | None:
     """The engine (or simulator) itself reported a preempt event for this request inside the gap."""
     if not (ev.engine_reported_preempt and ev.preempts):
         return None
-    return Finding(Cause.PREEMPTION, 0.98, ["engine reported a preempt event for this request inside the gap"],
-                   "reported")
+    return ev.found(Cause.PREEMPTION, "preemption/reported",
+                    ["engine reported a preempt event for this request inside the gap"], "reported", weighed=False)
 
 
 def _step_line(ev: Evidence, t_c: float) -> str:
@@ -52,17 +52,25 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     w = ev.window
     # state evidence (KV, running, waiting) is about the engine, not this stream: it counts where
     # the counter cannot (a victim cancelled while waiting) or where the engine's semantics are unknown
-    state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter
-    claim = ev.claim_counter() if ev.has_counter else None
+    # (or where no scrape after the stall was read: the run ended before the counter could show it)
+    unread = ev.counter_unread and not ev.alone
+    state_ok = ev.counted_at is None or not ev.resumed or not ev.has_counter or unread
     pev = []
-    score = 0.0
+    # nobody else observed was decoding: a counter step says the engine preempted *someone*, and the
+    # unobserved streams (or an engine-wide stall that only this stream shows) cannot be told apart
+    # from this one. On the independent traces every such claim was wrong (a prefill of an
+    # unobserved request): the honest answer is unknown.
+    blind = ev.alone and ev.resumed
+    claim = ev.claim_counter() if ev.has_counter and not blind else None
+    if blind and ev.has_counter and ev.counter_delta() > 0:
+        pev.append("the counter stepped, but no other observed stream was decoding: the step may belong to "
+                   "a stream kvtop does not see")
     if claim is not None:
-        score += 0.45
         pev.append(_step_line(ev, claim[0]))
     signs = _state_signs(ev)
-    if state_ok:
-        score += 0.2 * ev.kv_high + 0.2 * (ev.running_drop or w.waiting_rise)
     pev += signs
+    if unread:
+        pev.append("no scrape was read after its end (the run ended): the counter cannot confirm it")
     if ev.gap.ended_by == "cancel":
         pev.append("the client cancelled while the stream was silent (an uncounted victim?)")
     flowing = ev.flowing
@@ -76,15 +84,13 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
         return None, pev
     lines = []
     if flowing is not None and flowing > 0:
-        score += 0.15
         lines.append("the other streams kept flowing")
-    f, why = ev.certainty(claim[1] if claim else None)
     if claim is not None:
-        kind, conf = "counter", 0.97
+        kind = "counter"
     else:
-        # state evidence alone: the old additive score (KV, running/waiting, others flowing)
-        kind, conf = ("cancelled" if ev.gap.ended_by == "cancel" else "state"), min(0.9, 0.3 + score)
-    return Finding(Cause.PREEMPTION, conf * f, lines + pev + why, kind), []
+        # state evidence alone (KV, running/waiting, others flowing)
+        kind = "cancelled" if ev.gap.ended_by == "cancel" else ("unread" if unread else "state")
+    return ev.found(Cause.PREEMPTION, "preemption/" + kind, lines + pev, kind, claim[1] if claim else None), []
 
 
 def longer_than_company(ev: Evidence) -> Finding | None:
@@ -96,11 +102,10 @@ def longer_than_company(ev: Evidence) -> Finding | None:
     claim = ev.claim_counter()
     if claim is None:
         return None
-    f, why = ev.certainty(claim[1])
-    return Finding(Cause.PREEMPTION, 0.9 * f,
-                   [f"silent {ev.gap.gap / ev.co_gap_median:.1f}x longer than the other stalled streams",
-                    f"preemption counter stepped at t={claim[0]:.2f}s"]
-                   + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []) + why, "longer")
+    return ev.found(Cause.PREEMPTION, "preemption/longer",
+                    [f"silent {ev.gap.gap / ev.co_gap_median:.1f}x longer than the other stalled streams",
+                     f"preemption counter stepped at t={claim[0]:.2f}s"]
+                    + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []), "longer", claim[1])
 
 
 def mass(ev: Evidence, prefill_signals: bool) -> Finding | None:
@@ -111,6 +116,5 @@ def mass(ev: Evidence, prefill_signals: bool) -> Finding | None:
     d = ev.counter_delta()
     if d < max(2.0, 0.5 * (ev.co_fresh + 1)):
         return None
-    f, why = ev.certainty()
-    return Finding(Cause.PREEMPTION, 0.6 * f, [f"the preemption counter rose by {d:.0f}: a mass preemption"] + why,
-                   "mass")
+    return ev.found(Cause.PREEMPTION, "preemption/mass", [f"the preemption counter rose by {d:.0f}: a mass preemption"],
+                    "mass")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import PREFILL_SHARE
+from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE
 
 
 def _explains(ev: Evidence, tokens: float) -> bool | None:
@@ -57,8 +57,8 @@ def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
     sig, checked = signals(ev)
     if not sig or (checked_only and not checked):
         return None
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, (0.8 if checked else 0.6) * f, sig + why, "lone")
+    return ev.found(Cause.PREFILL, "prefill/lone-checked" if checked else "prefill/lone", sig, "lone",
+                    sparse_matters=False)
 
 
 def shared(ev: Evidence) -> Finding | None:
@@ -66,10 +66,8 @@ def shared(ev: Evidence) -> Finding | None:
     sig, checked = signals(ev)
     if not sig:
         return None
-    conf = min(0.97, 0.75 + 0.15 * (ev.first_token is not None and sig[0].startswith("request"))
-               + 0.1 * ev.prompt_jump + 0.05 * checked)
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, conf * f, sig + why, "shared")
+    return ev.found(Cause.PREFILL, "prefill/shared-checked" if checked else "prefill/shared", sig, "shared",
+                    sparse_matters=False)
 
 
 def recompute(ev: Evidence) -> Finding | None:
@@ -80,7 +78,32 @@ def recompute(ev: Evidence) -> Finding | None:
     d = ev.counter_delta()
     if d < 1:
         return None
-    f, why = ev.certainty(sparse_matters=False)
-    return Finding(Cause.PREFILL, 0.9 * f, [
+    return ev.found(Cause.PREFILL, "prefill/recompute", [
         f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
-        "re-prefill (a recompute stall) held every stream"] + why, "recompute")
+        "re-prefill (a recompute stall) held every stream"], "recompute", sparse_matters=False)
+
+
+def dominant(ev: Evidence) -> Finding | None:
+    """Another request's first token ends a gap that is the longest around it and at least
+    ``PREFILL_DOMINANT`` x the stream's pace before it and its decode-only pace right after it (the
+    shortest look-ahead gap), while that pace keeps the target: the step was mostly prefill, even where every gap
+    around it is slow (prefill riding on a slower pace). Asked for a shared stall before the
+    slow-decode rules that would otherwise take it (``onset``, ``pace``)."""
+    g = ev.gap
+    if ev.first_token is None or len(g.after) < 2 or not ev.target:
+        return None
+    pace = min(g.after)
+    before = ev.baseline or 0.0  # the pace before it: a slower pace that just ended is no prefill
+    if pace <= 0 or pace >= ev.target or g.gap < PREFILL_DOMINANT * max(pace, before) or g.gap < max(g.after):
+        return None
+    ft = ev.first_token
+    # the measured rate was read at the calm pace: an engine stepping k times slower now prefills k
+    # times slower too, and the prompts must still cover their share of the stall
+    slow = max(1.0, pace / g.calm_baseline) if g.calm_baseline else 1.0
+    if ev.prefill_rate and ft.total_prompt_tokens * slow / ev.prefill_rate < PREFILL_SHARE * (g.gap - pace):
+        return None
+    return ev.found(Cause.PREFILL, "prefill/dominant", [
+        f"request {ft.request_id} got its first token at the end of the gap"
+        + (f" ({ft.total_prompt_tokens} prompt tokens with {ft.requests - 1} more)" if ft.requests > 1 else ""),
+        f"the gap is {g.gap / pace:.1f}x the decode-only pace right after it ({pace * 1e3:.0f} ms, within the "
+        "target) and the longest around it: the step was mostly prefill"], "dominant", sparse_matters=False)

@@ -26,8 +26,9 @@ def lifted(ev: Evidence) -> Finding | None:
         return None
     if g.after and g.gap >= REL_SLOW * _median(g.after):
         return None  # the pace after it is much faster: this gap stood out
-    return Finding(Cause.SLOW_DECODE, 0.97 if ev.baseline_is_stream else 0.8,
-                   [f"gap {g.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"], "lifted")
+    return ev.found(Cause.SLOW_DECODE, "slow/lifted" if ev.baseline_is_stream else "slow/lifted-run",
+                    [f"gap {g.gap * 1e3:.0f} ms is only {rel:.1f}x this stream's recent gaps: all gaps lifted"],
+                    "lifted", weighed=False)
 
 
 def onset(ev: Evidence) -> Finding | None:
@@ -39,17 +40,17 @@ def onset(ev: Evidence) -> Finding | None:
     if len(after) < 2 and p is not None and p.cause is Cause.SLOW_DECODE and g.t_start - p.t_end <= REL_SLOW * g.gap \
             and g.gap < REL_SLOW * p.gap and not (after and g.gap >= REL_SLOW * after[0]):
         # too few gaps after it (the stream ended): it continues the slow pace of the spike just before
-        return Finding(Cause.SLOW_DECODE, 0.95, ["the stream's previous spike, just before, was slow decode at "
-                                                f"{p.gap * 1e3:.0f} ms: the same slower pace"], "continued")
+        return ev.found(Cause.SLOW_DECODE, "slow/continued", ["the stream's previous spike, just before, was slow "
+                        f"decode at {p.gap * 1e3:.0f} ms: the same slower pace"], "continued", weighed=False)
     if len(after) < 2:
         return None
     ahead = _median(after)
     if g.gap < REL_SLOW * ahead:
         base = g.calm_baseline or ev.baseline
-        return Finding(Cause.SLOW_DECODE, 0.95, [
+        return ev.found(Cause.SLOW_DECODE, "slow/onset", [
             f"the {len(after)} gaps after it are about as long ({ahead * 1e3:.0f} ms"
             + (f", {ahead / base:.1f}x the stall-free pace before" if base else "")
-            + "): a slower decode pace, not a stall"], "onset")
+            + "): a slower decode pace, not a stall"], "onset", weighed=False)
     return None
 
 
@@ -58,6 +59,6 @@ def pace_missed(ev: Evidence) -> Finding | None:
     decode is slow, and this gap is a longer one of the same (asked last)."""
     if not (ev.target and ev.baseline_is_stream and ev.baseline and ev.baseline >= ev.target):
         return None
-    return Finding(Cause.SLOW_DECODE, 0.7, [
+    return ev.found(Cause.SLOW_DECODE, "slow/pace", [
         f"this stream's pace ({ev.baseline * 1e3:.0f} ms per token) already misses the target: its decode is slow"],
-        "pace")
+        "pace", weighed=False)

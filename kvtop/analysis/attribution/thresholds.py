@@ -5,6 +5,7 @@ from __future__ import annotations
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
 KV_FULL = 0.95
+SHARED_FRESH = 0.5  # this share of the other active streams falling silent and resuming with a stall makes it shared
 LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
 PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
@@ -22,19 +23,47 @@ HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no schedul
 # chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
 BURST_MIN_TOKENS = 4
 BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
-BURST_EXPLAINS = 0.3  # the buffered tokens, at the stream's own pace, cover this share of the stall
+BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover this share of the stall
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
 PREFILL_SHARE = 0.3
+# A gap this many times the decode-only pace after it, ended by another request's first token: the
+# step was mostly prefill (its decode part alone would have kept the pace).
+PREFILL_DOMINANT = 2.0
 
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
-# from a stream that arrives in merged chunks, says less about one stream. Each factor, like each
-# rule's base confidence, is the accuracy observed on development traces (bench/attribution_matrix.py
-# reports the reliability on traces not used to choose them).
+# from a stream that arrives in merged chunks, says less about one stream.
 COARSE_SCRAPE_S = 2.0
-COARSE_F = 0.97
 SPARSE_SHARE = 0.5
-SPARSE_F = 0.75
 CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
-CHUNKED_F = 0.95
+
+# Calibrated confidence: a finding's confidence is CONFIDENCE[its rule] x DISCOUNT[each weakness of
+# its evidence]. Fit by bench/calibrate.py on kvtop's own simulator (``kvtop simulate`` presets,
+# seed 1, 1/5/15 s scrapes): the base is the share of the rule's undiscounted calls that were right,
+# a discount the share right among the calls it applies to over what the bases predicted. The
+# independent generator (bench/tracegen) is held out: calibrate.py prints the reliability there.
+# Rules too rare on the simulator to fit (< 20 calls) keep a hand-set value (marked "set").
+# BEGIN FITTED (bench/calibrate.py --write rewrites this block)
+CONFIDENCE: dict[str, float] = {
+    "preemption/reported": 0.980,  # set
+    "preemption/counter": 0.990,  # fit on 153
+    "preemption/state": 0.800,  # set
+    "preemption/cancelled": 0.800,  # set
+    "preemption/unread": 0.600,  # set
+    "preemption/longer": 0.990,  # fit on 24 (discounts divided out)
+    "preemption/mass": 0.600,  # set
+    "prefill/lone-checked": 0.800,  # set
+    "prefill/lone": 0.600,  # set
+    "prefill/shared-checked": 0.990,  # fit on 514
+    "prefill/shared": 0.850,  # set
+    "prefill/dominant": 0.800,  # set
+    "prefill/recompute": 0.900,  # set
+    "slow/lifted": 0.990,  # fit on 29946
+    "slow/lifted-run": 0.990,  # fit on 48
+    "slow/continued": 0.950,  # set
+    "slow/onset": 0.950,  # set
+    "slow/pace": 0.700,  # set
+}
+DISCOUNT: dict[str, float] = {"coarse": 0.990, "sparse": 0.750, "chunked": 0.950}
+# END FITTED

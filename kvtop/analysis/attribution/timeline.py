@@ -108,6 +108,12 @@ class EngineTimeline:
             self.steps.popleft()
 
     @property
+    def last_scrape(self) -> float | None:
+        """The latest scrape read (any instance)."""
+        ts = [k.last_t for k in self.keys.values() if k.last_t is not None]
+        return max(ts) if ts else None
+
+    @property
     def scrape_interval(self) -> float:
         if not self.intervals:
             return 1.0

@@ -1,0 +1,246 @@
+"""Fit the attribution's confidences on one trace generator and show how reliable they are on the other.
+
+A finding's confidence is ``CONFIDENCE[rule] x DISCOUNT[weakness]...`` (kvtop/analysis/attribution/
+thresholds.py). This script runs kvtop's analysis over traces with exact truth, and fits:
+* each rule's base: the share of its calls without any weakness that were right (with fewer than
+  ``MIN_FIT`` such calls, the share among all its calls with the discounts divided out; with fewer
+  than ``MIN_FIT`` calls at all, the current value stays);
+* each discount (coarse scrapes, sparse observation, merged chunks): right calls among those it
+  applies to, over what the bases alone predicted for them (capped below 1: a weakness never
+  raises confidence).
+Then it prints the reliability table (stated vs observed accuracy per confidence bin, spikes given
+a cause other than unknown) on the fitting generator and on the held-out one.
+
+    python bench/calibrate.py                      # fit on kvtop/sim, hold out tracegen (~1 min)
+    python bench/calibrate.py --fit tracegen       # the reverse check
+    python bench/calibrate.py --write              # also rewrite the FITTED block of thresholds.py
+
+Only ``--fit sim`` may ``--write``: the shipped numbers are fit on kvtop's simulator and judged on
+the independent generator, never chosen on the traces that report them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtop.analysis.analyzer import Analyzer  # noqa: E402
+from kvtop.analysis.attribution import thresholds  # noqa: E402
+from kvtop.analysis.engines import engine_semantics  # noqa: E402
+from kvtop.analysis.scoring import label, truth_intervals  # noqa: E402
+from kvtop.model.trace import TraceReader  # noqa: E402
+
+SIM_PRESETS = ("preemption-storm", "cancel-heavy", "prefill-interference", "slow-decode", "healthy")
+CAUSE_OF = {"preemption": "preemption", "prefill": "prefill_interference", "slow": "slow_decode"}
+MIN_FIT = 20
+MIN_BIN = 50
+MAX_DISCOUNT = 0.99
+MAX_BASE = 0.99  # no rule is ever certain: a few thousand right calls do not make the next one sure
+
+
+@dataclass
+class Call:
+    key: str
+    discounts: tuple[str, ...]
+    right: bool
+
+
+def analyze(path: str, itl_target_s: float) -> Analyzer:
+    """kvtop analyze's path (scan.analyze_trace) keeping the analyzer, whose spikes carry their rule key."""
+    from kvtop.analysis import fastscan
+
+    reader = TraceReader(path)
+    preempts, _, counted_at, _ = engine_semantics((reader.header.get("engine") or {}).get("adapter"))
+    an = Analyzer(itl_target_s=itl_target_s, preempts=preempts)
+    an.counted_at = counted_at
+    an.set_header(reader.header)
+    if fastscan.available():
+        reader.close()
+        fastscan.scan(path, an)
+    else:
+        for d in reader.dicts():
+            an.feed_dict(d)
+    an.finish()
+    return an
+
+
+def calls(path: str, itl_target_s: float) -> list[Call]:
+    an = analyze(path, itl_target_s)
+    truth = truth_intervals(path, engine_wide=True)
+    out = []
+    for g in an.spikes:
+        if g.rule_key is None:  # unknown: no claim to be right or wrong about
+            continue
+        t = label({"request_id": g.request_id, "t_start": g.t_start, "t_end": g.t_end}, truth)
+        out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))
+    return out
+
+
+def traces(gen: str, seeds: list[int], intervals: list[float], d: str) -> Iterator[str]:
+    if gen == "sim":
+        from kvtop.sim.simulate import simulate_to_trace
+        from kvtop.sim.workload import load_preset
+
+        for preset in SIM_PRESETS:
+            for seed in seeds[:1] if preset == "slow-decode" else seeds:  # 300K spikes a run: one is plenty
+                for iv in intervals:
+                    p = os.path.join(d, f"sim-{preset}-{seed}-{iv}.jsonl")
+                    simulate_to_trace(load_preset(preset), seed, 120.0, p, scrape_interval_s=iv)
+                    yield p
+                    os.unlink(p)
+    else:
+        from bench.tracegen.generate import simulate, write
+        from bench.tracegen.situations import SITUATIONS
+
+        for name in SITUATIONS:
+            for seed in seeds:
+                g = simulate(name, seed)
+                for iv in intervals:
+                    p = os.path.join(d, f"tg-{name}-{seed}-{iv}.jsonl")
+                    write(g, p, iv)
+                    yield p
+                    os.unlink(p)
+
+
+def collect(gen: str, seeds: list[int], intervals: list[float], itl_target_s: float) -> list[Call]:
+    out: list[Call] = []
+    with tempfile.TemporaryDirectory() as d:
+        for p in traces(gen, seeds, intervals, d):
+            out += calls(p, itl_target_s)
+    return out
+
+
+def stated(c: Call, conf: dict[str, float], disc: dict[str, float]) -> float:
+    v = conf[c.key]
+    for n in c.discounts:
+        v *= disc[n]
+    return v
+
+
+def fit(cs: list[Call]) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
+    """(bases, discounts, how each base was obtained)."""
+    conf = dict(thresholds.CONFIDENCE)
+    disc = dict(thresholds.DISCOUNT)
+    how = {k: "set" for k in conf}
+    by_key: dict[str, list[Call]] = defaultdict(list)
+    for c in cs:
+        by_key[c.key].append(c)
+    for _ in range(3):  # bases and discounts depend on each other: a few rounds settle them
+        for k, xs in by_key.items():
+            plain = [c for c in xs if not c.discounts]
+            if len(plain) >= MIN_FIT:
+                conf[k], how[k] = min(MAX_BASE, sum(c.right for c in plain) / len(plain)), f"fit on {len(plain)}"
+            elif len(xs) >= MIN_FIT:
+                pred = sum(stated(c, conf, disc) / conf[k] for c in xs)
+                conf[k] = min(MAX_BASE, sum(c.right for c in xs) / pred)
+                how[k] = f"fit on {len(xs)} (discounts divided out)"
+        for n in disc:
+            xs = [c for c in cs if n in c.discounts]
+            if len(xs) < MIN_FIT:
+                continue
+            pred = sum(stated(c, conf, disc) for c in xs)
+            disc[n] = min(MAX_DISCOUNT, disc[n] * sum(c.right for c in xs) / pred) if pred else disc[n]
+    return conf, disc, how
+
+
+def reliability(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> tuple[list[str], float]:
+    """The table, and the worst error among bins with at least MIN_BIN spikes."""
+    bins: dict[int, list[tuple[float, bool]]] = defaultdict(list)
+    for c in cs:
+        s = stated(c, conf, disc)
+        bins[min(9, int(s * 10))].append((s, c.right))
+    lines = [f"{'confidence':<12}{'spikes':>8}{'stated':>8}{'observed':>10}{'error':>7}"]
+    worst = 0.0
+    for b in range(10):
+        xs = bins.get(b)
+        if not xs:
+            continue
+        st = sum(s for s, _ in xs) / len(xs)
+        ob = sum(r for _, r in xs) / len(xs)
+        if len(xs) >= MIN_BIN:
+            worst = max(worst, abs(ob - st))
+        flag = "" if len(xs) >= MIN_BIN else f"  (< {MIN_BIN} spikes)"
+        lines.append(f"{b / 10:.1f}-{(b + 1) / 10:.1f}{'':<5}{len(xs):>8}{st:>8.2f}{ob:>10.2f}{abs(ob - st):>7.3f}{flag}")
+    return lines, worst
+
+
+def per_rule(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> list[str]:
+    by: dict[str, list[Call]] = defaultdict(list)
+    for c in cs:
+        by[c.key].append(c)
+    out = [f"{'rule':<24}{'calls':>7}{'stated':>8}{'observed':>10}"]
+    for k in sorted(by):
+        xs = by[k]
+        out.append(f"{k:<24}{len(xs):>7}{sum(stated(c, conf, disc) for c in xs) / len(xs):>8.2f}"
+                   f"{sum(c.right for c in xs) / len(xs):>10.2f}")
+    return out
+
+
+def write_block(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> None:
+    path = Path(thresholds.__file__)
+    src = path.read_text(encoding="utf-8")
+    body = ["CONFIDENCE: dict[str, float] = {"]
+    body += [f'    "{k}": {v:.3f},  # {how[k]}' for k, v in conf.items()]
+    body += ["}", "DISCOUNT: dict[str, float] = {" + ", ".join(f'"{k}": {v:.3f}' for k, v in disc.items()) + "}"]
+    new, n = re.subn(r"(# BEGIN FITTED[^\n]*\n).*?(# END FITTED)", lambda m: m.group(1) + "\n".join(body) + "\n" + m.group(2),
+                     src, flags=re.S)
+    if n != 1:
+        raise SystemExit(f"{path}: no FITTED block to rewrite")
+    path.write_text(new, encoding="utf-8")
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fit", choices=["sim", "tracegen"], default="sim", help="the generator to fit on (default sim)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1])
+    ap.add_argument("--held-out-seeds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 5.0, 15.0])
+    ap.add_argument("--itl-target-ms", type=float, default=100.0, metavar="N")
+    ap.add_argument("--write", action="store_true", help="rewrite the FITTED block of thresholds.py (--fit sim only)")
+    args = ap.parse_args()
+    if args.write and args.fit != "sim":
+        print("calibrate: --write only with --fit sim (the shipped numbers are fit on kvtop's simulator)", file=sys.stderr)
+        return 2
+    held = "tracegen" if args.fit == "sim" else "sim"
+    tgt = args.itl_target_ms / 1e3
+    t0 = time.perf_counter()
+    train = collect(args.fit, args.seeds, args.intervals, tgt)
+    test = collect(held, args.held_out_seeds, args.intervals, tgt)
+    conf, disc, how = fit(train)
+    print(f"fit on {args.fit} (seeds {args.seeds}, {len(train)} calls); held out: {held} "
+          f"(seeds {args.held_out_seeds}, {len(test)} calls); scrapes {args.intervals} s, target {args.itl_target_ms:g} ms")
+    print()
+    print("fitted bases")
+    for k, v in conf.items():
+        print(f"  {k:<24}{v:>6.3f}  ({how[k]}; shipped {thresholds.CONFIDENCE.get(k, float('nan')):.3f})")
+    print("fitted discounts  " + "  ".join(f"{k} {v:.3f} (shipped {thresholds.DISCOUNT[k]:.3f})" for k, v in disc.items()))
+    for name, cs in ((f"{args.fit} (fitted on)", train), (f"{held} (held out)", test)):
+        for title, c, d in (("fitted", conf, disc), ("shipped", thresholds.CONFIDENCE, thresholds.DISCOUNT)):
+            lines, worst = reliability(cs, c, d)
+            print()
+            print(f"reliability on {name}, {title} confidences: worst error {worst:.3f} in bins of >= {MIN_BIN} spikes")
+            for line in lines:
+                print("  " + line)
+    print()
+    print(f"per rule on {held} (held out), fitted confidences")
+    for line in per_rule(test, conf, disc):
+        print("  " + line)
+    print(f"\n{time.perf_counter() - t0:.0f} s")
+    if args.write:
+        write_block(conf, disc, how)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
