@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from kvtop import __version__
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
+from kvtop.model.sanitize import sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
 from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
 
@@ -167,6 +168,8 @@ class Core:
             st.error = error
 
     def _ingest_engine(self, rec: EngineRecord) -> None:
+        # Live records are clean already; replayed traces may come from older or foreign writers.
+        sanitize_record(rec)
         url = rec.url or "?"
         if not rec.up:
             # A failed scrape has no engine label: it marks every engine behind the URL down

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvtop.model.sanitize import redact_url
+
 NAME = "record"
 HELP = "record engine, GPU, host and (with --proxy-listen / --probe) per-request timings to a trace file"
 DESCRIPTION = (
@@ -122,13 +124,13 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
     # One scrape before the header is written, so the header names the adapter and model.
     first = await runner.scrapers[0].scrape(runner.now())
     up = next((r for r in first if r.up), None)
-    engine = {"adapter": up.adapter if up else None, "url": o["urls"][0], "model": up.model if up else None,
+    engine = {"adapter": up.adapter if up else None, "url": redact_url(o["urls"][0]), "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
     extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": o["interval"]}
     if len(o["urls"]) > 1:
-        extra["urls"] = o["urls"]
+        extra["urls"] = [redact_url(u) for u in o["urls"]]
     try:
         if args.force:
             Path(args.output).unlink(missing_ok=True)
@@ -163,7 +165,7 @@ async def _record(args: argparse.Namespace, o: dict[str, Any]) -> int:
             tasks.append(asyncio.create_task(probe.run(stop)))
         what = f"{len(o['urls'])} engine(s)"
         if proxy is not None:
-            what += f", proxy {proxy.url} -> {o['base']}"
+            what += f", proxy {proxy.url} -> {redact_url(o['base'])}"
         if args.probe:
             what += f", probe {args.probe:g}/s"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
