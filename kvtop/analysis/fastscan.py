@@ -17,6 +17,7 @@ from typing import Any
 from kvtop.analysis import gaps as G
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.gaps import Gap
+from kvtop.model.validate import parse_line
 
 try:
     import numpy as np
@@ -63,11 +64,8 @@ def _feed_line(an: Analyzer, line: bytes) -> int:
     """One line through the streaming path; 1 when it is malformed (blank lines are not)."""
     if not line.strip():
         return 0
-    try:
-        d = json.loads(line)
-    except ValueError:
-        return 1
-    if not isinstance(d, dict) or "kind" not in d:
+    d = parse_line(line)  # the trace reader's own check: malformed, too deep or wrong-typed -> skipped
+    if d is None:
         return 1
     an.feed_dict(d)
     return 0
