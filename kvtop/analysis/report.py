@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
 def _fmt(v: Any, unit: str) -> str:
     if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
         return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return "n/a"
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
     if unit == "B":
@@ -90,7 +93,7 @@ def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, 
         for prev, cur in zip(lst, lst[1:], strict=False):
             h0, h1 = prev[2], cur[2]
             dcount = h1["count"] - h0["count"]
-            if dcount <= 0:
+            if not math.isfinite(dcount) or dcount <= 0:  # a NaN/Inf count is no observation
                 continue
             below = 0.0
             p50_le = None
@@ -99,6 +102,8 @@ def _aggregate_causes(an: Any, k: float) -> tuple[dict[str, int], float | None, 
                     below = c1 - c0
                 if p50_le is None and c1 - c0 >= 0.5 * dcount:
                     p50_le = float(le)
+            if not math.isfinite(below):
+                continue
             above = int(round(dcount - below))
             if above <= 0:
                 continue

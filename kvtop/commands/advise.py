@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvtop.errors import UsageError
+from kvtop.model.sanitize import finite_json
 
 NAME = "advise"
 HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
@@ -28,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
         out = scenario.evaluate(doc)
     except scenario.ScenarioError as e:
         raise UsageError(str(e)) from None
+    out = finite_json(out)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.format == "json":
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2, allow_nan=False))
     else:
         title = out.get("scenario") or args.scenario
         print(f"scenario: {title}")

@@ -51,13 +51,14 @@ def _dict(v: Any) -> bool:
 
 
 def _hist(v: Any) -> bool:
-    if type(v) is not dict or not _num_or_nan(v.get("count")) or not _num_or_nan(v.get("sum")):
+    # counts must be real numbers; the sum may be unknown (written as null)
+    if type(v) is not dict or not _num(v.get("count")) or not (v.get("sum") is None or _num_or_nan(v["sum"])):
         return False
     b = v.get("buckets")
     if type(b) is not list:
         return False
     for pair in b:
-        if type(pair) is not list or len(pair) != 2 or not _num_or_nan(pair[1]):
+        if type(pair) is not list or len(pair) != 2 or not _num(pair[1]):
             return False
         le = pair[0]
         if not (_num_or_nan(le) or le in ("+Inf", "Inf", "inf")):
