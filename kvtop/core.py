@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from kvtop import __version__
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
-from kvtop.model.sanitize import sanitize_record
+from kvtop.model.sanitize import printable, sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
 from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
 
@@ -111,7 +111,7 @@ class Core:
         self.max_requests = max_requests
         self.finished_keep_s = finished_keep_s
         self.analysis = analysis
-        self.source_label = source_label
+        self.source_label = printable(source_label, 300)
         self.gpu_status = "ok"
         self.now = 0.0
         self._engines: OrderedDict[tuple[str, str | None], _EngineState] = OrderedDict()
@@ -142,7 +142,8 @@ class Core:
             self.analysis.feed(rec)
 
     def event(self, t: float, severity: str, kind: str, message: str) -> None:
-        self._events.append(EventView(t, severity, kind, message))
+        # messages quote URLs and engine text: shown on terminals, so no control sequences
+        self._events.append(EventView(t, severity, kind, printable(message, 300)))
 
     def set_gpu_status(self, status: str) -> None:
         if status != self.gpu_status and status != "ok":
@@ -226,6 +227,8 @@ class Core:
         return False
 
     def _ingest_gpu(self, rec: GpuRecord) -> None:
+        if rec.name is not None:
+            rec.name = printable(rec.name, 120)
         prev = self._gpus.get(rec.index)
         tx, rx = (prev[1], prev[2]) if prev else (deque(maxlen=120), deque(maxlen=120))
         if rec.pcie_tx_bytes_per_s is not None:
@@ -250,6 +253,8 @@ class Core:
         return bool((g and gm and g < gm) or (w and wm and w < wm))
 
     def _ingest_request(self, rec: RequestRecord) -> None:
+        if isinstance(rec.cls, str) and not rec.cls.isprintable():
+            rec.cls = printable(rec.cls, 80)  # a class name comes from a client's request header
         r = self._requests.get(rec.id)
         if r is None:
             r = _RequestState(rec.id, rec.t, rec.cls, rec.source)

@@ -97,6 +97,13 @@ def sanitize_record(rec: EngineRecord) -> EngineRecord:
             bad.append(f"{name} histogram (non-finite, negative or decreasing buckets)")
     if rec.extra:
         rec.extra = _finite_tree(rec.extra)
+    # Label values and engine text reach terminals: no control sequences past this point.
+    for name in ("adapter", "url", "engine", "model", "version"):
+        v = getattr(rec, name)
+        if v is not None:
+            setattr(rec, name, printable(v, 200) if isinstance(v, str) else None)
+    if rec.warnings:
+        rec.warnings = [printable(w, 400) for w in rec.warnings]
     if bad:
         rec.warnings.append("ignored invalid value(s): " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else ""))
     return rec
@@ -109,6 +116,8 @@ def _show(v: Any) -> str:
 def _finite_tree(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
+    if isinstance(obj, str):
+        return printable(obj)
     if depth > 20:
         return None
     if isinstance(obj, dict):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtop.model.records import _BY_KIND
+from kvtop.model.sanitize import printable
 
 # One line of a trace may be at most this long; a longer one is skipped, never read whole.
 MAX_LINE_BYTES = 1 << 20
@@ -157,6 +158,8 @@ def header_problems(h: dict[str, Any]) -> list[str]:
         if key in eng and eng[key] is not None and not isinstance(eng[key], str):
             bad.append(f"engine.{key}")
             eng[key] = None
+        elif isinstance(eng.get(key), str):
+            eng[key] = printable(eng[key], 200)  # shown by replay and the console
     for scope, d in (("kv", h.get("kv") or {}), ("sim", h.get("sim") or {}), ("", h)):
         for key in ("bytes_per_token", "block_size", "capacity_tokens", "itl_target_s", "interval_s"):
             if key in d and d[key] is not None and not (_num(d[key]) and d[key] > 0):
