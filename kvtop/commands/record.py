@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
     p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    from kvtop.config import add_token_options
+
+    add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
     p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
@@ -48,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
+    from kvtop.config import engine_bases, load_config, parse_seconds, resolve, resolve_token
     from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
     interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
     timeout = parse_seconds(resolve(args, cfg, "timeout", 2.0), "--timeout")
-    token = resolve(args, cfg, "token")
+    token = resolve_token(args, cfg)
     adapter = resolve(args, cfg, "adapter")
     gpu = bool(resolve(args, cfg, "gpu", True))
     host = bool(resolve(args, cfg, "host", True))

@@ -37,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", default=None, metavar="SECONDS", help="sampling duration (default 5; 10s, 2m ok)")
     p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
     p.add_argument("--format", choices=("json", "text"), default=None, help="output format (default text)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    from kvtop.config import add_token_options
+
+    add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
     p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvtop.config import engine_bases, load_config, parse_seconds, resolve
+    from kvtop.config import engine_bases, load_config, parse_seconds, resolve, resolve_token
     from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     interval = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
     timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")
     fmt = resolve(args, cfg, "format", "text")
-    token = resolve(args, cfg, "token")
+    token = resolve_token(args, cfg)
     adapter = resolve(args, cfg, "adapter")
     itl_ms = resolve(args, cfg, "itl_target_ms")
     gpu = bool(resolve(args, cfg, "gpu", True))

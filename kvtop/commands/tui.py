@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    from kvtop.config import add_token_options
+
+    add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
     p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
@@ -88,7 +90,7 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.config import load_config, parse_seconds, resolve
+    from kvtop.config import load_config, parse_seconds, resolve, resolve_token
 
     cfg = load_config(getattr(args, "config", None))
     interval = parse_seconds(resolve(args, cfg, "interval", 1.0), "--interval")
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
         core = Core(itl_target_s=itl_target_s, source_label="live", analysis=LiveAnalyzer(itl_target_s=itl_target_s))
         feed = LiveRunner(core, urls, interval_s=interval, gpu=bool(resolve(args, cfg, "gpu", True)),
-                          host=bool(resolve(args, cfg, "host", True)), token=resolve(args, cfg, "token"),
+                          host=bool(resolve(args, cfg, "host", True)), token=resolve_token(args, cfg),
                           adapter=resolve(args, cfg, "adapter"), timeout_s=timeout, probe_rate=args.probe)
 
     from kvtop.tui.app import run_console
