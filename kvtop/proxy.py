@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from yarl import URL
 
 from kvtop.model.records import RequestRecord
@@ -26,6 +28,26 @@ from kvtop.model.records import RequestRecord
 Emit = Callable[[RequestRecord], None]
 Clock = Callable[[], float]
 
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log, minus the traceback for requests its parser refuses.
+
+    A header with control characters (a hostile ``X-Request-Id``) is answered 400 by aiohttp and
+    then logged as a full traceback; that is the client's mistake, worth one line at most.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kw: object) -> None:
+        if isinstance(exc_info, BadHttpMessage):
+            first = str(exc_info).strip().splitlines()
+            self.logger.info("refused a malformed request: %s", first[0] if first else "bad HTTP message")
+            return
+        self.logger.error(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
+
+_SAFE_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")
 RECORDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus the ones aiohttp must compute itself.
@@ -391,7 +413,7 @@ class RecordingProxy:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # handler_cancellation: a client that hangs up mid-stall is noticed at once, so the
         # upstream request is closed and the cancel is timestamped when it happened.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=_ServerLog())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True,
                            reuse_port=self.reuse_port or None)
@@ -444,9 +466,13 @@ class RecordingProxy:
         assert self._session is not None
         path = request.path
         recorded = request.method == "POST" and path in RECORDED_PATHS
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        given = request.headers.get("X-Request-Id")
+        # A client's id with control characters cannot be forwarded (the HTTP client refuses it) nor
+        # shown safely: such a request gets a fresh id, like one that sent none.
+        rid = given if given and _SAFE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         headers = _forward_headers(request.headers, _REQ_DROP)
-        if "X-Request-Id" not in request.headers:
+        if rid != given:
+            headers = [(k, v) for k, v in headers if k.lower() != "x-request-id"]
             headers.append(("X-Request-Id", rid))
         rec: StreamRecorder | None = None
         data: Any = None
@@ -599,7 +625,6 @@ class ProxyPool:
     async def start(self) -> None:
         import os
         import socket
-        import sys
         import time
 
         offset = self.clock() - time.monotonic()
@@ -611,9 +636,9 @@ class ProxyPool:
             reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             reserve.bind((self.host, 0))
             self.port = reserve.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        args = [sys.executable, "-m", "kvtop.proxy", "--worker", "--upstream", self.upstream, "--host", self.host,
+        args = [*worker_command("kvtop.proxy"), "--worker", "--upstream", self.upstream, "--host", self.host,
                 "--port", str(self.port), f"--offset={offset!r}"]
+        env = dict(os.environ)
         if self.cls:
             args += ["--class", self.cls]
         try:
@@ -785,6 +810,28 @@ def _worker_main() -> int:
     p.add_argument("--class", dest="cls")
     a = p.parse_args()
     return asyncio.run(_worker(a.upstream, a.host, a.port, a.offset, a.cls))
+
+
+def worker_command(module: str) -> list[str]:
+    """A command line running ``module`` as ``__main__`` in a child Python that cannot import
+    files from the current directory.
+
+    ``python -m`` puts the working directory first on the import path, so a ``uuid.py`` there
+    would run inside every worker. The child starts isolated (``-I``: no cwd, no PYTHON* variables,
+    no user site) and gets this process's import path back minus the working directory, plus the
+    folder kvtop itself was imported from.
+    """
+    import os
+    import sys
+
+    import kvtop
+
+    cwd = os.getcwd()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvtop.__file__)))
+    paths = [root] + [p for p in sys.path if p and os.path.abspath(p) not in (cwd, root)]
+    code = (f"import sys, runpy; sys.path[:0] = {paths!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-I", "-c", code]
 
 
 if __name__ == "__main__":
