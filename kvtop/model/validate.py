@@ -120,11 +120,11 @@ def record_ok(d: Any) -> bool:
     kind = d.get("kind")
     if type(kind) is not str:
         return False
+    if not _num(d.get("t")):
+        return False  # every record is a timestamped fact
     checks = _CHECKS.get(kind)
     if checks is None:
         return True  # a kind from a newer writer: the reader counts it as unknown, not bad
-    if not _num(d.get("t")):
-        return False
     for name in _REQUIRED[kind]:
         if name not in d:
             return False
