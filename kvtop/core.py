@@ -255,6 +255,8 @@ class Core:
     def _ingest_request(self, rec: RequestRecord) -> None:
         if isinstance(rec.cls, str) and not rec.cls.isprintable():
             rec.cls = printable(rec.cls, 80)  # a class name comes from a client's request header
+        if not isinstance(rec.id, str):
+            rec.id = str(rec.id)  # older simulated traces numbered their requests
         r = self._requests.get(rec.id)
         if r is None:
             r = _RequestState(rec.id, rec.t, rec.cls, rec.source)
@@ -264,6 +266,8 @@ class Core:
         if ev in ("token", "first_token"):
             if r.last_token_t is not None:
                 gap = rec.t - r.last_token_t
+                if gap < 0:
+                    return  # a token older than the last one seen (a reordered trace): not a gap
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t
             n = rec.n if rec.n is not None else 1

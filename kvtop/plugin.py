@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from kvtop.adapters.base import NORMALIZED_FIELDS, EngineAdapter, Setting
 
@@ -39,10 +40,23 @@ class AdapterInfo:
 _file_plugins: dict[str, type[EngineAdapter]] = {}
 
 
+_eps_cache: tuple[tuple[str, ...], list[Any]] | None = None
+
+
+def _entry_points() -> list[Any]:
+    """The ``kvtop.engines`` entry points. Scanning every installed distribution costs ~20 ms, so the
+    result is kept while the import path is unchanged (a new plugin needs a new process anyway)."""
+    global _eps_cache
+    key = tuple(sys.path)
+    if _eps_cache is None or _eps_cache[0] != key:
+        _eps_cache = (key, list(entry_points(group=GROUP)))
+    return _eps_cache[1]
+
+
 def list_adapters() -> list[AdapterInfo]:
     """Registered adapters, from entry-point metadata only (nothing is imported)."""
     out: dict[str, AdapterInfo] = {}
-    for ep in entry_points(group=GROUP):
+    for ep in _entry_points():
         dist = getattr(ep, "dist", None)
         out.setdefault(
             ep.name,
@@ -56,7 +70,7 @@ def list_adapters() -> list[AdapterInfo]:
 def load_adapter(name: str) -> type[EngineAdapter]:
     if name in _file_plugins:
         return _file_plugins[name]
-    for ep in entry_points(group=GROUP):
+    for ep in _entry_points():
         if ep.name == name:
             try:
                 cls = ep.load()

@@ -178,6 +178,42 @@ def _ingest(page: Page, text: str) -> int:
     return len(got)
 
 
+def _text(type_line: str | None, lines: list[str]) -> str:
+    body = "\n".join(lines) + "\n"
+    return body if type_line is None else type_line + "\n" + body
+
+
+def _bisect(page: Page, type_line: str | None, lines: list[str]) -> tuple[int, int]:
+    """Ingest what parses of ``lines`` (which failed as a whole) by halving around the bad lines:
+    one bad line in a chunk costs about two extra parses of the chunk, not one parse per line.
+    Returns (samples ingested, lines skipped)."""
+    if len(lines) == 1:
+        s = lines[0].strip()
+        if not s or s.startswith("#"):
+            return 0, 0
+        try:
+            return _ingest(page, _text(type_line, [s])), 0
+        except Exception:
+            try:  # the declared type itself may be what is wrong
+                return _ingest(page, s + "\n"), 0
+            except Exception:
+                return 0, 1
+    mid = len(lines) // 2
+    halves = (lines[:mid], lines[mid:])
+    got = lost = 0
+    for half in halves:
+        try:
+            got += _ingest(page, _text(type_line, half))
+        except Exception:
+            g, b = _bisect(page, type_line, half)
+            got, lost = got + g, lost + b
+        for ln in reversed(half):  # the second half runs under the last TYPE of the first
+            if ln.startswith("# TYPE "):
+                type_line = ln
+                break
+    return got, lost
+
+
 def parse_page(text: str, max_samples: int = MAX_SAMPLES, budget_s: float = PARSE_BUDGET_S) -> Page:
     """Parse an exposition; never raises on bad content (warnings say what was skipped or cut)."""
     page = Page()
@@ -194,29 +230,15 @@ def parse_page(text: str, max_samples: int = MAX_SAMPLES, budget_s: float = PARS
         if time.monotonic() > deadline:
             cut = f"parsing took over {budget_s:g}s"
             break
-        body = "\n".join(chunk) + "\n"
-        if type_line is not None:
-            body = type_line + "\n" + body
         try:
-            n += _ingest(page, body)
+            n += _ingest(page, _text(type_line, chunk))
             continue
         except Exception as e:  # the parser raises ValueError/IndexError/... on bad lines
             if not first_error:
                 first_error = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
-        prefix = type_line + "\n" if type_line else ""
-        for line in chunk:
-            s = line.strip()
-            if not s or s.startswith("#"):
-                if s.startswith("# TYPE "):
-                    prefix = s + "\n"
-                continue
-            try:
-                n += _ingest(page, prefix + s + "\n")
-            except Exception:
-                try:  # the declared type itself may be what is wrong
-                    n += _ingest(page, s + "\n")
-                except Exception:
-                    bad += 1
+        got, lost = _bisect(page, type_line, chunk)
+        n += got
+        bad += lost
     if bad:
         page.warnings.append(f"partly invalid metrics page: skipped {bad} unparseable line(s) (first error: {first_error})")
     if cut:

@@ -20,6 +20,7 @@ from kvtop.model.sanitize import printable
 MAX_LINE_BYTES = 1 << 20
 
 Check = Callable[[Any], bool]
+_INT_MAX = 1 << 53
 
 
 def _num(v: Any) -> bool:
@@ -32,7 +33,8 @@ def _num_or_nan(v: Any) -> bool:
 
 
 def _int(v: Any) -> bool:
-    return type(v) is int or (type(v) is float and v.is_integer())
+    # every integer a record holds is a count, size, index or status: never negative
+    return (type(v) is int or (type(v) is float and v.is_integer())) and 0 <= v <= _INT_MAX
 
 
 def _str(v: Any) -> bool:
