@@ -11,7 +11,7 @@ after the body arrived: tolerant parse + the vLLM adapter + the record sanitiser
 ``--baseline DIR`` runs the same cases against another checkout (e.g. a ``git worktree`` of an
 older commit) in the same run, for a before/after table.
 
-    python bench/scrape_bounds.py [--baseline DIR] [--engines 3000] [--lines 1000000]
+    python bench/scrape_bounds.py [--baseline DIR] [--unbounded] [--engines 3000] [--lines 1000000]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def big_page(lines: int, bad: bool) -> str:
 def engines_page(n: int) -> str:
     text = CAPTURE.read_text(encoding="utf-8")
     head = [ln for ln in text.splitlines() if 'engine="0"' not in ln]
-    # gauges and counters only (no histogram buckets): ~70 series per engine
-    per = [ln for ln in text.splitlines() if 'engine="0"' in ln and "_bucket" not in ln]
+    # gauges and counters only (no histogram buckets, no *_created): ~55 series per engine
+    per = [ln for ln in text.splitlines() if 'engine="0"' in ln and "_bucket" not in ln and "_created" not in ln]
     out = list(head)
     for e in range(n):
         tag = f'engine="{e}"'
@@ -49,10 +49,14 @@ def engines_page(n: int) -> str:
     return "\n".join(out) + "\n"
 
 
-def child(case: str, code: str, lines: int, engines: int) -> None:
+def child(case: str, code: str, lines: int, engines: int, unbounded: bool) -> None:
     # -S: no site, so no editable-install finder decides which checkout is imported
     sys.path[:0] = [code, *json.loads(os.environ["KVTOP_BENCH_SITE"])]
     from plugins.vllm import VllmAdapter
+
+    if unbounded:
+        import kvtop.adapters.page as pg
+        pg.MAX_SAMPLES, pg.PARSE_BUDGET_S = 1 << 62, float("inf")
 
     text = engines_page(engines) if case == "3000-engines" else big_page(lines, case.endswith("+bad"))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -71,12 +75,12 @@ def child(case: str, code: str, lines: int, engines: int) -> None:
                       "records": len(recs), "lines": text.count("\n"), "warnings": warns}))
 
 
-def run(case: str, code: str, lines: int, engines: int) -> dict:
+def run(case: str, code: str, lines: int, engines: int, unbounded: bool = False) -> dict:
     import site
 
     env = dict(os.environ, KVTOP_BENCH_SITE=json.dumps(site.getsitepackages()))
     r = subprocess.run([sys.executable, "-S", __file__, "--child", case, "--code", code, "--lines", str(lines),
-                        "--engines", str(engines)], capture_output=True, text=True, env=env, timeout=1800)
+                        "--engines", str(engines)] + (["--unbounded"] if unbounded else []), capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"}
     return json.loads(r.stdout)
@@ -88,16 +92,19 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=1_000_000)
     ap.add_argument("--engines", type=int, default=3000)
     ap.add_argument("--cases", default="1M-lines,1M-lines+bad,3000-engines")
+    ap.add_argument("--unbounded", action="store_true",
+                    help="also run this checkout with the series cap and parse budget lifted (raw cost)")
     ap.add_argument("--child")
     ap.add_argument("--code", default=str(REPO))
     a = ap.parse_args()
     if a.child:
-        child(a.child, a.code, a.lines, a.engines)
+        child(a.child, a.code, a.lines, a.engines, a.unbounded)
         return
-    codes = [("this checkout", str(REPO))] + ([("baseline", a.baseline)] if a.baseline else [])
+    codes = [("this checkout", str(REPO), False)] + ([("unbounded", str(REPO), True)] if a.unbounded else []) + \
+        ([("baseline", a.baseline, False)] if a.baseline else [])
     for case in a.cases.split(","):
-        for label, code in codes:
-            r = run(case, code, a.lines, a.engines)
+        for label, code, unbounded in codes:
+            r = run(case, code, a.lines, a.engines, unbounded)
             if "error" in r:
                 print(f"{case:14s} {label:14s} error: {r['error']}")
                 continue

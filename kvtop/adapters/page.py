@@ -214,8 +214,13 @@ def _bisect(page: Page, type_line: str | None, lines: list[str]) -> tuple[int, i
     return got, lost
 
 
-def parse_page(text: str, max_samples: int = MAX_SAMPLES, budget_s: float = PARSE_BUDGET_S) -> Page:
-    """Parse an exposition; never raises on bad content (warnings say what was skipped or cut)."""
+def parse_page(text: str, max_samples: int | None = None, budget_s: float | None = None) -> Page:
+    """Parse an exposition; never raises on bad content (warnings say what was skipped or cut).
+
+    ``max_samples`` / ``budget_s`` default to the module's ``MAX_SAMPLES`` / ``PARSE_BUDGET_S``.
+    """
+    max_samples = MAX_SAMPLES if max_samples is None else max_samples
+    budget_s = PARSE_BUDGET_S if budget_s is None else budget_s
     page = Page()
     lines = text.splitlines()
     deadline = time.monotonic() + budget_s
