@@ -232,7 +232,7 @@ def parse_page(text: str, max_samples: int | None = None, budget_s: float | None
         if n >= max_samples:
             cut = f"more than {max_samples} samples"
             break
-        if time.monotonic() > deadline:
+        if n and time.monotonic() > deadline:  # the first chunk is always read
             cut = f"parsing took over {budget_s:g}s"
             break
         try:
