@@ -117,7 +117,7 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
     """
     env = os.environ if env is None else env
     explicit = path is not None
-    p = Path(path) if explicit else default_path()
+    p = Path(path) if path is not None else default_path()
     out: dict[str, Any] = {}
     data: dict[str, Any] = {}
     try:

@@ -83,7 +83,7 @@ class VllmAdapter(EngineAdapter):
     def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
         vllm_names = [n for n in page.samples if n.startswith(P)]
         # Series without an engine label (info gauges, older pages) belong to every engine.
-        engines = [e for e in page.label_values("engine", vllm_names) if e is not None] or [None]
+        engines: list[str | None] = [e for e in page.label_values("engine", vllm_names) if e is not None] or [None]
         out = []
         for eng in engines:
             rec = self._one(page, t, None if eng is None else {"engine": eng})

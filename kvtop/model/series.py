@@ -191,8 +191,8 @@ class HistogramSeries:
             self._cache = (key, None)
             return None
         acc: Histogram | None = None
-        base: Histogram | None = self._items[start][1]
-        prev = base
+        prev: Histogram = self._items[start][1]
+        base: Histogram | None = prev
         for i in range(start + 1, len(self._items)):
             h = self._items[i][1]
             if h.count < prev.count or len(h.buckets) != len(prev.buckets):

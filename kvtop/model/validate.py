@@ -90,8 +90,15 @@ def _check_for(annotation: str) -> Check | None:
     else:
         return None
     if optional:
-        return lambda v, c=check: v is None or c(v)
+        return _optional(check)
     return check
+
+
+def _optional(check: Check) -> Check:
+    def ok(v: Any) -> bool:
+        return v is None or check(v)
+
+    return ok
 
 
 def _checks(cls: type) -> dict[str, Check]:

@@ -189,6 +189,7 @@ class EngineScraper:
     def _resolve(self, page: Page) -> EngineAdapter:
         if self._adapter is not None:
             return self._adapter
+        cls: type[EngineAdapter] | None
         if self.adapter_name:
             try:
                 cls = load_adapter(self.adapter_name)
