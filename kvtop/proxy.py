@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 from yarl import URL
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.sanitize import redact_url
 
 Emit = Callable[[RequestRecord], None]
 Clock = Callable[[], float]
@@ -510,7 +511,7 @@ class RecordingProxy:
                 if recorded:
                     self.emit(RequestRecord(t, rid, "error", status=502, error="upstream_unreachable"))
                 return web.json_response(
-                    {"error": {"message": f"kvtop proxy: upstream {self.upstream} unreachable ({type(e).__name__})",
+                    {"error": {"message": f"kvtop proxy: upstream {redact_url(self.upstream)} unreachable ({type(e).__name__})",
                                "type": "upstream_unreachable", "code": 502}},
                     status=502,
                     headers={"X-Request-Id": rid},

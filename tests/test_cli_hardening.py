@@ -94,6 +94,20 @@ def test_url_user_info_is_redacted_everywhere(tmp_path):
     assert redact_url("https://u:p@h:1/x?q=1") == "https://***@h:1/x?q=1" and redact_url("h:1") == "h:1"
 
 
+async def test_proxy_never_shows_upstream_credentials():
+    got = []
+    proxy = make_proxy("http://bob:s3cret@127.0.0.1:9", got.append, time.monotonic)
+    await proxy.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    finally:
+        await proxy.stop()
+    assert b" 502 " in raw.split(b"\r\n", 1)[0] and b"s3cret" not in raw and b"***@127.0.0.1:9" in raw
+
+
 def test_token_from_file_or_environment_never_echoed(tmp_path):
     f = tmp_path / "tok"
     f.write_text("  sk-file-token\n")
