@@ -38,6 +38,8 @@ def main() -> int:
             s = fuzzing.run(n, a.seed + done, Path(d), all_adapters=not a.detected_only)
             total.update(s)
             total.failures.extend(s.failures)
+            for f in s.failures:
+                print("  FAIL", f[:300], flush=True)
             done += n
             print(f"  {done:,} cases, {time.perf_counter() - t0:,.0f} s, failures {total['failures']}", flush=True)
     dt = time.perf_counter() - t0
@@ -46,8 +48,6 @@ def main() -> int:
     print(f"fuzz: {dt:,.1f} s, seed {a.seed}")
     for k in keys:
         print(f"  {k:18s} {total[k]:>10,}")
-    for f in total.failures[:20]:
-        print("  FAIL", f[:300])
     return 1 if total["failures"] else 0
 
 

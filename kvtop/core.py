@@ -388,7 +388,8 @@ class Core:
             requests.append(
                 RequestView(
                     id=r.id, state=r.state, cls=r.cls, source=r.source, tokens=r.tokens,
-                    age_s=round((r.end_t if r.end_t is not None else now) - r.arrive_t, 3),
+                    # max(0): a reordered trace can end a request before its first record
+                    age_s=round(max(0.0, (r.end_t if r.end_t is not None else now) - r.arrive_t), 3),
                     current_gap_s=cur_gap, max_gap_s=r.max_gap_s, spikes=spikes, preempt_spikes=pre,
                     last_cause=cause,
                 )
