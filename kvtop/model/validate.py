@@ -126,6 +126,12 @@ def record_ok(d: Any) -> bool:
     """True when ``d`` is a record dict whose known fields have the types the reader expects."""
     if type(d) is not dict:
         return False
+    if len(d) == 5 and d.get("event") == "token":
+        # the common line, checked inline: {"kind":"request","t":..,"id":..,"event":"token","n":..}
+        t, n = d.get("t"), d.get("n")
+        if (d.get("kind") == "request" and type(t) is float and t - t == 0.0 and type(d.get("id")) is str
+                and type(n) is int and 0 <= n <= _INT_MAX):
+            return True
     kind = d.get("kind")
     if type(kind) is not str:
         return False
