@@ -28,7 +28,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--detected-only", action="store_true", help="pages through the detected adapter (+1 random)")
     ap.add_argument("--report-every", type=int, default=5000)
+    ap.add_argument("--max-memory-gb", type=float, default=4.0,
+                    help="address-space limit: a runaway case fails with MemoryError instead of exhausting the host")
     a = ap.parse_args()
+    import resource
+
+    lim = int(a.max_memory_gb * (1 << 30))
+    resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     t0 = time.perf_counter()
     total = fuzzing.Stats()
     with tempfile.TemporaryDirectory() as d:

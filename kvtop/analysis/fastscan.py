@@ -17,7 +17,7 @@ from typing import Any
 from kvtop.analysis import gaps as G
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.gaps import Gap
-from kvtop.model.validate import parse_line
+from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
     import numpy as np
@@ -245,8 +245,9 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             is_, ie_ = idstart[fi], idend[fi]
             # narrowest fixed width that holds every value of this chunk
             ts = _times(_field(arr, ts_, te_), te_ - ts_)
-            if np.isnan(ts).any():
-                # a token line whose time is not a number: the streaming path judges the chunk
+            if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
+                # a token line whose time is not a number or out of range: the streaming path
+                # judges the chunk (the trace reader's check skips such lines)
                 return _slow_lines(an, buf.split(b"\n"))
             ids = _strings(_field(arr, is_, ie_))
             max_t = max(max_t, float(ts.max()))

@@ -21,10 +21,18 @@ MAX_LINE_BYTES = 1 << 20
 
 Check = Callable[[Any], bool]
 _INT_MAX = 1 << 53
+# Record times are seconds since the start of the run: a time outside this range is corruption,
+# and one such value would make every gap and per-second bin downstream absurd (or huge).
+T_MIN = -1.0
+T_MAX = 1e9
 
 
 def _num(v: Any) -> bool:
     return (type(v) is float or type(v) is int) and math.isfinite(v)
+
+
+def _time(v: Any) -> bool:
+    return (type(v) is float or type(v) is int) and T_MIN <= v <= T_MAX
 
 
 def _num_or_nan(v: Any) -> bool:
@@ -129,14 +137,14 @@ def record_ok(d: Any) -> bool:
     if len(d) == 5 and d.get("event") == "token":
         # the common line, checked inline: {"kind":"request","t":..,"id":..,"event":"token","n":..}
         t, n = d.get("t"), d.get("n")
-        if (d.get("kind") == "request" and type(t) is float and t - t == 0.0 and type(d.get("id")) is str
+        if (d.get("kind") == "request" and type(t) is float and T_MIN <= t <= T_MAX and type(d.get("id")) is str
                 and type(n) is int and 0 <= n <= _INT_MAX):
             return True
     kind = d.get("kind")
     if type(kind) is not str:
         return False
-    if not _num(d.get("t")):
-        return False  # every record is a timestamped fact
+    if not _time(d.get("t")):
+        return False  # every record is a timestamped fact, within the run
     checks = _CHECKS.get(kind)
     if checks is None:
         return True  # a kind from a newer writer: the reader counts it as unknown, not bad
