@@ -23,6 +23,7 @@ from typing import Any
 import jsonschema
 
 from kvtop.analysis import scenario as scenario_mod
+from kvtop.analysis.kvbytes import ModelConfigError
 from kvtop.analysis.scan import analyze_trace
 from kvtop.core import Core
 from kvtop.model.records import EngineRecord, Histogram, RequestRecord
@@ -353,7 +354,7 @@ def scenario_case(rnd: random.Random, stats: Stats, path: Path) -> None:
         out = scenario_mod.evaluate(scenario_mod.load(path))
         json.dumps(finite_json(out), allow_nan=False)
         stats["advised"] += 1
-    except scenario_mod.ScenarioError:
+    except (scenario_mod.ScenarioError, ModelConfigError):  # what `kvtop advise` reports as exit 2
         stats["refused_scenarios"] += 1
     except Exception as e:
         stats.fail(f"advise: {type(e).__name__}: {e}")

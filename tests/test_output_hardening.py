@@ -68,7 +68,7 @@ def test_analyze_with_nan_histogram_is_finite(tmp_path, fmt):
     assert not re.search(r"\bnan\b|\binf\b", r.stdout, re.I)
 
 
-@pytest.mark.parametrize("value", ["NaN", "Infinity", "1e400"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "1e400", "1e300", "1000000000000000000000000000000"])
 def test_scenario_with_non_finite_number_is_refused(tmp_path, value):
     text = (SCENARIOS / "S1.json").read_text()
     bad = re.sub(r'"tokens_per_s": [0-9.e]+', f'"tokens_per_s": {value}', text, count=1)
@@ -85,3 +85,12 @@ def test_advise_json_is_strict_json_for_every_shipped_scenario():
         r = run_kvtop("advise", "--scenario", str(s), "--format", "json")
         assert r.returncode == 0, r.stderr
         _strict(r.stdout)
+
+
+def test_scenario_with_unknown_kv_dtype_is_a_one_line_error(tmp_path):
+    doc = json.loads((SCENARIOS / "S1.json").read_text())
+    doc["kv_dtype"] = "fp7"
+    p = tmp_path / "s.json"
+    p.write_text(json.dumps(doc))
+    r = run_kvtop("advise", "--scenario", str(p))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "fp7" in r.stderr, r.stderr

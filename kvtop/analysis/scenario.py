@@ -37,7 +37,7 @@ def load(path: str | Path) -> dict[str, Any]:
         raise ScenarioError(f"scenario {path} is not JSON: {e}") from None
     bad = _non_finite(doc)
     if bad:
-        raise ScenarioError(f"scenario {path}: {bad} is not a finite number")
+        raise ScenarioError(f"scenario {path}: {bad} is not a finite number of at most {MAX_NUMBER:g} in magnitude")
     validate(doc, str(path))
     return doc
 
@@ -46,9 +46,15 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+# Larger than any byte count, rate or token count a scenario describes (1 PB); a 1e300-token prompt
+# would make the cost model build absurd step plans.
+MAX_NUMBER = 1e15
+
+
 def _non_finite(obj: Any, where: str = "$", depth: int = 0) -> str | None:
-    """Path of the first non-finite number (1e400 parses as infinity), else None."""
-    if isinstance(obj, float) and not math.isfinite(obj):
+    """Path of the first non-finite or absurdly large number (1e400 parses as infinity), else None."""
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool) and not (
+            math.isfinite(obj) and abs(obj) <= MAX_NUMBER):
         return where
     if depth > 50:
         return None

@@ -22,12 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtop.analysis import scenario
+    from kvtop.analysis.kvbytes import ModelConfigError
     from kvtop.analysis.report import render_verdict_text
 
     try:
         doc = scenario.load(args.scenario)
         out = scenario.evaluate(doc)
-    except scenario.ScenarioError as e:
+    except (scenario.ScenarioError, ModelConfigError) as e:  # e.g. an unknown kv_dtype
         raise UsageError(str(e)) from None
     out = finite_json(out)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.format == "json":
