@@ -72,7 +72,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     writer = None
     if args.record:
         try:
-            writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": args.upstream},
+            writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": redact_url(args.upstream)},
                                                           recorder="kvtop proxy"))
         except OSError as e:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
