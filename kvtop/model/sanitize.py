@@ -78,9 +78,11 @@ def sanitize_record(rec: EngineRecord) -> EngineRecord:
     v = rec.kv_usage
     if v is not None:
         f = finite_or_none(v)
-        if f is None or f < 0:
+        if f is None or f < 0 or f > 1.05:
             rec.kv_usage = None
             bad.append(f"kv_usage={_show(v)}")
+        elif f > 1.0:
+            rec.kv_usage = 1.0  # a usage ratio a hair over 1 is rounding, not more than full
     for name in _INTS:
         v = getattr(rec, name)
         if v is not None:

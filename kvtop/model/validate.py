@@ -36,8 +36,8 @@ def _time(v: Any) -> bool:
 
 
 def _num_or_nan(v: Any) -> bool:
-    # NaN in an engine field means "no value" on the engine's page; the Core's sanitiser drops it.
-    return type(v) is float or type(v) is int
+    # kvtop's writer turns NaN/Infinity into null: a non-finite number in a trace is corruption
+    return (type(v) is float or type(v) is int) and math.isfinite(v)
 
 
 def _int(v: Any) -> bool:
@@ -63,7 +63,7 @@ def _dict(v: Any) -> bool:
 
 def _hist(v: Any) -> bool:
     # counts must be real numbers; the sum may be unknown (written as null)
-    if type(v) is not dict or not _num(v.get("count")) or not (v.get("sum") is None or _num_or_nan(v["sum"])):
+    if type(v) is not dict or not _num(v.get("count")) or not (v.get("sum") is None or _num(v["sum"])):
         return False
     b = v.get("buckets")
     if type(b) is not list:
@@ -72,7 +72,7 @@ def _hist(v: Any) -> bool:
         if type(pair) is not list or len(pair) != 2 or not _num(pair[1]):
             return False
         le = pair[0]
-        if not (_num_or_nan(le) or le in ("+Inf", "Inf", "inf")):
+        if not (_num(le) or le in ("+Inf", "Inf", "inf")):
             return False
     return True
 
