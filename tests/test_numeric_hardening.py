@@ -104,3 +104,9 @@ def test_series_math_cannot_go_negative_or_non_finite():
     q = histogram_quantile(0.99, h)
     assert q is not None and math.isfinite(q) and q >= 0
     assert histogram_quantile(0.5, Histogram([(0.1, -5.0), (math.inf, -5.0)], -5.0, 0.0)) is None
+
+
+def test_kv_usage_above_one_is_clamped_or_dropped():
+    assert sanitize_record(EngineRecord(t=0, adapter="x", kv_usage=1.02)).kv_usage == 1.0
+    r = sanitize_record(EngineRecord(t=0, adapter="x", kv_usage=1e308))
+    assert r.kv_usage is None and "kv_usage=1e+308" in r.warnings[0]

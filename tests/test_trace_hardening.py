@@ -33,6 +33,7 @@ BAD = [
     {"kind": "request", "t": 0.3, "id": "a", "event": "arrive", "prompt_tokens": "many"},
     {"kind": "engine", "t": 0.5, "adapter": 3, "running": 2},
     {"kind": "engine", "t": 0.5, "adapter": "vllm", "running": "2"},
+    {"kind": "engine", "t": 0.5, "adapter": "vllm", "running": float("nan"), "waiting": float("inf")},
     {"kind": "engine", "t": 0.5, "adapter": "vllm", "itl": {"buckets": "x", "count": 1, "sum": 0}},
     {"kind": "gpu", "t": 0.5, "index": "zero"},
     {"kind": "host", "t": 0.5, "mem_total_bytes": [1]},
