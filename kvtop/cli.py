@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from typing import NoReturn
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"kvtop {__version__}")
     p.add_argument("--config", metavar="FILE", help="config file (default: $XDG_CONFIG_HOME/kvtop/config.toml)")
-    p.add_argument("--plugin", metavar="PATH", action="append", default=[], help="load an engine adapter from a .py file")
+    p.add_argument("--plugin", metavar="PATH", action="append", default=[],
+                   help="load an engine adapter from a .py file; the file is EXECUTED as Python with your "
+                        "rights (even when it then defines no adapter): pass only files you trust")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     for mod in _commands():
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
@@ -94,3 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `kvtop analyze T | head -1`: the reader left. Point stdout at /dev/null so the interpreter's
+        # final flush stays quiet too, and exit like a process killed by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141

@@ -27,6 +27,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "duration": ("seconds", "KVTOP_DURATION"),  # snapshot sampling duration
     "timeout": ("seconds", "KVTOP_TIMEOUT"),  # per-scrape HTTP timeout
     "token": ("str", "KVTOP_TOKEN"),  # bearer token for /metrics
+    "token_file": ("str", "KVTOP_TOKEN_FILE"),  # file holding the bearer token (kept out of `ps`)
     "adapter": ("str", "KVTOP_ADAPTER"),  # force an engine adapter (skip auto-detection)
     "itl_target_ms": ("ms", "KVTOP_ITL_TARGET_MS"),  # inter-token latency target
     "theme": ("str", "KVTOP_THEME"),  # console colour theme
@@ -35,6 +36,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
 }
 
+_SECRET = frozenset({"token"})
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -101,7 +103,9 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             return False
         raise UsageError(f"{what} must be true or false, not {value!r}")
     if not isinstance(value, str):
-        raise UsageError(f"{what} must be a string, not {value!r}")
+        # a secret's value is never echoed, even a wrong-typed one
+        shown = type(value).__name__ if key in _SECRET else repr(value)
+        raise UsageError(f"{what} must be a string, not {shown}")
     return value
 
 
@@ -145,6 +149,48 @@ def resolve(args: Any, config: Mapping[str, Any], key: str, default: Any = None,
         return v
     v = config.get(key)
     return default if v is None else v
+
+
+TOKEN_FILE_MAX_BYTES = 64 << 10
+
+
+def resolve_token(args: Any, config: Mapping[str, Any]) -> str | None:
+    """The bearer token: ``--token`` > ``--token-file`` > ``KVTOP_TOKEN``/``token`` >
+    ``KVTOP_TOKEN_FILE``/``token_file``. A file holds the token alone (surrounding whitespace is
+    ignored); errors name the file, never its content."""
+    flag = getattr(args, "token", None) if args is not None else None
+    if flag is not None:
+        return str(flag)
+    path = getattr(args, "token_file", None) if args is not None else None
+    if path is None:
+        if config.get("token") is not None:
+            return str(config["token"])
+        path = config.get("token_file")
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TOKEN_FILE_MAX_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read token file {path}: {e.strerror or e}") from None
+    if len(raw) > TOKEN_FILE_MAX_BYTES:
+        raise UsageError(f"token file {path} is larger than {TOKEN_FILE_MAX_BYTES // 1024} KiB: not a token")
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"token file {path} is not UTF-8 text") from None
+    if not token or any(c in token for c in "\r\n") or not token.isprintable():
+        raise UsageError(f"token file {path} must hold one token on one line")
+    return token
+
+
+def add_token_options(p: Any) -> None:
+    """``--token`` / ``--token-file`` for commands that scrape engines."""
+    p.add_argument("--token", default=None,
+                   help="bearer token sent to /metrics (visible in the process list: prefer --token-file or "
+                        "KVTOP_TOKEN)")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="read the bearer token for /metrics from FILE (also KVTOP_TOKEN_FILE / token_file)")
 
 
 def engine_bases(urls: list[str]) -> list[str]:

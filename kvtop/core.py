@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from kvtop import __version__
 from kvtop.history import History
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
+from kvtop.model.sanitize import printable, sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
 from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
 
@@ -175,7 +176,7 @@ class Core:
         self.max_requests = max_requests
         self.finished_keep_s = finished_keep_s
         self.analysis = analysis
-        self.source_label = source_label
+        self.source_label = printable(source_label, 300)
         self.gpu_status = "ok"
         self.host_status = "ok"
         self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
@@ -226,7 +227,8 @@ class Core:
             self.analysis.feed(rec)
 
     def event(self, t: float, severity: str, kind: str, message: str) -> None:
-        self._events.append(EventView(t, severity, kind, message))
+        # messages quote URLs and engine text: shown on terminals, so no control sequences
+        self._events.append(EventView(t, severity, kind, printable(message, 300)))
 
     def set_gpu_status(self, status: str) -> None:
         if status != self.gpu_status and status != "ok":
@@ -252,6 +254,8 @@ class Core:
             st.error = error
 
     def _ingest_engine(self, rec: EngineRecord) -> None:
+        # Live records are clean already; replayed traces may come from older or foreign writers.
+        sanitize_record(rec)
         url = rec.url or "?"
         if not rec.up:
             # A failed scrape has no engine label: it marks every engine behind the URL down
@@ -308,6 +312,8 @@ class Core:
         return False
 
     def _ingest_gpu(self, rec: GpuRecord) -> None:
+        if rec.name is not None:
+            rec.name = printable(rec.name, 120)
         prev = self._gpus.get(rec.index)
         tx, rx = (prev[1], prev[2]) if prev else (deque(maxlen=120), deque(maxlen=120))
         if rec.pcie_tx_bytes_per_s is not None:
@@ -332,6 +338,10 @@ class Core:
         return bool((g and gm and g < gm) or (w and wm and w < wm))
 
     def _ingest_request(self, rec: RequestRecord) -> None:
+        if isinstance(rec.cls, str) and not rec.cls.isprintable():
+            rec.cls = printable(rec.cls, 80)  # a class name comes from a client's request header
+        if not isinstance(rec.id, str):
+            rec.id = str(rec.id)  # older simulated traces numbered their requests
         r = self._requests.get(rec.id)
         if r is None:
             r = _RequestState(rec.id, rec.t, rec.cls, rec.source)
@@ -342,6 +352,8 @@ class Core:
             # resync: tokens after a capture hole; the time since the last token is not a gap
             if r.last_token_t is not None and ev != "resync":
                 gap = rec.t - r.last_token_t
+                if gap < 0:
+                    return  # a token older than the last one seen (a reordered trace): not a gap
                 r.max_gap_s = gap if r.max_gap_s is None else max(r.max_gap_s, gap)
             r.last_token_t = rec.t
             n = rec.n if rec.n is not None else 1
@@ -487,7 +499,8 @@ class Core:
             requests.append(
                 RequestView(
                     id=r.id, state=r.state, cls=r.cls, source=r.source, tokens=r.tokens,
-                    age_s=round((r.end_t if r.end_t is not None else now) - r.arrive_t, 3),
+                    # max(0): a reordered trace can end a request before its first record
+                    age_s=round(max(0.0, (r.end_t if r.end_t is not None else now) - r.arrive_t), 3),
                     current_gap_s=cur_gap, max_gap_s=r.max_gap_s, spikes=spikes, preempt_spikes=pre,
                     last_cause=cause,
                 )

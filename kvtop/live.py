@@ -211,7 +211,7 @@ class LiveRunner:
         loop = asyncio.get_running_loop()
         if not self._sources:
             for i, s in enumerate(self.scrapers):
-                self._sources.append(_Source(f"engine {s.url}", self._engine_poll(i)))
+                self._sources.append(_Source(f"engine {s.shown_url}", self._engine_poll(i)))
             if self._want_gpu:
                 self._sources.append(_Source("gpu", self._gpu_poll))
             if self._want_host:

@@ -1,87 +1,32 @@
-"""The engine-adapter contract and registry (DESIGN §4).
+"""The adapter registry: listing, loading and detecting engine adapters.
 
-An adapter turns one engine's interfaces into normalised ``EngineRecord``s. Built-in adapters
-live in ``plugins/`` (installed as ``kvtop_plugins``) and register through the entry-point group
-``kvtop.engines`` exactly like third-party ones. Listing adapters never imports them.
+The contract itself (``EngineAdapter`` and the page API) is the SDK in ``kvtop.adapters``; it is
+re-exported here for older imports. Built-in adapters live in ``plugins/`` (installed as
+``kvtop_plugins``) and register through the entry-point group ``kvtop.engines`` exactly like
+third-party ones. Listing adapters never imports them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from kvtop.model.records import EngineRecord
+from kvtop.adapters.base import NORMALIZED_FIELDS, EngineAdapter, Setting
+
+__all__ = [
+    "GROUP", "NORMALIZED_FIELDS", "AdapterInfo", "EngineAdapter", "PluginError", "Setting", "detect_adapter",
+    "list_adapters", "load_adapter", "load_plugin_file",
+]
 
 GROUP = "kvtop.engines"
-
-# Every normalised engine field an adapter may fill; views show the rest as "n/a".
-NORMALIZED_FIELDS = (
-    "kv_usage",
-    "running",
-    "waiting",
-    "preemptions_total",
-    "prompt_tokens_total",
-    "generation_tokens_total",
-    "prefix_hits_total",
-    "prefix_queries_total",
-    "requests_finished_total",
-    "requests_aborted_total",
-    "kv_capacity_tokens",
-    "block_size",
-    "offload_capacity_bytes",
-    "offload_out_bytes_total",
-    "offload_in_bytes_total",
-    "offload_out_seconds_total",
-    "offload_in_seconds_total",
-    "itl",
-    "ttft",
-    "model",
-)
 
 
 class PluginError(Exception):
     """An adapter could not be found or loaded. The message is one line for the user."""
-
-
-class EngineAdapter(ABC):
-    """Contract every engine adapter implements.
-
-    Subclasses set ``name`` and ``fields`` (the normalised fields they can fill) and implement
-    ``detect`` and ``parse``. ``parse`` must tolerate renamed metrics across versions, missing
-    families and truncated pages (return what could be read, with ``warnings`` on the record).
-    """
-
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    fields: ClassVar[frozenset[str]] = frozenset()
-    # False for engines that never preempt a running request (TGI, llama.cpp): the advisor then
-    # never names preemption as a cause for them.
-    preempts: ClassVar[bool] = True
-    # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
-    extra_paths: ClassVar[tuple[str, ...]] = ()
-    # Engine-specific setting names the advisor uses (e.g. {"max_seqs": "--max-num-seqs"}).
-    settings: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    @abstractmethod
-    def detect(cls, metric_names: set[str]) -> float:
-        """Score 0..1 for how sure this adapter is that a page with these metric names is its engine."""
-
-    @abstractmethod
-    def parse(self, text: str, t: float) -> list[EngineRecord]:
-        """Parse one Prometheus text exposition into one record per engine instance."""
-
-    def parse_extra(self, path: str, body: str, records: list[EngineRecord]) -> None:  # noqa: B027
-        """Enrich ``records`` in place from an ``extra_paths`` response (default: nothing)."""
-
-    def capacity(self, **info: Any) -> dict[str, Any]:
-        """Optional: KV capacity from config info (capacity_tokens, block_size, offload bytes)."""
-        return {}
 
 
 @dataclass(frozen=True)
@@ -95,10 +40,23 @@ class AdapterInfo:
 _file_plugins: dict[str, type[EngineAdapter]] = {}
 
 
+_eps_cache: tuple[tuple[str, ...], list[Any]] | None = None
+
+
+def _entry_points() -> list[Any]:
+    """The ``kvtop.engines`` entry points. Scanning every installed distribution costs ~20 ms, so the
+    result is kept while the import path is unchanged (a new plugin needs a new process anyway)."""
+    global _eps_cache
+    key = tuple(sys.path)
+    if _eps_cache is None or _eps_cache[0] != key:
+        _eps_cache = (key, list(entry_points(group=GROUP)))
+    return _eps_cache[1]
+
+
 def list_adapters() -> list[AdapterInfo]:
     """Registered adapters, from entry-point metadata only (nothing is imported)."""
     out: dict[str, AdapterInfo] = {}
-    for ep in entry_points(group=GROUP):
+    for ep in _entry_points():
         dist = getattr(ep, "dist", None)
         out.setdefault(
             ep.name,
@@ -112,7 +70,7 @@ def list_adapters() -> list[AdapterInfo]:
 def load_adapter(name: str) -> type[EngineAdapter]:
     if name in _file_plugins:
         return _file_plugins[name]
-    for ep in entry_points(group=GROUP):
+    for ep in _entry_points():
         if ep.name == name:
             try:
                 cls = ep.load()

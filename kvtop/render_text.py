@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.model.sanitize import printable
 from kvtop.snapshot import EngineView, GpuView, HostView, Snapshot
 
 NA = "n/a"
@@ -148,4 +149,5 @@ def render_text(snapshot: Snapshot) -> str:
         out.extend(_engine_lines(e))
     if s.analysis:
         out.extend(_analysis_lines(s.analysis))
-    return "\n".join(out) + "\n"
+    # The one exit to a terminal: label values, model names, paths and messages all pass here.
+    return "\n".join(printable(line) for line in out) + "\n"

@@ -10,7 +10,6 @@ fresh core (``on_reset`` is called with it).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from kvtop.core import Core
 from kvtop.model.records import Record
 from kvtop.model.trace import TraceReader, is_gzip, open_binary
+from kvtop.model.validate import parse_line
 
 _TICK_S = 0.1  # the trace clock advances at least this often while running
 _BATCH = 2000  # records fed between yields to the event loop at speed 0
@@ -32,11 +32,8 @@ def last_record_time(path: str | os.PathLike[str]) -> float | None:
         last = None
         with open_binary(p) as g:
             for line in g:
-                try:
-                    d = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(d, dict) and isinstance(d.get("t"), (int, float)) and d.get("kind") != "header":
+                d = parse_line(line)  # the reader's own check: a hostile line must not raise here
+                if d is not None and d.get("kind") != "header":
                     last = float(d["t"])
         return last
     size = p.stat().st_size
@@ -49,11 +46,8 @@ def last_record_time(path: str | os.PathLike[str]) -> float | None:
             if start > 0:
                 lines = lines[1:]  # the first one is probably cut
             for line in reversed(lines):
-                try:
-                    d = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(d, dict) and isinstance(d.get("t"), (int, float)) and d.get("kind") != "header":
+                d = parse_line(line)  # the reader's own check: a hostile tail must not raise here
+                if d is not None and d.get("kind") != "header":
                     return float(d["t"])
             if start == 0:
                 return None

@@ -21,11 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvtop.adapters import EngineAdapter, Page, Setting, as_int, counter_names, prefix_score, read_page
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import EngineAdapter
-from kvtop.sources.prom import Page
-
-from ._util import counter_names, read_page, total
 
 P = "llamacpp:"
 _CORE = ("llamacpp:requests_processing", "llamacpp:requests_deferred")
@@ -50,11 +47,8 @@ NO_PREEMPT_NOTE = (
 
 
 def _int(v: Any) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return int(v)
-    return None
+    # JSON numbers only: "12" in /slots is a shape error, not a count
+    return as_int(v) if isinstance(v, (int, float)) else None
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -69,22 +63,20 @@ class LlamaCppAdapter(EngineAdapter):
     preempts = False
     extra_paths = ("/slots",)
     settings = {
-        "parallel": "--parallel",
-        "ctx": "-c",
-        "max_seqs": "--parallel",
-        "batched_tokens": "--batch-size",
-        "ubatch": "--ubatch-size",
-        "kv_unified": "--kv-unified",
-        "context_shift": "--context-shift",
-        "cache_type": "--cache-type-k / --cache-type-v",
-        "max_tokens": "n_predict (request) / --n-predict",
+        Setting.PARALLEL: "--parallel",
+        Setting.CTX: "-c",
+        Setting.MAX_SEQS: "--parallel",
+        Setting.BATCHED_TOKENS: "--batch-size",
+        Setting.UBATCH: "--ubatch-size",
+        Setting.KV_UNIFIED: "--kv-unified",
+        Setting.CONTEXT_SHIFT: "--context-shift",
+        Setting.CACHE_TYPE: "--cache-type-k / --cache-type-v",
+        Setting.MAX_TOKENS: "n_predict (request) / --n-predict",
     }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:
-        if not any(m.startswith(P) for m in metric_names):
-            return 0.0
-        return 0.95 if any(m in _CORE for m in metric_names) else 0.6
+        return prefix_score(metric_names, P, _CORE)
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         return [self._record(read_page(text, _CORE), t)]
@@ -94,18 +86,18 @@ class LlamaCppAdapter(EngineAdapter):
         if not any(n.startswith(P) for n in page.samples):
             rec.warnings.append("no llamacpp: metrics on the page")
             return rec
-        rec.running = total(page, "llamacpp:requests_processing")
-        rec.waiting = total(page, "llamacpp:requests_deferred")
-        rec.prompt_tokens_total = total(page, "llamacpp:prompt_tokens_total")
-        rec.generation_tokens_total = total(page, "llamacpp:tokens_predicted_total")
-        cached = total(page, "llamacpp:prompt_tokens_cached_total")
+        rec.running = page.value("llamacpp:requests_processing")
+        rec.waiting = page.value("llamacpp:requests_deferred")
+        rec.prompt_tokens_total = page.value("llamacpp:prompt_tokens_total")
+        rec.generation_tokens_total = page.value("llamacpp:tokens_predicted_total")
+        cached = page.value("llamacpp:prompt_tokens_cached_total")
         if cached is not None:
             # prompt_tokens_total excludes cache-reused tokens: queries = computed + reused
             rec.prefix_hits_total = cached
             if rec.prompt_tokens_total is not None:
                 rec.prefix_queries_total = rec.prompt_tokens_total + cached
         for short, base in _EXTRA.items():
-            v = total(page, counter_names(base))
+            v = page.value(counter_names(base))
             if v is not None:
                 rec.extra[short] = v
         rec.extra["notes"] = [COUNTER_NOTE, NO_PREEMPT_NOTE]

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.adapters import (
+    EngineAdapter,
+    Labels,
+    Page,
+    Setting,
+    as_int,
+    finite_or_none,
+    prefix_score,
+    read_page,
+)
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import EngineAdapter
-from kvtop.sources.prom import Labels, Page
-
-from ._util import first_label, histogram, incomplete_histograms, read_page, total
 
 P = "sglang:"
 _CORE = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage")
@@ -76,28 +82,26 @@ class SglangAdapter(EngineAdapter):
     preempts = True  # retraction: the victim's KV is freed and it is recomputed later
     preempt_counted_at = "retract"
     settings = {
-        "max_seqs": "--max-running-requests",
-        "chunked_prefill": "--chunked-prefill-size",
-        "batched_tokens": "--chunked-prefill-size",
-        "max_prefill_tokens": "--max-prefill-tokens",
-        "max_total_tokens": "--max-total-tokens",
-        "gpu_memory": "--mem-fraction-static",
-        "admission": "--schedule-conservativeness",
-        "offload_enable": "--enable-hierarchical-cache",
-        "offload_size": "--hicache-size",
-        "offload_ratio": "--hicache-ratio",
-        "max_tokens": "max_new_tokens (request) / --context-length",
+        Setting.MAX_SEQS: "--max-running-requests",
+        Setting.CHUNKED_PREFILL: "--chunked-prefill-size",
+        Setting.BATCHED_TOKENS: "--chunked-prefill-size",
+        Setting.MAX_PREFILL_TOKENS: "--max-prefill-tokens",
+        Setting.MAX_TOTAL_TOKENS: "--max-total-tokens",
+        Setting.GPU_MEMORY: "--mem-fraction-static",
+        Setting.ADMISSION: "--schedule-conservativeness",
+        Setting.OFFLOAD_ENABLE: "--enable-hierarchical-cache",
+        Setting.OFFLOAD_SIZE: "--hicache-size",
+        Setting.OFFLOAD_RATIO: "--hicache-ratio",
+        Setting.MAX_TOKENS: "max_new_tokens (request) / --context-length",
     }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:
-        if not any(m.startswith(P) for m in metric_names):
-            return 0.0
-        return 0.95 if any(m in _CORE for m in metric_names) else 0.6
+        return prefix_score(metric_names, P, _CORE)
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         page = read_page(text, _CORE)
-        page.warnings.extend(incomplete_histograms(page, _HISTS))
+        page.warnings.extend(page.incomplete_histograms(_HISTS))
         return self._records(page, t)
 
     def _records(self, page: Page, t: float) -> list[EngineRecord]:
@@ -169,25 +173,25 @@ class SglangAdapter(EngineAdapter):
     def _one(self, page: Page, t: float, keep: Any) -> EngineRecord:
         rec = EngineRecord(t=t, adapter=self.name)
         notes: list[str] = []
-        rec.running = total(page, "sglang:num_running_reqs", keep)
-        rec.waiting = total(page, "sglang:num_queue_reqs", keep)
-        rec.kv_usage = total(page, ("sglang:token_usage", "sglang:full_token_usage"), keep)
-        rec.prompt_tokens_total = total(page, "sglang:prompt_tokens_total", keep)
-        rec.generation_tokens_total = total(page, "sglang:generation_tokens_total", keep)
-        rec.requests_finished_total = total(page, "sglang:num_requests_total", keep)
-        rec.requests_aborted_total = total(page, "sglang:num_aborted_requests_total", keep)
+        rec.running = page.value("sglang:num_running_reqs", keep)
+        rec.waiting = page.value("sglang:num_queue_reqs", keep)
+        rec.kv_usage = page.value(("sglang:token_usage", "sglang:full_token_usage"), keep)
+        rec.prompt_tokens_total = page.value("sglang:prompt_tokens_total", keep)
+        rec.generation_tokens_total = page.value("sglang:generation_tokens_total", keep)
+        rec.requests_finished_total = page.value("sglang:num_requests_total", keep)
+        rec.requests_aborted_total = page.value("sglang:num_aborted_requests_total", keep)
 
-        rec.preemptions_total = total(page, "sglang:num_retracted_requests_total", keep)
-        gauge = total(page, "sglang:num_retracted_reqs", keep)
+        rec.preemptions_total = page.value("sglang:num_retracted_requests_total", keep)
+        gauge = page.value("sglang:num_retracted_reqs", keep)
         if gauge is not None:
             rec.extra["retracted_reqs_last_interval"] = gauge
             if rec.preemptions_total is None:
                 notes.append(RETRACT_GAUGE_NOTE)
 
         # cached_tokens_total{cache_source}: "total" when exported, else the sum of the sources
-        cached = total(page, "sglang:cached_tokens_total", lambda lb: keep(lb) and lb.get("cache_source") == "total")
+        cached = page.value("sglang:cached_tokens_total", lambda lb: keep(lb) and lb.get("cache_source") == "total")
         if cached is None:
-            cached = total(page, "sglang:cached_tokens_total", keep)
+            cached = page.value("sglang:cached_tokens_total", keep)
         if cached is not None:
             rec.prefix_hits_total = cached
             rec.prefix_queries_total = rec.prompt_tokens_total  # prompt tokens include cached ones
@@ -195,38 +199,38 @@ class SglangAdapter(EngineAdapter):
         self._capacity(page, keep, rec, notes)
 
         for nm in _ITL:
-            h = histogram(page, nm, keep)
+            h = page.histogram(nm, keep)
             if h is not None:
                 rec.itl = h
                 rec.extra["itl_metric"] = nm
                 rec.extra["itl_semantics"] = "per_token"
                 notes.append(ITL_NOTE)
                 break
-        rec.ttft = histogram(page, _TTFT, keep)
+        rec.ttft = page.histogram(_TTFT, keep)
 
-        ev = histogram(page, "sglang:eviction_duration_seconds", keep)
-        lb_ = histogram(page, "sglang:load_back_duration_seconds", keep)
+        ev = page.histogram("sglang:eviction_duration_seconds", keep)
+        lb_ = page.histogram("sglang:load_back_duration_seconds", keep)
         if ev is not None:
             rec.offload_out_seconds_total = ev.sum
         if lb_ is not None:
             rec.offload_in_seconds_total = lb_.sum
         for short, nm in _EXTRA_GAUGES.items():
-            v = total(page, nm, keep)
+            v = page.value(nm, keep)
             if v is not None:
                 rec.extra[short] = v
-        rec.model = first_label(page, ("sglang:num_running_reqs", "sglang:token_usage", "sglang:prompt_tokens_total"),
-                                "model_name", keep) or first_label(page, tuple(page.samples), "model_name", keep)
+        rec.model = page.first_label(("sglang:num_running_reqs", "sglang:token_usage", "sglang:prompt_tokens_total"),
+                                "model_name", keep) or page.first_label(tuple(page.samples), "model_name", keep)
         if notes:
             rec.extra["notes"] = notes
         return rec
 
     @staticmethod
     def _capacity(page: Page, keep: Any, rec: EngineRecord, notes: list[str]) -> None:
-        page_size = total(page, "sglang:page_size", keep)
-        cap = total(page, "sglang:max_total_num_tokens", keep)
+        page_size = page.value("sglang:page_size", keep)
+        cap = page.value("sglang:max_total_num_tokens", keep)
         source = "sglang:max_total_num_tokens"
         if cap is None:
-            pages = total(page, "sglang:num_pages", keep)
+            pages = page.value("sglang:num_pages", keep)
             if pages is not None and page_size:
                 cap, source = pages * page_size, "num_pages x page_size"
         if cap is None:
@@ -235,26 +239,26 @@ class SglangAdapter(EngineAdapter):
             if info:
                 for key in ("max_total_num_tokens", "max_total_tokens"):
                     try:
-                        cap, source = float(info[0][key]), "cache_config_info"
+                        cap, source = finite_or_none(float(info[0][key])), "cache_config_info"
                         break
                     except (KeyError, ValueError):
                         continue
                 if page_size is None:
                     try:
-                        page_size = float(info[0]["page_size"])
+                        page_size = finite_or_none(float(info[0]["page_size"]))
                     except (KeyError, ValueError):
                         pass
         if cap is None and rec.kv_usage:
-            used = total(page, ("sglang:num_used_tokens", "sglang:kv_used_tokens"), keep)
+            used = page.value(("sglang:num_used_tokens", "sglang:kv_used_tokens"), keep)
             if used is not None:
                 cap, source = used / rec.kv_usage, "estimate: num_used_tokens / token_usage"
                 notes.append("KV capacity estimated from num_used_tokens / token_usage (token_usage is rounded)")
         if cap is not None:
-            rec.kv_capacity_tokens = int(round(cap))
+            rec.kv_capacity_tokens = as_int(round(cap)) if finite_or_none(cap) is not None else None
             rec.extra["kv_capacity_source"] = source
         if page_size is not None:
-            rec.block_size = int(page_size)
+            rec.block_size = as_int(page_size)
         if rec.kv_usage is None and rec.kv_capacity_tokens:
-            used = total(page, ("sglang:num_used_tokens", "sglang:kv_used_tokens"), keep)
+            used = page.value(("sglang:num_used_tokens", "sglang:kv_used_tokens"), keep)
             if used is not None:
                 rec.kv_usage = used / rec.kv_capacity_tokens

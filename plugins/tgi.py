@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 
+from kvtop.adapters import EngineAdapter, Page, Setting, as_int, counter_names, prefix_score, read_page
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import EngineAdapter
-from kvtop.sources.prom import Page
-
-from ._util import counter_names, histogram, incomplete_histograms, read_page, rows, total
 
 P = "tgi_"
 _CORE = ("tgi_queue_size", "tgi_batch_current_size")
@@ -45,26 +42,24 @@ class TgiAdapter(EngineAdapter):
     preempts = False
     extra_paths = ("/info",)
     settings = {
-        "max_batch_total_tokens": "--max-batch-total-tokens",
-        "max_seqs": "--max-batch-size",
-        "admission": "--max-concurrent-requests",
-        "batched_tokens": "--max-batch-prefill-tokens",
-        "chunked_prefill": "--max-batch-prefill-tokens",
-        "waiting_tokens": "--max-waiting-tokens",
-        "max_tokens": "max_new_tokens (request) / --max-total-tokens",
-        "max_input_tokens": "--max-input-tokens",
-        "gpu_memory": "--cuda-memory-fraction",
+        Setting.MAX_BATCH_TOTAL_TOKENS: "--max-batch-total-tokens",
+        Setting.MAX_SEQS: "--max-batch-size",
+        Setting.ADMISSION: "--max-concurrent-requests",
+        Setting.BATCHED_TOKENS: "--max-batch-prefill-tokens",
+        Setting.CHUNKED_PREFILL: "--max-batch-prefill-tokens",
+        Setting.WAITING_TOKENS: "--max-waiting-tokens",
+        Setting.MAX_TOKENS: "max_new_tokens (request) / --max-total-tokens",
+        Setting.MAX_INPUT_TOKENS: "--max-input-tokens",
+        Setting.GPU_MEMORY: "--cuda-memory-fraction",
     }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:
-        if not any(m.startswith(P) for m in metric_names):
-            return 0.0
-        return 0.95 if any(m in _CORE for m in metric_names) else 0.6
+        return prefix_score(metric_names, P, _CORE)
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         page = read_page(text, _CORE)
-        page.warnings.extend(incomplete_histograms(page, _HISTS))
+        page.warnings.extend(page.incomplete_histograms(_HISTS))
         return [self._record(page, t)]
 
     def _record(self, page: Page, t: float) -> EngineRecord:
@@ -72,12 +67,12 @@ class TgiAdapter(EngineAdapter):
         if not any(n.startswith(P) for n in page.samples):
             rec.warnings.append("no tgi_ metrics on the page")
             return rec
-        rec.running = total(page, "tgi_batch_current_size")
-        rec.waiting = total(page, "tgi_queue_size")
-        cap = total(page, ("tgi_batch_max_total_tokens", "tgi_batch_total_tokens"))
+        rec.running = page.value("tgi_batch_current_size")
+        rec.waiting = page.value("tgi_queue_size")
+        cap = page.value(("tgi_batch_max_total_tokens", "tgi_batch_total_tokens"))
         if cap is not None:
-            rec.kv_capacity_tokens = int(cap)
-        cur = total(page, "tgi_batch_current_max_tokens")
+            rec.kv_capacity_tokens = as_int(cap)
+        cur = page.value("tgi_batch_current_max_tokens")
         if cur is not None:
             rec.extra["batch_current_max_tokens"] = cur
             if cap:
@@ -85,34 +80,34 @@ class TgiAdapter(EngineAdapter):
                 rec.extra["batch_token_reservation"] = cur / cap
         # token counters: histogram sums (prompt length is observed at validation, generated
         # tokens when a request finishes)
-        rec.prompt_tokens_total = total(page, "tgi_request_input_length_sum")
-        rec.generation_tokens_total = total(page, "tgi_request_generated_tokens_sum")
-        success = total(page, counter_names("tgi_request_success"))
-        failure = total(page, counter_names("tgi_request_failure"))
+        rec.prompt_tokens_total = page.value("tgi_request_input_length_sum")
+        rec.generation_tokens_total = page.value("tgi_request_generated_tokens_sum")
+        success = page.value(counter_names("tgi_request_success"))
+        failure = page.value(counter_names("tgi_request_failure"))
         if success is not None or failure is not None:
             rec.requests_finished_total = (success or 0.0) + (failure or 0.0)
         by_err: dict[str, float] = {}
         for n in counter_names("tgi_request_failure"):
-            for lb, v in rows(page, n):
+            for lb, v in page.select(n):
                 by_err[lb.get("err", "?")] = by_err.get(lb.get("err", "?"), 0.0) + v
         if by_err:
             rec.extra["request_failures_by_err"] = by_err
-        count = total(page, counter_names("tgi_request_count"))
+        count = page.value(counter_names("tgi_request_count"))
         if count is not None:
             rec.extra["requests_total"] = count
 
-        rec.itl = histogram(page, _ITL)
+        rec.itl = page.histogram(_ITL)
         if rec.itl is not None:
             rec.extra["itl_metric"] = _ITL
             rec.extra["itl_semantics"] = "per_request_mean_tpot"
         for short, base in _DURATIONS.items():
-            h = histogram(page, base)
+            h = page.histogram(base)
             if h is not None:
                 rec.extra[f"{short}_duration_count"] = h.count
                 rec.extra[f"{short}_duration_sum_s"] = h.sum
             else:
                 # an un-bucketed histogram renders as a summary: keep its quantiles
-                q = {lb["quantile"]: v for lb, v in rows(page, base) if "quantile" in lb}
+                q = {lb["quantile"]: v for lb, v in page.select(base) if "quantile" in lb}
                 if q:
                     rec.extra[f"{short}_duration_quantiles"] = q
         rec.extra["notes"] = [NO_PREEMPT_NOTE] + ([ITL_NOTE] if rec.itl is not None else [])
@@ -135,5 +130,5 @@ class TgiAdapter(EngineAdapter):
             if isinstance(info.get("version"), str):
                 r.version = info["version"]
             mbt = info.get("max_batch_total_tokens")
-            if r.kv_capacity_tokens is None and isinstance(mbt, int) and mbt > 0:
+            if r.kv_capacity_tokens is None and isinstance(mbt, int) and not isinstance(mbt, bool) and 0 < mbt < 1 << 53:
                 r.kv_capacity_tokens = mbt

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.adapters import EngineAdapter, Labels, Page, Setting, as_int, counter_names, read_page
+from kvtop.adapters.detect import SURE
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import EngineAdapter
-from kvtop.sources.prom import Labels, Page
-
-from ._util import counter_names, histogram, read_page, rows, total
 
 P = "nv_trt_llm_"
 KV = "nv_trt_llm_kv_cache_block_metrics"
@@ -45,20 +43,20 @@ class TritonAdapter(EngineAdapter):
     )
     preempts = True
     settings = {
-        "gpu_memory": "kv_cache_free_gpu_mem_fraction (config.pbtxt)",
-        "max_total_tokens": "max_tokens_in_paged_kv_cache (config.pbtxt)",
-        "admission": "batch_scheduler_policy guaranteed_no_evict|max_utilization (config.pbtxt)",
-        "chunked_prefill": "enable_chunked_context (config.pbtxt)",
-        "offload_size": "kv_cache_host_memory_bytes (config.pbtxt)",
-        "prefix_reuse": "enable_kv_cache_reuse (config.pbtxt)",
-        "max_seqs": "trtllm-build --max_batch_size",
-        "batched_tokens": "trtllm-build --max_num_tokens",
+        Setting.GPU_MEMORY: "kv_cache_free_gpu_mem_fraction (config.pbtxt)",
+        Setting.MAX_TOTAL_TOKENS: "max_tokens_in_paged_kv_cache (config.pbtxt)",
+        Setting.ADMISSION: "batch_scheduler_policy guaranteed_no_evict|max_utilization (config.pbtxt)",
+        Setting.CHUNKED_PREFILL: "enable_chunked_context (config.pbtxt)",
+        Setting.OFFLOAD_SIZE: "kv_cache_host_memory_bytes (config.pbtxt)",
+        Setting.PREFIX_REUSE: "enable_kv_cache_reuse (config.pbtxt)",
+        Setting.MAX_SEQS: "trtllm-build --max_batch_size",
+        Setting.BATCHED_TOKENS: "trtllm-build --max_num_tokens",
     }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:
         if any(m.startswith(P) for m in metric_names):
-            return 0.95
+            return SURE
         # Triton without TensorRT-LLM families: low, so an engine-specific adapter on the same
         # page (e.g. vllm: metrics of Triton's vLLM backend) wins
         return 0.35 if any(m.startswith("nv_inference_") for m in metric_names) else 0.0
@@ -75,7 +73,7 @@ class TritonAdapter(EngineAdapter):
         if not inst:
             rec = EngineRecord(t=t, adapter=self.name, warnings=list(page.warnings))
             rec.warnings.append("no nv_trt_llm_ metrics on the page: not a TensorRT-LLM model (KV data n/a)")
-            pending = total(page, "nv_inference_pending_request_count")
+            pending = page.value("nv_inference_pending_request_count")
             if pending is not None:
                 rec.extra["pending_requests"] = pending
             return [rec]
@@ -99,7 +97,7 @@ class TritonAdapter(EngineAdapter):
         rec = EngineRecord(t=t, adapter=self.name)
 
         def typed(family: str, label: str) -> dict[str, float]:
-            return {lb[label]: v for lb, v in rows(page, family, keep) if label in lb}
+            return {lb[label]: v for lb, v in page.select(family, keep) if label in lb}
 
         req = typed(REQ, "request_type")
         rec.running = req.get("active")
@@ -117,21 +115,21 @@ class TritonAdapter(EngineAdapter):
             if "used" in kv:
                 rec.kv_usage = kv["used"] / kv["max"]
         if "tokens_per" in kv:
-            rec.block_size = int(kv["tokens_per"])
+            rec.block_size = as_int(kv["tokens_per"])
             if "max" in kv:
-                rec.kv_capacity_tokens = int(kv["max"] * kv["tokens_per"])
+                rec.kv_capacity_tokens = as_int(kv["max"] * kv["tokens_per"])
 
-        success = total(page, counter_names("nv_inference_request_success"), keep)
-        failure = total(page, counter_names("nv_inference_request_failure"), keep)
+        success = page.value(counter_names("nv_inference_request_success"), keep)
+        failure = page.value(counter_names("nv_inference_request_failure"), keep)
         if success is not None or failure is not None:
             rec.requests_finished_total = (success or 0.0) + (failure or 0.0)
         if failure is not None:
             rec.extra["requests_failed_total"] = failure
-        pending = total(page, "nv_inference_pending_request_count", keep)
+        pending = page.value("nv_inference_pending_request_count", keep)
         if pending is not None:
             rec.extra["pending_requests"] = pending
         for base in _NV_COUNTERS:
-            val = total(page, counter_names(base), keep)
+            val = page.value(counter_names(base), keep)
             if val is not None:
                 rec.extra[base.removeprefix("nv_")] = val
         for family, label in _TYPED_EXTRA.items():
@@ -140,5 +138,5 @@ class TritonAdapter(EngineAdapter):
                 d = typed(family + "_total", label)
             if d:
                 rec.extra[family.removeprefix("nv_trt_llm_")] = d
-        rec.ttft = histogram(page, _TTFT_MS, keep, scale=0.001)
+        rec.ttft = page.histogram(_TTFT_MS, keep, scale=0.001)
         return rec

@@ -5,9 +5,8 @@ Facts: reference/engines.md §2. One record per ``engine`` label (data-parallel 
 
 from __future__ import annotations
 
+from kvtop.adapters import EngineAdapter, Page, Setting, as_int, finite_or_none, parse_page, prefix_score
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import EngineAdapter
-from kvtop.sources.prom import Page, parse_page
 
 P = "vllm:"
 
@@ -42,14 +41,14 @@ def _float_label(labels: dict[str, str], key: str) -> float | None:
     if v is None or v in ("None", ""):
         return None
     try:
-        return float(v)
+        return finite_or_none(float(v))
     except ValueError:
         return None
 
 
 def _int_label(labels: dict[str, str], key: str) -> int | None:
     v = _float_label(labels, key)
-    return None if v is None else int(v)
+    return as_int(v)
 
 
 class VllmAdapter(EngineAdapter):
@@ -67,20 +66,17 @@ class VllmAdapter(EngineAdapter):
     preempts = True
     preempt_counted_at = "resume"  # V1 counts a preemption when the victim is scheduled again
     settings = {
-        "max_seqs": "--max-num-seqs",
-        "batched_tokens": "--max-num-batched-tokens",
-        "offload_size": "--kv-offloading-size",
-        "offload_backend": "--kv-offloading-backend",
-        "gpu_memory": "--gpu-memory-utilization",
-        "max_tokens": "max_tokens (request) / --max-model-len",
+        Setting.MAX_SEQS: "--max-num-seqs",
+        Setting.BATCHED_TOKENS: "--max-num-batched-tokens",
+        Setting.OFFLOAD_SIZE: "--kv-offloading-size",
+        Setting.OFFLOAD_BACKEND: "--kv-offloading-backend",
+        Setting.GPU_MEMORY: "--gpu-memory-utilization",
+        Setting.MAX_TOKENS: "max_tokens (request) / --max-model-len",
     }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:
-        n = sum(1 for m in metric_names if m.startswith(P))
-        if not n:
-            return 0.0
-        return 0.95 if any(m.startswith(("vllm:num_requests_", "vllm:kv_cache", "vllm:gpu_cache")) for m in metric_names) else 0.6
+        return prefix_score(metric_names, P, core_prefixes=("vllm:num_requests_", "vllm:kv_cache", "vllm:gpu_cache"))
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
         return self.parse_page(parse_page(text), t)
@@ -88,7 +84,7 @@ class VllmAdapter(EngineAdapter):
     def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
         vllm_names = [n for n in page.samples if n.startswith(P)]
         # Series without an engine label (info gauges, older pages) belong to every engine.
-        engines = [e for e in page.label_values("engine", vllm_names) if e is not None] or [None]
+        engines: list[str | None] = [e for e in page.label_values("engine", vllm_names) if e is not None] or [None]
         out = []
         for eng in engines:
             rec = self._one(page, t, None if eng is None else {"engine": eng})
@@ -171,14 +167,14 @@ class VllmAdapter(EngineAdapter):
             rec.kv_capacity_tokens = blocks * bs
         off_gib = _float_label(lb, "kv_offloading_size")
         if off_gib is not None:
-            rec.offload_capacity_bytes = int(off_gib * _GIB)
+            rec.offload_capacity_bytes = as_int(off_gib * _GIB)
         else:
             for key in ("cpu_offload_gb", "swap_space"):  # older captures, GiB
                 if key == "swap_space" and lb.get("num_cpu_blocks") == "0":
                     continue  # V0 allocated no swap blocks: the setting is not a usable pool
                 gib = _float_label(lb, key)
                 if gib:
-                    rec.offload_capacity_bytes = int(gib * _GIB)
+                    rec.offload_capacity_bytes = as_int(gib * _GIB)
                     break
         extra = {
             k: lb[k]

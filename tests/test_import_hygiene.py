@@ -15,7 +15,7 @@ from vllm_pages import vllm_page
 HEADLESS_MODULES = [
     "kvtop.core", "kvtop.snapshot", "kvtop.live", "kvtop.config", "kvtop.render_text",
     "kvtop.sources.scrape", "kvtop.sources.prom", "kvtop.model.series", "kvtop.plugin",
-    "kvtop.commands.snapshot", "kvtop.cli",
+    "kvtop.commands.snapshot", "kvtop.cli", "kvtop.adapters", "kvtop.model.sanitize", "kvtop.model.validate",
 ]
 
 

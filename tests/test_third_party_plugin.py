@@ -35,6 +35,42 @@ class ToyAdapter(EngineAdapter):
         return [EngineRecord(t=t, adapter=self.name, running=page.value("toy:active"),
                              waiting=page.value("toy:queued"), kv_usage=page.value("toy:kv_fraction"))]
 '''
+# Written against the public SDK alone (kvtop.adapters + kvtop.model): two engines by label, a
+# histogram, a capacity converted with as_int, settings named with the Setting enum.
+SDK_ADAPTER_SRC = '''
+from kvtop.adapters import EngineAdapter, Setting, as_int, prefix_score, read_page
+from kvtop.model.records import EngineRecord
+
+
+class SdkToyAdapter(EngineAdapter):
+    name = "sdktoy"
+    description = "toy engine using only the adapter SDK"
+    fields = frozenset({"running", "kv_capacity_tokens", "itl"})
+    settings = {Setting.MAX_SEQS: "--toy-max-seqs"}
+
+    @classmethod
+    def detect(cls, metric_names):
+        return prefix_score(metric_names, "sdktoy_", ("sdktoy_running",))
+
+    def parse(self, text, t):
+        page = read_page(text, ("sdktoy_running",))
+        out = []
+        for eng in page.label_values("engine", ["sdktoy_running"]):
+            m = {"engine": eng}
+            out.append(EngineRecord(
+                t=t, adapter=self.name, engine=eng, warnings=list(page.warnings),
+                running=page.value("sdktoy_running", m),
+                kv_capacity_tokens=as_int(page.value("sdktoy_kv_blocks", m)),
+                itl=page.histogram("sdktoy_itl_seconds", m)))
+        return out
+'''
+SDK_PAGE = (
+    "# TYPE sdktoy_running gauge\nsdktoy_running{engine=\"0\"} 3\nsdktoy_running{engine=\"1\"} 5\n"
+    "sdktoy_kv_blocks{engine=\"0\"} 1024\nsdktoy_kv_blocks{engine=\"1\"} +Inf\n"
+    "# TYPE sdktoy_itl_seconds histogram\n"
+    "sdktoy_itl_seconds_bucket{engine=\"0\",le=\"0.05\"} 90\nsdktoy_itl_seconds_bucket{engine=\"0\",le=\"+Inf\"} 100\n"
+    "sdktoy_itl_seconds_count{engine=\"0\"} 100\nsdktoy_itl_seconds_sum{engine=\"0\"} 3.0\n"
+)
 TOY_PAGE = "# TYPE toy:active gauge\ntoy:active 4\n# TYPE toy:queued gauge\ntoy:queued 9\ntoy:kv_fraction 0.625\n"
 
 
@@ -56,7 +92,9 @@ def site(tmp_path_factory) -> Path:
         [project.entry-points."kvtop.engines"]
         toyengine = "toy_kvtop:ToyAdapter"
         brokenengine = "toy_kvtop.broken:Nope"
+        sdktoy = "toy_kvtop.sdk:SdkToyAdapter"
     """))
+    (pkg / "toy_kvtop" / "sdk.py").write_text(SDK_ADAPTER_SRC)
     (pkg / "toy_kvtop" / "__init__.py").write_text(ADAPTER_SRC.format(name="toyengine"))
     (pkg / "toy_kvtop" / "broken.py").write_text("raise ImportError('missing dependency of a broken plugin')\n")
     target = root / "site"
@@ -137,3 +175,19 @@ def test_single_file_plugin_with_dash_dash_plugin(tmp_path):
     assert (e["adapter"], e["running"], e["waiting"]) == ("filetoy", 4, 9)
     bad = run_kvtop("--plugin", str(tmp_path / "missing.py"), "plugins")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not found" in bad.stderr
+
+
+def test_sdk_only_adapter_needs_nothing_but_the_sdk(site):
+    """The out-of-tree SDK adapter imports only kvtop.adapters and kvtop.model, and kvtop runs it:
+    per-engine records, a histogram, a non-finite capacity degraded to n/a rather than a crash."""
+    imported = {ln.split()[1] for ln in SDK_ADAPTER_SRC.splitlines() if ln.startswith(("from ", "import "))}
+    assert imported == {"kvtop.adapters", "kvtop.model.records"}
+    with replay_server({"/metrics": (SDK_PAGE, PROM)}) as (base, _):
+        r = run_kvtop("snapshot", "--url", base, "--duration", "0.5", "--interval", "0.25", "--format", "json",
+                      "--no-gpu", "--no-host", env=_env(site), timeout=120)
+    assert r.returncode == 0, r.stderr
+    engines = {e["engine"]: e for e in json.loads(r.stdout)["engines"]}
+    assert set(engines) == {"0", "1"}
+    assert engines["0"]["adapter"] == "sdktoy" and engines["0"]["running"] == 3 and engines["1"]["running"] == 5
+    assert engines["0"]["kv_capacity_tokens"] == 1024 and engines["1"]["kv_capacity_tokens"] is None
+    assert engines["0"]["preempts"] is True

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.adapters.base import Setting
 from kvtop.analysis import capacity as cap
 from kvtop.analysis import chunking, swapimpl
 from kvtop.analysis.costmodel import (
@@ -36,12 +37,12 @@ GENERIC_RHO = 25_000.0
 GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unknown (assumed)
 
 # Generic names for settings when the engine's adapter does not name them.
-GENERIC_SETTINGS = {
-    "max_seqs": "max concurrent sequences",
-    "batched_tokens": "prefill token budget per step",
-    "offload_size": "host KV offload pool (GiB)",
-    "offload_backend": "host KV offload backend",
-    "max_tokens": "max_tokens (request)",
+GENERIC_SETTINGS: dict[str, str] = {
+    Setting.MAX_SEQS: "max concurrent sequences",
+    Setting.BATCHED_TOKENS: "prefill token budget per step",
+    Setting.OFFLOAD_SIZE: "host KV offload pool (GiB)",
+    Setting.OFFLOAD_BACKEND: "host KV offload backend",
+    Setting.MAX_TOKENS: "max_tokens (request)",
 }
 
 
@@ -99,7 +100,7 @@ class Situation:
         return None if x is None else x.value
 
 
-def _setting(s: Situation, key: str) -> str:
+def _setting(s: Situation, key: Setting) -> str:
     return s.settings_names.get(key) or GENERIC_SETTINGS.get(key, key)
 
 
@@ -250,7 +251,7 @@ def advise(s: Situation) -> dict[str, Any]:
         running = s.v("running_mean")
         base = ms or running
         if base:
-            settings[_setting(s, "max_seqs")] = max(1, int(base * 0.75))
+            settings[_setting(s, Setting.MAX_SEQS)] = max(1, int(base * 0.75))
             reasons.append(f"start at 3/4 of the current {'limit' if ms else 'mean running batch'} ({base:.0f}) "
                            "and re-measure the ITL p99")
     else:  # preemption
@@ -348,7 +349,7 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             s.n["chunk_worst_step"] = Num(row.worst_step_s, "s", "derived")
             s.n["chunk_steps"] = Num(row.steps, "", "derived")
             s.n["chunked_prefill_phase"] = Num(row.prefill_s, "s", "derived", "TTFT prefill phase with chunking")
-            settings[_setting(s, "batched_tokens")] = plan.budget
+            settings[_setting(s, Setting.BATCHED_TOKENS)] = plan.budget
             reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
                            f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
                            f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
@@ -361,8 +362,8 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                            "disaggregate prefill and decode instead")
     else:
         reasons.append("lower the per-step prefill token budget (e.g. 2048 or less) and re-measure")
-        if "batched_tokens" in s.settings_names or s.engine is None:
-            settings[_setting(s, "batched_tokens")] = 2048
+        if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
+            settings[_setting(s, Setting.BATCHED_TOKENS)] = 2048
         conf = min(conf, 0.6)
     return action, conf
 
@@ -537,16 +538,16 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.insert(0, f"abandonment: {ch.p:.0%} of preempted requests are cancelled before resuming"
                            + (f" (≈{ch.lost_share:.1%} of requests lost after consuming work)" if ch.lost_share else ""))
         if plan is not None:
-            settings[_setting(s, "max_seqs")] = plan.recommended_max_seqs
+            settings[_setting(s, Setting.MAX_SEQS)] = plan.recommended_max_seqs
             reasons.append(f"capacity: N_floor {plan.n_floor:.0f}, N_ceiling {plan.n_ceiling:.0f} sequences; start "
                            f"at {plan.recommended_max_seqs} and steer to KV usage p99 <= 0.9 and <= 0.01 "
                            "preemptions per request")
         else:
             cur = s.v("max_seqs_current") or s.v("running_mean")
             if cur:
-                settings[_setting(s, "max_seqs")] = max(1, int(cur * 0.75))
+                settings[_setting(s, Setting.MAX_SEQS)] = max(1, int(cur * 0.75))
         if s.v("output_p99") is not None:
-            settings[_setting(s, "max_tokens")] = int(s.v("output_p99"))
+            settings[_setting(s, Setting.MAX_TOKENS)] = int(s.v("output_p99"))
         reasons.append("cap max_tokens near the real p99 output and reserve KV for interactive traffic")
         if mechanism:
             also.append(mechanism)

@@ -12,11 +12,11 @@ path's (tested).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
     import numpy as np
@@ -65,11 +65,8 @@ def _feed_line(an: Analyzer, line: bytes) -> int:
     """One line through the streaming path; 1 when it is malformed (blank lines are not)."""
     if not line.strip():
         return 0
-    try:
-        d = json.loads(line)
-    except ValueError:
-        return 1
-    if not isinstance(d, dict) or "kind" not in d:
+    d = parse_line(line)  # the trace reader's own check: malformed, too deep or wrong-typed -> skipped
+    if d is None:
         return 1
     an.feed_dict(d)
     return 0
@@ -247,19 +244,22 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             is_, ie_ = idstart[fi], idend[fi]
             # narrowest fixed width that holds every value of this chunk
             ts = _times(_field(arr, ts_, te_), te_ - ts_)
-            if np.isnan(ts).any():
-                # a token line whose time is not a number: the streaming path judges the chunk
+            if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
+                # a token line whose time is not a number or out of range: the streaming path
+                # judges the chunk (the trace reader's check skips such lines)
                 return _slow_lines(an, buf.split(b"\n"))
             uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
             ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
             an.add_token_batch(ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi])
         # every other line, and first_token bookkeeping, in file order through the normal methods
         oi = np.flatnonzero(~fast | is_ft)
-        loads = json.loads
         for i in oi.tolist():
             line = buf[starts[i]:ends[i]]
             if is_ft[i] and fast[i]:
-                d = loads(line)
+                d = parse_line(line)  # its shape looked right; a flipped byte can still break the JSON
+                if d is None:
+                    skipped += 1
+                    continue
                 an.records += 1
                 an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
                                  d.get("class"), tokens_done=True)

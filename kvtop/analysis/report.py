@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
@@ -12,6 +13,8 @@ from kvtop.analysis.attribution.aggregate import aggregate_causes
 def _fmt(v: Any, unit: str) -> str:
     if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
         return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return "n/a"
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
     if unit == "B":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,40 @@ def schema() -> dict[str, Any]:
 
 def load(path: str | Path) -> dict[str, Any]:
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
     except OSError as e:
         raise ScenarioError(f"cannot read scenario {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise ScenarioError(f"scenario {path} is not JSON: {e}") from None
+    bad = _non_finite(doc)
+    if bad:
+        raise ScenarioError(f"scenario {path}: {bad} is not a finite number of at most {MAX_NUMBER:g} in magnitude")
     validate(doc, str(path))
     return doc
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+# Larger than any byte count, rate or token count a scenario describes (1 PB); a 1e300-token prompt
+# would make the cost model build absurd step plans.
+MAX_NUMBER = 1e15
+
+
+def _non_finite(obj: Any, where: str = "$", depth: int = 0) -> str | None:
+    """Path of the first non-finite or absurdly large number (1e400 parses as infinity), else None."""
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool) and not (
+            math.isfinite(obj) and abs(obj) <= MAX_NUMBER):
+        return where
+    if depth > 50:
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        bad = _non_finite(v, f"{where}.{k}" if isinstance(obj, dict) else f"{where}[{k}]", depth + 1)
+        if bad:
+            return bad
+    return None
 
 
 def validate(doc: Any, where: str = "scenario") -> None:

@@ -24,7 +24,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = Non
     p.add_argument("--url", action="append", default=None, metavar="URL",
                    help=url_help or "engine base URL or its /metrics URL (repeat for several engines)")
     p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
-    p.add_argument("--token", default=None, help="bearer token sent to /metrics")
+    from kvtop.config import add_token_options
+
+    add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
 
@@ -92,7 +94,7 @@ def interval_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
 
 def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptions:
     """Resolve and check every option the groups above declare (absent groups take defaults)."""
-    from kvtop.config import engine_bases, parse_seconds, resolve
+    from kvtop.config import engine_bases, parse_seconds, resolve, resolve_token
 
     # the same engine named twice would be scraped twice and counted once
     urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
@@ -120,7 +122,7 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         urls=urls,
         interval_s=interval_s(args, cfg),
         timeout_s=timeout,
-        token=resolve(args, cfg, "token"),
+        token=resolve_token(args, cfg),
         adapter=adapter,
         gpu=bool(resolve(args, cfg, "gpu", True)),
         host=bool(resolve(args, cfg, "host", True)),

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvtop.errors import UsageError
+from kvtop.model.sanitize import finite_json
 
 NAME = "advise"
 HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
@@ -21,15 +22,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtop.analysis import scenario
+    from kvtop.analysis.kvbytes import ModelConfigError
     from kvtop.analysis.report import render_verdict_text
 
     try:
         doc = scenario.load(args.scenario)
         out = scenario.evaluate(doc)
-    except scenario.ScenarioError as e:
+    except (scenario.ScenarioError, ModelConfigError) as e:  # e.g. an unknown kv_dtype
         raise UsageError(str(e)) from None
+    out = finite_json(out)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.format == "json":
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2, allow_nan=False))
     else:
         title = out.get("scenario") or args.scenario
         print(f"scenario: {title}")

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from kvtop.errors import UsageError
+from kvtop.model.sanitize import finite_json
 
 NAME = "analyze"
 HELP = "attribute token-gap spikes in a trace and give the swap/recompute/admission verdict"
@@ -67,10 +68,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
         raise UsageError(str(e)) from None
+    rep = finite_json(rep)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
     if args.format == "json":
-        print(json.dumps(rep, indent=1))
+        print(json.dumps(rep, indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
     return 0

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from kvtop.model.sanitize import redact_url
+
 if TYPE_CHECKING:
     from kvtop.model.records import RequestRecord
 
@@ -76,7 +78,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     writer = None
     if args.record:
         try:
-            writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": args.upstream},
+            writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": redact_url(args.upstream)},
                                                           recorder="kvtop proxy",
                                                           clock_t0_unix=round(time.time() - clock(), 6)))
         except OSError as e:
@@ -103,7 +105,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
             writer.close()
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     where = f", recording to {args.record}" if args.record else ""
-    print(f"kvtop proxy: {proxy.url} -> {args.upstream}{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    print(f"kvtop proxy: {proxy.url} -> {redact_url(args.upstream)}{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     try:
         while not stop.is_set():
             try:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtop.commands._options import SourceOptions
 
+from kvtop.model.sanitize import redact_url
+
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
 DESCRIPTION = (
@@ -104,7 +106,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     # One scrape before the header is written, so the header names the adapter and model.
     first = await runner.scrapers[0].scrape(runner.now())
     up = next((r for r in first if r.up), None)
-    engine = {"adapter": up.adapter if up else None, "url": opts.urls[0], "model": up.model if up else None,
+    engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
@@ -114,7 +116,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
-        extra["urls"] = list(opts.urls)
+        extra["urls"] = [redact_url(u) for u in opts.urls]
     try:
         if args.force:
             Path(args.output).unlink(missing_ok=True)
@@ -144,7 +146,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         what = f"{len(opts.urls)} engine(s)"
         if proxy is not None:
-            what += f", proxy {proxy.url} -> {base}"
+            what += f", proxy {proxy.url} -> {redact_url(base)}"
         if opts.probe_rate:
             what += f", probe {opts.probe_rate:g}/s"
         if opts.capture_port is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvtop.model.sanitize import redact_url
+
 NAME = "snapshot"
 HELP = "sample GPU, host and engines for a while and print one report (json or text)"
 DESCRIPTION = (
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     core.window_s = max(round(core.now - start, 3), 0.001)
     snap = core.snapshot()
     # Engines in the order the user named them (the core keeps first-answered order).
-    order = {u.strip().rstrip("/"): i for i, u in enumerate(urls)}
+    order = {redact_url(u.strip().rstrip("/")): i for i, u in enumerate(urls)}
     snap = dataclasses.replace(
         snap, engines=tuple(sorted(snap.engines, key=lambda e: (order.get(e.url, len(order)), e.engine or "")))
     )

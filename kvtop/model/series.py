@@ -23,8 +23,11 @@ class Series:
         self._v: deque[float] = deque(maxlen=maxlen)
 
     def append(self, t: float, v: float | None) -> None:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
+        # Non-finite values and times would poison every rate and window after them: skip them.
+        if v is None or not math.isfinite(v) or not math.isfinite(t):
             return
+        if self._t and t < self._t[-1]:
+            return  # out of order: bisect over the window needs sorted times
         self._t.append(t)
         self._v.append(float(v))
 
@@ -72,6 +75,8 @@ def counter_increase(values: Iterable[float]) -> float:
     total = 0.0
     prev: float | None = None
     for v in values:
+        if not math.isfinite(v) or v < 0:
+            continue  # not a counter value: neither an increase nor a new baseline
         if prev is not None:
             total += v - prev if v >= prev else v
         prev = v
@@ -93,7 +98,7 @@ def counter_rate(series: Series, window_s: float, now: float | None = None) -> f
     dt = ts[-1] - ts[i]
     if dt <= 0:
         return None
-    return counter_increase(vs[k] for k in range(i, len(vs))) / dt
+    return max(0.0, counter_increase(vs[k] for k in range(i, len(vs))) / dt)
 
 
 def histogram_delta(older: Histogram | None, newer: Histogram) -> Histogram:
@@ -102,6 +107,8 @@ def histogram_delta(older: Histogram | None, newer: Histogram) -> Histogram:
         return newer
     if any(a[0] != b[0] for a, b in zip(older.buckets, newer.buckets, strict=False)):
         return newer  # bucket layout changed (engine upgrade): treat as a fresh start
+    if any(b[1] < a[1] for a, b in zip(older.buckets, newer.buckets, strict=False)):
+        return newer  # a bucket went backwards: a reset the total count hid
     return Histogram(
         [(le, c - o) for (le, c), (_, o) in zip(newer.buckets, older.buckets, strict=False)],
         newer.count - older.count,
@@ -115,23 +122,31 @@ def histogram_quantile(q: float, h: Histogram) -> float | None:
     Returns ``None`` when there are no observations. A quantile landing in the +Inf bucket returns
     the largest finite upper bound (the honest lower bound of the true value).
     """
-    buckets: Sequence[tuple[float, float]] = sorted(h.buckets)
+    if not 0.0 <= q <= 1.0:
+        return None
+    # Only finite, non-negative counts and non-NaN bounds take part: a quantile is never NaN or < 0.
+    buckets: Sequence[tuple[float, float]] = sorted(
+        (le, c) for le, c in h.buckets if not math.isnan(le) and math.isfinite(c) and c >= 0
+    )
     if not buckets:
         return None
-    total = buckets[-1][1] if math.isinf(buckets[-1][0]) else max(h.count, buckets[-1][1])
+    count = h.count if math.isfinite(h.count) else 0.0
+    total = buckets[-1][1] if math.isinf(buckets[-1][0]) else max(count, buckets[-1][1])
     if total <= 0:
         return None
     rank = q * total
     prev_le, prev_c = 0.0, 0.0
     for le, c in buckets:
+        if le < 0:
+            continue  # latencies are never negative: a negative bound is not a bucket
         if c >= rank:
             if math.isinf(le):
                 return prev_le
-            if c == prev_c:
+            if c <= prev_c:
                 return le
             return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-        prev_le, prev_c = le, c
-    return buckets[-1][0] if not math.isinf(buckets[-1][0]) else prev_le
+        prev_le, prev_c = le, max(c, prev_c)
+    return buckets[-1][0] if math.isfinite(buckets[-1][0]) and buckets[-1][0] >= 0 else prev_le
 
 
 class HistogramSeries:
@@ -176,8 +191,8 @@ class HistogramSeries:
             self._cache = (key, None)
             return None
         acc: Histogram | None = None
-        base: Histogram | None = self._items[start][1]
-        prev = base
+        prev: Histogram = self._items[start][1]
+        base: Histogram | None = prev
         for i in range(start + 1, len(self._items)):
             h = self._items[i][1]
             if h.count < prev.count or len(h.buckets) != len(prev.buckets):

@@ -27,6 +27,7 @@ from kvtop.model.records import (
     to_dict,
     trace_time,
 )
+from kvtop.model.validate import MAX_LINE_BYTES, header_problems, parse_line
 
 
 class TraceError(Exception):
@@ -124,7 +125,8 @@ class TraceWriter:
         self.path = Path(path)
         self.flush_interval_s = flush_interval_s
         new = not self.path.exists() or self.path.stat().st_size == 0
-        self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+        # Traces are private by default (0600): they hold engine URLs, model names and timings.
+        self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16, opener=_private)
         self._last_flush = time.monotonic()
         self.count = 0
         self._ids: dict[str, str] = {}  # request id -> its JSON string, for the token fast path
@@ -214,10 +216,16 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, 0o600)
+
+
 class TraceReader:
     """Streams a trace. ``header`` is read on open; iterate for record dicts (kind != header).
 
-    ``skipped`` counts malformed lines (a torn last line after a crash is the common case).
+    ``skipped`` counts malformed lines (a torn last line after a crash is the common case), lines
+    longer than ``MAX_LINE_BYTES`` and records whose fields have the wrong type; none is fatal.
+    ``header_dropped`` names header fields of the wrong type that were ignored.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -229,13 +237,16 @@ class TraceReader:
         except OSError as e:
             raise TraceError(f"cannot open trace {self.path}: {e.strerror or e}") from None
         try:
-            first = self._f.readline()
+            first = self._f.readline(MAX_LINE_BYTES + 1)
         except (OSError, EOFError) as e:  # a corrupt or cut gzip segment
             self._f.close()
             raise TraceError(f"cannot read trace {self.path}: {e}") from None
+        if len(first) > MAX_LINE_BYTES:
+            self._f.close()
+            raise TraceError(f"{self.path} is not a kvtop trace (first line longer than {MAX_LINE_BYTES} bytes)")
         try:
             header = json.loads(first)
-        except ValueError:
+        except (ValueError, RecursionError):
             self._f.close()
             raise TraceError(f"{self.path} is not a kvtop trace (first line is not a JSON header)") from None
         if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
@@ -244,28 +255,40 @@ class TraceReader:
         if header.get("version") != TRACE_VERSION:
             self._f.close()
             raise TraceError(f"{self.path}: unsupported trace version {header.get('version')!r}")
+        self.header_dropped = header_problems(header)
         self.header: dict[str, Any] = header
 
-    def dicts(self) -> Iterator[dict[str, Any]]:
-        loads = json.loads
-        for line in self._lines():
+    def _lines(self) -> Iterator[str]:
+        readline = self._f.readline
+        limit = MAX_LINE_BYTES + 1
+        while True:
             try:
-                d = loads(line)
-            except ValueError:
+                line = readline(limit)
+            except (OSError, EOFError):
+                # a gzip segment cut short (the agent died while compressing): keep what was read
                 self.skipped += 1
+                return
+            if not line:
+                return
+            if len(line) == limit and not line.endswith("\n"):
+                self.skipped += 1
+                try:
+                    while line and not line.endswith("\n"):  # drop the rest without holding it
+                        line = readline(limit)
+                except (OSError, EOFError):
+                    return
                 continue
-            if not isinstance(d, dict) or "kind" not in d:
-                self.skipped += 1
+            yield line
+
+    def dicts(self) -> Iterator[dict[str, Any]]:
+        for line in self._lines():
+            d = parse_line(line)
+            if d is None:
+                if line.strip():
+                    self.skipped += 1
                 continue
             yield d
         self._f.close()
-
-    def _lines(self) -> Iterator[str]:
-        try:
-            yield from self._f
-        except (OSError, EOFError):
-            # a gzip segment cut short (the agent died while compressing): keep what was read
-            self.skipped += 1
 
     def records(self) -> Iterator[Record]:
         for d in self.dicts():
@@ -286,9 +309,12 @@ class TraceReader:
         self._f.close()
 
     def warning(self) -> str | None:
+        parts = []
         if self.skipped:
-            return f"{self.path}: skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)"
-        return None
+            parts.append(f"skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)")
+        if self.header_dropped:
+            parts.append("ignored wrong-typed header field(s): " + ", ".join(self.header_dropped))
+        return f"{self.path}: " + "; ".join(parts) if parts else None
 
 
 def latest_run(directory: str | os.PathLike[str]) -> list[Path]:

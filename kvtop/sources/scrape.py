@@ -15,6 +15,7 @@ from collections.abc import Callable
 import httpx
 
 from kvtop.model.records import EngineRecord
+from kvtop.model.sanitize import redact_url, sanitize_record
 from kvtop.plugin import EngineAdapter, PluginError, detect_adapter, load_adapter
 from kvtop.sources.prom import Page, parse_page
 
@@ -69,6 +70,8 @@ class EngineScraper:
         rather than with the ``t`` passed to ``scrape`` (connection set-up or a slow engine would
         otherwise skew rates computed between scrapes)."""
         self.url = url.strip().rstrip("/")
+        # What records, traces and messages carry: user-info (user:pass@) never leaves this object.
+        self.shown_url = redact_url(self.url)
         self.base_url, self.metrics_url = split_url(url)
         # llama.cpp router mode selects the model by query string: extra paths need it too.
         self._query = httpx.URL(self.metrics_url).query.decode()
@@ -125,7 +128,7 @@ class EngineScraper:
     # -- internals --------------------------------------------------------------------------
     def _down(self, t: float, reason: str) -> EngineRecord:
         name = self.adapter_cls.name if self.adapter_cls else (self.adapter_name or "unknown")
-        return EngineRecord(t=t, adapter=name, url=self.url, up=False, warnings=[reason])
+        return EngineRecord(t=t, adapter=name, url=self.shown_url, up=False, warnings=[reason])
 
     def _failed(self, t: float, reason: str) -> list[EngineRecord]:
         self.consecutive_failures += 1
@@ -146,11 +149,11 @@ class EngineScraper:
         try:
             return await self._get_inner(url)
         except httpx.ConnectError as e:
-            raise ScrapeError(f"cannot connect to {url}: {_one_line(e)}") from None
+            raise ScrapeError(f"cannot connect to {redact_url(url)}: {_one_line(e)}") from None
         except httpx.TimeoutException:
-            raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})") from None
+            raise ScrapeError(f"timed out after {self.timeout_s:g}s ({redact_url(url)})") from None
         except httpx.HTTPError as e:
-            raise ScrapeError(f"HTTP error from {url}: {_one_line(e)}") from None
+            raise ScrapeError(f"HTTP error from {redact_url(url)}: {_one_line(e)}") from None
 
     async def _get_inner(self, url: str) -> tuple[str, str, list[str]]:
         warnings: list[str] = []
@@ -162,13 +165,13 @@ class EngineScraper:
                 self._resp_t = self._clock()
             if resp.status_code != 200:
                 hint = " (wrong or missing --token?)" if resp.status_code in (401, 403) else ""
-                raise ScrapeError(f"HTTP {resp.status_code} from {url}{hint}")
+                raise ScrapeError(f"HTTP {resp.status_code} from {redact_url(url)}{hint}")
             ctype = resp.headers.get("content-type", "").lower()
             chunks: list[bytes] = []
             size = 0
             async for chunk in resp.aiter_bytes():
                 if loop.time() > deadline:  # a server dripping bytes must not hold the scrape forever
-                    raise ScrapeError(f"timed out after {self.timeout_s:g}s ({url})")
+                    raise ScrapeError(f"timed out after {self.timeout_s:g}s ({redact_url(url)})")
                 chunks.append(chunk)
                 size += len(chunk)
                 if size >= self.max_bytes:
@@ -186,6 +189,7 @@ class EngineScraper:
     def _resolve(self, page: Page) -> EngineAdapter:
         if self._adapter is not None:
             return self._adapter
+        cls: type[EngineAdapter] | None
         if self.adapter_name:
             try:
                 cls = load_adapter(self.adapter_name)
@@ -194,7 +198,7 @@ class EngineScraper:
         else:
             cls = detect_adapter(page.names)
             if cls is None:
-                raise ScrapeError(f"{_NOT_METRICS}: no installed adapter recognises the metrics at {self.metrics_url}")
+                raise ScrapeError(f"{_NOT_METRICS}: no installed adapter recognises the metrics at {redact_url(self.metrics_url)}")
         self.adapter_cls = cls
         self._adapter = cls()
         return self._adapter
@@ -203,22 +207,24 @@ class EngineScraper:
         """Parse one page through the adapter (detecting it on first use); ScrapeError if unusable."""
         head = text.lstrip()[:1]
         if head in ("<", "{", "["):
-            raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {'HTML' if head == '<' else 'JSON'}")
+            raise ScrapeError(f"{_NOT_METRICS}: {redact_url(self.metrics_url)} returned {'HTML' if head == '<' else 'JSON'}")
         adapter = self._adapter
         if adapter is None:
             # First good page: detect the engine from its metric names (one extra parse, once).
             page = parse_page(text)
             if not page.samples:
-                raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {self.metrics_url}")
+                raise ScrapeError(f"{_NOT_METRICS}: no metric samples at {redact_url(self.metrics_url)}")
             adapter = self._resolve(page)
         try:
             recs = adapter.parse(text, t)
         except Exception as e:
-            raise ScrapeError(f"adapter {adapter.name} failed on {self.metrics_url}: {_one_line(e)}") from None
+            raise ScrapeError(f"adapter {adapter.name} failed on {redact_url(self.metrics_url)}: {_one_line(e)}") from None
         if isinstance(recs, EngineRecord):  # lenient with third-party adapters returning one record
             recs = [recs]
         if not recs:
-            raise ScrapeError(f"adapter {adapter.name} found no engine at {self.metrics_url}")
+            raise ScrapeError(f"adapter {adapter.name} found no engine at {redact_url(self.metrics_url)}")
+        for r in recs:
+            sanitize_record(r)
         return adapter, recs
 
     async def _scrape(self, t: float) -> list[EngineRecord]:
@@ -227,11 +233,11 @@ class EngineScraper:
         if self._resp_t is not None:
             t = self._resp_t
         if "html" in ctype or "json" in ctype:
-            raise ScrapeError(f"{_NOT_METRICS}: {self.metrics_url} returned {ctype.split(';')[0]}")
+            raise ScrapeError(f"{_NOT_METRICS}: {redact_url(self.metrics_url)} returned {ctype.split(';')[0]}")
         # Parsing a large page takes milliseconds: keep it off the event loop (the proxy shares it).
         adapter, recs = await asyncio.to_thread(self.normalize, text, t)
         for r in recs:
-            r.url = self.url
+            r.url = self.shown_url
             r.adapter = r.adapter or adapter.name
             if warnings:
                 r.warnings = [*warnings, *r.warnings]
@@ -254,4 +260,7 @@ class EngineScraper:
             if w:
                 for r in recs:
                     r.warnings.extend(w)
+        if adapter.extra_paths:
+            for r in recs:  # parse_extra may have written new values
+                sanitize_record(r)
         return recs

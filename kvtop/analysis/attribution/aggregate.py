@@ -7,6 +7,7 @@ Shares its thresholds with the per-spike rules.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,7 @@ def aggregate_causes(scrapes: list[Scrape], target: float | None, k: float, pree
         for prev, cur in zip(lst, lst[1:], strict=False):
             h0, h1 = prev.itl, cur.itl
             dcount = h1["count"] - h0["count"]
-            if dcount <= 0:
+            if not math.isfinite(dcount) or dcount <= 0:  # a NaN/Inf count is no observation
                 continue
             below = 0.0
             p50_le = None
@@ -78,6 +79,8 @@ def aggregate_causes(scrapes: list[Scrape], target: float | None, k: float, pree
                     below = c1 - c0
                 if p50_le is None and c1 - c0 >= 0.5 * dcount:
                     p50_le = float(le)
+            if not math.isfinite(below):
+                continue
             above = int(round(dcount - below))
             if above <= 0:
                 continue

@@ -51,7 +51,6 @@ class ProxyPool:
     async def start(self) -> None:
         import os
         import socket
-        import sys
         import time
 
         offset = self.clock() - time.monotonic()
@@ -63,8 +62,8 @@ class ProxyPool:
             reserve.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             reserve.bind((self.host, 0))
             self.port = reserve.getsockname()[1]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        args = [sys.executable, "-m", "kvtop.sources.proxy.worker", "--worker", "--upstream", self.upstream, "--host", self.host,
+        env = dict(os.environ)
+        args = [*worker_command("kvtop.sources.proxy.worker"), "--worker", "--upstream", self.upstream, "--host", self.host,
                 "--port", str(self.port), f"--offset={offset!r}", "--loop", self.loop]
         if self.cls:
             args += ["--class", self.cls]
@@ -163,3 +162,26 @@ def make_proxy(upstream: str, emit: Emit, clock: Clock, host: str = "127.0.0.1",
     if workers <= 1:
         return RecordingProxy(upstream, emit, clock, host=host, port=port, cls=cls)
     return ProxyPool(upstream, emit, clock, host=host, port=port, cls=cls, workers=workers, loop=loop)
+
+
+def worker_command(module: str) -> list[str]:
+    """A command line running ``module`` as ``__main__`` in a child Python that cannot import
+    files from the current directory.
+
+    ``python -m`` puts the working directory first on the import path, so a ``uuid.py`` there
+    would run inside every worker. The child starts isolated (``-I``: no cwd, no PYTHON* variables,
+    no user site) and gets this process's import path back minus the working directory, plus the
+    folder kvtop itself was imported from.
+    """
+    import os
+    import sys
+
+    import kvtop
+
+    cwd = os.getcwd()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvtop.__file__)))
+    paths = [root] + [p for p in sys.path if p and os.path.abspath(p) not in (cwd, root)]
+    code = (f"import sys, runpy; sys.path[:0] = {paths!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-I", "-c", code]
+

@@ -10,14 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import uuid
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from yarl import URL
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.sanitize import redact_url
 from kvtop.sources.sse import RECORDED_PATHS, Clock, Emit, StreamRecorder, prompt_tokens_from_request
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus the ones aiohttp must compute itself.
@@ -52,6 +56,27 @@ def _forward_headers(headers: Any, drop: frozenset[str]) -> list[tuple[str, str]
 
 _REQ_DROP = frozenset({"host", "content-length"})
 _RESP_DROP: frozenset[str] = frozenset()
+
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log, minus the traceback for requests its parser refuses.
+
+    A header with control characters (a hostile ``X-Request-Id``) is answered 400 by aiohttp and
+    then logged as a full traceback; that is the client's mistake, worth one line at most.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kw: object) -> None:
+        if isinstance(exc_info, BadHttpMessage):
+            first = str(exc_info).strip().splitlines()
+            self.logger.info("refused a malformed request: %s", first[0] if first else "bad HTTP message")
+            return
+        self.logger.error(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
+
+_SAFE_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")
 
 
 class RecordingProxy:
@@ -99,7 +124,7 @@ class RecordingProxy:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # handler_cancellation: a client that hangs up mid-stall is noticed at once, so the
         # upstream request is closed and the cancel is timestamped when it happened.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=_ServerLog())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True,
                            reuse_port=self.reuse_port or None)
@@ -152,9 +177,13 @@ class RecordingProxy:
         assert self._session is not None
         path = request.path
         recorded = request.method == "POST" and path in RECORDED_PATHS
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        given = request.headers.get("X-Request-Id")
+        # A client's id with control characters cannot be forwarded (the HTTP client refuses it) nor
+        # shown safely: such a request gets a fresh id, like one that sent none.
+        rid = given if given and _SAFE_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         headers = _forward_headers(request.headers, _REQ_DROP)
-        if "X-Request-Id" not in request.headers:
+        if rid != given:
+            headers = [(k, v) for k, v in headers if k.lower() != "x-request-id"]
             headers.append(("X-Request-Id", rid))
         rec: StreamRecorder | None = None
         data: Any = None
@@ -192,7 +221,7 @@ class RecordingProxy:
                 if recorded:
                     self.emit(RequestRecord(t, rid, "error", status=502, error="upstream_unreachable"))
                 return web.json_response(
-                    {"error": {"message": f"kvtop proxy: upstream {self.upstream} unreachable ({type(e).__name__})",
+                    {"error": {"message": f"kvtop proxy: upstream {redact_url(self.upstream)} unreachable ({type(e).__name__})",
                                "type": "upstream_unreachable", "code": 502}},
                     status=502,
                     headers={"X-Request-Id": rid},

@@ -1,0 +1,110 @@
+"""The engine-adapter contract: the base class every adapter subclasses and the names it may use.
+
+An adapter turns one engine's interfaces into normalised ``EngineRecord``s. It sets ``name`` and
+``fields`` (the normalised fields it can fill), implements ``detect`` and ``parse``, and names the
+engine's own spelling of each tunable the advisor talks about in ``settings`` (keys: ``Setting``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+from typing import Any, ClassVar
+
+from kvtop.model.records import EngineRecord
+
+# Every normalised engine field an adapter may fill; views show the rest as "n/a".
+NORMALIZED_FIELDS = (
+    "kv_usage",
+    "running",
+    "waiting",
+    "preemptions_total",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "prefix_hits_total",
+    "prefix_queries_total",
+    "requests_finished_total",
+    "requests_aborted_total",
+    "kv_capacity_tokens",
+    "block_size",
+    "offload_capacity_bytes",
+    "offload_out_bytes_total",
+    "offload_in_bytes_total",
+    "offload_out_seconds_total",
+    "offload_in_seconds_total",
+    "itl",
+    "ttft",
+    "model",
+)
+
+
+class Setting(str, Enum):
+    """Generic names of the engine knobs the advisor recommends changing.
+
+    A ``str`` enum: a member is equal to (and hashes like) its value, so ``settings`` dicts keyed by
+    members still answer lookups by the plain name, and JSON output keeps the plain name.
+    """
+
+    MAX_SEQS = "max_seqs"
+    BATCHED_TOKENS = "batched_tokens"
+    CHUNKED_PREFILL = "chunked_prefill"
+    MAX_PREFILL_TOKENS = "max_prefill_tokens"
+    MAX_TOTAL_TOKENS = "max_total_tokens"
+    MAX_BATCH_TOTAL_TOKENS = "max_batch_total_tokens"
+    MAX_INPUT_TOKENS = "max_input_tokens"
+    MAX_TOKENS = "max_tokens"
+    WAITING_TOKENS = "waiting_tokens"
+    GPU_MEMORY = "gpu_memory"
+    ADMISSION = "admission"
+    OFFLOAD_ENABLE = "offload_enable"
+    OFFLOAD_SIZE = "offload_size"
+    OFFLOAD_RATIO = "offload_ratio"
+    OFFLOAD_BACKEND = "offload_backend"
+    PREFIX_REUSE = "prefix_reuse"
+    PARALLEL = "parallel"
+    CTX = "ctx"
+    UBATCH = "ubatch"
+    KV_UNIFIED = "kv_unified"
+    CONTEXT_SHIFT = "context_shift"
+    CACHE_TYPE = "cache_type"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EngineAdapter(ABC):
+    """Contract every engine adapter implements.
+
+    ``parse`` must tolerate renamed metrics across versions, missing families and truncated pages
+    (return what could be read, with ``warnings`` on the record). Values it copies need no
+    cleaning: the scraper passes every record through ``kvtop.model.sanitize`` (NaN, infinities and
+    negative counters become n/a with a warning), but conversions the adapter does itself
+    (``int(...)``) must go through ``as_int`` so a non-finite value cannot raise.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    fields: ClassVar[frozenset[str]] = frozenset()
+    # False for engines that never preempt a running request (TGI, llama.cpp): the advisor then
+    # never names preemption as a cause for them.
+    preempts: ClassVar[bool] = True
+    # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
+    extra_paths: ClassVar[tuple[str, ...]] = ()
+    # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).
+    settings: ClassVar[dict[Setting, str]] = {}
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, metric_names: set[str]) -> float:
+        """Score 0..1 for how sure this adapter is that a page with these metric names is its engine."""
+
+    @abstractmethod
+    def parse(self, text: str, t: float) -> list[EngineRecord]:
+        """Parse one Prometheus text exposition into one record per engine instance."""
+
+    def parse_extra(self, path: str, body: str, records: list[EngineRecord]) -> None:  # noqa: B027
+        """Enrich ``records`` in place from an ``extra_paths`` response (default: nothing)."""
+
+    def capacity(self, **info: Any) -> dict[str, Any]:
+        """Optional: KV capacity from config info (capacity_tokens, block_size, offload bytes)."""
+        return {}

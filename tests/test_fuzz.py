@@ -1,0 +1,33 @@
+"""Fuzz suite, fast profile: seeded mutations of the in-repo engine captures, a trace and the shipped
+scenarios through detection, every adapter, the scraper, the Core, the snapshot JSON, analyze
+(both paths), replay and advise. Zero crashes, zero non-finite or negative numbers and zero schema
+violations in snapshot JSON. The long profile is ``python bench/fuzz.py --cases 100000``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fuzzing import ADAPTERS, CAPTURES, Stats, page_case, run
+
+CASES_PER_SEED = 250  # x 4 seeds: 1,000 cases: ~500 pages, ~330 traces, ~170 scenarios
+
+
+@pytest.mark.parametrize("seed", [11, 23, 37, 41])
+def test_fuzz_fast_profile(seed, tmp_path):
+    stats = run(CASES_PER_SEED, seed, tmp_path)
+    print(f"seed {seed}: {dict(stats)}")
+    assert stats["cases"] == CASES_PER_SEED
+    assert stats["snapshots"] > 0 and stats["analyses"] > 0 and stats["replays"] > 0
+    assert stats["failures"] == 0, "\n".join(stats.failures)
+
+
+def test_every_capture_through_every_adapter_mutated():
+    """Each capture is mutated and read by all five adapters at least once."""
+    rnd = random.Random(5)
+    stats = Stats()
+    for _ in range(2):
+        for cap in CAPTURES:
+            page_case(rnd, stats, all_adapters=True, capture=cap)
+    assert stats["adapter_parses"] == 2 * len(CAPTURES) * len(ADAPTERS)
+    assert stats["failures"] == 0, "\n".join(stats.failures)
