@@ -1,4 +1,4 @@
-"""The core: folds records into bounded state and derives Snapshots (DESIGN §1).
+"""The core: folds records into bounded state and derives Snapshots (docs/design.md §1).
 
 Pure: no I/O, no threads, no Textual. Live runs, replays and simulations feed the same ``Core``;
 the only difference is where the records come from. Memory is bounded whatever the run length.

@@ -1,4 +1,4 @@
-"""The live runner: polls every source on its own schedule and feeds the core (DESIGN §1).
+"""The live runner: polls every source on its own schedule and feeds the core (docs/design.md §1).
 
 Each source (every engine URL, the GPU, the host) runs as its own self-rescheduling asyncio task,
 so a slow or dead engine delays nothing else. Blocking reads (NVML, /proc) run in worker threads;

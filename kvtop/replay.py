@@ -1,4 +1,4 @@
-"""Replaying a trace file through the same Core a live run uses (DESIGN §1, §3).
+"""Replaying a trace file through the same Core a live run uses (docs/design.md §1, §3).
 
 The feed streams the file (never loads it whole) and keeps a trace clock ``t``: records are
 ingested once the trace clock passes their ``t``. At ``speed=1`` the trace clock follows the wall

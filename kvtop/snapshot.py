@@ -1,4 +1,4 @@
-"""The Snapshot: the one immutable value every view renders (DESIGN §1).
+"""The Snapshot: the one immutable value every view renders (docs/design.md §1).
 
 The core derives it from its state; the TUI, the headless report, the exporter and tests only
 read it. JSON output follows ``kvtop/schemas/snapshot.schema.json``: numbers stay numbers,
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# Severity thresholds (host-and-gpu.md §6; vLLM kv-cache dashboard).
+# Severity thresholds (docs/host-and-gpu.md §6; vLLM kv-cache dashboard).
 KV_WARN = 0.90
 KV_CRIT = 0.98
 PREEMPT_WARN_PER_S = 0.0  # any preemption is worth a look
@@ -35,7 +35,7 @@ class GpuView:
     pcie_link_width: int | None = None
     pcie_link_gen_max: int | None = None
     pcie_link_width_max: int | None = None
-    # Theoretical per-direction capacity at the *current* gen/width (host-and-gpu.md §2).
+    # Theoretical per-direction capacity at the *current* gen/width (docs/host-and-gpu.md §2).
     pcie_capacity_bytes_per_s: float | None = None
     # Current link below the max while traffic flows (idle links down-train on purpose).
     link_downtrained: bool = False

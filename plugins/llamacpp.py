@@ -1,6 +1,6 @@
 """llama.cpp ``llama-server`` adapter (``--metrics``), with KV usage from ``GET /slots``.
 
-Facts: reference/engines.md §5 and reference/real-engines.md. Quirks that shape this adapter:
+Facts: docs/engines.md §5 and docs/real-engines.md. Quirks that shape this adapter:
 
 * ``tokens_predicted_total`` / ``prompt_tokens_total`` move only when a request **finishes**, so a
   rate from them lags and comes in bursts; ``n_decode_total`` (``llama_decode()`` calls) moves live

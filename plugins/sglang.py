@@ -1,6 +1,6 @@
 """SGLang adapter: scheduler/tokenizer metrics, retraction (SGLang's preemption), HiCache, DP ranks.
 
-Facts: reference/engines.md §3. One record per (``engine_type``, ``dp_rank``). Scheduler series
+Facts: docs/engines.md §3. One record per (``engine_type``, ``dp_rank``). Scheduler series
 carry ``tp_rank``/``pp_rank``/``moe_ep_rank``; SGLang reports only attention-TP rank 0 unless
 ``--enable-metrics-for-all-schedulers``, in which case the other ranks repeat the same batch and are
 skipped here (counting them would multiply running/queued). Tokenizer-side series (token counters,
@@ -46,7 +46,7 @@ _EXTRA_GAUGES = {
     "hicache_host_total_tokens": "sglang:hicache_host_total_tokens",
     "retracted_input_tokens_total": "sglang:num_retracted_input_tokens_total",
     "retracted_output_tokens_total": "sglang:num_retracted_output_tokens_total",
-    # HiCache moves tokens, not bytes: bytes need the model's bytes/token (kv-science.md §1)
+    # HiCache moves tokens, not bytes: bytes need the model's bytes/token (docs/kv-science.md §1)
     "offload_out_tokens_total": "sglang:evicted_tokens_total",
     "offload_in_tokens_total": "sglang:load_back_tokens_total",
 }

@@ -1,6 +1,6 @@
 """Hugging Face TGI adapter (v3.x router metrics).
 
-Facts: reference/engines.md §4. TGI never preempts: its v3 queue reserves ``input + max_new_tokens``
+Facts: docs/engines.md §4. TGI never preempts: its v3 queue reserves ``input + max_new_tokens``
 at admission and keeps a request waiting instead, so KV pressure shows as queue size and queue
 time, never as a mid-stream stall. Counters have no ``_total`` on the wire and no model label; the
 model comes from ``GET /info`` when the scraper fetches it.

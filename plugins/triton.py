@@ -1,6 +1,6 @@
 """Triton Inference Server + TensorRT-LLM backend adapter (``:8002/metrics``).
 
-Facts: reference/engines.md §6 (from the backend README; the mapping of type labels to kvtop
+Facts: docs/engines.md §6 (from the backend README; the mapping of type labels to kvtop
 fields is inferred from their names). One record per TensorRT-LLM model (``model``/``version``
 labels). ``nv_inference_*`` counters have no ``_total`` on the wire. KV capacity in tokens is
 ``max`` blocks x ``tokens_per`` block. The backend exports no preemption counter; with the

@@ -1,6 +1,6 @@
 """vLLM adapter: V1 names, V0 / renamed aliases, DP engines, cache_config_info, offload counters.
 
-Facts: reference/engines.md §2. One record per ``engine`` label (data-parallel ranks).
+Facts: docs/engines.md §2. One record per ``engine`` label (data-parallel ranks).
 """
 
 from __future__ import annotations

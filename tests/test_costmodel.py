@@ -1,4 +1,4 @@
-"""Cost-model formulas (kv-science §2.2, §3, §5, §6, §8, §9) and monotonicity properties."""
+"""Cost-model formulas (docs/kv-science.md §2.2, §3, §5, §6, §8, §9) and monotonicity properties."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GpuSource against a fake NVML binding: every failure mode of reference/host-and-gpu.md §4."""
+"""GpuSource against a fake NVML binding: every failure mode of docs/host-and-gpu.md §4."""
 
 from __future__ import annotations
 
@@ -345,7 +345,7 @@ def test_mig_mode_and_per_instance_memory():
         FakeMig(gpu_instance_id=1, mem_total=20 * GiB, mem_used=5 * GiB),
         FakeMig(gpu_instance_id=2, mem_total=40 * GiB, mem_used=10 * GiB + GiB // 2),
     ])
-    # Without privileges the parent handle refuses the aggregate memory (reference §3).
+    # Without privileges the parent handle refuses the aggregate memory (docs/host-and-gpu.md §3).
     mig_gpu.fail = {"nvmlDeviceGetMemoryInfo": "NO_PERMISSION", "nvmlDeviceGetUtilizationRates": "NOT_SUPPORTED"}
     plain = FakeGpu(mig_current=0)
     consumer = FakeGpu(name="NVIDIA GeForce RTX 4090", fail={"nvmlDeviceGetMigMode": "NOT_SUPPORTED"})

@@ -1,4 +1,4 @@
-"""KV bytes per token: the test vectors of kv-science §1.3."""
+"""KV bytes per token: the test vectors of docs/kv-science.md §1.3."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kv-science §12 acceptance scenarios S1-S6 through `kvtop advise` (every quoted number within ±5 %)."""
+"""docs/kv-science.md §12 acceptance scenarios S1-S6 through `kvtop advise` (every quoted number within ±5 %)."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_two_rare_preemptions_are_no_action():
 
 
 def test_itl_within_target_is_no_action():
-    """kv-science §11: ITL p99 95 ms under a 100 ms target -> no action, whatever the preemptions."""
+    """docs/kv-science.md §11: ITL p99 95 ms under a 100 ms target -> no action, whatever the preemptions."""
     doc = json.loads((HERE / "S1.json").read_text())
     doc.pop("expect")
     doc["slo"] = {"itl_ms": 100}

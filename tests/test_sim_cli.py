@@ -67,7 +67,7 @@ def test_policy_swap_writes_offload_counters(tmp_path):
     assert last.offload_capacity_bytes == int(200e9)
     assert last.offload_out_bytes_total > 0 and last.offload_out_seconds_total > 0
     # effective bandwidth from the counters: BW_eff = g/(g/BW + alpha) with g = one 1.25 MiB block,
-    # BW = 40 GB/s, alpha = 6 us (kv-science §2.2) = 33.81 GB/s
+    # BW = 40 GB/s, alpha = 6 us (docs/kv-science.md §2.2) = 33.81 GB/s
     bw = last.offload_out_bytes_total / last.offload_out_seconds_total
     g = 16 * 81920
     assert abs(bw - g / (g / 40e9 + 6e-6)) < 0.002 * bw

@@ -106,7 +106,7 @@ def test_prefill_interference_stalls_every_running_stream_at_once_without_preemp
     for r in long_steps:
         d = r.data
         p = prompts[r.request_id].prompt_tokens
-        # unchunked: the whole prompt in one step, a*P + a*k_att*P^2 (kv-science §3.1) on top of decode
+        # unchunked: the whole prompt in one step, a*P + a*k_att*P^2 (docs/kv-science.md §3.1) on top of decode
         pf = st.prefill_token_s * p + st.prefill_token_s * st.k_att * p * p
         assert p >= 8000 and d["prefill_tokens"] >= p
         if len(d["prefill_requests"]) == 1:
@@ -127,7 +127,7 @@ def _short_swap_workload() -> dict:
     return {"name": "short", "engine": {
         "bytes_per_token": 131072, "block_size": 16, "kv_cache_bytes": 1.2e9, "max_num_seqs": 64,
         "max_num_batched_tokens": 2048, "max_model_len": 4096,
-        # busy/fragmented link: 2 GB/s with 32 KiB per-layer copies (kv-science S2/S3 direction)
+        # busy/fragmented link: 2 GB/s with 32 KiB per-layer copies (docs/kv-science.md S2/S3 direction)
         "swap": {"link_bytes_per_s": 2e9, "copy_bytes": 32768, "copy_overhead_s": 2e-5}},
         "classes": [{"name": "c", "rate_per_s": 3, "prompt": {"median": 300, "sigma": 0.4, "max": 1000},
                      "output": {"median": 400, "sigma": 0.4, "max": 1500}}]}
@@ -200,7 +200,7 @@ def test_preempting_a_mostly_shared_prefix_request_frees_only_its_private_blocks
     assert 4100 < ctx < 4100 + 400
     assert d["shared_blocks"] == 250
     # only the private blocks (context past the 4000-token prefix) were freed: < 10% of a naive
-    # estimate that counts the whole context (kv-science §7: count only private tokens)
+    # estimate that counts the whole context (docs/kv-science.md §7: count only private tokens)
     assert d["private_blocks"] == -(-(ctx - 4000) // 16) or d["private_blocks"] == -(-(ctx + 1 - 4000) // 16)
     assert d["private_blocks"] * 16 < 0.1 * ctx
     # ... and the prefix stays resident and referenced by the other 15 holders
@@ -247,7 +247,7 @@ def test_itl_histogram_has_one_sample_per_request_per_step_with_tokens():
     assert res.stats.itl.count == toks - firsts
     assert res.stats.ttft.count == firsts
     # iteration_tokens counts generated tokens + whole prompts when their prefill finishes, never a
-    # victim's recomputed tokens (reference/real-engines.md): its sum is exactly these two counters
+    # victim's recomputed tokens (docs/real-engines.md): its sum is exactly these two counters
     assert res.stats.preempt_events > 0
     assert res.stats.iteration_tokens.sum == res.stats.generation_tokens + res.stats.prompt_tokens
     assert res.stats.iteration_tokens.count == res.stats.steps

@@ -1,4 +1,4 @@
-"""The verdict: attribute first, then prescribe (reference/kv-science.md §0, §11).
+"""The verdict: attribute first, then prescribe (docs/kv-science.md §0, §11).
 
 ``advise(situation)`` is shared by ``kvtop analyze`` (inputs measured from a trace) and
 ``kvtop advise`` (inputs given in a scenario file). Every number it reports carries its source:
@@ -31,7 +31,7 @@ from kvtop.analysis.swapimpl import IMPLEMENTATIONS
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
             "(goodput); throughput at a broken p99, or latency bought by aborting more, does not count.")
-# Default prefill rates (tokens/s) per model for an H100 at ~35-40 % MFU (kv-science §3.2).
+# Default prefill rates (tokens/s) per model for an H100 at ~35-40 % MFU (docs/kv-science.md §3.2).
 DEFAULT_RHO = {"llama-3.1-8b": 25_000.0, "llama-3.1-70b": 10_000.0, "qwen2.5-7b": 27_000.0}
 GENERIC_RHO = 25_000.0
 GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unknown (assumed)
@@ -296,7 +296,7 @@ def _aggregate_churn(s: Situation, reasons: list[str]) -> float | None:
 
     Without per-request timings nothing ties a stall to a preemption, but preemptions per completed
     request above the churn threshold, with the KV cache full or requests waiting, is admission's
-    signature by itself (kv-science §8). The confidence stays below what timings would give.
+    signature by itself (docs/kv-science.md §8). The confidence stays below what timings would give.
     """
     r_pre = s.v("preemptions_per_completed")
     if r_pre is None or r_pre <= cap.CHURN_R_PRE or not s.preempts:

@@ -1,4 +1,4 @@
-"""Capacity-based concurrency and churn (reference/kv-science.md §8)."""
+"""Capacity-based concurrency and churn (docs/kv-science.md §8)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvtop.analysis.costmodel import t_pf
 
-# Heuristic churn thresholds (kv-science §8): sustained preemptions per completed request and
+# Heuristic churn thresholds (docs/kv-science.md §8): sustained preemptions per completed request and
 # mean preemptions per preempted request; p above ABANDON means stalls drive users away.
 CHURN_R_PRE = 0.05
 CHURN_KBAR = 1.5

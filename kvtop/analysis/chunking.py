@@ -1,4 +1,4 @@
-"""Chunked-prefill token budget under an ITL SLO (reference/kv-science.md §9)."""
+"""Chunked-prefill token budget under an ITL SLO (docs/kv-science.md §9)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class ChunkPlan:
 
 
 def spike_share(rate: float, t_spike: float, t_dec: float) -> float:
-    """Share of a stream's ITL samples that land on a long prefill step (kv-science §12 S5)."""
+    """Share of a stream's ITL samples that land on a long prefill step (docs/kv-science.md §12 S5)."""
     per_s = (1 - rate * t_spike) / t_dec + rate
     return rate / per_s if per_s > 0 else 1.0
 

@@ -1,4 +1,4 @@
-"""Cost of one preemption event: swap/offload vs recompute (reference/kv-science.md §3, §5, §6, §7).
+"""Cost of one preemption event: swap/offload vs recompute (docs/kv-science.md §3, §5, §6, §7).
 
 All times are seconds of GPU time unless named ``t_*`` (wall time). Every function is pure.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from kvtop.analysis.kvbytes import KVSize
 
-# kv-science §12 common defaults
+# docs/kv-science.md §12 common defaults
 EPSILON_ASYNC = 0.05  # GPU cost fraction of an asynchronous (DMA, overlapped) copy
 U_MAX = 0.8  # link utilisation ceiling for the swap gate
 MARGINAL = 0.30  # within ±30 % of a break-even the verdict is "marginal"
@@ -31,7 +31,7 @@ def t_pf_attention(S: float, h: float, a: float, k_att: float) -> float:
 
 @dataclass
 class EventInputs:
-    """One preemption class (kv-science §5.1). Bytes in B, rates in B/s, times in s."""
+    """One preemption class (docs/kv-science.md §5.1). Bytes in B, rates in B/s, times in s."""
 
     beta: float  # KV bytes per token, all ranks (freed GPU memory)
     beta_rank: float  # KV bytes per token on one rank (bytes moved per rank)
@@ -106,7 +106,7 @@ class EventCost:
 
 
 def p_star(r: float, s: float, kappa: float) -> float | None:
-    """Cancel probability above which recompute is cheaper (kv-science §6): (r − 2κs)/(r − κs)."""
+    """Cancel probability above which recompute is cheaper (docs/kv-science.md §6): (r − 2κs)/(r − κs)."""
     den = r - kappa * s
     if den <= 0:
         return 0.0  # recompute is cheaper even if every victim resumes
@@ -115,7 +115,7 @@ def p_star(r: float, s: float, kappa: float) -> float | None:
 
 def break_even_tokens(beta_rank: float, bw_eff: float, a: float, k_att: float, p: float = 0.0,
                       kappa: float = 1.0, F: float = 0.0, t_fix: float = 0.0) -> float | None:
-    """Smallest S at which recomputing S tokens costs more than swapping them (kv-science §6).
+    """Smallest S at which recomputing S tokens costs more than swapping them (docs/kv-science.md §6).
 
     Below S* recompute is cheaper; 1 means swap is cheaper for any length. None when recompute
     never costs more (every victim cancels).
@@ -236,7 +236,7 @@ def evaluate_event(x: EventInputs) -> EventCost:
     )
 
 
-# ---- victims and shared prefixes (kv-science §7) -------------------------------------------
+# ---- victims and shared prefixes (docs/kv-science.md §7) -------------------------------------------
 
 @dataclass
 class Victim:

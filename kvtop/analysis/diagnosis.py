@@ -5,7 +5,7 @@ target per cause) or given (a scenario's sections), and ``diagnose`` decides, th
 order of gates, whether the ITL contract is broken and by what. Each gate that decides says so in
 ``Situation.decided_by`` so the verdict can name it.
 
-Gate order (kv-science §11, then the README's "Analysis and verdicts"):
+Gate order (docs/kv-science.md §11, then the README's "Analysis and verdicts"):
 1. ``cause_given`` — the scenario names the cause.
 2. ``itl_target_met`` — observed p99 ITL within the target, or at most 1 % of gaps over it: no action.
 3. ``spike_pattern`` — >= 3 spikes and (>= 0.05 % of gaps or >= 1 % of streams hit); isolated

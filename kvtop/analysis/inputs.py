@@ -2,7 +2,7 @@
 
 ``measured`` means read from this trace's records; ``config`` from the model geometry (a
 --model-config file or the built-in table); ``given`` from the command line; ``assumed`` a
-documented default (kv-science §12) used because the trace did not show it.
+documented default (docs/kv-science.md §12) used because the trace did not show it.
 """
 
 from __future__ import annotations

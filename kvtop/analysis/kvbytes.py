@@ -1,4 +1,4 @@
-"""KV-cache bytes per token from a model's geometry (reference/kv-science.md §1).
+"""KV-cache bytes per token from a model's geometry (docs/kv-science.md §1).
 
 ``kv_bytes_per_token`` answers "how many bytes does one token's KV occupy on one rank" for
 MHA/GQA/MQA, MLA (DeepSeek), FP8 and tensor parallelism; ``seq_bytes`` adds sliding-window
@@ -39,7 +39,7 @@ class Geometry:
     qk_rope_head_dim: int | None = None
     sliding_window: int | None = None
     swa_layers: int = 0  # how many of ``layers`` use the sliding window
-    non_embedding_params: float | None = None  # N in the recompute FLOP model (kv-science §3.1)
+    non_embedding_params: float | None = None  # N in the recompute FLOP model (docs/kv-science.md §3.1)
 
     @property
     def mla(self) -> bool:
@@ -47,7 +47,7 @@ class Geometry:
 
     @property
     def k_att(self) -> float | None:
-        """Attention-to-linear cost coefficient L·H_q·d_h / N (kv-science §3.1)."""
+        """Attention-to-linear cost coefficient L·H_q·d_h / N (docs/kv-science.md §3.1)."""
         if not self.non_embedding_params:
             return None
         return self.layers * self.heads_q * self.head_dim / self.non_embedding_params
@@ -138,7 +138,7 @@ def seq_bytes(config: dict[str, Any] | Geometry, n: int, dtype: str = "bf16", tp
     return int(round(kv_size(config, dtype, tp).rank_bytes(n)))
 
 
-# Built-in table (kv-science §1.2, Hugging Face config.json values). N = non-embedding params.
+# Built-in table (docs/kv-science.md §1.2, Hugging Face config.json values). N = non-embedding params.
 BUILTIN: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
                      "head_dim": 128, "non_embedding_params": 6.979e9},

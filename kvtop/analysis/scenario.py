@@ -101,7 +101,7 @@ def situation(doc: dict[str, Any]) -> Situation:
 
         try:
             cls = load_adapter(s.engine)
-            s.settings_names = dict(cls.settings)
+            s.settings_names = {str(k): v for k, v in cls.settings.items()}
             s.preempts = bool(cls.preempts)
         except PluginError as e:
             s.notes.append(f"engine settings not named: {e}")

@@ -10,7 +10,7 @@ from kvtop.model.sanitize import finite_json
 
 NAME = "advise"
 HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
-DESCRIPTION = ("Evaluate the KV cost model (kv-science §5-§11) on the inputs in a scenario file and print the "
+DESCRIPTION = ("Evaluate the KV cost model (docs/kv-science.md §5-§11) on the inputs in a scenario file and print the "
                "verdict. The scenario format is the JSON Schema kvtop/schemas/scenario.schema.json.")
 ORDER = 45
 

@@ -1,4 +1,4 @@
-"""Typed observation records (DESIGN §3): what every source emits and every trace holds.
+"""Typed observation records (docs/design.md §3): what every source emits and every trace holds.
 
 A record is a timestamped fact. ``t`` is seconds on a monotonic clock from the start of the run.
 Fields a source cannot fill stay ``None`` and are written as JSON ``null`` ("n/a" in views).
@@ -80,7 +80,7 @@ class HostRecord:
     mem_available_bytes: int | None = None
     swap_total_bytes: int | None = None
     swap_used_bytes: int | None = None
-    # Best pinned-memory signal and which one it is (none of them is exact; host-and-gpu.md §5).
+    # Best pinned-memory signal and which one it is (none of them is exact; docs/host-and-gpu.md §5).
     pinned_bytes: int | None = None
     pinned_signal: str | None = None
     # Every signal read, by name, so views can show them side by side.

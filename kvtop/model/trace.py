@@ -1,4 +1,4 @@
-"""Trace files: JSON Lines, a header line then records in time order (DESIGN §3).
+"""Trace files: JSON Lines, a header line then records in time order (docs/design.md §3).
 
 Writing appends and flushes at least once a second, so a crash loses at most the last second.
 Reading streams line by line; a torn or malformed line is skipped and counted, never fatal.

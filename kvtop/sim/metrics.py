@@ -1,4 +1,4 @@
-"""The simulated engine's /metrics page in vLLM V1 names and semantics (reference/engines.md §2).
+"""The simulated engine's /metrics page in vLLM V1 names and semantics (docs/engines.md §2).
 
 Rendered with prometheus-client from the engine's plain counters at scrape time (a custom
 collector), so updating the counters costs nothing per token. The page carries the families kvtop's

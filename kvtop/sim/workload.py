@@ -28,7 +28,7 @@ class WorkloadError(UsageError):
 
 @dataclass
 class StepCost:
-    """Engine step time = fixed + prefill + decode terms (kv-science.md §3, §9)."""
+    """Engine step time = fixed + prefill + decode terms (docs/kv-science.md §3, §9)."""
 
     fixed_s: float = 0.006
     prefill_token_s: float = 4.0e-5  # a = 1/rho, Llama-3.1-8B on H100 at ~25K tok/s
@@ -39,7 +39,7 @@ class StepCost:
 
 @dataclass
 class SwapConfig:
-    """Host link for swap/offload (kv-science.md §2.2: t = copies*alpha + bytes/BW)."""
+    """Host link for swap/offload (docs/kv-science.md §2.2: t = copies*alpha + bytes/BW)."""
 
     link_bytes_per_s: float = 50e9
     copy_overhead_s: float = 6e-6

@@ -1,6 +1,6 @@
 """GPU source: one ``GpuRecord`` per GPU per poll, read through NVML (nvidia-ml-py, ``pynvml``).
 
-Degradation follows reference/host-and-gpu.md §4: no library / no driver / version mismatch / no
+Degradation follows docs/host-and-gpu.md §4: no library / no driver / version mismatch / no
 GPU -> ``status`` holds a one-line reason and ``poll`` returns []; a field NVML does not support or
 permit -> that field is None plus a note; a GPU that fell off the bus -> ``lost=True`` while the
 others are still read. ``poll`` blocks (the 20 ms throughput API, driver round trips): callers run
@@ -261,7 +261,7 @@ class GpuSource:
             return None, f"engine processes unknown ({type(e).__name__}: {e})"
 
     def _call(self, g: _Gpu, key: str, fn: str, *args: Any, **kw: Any) -> Any:
-        """One NVML call mapped per reference §4; returns None when the field is unavailable."""
+        """One NVML call mapped per docs/host-and-gpu.md §4; returns None when the field is unavailable."""
         if key in g.skip:
             return None
         f = getattr(self.nvml, fn, None)

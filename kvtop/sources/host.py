@@ -1,6 +1,6 @@
 """Host source: memory, swap and pinned host memory from /proc and cgroup v2 files.
 
-No counter measures CUDA pinned memory exactly (reference/host-and-gpu.md §5), so every signal is
+No counter measures CUDA pinned memory exactly (docs/host-and-gpu.md §5), so every signal is
 kept, labelled, in ``pinned_signals`` and the best available one is copied to ``pinned_bytes`` /
 ``pinned_signal``. ``Mlocked`` / ``VmLck`` / ``VmPin`` never stand in for pinned memory: CUDA
 pinned pages do not move them. psutil exposes none of these, so the files are parsed directly.
@@ -21,7 +21,7 @@ SIG_CGROUP_SHMEM = "cgroup shmem"
 # Shown for comparison only (operators look at it first); never chosen as the pinned figure.
 SIG_MLOCKED = "Mlocked (excludes CUDA pinned)"
 
-# Best first (reference §5.3; engine-reported pools, the best of all, are merged in by the core).
+# Best first (docs/host-and-gpu.md §5.3; engine-reported pools, the best of all, are merged in by the core).
 _ORDER = (SIG_GUP, SIG_ENGINE_SHMEM, SIG_CGROUP_SHMEM)
 
 

@@ -1,6 +1,6 @@
 """Engine log lines that carry KV-pressure facts, parsed into typed events.
 
-Formats: reference/engines.md §2.5 (vLLM) and §3.2 (SGLang).
+Formats: docs/engines.md §2.5 (vLLM) and §3.2 (SGLang).
 
 * SGLang retraction (SGLang's preemption), three historical forms:
   - since 2025-12-24, WARNING: ``KV cache pool is full. Retract requests. #retracted_reqs: N,

@@ -1,4 +1,4 @@
-"""Probe: low-rate canary streams kvtop sends itself, for ITL measurement with zero setup (DESIGN §5.2).
+"""Probe: low-rate canary streams kvtop sends itself, for ITL measurement with zero setup (docs/design.md §5.2).
 
 Each probe is a small streaming completion (short fixed prompt, bounded ``max_tokens``) recorded
 exactly like a proxied request (class ``probe``, source ``probe``). Starts are paced by a token

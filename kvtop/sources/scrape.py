@@ -1,5 +1,5 @@
 """Engine scraping: async GET of an engine's /metrics (and the adapter's extra paths), normalised
-through its adapter into ``EngineRecord``s (DESIGN §4).
+through its adapter into ``EngineRecord``s (docs/design.md §4).
 
 ``scrape`` never raises. A failed scrape is a record with ``up=False`` and a one-line reason, and
 the scraper backs off (1, 2, 4 … 30 s) so a dead engine costs nothing while the rest keep running.

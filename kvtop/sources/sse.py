@@ -1,4 +1,4 @@
-"""Scanning an OpenAI-compatible response into request records (DESIGN §5.1).
+"""Scanning an OpenAI-compatible response into request records (docs/design.md §5.1).
 
 ``StreamRecorder`` turns one response's bytes (SSE events or a JSON body) into arrive-less request
 records: first_token, token, finish, cancel, error. The recording proxy, the probe and passive

@@ -1,4 +1,4 @@
-"""Recording reverse proxy for OpenAI-compatible servers: the aiohttp server (DESIGN §5.1).
+"""Recording reverse proxy for OpenAI-compatible servers: the aiohttp server (docs/design.md §5.1).
 
 Bytes are forwarded to the client as soon as each upstream read returns; a ``StreamRecorder``
 parses a copy of the stream on the side and emits records timestamped when the bytes arrived from
@@ -59,7 +59,7 @@ _RESP_DROP: frozenset[str] = frozenset()
 
 
 
-class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+class _ServerLog(logging.LoggerAdapter):
     """aiohttp's server log, minus the traceback for requests its parser refuses.
 
     A header with control characters (a hostile ``X-Request-Id``) is answered 400 by aiohttp and
@@ -74,7 +74,7 @@ class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
             first = str(exc_info).strip().splitlines()
             self.logger.info("refused a malformed request: %s", first[0] if first else "bad HTTP message")
             return
-        self.logger.error(msg, *args, exc_info=exc_info, **kw)  # type: ignore[arg-type]
+        self.logger.error(msg, *args, exc_info=exc_info, **kw)
 
 _SAFE_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")
 

@@ -5,7 +5,7 @@ Run with the vLLM venv's python (it has torch, transformers and tokenizers):
 
 The weights are random, so the output text is gibberish; what matters to kvtop is that vLLM's
 scheduling, paged KV cache and preemption behave exactly as they do for a real model. Shape (see
-shared/reference/real-engines.md): 2 layers, hidden 128, 4 heads, 2 KV heads, head_dim 32 ->
+docs/real-engines.md): 2 layers, hidden 128, 4 heads, 2 KV heads, head_dim 32 ->
 1 KiB of KV per token in fp32, so a 1,081,344-byte KV cache holds 1,056 token slots.
 
 One deliberate difference from the reference's shape: the MLP is wide (intermediate 32,768, not

@@ -153,7 +153,7 @@ def slo_target_ms(records: list[dict], factor: float = 25.0, floor_ms: float = 5
     ``floor_ms``. The typical gap is the mean of all gaps below the 95th percentile, read from the
     trace here (not by kvtop). On a busy 2-core box the proxy reads tokens in bursts and routine
     scheduling hiccups that stall every stream reach ~0.4 s; a preempted vLLM stream is silent for
-    0.7-6 s (reference/real-engines.md), seconds more on a busy box."""
+    0.7-6 s (docs/real-engines.md), seconds more on a busy box."""
     gaps = sorted(b - a for ts in token_times(records).values() for a, b in zip(ts, ts[1:], strict=False))
     if not gaps:
         return floor_ms
