@@ -66,6 +66,13 @@ def require_capture(opts: SourceOptions) -> None:
         raise UsageError(str(e)) from None
 
 
+def add_prometheus_options(p: argparse.ArgumentParser, what: str) -> None:
+    """--prometheus URL (``what`` says what the command does with it) and --selector."""
+    p.add_argument("--prometheus", default=None, metavar="URL", help=what)
+    p.add_argument("--selector", default=None, metavar="MATCHERS",
+                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+
+
 def add_itl_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-target-ms", dest="itl_target_ms", type=float, default=None, metavar="MS",
                    help="inter-token latency target")

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_host_options,
         add_itl_option,
         add_probe_option,
+        add_prometheus_options,
     )
 
     add_engine_options(p)
@@ -39,10 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_probe_option(p)
     add_capture_option(p)
     add_host_options(p)
-    p.add_argument("--prometheus", default=None, metavar="URL",
-                   help="read every engine a Prometheus server scrapes instead of --url (--duration: look-back, default 5m)")
-    p.add_argument("--selector", default=None, metavar="MATCHERS",
-                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+    add_prometheus_options(p, "read every engine a Prometheus server scrapes instead of --url (--duration: look-back, default 5m)")
 
 
 def run(args: argparse.Namespace) -> int:

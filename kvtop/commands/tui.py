@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         add_host_options,
         add_itl_option,
         add_probe_option,
+        add_prometheus_options,
     )
 
     add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
@@ -45,10 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_probe_option(p)
     add_capture_option(p)
     add_host_options(p)
-    p.add_argument("--prometheus", default=None, metavar="URL",
-                   help="show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
-    p.add_argument("--selector", default=None, metavar="MATCHERS",
-                   help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+    add_prometheus_options(p, "show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
 
 
 def looks_like_metrics(text: str) -> bool:
