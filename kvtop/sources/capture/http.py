@@ -235,23 +235,27 @@ class HttpConnection:
             else:
                 data = self._client_body(data, t)
 
+    def _split_head(self, pending: bytes, data: bytes) -> tuple[bytes | None, bytes, bytes]:
+        """``data`` added to a message head being read: (the head, the bytes after it, what stays
+        pending). The head is None until its blank line arrives; a head past HEAD_CAP is no HTTP."""
+        buf = pending + data
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            return buf[:end], buf[end + 4:], b""
+        if len(buf) > HEAD_CAP:
+            self._die("not_http")
+            return None, b"", b""
+        return None, b"", buf
+
     def _client_head(self, data: bytes, t: float) -> bytes:
         if not self._c_head:
             if not data.startswith(_METHODS) and not data.lstrip(b"\r\n").startswith(_METHODS):
                 self._die("not_http")
                 return b""
-        buf = self._c_head + data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > HEAD_CAP:
-                self._die("not_http")
-                return b""
-            self._c_head = buf
+        head, rest, self._c_head = self._split_head(self._c_head, data)
+        if head is None:
             return b""
-        rest = buf[end + 4:]
-        head = buf[:end].lstrip(b"\r\n")
-        self._c_head = b""
-        start, h = _head_fields(head)
+        start, h = _head_fields(head.lstrip(b"\r\n"))
         parts = start.split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             self._die("http2" if start.startswith(b"PRI") else "not_http")
@@ -357,17 +361,10 @@ class HttpConnection:
             else:
                 self._die("not_http")
             return b""
-        buf = self._s_head + data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(buf) > HEAD_CAP:
-                self._die("not_http")
-                return b""
-            self._s_head = buf
+        head, rest, self._s_head = self._split_head(self._s_head, data)
+        if head is None:
             return b""
-        self._s_head = b""
-        start, h = _head_fields(buf[:end])
-        rest = buf[end + 4:]
+        start, h = _head_fields(head)
         try:
             status = int(start.split(b" ", 2)[1])
         except (IndexError, ValueError):
