@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("prometheus") is not None])
         items[:] = keep
+
+
+def wait_for_line(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:  # noqa: ANN001
+    """The first line of a child's output stream matching ``pattern`` (read on a thread, so a
+    child that prints nothing fails the test after ``timeout_s`` with what it did print)."""
+    found: list[re.Match[str]] = []
+    seen: list[str] = []
+
+    def reader() -> None:
+        for line in stream:
+            seen.append(line)
+            m = re.search(pattern, line)
+            if m:
+                found.append(m)
+                return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not found:
+        raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s: {''.join(seen)[-2000:]}")
+    return found[0]

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import defaultdict
 
 import httpx
 import pytest
-from conftest import REPO, run_kvtop
+from conftest import REPO, run_kvtop, wait_for_line
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.model.trace import TraceReader
@@ -28,34 +26,15 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
                             text=True, env=env)
 
 
-def _line(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:  # noqa: ANN001
-    box: list[re.Match[str]] = []
-    seen: list[str] = []
-
-    def read() -> None:
-        for line in stream:
-            seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                box.append(m)
-                return
-
-    t = threading.Thread(target=read, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    assert box, f"no {pattern!r} in {''.join(seen)[-1500:]}"
-    return box[0]
-
-
 @pytest.mark.slow
 def test_agent_serves_metrics_and_leaves_replayable_segments(tmp_path):
     sim = _spawn("sim-server", "--preset", "healthy", "--port", "0", "--duration", "60")
     agent = None
     try:
-        sim_url = _line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
         agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--probe", "4", "--no-gpu",
                        "--interval", "0.5", "--trace-dir", str(tmp_path / "traces"), "--trace-max-age", "3s")
-        url = _line(agent.stderr, r"metrics (http://[\d.:]+)/metrics").group(1)
+        url = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+)/metrics").group(1)
         deadline = time.monotonic() + 30
         while True:
             r = httpx.get(url + "/metrics", timeout=5)
@@ -145,10 +124,10 @@ def test_agent_counts_captured_and_proxied_streams_once_each():
     sim = _spawn("sim-server", "--seed", "1", "--port", "0", "--duration", "60")
     agent = None
     try:
-        sim_url = _line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
         agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--proxy-listen", "127.0.0.1:0",
                        "--capture", "--no-gpu", "--no-host", "--interval", "0.5")
-        m = _line(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+).*capture port \d+")
+        m = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+).*capture port \d+")
         url, proxy = m.group(1), m.group(2)
         time.sleep(0.5)
         body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 12,

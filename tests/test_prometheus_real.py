@@ -18,16 +18,14 @@ import asyncio
 import json
 import math
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import run_kvtop
+from conftest import run_kvtop, wait_for_line
 from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
 
 from kvtop.core import Core
@@ -56,26 +54,6 @@ def _kvtop(*args: str) -> subprocess.Popen[str]:
                                                   "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")})
 
 
-def _read_until(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:  # noqa: ANN001
-    found: list[re.Match[str]] = []
-    seen: list[str] = []
-
-    def reader() -> None:
-        for line in stream:
-            seen.append(line)
-            m = re.search(pattern, line)
-            if m:
-                found.append(m)
-                return
-
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if not found:
-        raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s: {''.join(seen)[-2000:]}")
-    return found[0]
-
-
 def _stop(p: subprocess.Popen[str]) -> None:
     if p.poll() is None:
         p.terminate()
@@ -93,11 +71,11 @@ def storm():
     procs = [sim]
     prom = None
     try:
-        sim_url = _read_until(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
         agent = _kvtop("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--proxy-listen", "127.0.0.1:0",
                        "--no-gpu", "--itl-target-ms", "100", "--interval", "0.5")
         procs.append(agent)
-        m = _read_until(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+)")
+        m = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+)/metrics.*proxy (http://[\d.:]+)")
         agent_url, proxy_url = m.group(1), m.group(2)
         prom = PrometheusServer({"kvtop": [agent_url.split("//")[1]], "vllm": [sim_url.split("//")[1]]},
                                 rule_files=[DEPLOY / "prometheus" / "kvtop-alerts.yml"]).start()
