@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_attribution import run as _run
 
-from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.report import build_report, render_verdict_text
 
 STEP = 0.02
 
-
-def _run(recs, **kw):
-    an = Analyzer(**kw)
-    an.set_header({"engine": {"adapter": "vllm", "model": "meta-llama/Llama-3.1-8B-Instruct"}})
-    for d in sorted(recs, key=lambda d: d["t"]):
-        an.feed_dict(d)
-    an.finish()
-    return an
 
 
 def _storm_scrapes(dur=60, pre_per_s=0.53, done_per_s=0.24, kv=1.0, waiting=3):
