@@ -137,23 +137,21 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
     target it was recorded against) the way ``kvtop analyze`` does; ``itl_target_s`` overrides.
     Raises TraceError / OSError for a missing or non-trace file.
     """
-    from kvtop.model.trace import TraceReader
     from kvtop.replay import ReplayFeed
 
     label = label or f"replay {Path(path).name}"
-    reader = TraceReader(Path(path))
-    try:
-        header = reader.header
-    finally:
-        reader.close()
-    kw = _analysis_from_header(header)
-    target = itl_target_s if itl_target_s is not None else kw.pop("itl_target_s", None)
-    kw.pop("itl_target_s", None)
+    # opening the feed reads the header; its core is replaced before a record is fed
+    feed = ReplayFeed(path, Core(source_label=label), speed=speed)
+    kw = _analysis_from_header(feed.header)
+    header_target = kw.pop("itl_target_s", None)
+    target = itl_target_s if itl_target_s is not None else header_target
 
     def factory() -> Core:
         return make_core(label, target, **kw)
 
-    return ReplayFeed(path, factory(), speed=speed, core_factory=factory)
+    feed.core = factory()
+    feed.core_factory = factory
+    return feed
 
 
 def _analysis_from_header(header: dict[str, Any]) -> dict[str, Any]:
@@ -191,19 +189,12 @@ def demo_feed(workload: Workload, seed: int = 1, speed: float = 1.0, interval_s:
     return DemoFeed(core, workload, seed=seed, speed=speed, interval_s=interval_s)
 
 
-async def run_for(feed: Feed, duration_s: float | None = None,
-                  until: Callable[[], bool] | None = None) -> None:
-    """Run ``feed`` headless until it ends, ``duration_s`` passes or ``until()`` holds."""
+async def run_for(feed: Feed, until: Callable[[], bool]) -> None:
+    """Run ``feed`` headless until it ends or ``until()`` holds."""
     stop = asyncio.Event()
     task = asyncio.create_task(feed.run(stop=stop))
-    loop = asyncio.get_running_loop()
-    end = None if duration_s is None else loop.time() + duration_s
     try:
-        while not task.done():
-            if end is not None and loop.time() >= end:
-                break
-            if until is not None and until():
-                break
+        while not task.done() and not until():
             await asyncio.wait([task], timeout=0.05)
     finally:
         stop.set()
