@@ -250,3 +250,30 @@ def test_snapshot_says_when_prometheus_scrapes_no_engine(api):
     r = run_kvtop("snapshot", "--prometheus", url, timeout=60)
     assert r.returncode == 2
     assert r.stderr.strip() == f"kvtop: error: Prometheus at {url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, Triton metric names)"
+
+
+def test_prometheus_reads_send_the_token_from_token_file(tmp_path):
+    """--token-file reaches the Prometheus API as a bearer token (it was once read only for /metrics
+    scrapes), and the token itself is never printed."""
+    seen: list[str | None] = []
+
+    class Seeing(_Api):
+        routes: dict = {}
+
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization"))
+            super().do_GET()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Seeing)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    token = tmp_path / "token"
+    token.write_text("s3cret-from-file\n")
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        r = run_kvtop("snapshot", "--prometheus", url, "--token-file", str(token), timeout=60)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert seen and all(a == "Bearer s3cret-from-file" for a in seen), seen
+    assert r.returncode == 2  # this server scrapes no engine: a one-line answer
+    assert "s3cret" not in r.stdout + r.stderr

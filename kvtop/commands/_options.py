@@ -99,16 +99,35 @@ def interval_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
     return v
 
 
+def timeout_s(args: argparse.Namespace, cfg: dict[str, Any], default: float = DEFAULT_TIMEOUT_S) -> float:
+    """--timeout (or config) in seconds, checked once for every command."""
+    from kvtop.config import parse_seconds, resolve
+
+    v = parse_seconds(resolve(args, cfg, "timeout", default), "--timeout")
+    if not 0 < v <= 600:
+        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {v:g}")
+    return v
+
+
+def selector(args: argparse.Namespace) -> str | None:
+    """--selector, checked: one-line error for matchers Prometheus would refuse."""
+    from kvtop.sources.promfleet import parse_selector
+
+    try:
+        parse_selector(args.selector)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return args.selector
+
+
 def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptions:
     """Resolve and check every option the groups above declare (absent groups take defaults)."""
-    from kvtop.config import engine_bases, parse_seconds, resolve, resolve_token
+    from kvtop.config import engine_bases, resolve, resolve_token
 
     # the same engine named twice would be scraped twice and counted once
     urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
     engine_bases(list(urls))
-    timeout = parse_seconds(resolve(args, cfg, "timeout", DEFAULT_TIMEOUT_S), "--timeout")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
+    timeout = timeout_s(args, cfg)
     adapter = resolve(args, cfg, "adapter")
     if adapter is not None:
         from kvtop.plugin import PluginError, load_adapter

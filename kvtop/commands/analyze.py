@@ -43,16 +43,16 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.analysis.kvbytes import ModelConfigError, load_config_file
     from kvtop.analysis.report import render_report_text
     from kvtop.analysis.scan import analyze_trace
+    from kvtop.commands._options import itl_target_s
     from kvtop.model.trace import TraceError
 
-    if args.itl_target_ms is not None and args.itl_target_ms <= 0:
-        raise UsageError("--itl-target-ms must be positive")
+    target = itl_target_s(args, {})
     if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
         raise UsageError("--kv-bytes-per-token must be positive")
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
     if args.prometheus:
-        return _prometheus(args)
+        return _prometheus(args, target)
     if args.trace is None:
         raise UsageError("give a trace file, or --prometheus URL to analyze what Prometheus holds")
     cfg = None
@@ -62,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         except ModelConfigError as e:
             raise UsageError(str(e)) from None
     try:
-        rep = analyze_trace(args.trace, None if args.itl_target_ms is None else args.itl_target_ms / 1e3,
-                            cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
+        rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
     except TraceError as e:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
@@ -97,10 +96,11 @@ def _save_scenario(args: argparse.Namespace, rep: dict) -> None:
         raise UsageError(f"cannot write {args.save_scenario}: {e.strerror or e}") from None
 
 
-def _prometheus(args: argparse.Namespace) -> int:
+def _prometheus(args: argparse.Namespace, target: float | None) -> int:
     import time
 
     from kvtop.analysis.report import render_report_text
+    from kvtop.commands._options import timeout_s
     from kvtop.config import parse_seconds
     from kvtop.model.trace import _finite
     from kvtop.sources.promapi import PromClient, PromError
@@ -115,19 +115,16 @@ def _prometheus(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     step = parse_seconds(args.step, "--step")
-    timeout = parse_seconds(args.timeout, "--timeout")
+    timeout = timeout_s(args, {}, 30.0)
     if not end > start:
         raise UsageError("--end must be after --start")
     if not 0 < step <= 3600:
         raise UsageError("--step must be between 0 and 3600 seconds")
     if (end - start) / step > 11000:
         raise UsageError(f"{(end - start) / step:.0f} steps: Prometheus answers at most 11000 per query; raise --step")
-    if not 0 < timeout <= 600:
-        raise UsageError("--timeout must be between 0 and 600 seconds")
     client = PromClient(args.prometheus, timeout_s=timeout)
     try:
-        rep = analyze_history(client, start, end, step, args.selector,
-                              None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
+        rep = analyze_history(client, start, end, step, args.selector, target)
     except PromError as e:
         raise UsageError(str(e)) from None
     finally:

@@ -110,28 +110,20 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     """`snapshot --prometheus URL`: one report over the last --duration of what Prometheus holds."""
     import json
 
-    from kvtop.commands._options import itl_target_s
-    from kvtop.config import parse_seconds, resolve
+    from kvtop.commands._options import itl_target_s, selector, timeout_s
+    from kvtop.config import parse_seconds, resolve, resolve_token
     from kvtop.errors import UsageError
     from kvtop.pipeline import prometheus_feed
-    from kvtop.sources.promfleet import parse_selector
 
     if args.url:
         raise UsageError("give either --url or --prometheus, not both")
     window = parse_seconds(args.duration, "--duration") if args.duration is not None else 300.0
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 10.0), "--timeout")
     fmt = resolve(args, cfg, "format", "text")
     if not 1 <= window <= 7 * 86400:
         raise UsageError(f"--duration (the look-back) must be between 1 s and 7 days, not {window:g}")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    try:
-        parse_selector(args.selector)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    feed = prometheus_feed(args.prometheus, selector=args.selector, itl_target_s=itl_target_s(args, cfg),
-                           window_s=window, step_s=max(1.0, min(15.0, window / 30)), timeout_s=timeout,
-                           token=resolve(args, cfg, "token"))
+    feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
+                           window_s=window, step_s=max(1.0, min(15.0, window / 30)),
+                           timeout_s=timeout_s(args, cfg, 10.0), token=resolve_token(args, cfg))
     try:
         feed.poll_once()
     finally:

@@ -238,23 +238,15 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
 
 def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str | None) -> int:
     """The console over what a Prometheus server scrapes: the fleet screen first, enter opens one."""
-    from kvtop.commands._options import interval_s, itl_target_s
-    from kvtop.config import parse_seconds, resolve
+    from kvtop.commands._options import interval_s, itl_target_s, selector, timeout_s
+    from kvtop.config import resolve_token
     from kvtop.pipeline import prometheus_feed
-    from kvtop.sources.promfleet import parse_selector
     from kvtop.tui.app import run_console
 
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
-    try:
-        parse_selector(args.selector)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     interval = interval_s(args, cfg)
-    timeout = parse_seconds(resolve(args, cfg, "timeout", 5.0), "--timeout")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {timeout:g}")
-    feed = prometheus_feed(args.prometheus, selector=args.selector, itl_target_s=itl_target_s(args, cfg),
-                           interval_s=max(interval, 2.0), timeout_s=timeout, token=resolve(args, cfg, "token"),
-                           window_s=120.0, core_window_s=60.0)
+    feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
+                           interval_s=max(interval, 2.0), timeout_s=timeout_s(args, cfg, 5.0),
+                           token=resolve_token(args, cfg), window_s=120.0, core_window_s=60.0)
     return run_console(feed.core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)
