@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from kvtop import __version__
 from kvtop.history import History
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
 from kvtop.model.sanitize import printable, sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
@@ -97,7 +98,7 @@ class LiveAnalysis(Protocol):
         """(spikes, spikes attributed to preemption, last cause) for one request."""
         ...
 
-    def report(self, now: float) -> dict[str, Any] | None: ...
+    def report(self, now: float) -> AnalysisReport | None: ...
 
     def fresh(self) -> LiveAnalysis:
         """A new, empty analysis with the same settings."""

@@ -176,15 +176,15 @@ class AgentMetrics:
                              ["engine"])
         acc = getattr(an, "acc", None)
         attributed.add_metric([lab], float(len(getattr(acc, "preempted_ids", ()))))
-        rep = snap.analysis or {}
-        verdict = rep.get("verdict") or {}
+        rep = snap.analysis
+        verdict = rep.verdict if rep is not None else None
         v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])
         v_conf = gauge("kvtop_verdict_confidence", "Confidence of the current verdict (0..1)", ["engine"])
-        if verdict:
-            v_info.add_metric([lab, str(verdict.get("action") or "none"), str(verdict.get("mechanism") or "none")], 1)
-            if verdict.get("confidence") is not None:
-                v_conf.add_metric([lab], float(verdict["confidence"]))
-        tgt = rep.get("itl_target_s") if rep else snap.itl_target_s
+        if verdict is not None:
+            v_info.add_metric([lab, str(verdict.action or "none"), str(verdict.mechanism or "none")], 1)
+            if verdict.confidence is not None:
+                v_conf.add_metric([lab], float(verdict.confidence))
+        tgt = rep.itl_target_s if rep is not None else snap.itl_target_s
         if tgt:
             gauge("kvtop_itl_target_seconds", "ITL target the spikes are measured against", ["engine"]).add_metric(
                 [lab], float(tgt))
@@ -224,7 +224,7 @@ class AgentMetrics:
               "How far the analysis trails the newest record (spikes wait for their evidence window)").add_metric(
             [], max(0.0, analysis_lag_s or 0.0))
         gauge("kvtop_analysis_pending_spikes", "Spikes waiting for their evidence window").add_metric(
-            [], float(rep.get("pending_spikes", 0) if rep else 0))
+            [], float((rep.pending_spikes or 0) if rep is not None else 0))
         counter("kvtop_dropped_records", "Records kvtop could not keep (trace write failures)", []).add_metric(
             [], float(self.dropped))
         self._cached.families = fams

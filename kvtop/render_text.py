@@ -5,8 +5,7 @@ Plain text, no colour, no Textual: numbers carry their units, unknown values pri
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.sanitize import printable
 from kvtop.snapshot import EngineView, GpuView, HostView, Snapshot
 
@@ -125,7 +124,7 @@ def _engine_lines(e: EngineView) -> list[str]:
     return lines
 
 
-def _analysis_lines(a: dict[str, Any]) -> list[str]:
+def _analysis_lines(a: AnalysisReport) -> list[str]:
     """The analysis report as `kvtop analyze` prints it: causes, worst streams, verdict, numbers."""
     from kvtop.analysis.report import render_report_text
 
@@ -147,7 +146,7 @@ def render_text(snapshot: Snapshot) -> str:
         out.append("engines: none configured")
     for e in s.engines:
         out.extend(_engine_lines(e))
-    if s.analysis:
+    if s.analysis is not None:
         out.extend(_analysis_lines(s.analysis))
     # The one exit to a terminal: label values, model names, paths and messages all pass here.
     return "\n".join(printable(line) for line in out) + "\n"

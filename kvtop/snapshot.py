@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.model.analysis import AnalysisReport
+
 # Severity thresholds (docs/host-and-gpu.md §6; vLLM kv-cache dashboard).
 KV_WARN = 0.90
 KV_CRIT = 0.98
@@ -128,7 +130,7 @@ class Snapshot:
     requests: tuple[RequestView, ...] = ()
     events: tuple[EventView, ...] = ()
     itl_target_s: float | None = None
-    analysis: dict[str, Any] | None = None  # the analysis report (spikes, causes, verdict)
+    analysis: AnalysisReport | None = None  # spikes, causes, verdict
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
     host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
@@ -163,7 +165,7 @@ class Snapshot:
         if self.events:
             out["events"] = [clean(e) for e in self.events]
         if self.analysis is not None:
-            out["analysis"] = self.analysis
+            out["analysis"] = self.analysis.to_dict()
         if self.capture is not None:
             out["capture"] = dict(self.capture)
         return finite(out)

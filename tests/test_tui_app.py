@@ -116,8 +116,8 @@ async def test_enter_opens_the_request_detail_and_escape_goes_back():
     app = KvtopApp(s.core, taken_at=FIXED_TAKEN_AT)
     snap = s.core.snapshot()
     target = max(snap.requests, key=lambda r: (r.preempt_spikes, r.id))
-    spikes = [x for x in snap.analysis["spikes"] if x["request_id"] == target.id]
-    pre = [x for x in spikes if x["cause"] == "preemption"][0]
+    spikes = [x for x in snap.analysis.spikes if x.request_id == target.id]
+    pre = [x for x in spikes if x.cause == "preemption"][0]
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("2")
         table = app.main.query_one("#req-table")
@@ -129,7 +129,7 @@ async def test_enter_opens_the_request_detail_and_escape_goes_back():
         assert text.count(target.id) >= 1
         assert f"spikes {target.spikes} ({target.preempt_spikes} preemption)" in text
         # the preemption stall is listed with its gap, its multiple of the 100 ms target and confidence
-        gap = pre["gap_s"]
+        gap = pre.gap_s
         assert f"gap {gap:.2f}s ×{gap / 0.1:.1f} target  preemption confidence 86%" in text
         assert re.search(r"tokens │.*━", text)  # the stall drawn on the timeline
         assert re.search(r"engine │.*P", text)  # preemption counter rise overlaid

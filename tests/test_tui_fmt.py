@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvtop.core import TIMELINE_MAX_CHUNKS, Core
+from kvtop.model.analysis import SpikeView
 from kvtop.model.records import EngineRecord, RequestRecord
 from kvtop.snapshot import RequestView
 from kvtop.tui import fmt
@@ -43,7 +44,7 @@ def test_number_formats_and_na():
 def test_timeline_columns_draw_gaps_to_scale():
     # tokens every 0.1 s for 1 s, a 2 s stall, tokens again to 4 s; 40 columns of 0.1 s
     toks = [(round(i * 0.1, 1), 1) for i in range(11)] + [(round(3.0 + i * 0.1, 1), 1) for i in range(10)]
-    spike = {"request_id": "a", "t_start": 1.0, "t_end": 3.0, "gap_s": 2.0, "cause": "preemption", "confidence": 0.9}
+    spike = SpikeView("a", t_start=1.0, t_end=3.0, gap_s=2.0, cause="preemption", confidence=0.9)
     cols = fmt.timeline_cols(toks, 0.0, 4.0, 40, [spike], [(2.5, "preemption", 1.0), (0.5, "prompt_burst", 9e4)])
     assert abs(cols.dt - 0.1) < 1e-12
     assert sum(cols.tokens) == 21

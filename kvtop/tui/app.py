@@ -322,14 +322,14 @@ class KvtopApp(App[int]):
 
     def _note_verdict(self, s: Snapshot) -> bool:
         """A changed verdict is worth an entry in the events log; True when one was added."""
-        v = (s.analysis or {}).get("verdict") or {}
-        action = v.get("action")
-        if action is None:
+        v = s.analysis.verdict if s.analysis is not None else None
+        if v is None:
             return False
+        action = v.action
         prev, self._last_action = self._last_action, action
         if prev is None or prev == action:
             return False
-        conf = v.get("confidence")
+        conf = v.confidence
         conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
         self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
         return True
@@ -535,7 +535,7 @@ class KvtopApp(App[int]):
             rid = max(s.requests, key=lambda r: (r.max_gap_s or 0.0, r.id)).id
         rv = next((r for r in s.requests if r.id == rid), None) if rid else None
         tl = self.core.request_timeline(rid) if rid else None
-        spikes = (s.analysis or {}).get("spikes") or []
+        spikes = s.analysis.spikes if s.analysis is not None else ()
         self.main.query_one("#detail-body", Panel).show(
             lambda w: render.detail(rv, tl, spikes, s.itl_target_s, s.t, w)
         )

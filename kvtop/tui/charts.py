@@ -71,14 +71,14 @@ _MARKS: dict[str, Any] = {"key": None, "marks": {}}
 def spike_marks(s: Snapshot) -> plot.Marks:
     """The analysis' spikes as cause -> sorted end times; rebuilt only when the list changes (the
     live analysis rebuilds its report at most once a second, and it can list hundreds of spikes)."""
-    spikes = (s.analysis or {}).get("spikes") or []
+    spikes = s.analysis.spikes if s.analysis is not None else ()
     key = (len(spikes), id(spikes[0]) if spikes else None, id(spikes[-1]) if spikes else None)
     if _MARKS["key"] != key:
         by: dict[str, list[float]] = {}
         for sp in spikes:
-            t = sp.get("t_end") or sp.get("t_start")
+            t = sp.t_end or sp.t_start
             if isinstance(t, (int, float)):
-                by.setdefault(str(sp.get("cause") or "unknown"), []).append(float(t))
+                by.setdefault(str(sp.cause or "unknown"), []).append(float(t))
         for ts in by.values():
             ts.sort()
         _MARKS["marks"], _MARKS["key"] = by, key

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtop.model.analysis import SpikeView
 from kvtop.snapshot import KV_CRIT, KV_WARN, PREEMPT_CRIT_PER_S, PREEMPT_WARN_PER_S
 
 NA = "n/a"
@@ -123,7 +124,7 @@ class TimelineCols:
     dt: float
     tokens: list[int]  # tokens arrived in each column
     spike: list[str | None]  # cause of a spike covering the column, if any
-    spike_starts: list[tuple[int, dict]]  # (column, spike dict) for labels
+    spike_starts: list[tuple[int, SpikeView]]  # (column, spike) for labels
     engine: list[str]  # "" or "P" (preemption rise) / "B" (prompt burst) / "p"/"r" request marks
 
 
@@ -132,7 +133,7 @@ def timeline_cols(
     t0: float,
     t1: float,
     width: int,
-    spikes: Sequence[dict] = (),
+    spikes: Sequence[SpikeView] = (),
     engine_marks: Sequence[tuple[float, str, float]] = (),
     marks: Sequence[tuple[float, str]] = (),
 ) -> TimelineCols:
@@ -148,14 +149,14 @@ def timeline_cols(
         if t0 <= t <= t1:
             tok[col(t)] += n
     sp: list[str | None] = [None] * width
-    starts: list[tuple[int, dict]] = []
+    starts: list[tuple[int, SpikeView]] = []
     for s in spikes:
-        a, b = s.get("t_start"), s.get("t_end")
-        if a is None or b is None or b < t0 or a > t1:
+        a, b = s.t_start, s.t_end
+        if b < t0 or a > t1:
             continue
         ca, cb = col(a), col(b)
         for c in range(ca, cb + 1):
-            sp[c] = s.get("cause") or "unknown"
+            sp[c] = s.cause or "unknown"
         starts.append((ca, s))
     eng = [""] * width
     for t, kind, _amount in engine_marks:

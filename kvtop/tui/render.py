@@ -10,6 +10,7 @@ from typing import Any
 from textual.markup import escape
 
 from kvtop.core import RequestTimeline
+from kvtop.model.analysis import SpikeView
 from kvtop.snapshot import EngineView, GpuView, HostView, RequestView, Snapshot
 from kvtop.tui import fmt
 
@@ -148,13 +149,14 @@ def engine_lines(e: EngineView, target: float | None, width: int, interval: floa
 
 def summary_line(s: Snapshot) -> str:
     """The verdict in one line for the overview (the advisor screen has the rest)."""
-    v = (s.analysis or {}).get("verdict") or {}
-    if not v:
+    a = s.analysis
+    v = a.verdict if a is not None else None
+    if a is None or v is None:
         return muted("advisor: no analysis yet (press 4 for the advisor)")
-    conf = v.get("confidence")
-    marg = " " + sev("marginal", "warn") if v.get("marginal") else ""
-    spikes = len((s.analysis or {}).get("spikes") or [])
-    return (f"[b]advisor:[/b] {sev(escape(str(v.get('action', '?'))), 'warn' if v.get('action') not in ('no_action', None) else 'ok')}"
+    conf = v.confidence
+    marg = " " + sev("marginal", "warn") if v.marginal else ""
+    spikes = len(a.spikes)
+    return (f"[b]advisor:[/b] {sev(escape(str(v.action)), 'warn' if v.action not in ('no_action', None) else 'ok')}"
             f" {muted('confidence')} {fmt.num(conf, '{:.0%}') if conf is not None else fmt.NA}{marg}"
             f"  {muted(f'{spikes} spike(s) since start · press 4')}")
 
@@ -202,7 +204,7 @@ def matches(r: RequestView, needle: str) -> bool:
 
 
 # -- request detail -----------------------------------------------------------------------------
-def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[dict[str, Any]],
+def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[SpikeView],
            target: float | None, now: float, width: int) -> str:
     if tl is None and rv is None:
         return muted("No request selected. Pick one on the Requests screen (2) and press Enter.")
@@ -219,14 +221,14 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         return "\n".join(lines)
     t0 = tl.arrive_t
     t1 = tl.end_t if tl.end_t is not None else now
-    own = [s for s in spikes if s.get("request_id") == rid]
+    own = [s for s in spikes if s.request_id == rid]
     attributed = bool(own)
     if not own and target is not None:
         # no analysis: still show gaps over the target, marked as unattributed
         prev = None
         for t, _n in tl.tokens:
             if prev is not None and t - prev > target:
-                own.append({"t_start": prev, "t_end": t, "gap_s": t - prev, "cause": "unknown", "confidence": None})
+                own.append(SpikeView(rid, prev, t, t - prev, "unknown"))
             prev = t
     w = max(20, width - 9)
     cols = fmt.timeline_cols(tl.tokens, t0, t1, w, own, tl.engine_marks, tl.marks)
@@ -242,7 +244,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
             tok_row.append(muted("·"))
     mark_row = [" "] * w
     for i, (c, _s) in enumerate(cols.spike_starts[:9]):
-        mark_row[c] = f"[{CAUSE_VAR.get(str(_s.get('cause')), '$text-muted')}]{i + 1}[/]"
+        mark_row[c] = f"[{CAUSE_VAR.get(str(_s.cause), '$text-muted')}]{i + 1}[/]"
     eng_row = []
     for m in cols.engine:
         eng_row.append({"P": "[$error]P[/]", "B": "[$warning]B[/]", "p": "[$error]p[/]", "r": "[$success]r[/]"}.get(m, " "))
@@ -270,12 +272,12 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     if not own:
         lines.append(muted("  none"))
     for i, s in enumerate(own[:9]):
-        gap = s.get("gap_s") or ((s.get("t_end") or 0) - (s.get("t_start") or 0))
+        gap = s.gap_s or (s.t_end - s.t_start)
         ratio = f" ×{gap / target:.1f} target" if target else ""
-        conf = s.get("confidence")
-        cause = s.get("cause") or "unknown"
+        conf = s.confidence
+        cause = s.cause or "unknown"
         lines.append(
-            f"  [{CAUSE_VAR.get(cause, '$text-muted')}]{i + 1}[/] at +{fmt.dur((s.get('t_start') or t0) - t0)}  "
+            f"  [{CAUSE_VAR.get(cause, '$text-muted')}]{i + 1}[/] at +{fmt.dur((s.t_start or t0) - t0)}  "
             f"gap {fmt.dur(gap)}{muted(ratio)}  [{CAUSE_VAR.get(cause, '$text-muted')}]{escape(cause)}[/]"
             + (f" {muted('confidence')} {conf:.0%}" if conf is not None else "")
         )
@@ -310,53 +312,48 @@ _KEY_NUMBERS = ("itl_target", "spike_share", "preemptions_per_completed", "kv_by
 
 def advisor(s: Snapshot, width: int) -> str:
     a = s.analysis
-    if not a:
+    if a is None:
         return muted("No analysis yet. The advisor needs engine metrics and per-request token timings "
                      "(kvtop proxy or --probe).")
-    v = a.get("verdict") or {}
-    action = str(v.get("action", "insufficient_data"))
-    conf = v.get("confidence")
+    v = a.verdict
+    action = v.action if v is not None else "insufficient_data"
+    conf = v.confidence if v is not None else None
     good = action in ("no_action",)
     head = f"[b]verdict:[/b] [b]{sev(escape(action.replace('_', ' ').upper()), 'ok' if good else 'warn')}[/b]"
-    mech = v.get("mechanism")
+    mech = v.mechanism if v is not None else None
     if mech and mech != action and len(str(mech)) <= 20:
         head += f"  {muted('eviction mechanism:')} {escape(str(mech))}"
     head += f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a"
-    if v.get("marginal"):
+    if v is not None and v.marginal:
         head += "   " + sev("MARGINAL (within ±30% of break-even)", "warn")
     lines = [head]
-    if v.get("also"):
-        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v['also']))}")
+    if v is not None and v.also:
+        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v.also))}")
     if mech and len(str(mech)) > 20:
         lines.append(f"why: {escape(str(mech))}")
-    settings = v.get("settings") or {}
+    settings = v.settings if v is not None else {}
     lines.append("")
     lines.append("[b]settings to change[/b]")
-    items = [f"{k} {val}" for k, val in settings.items()] if isinstance(settings, dict) else [str(x) for x in settings]
+    items = [f"{k} {val}" for k, val in settings.items()]
     if items:
         lines.extend(f"  • {escape(x)}" for x in items)
     else:
         lines.append(muted("  none"))
-    reasons = v.get("reasons") or []
+    reasons = v.reasons if v is not None else ()
     if reasons:
         lines.append("")
         lines.append("[b]evidence[/b]")
         lines.extend(f"  • {escape(str(x))}" for x in reasons)
     lines.append("")
     lines.append("[b]what would change the verdict[/b]")
-    wc = v.get("would_change")
-    if wc:
-        lines.extend(f"  • {escape(str(x))}" for x in (wc if isinstance(wc, list) else [wc]))
-    else:
-        lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
-    nums = v.get("numbers") or {}
+    lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
+    nums = v.numbers if v is not None else {}
     rows = []
     for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
-        n = nums[k]
-        val, unit, src = (n.get("value"), n.get("unit", ""), n.get("source")) if isinstance(n, dict) else (n, "", None)
-        if val is None or isinstance(val, (list, dict)):
-            continue  # tables (chunk plans, histograms) are in `kvtop analyze`
-        rows.append((str(k), _num_text(str(k), val, unit), src))
+        num = nums[k]
+        if num.value is None or isinstance(num.value, (list, dict, tuple)):
+            continue  # tables (chunk plans, histograms, the deciding gates) are in `kvtop analyze`
+        rows.append((str(k), _num_text(str(k), num.value, num.unit), num.source))
     if rows:
         lines.append("")
         lines.append("[b]numbers[/b]")
@@ -364,23 +361,23 @@ def advisor(s: Snapshot, width: int) -> str:
         vw = max(len(t) for _, t, _ in rows)
         for k, t, src in rows:
             lines.append(f"  {escape(k):<{kw}}  {escape(t):>{vw}}" + (f"  {muted(escape('[' + str(src) + ']'))}" if src else ""))
-    causes = a.get("causes") or {}
+    causes = a.causes
     lines.append("")
-    n_sp = a.get("spikes_total", len(a.get("spikes") or []))
+    n_sp = a.spikes_total
     lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes since the start of the run)')}")
-    if not any(float(c.get("count") or 0) for c in causes.values()):
+    if not any(float(c.count or 0) for c in causes.values()):
         lines.append(muted("  no spikes"))
     bw = max(10, min(40, width - 50))
-    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].get("count") or 0), kv[0])):
-        if not c.get("count"):
+    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].count or 0), kv[0])):
+        if not c.count:
             continue
-        share = float(c.get("share") or 0.0)
+        share = float(c.share or 0.0)
         n = round(share * bw)
         col = CAUSE_VAR.get(cause, "$text-muted")
-        mc = c.get("mean_confidence")
+        mc = c.mean_confidence
         conf_txt = muted(f"  mean confidence {mc:.0%}") if isinstance(mc, (int, float)) else ""
         lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  "
-                     f"({c.get('count', 0)}){conf_txt}")
+                     f"({c.count}){conf_txt}")
     return "\n".join(lines)
 
 
