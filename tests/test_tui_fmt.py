@@ -1,4 +1,5 @@
-"""Console formatting and the per-request timeline accessor, with hand-computed numbers."""
+"""Console layout (sparklines, bars, severities, the request timeline) and the per-request timeline
+accessor, with hand-computed numbers. Number formats: test_units.py."""
 
 from __future__ import annotations
 
@@ -31,13 +32,6 @@ def test_severity_thresholds():
     assert [fmt.sev_preempt(r) for r in (0.0, 0.001, 0.99, 1.0)] == ["ok", "warn", "warn", "crit"]
     assert [fmt.sev_latency(v, 0.1) for v in (0.05, 0.081, 0.1, 0.101)] == ["ok", "warn", "warn", "crit"]
     assert fmt.sev_latency(0.2, None) == "na"
-
-
-def test_number_formats_and_na():
-    assert fmt.ibytes(None) == "n/a" and fmt.ibytes(69.4 * GIB) == "69.4G" and fmt.ibytes(512) == "512B"
-    assert fmt.rate(13.4e9) == "13.4 GB/s" and fmt.rate(None) == "n/a"
-    assert fmt.dur(0.0734) == "73ms" and fmt.dur(1.65) == "1.65s" and fmt.dur(300) == "300s"
-    assert fmt.pct(0.9334) == "93.3%"
 
 
 def test_timeline_columns_draw_gaps_to_scale():
