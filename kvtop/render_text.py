@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvtop import units
+from kvtop.model.records import HostRecord
 from kvtop.model.sanitize import printable
-from kvtop.snapshot import EngineView, GpuView, HostView, Snapshot
+from kvtop.snapshot import EngineView, GpuView, Snapshot
 from kvtop.units import NA
 
 
-def _gpu_line(g: GpuView) -> str:
+def _gpu_line(view: GpuView) -> str:
+    g = view.record
     if g.lost:
         return f"GPU {g.index} {g.name or ''}: LOST (fell off the bus?)".replace("  ", " ")
     link = NA
@@ -30,12 +32,12 @@ def _gpu_line(g: GpuView) -> str:
     ]
     if g.engine_proc_mem_bytes is not None:
         parts.append(f"engine procs {units.bytes_iec(g.engine_proc_mem_bytes)}")
-    if g.link_downtrained:
+    if view.link_downtrained:
         parts.append("LINK DOWNTRAINED")
     return "  ".join(parts)
 
 
-def _host_line(h: HostView) -> str:
+def _host_line(h: HostRecord) -> str:
     pinned = units.bytes_iec(h.pinned_bytes)
     if h.pinned_bytes is not None and h.pinned_signal:
         pinned += f" ({h.pinned_signal})"

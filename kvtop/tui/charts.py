@@ -104,14 +104,15 @@ def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
         out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short))
         out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", units.tok_rate,
                              ser["prompt_tokens_per_s"], "prompt"))
-    for g in s.gpus:
+    for view in s.gpus:
+        g = view.record
         gs = history.gpus.get(g.index)
         if gs is None:
             continue
         out.append(ChartSpec(f"g{g.index}m", f"GPU{g.index} memory", gs["mem_used_bytes"], "used", units.bytes_short,
                              ref=g.mem_total_bytes, ref_label=f"total {units.bytes_short(g.mem_total_bytes)}",
                              fixed_top=float(g.mem_total_bytes) if g.mem_total_bytes else None))
-        cap = g.pcie_capacity_bytes_per_s
+        cap = view.pcie_capacity_bytes_per_s
         out.append(ChartSpec(f"g{g.index}p", f"GPU{g.index} PCIe", gs["pcie_tx_bytes_per_s"], "TX", units.byte_rate_short,
                              gs["pcie_rx_bytes_per_s"], "RX", ref=cap,
                              ref_label=f"link {units.byte_rate_short(cap)}" if cap else "", fixed_top=cap))

@@ -11,7 +11,8 @@ from textual.markup import escape
 
 from kvtop import units
 from kvtop.core import RequestTimeline
-from kvtop.snapshot import EngineView, GpuView, HostView, RequestView, Snapshot
+from kvtop.model.records import HostRecord
+from kvtop.snapshot import EngineView, GpuView, RequestView, Snapshot
 from kvtop.tui import fmt
 
 CAUSE_VAR = {
@@ -46,9 +47,10 @@ def kv_bar(u: float | None, width: int) -> str:
 
 
 # -- overview -----------------------------------------------------------------------------------
-def gpu_line(g: GpuView, width: int) -> str:
+def gpu_line(view: GpuView, width: int) -> str:
     """One GPU. Wide terminals get TX/RX sparklines against the link's current capacity; narrow
     ones collapse to one line of numbers."""
+    g = view.record
     name = (g.name or "").replace("NVIDIA ", "")
     head = f"[b]GPU{g.index}[/b] {escape(name[:18]):<18}" if width >= 100 else f"[b]GPU{g.index}[/b]"
     if g.lost:
@@ -57,9 +59,9 @@ def gpu_line(g: GpuView, width: int) -> str:
     link = "n/a"
     if g.pcie_link_gen is not None:
         link = f"Gen{g.pcie_link_gen}x{g.pcie_link_width or '?'}"
-        if g.link_downtrained:
+        if view.link_downtrained:
             link = sev(f"{link}▼ (max Gen{g.pcie_link_gen_max}x{g.pcie_link_width_max})", "warn")
-    cap = g.pcie_capacity_bytes_per_s
+    cap = view.pcie_capacity_bytes_per_s
     util = f"util {units.num(g.util_pct, '{:.0f}%')}"
 
     def share(v: float | None) -> str:
@@ -70,8 +72,8 @@ def gpu_line(g: GpuView, width: int) -> str:
     if width >= 100:
         # two lines: memory and link, then the traffic sparklines with the rest of the width
         sw = max(8, min(60, (width - 52) // 2))
-        tx = f"TX {fmt.spark(g.pcie_tx_history, sw, cap)} {units.byte_rate_short(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
-        rx = f"RX {fmt.spark(g.pcie_rx_history, sw, cap)} {units.byte_rate_short(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
+        tx = f"TX {fmt.spark(view.pcie_tx_history, sw, cap)} {units.byte_rate_short(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
+        rx = f"RX {fmt.spark(view.pcie_rx_history, sw, cap)} {units.byte_rate_short(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
         cap_txt = muted(f"  cap {units.byte_rate_short(cap)}") if cap else ""
         return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, 24)} {mem:>11}  "
                 f"{util:>8}  {link}{cap_txt}\n      {tx}   {rx}")
@@ -81,7 +83,7 @@ def gpu_line(g: GpuView, width: int) -> str:
             f"RX {units.byte_rate_short(g.pcie_rx_bytes_per_s)} {link}")
 
 
-def host_line(h: HostView | None, width: int, status: str = "ok") -> str:
+def host_line(h: HostRecord | None, width: int, status: str = "ok") -> str:
     if h is None:
         return f"[b]host[/b] {muted(escape(status) if status != 'ok' else 'no host data yet')}"
     used = None
