@@ -64,13 +64,15 @@ def test_request_timeline_is_bounded_and_overlays_engine_events():
         core.ingest(EngineRecord(t=t, adapter="vllm", url="u", engine="0", preemptions_total=pre,
                                  prompt_tokens_total=prompt))
     tl = core.request_timeline("r1")
+    assert tl is not None
     assert tl.tokens == ((0.2, 1), (0.3, 4), (2.5, 1))
     assert tl.marks == ((0.4, "preempt"), (2.4, "resume"))
     assert tl.engine_marks == ((2.0, "preemption", 1.0), (3.0, "prompt_burst", 5000.0))
     assert core.request_timeline("nope") is None
     for i in range(TIMELINE_MAX_CHUNKS + 10):
         core.ingest(RequestRecord(t=5.0 + i * 0.01, id="r1", event="token"))
-    assert len(core.request_timeline("r1").tokens) == TIMELINE_MAX_CHUNKS
+    tl = core.request_timeline("r1")
+    assert tl is not None and len(tl.tokens) == TIMELINE_MAX_CHUNKS
 
 
 def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
