@@ -209,7 +209,8 @@ class AgentMetrics:
         g_wm = gauge("kvtop_gpu_pcie_link_width_max", "Maximum PCIe link width in lanes", gl)
         g_dt = gauge("kvtop_gpu_pcie_link_downtrained", "1 if the link runs below its max gen/width under load", gl)
         g_rp = counter("kvtop_gpu_pcie_replay", "PCIe replay counter (DCGM_FI_DEV_PCIE_REPLAY_COUNTER)", gl)
-        for g in snap.gpus:
+        for view in snap.gpus:
+            g = view.record
             k = [str(g.index), g.uuid or ""]
             vals: tuple[tuple[Any, float | int | None], ...] = (
                 (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes), (g_tx, g.pcie_tx_bytes_per_s),
@@ -218,7 +219,7 @@ class AgentMetrics:
             for fam, val in vals:
                 if val is not None:
                     fam.add_metric(k, float(val))
-            g_dt.add_metric(k, 1.0 if g.link_downtrained else 0.0)
+            g_dt.add_metric(k, 1.0 if view.link_downtrained else 0.0)
 
         gauge("kvtop_analysis_lag_seconds",
               "How far the analysis trails the newest record (spikes wait for their evidence window)").add_metric(

@@ -59,7 +59,7 @@ async def test_overview_numbers_match_the_snapshot():
     assert "(target 100ms)" in text
     assert "pinned 24.0G (pinned (all GUP))" in text
     # 13.4 GB/s of GPU0's Gen5 x16 link (63.0 GB/s per direction) is 21%
-    g0 = snap.gpus[0]
+    g0 = snap.gpus[0].record
     assert f"{g0.pcie_tx_bytes_per_s / 1e9:.1f} GB/s {g0.pcie_tx_bytes_per_s / 63.008e9 * 100:.0f}%" in text
 
 

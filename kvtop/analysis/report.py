@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from kvtop import units
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
@@ -16,23 +16,6 @@ from kvtop.model.analysis import (
     SpikeView,
     Verdict,
 )
-
-
-def _fmt(v: Any, unit: str) -> str:
-    if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
-        return str(v)
-    if isinstance(v, float) and not math.isfinite(v):
-        return "n/a"
-    if unit == "s":
-        return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
-    if unit == "B":
-        return f"{v / 1e9:.3g} GB" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB"
-    if unit == "B/s":
-        return f"{v / 1e9:.3g} GB/s" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB/s"
-    if isinstance(v, float):
-        return f"{v:.4g}{(' ' + unit) if unit else ''}"
-    return f"{v}{(' ' + unit) if unit else ''}"
-
 
 _KEY_NUMBERS = ("kv_bytes_per_token_rank", "bw_eff", "prefill_rate", "cancel_prob", "seq_tokens", "bytes_moved",
                 "t_out", "t_in", "swap_gpu_s", "recompute_gpu_s", "p_star", "break_even_tokens", "n_floor",
@@ -60,7 +43,7 @@ def render_verdict_text(v: Verdict) -> str:
         lines.append("numbers:")
         for k in shown:
             n = nums[k]
-            lines.append(f"  {k:<26} {_fmt(n.value, n.unit):>14}  [{n.source}]")
+            lines.append(f"  {k:<26} {units.quantity(n.value, n.unit):>14}  [{n.source}]")
     return "\n".join(lines)
 
 

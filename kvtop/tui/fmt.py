@@ -1,5 +1,5 @@
-"""Pure formatting for the console: numbers to short strings, severities, text sparklines, bars
-and the request timeline layout. No Textual here so it is cheap to test and to benchmark."""
+"""Pure layout for the console: severities, text sparklines, bars and the request timeline. No
+Textual here so it is cheap to test and to benchmark; numbers are formatted by kvtop.units."""
 
 from __future__ import annotations
 
@@ -10,53 +10,7 @@ from dataclasses import dataclass
 from kvtop.model.analysis import SpikeView
 from kvtop.snapshot import KV_CRIT, KV_WARN, PREEMPT_CRIT_PER_S, PREEMPT_WARN_PER_S
 
-NA = "n/a"
 _BLOCKS = " ▁▂▃▄▅▆▇█"
-
-
-def num(v: float | None, fmt: str = "{:.1f}") -> str:
-    return NA if v is None else fmt.format(v)
-
-
-def ibytes(v: float | None) -> str:
-    """Binary sizes (memory): 61.2G, 512M."""
-    if v is None:
-        return NA
-    for unit, div in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if abs(v) >= div:
-            return f"{v / div:.1f}{unit}"
-    return f"{int(v)}B"
-
-
-def rate(v: float | None) -> str:
-    """Decimal byte rates (links are specified in GB/s): 12.3 GB/s."""
-    if v is None:
-        return NA
-    for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.1f} {unit}"
-    return f"{v:.0f} B/s"
-
-
-def dur(s: float | None) -> str:
-    if s is None:
-        return NA
-    if s < 1.0:
-        return f"{s * 1000:.0f}ms"
-    if s < 100:
-        return f"{s:.2f}s"
-    return f"{s:.0f}s"
-
-
-def tok_rate(v: float | None) -> str:
-    if v is None:
-        return NA
-    return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}"
-
-
-def pct(v: float | None) -> str:
-    return NA if v is None else f"{v * 100:.1f}%"
-
 
 # Severity names map to theme variables in kvtop.tcss / markup ($success, $warning, $error).
 SEV_VAR = {"ok": "$success", "warn": "$warning", "crit": "$error", "na": "$text-muted"}
