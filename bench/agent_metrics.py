@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
-from kvtop.exporter import AgentMetrics
 from kvtop.model.records import EngineRecord, GpuRecord, Histogram, RequestRecord
+from kvtop.views.exporter import AgentMetrics
 
 
 def build(requests: int, engines: int = 1, gpus: int = 1, seed: int = 1) -> tuple[Core, AgentMetrics]:

@@ -19,8 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from kvtop.core import Core
-from kvtop.exporter import CONTENT_TYPE, AgentMetrics, analysis_lag, engine_label
-from kvtop.live import LiveRunner
+from kvtop.feeds.live import LiveRunner
+from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, analysis_lag, engine_label
 
 DEFAULT_PORT = 9470
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvtop.core import Core
 
 if TYPE_CHECKING:
-    from kvtop.live import LiveRunner, Sink
-    from kvtop.replay import ReplayFeed
-    from kvtop.sim.demo import DemoFeed
+    from kvtop.feeds.demo import DemoFeed
+    from kvtop.feeds.live import LiveRunner, Sink
+    from kvtop.feeds.replay import ReplayFeed
     from kvtop.sim.workload import Workload
     from kvtop.sources.promfleet import PromFeed
 
@@ -119,7 +119,7 @@ def make_core(label: str, itl_target_s: float | None = None, window_s: float = 6
 def live_feed(opts: SourceOptions, label: str = "live", window_s: float = 60.0, analysis: bool = True,
               sinks: list[Sink] | None = None, core: Core | None = None, probe_max_tokens: int = 32) -> LiveRunner:
     """Engines, GPU, host (and --probe canaries, --capture) polled into a fresh analysed Core."""
-    from kvtop.live import LiveRunner
+    from kvtop.feeds.live import LiveRunner
 
     if core is None:
         core = make_core(label, opts.itl_target_s, window_s=window_s, analysis=analysis)
@@ -137,7 +137,7 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
     target it was recorded against) the way ``kvtop analyze`` does; ``itl_target_s`` overrides.
     Raises TraceError / OSError for a missing or non-trace file.
     """
-    from kvtop.replay import ReplayFeed
+    from kvtop.feeds.replay import ReplayFeed
 
     label = label or f"replay {Path(path).name}"
     # opening the feed reads the header; its core is replaced before a record is fed
@@ -181,7 +181,7 @@ def demo_feed(workload: Workload, seed: int = 1, speed: float = 1.0, interval_s:
 
     The simulated engine's KV geometry is known, so the cost model gets bytes per token without a
     model config."""
-    from kvtop.sim.demo import DemoFeed
+    from kvtop.feeds.demo import DemoFeed
 
     e = workload.engine
     core = make_core(f"demo {workload.name}", e.itl_target_s, window_s=window_s, adapter="vllm", model=e.model,

@@ -101,7 +101,7 @@ _CORE: Any = None
 
 
 def build_app(scene: Scene) -> Any:
-    from kvtop.tui.app import KvtopApp
+    from kvtop.views.tui.app import KvtopApp
 
     global _CORE
     if _CORE is None:

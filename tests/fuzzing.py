@@ -26,11 +26,11 @@ from kvtop.analysis import scenario as scenario_mod
 from kvtop.analysis.kvbytes import ModelConfigError
 from kvtop.analysis.scan import analyze_trace
 from kvtop.core import Core
+from kvtop.feeds.replay import ReplayFeed
 from kvtop.model.records import EngineRecord, Histogram, RequestRecord
 from kvtop.model.sanitize import finite_json
 from kvtop.model.trace import TraceError, TraceWriter, make_header
 from kvtop.plugin import detect_adapter
-from kvtop.replay import ReplayFeed
 from kvtop.sources.prom import parse_page
 from kvtop.sources.scrape import EngineScraper, ScrapeError
 

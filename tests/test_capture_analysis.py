@@ -70,8 +70,8 @@ async def test_console_banner_says_how_to_grant_capture_and_counts_loss():
     pytest.importorskip("textual")
     from tui_support import screen_text
 
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.sample import FIXED_TAKEN_AT, sample
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.sample import FIXED_TAKEN_AT, sample
 
     s = sample()
     s.core.capture = {"port": 8000, "status": "passive capture needs CAP_NET_RAW: run as root, or grant it"}
@@ -92,7 +92,7 @@ async def test_live_runner_without_privilege_keeps_running_and_says_why(monkeypa
     """The console's path: capture cannot open -> the snapshot's capture status and an event carry the
     one-line fix, and the other sources keep running."""
     import kvtop.sources.capture.source as source_mod
-    from kvtop.live import LiveRunner
+    from kvtop.feeds.live import LiveRunner
     from kvtop.sources.capture.packets import CaptureUnavailable
 
     def no_socket(port: int) -> None:

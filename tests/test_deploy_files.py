@@ -12,10 +12,10 @@ from conftest import REPO
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.cli import build_parser
 from kvtop.core import Core
-from kvtop.exporter import AgentMetrics
 from kvtop.model.records import GpuRecord, HostRecord
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
+from kvtop.views.exporter import AgentMetrics
 
 DEPLOY = REPO / "deploy"
 _NAME = re.compile(r"\b(kvtop_[a-z0-9_]+)")

@@ -1,4 +1,4 @@
-"""`kvtop agent`'s Prometheus series (kvtop/exporter.py), fed by a simulated preemption storm."""
+"""`kvtop agent`'s Prometheus series (kvtop/views/exporter.py), fed by a simulated preemption storm."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
-from kvtop.exporter import AgentMetrics, engine_label
 from kvtop.model.records import EngineRecord, GpuRecord, RequestRecord
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
+from kvtop.views.exporter import AgentMetrics, engine_label
 
 
 def _storm(seconds: float) -> tuple[Core, AgentMetrics, list]:

@@ -13,7 +13,7 @@ from page_server import PageServer
 from vllm_pages import vllm_page
 
 HEADLESS_MODULES = [
-    "kvtop.core", "kvtop.snapshot", "kvtop.live", "kvtop.config", "kvtop.render_text",
+    "kvtop.core", "kvtop.snapshot", "kvtop.feeds.live", "kvtop.config", "kvtop.views.text",
     "kvtop.sources.scrape", "kvtop.sources.prom", "kvtop.model.series", "kvtop.plugin",
     "kvtop.commands.snapshot", "kvtop.cli", "kvtop.adapters", "kvtop.model.sanitize", "kvtop.model.validate",
 ]
@@ -28,7 +28,7 @@ def test_headless_modules_do_not_import_textual():
     code = (
         "import importlib, json, sys\n"
         f"for m in {HEADLESS_MODULES!r}: importlib.import_module(m)\n"
-        "print(json.dumps(sorted(k for k in sys.modules if k == 'textual' or k.startswith(('textual.', 'kvtop.tui')))))\n"
+        "print(json.dumps(sorted(k for k in sys.modules if k == 'textual' or k.startswith(('textual.', 'kvtop.views.tui')))))\n"
     )
     p = _python(code)
     assert p.returncode == 0, p.stderr

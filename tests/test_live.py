@@ -10,7 +10,7 @@ from conftest import fixture_text
 from page_server import PageServer
 
 from kvtop.core import Core
-from kvtop.live import LiveRunner
+from kvtop.feeds.live import LiveRunner
 from kvtop.model.records import RequestRecord
 
 CAPTURE = fixture_text("vllm-0.32.0-cpu-live-idle.prom")

@@ -29,7 +29,7 @@ from conftest import run_kvtop, wait_for_line
 from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
 
 from kvtop.core import Core
-from kvtop.live import LiveRunner
+from kvtop.feeds.live import LiveRunner
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.workload import load_preset
 from kvtop.sources.promapi import PromClient
@@ -231,8 +231,8 @@ def test_a_broken_alert_rule_fails_promtool(tmp_path):
 
 async def test_console_pointed_at_prometheus_shows_the_instance_with_its_agent(storm):
     from kvtop.analysis.live import LiveAnalyzer
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.fleet import FleetScreen
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.fleet import FleetScreen
 
     core = Core(itl_target_s=0.1, analysis=LiveAnalyzer(itl_target_s=0.1))
     feed = PromFeed(core, storm["prom"].url, interval_s=1.0, window_s=60, step_s=1.0)

@@ -11,9 +11,9 @@ import pytest
 from conftest import run_kvtop
 
 from kvtop.core import Core
+from kvtop.feeds.replay import ReplayFeed, last_record_time
 from kvtop.model.records import EngineRecord, RequestRecord
 from kvtop.model.trace import TraceError, TraceWriter, make_header
-from kvtop.replay import ReplayFeed, last_record_time
 
 URL = "http://127.0.0.1:8000"
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from kvtop.core import Core
-from kvtop.sim.demo import DemoFeed
+from kvtop.feeds.demo import DemoFeed
 from kvtop.sim.workload import load_preset
 
-tui = pytest.importorskip("kvtop.tui.app")
+tui = pytest.importorskip("kvtop.views.tui.app")
 
 
 async def test_console_runs_the_demo_feed_and_sees_the_simulated_engine():

@@ -9,10 +9,10 @@ import time
 
 from conftest import run_kvtop
 
+from kvtop.feeds.replay import last_record_time
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.model.trace import TraceReader, make_header
 from kvtop.model.trace_rotate import RotatingTrace, latest_run, segments
-from kvtop.replay import last_record_time
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
 

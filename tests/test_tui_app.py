@@ -11,8 +11,8 @@ pytest.importorskip("textual")
 from tui_support import RENDER_VERDICT, FakeReplay, TickFeed, screen_text  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
-from kvtop.tui.app import KvtopApp  # noqa: E402
-from kvtop.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
+from kvtop.views.tui.app import KvtopApp  # noqa: E402
+from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 
@@ -245,8 +245,8 @@ async def test_events_newest_first_and_filtered():
 
 
 async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):
+    from kvtop.feeds.replay import ReplayFeed
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.replay import ReplayFeed
 
     path = tmp_path / "trace.jsonl"
     with TraceWriter(path, make_header()) as w:

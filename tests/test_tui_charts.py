@@ -12,7 +12,7 @@ import pytest
 from kvtop.core import Core
 from kvtop.history import MAX_POINTS, History, Ring
 from kvtop.model.records import EngineRecord, Histogram
-from kvtop.tui import plot
+from kvtop.views.tui import plot
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,8 +89,8 @@ def _storm_core() -> Core:
 
 async def test_overview_charts_show_the_preemption_storm():
     pytest.importorskip("textual")
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.charts import Chart
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.charts import Chart
 
     core = _storm_core()
     snap = core.snapshot()
@@ -134,8 +134,8 @@ async def test_overview_charts_show_the_preemption_storm():
 
 async def test_charts_fit_80x24():
     pytest.importorskip("textual")
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.charts import Chart
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.charts import Chart
 
     app = KvtopApp(_storm_core(), interval=3600, taken_at="2026-01-01T00:00:00Z")
     async with app.run_test(size=(80, 24)) as pilot:
@@ -149,11 +149,11 @@ async def test_charts_fit_80x24():
 async def test_replay_charts_end_at_the_replay_position_and_follow_a_seek(tmp_path):
     pytest.importorskip("textual")
     from kvtop.analysis.live import LiveAnalyzer
-    from kvtop.replay import ReplayFeed
+    from kvtop.feeds.replay import ReplayFeed
     from kvtop.sim.simulate import simulate_to_trace
     from kvtop.sim.workload import load_preset
-    from kvtop.tui.app import KvtopApp
-    from kvtop.tui.charts import Chart
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.charts import Chart
 
     path = tmp_path / "storm.jsonl"
     simulate_to_trace(load_preset("preemption-storm"), 1, 90.0, str(path))

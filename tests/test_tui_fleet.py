@@ -9,7 +9,7 @@ from textual.app import App
 from kvtop.core import Core
 from kvtop.model.records import EngineRecord, Histogram
 from kvtop.sources.promfleet import AgentView, Target
-from kvtop.tui.fleet import FleetScreen, InstanceScreen, agent_for, fleet_rows
+from kvtop.views.tui.fleet import FleetScreen, InstanceScreen, agent_for, fleet_rows
 
 pytest.importorskip("pytest_textual_snapshot")
 
@@ -105,7 +105,7 @@ async def test_sort_and_open_an_instance():
 
 async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
     from kvtop.sources.promfleet import PromFeed
-    from kvtop.tui.app import KvtopApp
+    from kvtop.views.tui.app import KvtopApp
 
     core, targets, agents = fleet_state()
 
@@ -150,7 +150,7 @@ async def test_an_unreachable_prometheus_is_said_in_the_status_line_not_a_crash(
     import socket
 
     from kvtop.pipeline import prometheus_feed
-    from kvtop.tui.app import KvtopApp
+    from kvtop.views.tui.app import KvtopApp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ from kvtop.core import TIMELINE_MAX_CHUNKS, Core
 from kvtop.model.analysis import SpikeView
 from kvtop.model.records import EngineRecord, RequestRecord
 from kvtop.snapshot import RequestView
-from kvtop.tui import fmt
+from kvtop.views.tui import fmt
 
 GIB = 1 << 30
 
@@ -77,7 +77,7 @@ def test_request_timeline_is_bounded_and_overlays_engine_events():
 
 
 def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
-    from kvtop.tui import render
+    from kvtop.views.tui import render
 
     core = Core(itl_target_s=0.1)
     core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
@@ -90,7 +90,7 @@ def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
 
 
 def test_request_cells_flag_gaps_over_target():
-    from kvtop.tui import render
+    from kvtop.views.tui import render
 
     r = RequestView(id="a[b]", state="preempted", tokens=12, age_s=3.0, current_gap_s=0.25, max_gap_s=0.09,
                     spikes=2, preempt_spikes=1, last_cause="preemption")

@@ -7,10 +7,10 @@ import pytest
 pytest.importorskip("textual")
 
 from kvtop.core import Core  # noqa: E402
-from kvtop.live import LiveRunner  # noqa: E402
-from kvtop.tui.app import HelpScreen, KvtopApp  # noqa: E402
-from kvtop.tui.sample import FIXED_TAKEN_AT, sample  # noqa: E402
-from kvtop.tui.table import RowTable  # noqa: E402
+from kvtop.feeds.live import LiveRunner  # noqa: E402
+from kvtop.views.tui.app import HelpScreen, KvtopApp  # noqa: E402
+from kvtop.views.tui.sample import FIXED_TAKEN_AT, sample  # noqa: E402
+from kvtop.views.tui.table import RowTable  # noqa: E402
 
 
 async def test_plus_and_minus_change_the_poll_interval_of_the_feed():

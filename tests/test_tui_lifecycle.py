@@ -274,7 +274,7 @@ def test_record_with_a_proxy_stops_cleanly(tmp_path, sig):
 
 async def test_q_typed_into_the_filter_is_text_not_quit():
     from kvtop.core import Core
-    from kvtop.tui.app import KvtopApp
+    from kvtop.views.tui.app import KvtopApp
 
     app = KvtopApp(Core(), interval=3600, taken_at="2026-01-01T00:00:00Z")
     async with app.run_test(size=(100, 30)) as pilot:

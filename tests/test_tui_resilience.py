@@ -13,8 +13,8 @@ from conftest import FIXTURES  # noqa: E402
 from tui_support import TickFeed, screen_text, vllm_adapter  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
-from kvtop.tui.app import KvtopApp  # noqa: E402
-from kvtop.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
+from kvtop.views.tui.app import KvtopApp  # noqa: E402
+from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 
@@ -98,7 +98,7 @@ async def test_live_runner_feed_then_the_engine_goes_away():
     import http.server
     import threading
 
-    from kvtop.live import LiveRunner
+    from kvtop.feeds.live import LiveRunner
 
     page = (FIXTURES / "vllm-0.32.0-cpu-live-idle.prom").read_bytes()
 

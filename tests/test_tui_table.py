@@ -10,7 +10,7 @@ pytest.importorskip("textual")
 from rich.text import Text  # noqa: E402
 from textual.app import App, ComposeResult  # noqa: E402
 
-from kvtop.tui.table import RowTable  # noqa: E402
+from kvtop.views.tui.table import RowTable  # noqa: E402
 
 COLS = (("id", "request"), ("tokens", "tokens"), ("cause", "last cause"))
 

@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _render(snap) -> str:  # noqa: ANN001
     try:
-        from kvtop.render_text import render_text
+        from kvtop.views.text import render_text
     except ImportError:
         return _summary(snap)
     return render_text(snap)
@@ -80,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))
         return 0
-    from kvtop.tui.app import run_console
+    from kvtop.views.tui.app import run_console
 
     return int(run_console(core=core, feed=feed, title=f"kvtop demo: {wl.name}") or 0)

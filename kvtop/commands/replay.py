@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
         return 0
-    from kvtop.render_text import render_text
+    from kvtop.views.text import render_text
 
     print(render_text(snap), end="")
     return 0

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
-        from kvtop.render_text import render_text
+        from kvtop.views.text import render_text
 
         print(render_text(snap), end="")
     return 0
@@ -137,7 +137,7 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
-        from kvtop.render_text import render_text
+        from kvtop.views.text import render_text
 
         print(render_text(snap), end="")
     return 0

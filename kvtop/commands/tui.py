@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(getattr(args, "config", None))
     theme = resolve(args, cfg, "theme")
 
-    from kvtop.tui.app import known_themes  # the UI package (and Textual) from here on
+    from kvtop.views.tui.app import known_themes  # the UI package (and Textual) from here on
 
     known = known_themes()
     if theme is not None and theme not in known:
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         # without the privilege the console still runs: its banner says how to grant it
         feed = live_feed(opts, label="live")
 
-    from kvtop.tui.app import run_console
+    from kvtop.views.tui.app import run_console
 
     return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
@@ -222,7 +222,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
     """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
     from kvtop.model.trace import TraceError
     from kvtop.pipeline import replay_feed
-    from kvtop.tui.app import run_console
+    from kvtop.views.tui.app import run_console
 
     try:
         feed = replay_feed(path, speed=speed, itl_target_s=itl_target_s)
@@ -241,7 +241,7 @@ def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str
     from kvtop.commands._options import interval_s, itl_target_s, selector, timeout_s
     from kvtop.config import resolve_token
     from kvtop.pipeline import prometheus_feed
-    from kvtop.tui.app import run_console
+    from kvtop.views.tui.app import run_console
 
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")

@@ -4,7 +4,7 @@ Why our own widget rather than plotext / textual-plotext: a refresh redraws 20-3
 several engines) inside the console's 50 ms budget at 1,000 requests; plotext builds each plot as
 an ANSI string that Rich then re-parses (milliseconds a chart), and its charts carry axes and
 legends that do not fit the 5-8 rows a chart gets at 80x24. Here a chart is a few lists of runs
-(kvtop/tui/plot.py), drawn only for the lines on screen, coloured by the current theme, and a hover
+(kvtop/views/tui/plot.py), drawn only for the lines on screen, coloured by the current theme, and a hover
 tooltip reads the nearest sample back from the bounded store (kvtop/history.py).
 """
 
@@ -26,7 +26,7 @@ from textual.widget import Widget
 from kvtop import units
 from kvtop.history import Ring
 from kvtop.snapshot import Snapshot
-from kvtop.tui import plot
+from kvtop.views.tui import plot
 
 GUTTER = 7  # y-axis labels
 CAUSE_COLOUR = {"preemption": "error", "prefill_interference": "warning", "slow_decode": "secondary"}

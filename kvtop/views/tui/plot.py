@@ -1,5 +1,5 @@
 """Pure chart layout for the console's history charts: columns of values -> rows of (text, role)
-runs. No Textual here (cheap to test, and the bench can time it alone); kvtop/tui/charts.py turns
+runs. No Textual here (cheap to test, and the bench can time it alone); kvtop/views/tui/charts.py turns
 roles into theme colours.
 
 A chart is one primary series drawn as bars with eighth-row resolution (the level is readable at a

@@ -1,7 +1,7 @@
 """``kvtop demo``: the simulated engine + load generator on loopback, watched by the live runner.
 
 ``DemoFeed.run(stop)`` starts the simulated server on an ephemeral loopback port, the load
-generator against it, and the live runner (``kvtop.live.LiveRunner``) scraping it into the core —
+generator against it, and the live runner (``kvtop.feeds.live.LiveRunner``) scraping it into the core —
 all on the caller's event loop, so the console can run it as its feed. The load generator's
 client-side request records go into the core through the runner, exactly as the recording proxy's do.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kvtop.core import Core
-from kvtop.live import LiveRunner
+from kvtop.feeds.live import LiveRunner
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.server import SimServer
 from kvtop.sim.workload import Workload

@@ -29,9 +29,9 @@ from kvtop import units
 from kvtop.core import Core
 from kvtop.pipeline import Feed, ReplayControls, StaticFeed
 from kvtop.snapshot import Snapshot
-from kvtop.tui import plot, render
-from kvtop.tui.charts import Chart, chart_specs
-from kvtop.tui.table import RowTable
+from kvtop.views.tui import plot, render
+from kvtop.views.tui.charts import Chart, chart_specs
+from kvtop.views.tui.table import RowTable
 
 WINDOWS = (60.0, 300.0, 900.0, 3600.0)
 VIEWS: tuple[tuple[str, str], ...] = (
@@ -740,7 +740,7 @@ class KvtopApp(App[int]):
         self.push_screen(SeekScreen(replay.duration), done)
 
     def action_fleet(self) -> None:
-        from kvtop.tui.fleet import open_fleet
+        from kvtop.views.tui.fleet import open_fleet
 
         open_fleet(self)
 

@@ -14,7 +14,7 @@ from kvtop.core import RequestTimeline
 from kvtop.model.analysis import SpikeView
 from kvtop.model.records import HostRecord
 from kvtop.snapshot import EngineView, GpuView, RequestView, Snapshot
-from kvtop.tui import fmt
+from kvtop.views.tui import fmt
 
 CAUSE_VAR = {
     "preemption": "$error",

@@ -5,7 +5,7 @@ direct scrape: KV usage, running/waiting, preemptions/s, ITL p99) and, where a k
 next to an engine, the agent's verdict and its spikes by cause. ``s`` cycles the sort column,
 ``r`` reverses it, ``enter`` opens the selected instance, ``escape`` returns to the console.
 
-Kept apart from kvtop/tui/app.py on purpose: the console only binds the key and pushes this screen.
+Kept apart from kvtop/views/tui/app.py on purpose: the console only binds the key and pushes this screen.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def instance_text(r: FleetRow) -> str:
         lines.append(f"tokens/s prompt {_num(e.prompt_tokens_per_s, '.0f')}   generation "
                      f"{_num(e.generation_tokens_per_s, '.0f')}")
         if e.kv_usage_history:
-            from kvtop.tui import fmt
+            from kvtop.views.tui import fmt
 
             lines.append("KV history " + fmt.spark(list(e.kv_usage_history), 60, top=1.0))
     lines.append("")
