@@ -12,6 +12,7 @@ import importlib
 import os
 import pkgutil
 import sys
+from types import ModuleType
 from typing import NoReturn
 
 from kvtop import __version__
@@ -24,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _commands() -> list:
+def _commands() -> list[ModuleType]:
     import kvtop.commands as pkg
 
     mods = []

@@ -26,7 +26,9 @@ class ScenarioError(ValueError):
 
 
 def schema() -> dict[str, Any]:
-    return json.loads(resources.files("kvtop.schemas").joinpath("scenario.schema.json").read_text(encoding="utf-8"))
+    doc: dict[str, Any] = json.loads(
+        resources.files("kvtop.schemas").joinpath("scenario.schema.json").read_text(encoding="utf-8"))
+    return doc
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -40,6 +42,8 @@ def load(path: str | Path) -> dict[str, Any]:
     if bad:
         raise ScenarioError(f"scenario {path}: {bad} is not a finite number of at most {MAX_NUMBER:g} in magnitude")
     validate(doc, str(path))
+    if not isinstance(doc, dict):  # validate() already refused anything but an object
+        raise ScenarioError(f"scenario {path} is not a JSON object")
     return doc
 
 

@@ -117,7 +117,8 @@ def selector(args: argparse.Namespace) -> str | None:
         parse_selector(args.selector)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return args.selector
+    sel: str | None = args.selector
+    return sel
 
 
 def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptions:

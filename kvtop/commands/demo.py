@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtop.snapshot import Snapshot
 
 NAME = "demo"
 HELP = "run the console against a built-in simulated engine with generated traffic (no GPU needed)"
@@ -21,28 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to run (required with --headless)")
 
 
-def _render(snap) -> str:  # noqa: ANN001
-    try:
-        from kvtop.views.text import render_text
-    except ImportError:
-        return _summary(snap)
+def _render(snap: Snapshot) -> str:
+    from kvtop.views.text import render_text
+
     return render_text(snap)
-
-
-def _summary(snap) -> str:  # noqa: ANN001
-    lines = [f"kvtop demo  t={snap.t:.1f}s  window {snap.window_s:.0f}s"]
-    for e in snap.engines:
-        def f(v, fmt="{:.0f}"):  # noqa: ANN001, ANN202
-            return "n/a" if v is None else fmt.format(v)
-        lines.append(f"engine {e.url} {e.model or ''}: KV {f(e.kv_usage and e.kv_usage * 100, '{:.0f}%')}, "
-                     f"running {f(e.running)}, waiting {f(e.waiting)}, preemptions {f(e.preemptions_total)} "
-                     f"({f(e.preemptions_per_s, '{:.2f}')}/s), gen {f(e.generation_tokens_per_s)} tok/s")
-    reqs = snap.requests
-    if reqs:
-        gaps = [r.max_gap_s for r in reqs if r.max_gap_s is not None]
-        lines.append(f"requests: {len(reqs)} tracked, {sum(r.state == 'running' for r in reqs)} streaming, "
-                     f"worst token gap {max(gaps) * 1000:.0f} ms" if gaps else f"requests: {len(reqs)} tracked")
-    return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtop.commands._options import SourceOptions
+    from kvtop.pipeline import SourceOptions
 
 from kvtop.model.sanitize import redact_url
 

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtop.core import Core
-from kvtop.model.records import Record
+from kvtop.model.records import GpuRecord, Record
 from kvtop.sources.scrape import EngineScraper
 
 Sink = Callable[[Record], None]
@@ -158,7 +158,7 @@ class LiveRunner:
         if self._gpu is None:
             return
 
-        def poll() -> list:
+        def poll() -> list[GpuRecord]:
             with self._gpu_lock:
                 return list(self._gpu.poll(t))
 

@@ -197,4 +197,5 @@ def from_dict(d: dict[str, Any]) -> Record | None:
     if cls is EngineRecord:
         kw["itl"] = Histogram.from_dict(kw.get("itl"))
         kw["ttft"] = Histogram.from_dict(kw.get("ttft"))
-    return cls(**kw)
+    rec: Record = cls(**kw)
+    return rec

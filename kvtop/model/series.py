@@ -9,6 +9,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvtop.model.records import Histogram
 
@@ -156,7 +157,7 @@ class HistogramSeries:
 
     def __init__(self, maxlen: int = 3600):
         self._items: deque[tuple[float, Histogram]] = deque(maxlen=maxlen)
-        self._cache: tuple[tuple, Histogram | None] | None = None
+        self._cache: tuple[tuple[Any, ...], Histogram | None] | None = None
 
     def append(self, t: float, h: Histogram | None) -> None:
         if h is not None:

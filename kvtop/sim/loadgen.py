@@ -49,7 +49,8 @@ async def _model_name(session: aiohttp.ClientSession, url: str) -> str | None:
         async with session.get(f"{url}/v1/models") as r:
             if r.status == 200:
                 data = await r.json()
-                return data["data"][0]["id"]
+                model = data["data"][0]["id"]
+                return model if isinstance(model, str) else None
     except (aiohttp.ClientError, KeyError, IndexError, ValueError, asyncio.TimeoutError):
         pass
     return None

@@ -119,7 +119,7 @@ class Simulation:
 
     def scrape(self, t: float) -> list[EngineRecord]:
         assert self._page is not None and self._adapter is not None
-        recs = self._adapter.parse(self._page.render(), t)
+        recs: list[EngineRecord] = self._adapter.parse(self._page.render(), t)
         for r in recs:
             r.url = SIM_URL
         return recs

@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from kvtop.errors import UsageError
 from kvtop.model.records import trace_time
+
+_T = TypeVar("_T")
 
 
 class WorkloadError(UsageError):
@@ -194,10 +196,10 @@ def _engine_to_dict(e: EngineConfig) -> dict[str, Any]:
     return d
 
 
-def _build(cls: type, d: Any, where: str) -> Any:
+def _build(cls: type[_T], d: Any, where: str) -> _T:
     if not isinstance(d, dict):
         raise WorkloadError(f"{where}: expected an object")
-    names = {f.name: f for f in fields(cls)}
+    names = {f.name: f for f in fields(cast(Any, cls))}
     unknown = sorted(set(d) - set(names))
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {', '.join(unknown)}")

@@ -205,7 +205,7 @@ class GpuSource:
                 lost.add(g.index)
 
         # The 20 ms API blocks per call: run every GPU and direction at once so 8 GPUs cost ~20 ms.
-        futures: dict[int, tuple[Future, Future]] = {}
+        futures: dict[int, tuple[Future[int], Future[int]]] = {}
         for g in self._gpus:
             if g.index not in lost and g.pcie_mode == "throughput":
                 pool = self._executor()
@@ -362,7 +362,7 @@ class GpuSource:
         rec.pcie_tx_bytes_per_s = dtx / dt
         rec.pcie_rx_bytes_per_s = drx / dt
 
-    def _collect_throughput(self, g: _Gpu, rec: GpuRecord, futs: tuple[Future, Future]) -> None:
+    def _collect_throughput(self, g: _Gpu, rec: GpuRecord, futs: tuple[Future[int], Future[int]]) -> None:
         rec.pcie_source = "throughput_20ms"
         out: list[float | None] = []
         for f in futs:

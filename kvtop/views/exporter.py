@@ -241,4 +241,4 @@ def analysis_lag(analyzer: Any, now: float) -> float:
     pending = getattr(an, "_pending", None)
     if not pending:
         return 0.0
-    return max(0.0, now - pending[0].t_end)
+    return max(0.0, now - float(pending[0].t_end))

@@ -37,5 +37,6 @@ def run(coro: Coroutine[Any, Any, T], loop: str = "asyncio") -> T:
     if loop == "uvloop":
         import uvloop
 
-        return uvloop.run(coro)
+        out: T = uvloop.run(coro)
+        return out
     return asyncio.run(coro)

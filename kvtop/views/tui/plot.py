@@ -30,8 +30,8 @@ def scale_top(values: Sequence[float | None], ref: float | None = None, fixed: f
     exp = 10 ** math.floor(math.log10(top * 1.05))
     for m in (1, 2, 2.5, 5, 10):
         if m * exp >= top * 1.05:
-            return m * exp
-    return 10 * exp
+            return float(m * exp)
+    return float(10 * exp)
 
 
 def plot_rows(primary: Sequence[float | None], secondary: Sequence[float | None] | None, top: float,
