@@ -25,6 +25,7 @@ from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, ReqState
 from kvtop.analysis.tally import Tally
+from kvtop.model.engine_id import engine_address
 
 CAUSES = tuple(c.value for c in ALL)
 
@@ -51,6 +52,10 @@ class Analyzer:
         self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
+        # the same engine records by engine address (``engine_address`` of their url): a spike on a
+        # stream that names its engine is judged on that engine's records only
+        self.timelines: dict[str, EngineTimeline] = {}
+        self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
@@ -123,7 +128,7 @@ class Analyzer:
                 self.token(d.get("id"), t, d.get("n"))
             else:
                 self.request_event(t, str(d.get("id")), ev, d.get("n"), d.get("prompt_tokens"), d.get("class"),
-                                   d.get("completion_tokens"))
+                                   d.get("completion_tokens"), engine=d.get("engine"))
         elif kind == "engine":
             self.engine(d)
         elif kind == "host":
@@ -155,10 +160,14 @@ class Analyzer:
             self.tick(t)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
-                      completion: Any = None, tokens_done: bool = False) -> None:
+                      completion: Any = None, tokens_done: bool = False, engine: Any = None) -> None:
         gt = self.gaps
         r = gt.req(rid)
         acc = self.acc
+        if engine is not None and r.engine is None:
+            addr = engine_address(engine) if isinstance(engine, str) else None
+            if addr is not None:
+                gt.set_engine(r, addr)
         if ev == "arrive":
             r.arrive_t = t
             if prompt is not None:
@@ -185,7 +194,7 @@ class Analyzer:
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
                     acc.finished += 1
-                    self.request_preemptions.finish(t, rid)
+                    self.request_preemptions.finish(t, rid, r.engine)
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -205,8 +214,16 @@ class Analyzer:
             self._advance(t)
             return
         key = (d.get("url"), d.get("engine"))
-        self.timeline.add(t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
-                          d.get("prompt_tokens_total"))
+        point = (t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
+                 d.get("prompt_tokens_total"))
+        self.timeline.add(*point)
+        url = d.get("url")
+        addr = engine_address(url) if isinstance(url, str) else None
+        if addr is not None:
+            tl = self.timelines.get(addr)
+            if tl is None:
+                tl = self.timelines[addr] = EngineTimeline(horizon_s=self.timeline.horizon_s)
+            tl.add(*point)
         acc = self.acc
         if key not in acc.engine_first:
             acc.engine_first[key] = d
@@ -219,7 +236,7 @@ class Analyzer:
             acc.kv_max = kv if acc.kv_max is None else max(acc.kv_max, kv)
         rp = (d.get("extra") or {}).get("request_preemptions")
         if isinstance(rp, dict):
-            self.request_preemptions.scrape(key, t, rp.get("count"), rp.get("sum"))
+            self.request_preemptions.scrape(key, t, rp.get("count"), rp.get("sum"), addr)
         itl = d.get("itl")
         if isinstance(itl, dict) and not self.token_records:
             # kept only while no per-request token timings exist: the aggregate fallback needs them
@@ -271,10 +288,28 @@ class Analyzer:
         drop_before = (gt.pending[0].t_start if gt.pending else now) - self.settle - 5.0
         gt.prune(keep_from, drop_before)
         self.timeline.prune(keep_from - 60.0)
+        for tl in self.timelines.values():
+            tl.prune(keep_from - 60.0)
+
+    def timeline_for(self, engine: str | None) -> EngineTimeline:
+        """The engine records that speak for a stream of ``engine`` (its address, or None).
+
+        A stream that names a scraped engine gets that engine's records. Otherwise all records
+        together (as before streams named engines) while there is only one engine to speak of;
+        with several, a stream whose engine kvtop does not scrape gets none (another engine's
+        counter steps are not its evidence)."""
+        if engine is None or not self.timelines:
+            return self.timeline
+        tl = self.timelines.get(engine)
+        if tl is not None:
+            return tl if len(self.timelines) > 1 else self.timeline
+        if len(self.timelines) == 1 and len(self.gaps.eng_active) <= 1:
+            return self.timeline  # one engine named two ways (a DNS name and an IP, say)
+        return self._no_engine
 
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
-        ev = gather(g, self.gaps, self.timeline, self.preempts, self.settle, r.engine_preempts if r else None,
+        ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
                     self.counted_at, self.prefill_rate(), r.last_spike if r else None)
         f = classify(ev)
         g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind

@@ -68,7 +68,8 @@ class LiveAnalyzer:
             if rec.event == "token":
                 an.token(rec.id, rec.t, rec.n)
             else:
-                an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens)
+                an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens,
+                                 engine=rec.engine)
         elif isinstance(rec, EngineRecord):
             if rec.adapter and rec.adapter != self._adapter:
                 self._set_adapter(rec.adapter)
