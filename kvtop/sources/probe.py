@@ -16,6 +16,7 @@ from collections.abc import Callable
 import aiohttp
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.sanitize import redact_url
 from kvtop.sources.sse import StreamRecorder
 
 PROBE_PROMPT = "Count from one to one hundred in words, separated by commas:"
@@ -49,6 +50,7 @@ class Probe:
         if rate_per_s < 0:
             raise ValueError("probe rate must be >= 0")
         self.url = url.rstrip("/")
+        self._engine = redact_url(self.url)
         self.rate_per_s = rate_per_s
         self.emit = emit
         self.clock = clock
@@ -127,7 +129,7 @@ class Probe:
     async def _one(self, session: aiohttp.ClientSession) -> None:
         rid = "probe-" + uuid.uuid4().hex[:16]
         self.started += 1
-        self.emit(RequestRecord(self.clock(), rid, "arrive", cls="probe", source="probe"))
+        self.emit(RequestRecord(self.clock(), rid, "arrive", cls="probe", source="probe", engine=self._engine))
         rec: StreamRecorder | None = None
         try:
             async with session.post(self.url + self._path, json=self._body(),
