@@ -23,7 +23,7 @@ from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gat
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.engines import engine_semantics
-from kvtop.analysis.gaps import Gap, GapTracker, ReqState
+from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
 from kvtop.analysis.tally import Tally
 from kvtop.model.engine_id import engine_address
 
@@ -72,6 +72,8 @@ class Analyzer:
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
         self._rate_cache: tuple[int, float | None] | None = None
+        self._eng_rate: dict[str, LogHistogram] = {}  # the same, per engine (streams that name theirs)
+        self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
@@ -165,9 +167,7 @@ class Analyzer:
         r = gt.req(rid)
         acc = self.acc
         if engine is not None and r.engine is None:
-            addr = engine_address(engine) if isinstance(engine, str) else None
-            if addr is not None:
-                gt.set_engine(r, addr)
+            self.name_engine(rid, engine)
         if ev == "arrive":
             r.arrive_t = t
             if prompt is not None:
@@ -182,6 +182,11 @@ class Analyzer:
             if gt.first_token(r, t):
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc.ttft_rate_hist.add(r.prompt_tokens / (t - r.arrive_t))
+                    if r.engine is not None:
+                        eh = self._eng_rate.get(r.engine)
+                        if eh is None:
+                            eh = self._eng_rate[r.engine] = LogHistogram(lo=1.0, bins=1000)
+                        eh.add(r.prompt_tokens / (t - r.arrive_t))
             if not tokens_done:  # the fast path has already counted it and its gap
                 # a token event; a second "first_token" (resumed streams in some proxies) is still a gap
                 gt.token(rid, t, n)
@@ -207,6 +212,12 @@ class Analyzer:
             if self.use_request_preempts:
                 r.engine_preempts.append(t)
         self._advance(t)
+
+    def name_engine(self, rid: str, engine: Any) -> None:
+        """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""
+        addr = engine_address(engine) if isinstance(engine, str) else None
+        if addr is not None:
+            self.gaps.set_engine(self.gaps.req(rid), addr)
 
     def engine(self, d: dict[str, Any]) -> None:
         t = d["t"]
@@ -310,7 +321,7 @@ class Analyzer:
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
         ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
-                    self.counted_at, self.prefill_rate(), r.last_spike if r else None)
+                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
         f = classify(ev)
         g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
         g.rule_key, g.discounts = f.key, f.discounts
@@ -344,10 +355,19 @@ class Analyzer:
             if p >= 512 and g.gap > base and len(acc.prefill_a) < 5000:
                 acc.prefill_a.append((g.gap - base) / p)
 
-    def prefill_rate(self) -> float | None:
+    def prefill_rate(self, engine: str | None = None) -> float | None:
         """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT
         includes queueing and the decode work of the same steps, so the true rate is higher). A
-        prompt that this rate cannot make explain a stall certainly does not explain it."""
+        prompt that this rate cannot make explain a stall certainly does not explain it.
+        ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing)."""
+        if engine is not None and self.gaps.multi:
+            h = self._eng_rate.get(engine)
+            if h is None or h.n < 5:
+                return None
+            c = self._eng_rate_cache.get(engine)
+            if c is None or h.n - c[0] > max(4, c[0] // 100):
+                c = self._eng_rate_cache[engine] = (h.n, h.quantile(0.5))
+            return c[1]
         h = self.acc.ttft_rate_hist
         if h.n < 5:
             return None

@@ -238,6 +238,8 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             return _slow_lines(an, buf.split(b"\n"))
     fi = np.flatnonzero(fast)
     skipped = 0
+    if b'"arrive"' in buf and b'"engine":' in buf:
+        _name_engines(an, buf, starts, ends, np.flatnonzero(~fast).tolist())
     with an.batch():
         if len(fi):
             ts_, te_ = tstart[fi], tend[fi]
@@ -267,6 +269,19 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
                 skipped += _feed_line(an, line)
         an.records += int(np.count_nonzero(is_tok & fast))
     return skipped
+
+
+def _name_engines(an: Analyzer, buf: bytes, starts: Any, ends: Any, rows: list[int]) -> None:
+    """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
+    gaps are made before the chunk's other lines go through in file order, and a gap is compared
+    with other streams of its own engine."""
+    for i in rows:
+        line = buf[starts[i]:ends[i]]
+        if b'"arrive"' not in line or b'"engine":' not in line:
+            continue
+        d = parse_line(line)
+        if d is not None and d.get("kind") == "request" and d.get("event") == "arrive":
+            an.name_engine(str(d["id"]), d.get("engine"))
 
 
 def _unique(ids: Any) -> tuple[Any, Any]:
