@@ -22,6 +22,7 @@ from kvtop.analysis import gaps as G
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
+from kvtop.analysis.attribution.request_times import RequestTimes
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
 from kvtop.analysis.tally import Tally
@@ -75,6 +76,7 @@ class Analyzer:
         self._eng_rate: dict[str, LogHistogram] = {}  # the same, per engine (streams that name theirs)
         self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
+        self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -131,6 +133,8 @@ class Analyzer:
             else:
                 self.request_event(t, str(d.get("id")), ev, d.get("n"), d.get("prompt_tokens"), d.get("class"),
                                    d.get("completion_tokens"), engine=d.get("engine"))
+                if ev == "finish" and ("engine_ttft_s" in d or "engine_queue_s" in d or "engine_decode_s" in d):
+                    self.engine_times(d)
         elif kind == "engine":
             self.engine(d)
         elif kind == "host":
@@ -212,6 +216,15 @@ class Analyzer:
             if self.use_request_preempts:
                 r.engine_preempts.append(t)
         self._advance(t)
+
+    def engine_times(self, d: dict[str, Any]) -> None:
+        """A finish record that carries the engine's own times for its request (``RequestTimes``)."""
+        r = self.gaps.reqs.get(str(d.get("id")))
+        if r is None:
+            return
+        p = d.get("prompt_tokens")
+        prompt = p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else r.prompt_tokens
+        self.request_times.finish(d, prompt, r.arrive_t, r.first_t, r.last_t, r.engine)
 
     def name_engine(self, rid: str, engine: Any) -> None:
         """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""
@@ -359,14 +372,20 @@ class Analyzer:
         """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT
         includes queueing and the decode work of the same steps, so the true rate is higher). A
         prompt that this rate cannot make explain a stall certainly does not explain it.
-        ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing)."""
-        if engine is not None and self.gaps.multi:
-            h = self._eng_rate.get(engine)
+        ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing).
+        Where the engine reports its own per-request times, prompt tokens / the engine's TTFT is
+        used instead: still a low estimate, without the queueing (``RequestTimes``)."""
+        named = engine if self.gaps.multi else None
+        measured = self.request_times.prefill_rate(named)
+        if measured is not None:
+            return measured
+        if named is not None:
+            h = self._eng_rate.get(named)
             if h is None or h.n < 5:
                 return None
-            c = self._eng_rate_cache.get(engine)
+            c = self._eng_rate_cache.get(named)
             if c is None or h.n - c[0] > max(4, c[0] // 100):
-                c = self._eng_rate_cache[engine] = (h.n, h.quantile(0.5))
+                c = self._eng_rate_cache[named] = (h.n, h.quantile(0.5))
             return c[1]
         h = self.acc.ttft_rate_hist
         if h.n < 5:

@@ -199,6 +199,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         "requests": requests,
         "request_preemptions": an.request_preemptions.report(
             {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"}),
+        "engine_request_times": an.request_times.report(),
         "verdict": verdict,
         "warnings": list(warnings or []),
     }

@@ -150,6 +150,12 @@ class RequestRecord:
     # analysis matches it with engine records' ``url`` (``kvtop.model.engine_id``) so stalls on one
     # engine are judged with that engine's scrapes and streams only.
     engine: str | None = None
+    # On finish, where the engine reports per-request times (vLLM ``--enable-per-request-metrics``),
+    # seconds on the engine's own clock: queued until first scheduled, first scheduled until the
+    # first token (prefill, chunked steps, any preemption before it), first until last token.
+    engine_queue_s: float | None = None
+    engine_ttft_s: float | None = None
+    engine_decode_s: float | None = None
 
 
 @dataclass(slots=True)

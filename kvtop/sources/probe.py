@@ -118,8 +118,10 @@ class Probe:
         return None
 
     def _body(self) -> dict[str, object]:
+        # usage on the last chunk: exact token counts, and the engine's per-request times where it
+        # sends them (vLLM --enable-per-request-metrics rides on that chunk)
         body: dict[str, object] = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
-                                   "temperature": 0}
+                                   "temperature": 0, "stream_options": {"include_usage": True}}
         if self._path == "/v1/completions":
             body["prompt"] = PROBE_PROMPT
         else:
