@@ -221,3 +221,21 @@ def test_unscraped_engine_gets_no_other_engines_counter():
     assert an.timeline_for("engine-c:8000").has_counter is False
     assert an.timeline_for("engine-a:8000") is an.timelines["engine-a:8000"]
     assert an.timeline_for(None) is an.timeline
+
+
+def test_trace_writer_keeps_every_request_field(tmp_path):
+    """The writer's fast request encoding (also the proxy workers' pipe) writes what ``to_dict``
+    writes: the engine on arrive, the engine's times and ``incomplete`` on finish."""
+    from kvtop.model.trace import TraceWriter, _request_dict, make_header
+
+    recs = [RequestRecord(1.0, "r1", "arrive", source="proxy", engine="http://127.0.0.1:8000"),
+            RequestRecord(1.5, "r1", "first_token", n=1),
+            RequestRecord(2.0, "r1", "finish", completion_tokens=1, incomplete=True, engine_queue_s=0.25,
+                          engine_ttft_s=0.5, engine_decode_s=0.0)]
+    for r in recs:
+        assert _request_dict(r) == to_dict(r)
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p, make_header()) as w:
+        for r in recs:
+            w.write(r)
+    assert list(TraceReader(str(p)).records()) == recs
