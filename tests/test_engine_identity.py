@@ -239,3 +239,22 @@ def test_trace_writer_keeps_every_request_field(tmp_path):
         for r in recs:
             w.write(r)
     assert list(TraceReader(str(p)).records()) == recs
+
+
+def test_one_engine_named_two_ways_keeps_its_evidence():
+    """Streams name the engine by a DNS name, the scrapes by IP: with one engine scraped and one
+    named, the stream's stall still claims the counter step (as without names)."""
+    from test_attribution import engine_records, run, stream_records
+
+    recs = stream_records(silent={"r3": (4.0, 6.0)}) + engine_records(
+        kv=0.97, pre_steps=(6.5,), run_drop=((4.4, 6.1),), wait_rise=((4.4, 6.1),))
+    for d in recs:
+        if d.get("event") == "arrive":
+            d["engine"] = "http://gpu-box.internal:8000"
+    an = run(recs)
+    (g,) = list(an.spikes)
+    assert g.request_id == "r3" and g.cause == "preemption"
+    # a second scraped engine that is not the stream's: now the names must match, and they do not
+    an2 = run(recs + [{**d, "url": "http://other:9000", "preemptions_total": 0.0} for d in recs if d["kind"] == "engine"])
+    (g2,) = list(an2.spikes)
+    assert g2.cause != "preemption"

@@ -327,7 +327,7 @@ class Analyzer:
         tl = self.timelines.get(engine)
         if tl is not None:
             return tl if len(self.timelines) > 1 else self.timeline
-        if len(self.timelines) == 1 and len(self.gaps.eng_active) <= 1:
+        if len(self.timelines) == 1 and sum(1 for k in self.gaps.eng_active if k is not None) <= 1:
             return self.timeline  # one engine named two ways (a DNS name and an IP, say)
         return self._no_engine
 

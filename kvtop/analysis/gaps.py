@@ -313,7 +313,10 @@ class GapTracker:
         """Name the engine that serves ``r`` (before its first token: the active counts are per engine)."""
         if r.engine is None and r.first_t is None:
             r.engine = engine
-            self.multi = True
+            if not self.multi:
+                # the streams so far named no engine: their active counts carry on under None
+                self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
+                self.multi = True
 
     def first_token(self, r: ReqState, t: float) -> bool:
         """Record a stream's first token; False when it already had one."""
