@@ -27,6 +27,7 @@ PREFIX = b'{"kind":"request","t":'
 ID_SEP = b',"id":"'
 EV_TOK = b'","event":"token"'
 EV_FT = b'","event":"first_token"'
+EV_ARRIVE = b'","event":"arrive"'
 N_KEY = b',"n":'
 T_WIDTH = 24
 ID_WIDTH = 48
@@ -239,7 +240,10 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     fi = np.flatnonzero(fast)
     skipped = 0
     if b'"arrive"' in buf and b'"engine":' in buf:
-        _name_engines(an, buf, starts, ends, np.flatnonzero(~fast).tolist())
+        # arrive lines in the writer's key order, found like the token lines; any line of another
+        # shape is looked at too
+        arrive = _match(arr, idend, EV_ARRIVE, ok & ~fast)
+        _name_engines(an, buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
     with an.batch():
         if len(fi):
             ts_, te_ = tstart[fi], tend[fi]
