@@ -258,3 +258,24 @@ def test_one_engine_named_two_ways_keeps_its_evidence():
     an2 = run(recs + [{**d, "url": "http://other:9000", "preemptions_total": 0.0} for d in recs if d["kind"] == "engine"])
     (g2,) = list(an2.spikes)
     assert g2.cause != "preemption"
+
+
+def test_live_path_judges_two_engines_like_the_batch_path(two_engines):
+    """The console's path (record by record, attributed as evidence settles) gives each engine the
+    answers the batch analysis gives."""
+    from kvtop.analysis.live import LiveAnalyzer
+
+    _, _, merged = two_engines
+    rd = TraceReader(merged[True])
+    live = LiveAnalyzer(itl_target_s=rd.header["sim"]["itl_target_s"], adapter="vllm", keep_spikes=10_000,
+                        horizon_s=600.0)
+    for rec in rd.records():
+        live.feed(rec)
+    live.an.finish()
+    got = Counter((g.request_id[:1], g.cause) for g in live.an.spikes)
+    _, batch = _by_engine(merged[True])
+    want: Counter = Counter()
+    for (e, cause, _), n in batch.items():
+        want[(e, cause)] += n
+    assert got == want
+    assert got[("b", "preemption")] == 0 and got[("a", "preemption")] >= 40
