@@ -88,8 +88,8 @@ from kvtop.analysis.scan import analyze_trace
 t0 = time.perf_counter()
 rep = analyze_trace(sys.argv[1], fast=sys.argv[2] == "fast")
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "records": rep["records"], "gaps": rep["gaps"], "spikes": rep["spikes_total"],
-                  "verdict": rep["verdict"]["action"],
+print(json.dumps({"seconds": dt, "records": rep.records, "gaps": rep.gaps, "spikes": rep.spikes_total,
+                  "verdict": rep.verdict.action,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 

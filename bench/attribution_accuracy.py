@@ -59,7 +59,8 @@ def main() -> int:
                 rep = analyze_trace(path)
                 sc = score(rep, path)
                 runs += 1
-                ok = rep["verdict"]["action"] == EXPECTED.get(preset)
+                action = rep.verdict.action if rep.verdict else None
+                ok = action == EXPECTED.get(preset)
                 ok_verdicts += ok
 
                 def pr(c: str, sc: dict = sc) -> str:
@@ -71,8 +72,8 @@ def main() -> int:
                     r = "-" if x["recall"] is None else f"{x['recall']:.2f}"
                     return f"{p}/{r}"
 
-                print(f"{preset:<22}{seed:>5}{rep['spikes_total']:>8}  {pr('preemption'):>13}  "
-                      f"{pr('prefill_interference'):>13}  {rep['verdict']['action']:<16} {'yes' if ok else 'NO'}"
+                print(f"{preset:<22}{seed:>5}{rep.spikes_total:>8}  {pr('preemption'):>13}  "
+                      f"{pr('prefill_interference'):>13}  {action:<16} {'yes' if ok else 'NO'}"
                       f"   ({time.perf_counter() - t0:.1f}s)")
     print()
     for c, x in tot.items():

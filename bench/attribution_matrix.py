@@ -31,7 +31,7 @@ from bench.tracegen.generate import simulate as tg_simulate  # noqa: E402
 from bench.tracegen.generate import write as tg_write  # noqa: E402
 from bench.tracegen.situations import SITUATIONS  # noqa: E402
 from kvtop.analysis.scan import analyze_trace  # noqa: E402
-from kvtop.analysis.scoring import NON_ENGINE_CAUSES, label, precision_recall, truth_intervals  # noqa: E402
+from kvtop.analysis.scoring import NON_ENGINE_CAUSES, label_span, precision_recall, truth_intervals  # noqa: E402
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode")
 SHORT = {"preemption": "preempt", "prefill_interference": "prefill", "slow_decode": "slow"}
@@ -45,12 +45,13 @@ BINS = [i / 10 for i in range(11)]
 def score_trace(path: str, itl_target_s: float) -> dict[str, Any]:
     rep = analyze_trace(path, itl_target_s=itl_target_s)
     truth = truth_intervals(path, engine_wide=True)
-    spikes = rep["spikes"]
-    truths = [label(s, truth) for s in spikes]
-    ours = [s["cause"] for s in spikes]
-    rules = baseline.classify(spikes, baseline.TraceIndex(path))
-    return {"truth": truths, "kvtop": ours, "rules": rules, "conf": [float(s["confidence"]) for s in spikes],
-            "verdict": rep["verdict"]["action"]}
+    spikes = rep.spikes
+    truths = [label_span(s.request_id, s.t_start, s.t_end, truth) for s in spikes]
+    ours = [s.cause for s in spikes]
+    # the independent rule baseline reads spikes as `kvtop analyze --format json` prints them
+    rules = baseline.classify([s.to_dict() for s in spikes], baseline.TraceIndex(path))
+    return {"truth": truths, "kvtop": ours, "rules": rules, "conf": [float(s.confidence or 0.0) for s in spikes],
+            "verdict": rep.verdict.action if rep.verdict else None}
 
 
 def _pr(x: dict[str, Any]) -> str:

@@ -77,14 +77,16 @@ class Agent:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""
         an = getattr(self.core.analysis, "an", None)
         rep = self.core.analysis.report(self.core.now) if self.core.analysis is not None else None
+        v = rep.verdict if rep is not None else None
         return {
             "engine": self.metrics.request_engine,
             "spikes_by_cause": {str(k): v for k, v in (getattr(an, "cause_counts", {}) or {}).items()},
             "stall_seconds_by_cause": {str(k): round(v, 6)
                                        for k, v in (getattr(an, "cause_seconds", {}) or {}).items()},
             "preemptions_attributed": len(getattr(getattr(an, "acc", None), "preempted_ids", ())),
-            "verdict": {k: (rep or {}).get("verdict", {}).get(k) for k in ("action", "mechanism", "confidence")},
-            "itl_target_s": (rep or {}).get("itl_target_s"),
+            "verdict": {"action": v.action if v else None, "mechanism": v.mechanism if v else None,
+                        "confidence": v.confidence if v else None},
+            "itl_target_s": rep.itl_target_s if rep is not None else None,
             "engines": [
                 {"engine": engine_label(e.url, e.engine), "up": e.up, "kv_usage": e.kv_usage,
                  "preemptions_total": e.preemptions_total, "preemptions_per_s": e.preemptions_per_s,

@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 from kvtop import __version__
 from kvtop.history import History
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
 from kvtop.model.sanitize import printable, sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
-from kvtop.snapshot import EngineView, EventView, GpuView, HostView, RequestView, Snapshot
+from kvtop.snapshot import EngineView, EventView, GpuView, RequestView, Snapshot
 
 # Bytes/s per lane per direction by PCIe generation (8b/10b for Gen1-2, 128b/130b after).
 _LANE_BYTES_PER_S = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
@@ -97,7 +98,7 @@ class LiveAnalysis(Protocol):
         """(spikes, spikes attributed to preemption, last cause) for one request."""
         ...
 
-    def report(self, now: float) -> dict[str, Any] | None: ...
+    def report(self, now: float) -> AnalysisReport | None: ...
 
     def fresh(self) -> LiveAnalysis:
         """A new, empty analysis with the same settings."""
@@ -459,35 +460,13 @@ class Core:
                     warnings=tuple(rec.warnings),
                 )
             engines.append(ev)
-        gpus = []
-        for grec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index):
-            gpus.append(
-                GpuView(
-                    index=grec.index, uuid=grec.uuid, name=grec.name, lost=grec.lost,
-                    mem_used_bytes=grec.mem_used_bytes, mem_total_bytes=grec.mem_total_bytes,
-                    mem_reserved_bytes=grec.mem_reserved_bytes,
-                    pcie_tx_bytes_per_s=grec.pcie_tx_bytes_per_s, pcie_rx_bytes_per_s=grec.pcie_rx_bytes_per_s,
-                    pcie_source=grec.pcie_source,
-                    pcie_link_gen=grec.pcie_link_gen, pcie_link_width=grec.pcie_link_width,
-                    pcie_link_gen_max=grec.pcie_link_gen_max, pcie_link_width_max=grec.pcie_link_width_max,
+        # stored readings are never changed after ingest, so snapshots share them rather than copy
+        gpus = tuple(
+            GpuView(record=grec,
                     pcie_capacity_bytes_per_s=pcie_capacity_bytes_per_s(grec.pcie_link_gen, grec.pcie_link_width),
-                    link_downtrained=self._downtrained(grec),
-                    pcie_replay_count=grec.pcie_replay_count, util_pct=grec.util_pct, mig_mode=grec.mig_mode,
-                    engine_proc_mem_bytes=grec.engine_proc_mem_bytes,
-                    pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx), notes=tuple(grec.notes),
-                )
-            )
-        host = None
-        if self._host is not None:
-            h = self._host
-            host = HostView(
-                mem_total_bytes=h.mem_total_bytes, mem_available_bytes=h.mem_available_bytes,
-                swap_total_bytes=h.swap_total_bytes, swap_used_bytes=h.swap_used_bytes,
-                pinned_bytes=h.pinned_bytes, pinned_signal=h.pinned_signal,
-                pinned_signals=dict(h.pinned_signals), shmem_bytes=h.shmem_bytes,
-                cgroup_shmem_bytes=h.cgroup_shmem_bytes, cgroup_mem_max_bytes=h.cgroup_mem_max_bytes,
-                notes=tuple(h.notes),
-            )
+                    link_downtrained=self._downtrained(grec), pcie_tx_history=tuple(tx), pcie_rx_history=tuple(rx))
+            for grec, tx, rx in sorted(self._gpus.values(), key=lambda x: x[0].index)
+        )
         requests = []
         for r in self._requests.values():
             if r.end_t is not None and now - r.end_t > self.finished_keep_s:
@@ -512,8 +491,8 @@ class Core:
             t=now,
             window_s=w,
             gpu_status=self.gpu_status,
-            gpus=tuple(gpus),
-            host=host,
+            gpus=gpus,
+            host=self._host,
             engines=tuple(engines),
             requests=tuple(requests),
             events=tuple(self._events),

@@ -176,15 +176,15 @@ class AgentMetrics:
                              ["engine"])
         acc = getattr(an, "acc", None)
         attributed.add_metric([lab], float(len(getattr(acc, "preempted_ids", ()))))
-        rep = snap.analysis or {}
-        verdict = rep.get("verdict") or {}
+        rep = snap.analysis
+        verdict = rep.verdict if rep is not None else None
         v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])
         v_conf = gauge("kvtop_verdict_confidence", "Confidence of the current verdict (0..1)", ["engine"])
-        if verdict:
-            v_info.add_metric([lab, str(verdict.get("action") or "none"), str(verdict.get("mechanism") or "none")], 1)
-            if verdict.get("confidence") is not None:
-                v_conf.add_metric([lab], float(verdict["confidence"]))
-        tgt = rep.get("itl_target_s") if rep else snap.itl_target_s
+        if verdict is not None:
+            v_info.add_metric([lab, str(verdict.action or "none"), str(verdict.mechanism or "none")], 1)
+            if verdict.confidence is not None:
+                v_conf.add_metric([lab], float(verdict.confidence))
+        tgt = rep.itl_target_s if rep is not None else snap.itl_target_s
         if tgt:
             gauge("kvtop_itl_target_seconds", "ITL target the spikes are measured against", ["engine"]).add_metric(
                 [lab], float(tgt))
@@ -209,7 +209,8 @@ class AgentMetrics:
         g_wm = gauge("kvtop_gpu_pcie_link_width_max", "Maximum PCIe link width in lanes", gl)
         g_dt = gauge("kvtop_gpu_pcie_link_downtrained", "1 if the link runs below its max gen/width under load", gl)
         g_rp = counter("kvtop_gpu_pcie_replay", "PCIe replay counter (DCGM_FI_DEV_PCIE_REPLAY_COUNTER)", gl)
-        for g in snap.gpus:
+        for view in snap.gpus:
+            g = view.record
             k = [str(g.index), g.uuid or ""]
             vals: tuple[tuple[Any, float | int | None], ...] = (
                 (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes), (g_tx, g.pcie_tx_bytes_per_s),
@@ -218,13 +219,13 @@ class AgentMetrics:
             for fam, val in vals:
                 if val is not None:
                     fam.add_metric(k, float(val))
-            g_dt.add_metric(k, 1.0 if g.link_downtrained else 0.0)
+            g_dt.add_metric(k, 1.0 if view.link_downtrained else 0.0)
 
         gauge("kvtop_analysis_lag_seconds",
               "How far the analysis trails the newest record (spikes wait for their evidence window)").add_metric(
             [], max(0.0, analysis_lag_s or 0.0))
         gauge("kvtop_analysis_pending_spikes", "Spikes waiting for their evidence window").add_metric(
-            [], float(rep.get("pending_spikes", 0) if rep else 0))
+            [], float((rep.pending_spikes or 0) if rep is not None else 0))
         counter("kvtop_dropped_records", "Records kvtop could not keep (trace write failures)", []).add_metric(
             [], float(self.dropped))
         self._cached.families = fams

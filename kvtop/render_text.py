@@ -5,60 +5,16 @@ Plain text, no colour, no Textual: numbers carry their units, unknown values pri
 
 from __future__ import annotations
 
-from typing import Any
-
+from kvtop import units
+from kvtop.model.analysis import AnalysisReport
+from kvtop.model.records import HostRecord
 from kvtop.model.sanitize import printable
-from kvtop.snapshot import EngineView, GpuView, HostView, Snapshot
-
-NA = "n/a"
-
-
-def fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return NA
-    x = float(v)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1024
-    return f"{x:.1f} TiB"  # pragma: no cover
+from kvtop.snapshot import EngineView, GpuView, Snapshot
+from kvtop.units import NA
 
 
-def fmt_rate_bytes(v: float | None) -> str:
-    """Link traffic in decimal GB/s (how PCIe bandwidth is quoted)."""
-    if v is None:
-        return NA
-    x = float(v)
-    for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f} B/s"
-
-
-def fmt_s(v: float | None) -> str:
-    """A latency: ms below a second, s above."""
-    if v is None:
-        return NA
-    return f"{v * 1000:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
-
-
-def fmt_num(v: float | None, digits: int = 0) -> str:
-    if v is None:
-        return NA
-    if digits == 0 and float(v).is_integer():
-        return f"{int(v):,}"
-    return f"{v:,.{digits or 1}f}"
-
-
-def fmt_pct(v: float | None) -> str:
-    return NA if v is None else f"{v * 100:.1f}%"
-
-
-def fmt_per_s(v: float | None, digits: int = 1) -> str:
-    return NA if v is None else f"{v:,.{digits}f}/s"
-
-
-def _gpu_line(g: GpuView) -> str:
+def _gpu_line(view: GpuView) -> str:
+    g = view.record
     if g.lost:
         return f"GPU {g.index} {g.name or ''}: LOST (fell off the bus?)".replace("  ", " ")
     link = NA
@@ -68,26 +24,26 @@ def _gpu_line(g: GpuView) -> str:
             link += f" (max Gen{g.pcie_link_gen_max or '?'} x{g.pcie_link_width_max or '?'})"
     parts = [
         f"GPU {g.index} {g.name or NA}",
-        f"mem {fmt_bytes(g.mem_used_bytes)} / {fmt_bytes(g.mem_total_bytes)}",
-        f"util {NA if g.util_pct is None else f'{g.util_pct:.0f}%'}",
-        f"PCIe tx {fmt_rate_bytes(g.pcie_tx_bytes_per_s)} rx {fmt_rate_bytes(g.pcie_rx_bytes_per_s)}",
+        f"mem {units.bytes_iec(g.mem_used_bytes)} / {units.bytes_iec(g.mem_total_bytes)}",
+        f"util {units.num(g.util_pct, '{:.0f}%')}",
+        f"PCIe tx {units.byte_rate(g.pcie_tx_bytes_per_s)} rx {units.byte_rate(g.pcie_rx_bytes_per_s)}",
         f"link {link}",
     ]
     if g.engine_proc_mem_bytes is not None:
-        parts.append(f"engine procs {fmt_bytes(g.engine_proc_mem_bytes)}")
-    if g.link_downtrained:
+        parts.append(f"engine procs {units.bytes_iec(g.engine_proc_mem_bytes)}")
+    if view.link_downtrained:
         parts.append("LINK DOWNTRAINED")
     return "  ".join(parts)
 
 
-def _host_line(h: HostView) -> str:
-    pinned = fmt_bytes(h.pinned_bytes)
+def _host_line(h: HostRecord) -> str:
+    pinned = units.bytes_iec(h.pinned_bytes)
     if h.pinned_bytes is not None and h.pinned_signal:
         pinned += f" ({h.pinned_signal})"
-    swap = NA if h.swap_used_bytes is None else f"{fmt_bytes(h.swap_used_bytes)} / {fmt_bytes(h.swap_total_bytes)}"
+    swap = NA if h.swap_used_bytes is None else f"{units.bytes_iec(h.swap_used_bytes)} / {units.bytes_iec(h.swap_total_bytes)}"
     return (
-        f"host  mem available {fmt_bytes(h.mem_available_bytes)} / {fmt_bytes(h.mem_total_bytes)}"
-        f"  pinned {pinned}  shmem {fmt_bytes(h.shmem_bytes)}  swap used {swap}"
+        f"host  mem available {units.bytes_iec(h.mem_available_bytes)} / {units.bytes_iec(h.mem_total_bytes)}"
+        f"  pinned {pinned}  shmem {units.bytes_iec(h.shmem_bytes)}  swap used {swap}"
     )
 
 
@@ -103,20 +59,20 @@ def _engine_lines(e: EngineView) -> list[str]:
     lines = [f"{head}  up  model {e.model or NA}"]
     cap = ""
     if e.kv_capacity_tokens is not None:
-        cap = f" of {fmt_num(e.kv_capacity_tokens)} tokens"
+        cap = f" of {units.count(e.kv_capacity_tokens)} tokens"
         if e.block_size is not None:
             cap += f" (block {e.block_size})"
-    lines.append(f"  KV cache {fmt_pct(e.kv_usage)}{cap}  running {fmt_num(e.running)}  waiting {fmt_num(e.waiting)}")
+    lines.append(f"  KV cache {units.pct(e.kv_usage)}{cap}  running {units.count(e.running)}  waiting {units.count(e.waiting)}")
     if e.preempts:
-        lines.append(f"  preemptions {fmt_num(e.preemptions_total)} total, {fmt_per_s(e.preemptions_per_s, 2)}")
+        lines.append(f"  preemptions {units.count(e.preemptions_total)} total, {units.per_s(e.preemptions_per_s, 2)}")
     else:
         lines.append("  preemptions: never (this engine does not preempt)")
     lines.append(
-        f"  tokens prompt {fmt_per_s(e.prompt_tokens_per_s)}  generation {fmt_per_s(e.generation_tokens_per_s)}"
+        f"  tokens prompt {units.per_s(e.prompt_tokens_per_s)}  generation {units.per_s(e.generation_tokens_per_s)}"
     )
     lines.append(
-        f"  ITL p50 {fmt_s(e.itl_p50_s)} p99 {fmt_s(e.itl_p99_s)}"
-        f"  TTFT p50 {fmt_s(e.ttft_p50_s)} p99 {fmt_s(e.ttft_p99_s)}"
+        f"  ITL p50 {units.duration(e.itl_p50_s)} p99 {units.duration(e.itl_p99_s)}"
+        f"  TTFT p50 {units.duration(e.ttft_p50_s)} p99 {units.duration(e.ttft_p99_s)}"
     )
     if e.restarts:
         lines.append(f"  restarted {e.restarts} time(s) during the window (counters reset)")
@@ -125,7 +81,7 @@ def _engine_lines(e: EngineView) -> list[str]:
     return lines
 
 
-def _analysis_lines(a: dict[str, Any]) -> list[str]:
+def _analysis_lines(a: AnalysisReport) -> list[str]:
     """The analysis report as `kvtop analyze` prints it: causes, worst streams, verdict, numbers."""
     from kvtop.analysis.report import render_report_text
 
@@ -136,7 +92,7 @@ def render_text(snapshot: Snapshot) -> str:
     s = snapshot
     out = [f"kvtop {s.kvtop_version}  {s.taken_at}  window {s.window_s:.1f} s  ({s.source_label})"]
     if s.itl_target_s is not None:
-        out[0] += f"  ITL target {fmt_s(s.itl_target_s)}"
+        out[0] += f"  ITL target {units.duration(s.itl_target_s)}"
     if s.gpu_status != "ok":
         out.append(f"GPU: {NA} ({s.gpu_status})")
     elif not s.gpus:
@@ -147,7 +103,7 @@ def render_text(snapshot: Snapshot) -> str:
         out.append("engines: none configured")
     for e in s.engines:
         out.extend(_engine_lines(e))
-    if s.analysis:
+    if s.analysis is not None:
         out.extend(_analysis_lines(s.analysis))
     # The one exit to a terminal: label values, model names, paths and messages all pass here.
     return "\n".join(printable(line) for line in out) + "\n"

@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.model.analysis import AnalysisReport
+from kvtop.model.records import GpuRecord, HostRecord
+
 # Severity thresholds (docs/host-and-gpu.md §6; vLLM kv-cache dashboard).
 KV_WARN = 0.90
 KV_CRIT = 0.98
@@ -19,48 +22,24 @@ PREEMPT_WARN_PER_S = 0.0  # any preemption is worth a look
 PREEMPT_CRIT_PER_S = 1.0
 
 
+def _json_after(name: str) -> dict[str, str]:
+    """Field metadata: where a derived field sits among the record's fields in the snapshot JSON."""
+    return {"json_after": name}
+
+
 @dataclass(frozen=True, slots=True)
 class GpuView:
-    index: int
-    uuid: str | None
-    name: str | None
-    lost: bool = False
-    mem_used_bytes: int | None = None
-    mem_total_bytes: int | None = None
-    mem_reserved_bytes: int | None = None
-    pcie_tx_bytes_per_s: float | None = None
-    pcie_rx_bytes_per_s: float | None = None
-    pcie_source: str | None = None
-    pcie_link_gen: int | None = None
-    pcie_link_width: int | None = None
-    pcie_link_gen_max: int | None = None
-    pcie_link_width_max: int | None = None
+    """One GPU as the views show it: its latest reading as the trace holds it (the fields are
+    defined once, on ``GpuRecord``) and what the core derives from its readings. The derived
+    fields live here only, so a trace never carries them."""
+
+    record: GpuRecord
     # Theoretical per-direction capacity at the *current* gen/width (docs/host-and-gpu.md §2).
-    pcie_capacity_bytes_per_s: float | None = None
+    pcie_capacity_bytes_per_s: float | None = field(default=None, metadata=_json_after("pcie_link_width_max"))
     # Current link below the max while traffic flows (idle links down-train on purpose).
-    link_downtrained: bool = False
-    pcie_replay_count: int | None = None
-    util_pct: float | None = None
-    mig_mode: bool | None = None
-    engine_proc_mem_bytes: int | None = None
-    pcie_tx_history: tuple[float, ...] = ()
-    pcie_rx_history: tuple[float, ...] = ()
-    notes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class HostView:
-    mem_total_bytes: int | None = None
-    mem_available_bytes: int | None = None
-    swap_total_bytes: int | None = None
-    swap_used_bytes: int | None = None
-    pinned_bytes: int | None = None
-    pinned_signal: str | None = None
-    pinned_signals: dict[str, int | None] = field(default_factory=dict)
-    shmem_bytes: int | None = None
-    cgroup_shmem_bytes: int | None = None
-    cgroup_mem_max_bytes: int | None = None
-    notes: tuple[str, ...] = ()
+    link_downtrained: bool = field(default=False, metadata=_json_after("pcie_link_width_max"))
+    pcie_tx_history: tuple[float, ...] = field(default=(), metadata=_json_after("engine_proc_mem_bytes"))
+    pcie_rx_history: tuple[float, ...] = field(default=(), metadata=_json_after("engine_proc_mem_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +102,12 @@ class Snapshot:
     window_s: float
     gpu_status: str  # "ok" or the one-line reason there is no GPU data
     gpus: tuple[GpuView, ...] = ()
-    host: HostView | None = None
+    host: HostRecord | None = None  # the latest host reading: nothing is derived from it
     engines: tuple[EngineView, ...] = ()
     requests: tuple[RequestView, ...] = ()
     events: tuple[EventView, ...] = ()
     itl_target_s: float | None = None
-    analysis: dict[str, Any] | None = None  # the analysis report (spikes, causes, verdict)
+    analysis: AnalysisReport | None = None  # spikes, causes, verdict
     paused: bool = False
     source_label: str = "live"  # live, replay FILE, demo
     host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
@@ -139,7 +118,12 @@ class Snapshot:
         """The documented JSON contract (schemas/snapshot.schema.json)."""
 
         def clean(obj: Any) -> Any:
-            d = dataclasses.asdict(obj)
+            if isinstance(obj, GpuView):
+                d = _record_json(obj.record, obj)
+            elif isinstance(obj, HostRecord):
+                d = _record_json(obj)
+            else:
+                d = dataclasses.asdict(obj)
             if not include_history:
                 d = {k: v for k, v in d.items() if not k.endswith("_history")}
             for k, v in d.items():
@@ -163,10 +147,28 @@ class Snapshot:
         if self.events:
             out["events"] = [clean(e) for e in self.events]
         if self.analysis is not None:
-            out["analysis"] = self.analysis
+            out["analysis"] = self.analysis.to_dict()
         if self.capture is not None:
             out["capture"] = dict(self.capture)
         return finite(out)
+
+
+def _record_json(rec: GpuRecord | HostRecord, view: GpuView | None = None) -> dict[str, Any]:
+    """A record's fields for the snapshot JSON: its time is the snapshot's business, and a view's
+    derived fields go after the record field their ``json_after`` metadata names."""
+    after: dict[str, list[str]] = {}
+    if view is not None:
+        for f in dataclasses.fields(view):
+            if "json_after" in f.metadata:
+                after.setdefault(f.metadata["json_after"], []).append(f.name)
+    out: dict[str, Any] = {}
+    for k, v in dataclasses.asdict(rec).items():
+        if k == "t":
+            continue
+        out[k] = v
+        for name in after.get(k, ()):
+            out[name] = getattr(view, name)
+    return out
 
 
 def finite(obj: Any) -> Any:

@@ -85,8 +85,8 @@ def test_lone_stall_without_evidence_is_not_preemption():
     (g,) = list(an.spikes)
     assert g.cause == "unknown"
     rep = build_report(an)
-    assert rep["verdict"]["action"] == "no_action"  # one stall in 4,000 gaps is no ITL-miss pattern
-    assert rep["causes"]["preemption"]["count"] == 0
+    assert rep.verdict.action == "no_action"  # one stall in 4,000 gaps is no ITL-miss pattern
+    assert rep.causes["preemption"].count == 0
 
 
 def test_running_drop_from_the_stalled_streams_own_finish_is_not_preemption():
@@ -208,11 +208,11 @@ def test_prefill_interference_all_streams_stall_with_new_first_token():
     assert {g.cause for g in spikes} == {"prefill_interference"}
     assert all(g.confidence >= 0.75 for g in spikes)
     rep = build_report(an)
-    assert rep["verdict"]["action"] == "chunked_prefill"
-    assert rep["causes"]["prefill_interference"]["share"] == 1.0
+    assert rep.verdict.action == "chunked_prefill"
+    assert rep.causes["prefill_interference"].share == 1.0
     # the stall length per prompt token gives the prefill rate: (0.62 - 0.02) s / 12000 tokens
-    assert rep["verdict"]["numbers"]["prefill_rate"]["source"] == "measured"
-    assert rep["verdict"]["numbers"]["prefill_rate"]["value"] == pytest.approx(12000 / 0.6, rel=0.1)
+    assert rep.verdict.numbers["prefill_rate"].source == "measured"
+    assert rep.verdict.numbers["prefill_rate"].value == pytest.approx(12000 / 0.6, rel=0.1)
 
 
 def test_slow_decode_lifts_every_gap():
@@ -226,8 +226,8 @@ def test_slow_decode_lifts_every_gap():
             recs.append({"kind": "request", "t": round(t, 6), "id": rid, "event": "token", "n": 1})
     an = run(recs, itl_target_s=0.1)
     rep = build_report(an)
-    assert rep["causes"]["slow_decode"]["share"] > 0.9
-    assert rep["verdict"]["action"] == "reduce_batch"
+    assert rep.causes["slow_decode"].share > 0.9
+    assert rep.verdict.action == "reduce_batch"
 
 
 def test_engine_that_never_preempts_never_gets_preemption():
@@ -235,7 +235,7 @@ def test_engine_that_never_preempts_never_gets_preemption():
         kv=0.97, pre_steps=(6.5,), run_drop=((4.4, 6.1),), wait_rise=((4.4, 6.1),))
     an = run(recs, preempts=False)
     assert [g.cause for g in an.spikes] == ["unknown"]
-    assert build_report(an)["causes"]["preemption"]["count"] == 0
+    assert build_report(an).causes["preemption"].count == 0
 
 
 def test_engine_reported_preempt_event_is_used():
@@ -248,9 +248,9 @@ def test_engine_reported_preempt_event_is_used():
 def test_healthy_streams_have_no_spikes_and_no_action():
     an = run(stream_records() + engine_records())
     rep = build_report(an)
-    assert rep["spikes"] == [] and rep["verdict"]["action"] == "no_action"
+    assert rep.spikes == () and rep.verdict.action == "no_action"
     # default target: 4 x the median gap of the first 2000 gaps (20 ms)
-    assert rep["itl_target_s"] == pytest.approx(0.08, rel=0.03)
+    assert rep.itl_target_s == pytest.approx(0.08, rel=0.03)
 
 
 def test_storm_verdict_uses_measured_inputs():
@@ -262,17 +262,17 @@ def test_storm_verdict_uses_measured_inputs():
     recs += [{"kind": "request", "t": 12.0, "id": f"r{i}", "event": "finish"} for i in range(12)]
     an = run(recs)
     rep = build_report(an)
-    assert rep["causes"]["preemption"]["count"] == 8
-    v = rep["verdict"]
-    n = v["numbers"]
-    assert n["preemptions_per_completed"]["value"] == pytest.approx(8 / 12)
-    assert n["preemptions_per_completed"]["source"] == "measured"
-    assert n["kv_bytes_per_token"]["value"] == 131072 and n["kv_bytes_per_token"]["source"] == "config"
-    assert n["bw_eff"]["source"] == "assumed"
+    assert rep.causes["preemption"].count == 8
+    v = rep.verdict
+    n = v.numbers
+    assert n["preemptions_per_completed"].value == pytest.approx(8 / 12)
+    assert n["preemptions_per_completed"].source == "measured"
+    assert n["kv_bytes_per_token"].value == 131072 and n["kv_bytes_per_token"].source == "config"
+    assert n["bw_eff"].source == "assumed"
     # mean S at preemption = 3000 prompt + tokens generated before the stall
-    assert 3000 < n["seq_tokens"]["value"] < 3500
-    assert v["action"] == "admission"  # 0.67 preemptions per completed request is churn
-    assert v["mechanism"] in ("swap", "recompute")
+    assert 3000 < n["seq_tokens"].value < 3500
+    assert v.action == "admission"  # 0.67 preemptions per completed request is churn
+    assert v.mechanism in ("swap", "recompute")
 
 
 def test_aggregate_fallback_without_request_records():
@@ -292,11 +292,11 @@ def test_aggregate_fallback_without_request_records():
                      "running": 8, "waiting": 0, "preemptions_total": float(pre), "prompt_tokens_total": 1000.0 * i,
                      "itl": hist(fast, slow)})
     rep = build_report(run(recs))
-    assert rep["basis"] == "aggregate"
-    assert rep["causes"]["preemption"]["count"] == 3
-    assert rep["causes"]["preemption"]["mean_confidence"] < 0.5
-    assert rep["spikes"] == []
-    assert any("lower confidence" in r for r in rep["verdict"]["reasons"])
+    assert rep.basis == "aggregate"
+    assert rep.causes["preemption"].count == 3
+    assert rep.causes["preemption"].mean_confidence < 0.5
+    assert rep.spikes == ()
+    assert any("lower confidence" in r for r in rep.verdict.reasons)
 
 
 def test_analyze_cli_on_a_trace(tmp_path, kvtop_cli):
@@ -366,14 +366,14 @@ def test_fast_path_equals_streaming_path(tmp_path):
     slow = analyze_trace(str(p), fast=False)
     fast = analyze_trace(str(p), fast=True)
     key = ("request_id", "t_start", "t_end", "gap_s", "cause", "confidence")
-    assert [tuple(s[k] for k in key) for s in fast["spikes"]] == [tuple(s[k] for k in key) for s in slow["spikes"]]
-    causes = {s["request_id"]: s["cause"] for s in fast["spikes"]}
+    assert [tuple(getattr(s, k) for k in key) for s in fast.spikes] == \
+        [tuple(getattr(s, k) for k in key) for s in slow.spikes]
+    causes = {s.request_id: s.cause for s in fast.spikes}
     assert causes["r3"] == "preemption" and causes["r5"] == "preemption"  # KV 0.97 while 9 others flow
-    assert fast["gaps"] == slow["gaps"] and fast["records"] == slow["records"]
-    assert fast["verdict"] == slow["verdict"]
-    assert {r["request_id"]: r["max_gap_s"] for r in fast["requests"]} == \
-        {r["request_id"]: r["max_gap_s"] for r in slow["requests"]}
-    assert any("malformed" in w for w in fast["warnings"]) and any("malformed" in w for w in slow["warnings"])
+    assert fast.gaps == slow.gaps and fast.records == slow.records
+    assert fast.verdict == slow.verdict
+    assert {r.request_id: r.max_gap_s for r in fast.requests} == {r.request_id: r.max_gap_s for r in slow.requests}
+    assert any("malformed" in w for w in fast.warnings) and any("malformed" in w for w in slow.warnings)
     # small chunks: spikes and gaps that straddle chunk boundaries
     from kvtop.analysis import fastscan
     from kvtop.analysis.analyzer import Analyzer
@@ -383,7 +383,7 @@ def test_fast_path_equals_streaming_path(tmp_path):
     fastscan.scan(str(p), an, chunk_bytes=4096)
     an.finish()
     assert [(g.request_id, round(g.t_end, 6), g.cause) for g in an.spikes] == \
-        [(s["request_id"], s["t_end"], s["cause"]) for s in slow["spikes"]]
+        [(s.request_id, s.t_end, s.cause) for s in slow.spikes]
 
 
 def test_fast_path_keeps_file_order_when_one_stream_mixes_line_shapes(tmp_path):
@@ -401,9 +401,9 @@ def test_fast_path_keeps_file_order_when_one_stream_mixes_line_shapes(tmp_path):
             w.write(d)
     for fast in (False, True):
         rep = analyze_trace(str(p), fast=fast, itl_target_s=0.5)
-        r0 = [(s["t_start"], s["t_end"]) for s in rep["spikes"] if s["request_id"] == "r0"]
+        r0 = [(s.t_start, s.t_end) for s in rep.spikes if s.request_id == "r0"]
         assert len(r0) == 2 and r0[0][1] == pytest.approx(5.0) and r0[1][0] == pytest.approx(5.0), (fast, r0)
-        assert {r["request_id"]: r["max_gap_s"] for r in rep["requests"]}["r0"] == pytest.approx(2.0, abs=0.1)
+        assert {r.request_id: r.max_gap_s for r in rep.requests}["r0"] == pytest.approx(2.0, abs=0.1)
 
 
 def test_fast_path_timestamps_equal_the_json_parsers_floats():

@@ -26,13 +26,13 @@ def test_live_matches_batch_through_core():
     assert seen_before_settle == (0, 0, None)
     snap = core.snapshot(now=10.0)
     rep = snap.analysis
-    assert [(s["request_id"], s["cause"]) for s in rep["spikes"]] == [("r3", "preemption")]
+    assert [(s.request_id, s.cause) for s in rep.spikes] == [("r3", "preemption")]
     row = next(r for r in snap.requests if r.id == "r3")
     assert (row.spikes, row.preempt_spikes, row.last_cause) == (1, 1, "preemption")
     batch = run(_records())
     assert [(g.request_id, g.cause, round(g.confidence, 3)) for g in batch.spikes] == \
-        [(s["request_id"], s["cause"], s["confidence"]) for s in rep["spikes"]]
-    assert set(rep) >= {"spikes", "causes", "requests", "verdict"}
+        [(s.request_id, s.cause, s.confidence) for s in rep.spikes]
+    assert set(rep.to_dict()) >= {"spikes", "causes", "requests", "verdict"}
 
 
 def test_live_memory_is_bounded():
@@ -46,7 +46,7 @@ def test_live_memory_is_bounded():
         t += 0.5
     rep = live.report(t + 10)
     assert len(live.an.reqs) <= 50
-    assert len(rep["spikes"]) == 20 and rep["spikes_total"] == 2000
+    assert len(rep.spikes) == 20 and rep.spikes_total == 2000
     assert len(live.an.gaps.long) - live.an.gaps.long_head < 2000  # old evidence pruned
 
 

@@ -189,8 +189,10 @@ def test_per_request_histogram_pins_the_count_of_a_lone_finish():
     from kvtop.analysis.report import build_report
 
     rep = build_report(run(recs + eng))
-    assert rep["request_preemptions"] == {"finished_requests": 2.0, "engine_preemptions": 3.0, "pinned_requests": 2,
-                                          "pinned_agree": 1, "pinned_kvtop_more": 0, "pinned_kvtop_fewer": 1}
+    assert rep.request_preemptions is not None
+    assert rep.request_preemptions.to_dict() == {"finished_requests": 2.0, "engine_preemptions": 3.0,
+                                                 "pinned_requests": 2, "pinned_agree": 1, "pinned_kvtop_more": 0,
+                                                 "pinned_kvtop_fewer": 1}
 
 
 def test_a_scrape_late_by_the_stall_makes_it_a_host_stall_before_any_engine_cause():
@@ -215,10 +217,10 @@ def test_report_weighs_each_cause_by_the_time_over_target():
     # one 2 s preemption stall (counter at its resume) and r5's lone 0.5 s stall without evidence
     recs = stream_records(silent={"r3": (4.0, 6.0), "r5": (7.0, 7.5)}) + engine_records(kv=0.5, pre_steps=(6.5,))
     rep = build_report(run(recs, itl_target_s=0.1))
-    assert rep["causes"]["preemption"]["count"] == rep["causes"]["unknown"]["count"] == 1
-    assert rep["over_target_s"]["preemption"] == pytest.approx(2.0 + STEP - 0.1, abs=0.01)
-    assert rep["over_target_s"]["unknown"] == pytest.approx(0.5 + STEP - 0.1, abs=0.01)
-    assert rep["over_target_s"]["slow_decode"] == 0.0
+    assert rep.causes["preemption"].count == rep.causes["unknown"].count == 1
+    assert rep.over_target_s["preemption"] == pytest.approx(2.0 + STEP - 0.1, abs=0.01)
+    assert rep.over_target_s["unknown"] == pytest.approx(0.5 + STEP - 0.1, abs=0.01)
+    assert rep.over_target_s["slow_decode"] == 0.0
 
 
 def test_a_counter_step_is_no_evidence_about_the_only_observed_stream():

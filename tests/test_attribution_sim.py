@@ -34,8 +34,8 @@ def test_preemption_precision_recall(traces, preset, seed, duration):
     sc = score(rep, path)["preemption"]
     assert sc["actual"] >= 10, "the preset should produce preemption stalls"
     assert sc["precision"] >= 0.9 and sc["recall"] >= 0.9, sc
-    assert rep["verdict"]["action"] == "admission"  # churn / abandonment, as the presets describe
-    assert rep["verdict"]["mechanism"] in ("swap", "recompute")
+    assert rep.verdict.action == "admission"  # churn / abandonment, as the presets describe
+    assert rep.verdict.mechanism in ("swap", "recompute")
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -46,18 +46,18 @@ def test_prefill_interference_precision_recall(traces, seed):
     assert sc["actual"] >= 10
     assert sc["precision"] >= 0.9 and sc["recall"] >= 0.9, sc
     assert s["preemption"]["predicted"] == 0  # zero preemptions in this preset
-    v = rep["verdict"]
-    assert v["action"] == "chunked_prefill" and v["mechanism"] is None
-    assert v["settings"]["--max-num-batched-tokens"] <= 2048
+    v = rep.verdict
+    assert v.action == "chunked_prefill" and v.mechanism is None
+    assert v.settings["--max-num-batched-tokens"] <= 2048
 
 
 def test_healthy_has_no_spikes(traces):
     _, rep = traces("healthy", 1, 30.0)
-    assert rep["spikes_total"] == 0 and rep["verdict"]["action"] == "no_action"
+    assert rep.spikes_total == 0 and rep.verdict.action == "no_action"
 
 
 def test_slow_decode_verdict(traces):
     _, rep = traces("slow-decode", 1, 60.0)  # the batch needs ~40 s to grow past the target
-    assert rep["causes"]["slow_decode"]["share"] > 0.8
-    assert rep["causes"]["preemption"]["count"] == 0
-    assert rep["verdict"]["action"] == "reduce_batch"
+    assert rep.causes["slow_decode"].share > 0.8
+    assert rep.causes["preemption"].count == 0
+    assert rep.verdict.action == "reduce_batch"

@@ -44,14 +44,14 @@ def test_a_gap_across_a_capture_hole_is_not_a_spike(tmp_path, fast):
             for d in streams(ev):
                 w.write(d)
         rep = analyze_trace(str(p), fast=fast, itl_target_s=0.2)
-        r0 = [s for s in rep["spikes"] if s["request_id"] == "r0"]
-        req = {r["request_id"]: r for r in rep["requests"]}["r0"]
+        r0 = [s for s in rep.spikes if s.request_id == "r0"]
+        req = {r.request_id: r for r in rep.requests}["r0"]
         if want_spike:
-            assert len(r0) == 1 and r0[0]["gap_s"] == pytest.approx(2.04, abs=0.02)
+            assert len(r0) == 1 and r0[0].gap_s == pytest.approx(2.04, abs=0.02)
         else:
-            assert r0 == [] and req["max_gap_s"] < 0.05
+            assert r0 == [] and req.max_gap_s < 0.05
             # the tokens after the hole still count
-            assert req["tokens"] == sum(1 for d in streams(ev) if d["id"] == "r0" and "n" in d)
+            assert req.tokens == sum(1 for d in streams(ev) if d["id"] == "r0" and "n" in d)
 
 
 def test_console_request_view_does_not_show_the_hole_as_a_gap():

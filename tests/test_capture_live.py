@@ -174,10 +174,10 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
     # record -> analyze works on the captured trace as on the proxied one
     from kvtop.analysis.scan import analyze_trace
 
-    by_p = {r["request_id"]: r for r in analyze_trace(str(ptrace))["requests"]}
-    by_c = {r["request_id"]: r for r in analyze_trace(str(ctrace))["requests"]}
+    by_p = {r.request_id: r for r in analyze_trace(str(ptrace)).requests}
+    by_c = {r.request_id: r for r in analyze_trace(str(ctrace)).requests}
     assert set(by_c) == set(by_p) == ids
-    assert all(by_c[i]["tokens"] == by_p[i]["tokens"] == OUTPUT for i in ids if int(i.split("-")[1]) >= CANCELLED)
+    assert all(by_c[i].tokens == by_p[i].tokens == OUTPUT for i in ids if int(i.split("-")[1]) >= CANCELLED)
     assert lags[len(lags) // 2] < (0.0005 if strict else 0.002)
     assert p99 < (0.001 if strict else 0.05), p99
 

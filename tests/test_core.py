@@ -142,14 +142,18 @@ def test_snapshot_json_has_no_nan_for_any_caller():
     import json
     import math
 
+    from kvtop.model.analysis import AnalysisReport, Number, Verdict
     from kvtop.snapshot import EngineView, Snapshot
 
+    # a histogram without _sum gives a NaN median; a table of figures can hold one too
+    verdict = Verdict("no_action", numbers={"numbers": Number([math.nan, 2.0], "", "measured")})
     snap = Snapshot(kvtop_version="x", taken_at="2026-01-01T00:00:00Z", t=1.0, window_s=1.0, gpu_status="ok",
                     engines=(EngineView(url="u", adapter="vllm", up=True, itl_p50_s=math.nan,
                                         prompt_tokens_per_s=math.inf, kv_usage=0.5),),
-                    analysis={"numbers": [math.nan, 2.0]})
+                    analysis=AnalysisReport(median_gap_s=math.nan, verdict=verdict))
     d = snap.to_json()
     e = d["engines"][0]
     assert e["itl_p50_s"] is None and e["prompt_tokens_per_s"] is None and e["kv_usage"] == 0.5
-    assert d["analysis"]["numbers"] == [None, 2.0]
+    assert d["analysis"]["verdict"]["numbers"]["numbers"]["value"] == [None, 2.0]
+    assert d["analysis"]["median_gap_s"] is None
     json.dumps(d, allow_nan=False)  # strict JSON

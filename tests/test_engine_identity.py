@@ -16,7 +16,8 @@ from test_proxy import Recorder, ScriptedUpstream, _post
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.scan import analyze_trace
-from kvtop.analysis.scoring import label, score, truth_intervals
+from kvtop.analysis.scoring import label_span, score, truth_intervals
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.engine_id import engine_address
 from kvtop.model.records import RequestRecord, from_dict, to_dict
 from kvtop.model.trace import TraceReader
@@ -142,12 +143,12 @@ def two_engines(tmp_path_factory):
     return a, b, out
 
 
-def _by_engine(path: str, fast: bool = True) -> tuple[dict, Counter]:
+def _by_engine(path: str, fast: bool = True) -> tuple[AnalysisReport, Counter]:
     rep = analyze_trace(path, fast=fast)
     truth = truth_intervals(path)
     c: Counter = Counter()
-    for s in rep["spikes"]:
-        c[(s["request_id"][:1], s["cause"], label(s, truth))] += 1
+    for s in rep.spikes:
+        c[(s.request_id[:1], s.cause, label_span(s.request_id, s.t_start, s.t_end, truth))] += 1
     return rep, c
 
 

@@ -100,10 +100,15 @@ def test_engine_times_measure_prefill_without_the_queue():
     _requests(timed, 8, times=True)
     assert plain.prefill_rate() == pytest.approx(500, rel=0.03)
     assert timed.prefill_rate() == pytest.approx(2000, rel=0.03)
-    rep = build_report(timed)["engine_request_times"]
-    assert rep["requests"] == 8 and rep["queued_requests"] == 8
-    assert rep["queue_s_median"] == 1.5 and rep["engine_prefill_tokens_per_s"] == pytest.approx(2000, rel=0.03)
+    full = build_report(timed)
+    rep = full.engine_request_times
+    assert rep is not None and rep.requests == 8 and rep.queued_requests == 8
+    assert rep.queue_s_median == 1.5 and rep.engine_prefill_tokens_per_s == pytest.approx(2000, rel=0.03)
     # observed TTFT 2 s = 1.5 queued + 0.5 prefill: nothing outside the engine; the decode spans agree
-    assert rep["outside_engine_ttft_s_median"] == pytest.approx(0.0, abs=1e-6)
-    assert rep["tail_delivery_s_median"] == pytest.approx(0.0, abs=1e-6)
-    assert build_report(plain)["engine_request_times"] is None
+    assert rep.outside_engine_ttft_s_median == pytest.approx(0.0, abs=1e-6)
+    assert rep.tail_delivery_s_median == pytest.approx(0.0, abs=1e-6)
+    assert build_report(plain).engine_request_times is None
+    # the JSON report carries it and reads back into the same value
+    d = full.to_dict()
+    assert d["engine_request_times"]["queue_s_median"] == 1.5
+    assert type(full).from_dict(d).engine_request_times == rep

@@ -79,7 +79,7 @@ def test_commands_survive_a_hostile_trace(tmp_path, args):
 @pytest.mark.parametrize("fast", [True, False])
 def test_both_analysis_paths_skip_the_same_records(tmp_path, fast):
     rep = analyze_trace(str(_hostile(tmp_path)), fast=fast)
-    assert any(f"skipped {len(BAD) + 3}" in w for w in rep["warnings"]), rep["warnings"]
+    assert any(f"skipped {len(BAD) + 3}" in w for w in rep.warnings), rep.warnings
 
 
 def test_endless_header_line_is_refused_without_reading_it_whole(tmp_path):

@@ -59,7 +59,7 @@ async def test_overview_numbers_match_the_snapshot():
     assert "(target 100ms)" in text
     assert "pinned 24.0G (pinned (all GUP))" in text
     # 13.4 GB/s of GPU0's Gen5 x16 link (63.0 GB/s per direction) is 21%
-    g0 = snap.gpus[0]
+    g0 = snap.gpus[0].record
     assert f"{g0.pcie_tx_bytes_per_s / 1e9:.1f} GB/s {g0.pcie_tx_bytes_per_s / 63.008e9 * 100:.0f}%" in text
 
 
@@ -116,8 +116,8 @@ async def test_enter_opens_the_request_detail_and_escape_goes_back():
     app = KvtopApp(s.core, taken_at=FIXED_TAKEN_AT)
     snap = s.core.snapshot()
     target = max(snap.requests, key=lambda r: (r.preempt_spikes, r.id))
-    spikes = [x for x in snap.analysis["spikes"] if x["request_id"] == target.id]
-    pre = [x for x in spikes if x["cause"] == "preemption"][0]
+    spikes = [x for x in snap.analysis.spikes if x.request_id == target.id]
+    pre = [x for x in spikes if x.cause == "preemption"][0]
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("2")
         table = app.main.query_one("#req-table")
@@ -129,7 +129,7 @@ async def test_enter_opens_the_request_detail_and_escape_goes_back():
         assert text.count(target.id) >= 1
         assert f"spikes {target.spikes} ({target.preempt_spikes} preemption)" in text
         # the preemption stall is listed with its gap, its multiple of the 100 ms target and confidence
-        gap = pre["gap_s"]
+        gap = pre.gap_s
         assert f"gap {gap:.2f}s ×{gap / 0.1:.1f} target  preemption confidence 86%" in text
         assert re.search(r"tokens │.*━", text)  # the stall drawn on the timeline
         assert re.search(r"engine │.*P", text)  # preemption counter rise overlaid

@@ -94,7 +94,7 @@ async def test_overview_charts_show_the_preemption_storm():
 
     core = _storm_core()
     snap = core.snapshot()
-    preempt_spikes = [s for s in snap.analysis["spikes"] if s["cause"] == "preemption"]
+    preempt_spikes = [s for s in snap.analysis.spikes if s.cause == "preemption"]
     assert preempt_spikes  # the storm the charts must show
     app = KvtopApp(core, interval=3600, taken_at="2026-01-01T00:00:00Z")
     async with app.run_test(size=(160, 45)) as pilot:

@@ -1,8 +1,10 @@
-"""Console formatting and the per-request timeline accessor, with hand-computed numbers."""
+"""Console layout (sparklines, bars, severities, the request timeline) and the per-request timeline
+accessor, with hand-computed numbers. Number formats: test_units.py."""
 
 from __future__ import annotations
 
 from kvtop.core import TIMELINE_MAX_CHUNKS, Core
+from kvtop.model.analysis import SpikeView
 from kvtop.model.records import EngineRecord, RequestRecord
 from kvtop.snapshot import RequestView
 from kvtop.tui import fmt
@@ -33,17 +35,10 @@ def test_severity_thresholds():
     assert fmt.sev_latency(0.2, None) == "na"
 
 
-def test_number_formats_and_na():
-    assert fmt.ibytes(None) == "n/a" and fmt.ibytes(69.4 * GIB) == "69.4G" and fmt.ibytes(512) == "512B"
-    assert fmt.rate(13.4e9) == "13.4 GB/s" and fmt.rate(None) == "n/a"
-    assert fmt.dur(0.0734) == "73ms" and fmt.dur(1.65) == "1.65s" and fmt.dur(300) == "300s"
-    assert fmt.pct(0.9334) == "93.3%"
-
-
 def test_timeline_columns_draw_gaps_to_scale():
     # tokens every 0.1 s for 1 s, a 2 s stall, tokens again to 4 s; 40 columns of 0.1 s
     toks = [(round(i * 0.1, 1), 1) for i in range(11)] + [(round(3.0 + i * 0.1, 1), 1) for i in range(10)]
-    spike = {"request_id": "a", "t_start": 1.0, "t_end": 3.0, "gap_s": 2.0, "cause": "preemption", "confidence": 0.9}
+    spike = SpikeView("a", t_start=1.0, t_end=3.0, gap_s=2.0, cause="preemption", confidence=0.9)
     cols = fmt.timeline_cols(toks, 0.0, 4.0, 40, [spike], [(2.5, "preemption", 1.0), (0.5, "prompt_burst", 9e4)])
     assert abs(cols.dt - 0.1) < 1e-12
     assert sum(cols.tokens) == 21
@@ -70,13 +65,15 @@ def test_request_timeline_is_bounded_and_overlays_engine_events():
         core.ingest(EngineRecord(t=t, adapter="vllm", url="u", engine="0", preemptions_total=pre,
                                  prompt_tokens_total=prompt))
     tl = core.request_timeline("r1")
+    assert tl is not None
     assert tl.tokens == ((0.2, 1), (0.3, 4), (2.5, 1))
     assert tl.marks == ((0.4, "preempt"), (2.4, "resume"))
     assert tl.engine_marks == ((2.0, "preemption", 1.0), (3.0, "prompt_burst", 5000.0))
     assert core.request_timeline("nope") is None
     for i in range(TIMELINE_MAX_CHUNKS + 10):
         core.ingest(RequestRecord(t=5.0 + i * 0.01, id="r1", event="token"))
-    assert len(core.request_timeline("r1").tokens) == TIMELINE_MAX_CHUNKS
+    tl = core.request_timeline("r1")
+    assert tl is not None and len(tl.tokens) == TIMELINE_MAX_CHUNKS
 
 
 def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():

@@ -26,14 +26,14 @@ def test_counters_alone_say_admission_with_an_honest_confidence():
     """60 s at 0.53 preemptions/s and 0.24 completions/s: 32 / 14 = 2.29 preemptions per completed
     request (> 0.05), KV at 1.0 and 3 waiting: churn, so admission, without one request record."""
     rep = build_report(_run(_storm_scrapes()))
-    v = rep["verdict"]
-    assert rep["basis"] == "aggregate"
-    assert v["numbers"]["preemptions_per_completed"]["value"] == pytest.approx(32 / 14, rel=1e-3)
-    assert v["action"] == "admission"
-    gates = [d["gate"] for d in v["numbers"]["decided_by"]["value"]]
+    v = rep.verdict
+    assert rep.basis == "aggregate"
+    assert v.numbers["preemptions_per_completed"].value == pytest.approx(32 / 14, rel=1e-3)
+    assert v.action == "admission"
+    gates = [d.gate for d in v.decided_by]
     assert gates[0] == "churn_counters" and "admission" in gates
     # below what per-request timings give, above a guess
-    assert 0.4 <= v["confidence"] <= 0.75
+    assert 0.4 <= v.confidence <= 0.75
     text = render_verdict_text(v)
     hint = next(line for line in text.splitlines() if "per-request evidence" in line)
     assert "--probe RATE" in hint and "--capture" in hint and "--proxy-listen" in hint
@@ -43,8 +43,8 @@ def test_counters_alone_say_admission_with_an_honest_confidence():
 def test_no_churn_no_admission_from_counters(kw):
     """No preemptions; or preemptions with KV half empty and nobody waiting; or 0.3 preemptions over 14
     completions (0.02 per completed request, under 0.05): the counters do not support admission."""
-    v = build_report(_run(_storm_scrapes(**kw)))["verdict"]
-    assert v["action"] != "admission"
+    v = build_report(_run(_storm_scrapes(**kw))).verdict
+    assert v.action != "admission"
 
 
 def _tokens(n_streams, dur, silent):
@@ -75,14 +75,13 @@ def test_verdict_weighs_time_over_target_not_spike_counts():
     """
     recs = _weighing_trace()  # KV full only around the two preemptions
     rep = build_report(_run(recs, itl_target_s=0.1))
-    v = rep["verdict"]
-    pre_n = rep["causes"]["preemption"]["count"]
-    assert pre_n == 2 and rep["spikes_total"] == 14
-    assert v["action"] in ("swap", "recompute", "admission")  # counting spikes said insufficient_data
-    lost = v["numbers"]["lost_s_preemption"]["value"]
+    v = rep.verdict
+    pre_n = rep.causes["preemption"].count
+    assert pre_n == 2 and rep.spikes_total == 14
+    assert v.action in ("swap", "recompute", "admission")  # counting spikes said insufficient_data
+    lost = v.numbers["lost_s_preemption"].value
     assert lost == pytest.approx(5.84, abs=0.05)
-    assert next(d for d in v["numbers"]["decided_by"]["value"] if d["gate"] == "cause_weight")["detail"].count(
-        "preemption explains")
+    assert next(d for d in v.decided_by if d.gate == "cause_weight").detail.count("preemption explains")
 
 
 def _weighing_trace():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from kvtop.model.records import EngineRecord
 
@@ -88,6 +88,10 @@ class EngineAdapter(ABC):
     # False for engines that never preempt a running request (TGI, llama.cpp): the advisor then
     # never names preemption as a cause for them.
     preempts: ClassVar[bool] = True
+    # When the engine's preemption counter steps: "resume" (vLLM V1 counts when the victim is
+    # scheduled again, never for one cancelled while waiting), "retract" (SGLang counts when it
+    # happens) or None (unknown). The attribution rules read a stall's counter evidence by it.
+    preempt_counted_at: ClassVar[Literal["resume", "retract"] | None] = None
     # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).

@@ -27,6 +27,7 @@ from kvtop.analysis.diagnosis import diagnose
 from kvtop.analysis.kvbytes import KVSize
 from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
 from kvtop.analysis.swapimpl import IMPLEMENTATIONS
+from kvtop.model.analysis import DECIDED_BY, Decision, Number, Verdict
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
@@ -53,14 +54,12 @@ class Num:
     source: str  # measured | given | config | assumed | derived
     note: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_number(self) -> Number:
+        """The report's figure: floats to 6 significant digits (more is noise in a verdict)."""
         v = self.value
         if isinstance(v, float):
             v = float(f"{v:.6g}")
-        d = {"value": v, "unit": self.unit, "source": self.source}
-        if self.note:
-            d["note"] = self.note
-        return d
+        return Number(v, self.unit, self.source, self.note)
 
 
 @dataclass
@@ -188,7 +187,7 @@ def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, 
     return x, evaluate_event(x)
 
 
-def advise(s: Situation) -> dict[str, Any]:
+def advise(s: Situation) -> Verdict:
     reasons: list[str] = []
     also: list[str] = []
     settings: dict[str, Any] = {}
@@ -274,17 +273,18 @@ def advise(s: Situation) -> dict[str, Any]:
         reasons.append(FAIRNESS)
     reasons.extend(s.notes)
     # which gates decided, in order (kept with the numbers: every entry there says where it came from)
-    s.n["decided_by"] = Num(list(s.decided_by), "", "derived", "gates in the order they decided")
-    return {
-        "action": action,
-        "mechanism": mechanism,
-        "also": also,
-        "numbers": {k: v.to_dict() for k, v in s.n.items()},
-        "settings": settings,
-        "confidence": round(max(0.0, min(1.0, conf)), 3),
-        "marginal": marginal,
-        "reasons": reasons,
-    }
+    s.n[DECIDED_BY] = Num(tuple(Decision(d["gate"], d["detail"]) for d in s.decided_by), "", "derived",
+                          "gates in the order they decided")
+    return Verdict(
+        action=action,
+        mechanism=mechanism,
+        also=tuple(also),
+        numbers={k: v.to_number() for k, v in s.n.items()},
+        settings=settings,
+        confidence=round(max(0.0, min(1.0, conf)), 3),
+        marginal=marginal,
+        reasons=tuple(reasons),
+    )
 
 
 def _decided(s: Situation, gate: str, detail: str) -> None:

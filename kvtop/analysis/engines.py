@@ -15,7 +15,8 @@ def engine_semantics(name: str | None) -> tuple[bool, dict[str, str], str | None
         cls = load_adapter(name)
     except PluginError as e:
         return True, {}, None, f"engine-specific settings unavailable: {e}"
-    counted = getattr(cls, "preempt_counted_at", None)
-    return (bool(getattr(cls, "preempts", True)), dict(getattr(cls, "settings", {}) or {}),
+    counted = cls.preempt_counted_at
+    settings: dict[str, str] = {k: v for k, v in cls.settings.items()}
+    return (bool(cls.preempts), settings,
             counted if counted in ("resume", "retract") else None, None)
 

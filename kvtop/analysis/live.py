@@ -4,16 +4,18 @@
 (a dictionary update per token, a list append per long gap); spikes are attributed once their
 evidence window has passed, so a tick costs O(new records + newly settled spikes). Memory is bounded:
 at most ``max_requests`` request states, ``keep_spikes`` listed spikes and ``horizon_s`` of evidence.
-``report(now)`` has the same shape as ``kvtop analyze --format json``; it is rebuilt at most once per
+``report(now)`` is the same ``AnalysisReport`` ``kvtop analyze`` builds; it is rebuilt at most once per
 ``report_every_s`` of stream time (the views poll it several times a second).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.report import build_report
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import (
     EngineRecord,
     GpuRecord,
@@ -44,7 +46,7 @@ class LiveAnalyzer:
         self.report_every_s = report_every_s
         self._adapter: str | None = None
         self._settings: dict[str, str] = {}
-        self._cached: tuple[float, int, dict[str, Any]] | None = None
+        self._cached: tuple[float, int, AnalysisReport] | None = None
         self._warn: list[str] = []
         if adapter:
             self._set_adapter(adapter)
@@ -87,7 +89,7 @@ class LiveAnalyzer:
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
         return self.an.request_info(request_id)
 
-    def report(self, now: float) -> dict[str, Any] | None:
+    def report(self, now: float) -> AnalysisReport | None:
         an = self.an
         if an.records == 0:
             return None
@@ -95,8 +97,7 @@ class LiveAnalyzer:
         if c is not None and 0 <= now - c[0] < self.report_every_s:
             return c[2]
         an.tick(now)
-        rep = build_report(an, self.model_config, self.kv_bytes, self.kv_dtype, self.tp, self._settings,
-                           self._adapter, list(self._warn))
-        rep["pending_spikes"] = len(an.gaps.pending)
+        rep = replace(build_report(an, self.model_config, self.kv_bytes, self.kv_dtype, self.tp, self._settings,
+                                   self._adapter, list(self._warn)), pending_spikes=len(an.gaps.pending))
         self._cached = (now, an.records, rep)
         return rep

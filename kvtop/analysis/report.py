@@ -1,30 +1,22 @@
-"""Analysis reports: the JSON dict and the 30-second text rendering."""
+"""Analysis reports: building the typed report (kvtop.model.analysis) and its 30-second text rendering."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from kvtop import units
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
-
-
-def _fmt(v: Any, unit: str) -> str:
-    if isinstance(v, bool) or v is None or isinstance(v, (str, list, dict)):
-        return str(v)
-    if isinstance(v, float) and not math.isfinite(v):
-        return "n/a"
-    if unit == "s":
-        return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
-    if unit == "B":
-        return f"{v / 1e9:.3g} GB" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB"
-    if unit == "B/s":
-        return f"{v / 1e9:.3g} GB/s" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB/s"
-    if isinstance(v, float):
-        return f"{v:.4g}{(' ' + unit) if unit else ''}"
-    return f"{v}{(' ' + unit) if unit else ''}"
-
+from kvtop.model.analysis import (
+    AnalysisReport,
+    CauseRow,
+    EngineRequestTimes,
+    PreemptionCheck,
+    RequestRow,
+    SpikeView,
+    Verdict,
+)
 
 _KEY_NUMBERS = ("kv_bytes_per_token_rank", "bw_eff", "prefill_rate", "cancel_prob", "seq_tokens", "bytes_moved",
                 "t_out", "t_in", "swap_gpu_s", "recompute_gpu_s", "p_star", "break_even_tokens", "n_floor",
@@ -32,27 +24,27 @@ _KEY_NUMBERS = ("kv_bytes_per_token_rank", "bw_eff", "prefill_rate", "cancel_pro
                 "preemptions_per_completed", "itl_target")
 
 
-def render_verdict_text(v: dict[str, Any]) -> str:
+def render_verdict_text(v: Verdict) -> str:
     lines = []
-    head = v["action"].replace("_", " ").upper()
-    if v.get("mechanism") and v["mechanism"] != v["action"]:
-        head += f"  (eviction mechanism: {v['mechanism']})"
-    if v.get("also"):
-        head += "  also: " + ", ".join(a.replace("_", " ") for a in v["also"])
-    lines.append(f"verdict: {head}   confidence {v['confidence']:.2f}" + ("   MARGINAL" if v.get("marginal") else ""))
-    for d in (v.get("numbers", {}).get("decided_by") or {}).get("value") or []:
-        lines.append(f"  decided by: {d['gate']} — {d['detail']}")
-    for r in v.get("reasons", []):
+    head = v.action.replace("_", " ").upper()
+    if v.mechanism and v.mechanism != v.action:
+        head += f"  (eviction mechanism: {v.mechanism})"
+    if v.also:
+        head += "  also: " + ", ".join(a.replace("_", " ") for a in v.also)
+    lines.append(f"verdict: {head}   confidence {v.confidence:.2f}" + ("   MARGINAL" if v.marginal else ""))
+    for d in v.decided_by:
+        lines.append(f"  decided by: {d.gate} — {d.detail}")
+    for r in v.reasons:
         lines.append(f"  - {r}")
-    if v.get("settings"):
-        lines.append("settings: " + "  ".join(f"{k} {val}" for k, val in v["settings"].items()))
-    nums = v.get("numbers", {})
-    shown = [k for k in _KEY_NUMBERS if k in nums and nums[k]["value"] is not None]
+    if v.settings:
+        lines.append("settings: " + "  ".join(f"{k} {val}" for k, val in v.settings.items()))
+    nums = v.numbers
+    shown = [k for k in _KEY_NUMBERS if k in nums and nums[k].value is not None]
     if shown:
         lines.append("numbers:")
         for k in shown:
             n = nums[k]
-            lines.append(f"  {k:<26} {_fmt(n['value'], n['unit']):>14}  [{n['source']}]")
+            lines.append(f"  {k:<26} {units.quantity(n.value, n.unit):>14}  [{n.source}]")
     return "\n".join(lines)
 
 
@@ -112,7 +104,7 @@ def _last_sum(an: Any, key: str) -> float | None:
 
 def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
-                 engine: str | None = None, warnings: list[str] | None = None) -> dict[str, Any]:
+                 engine: str | None = None, warnings: list[str] | None = None) -> AnalysisReport:
     from kvtop.analysis.advisor import Num, advise
     from kvtop.analysis.inputs import build_situation
 
@@ -173,73 +165,67 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
     s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
-    spikes = [{"request_id": g.request_id, "t_start": round(g.t_start, 6), "t_end": round(g.t_end, 6),
-               "gap_s": round(g.gap, 6), "cause": str(g.cause), "rule": g.kind, "confidence": round(g.confidence, 3),
-               "ended_by": g.ended_by, "evidence": g.evidence} for g in an.spikes]
-    requests = []
-    for r in an.reqs.values():
-        if r.first_t is None:
-            continue
-        requests.append({"request_id": r.id, "spikes": r.spikes, "preemption_spikes": r.preempt_spikes,
-                         "max_gap_s": round(r.max_gap, 6), "tokens": r.tokens, "last_cause": r.last_cause,
-                         "ended_by": r.ended_by})
-    out = {
-        "basis": basis,
-        "itl_target_s": s.v("itl_target"),
-        "itl_target_source": s.n["itl_target"].note if "itl_target" in s.n else None,
-        "median_gap_s": an.median_gap(),
-        "records": an.records,
-        "gaps": gaps,
-        "spikes": spikes,
-        "spikes_listed": len(spikes),
-        "spikes_total": total,
-        "causes": {c: {"count": counts[c], "share": round(shares[c], 4), "mean_confidence": _round(conf[c], 3)}
-                   for c in counts},
-        "over_target_s": {c: round(v, 3) for c, v in over.items()} or None,
-        "requests": requests,
-        "request_preemptions": an.request_preemptions.report(
-            {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"}),
-        "engine_request_times": an.request_times.report(),
-        "verdict": verdict,
-        "warnings": list(warnings or []),
-    }
-    return out
+    spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.gap, 6), str(g.cause),
+                             g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence)) for g in an.spikes)
+    requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
+                                r.ended_by) for r in an.reqs.values() if r.first_t is not None)
+    check = an.request_preemptions.report(
+        {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"})
+    times = an.request_times.report()
+    return AnalysisReport(
+        basis=basis,
+        itl_target_s=s.v("itl_target"),
+        itl_target_source=s.n["itl_target"].note if "itl_target" in s.n else None,
+        median_gap_s=an.median_gap(),
+        records=an.records,
+        gaps=gaps,
+        spikes=spikes,
+        spikes_total=total,
+        causes={c: CauseRow(counts[c], round(shares[c], 4), _round(conf[c], 3)) for c in counts},
+        over_target_s={c: round(v, 3) for c, v in over.items()} or None,
+        requests=requests,
+        request_preemptions=PreemptionCheck(**check) if check is not None else None,
+        engine_request_times=EngineRequestTimes.from_dict(times) if times is not None else None,
+        verdict=verdict,
+        warnings=tuple(warnings or ()),
+    )
 
 
 def _round(v: float | None, nd: int) -> float | None:
     return None if v is None else round(v, nd)
 
 
-def render_report_text(rep: dict[str, Any]) -> str:
+def render_report_text(rep: AnalysisReport) -> str:
     lines = []
-    tgt = rep.get("itl_target_s")
-    med = rep.get("median_gap_s")
-    lines.append(f"ITL target {tgt * 1e3:.0f} ms ({rep.get('itl_target_source')})" if tgt else "ITL target: unknown")
-    lines.append(f"{rep['gaps']} inter-token gaps, median {med * 1e3:.1f} ms" if med else f"{rep['gaps']} inter-token gaps")
-    if rep["basis"] == "aggregate":
+    tgt = rep.itl_target_s
+    med = rep.median_gap_s
+    lines.append(f"ITL target {tgt * 1e3:.0f} ms ({rep.itl_target_source})" if tgt else "ITL target: unknown")
+    lines.append(f"{rep.gaps} inter-token gaps, median {med * 1e3:.1f} ms" if med else f"{rep.gaps} inter-token gaps")
+    if rep.basis == "aggregate":
         lines.append("basis: engine aggregates only (no per-request timings) — lower confidence")
-    tot = rep["spikes_total"]
+    tot = rep.spikes_total
     lines.append(f"{tot} spikes above target")
-    for c, v in rep["causes"].items():
-        if v["count"]:
-            mc = v["mean_confidence"]
-            lines.append(f"  {c.replace('_', ' '):<22} {v['count']:>6}  {v['share']:6.1%}"
+    for c, v in rep.causes.items():
+        if v.count:
+            mc = v.mean_confidence
+            lines.append(f"  {c.replace('_', ' '):<22} {v.count:>6}  {v.share:6.1%}"
                          + (f"  (confidence {mc:.2f})" if mc is not None else ""))
-    worst = sorted(rep["requests"], key=lambda r: -r["max_gap_s"])[:5]
-    worst = [r for r in worst if r["spikes"]]
+    worst = sorted(rep.requests, key=lambda r: -r.max_gap_s)[:5]
+    worst = [r for r in worst if r.spikes]
     if worst:
         lines.append("worst streams:")
         for r in worst:
-            lines.append(f"  {r['request_id']:<24} max gap {r['max_gap_s'] * 1e3:8.0f} ms  spikes {r['spikes']}"
-                         f"  preemption {r['preemption_spikes']}  last cause {r['last_cause']}")
-    rp = rep.get("request_preemptions")
-    if rp and rp["finished_requests"]:
-        lines.append(f"engine per-request histogram: {rp['finished_requests']:.0f} finished requests preempted "
-                     f"{rp['engine_preemptions']:.0f} times; of {rp['pinned_requests']} pinned to one observed finish, "
-                     f"kvtop agrees on {rp['pinned_agree']} (more on {rp['pinned_kvtop_more']}, "
-                     f"fewer on {rp['pinned_kvtop_fewer']})")
+            lines.append(f"  {r.request_id:<24} max gap {r.max_gap_s * 1e3:8.0f} ms  spikes {r.spikes}"
+                         f"  preemption {r.preemption_spikes}  last cause {r.last_cause}")
+    rp = rep.request_preemptions
+    if rp and rp.finished_requests:
+        lines.append(f"engine per-request histogram: {rp.finished_requests:.0f} finished requests preempted "
+                     f"{rp.engine_preemptions:.0f} times; of {rp.pinned_requests} pinned to one observed finish, "
+                     f"kvtop agrees on {rp.pinned_agree} (more on {rp.pinned_kvtop_more}, "
+                     f"fewer on {rp.pinned_kvtop_fewer})")
     lines.append("")
-    lines.append(render_verdict_text(rep["verdict"]))
-    for w in rep.get("warnings", []):
+    if rep.verdict is not None:
+        lines.append(render_verdict_text(rep.verdict))
+    for w in rep.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

@@ -7,12 +7,13 @@ from typing import Any
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.trace import TraceReader
 
 
 def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
                   kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
-                  use_request_preempts: bool = True) -> dict[str, Any]:
+                  use_request_preempts: bool = True) -> AnalysisReport:
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")

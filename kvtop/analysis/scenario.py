@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from kvtop.analysis.kvbytes import (
     kv_size,
     lookup_model,
 )
+from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
 
 class ScenarioError(ValueError):
@@ -247,10 +249,21 @@ def situation(doc: dict[str, Any]) -> Situation:
     return s
 
 
-def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
+def judge(doc: dict[str, Any]) -> tuple[str | None, Verdict]:
+    """The scenario's cause (given or diagnosed) and the verdict on it."""
     s = situation(doc)
     verdict = advise(s)
-    return {"scenario": doc.get("name"), "cause": s.cause, "verdict": verdict}
+    return s.cause, verdict
+
+
+def result_json(doc: dict[str, Any], cause: str | None, verdict: Verdict) -> dict[str, Any]:
+    """`kvtop advise --format json`: the scenario's name, its cause and the verdict."""
+    return {"scenario": doc.get("name"), "cause": cause, "verdict": verdict.to_dict()}
+
+
+def evaluate(doc: dict[str, Any]) -> dict[str, Any]:
+    """The scenario judged, as `kvtop advise --format json` prints it."""
+    return result_json(doc, *judge(doc))
 
 
 # ---- an analyze report as a scenario (kvtop analyze --save-scenario) --------------------------
@@ -293,30 +306,30 @@ _FROM_REPORT = (
 _INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes"}
 
 
-def from_report(rep: dict[str, Any], name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
+def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
     """A scenario holding what an ``analyze`` report measured, ready for ``kvtop advise``.
 
     Editing one field and re-running ``advise`` is a what-if that starts from a real trace.
     """
-    nums = (rep.get("verdict") or {}).get("numbers") or {}
+    nums: Mapping[str, Number] = rep.verdict.numbers if rep.verdict is not None else {}
     doc: dict[str, Any] = {"name": name,
                            "description": "saved by kvtop analyze --save-scenario: measured figures of one trace"}
     if engine:
         doc["engine"] = engine
     mk = nums.get("model_key")
-    if mk and mk.get("value"):
-        doc["model"] = mk["value"]
+    if mk and mk.value:
+        doc["model"] = mk.value
     if tp > 1:
         doc["tp"] = tp
     for key, section, fld, scale in _FROM_REPORT:
         n = nums.get(key)
-        if not n or n.get("value") is None or n.get("source") not in ("measured", "given", "config"):
+        if not n or n.value is None or n.source not in ("measured", "given", "config"):
             continue
-        if key == "kv_bytes_per_token_rank" and n.get("source") == "config" and "model" in doc:
+        if key == "kv_bytes_per_token_rank" and n.source == "config" and "model" in doc:
             continue  # the model name carries it (with its window layout)
-        if key == "k_att" and n.get("source") == "config":
+        if key == "k_att" and n.source == "config":
             continue
-        v = float(n["value"]) * scale
+        v = float(n.value) * scale
         if fld in _INTEGER_FIELDS:
             v = int(round(v))
         if fld == "kv_usage":
@@ -330,19 +343,19 @@ def from_report(rep: dict[str, Any], name: str, engine: str | None = None, tp: i
     if "seq_tokens" in doc.get("preemption", {}) and doc["preemption"]["seq_tokens"] < 1:
         doc["preemption"].pop("seq_tokens")
     ob = doc.setdefault("observed", {})
-    if rep.get("spikes_total") is not None and rep.get("basis") == "requests":
-        ob["spikes"] = int(rep["spikes_total"])
+    if rep.basis == "requests":
+        ob["spikes"] = int(rep.spikes_total)
         causes: dict[str, Any] = {}
-        for c, info in (rep.get("causes") or {}).items():
-            if not info.get("count"):
+        for c, info in rep.causes.items():
+            if not info.count:
                 continue
-            entry: dict[str, Any] = {"spikes": int(info["count"])}
+            entry: dict[str, Any] = {"spikes": int(info.count)}
             lost = nums.get(f"lost_s_{c}")
-            if lost and lost.get("value") is not None:
-                entry["lost_s"] = float(lost["value"])
+            if lost and lost.value is not None:
+                entry["lost_s"] = float(lost.value)
             hit = nums.get(f"streams_{c}")
-            if hit and hit.get("value") is not None:
-                entry["streams"] = int(hit["value"])
+            if hit and hit.value is not None:
+                entry["streams"] = int(hit.value)
             causes[c] = entry
         if causes:
             ob["causes"] = causes

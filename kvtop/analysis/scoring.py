@@ -13,8 +13,10 @@ gaps ``slow_decode`` (and wins a tie with a prefill stall: the decode part alone
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.trace import TraceReader
 
 TRUTH_CAUSES = ("preemption", "prefill_interference")
@@ -47,14 +49,21 @@ def truth_intervals(path: str, engine_wide: bool = False) -> dict[str, list[tupl
     return out
 
 
-def label(spike: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]]) -> str | None:
+def label(spike: Mapping[str, Any], truth: dict[str, list[tuple[float, float, str]]]) -> str | None:
+    """The true cause of a spike given as ``{"request_id", "t_start", "t_end"}``."""
+    return label_span(spike["request_id"], spike["t_start"], spike["t_end"], truth)
+
+
+def label_span(request_id: str, t_start: float, t_end: float,
+               truth: dict[str, list[tuple[float, float, str]]]) -> str | None:
+    """The truth stall that overlaps [t_start, t_end] most: of the request itself, else engine-wide."""
     best, best_ov = None, 0.0
-    for a, b, cause in truth.get(spike["request_id"], ()):
-        ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
+    for a, b, cause in truth.get(request_id, ()):
+        ov = min(b, t_end) - max(a, t_start)
         if ov > best_ov:
             best, best_ov = cause, ov
     for a, b, cause in truth.get(ANY_STREAM, ()):
-        ov = min(b, spike["t_end"]) - max(a, spike["t_start"])
+        ov = min(b, t_end) - max(a, t_start)
         # a prefill step inside a run of steps whose decode part alone misses the target: the
         # stall would have happened without the prefill
         if ov > best_ov or (ov > 0 and ov >= best_ov and best == "prefill_interference"):
@@ -62,9 +71,11 @@ def label(spike: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]
     return best
 
 
-def labelled(report: dict[str, Any], truth: dict[str, list[tuple[float, float, str]]]) -> list[tuple[str, str | None, float]]:
+def labelled(report: AnalysisReport,
+             truth: dict[str, list[tuple[float, float, str]]]) -> list[tuple[str, str | None, float]]:
     """(predicted cause, true cause or None, stated confidence) per reported spike."""
-    return [(s["cause"], label(s, truth), float(s.get("confidence") or 0.0)) for s in report["spikes"]]
+    return [(s.cause, label_span(s.request_id, s.t_start, s.t_end, truth), float(s.confidence or 0.0))
+            for s in report.spikes]
 
 
 def precision_recall(pairs: list[tuple[str, str | None]], causes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -79,7 +90,7 @@ def precision_recall(pairs: list[tuple[str, str | None]], causes: tuple[str, ...
     return res
 
 
-def score(report: dict[str, Any], path: str) -> dict[str, Any]:
+def score(report: AnalysisReport, path: str) -> dict[str, Any]:
     """Precision and recall per cause over the spikes found (true label from truth records)."""
     pairs = [(p, t) for p, t, _ in labelled(report, truth_intervals(path))]
     res: dict[str, Any] = dict(precision_recall(pairs, TRUTH_CAUSES))

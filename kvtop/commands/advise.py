@@ -6,7 +6,6 @@ import argparse
 import json
 
 from kvtop.errors import UsageError
-from kvtop.model.sanitize import finite_json
 
 NAME = "advise"
 HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
@@ -27,15 +26,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         doc = scenario.load(args.scenario)
-        out = scenario.evaluate(doc)
+        cause, verdict = scenario.judge(doc)
     except (scenario.ScenarioError, ModelConfigError) as e:  # e.g. an unknown kv_dtype
         raise UsageError(str(e)) from None
-    out = finite_json(out)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
+    verdict = verdict.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.format == "json":
-        print(json.dumps(out, indent=2, allow_nan=False))
+        print(json.dumps(scenario.result_json(doc, cause, verdict), indent=2, allow_nan=False))
     else:
-        title = out.get("scenario") or args.scenario
-        print(f"scenario: {title}")
-        print(f"cause: {(out['cause'] or 'none').replace('_', ' ')}")
-        print(render_verdict_text(out["verdict"]))
+        print(f"scenario: {doc.get('name') or args.scenario}")
+        print(f"cause: {(cause or 'none').replace('_', ' ')}")
+        print(render_verdict_text(verdict))
     return 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from kvtop.errors import UsageError
-from kvtop.model.sanitize import finite_json
+
+if TYPE_CHECKING:
+    from kvtop.model.analysis import AnalysisReport
 
 NAME = "analyze"
 HELP = "attribute token-gap spikes in a trace and give the swap/recompute/admission verdict"
@@ -67,17 +70,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
         raise UsageError(str(e)) from None
-    rep = finite_json(rep)  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
+    rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
     if args.format == "json":
-        print(json.dumps(rep, indent=1, allow_nan=False))
+        print(json.dumps(rep.to_dict(), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
     return 0
 
 
-def _save_scenario(args: argparse.Namespace, rep: dict) -> None:
+def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
     from pathlib import Path
 
     from kvtop.analysis import scenario
@@ -129,19 +132,19 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
         raise UsageError(str(e)) from None
     finally:
         client.close()
-    if not rep["instances"]:
+    if not rep.instances:
         raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
-        print(json.dumps(_finite(rep), indent=1, allow_nan=False, default=str))
+        print(json.dumps(_finite(rep.to_dict()), indent=1, allow_nan=False, default=str))
         return 0
-    print(f"note: {rep['note']}")
-    for inst in rep["instances"]:
+    print(f"note: {rep.note}")
+    for inst in rep.instances:
         print()
-        print(f"== {inst['instance']} (job {inst['job']}, {inst['adapter'] or 'unknown engine'}, "
-              f"{inst['samples']} samples)")
-        if inst["report"] is None:
-            print(f"no usable samples{': ' + inst['error'] if inst['error'] else ''}")
+        print(f"== {inst.instance} (job {inst.job}, {inst.adapter or 'unknown engine'}, "
+              f"{inst.samples} samples)")
+        if inst.report is None:
+            print(f"no usable samples{': ' + inst.error if inst.error else ''}")
         else:
-            print(render_report_text(inst["report"]))
+            print(render_report_text(inst.report))
     return 0

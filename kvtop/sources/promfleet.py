@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
 from kvtop.plugin import detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
@@ -395,8 +396,38 @@ AGENT_NOTE = ("aggregate analysis from the engines' own counters and histograms 
               "causality (which stream stalled, and why) needs a kvtop agent observing the streams")
 
 
+@dataclass(frozen=True, slots=True)
+class InstanceAnalysis:
+    """One engine instance of `kvtop analyze --prometheus`: its labels and its aggregate report."""
+
+    job: str
+    instance: str
+    adapter: str | None
+    samples: int
+    error: str | None
+    report: AnalysisReport | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "instance": self.instance, "adapter": self.adapter, "samples": self.samples,
+                "error": self.error, "report": self.report.to_dict() if self.report is not None else None}
+
+
+@dataclass(frozen=True, slots=True)
+class FleetAnalysis:
+    prometheus: str
+    start: float
+    end: float
+    step_s: float
+    note: str
+    instances: tuple[InstanceAnalysis, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prometheus": self.prometheus, "start": self.start, "end": self.end, "step_s": self.step_s,
+                "note": self.note, "instances": [i.to_dict() for i in self.instances]}
+
+
 def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,
-                    itl_target_s: float | None = None) -> dict[str, Any]:
+                    itl_target_s: float | None = None) -> FleetAnalysis:
     """`kvtop analyze --prometheus`: the aggregate analysis of every engine instance over [start, end]."""
     from kvtop.analysis.live import LiveAnalyzer
 
@@ -413,7 +444,5 @@ def analyze_history(client: PromClient, start: float, end: float, step: float, s
         for r in recs:
             an.feed(r)
         rep = an.report(max((r.t for r in recs), default=0.0)) if recs else None
-        out.append({"job": tg.job, "instance": tg.instance, "adapter": tg.adapter, "samples": len(recs),
-                    "error": tg.error, "report": rep})
-    return {"prometheus": client.url, "start": start, "end": end, "step_s": step, "note": AGENT_NOTE,
-            "instances": out}
+        out.append(InstanceAnalysis(tg.job, tg.instance, tg.adapter, len(recs), tg.error, rep))
+    return FleetAnalysis(client.url, start, end, step, AGENT_NOTE, tuple(out))

@@ -25,10 +25,11 @@ from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
+from kvtop import units
 from kvtop.core import Core
 from kvtop.pipeline import Feed, ReplayControls, StaticFeed
 from kvtop.snapshot import Snapshot
-from kvtop.tui import fmt, plot, render
+from kvtop.tui import plot, render
 from kvtop.tui.charts import Chart, chart_specs
 from kvtop.tui.table import RowTable
 
@@ -111,7 +112,7 @@ class SeekScreen(ModalScreen[float | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="seek-box"):
-            total = f" of {fmt.dur(self.duration)}" if self.duration else ""
+            total = f" of {units.duration_short(self.duration)}" if self.duration else ""
             yield Static(f"seek to (seconds from the start{total}):")
             yield Input(placeholder="e.g. 120", id="seek-input")
 
@@ -322,14 +323,14 @@ class KvtopApp(App[int]):
 
     def _note_verdict(self, s: Snapshot) -> bool:
         """A changed verdict is worth an entry in the events log; True when one was added."""
-        v = (s.analysis or {}).get("verdict") or {}
-        action = v.get("action")
-        if action is None:
+        v = s.analysis.verdict if s.analysis is not None else None
+        if v is None:
             return False
+        action = v.action
         prev, self._last_action = self._last_action, action
         if prev is None or prev == action:
             return False
-        conf = v.get("confidence")
+        conf = v.confidence
         conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
         self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
         return True
@@ -361,7 +362,7 @@ class KvtopApp(App[int]):
         replay = self.replay
         if replay is not None:
             t, d = replay.t, replay.duration
-            pos = f"  replay {fmt.dur(t)}" + (f"/{fmt.dur(d)}" if d else "")
+            pos = f"  replay {units.duration_short(t)}" + (f"/{units.duration_short(d)}" if d else "")
             if d:
                 n = 20
                 k = min(n, round(t / d * n)) if d > 0 else 0
@@ -369,7 +370,7 @@ class KvtopApp(App[int]):
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
         self.main.query_one("#topbar", Static).update(
             f"[b]{render.escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
-            f"t={fmt.dur(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
+            f"t={units.duration_short(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
             layout=False,  # one line, always: a new text needs no layout pass
         )
         banner = self.main.query_one("#banner", Static)
@@ -465,7 +466,7 @@ class KvtopApp(App[int]):
         replay = self.replay is not None
         t1 = s.t
         t0 = t1 - self.window_s
-        now_label = f"t={fmt.dur(t1)}" if replay else "now"
+        now_label = f"t={units.duration_short(t1)}" if replay else "now"
         for c, spec in zip(have, specs, strict=False):
             c.show(spec, t0, t1, now_label)
         head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes by cause:"
@@ -535,7 +536,7 @@ class KvtopApp(App[int]):
             rid = max(s.requests, key=lambda r: (r.max_gap_s or 0.0, r.id)).id
         rv = next((r for r in s.requests if r.id == rid), None) if rid else None
         tl = self.core.request_timeline(rid) if rid else None
-        spikes = (s.analysis or {}).get("spikes") or []
+        spikes = s.analysis.spikes if s.analysis is not None else ()
         self.main.query_one("#detail-body", Panel).show(
             lambda w: render.detail(rv, tl, spikes, s.itl_target_s, s.t, w)
         )
@@ -693,7 +694,7 @@ class KvtopApp(App[int]):
         if self._refresh_timer is not None:
             self._refresh_timer.stop()
         self._refresh_timer = self.set_interval(new, self.tick, name="refresh")
-        self.notify(f"poll interval {fmt.dur(new)}", timeout=2)
+        self.notify(f"poll interval {units.duration_short(new)}", timeout=2)
         self.tick(force=True)
 
     def action_window(self) -> None:

@@ -23,9 +23,10 @@ from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
+from kvtop import units
 from kvtop.history import Ring
 from kvtop.snapshot import Snapshot
-from kvtop.tui import fmt, plot
+from kvtop.tui import plot
 
 GUTTER = 7  # y-axis labels
 CAUSE_COLOUR = {"preemption": "error", "prefill_interference": "warning", "slow_decode": "secondary"}
@@ -50,19 +51,11 @@ class ChartSpec:
 
 
 def _pct(v: float | None) -> str:
-    return fmt.NA if v is None else f"{v * 100:.0f}%"
-
-
-def _count(v: float | None) -> str:
-    return fmt.NA if v is None else (f"{v:.0f}" if v >= 10 or v == int(v) else f"{v:.1f}")
+    return units.pct(v, digits=0)
 
 
 def _per_s(v: float | None) -> str:
-    return fmt.NA if v is None else f"{v:.2f}/s"
-
-
-def _tok(v: float | None) -> str:
-    return fmt.NA if v is None else fmt.tok_rate(v)
+    return units.num(v, "{:.2f}/s")
 
 
 _MARKS: dict[str, Any] = {"key": None, "marks": {}}
@@ -71,14 +64,14 @@ _MARKS: dict[str, Any] = {"key": None, "marks": {}}
 def spike_marks(s: Snapshot) -> plot.Marks:
     """The analysis' spikes as cause -> sorted end times; rebuilt only when the list changes (the
     live analysis rebuilds its report at most once a second, and it can list hundreds of spikes)."""
-    spikes = (s.analysis or {}).get("spikes") or []
+    spikes = s.analysis.spikes if s.analysis is not None else ()
     key = (len(spikes), id(spikes[0]) if spikes else None, id(spikes[-1]) if spikes else None)
     if _MARKS["key"] != key:
         by: dict[str, list[float]] = {}
         for sp in spikes:
-            t = sp.get("t_end") or sp.get("t_start")
+            t = sp.t_end or sp.t_start
             if isinstance(t, (int, float)):
-                by.setdefault(str(sp.get("cause") or "unknown"), []).append(float(t))
+                by.setdefault(str(sp.cause or "unknown"), []).append(float(t))
         for ts in by.values():
             ts.sort()
         _MARKS["marks"], _MARKS["key"] = by, key
@@ -101,29 +94,30 @@ def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
         tgt = s.itl_target_s
         out.append(ChartSpec(k + "kv", f"{pre}KV cache usage", ser["kv_usage"], "KV", _pct, ref=1.0,
                              ref_label="100%", fixed_top=1.0, over=0.9))
-        out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", fmt.dur, ser["itl_p50_s"], "p50",
-                             ref=tgt, ref_label=f"target {fmt.dur(tgt)}" if tgt else "", over=tgt, marks=marks))
+        out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", units.duration_short, ser["itl_p50_s"], "p50",
+                             ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks))
         if e.preempts:
             out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
                                  axis=lambda v: f"{v:g}"))
-        out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", _count, ser["waiting"],
+        out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", units.count_short, ser["waiting"],
                              "waiting"))
-        out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", fmt.dur))
-        out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", _tok,
+        out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short))
+        out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", units.tok_rate,
                              ser["prompt_tokens_per_s"], "prompt"))
-    for g in s.gpus:
+    for view in s.gpus:
+        g = view.record
         gs = history.gpus.get(g.index)
         if gs is None:
             continue
-        out.append(ChartSpec(f"g{g.index}m", f"GPU{g.index} memory", gs["mem_used_bytes"], "used", fmt.ibytes,
-                             ref=g.mem_total_bytes, ref_label=f"total {fmt.ibytes(g.mem_total_bytes)}",
+        out.append(ChartSpec(f"g{g.index}m", f"GPU{g.index} memory", gs["mem_used_bytes"], "used", units.bytes_short,
+                             ref=g.mem_total_bytes, ref_label=f"total {units.bytes_short(g.mem_total_bytes)}",
                              fixed_top=float(g.mem_total_bytes) if g.mem_total_bytes else None))
-        cap = g.pcie_capacity_bytes_per_s
-        out.append(ChartSpec(f"g{g.index}p", f"GPU{g.index} PCIe", gs["pcie_tx_bytes_per_s"], "TX", fmt.rate,
+        cap = view.pcie_capacity_bytes_per_s
+        out.append(ChartSpec(f"g{g.index}p", f"GPU{g.index} PCIe", gs["pcie_tx_bytes_per_s"], "TX", units.byte_rate_short,
                              gs["pcie_rx_bytes_per_s"], "RX", ref=cap,
-                             ref_label=f"link {fmt.rate(cap)}" if cap else "", fixed_top=cap))
+                             ref_label=f"link {units.byte_rate_short(cap)}" if cap else "", fixed_top=cap))
     host_empty = "no host data yet" if s.host_status == "ok" else s.host_status
-    out.append(ChartSpec("host", "host pinned memory", history.host["pinned_bytes"], "pinned", fmt.ibytes,
+    out.append(ChartSpec("host", "host pinned memory", history.host["pinned_bytes"], "pinned", units.bytes_short,
                          empty=host_empty))
     return out
 
@@ -321,7 +315,7 @@ class Chart(Widget):
         if spec is None or c < 0 or c >= n or self.t1 <= self.t0:
             return None
         t = self.t0 + (c + 0.5) * (self.t1 - self.t0) / n
-        parts = [f"{spec.title} at t={fmt.dur(t)} ({fmt.dur(self.t1 - t)} before {self.now_label})"]
+        parts = [f"{spec.title} at t={units.duration_short(t)} ({units.duration_short(self.t1 - t)} before {self.now_label})"]
         for ring, label in ((spec.ring, spec.label), (spec.ring2, spec.label2)):
             hit = ring.at(t) if ring is not None else None
             if hit is not None and abs(hit[0] - t) <= (self.t1 - self.t0) / n + 1.5:

@@ -22,6 +22,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Static
 
+from kvtop import units
 from kvtop.snapshot import EngineView, Snapshot
 
 CAUSE_SHORT = (("preemption", "pre"), ("prefill_interference", "fill"), ("slow_decode", "slow"), ("unknown", "unk"))
@@ -92,8 +93,8 @@ def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict
     return rows
 
 
-def _num(v: float | None, fmt: str, scale: float = 1.0) -> str:
-    return "n/a" if v is None or v != v else format(v * scale, fmt)
+def _num(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return units.num(None if v is None else v * scale, "{:" + spec + "}")
 
 
 COLUMNS: tuple[tuple[str, str, Callable[[FleetRow], Any]], ...] = (

@@ -1,5 +1,5 @@
-"""Pure formatting for the console: numbers to short strings, severities, text sparklines, bars
-and the request timeline layout. No Textual here so it is cheap to test and to benchmark."""
+"""Pure layout for the console: severities, text sparklines, bars and the request timeline. No
+Textual here so it is cheap to test and to benchmark; numbers are formatted by kvtop.units."""
 
 from __future__ import annotations
 
@@ -7,55 +7,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtop.model.analysis import SpikeView
 from kvtop.snapshot import KV_CRIT, KV_WARN, PREEMPT_CRIT_PER_S, PREEMPT_WARN_PER_S
 
-NA = "n/a"
 _BLOCKS = " ▁▂▃▄▅▆▇█"
-
-
-def num(v: float | None, fmt: str = "{:.1f}") -> str:
-    return NA if v is None else fmt.format(v)
-
-
-def ibytes(v: float | None) -> str:
-    """Binary sizes (memory): 61.2G, 512M."""
-    if v is None:
-        return NA
-    for unit, div in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if abs(v) >= div:
-            return f"{v / div:.1f}{unit}"
-    return f"{int(v)}B"
-
-
-def rate(v: float | None) -> str:
-    """Decimal byte rates (links are specified in GB/s): 12.3 GB/s."""
-    if v is None:
-        return NA
-    for unit, div in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if abs(v) >= div:
-            return f"{v / div:.1f} {unit}"
-    return f"{v:.0f} B/s"
-
-
-def dur(s: float | None) -> str:
-    if s is None:
-        return NA
-    if s < 1.0:
-        return f"{s * 1000:.0f}ms"
-    if s < 100:
-        return f"{s:.2f}s"
-    return f"{s:.0f}s"
-
-
-def tok_rate(v: float | None) -> str:
-    if v is None:
-        return NA
-    return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}"
-
-
-def pct(v: float | None) -> str:
-    return NA if v is None else f"{v * 100:.1f}%"
-
 
 # Severity names map to theme variables in kvtop.tcss / markup ($success, $warning, $error).
 SEV_VAR = {"ok": "$success", "warn": "$warning", "crit": "$error", "na": "$text-muted"}
@@ -123,7 +78,7 @@ class TimelineCols:
     dt: float
     tokens: list[int]  # tokens arrived in each column
     spike: list[str | None]  # cause of a spike covering the column, if any
-    spike_starts: list[tuple[int, dict]]  # (column, spike dict) for labels
+    spike_starts: list[tuple[int, SpikeView]]  # (column, spike) for labels
     engine: list[str]  # "" or "P" (preemption rise) / "B" (prompt burst) / "p"/"r" request marks
 
 
@@ -132,7 +87,7 @@ def timeline_cols(
     t0: float,
     t1: float,
     width: int,
-    spikes: Sequence[dict] = (),
+    spikes: Sequence[SpikeView] = (),
     engine_marks: Sequence[tuple[float, str, float]] = (),
     marks: Sequence[tuple[float, str]] = (),
 ) -> TimelineCols:
@@ -148,14 +103,14 @@ def timeline_cols(
         if t0 <= t <= t1:
             tok[col(t)] += n
     sp: list[str | None] = [None] * width
-    starts: list[tuple[int, dict]] = []
+    starts: list[tuple[int, SpikeView]] = []
     for s in spikes:
-        a, b = s.get("t_start"), s.get("t_end")
-        if a is None or b is None or b < t0 or a > t1:
+        a, b = s.t_start, s.t_end
+        if b < t0 or a > t1:
             continue
         ca, cb = col(a), col(b)
         for c in range(ca, cb + 1):
-            sp[c] = s.get("cause") or "unknown"
+            sp[c] = s.cause or "unknown"
         starts.append((ca, s))
     eng = [""] * width
     for t, kind, _amount in engine_marks:

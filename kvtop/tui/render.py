@@ -9,8 +9,11 @@ from typing import Any
 
 from textual.markup import escape
 
+from kvtop import units
 from kvtop.core import RequestTimeline
-from kvtop.snapshot import EngineView, GpuView, HostView, RequestView, Snapshot
+from kvtop.model.analysis import SpikeView
+from kvtop.model.records import HostRecord
+from kvtop.snapshot import EngineView, GpuView, RequestView, Snapshot
 from kvtop.tui import fmt
 
 CAUSE_VAR = {
@@ -45,21 +48,22 @@ def kv_bar(u: float | None, width: int) -> str:
 
 
 # -- overview -----------------------------------------------------------------------------------
-def gpu_line(g: GpuView, width: int) -> str:
+def gpu_line(view: GpuView, width: int) -> str:
     """One GPU. Wide terminals get TX/RX sparklines against the link's current capacity; narrow
     ones collapse to one line of numbers."""
+    g = view.record
     name = (g.name or "").replace("NVIDIA ", "")
     head = f"[b]GPU{g.index}[/b] {escape(name[:18]):<18}" if width >= 100 else f"[b]GPU{g.index}[/b]"
     if g.lost:
         return f"{head} {sev('LOST — fell off the bus or the driver lost it', 'crit')}"
-    mem = f"{fmt.ibytes(g.mem_used_bytes)}/{fmt.ibytes(g.mem_total_bytes)}"
+    mem = f"{units.bytes_short(g.mem_used_bytes)}/{units.bytes_short(g.mem_total_bytes)}"
     link = "n/a"
     if g.pcie_link_gen is not None:
         link = f"Gen{g.pcie_link_gen}x{g.pcie_link_width or '?'}"
-        if g.link_downtrained:
+        if view.link_downtrained:
             link = sev(f"{link}▼ (max Gen{g.pcie_link_gen_max}x{g.pcie_link_width_max})", "warn")
-    cap = g.pcie_capacity_bytes_per_s
-    util = f"util {fmt.num(g.util_pct, '{:.0f}%')}"
+    cap = view.pcie_capacity_bytes_per_s
+    util = f"util {units.num(g.util_pct, '{:.0f}%')}"
 
     def share(v: float | None) -> str:
         if v is None or not cap:
@@ -69,31 +73,31 @@ def gpu_line(g: GpuView, width: int) -> str:
     if width >= 100:
         # two lines: memory and link, then the traffic sparklines with the rest of the width
         sw = max(8, min(60, (width - 52) // 2))
-        tx = f"TX {fmt.spark(g.pcie_tx_history, sw, cap)} {fmt.rate(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
-        rx = f"RX {fmt.spark(g.pcie_rx_history, sw, cap)} {fmt.rate(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
-        cap_txt = muted(f"  cap {fmt.rate(cap)}") if cap else ""
+        tx = f"TX {fmt.spark(view.pcie_tx_history, sw, cap)} {units.byte_rate_short(g.pcie_tx_bytes_per_s):>10}{share(g.pcie_tx_bytes_per_s)}"
+        rx = f"RX {fmt.spark(view.pcie_rx_history, sw, cap)} {units.byte_rate_short(g.pcie_rx_bytes_per_s):>10}{share(g.pcie_rx_bytes_per_s)}"
+        cap_txt = muted(f"  cap {units.byte_rate_short(cap)}") if cap else ""
         return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, 24)} {mem:>11}  "
                 f"{util:>8}  {link}{cap_txt}\n      {tx}   {rx}")
     bw = 8 if width >= 70 else 4
     return (f"{head} {bar(g.mem_used_bytes, g.mem_reserved_bytes, g.mem_total_bytes, bw)} {mem:>11} "
-            f"TX {fmt.rate(g.pcie_tx_bytes_per_s)}{share(g.pcie_tx_bytes_per_s)} "
-            f"RX {fmt.rate(g.pcie_rx_bytes_per_s)} {link}")
+            f"TX {units.byte_rate_short(g.pcie_tx_bytes_per_s)}{share(g.pcie_tx_bytes_per_s)} "
+            f"RX {units.byte_rate_short(g.pcie_rx_bytes_per_s)} {link}")
 
 
-def host_line(h: HostView | None, width: int, status: str = "ok") -> str:
+def host_line(h: HostRecord | None, width: int, status: str = "ok") -> str:
     if h is None:
         return f"[b]host[/b] {muted(escape(status) if status != 'ok' else 'no host data yet')}"
     used = None
     if h.mem_total_bytes is not None and h.mem_available_bytes is not None:
         used = h.mem_total_bytes - h.mem_available_bytes
     parts = [f"[b]host[/b] mem {bar(used, None, h.mem_total_bytes, 10 if width >= 100 else 6)} "
-             f"{fmt.ibytes(used)}/{fmt.ibytes(h.mem_total_bytes)}"]
+             f"{units.bytes_short(used)}/{units.bytes_short(h.mem_total_bytes)}"]
     signal = escape(h.pinned_signal) if h.pinned_signal else "no signal"
-    parts.append(f"pinned {fmt.ibytes(h.pinned_bytes)} {muted('(' + signal + ')')}")
+    parts.append(f"pinned {units.bytes_short(h.pinned_bytes)} {muted('(' + signal + ')')}")
     if width >= 100:
-        parts.append(f"swap {fmt.ibytes(h.swap_used_bytes)}/{fmt.ibytes(h.swap_total_bytes)}")
+        parts.append(f"swap {units.bytes_short(h.swap_used_bytes)}/{units.bytes_short(h.swap_total_bytes)}")
         if h.cgroup_mem_max_bytes:
-            parts.append(f"cgroup shmem {fmt.ibytes(h.cgroup_shmem_bytes)}/{fmt.ibytes(h.cgroup_mem_max_bytes)}")
+            parts.append(f"cgroup shmem {units.bytes_short(h.cgroup_shmem_bytes)}/{units.bytes_short(h.cgroup_mem_max_bytes)}")
     out = "  ".join(parts)
     for n in h.notes[:2]:
         out += "\n  " + muted(escape(n))
@@ -106,39 +110,39 @@ def engine_lines(e: EngineView, target: float | None, width: int, interval: floa
     model = muted(escape(e.model.split("/")[-1])) if e.model else ""
     adapter = escape(e.adapter or "?")
     if not e.up:
-        last = f"last good scrape {fmt.dur(e.stale_s)} ago" if e.stale_s is not None else "never scraped"
+        last = f"last good scrape {units.duration_short(e.stale_s)} ago" if e.stale_s is not None else "never scraped"
         why = escape(e.error or "no data yet")
         lines = [f"{sev('✖ ENGINE DOWN', 'crit')} {adapter} {label} {model}", f"  {sev(why, 'crit')} · {last}"]
         if e.kv_usage is not None:
-            lines.append(f"  {muted('last known: KV ' + fmt.pct(e.kv_usage))}")
+            lines.append(f"  {muted('last known: KV ' + units.pct(e.kv_usage))}")
         return "\n".join(lines)
     stale = ""
     if e.stale_s is not None and e.stale_s > max(3.0, 3 * interval):
-        stale = " " + sev(f"stale {fmt.dur(e.stale_s)}", "warn")
+        stale = " " + sev(f"stale {units.duration_short(e.stale_s)}", "warn")
     restarts = " " + sev(f"restarted {e.restarts}x", "warn") if e.restarts else ""
     lines = [f"{sev('●', 'ok') if not stale else sev('●', 'warn')} [b]{adapter}[/b] {label} {model}{stale}{restarts}"]
     kv = e.kv_usage
     kvw = 20 if wide else 10
-    kvtxt = sev(fmt.pct(kv), fmt.sev_kv(kv)) if kv is not None else muted(fmt.NA)
+    kvtxt = sev(units.pct(kv), fmt.sev_kv(kv)) if kv is not None else muted(units.NA)
     hist = " " + muted(fmt.spark(e.kv_usage_history, 24, 1.0)) if wide and e.kv_usage_history else ""
     pr = e.preemptions_per_s
     if not e.preempts:
         pre = muted("preempt: never (engine)")
     else:
-        pre_total = f" ({fmt.num(e.preemptions_total, '{:.0f}')} total)" if wide else ""
-        pre = "preempt " + sev(fmt.num(pr, "{:.2f}/s"), fmt.sev_preempt(pr)) + pre_total
-    lines.append(f"  KV {kv_bar(kv, kvw)} {kvtxt}{hist}  run {fmt.num(e.running, '{:.0f}')} "
-                 f"wait {fmt.num(e.waiting, '{:.0f}')}  {pre}")
-    itl = (f"ITL p50 {sev(fmt.dur(e.itl_p50_s), fmt.sev_latency(e.itl_p50_s, target))} "
-           f"p99 {sev(fmt.dur(e.itl_p99_s), fmt.sev_latency(e.itl_p99_s, target))}")
+        pre_total = f" ({units.num(e.preemptions_total, '{:.0f}')} total)" if wide else ""
+        pre = "preempt " + sev(units.num(pr, "{:.2f}/s"), fmt.sev_preempt(pr)) + pre_total
+    lines.append(f"  KV {kv_bar(kv, kvw)} {kvtxt}{hist}  run {units.num(e.running, '{:.0f}')} "
+                 f"wait {units.num(e.waiting, '{:.0f}')}  {pre}")
+    itl = (f"ITL p50 {sev(units.duration_short(e.itl_p50_s), fmt.sev_latency(e.itl_p50_s, target))} "
+           f"p99 {sev(units.duration_short(e.itl_p99_s), fmt.sev_latency(e.itl_p99_s, target))}")
     if wide:
-        tgt = muted(f" (target {fmt.dur(target)})") if target is not None else muted(" (no target)")
-        lines.append(f"  prompt {fmt.tok_rate(e.prompt_tokens_per_s)} tok/s  gen {fmt.tok_rate(e.generation_tokens_per_s)} tok/s  "
-                     f"{itl}{tgt}  TTFT p99 {fmt.dur(e.ttft_p99_s)}")
+        tgt = muted(f" (target {units.duration_short(target)})") if target is not None else muted(" (no target)")
+        lines.append(f"  prompt {units.tok_rate(e.prompt_tokens_per_s)} tok/s  gen {units.tok_rate(e.generation_tokens_per_s)} tok/s  "
+                     f"{itl}{tgt}  TTFT p99 {units.duration_short(e.ttft_p99_s)}")
     else:
-        tgt = muted(f"/{fmt.dur(target)}") if target is not None else ""
-        lines.append(f"  tok/s in {fmt.tok_rate(e.prompt_tokens_per_s)} out {fmt.tok_rate(e.generation_tokens_per_s)}  "
-                     f"{itl}{tgt}  TTFT99 {fmt.dur(e.ttft_p99_s)}")
+        tgt = muted(f"/{units.duration_short(target)}") if target is not None else ""
+        lines.append(f"  tok/s in {units.tok_rate(e.prompt_tokens_per_s)} out {units.tok_rate(e.generation_tokens_per_s)}  "
+                     f"{itl}{tgt}  TTFT99 {units.duration_short(e.ttft_p99_s)}")
     for w in e.warnings[:3]:
         lines.append("  " + sev("⚠ " + escape(w), "warn"))
     if len(e.warnings) > 3:
@@ -148,14 +152,15 @@ def engine_lines(e: EngineView, target: float | None, width: int, interval: floa
 
 def summary_line(s: Snapshot) -> str:
     """The verdict in one line for the overview (the advisor screen has the rest)."""
-    v = (s.analysis or {}).get("verdict") or {}
-    if not v:
+    a = s.analysis
+    v = a.verdict if a is not None else None
+    if a is None or v is None:
         return muted("advisor: no analysis yet (press 4 for the advisor)")
-    conf = v.get("confidence")
-    marg = " " + sev("marginal", "warn") if v.get("marginal") else ""
-    spikes = len((s.analysis or {}).get("spikes") or [])
-    return (f"[b]advisor:[/b] {sev(escape(str(v.get('action', '?'))), 'warn' if v.get('action') not in ('no_action', None) else 'ok')}"
-            f" {muted('confidence')} {fmt.num(conf, '{:.0%}') if conf is not None else fmt.NA}{marg}"
+    conf = v.confidence
+    marg = " " + sev("marginal", "warn") if v.marginal else ""
+    spikes = len(a.spikes)
+    return (f"[b]advisor:[/b] {sev(escape(str(v.action)), 'warn' if v.action not in ('no_action', None) else 'ok')}"
+            f" {muted('confidence')} {units.num(conf, '{:.0%}') if conf is not None else units.NA}{marg}"
             f"  {muted(f'{spikes} spike(s) since start · press 4')}")
 
 
@@ -175,9 +180,9 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
     state = {"preempted": sev("preempted", "crit"), "error": sev("error", "crit"),
              "cancelled": muted("cancelled"), "finished": muted("finished")}.get(r.state, escape(r.state))
     return (
-        escape(r.id), state, escape(r.cls or "-"), str(r.tokens), fmt.dur(r.age_s),
-        sev(fmt.dur(r.current_gap_s), gap_sev) if r.current_gap_s is not None else "-",
-        sev(fmt.dur(r.max_gap_s), mg_sev) if r.max_gap_s is not None else "-",
+        escape(r.id), state, escape(r.cls or "-"), str(r.tokens), units.duration_short(r.age_s),
+        sev(units.duration_short(r.current_gap_s), gap_sev) if r.current_gap_s is not None else "-",
+        sev(units.duration_short(r.max_gap_s), mg_sev) if r.max_gap_s is not None else "-",
         str(r.spikes) if r.spikes else "-",
         sev(str(r.preempt_spikes), "crit") if r.preempt_spikes else "-",
         f"[{CAUSE_VAR.get(r.last_cause, '$text-muted')}]{escape(r.last_cause)}[/]" if r.last_cause else "-",
@@ -202,7 +207,7 @@ def matches(r: RequestView, needle: str) -> bool:
 
 
 # -- request detail -----------------------------------------------------------------------------
-def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[dict[str, Any]],
+def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[SpikeView],
            target: float | None, now: float, width: int) -> str:
     if tl is None and rv is None:
         return muted("No request selected. Pick one on the Requests screen (2) and press Enter.")
@@ -211,7 +216,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     if rv is not None:
         lines.append(
             f"[b]{escape(rid)}[/b]  {escape(rv.state)}  {escape(rv.cls or '-')}  {rv.tokens} tokens  "
-            f"age {fmt.dur(rv.age_s)}  max gap {sev(fmt.dur(rv.max_gap_s), fmt.sev_latency(rv.max_gap_s, target))}"
+            f"age {units.duration_short(rv.age_s)}  max gap {sev(units.duration_short(rv.max_gap_s), fmt.sev_latency(rv.max_gap_s, target))}"
             f"  spikes {rv.spikes} ({rv.preempt_spikes} preemption)"
         )
     if tl is None or not tl.tokens:
@@ -219,14 +224,14 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         return "\n".join(lines)
     t0 = tl.arrive_t
     t1 = tl.end_t if tl.end_t is not None else now
-    own = [s for s in spikes if s.get("request_id") == rid]
+    own = [s for s in spikes if s.request_id == rid]
     attributed = bool(own)
     if not own and target is not None:
         # no analysis: still show gaps over the target, marked as unattributed
         prev = None
         for t, _n in tl.tokens:
             if prev is not None and t - prev > target:
-                own.append({"t_start": prev, "t_end": t, "gap_s": t - prev, "cause": "unknown", "confidence": None})
+                own.append(SpikeView(rid, prev, t, t - prev, "unknown"))
             prev = t
     w = max(20, width - 9)
     cols = fmt.timeline_cols(tl.tokens, t0, t1, w, own, tl.engine_marks, tl.marks)
@@ -242,7 +247,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
             tok_row.append(muted("·"))
     mark_row = [" "] * w
     for i, (c, _s) in enumerate(cols.spike_starts[:9]):
-        mark_row[c] = f"[{CAUSE_VAR.get(str(_s.get('cause')), '$text-muted')}]{i + 1}[/]"
+        mark_row[c] = f"[{CAUSE_VAR.get(str(_s.cause), '$text-muted')}]{i + 1}[/]"
     eng_row = []
     for m in cols.engine:
         eng_row.append({"P": "[$error]P[/]", "B": "[$warning]B[/]", "p": "[$error]p[/]", "r": "[$success]r[/]"}.get(m, " "))
@@ -253,7 +258,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
                 axis[c + j] = ch
     legend = ("  ▅ tokens  ━ gap over target (colour = cause)  P preemption counter rose  B prompt burst"
               if width >= 120 else "  ━ gap over target  P preemption  B prompt burst")
-    lines.append(muted(f"timeline {fmt.dur(t1 - t0)}, 1 column = {fmt.dur(cols.dt)}:{legend}"))
+    lines.append(muted(f"timeline {units.duration_short(t1 - t0)}, 1 column = {units.duration_short(cols.dt)}:{legend}"))
     lines.append("tokens │" + "".join(tok_row))
     lines.append("spikes │" + "".join(mark_row))
     lines.append("engine │" + "".join(eng_row))
@@ -262,7 +267,7 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
     if gaps:
         top = max(gaps)
-        lines.append(muted(f"gap per token (last {min(len(gaps), w)}, top = {fmt.dur(top)}):"))
+        lines.append(muted(f"gap per token (last {min(len(gaps), w)}, top = {units.duration_short(top)}):"))
         lines.append("       │" + fmt.spark(gaps[-w:], min(len(gaps), w), top))
     lines.append("")
     head = "spikes (gaps over target)" + ("" if attributed else " — not attributed (no analysis)")
@@ -270,13 +275,13 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     if not own:
         lines.append(muted("  none"))
     for i, s in enumerate(own[:9]):
-        gap = s.get("gap_s") or ((s.get("t_end") or 0) - (s.get("t_start") or 0))
+        gap = s.gap_s or (s.t_end - s.t_start)
         ratio = f" ×{gap / target:.1f} target" if target else ""
-        conf = s.get("confidence")
-        cause = s.get("cause") or "unknown"
+        conf = s.confidence
+        cause = s.cause or "unknown"
         lines.append(
-            f"  [{CAUSE_VAR.get(cause, '$text-muted')}]{i + 1}[/] at +{fmt.dur((s.get('t_start') or t0) - t0)}  "
-            f"gap {fmt.dur(gap)}{muted(ratio)}  [{CAUSE_VAR.get(cause, '$text-muted')}]{escape(cause)}[/]"
+            f"  [{CAUSE_VAR.get(cause, '$text-muted')}]{i + 1}[/] at +{units.duration_short((s.t_start or t0) - t0)}  "
+            f"gap {units.duration_short(gap)}{muted(ratio)}  [{CAUSE_VAR.get(cause, '$text-muted')}]{escape(cause)}[/]"
             + (f" {muted('confidence')} {conf:.0%}" if conf is not None else "")
         )
     if len(own) > 9:
@@ -310,53 +315,48 @@ _KEY_NUMBERS = ("itl_target", "spike_share", "preemptions_per_completed", "kv_by
 
 def advisor(s: Snapshot, width: int) -> str:
     a = s.analysis
-    if not a:
+    if a is None:
         return muted("No analysis yet. The advisor needs engine metrics and per-request token timings "
                      "(kvtop proxy or --probe).")
-    v = a.get("verdict") or {}
-    action = str(v.get("action", "insufficient_data"))
-    conf = v.get("confidence")
+    v = a.verdict
+    action = v.action if v is not None else "insufficient_data"
+    conf = v.confidence if v is not None else None
     good = action in ("no_action",)
     head = f"[b]verdict:[/b] [b]{sev(escape(action.replace('_', ' ').upper()), 'ok' if good else 'warn')}[/b]"
-    mech = v.get("mechanism")
+    mech = v.mechanism if v is not None else None
     if mech and mech != action and len(str(mech)) <= 20:
         head += f"  {muted('eviction mechanism:')} {escape(str(mech))}"
     head += f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a"
-    if v.get("marginal"):
+    if v is not None and v.marginal:
         head += "   " + sev("MARGINAL (within ±30% of break-even)", "warn")
     lines = [head]
-    if v.get("also"):
-        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v['also']))}")
+    if v is not None and v.also:
+        lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v.also))}")
     if mech and len(str(mech)) > 20:
         lines.append(f"why: {escape(str(mech))}")
-    settings = v.get("settings") or {}
+    settings = v.settings if v is not None else {}
     lines.append("")
     lines.append("[b]settings to change[/b]")
-    items = [f"{k} {val}" for k, val in settings.items()] if isinstance(settings, dict) else [str(x) for x in settings]
+    items = [f"{k} {val}" for k, val in settings.items()]
     if items:
         lines.extend(f"  • {escape(x)}" for x in items)
     else:
         lines.append(muted("  none"))
-    reasons = v.get("reasons") or []
+    reasons = v.reasons if v is not None else ()
     if reasons:
         lines.append("")
         lines.append("[b]evidence[/b]")
         lines.extend(f"  • {escape(str(x))}" for x in reasons)
     lines.append("")
     lines.append("[b]what would change the verdict[/b]")
-    wc = v.get("would_change")
-    if wc:
-        lines.extend(f"  • {escape(str(x))}" for x in (wc if isinstance(wc, list) else [wc]))
-    else:
-        lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
-    nums = v.get("numbers") or {}
+    lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
+    nums = v.numbers if v is not None else {}
     rows = []
     for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
-        n = nums[k]
-        val, unit, src = (n.get("value"), n.get("unit", ""), n.get("source")) if isinstance(n, dict) else (n, "", None)
-        if val is None or isinstance(val, (list, dict)):
-            continue  # tables (chunk plans, histograms) are in `kvtop analyze`
-        rows.append((str(k), _num_text(str(k), val, unit), src))
+        num = nums[k]
+        if num.value is None or isinstance(num.value, (list, dict, tuple)):
+            continue  # tables (chunk plans, histograms, the deciding gates) are in `kvtop analyze`
+        rows.append((str(k), units.quantity_short(num.value, num.unit, str(k)), num.source))
     if rows:
         lines.append("")
         lines.append("[b]numbers[/b]")
@@ -364,34 +364,21 @@ def advisor(s: Snapshot, width: int) -> str:
         vw = max(len(t) for _, t, _ in rows)
         for k, t, src in rows:
             lines.append(f"  {escape(k):<{kw}}  {escape(t):>{vw}}" + (f"  {muted(escape('[' + str(src) + ']'))}" if src else ""))
-    causes = a.get("causes") or {}
+    causes = a.causes
     lines.append("")
-    n_sp = a.get("spikes_total", len(a.get("spikes") or []))
+    n_sp = a.spikes_total
     lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes since the start of the run)')}")
-    if not any(float(c.get("count") or 0) for c in causes.values()):
+    if not any(float(c.count or 0) for c in causes.values()):
         lines.append(muted("  no spikes"))
     bw = max(10, min(40, width - 50))
-    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].get("count") or 0), kv[0])):
-        if not c.get("count"):
+    for cause, c in sorted(causes.items(), key=lambda kv: (-float(kv[1].count or 0), kv[0])):
+        if not c.count:
             continue
-        share = float(c.get("share") or 0.0)
+        share = float(c.share or 0.0)
         n = round(share * bw)
         col = CAUSE_VAR.get(cause, "$text-muted")
-        mc = c.get("mean_confidence")
+        mc = c.mean_confidence
         conf_txt = muted(f"  mean confidence {mc:.0%}") if isinstance(mc, (int, float)) else ""
         lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  "
-                     f"({c.get('count', 0)}){conf_txt}")
+                     f"({c.count}){conf_txt}")
     return "\n".join(lines)
-
-
-def _num_text(key: str, v: Any, unit: str = "") -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
-    if unit == "s" or (not unit and key.endswith("_s")):
-        return fmt.dur(v)
-    if unit == "B/s" or (not unit and key.endswith("_bytes_per_s")):
-        return fmt.rate(v)
-    if unit == "B":
-        return fmt.ibytes(v)
-    text = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}"
-    return f"{text} {unit}" if unit else text

@@ -4,8 +4,8 @@ simulated run with the real analysis: scripts/make_screenshots.py).
 A seeded generator that drives a real ``Core`` with hand-made records: GPUs with PCIe traffic (one
 link down-trained), host memory, vLLM-shaped engine records (KV usage, counters, ITL/TTFT
 histograms) and per-request token streams with injected stalls. Stalls are known when they are
-made, so ``SampleAnalysis`` reports them with their true cause in the shape the analysis package
-produces (spikes, causes); it gives no verdict unless a test hands one in. No Textual import: the
+made, so ``SampleAnalysis`` reports them with their true cause in the report the analysis package
+builds (spikes, causes); it gives no verdict unless a test hands one in. No Textual import: the
 bench uses this headless.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtop.core import Core
+from kvtop.model.analysis import AnalysisReport, CauseRow, SpikeView, Verdict
 from kvtop.model.records import EngineRecord, GpuRecord, Histogram, HostRecord, Record, RequestRecord
 
 GIB = 1 << 30
@@ -25,11 +26,12 @@ _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
 
 
 class SampleAnalysis:
-    """The LiveAnalysis protocol over stalls whose causes the generator knows."""
+    """The LiveAnalysis protocol over stalls whose causes the generator knows. ``verdict`` is in the
+    JSON shape ``kvtop analyze`` prints (a test's fixed verdict), read with ``Verdict.from_dict``."""
 
     def __init__(self, verdict: dict[str, Any] | None):
-        self.spikes: list[dict[str, Any]] = []
-        self._by_req: dict[str, list[dict[str, Any]]] = {}
+        self.spikes: list[SpikeView] = []
+        self._by_req: dict[str, list[SpikeView]] = {}
         self.verdict = verdict
 
     def fresh(self) -> SampleAnalysis:
@@ -38,27 +40,24 @@ class SampleAnalysis:
     def feed(self, rec: Record) -> None:  # the spikes are registered by the generator
         return None
 
-    def add(self, spike: dict[str, Any]) -> None:
+    def add(self, spike: SpikeView) -> None:
         self.spikes.append(spike)
-        self._by_req.setdefault(spike["request_id"], []).append(spike)
+        self._by_req.setdefault(spike.request_id, []).append(spike)
 
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
         mine = self._by_req.get(request_id, ())
-        pre = sum(1 for s in mine if s["cause"] == "preemption")
-        return len(mine), pre, (mine[-1]["cause"] if mine else None)
+        pre = sum(1 for s in mine if s.cause == "preemption")
+        return len(mine), pre, (mine[-1].cause if mine else None)
 
-    def report(self, now: float) -> dict[str, Any]:
-        causes: dict[str, dict[str, float]] = {}
+    def report(self, now: float) -> AnalysisReport:
+        counts: dict[str, int] = {}
         for s in self.spikes:
-            causes.setdefault(s["cause"], {"count": 0, "share": 0.0})["count"] += 1
+            counts[s.cause] = counts.get(s.cause, 0) + 1
         total = len(self.spikes) or 1
-        for c in causes.values():
-            c["share"] = round(c["count"] / total, 3)
-        out: dict[str, Any] = {"spikes": list(self.spikes), "spikes_total": len(self.spikes), "causes": causes}
-        if self.verdict is not None:
-            out["verdict"] = dict(self.verdict)
-        return out
-
+        causes = {c: CauseRow(n, round(n / total, 3)) for c, n in counts.items()}
+        verdict = Verdict.from_dict(self.verdict) if self.verdict is not None else None
+        return AnalysisReport(spikes=tuple(self.spikes), spikes_total=len(self.spikes), causes=causes,
+                              verdict=verdict)
 
 
 @dataclass
@@ -184,8 +183,7 @@ class Sample:
         self._tick_sources(t1, burst_at is not None)
 
     def _spike(self, rid: str, a: float, b: float, cause: str, conf: float) -> None:
-        self.analysis.add({"request_id": rid, "t_start": round(a, 4), "t_end": round(b, 4),
-                           "gap_s": round(b - a, 4), "cause": cause, "confidence": conf})
+        self.analysis.add(SpikeView(rid, round(a, 4), round(b, 4), round(b - a, 4), cause, confidence=conf))
 
     @staticmethod
     def _observe(e: dict, key: str, buckets: tuple[float, ...], v: float) -> None:

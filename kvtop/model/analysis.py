@@ -1,0 +1,312 @@
+"""The analysis report as typed values: what `kvtop analyze` prints and what a Snapshot carries.
+
+The analysis (``kvtop.analysis.report.build_report``) builds an ``AnalysisReport``; the console,
+the text renderer, the exporter and the agent read its attributes. ``to_dict()`` is the
+documented JSON (the ``analysis`` object of ``kvtop snapshot --format json``, the whole of
+``kvtop analyze --format json``): same keys, same order, same values as the report has always
+had, so the JSON contract does not move when the Python side does. ``from_dict`` reads such JSON
+back (a saved report, a test's fixed verdict).
+
+Values stay as the analysis computed them (NaN included); ``finite()`` gives the copy that JSON
+and the terminal see, where unknown is ``None``. This module sits in ``kvtop.model`` so a
+Snapshot can hold a report without importing the analysis package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.model.sanitize import finite_json
+
+DECIDED_BY = "decided_by"  # the verdict number that lists the gates which decided, in order
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One gate of the diagnosis or the cost model that decided the verdict, and why."""
+
+    gate: str
+    detail: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"gate": self.gate, "detail": self.detail}
+
+
+@dataclass(frozen=True, slots=True)
+class Number:
+    """A figure of the verdict with its unit and where it came from (measured, given, config,
+    assumed, derived). ``value`` is a number, a string, a table (list/dict, JSON as is) or, for
+    ``decided_by``, a tuple of ``Decision``."""
+
+    value: Any
+    unit: str
+    source: str
+    note: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.value
+        if isinstance(v, tuple) and all(isinstance(x, Decision) for x in v):
+            v = [x.to_dict() for x in v]
+        d: dict[str, Any] = {"value": v, "unit": self.unit, "source": self.source}
+        if self.note:
+            d["note"] = self.note
+        return d
+
+    @staticmethod
+    def from_dict(key: str, d: Mapping[str, Any]) -> Number:
+        v = d.get("value")
+        if key == DECIDED_BY and isinstance(v, list):
+            v = tuple(Decision(str(x["gate"]), str(x["detail"])) for x in v)
+        return Number(v, str(d.get("unit", "")), str(d.get("source", "")), d.get("note"))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The advisor's answer: an action, the eviction mechanism behind it, the settings to change,
+    the reasons and every number it used (``kvtop.analysis.advisor.advise``)."""
+
+    action: str
+    mechanism: str | None = None
+    also: tuple[str, ...] = ()
+    numbers: Mapping[str, Number] = field(default_factory=dict)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    confidence: float = 0.0
+    marginal: bool = False
+    reasons: tuple[str, ...] = ()
+
+    def value(self, key: str) -> Any:
+        """A number's value, None when the verdict does not carry it."""
+        n = self.numbers.get(key)
+        return None if n is None else n.value
+
+    @property
+    def decided_by(self) -> tuple[Decision, ...]:
+        v = self.value(DECIDED_BY)
+        return v if isinstance(v, tuple) else ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "mechanism": self.mechanism,
+            "also": list(self.also),
+            "numbers": {k: n.to_dict() for k, n in self.numbers.items()},
+            "settings": dict(self.settings),
+            "confidence": self.confidence,
+            "marginal": self.marginal,
+            "reasons": list(self.reasons),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Verdict:
+        return Verdict(
+            action=str(d["action"]),
+            mechanism=d.get("mechanism"),
+            also=tuple(d.get("also") or ()),
+            numbers={k: Number.from_dict(k, n) for k, n in (d.get("numbers") or {}).items()},
+            settings=dict(d.get("settings") or {}),
+            confidence=d.get("confidence", 0.0),
+            marginal=bool(d.get("marginal", False)),
+            reasons=tuple(d.get("reasons") or ()),
+        )
+
+    def finite(self) -> Verdict:
+        """This verdict with every NaN/Infinity as None (what JSON and text show)."""
+        return Verdict.from_dict(finite_json(self.to_dict()))
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeView:
+    """One inter-token gap above the target and the cause it was attributed to."""
+
+    request_id: str
+    t_start: float
+    t_end: float
+    gap_s: float
+    cause: str
+    rule: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
+    confidence: float | None = None
+    ended_by: str | None = None  # token, finish, cancel, ...
+    evidence: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "t_start": self.t_start, "t_end": self.t_end, "gap_s": self.gap_s,
+                "cause": self.cause, "rule": self.rule, "confidence": self.confidence, "ended_by": self.ended_by,
+                "evidence": list(self.evidence)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> SpikeView:
+        return SpikeView(str(d["request_id"]), d["t_start"], d["t_end"], d["gap_s"], str(d["cause"]), d.get("rule"),
+                         d.get("confidence"), d.get("ended_by"), tuple(d.get("evidence") or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class CauseRow:
+    """Spikes attributed to one cause: how many, their share, their mean confidence."""
+
+    count: int
+    share: float
+    mean_confidence: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "share": self.share, "mean_confidence": self.mean_confidence}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> CauseRow:
+        return CauseRow(d["count"], d["share"], d.get("mean_confidence"))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    """One observed stream: its spikes, the preemption ones, its longest gap."""
+
+    request_id: str
+    spikes: int
+    preemption_spikes: int
+    max_gap_s: float
+    tokens: int
+    last_cause: str | None = None
+    ended_by: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "spikes": self.spikes, "preemption_spikes": self.preemption_spikes,
+                "max_gap_s": self.max_gap_s, "tokens": self.tokens, "last_cause": self.last_cause,
+                "ended_by": self.ended_by}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> RequestRow:
+        return RequestRow(str(d["request_id"]), d["spikes"], d["preemption_spikes"], d["max_gap_s"], d["tokens"],
+                          d.get("last_cause"), d.get("ended_by"))
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCheck:
+    """vLLM's per-request preemption histogram against kvtop's preemption spikes: of the requests
+    whose finish pins one histogram observation, on how many the two agree."""
+
+    finished_requests: float
+    engine_preemptions: float
+    pinned_requests: int
+    pinned_agree: int
+    pinned_kvtop_more: int
+    pinned_kvtop_fewer: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"finished_requests": self.finished_requests, "engine_preemptions": self.engine_preemptions,
+                "pinned_requests": self.pinned_requests, "pinned_agree": self.pinned_agree,
+                "pinned_kvtop_more": self.pinned_kvtop_more, "pinned_kvtop_fewer": self.pinned_kvtop_fewer}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> PreemptionCheck:
+        return PreemptionCheck(d["finished_requests"], d["engine_preemptions"], d["pinned_requests"],
+                               d["pinned_agree"], d["pinned_kvtop_more"], d["pinned_kvtop_fewer"])
+
+
+_TIMES_KEYS = ("requests", "queued_requests", "queue_s_median", "queue_s_p90", "queue_s_max",
+               "engine_prefill_tokens_per_s", "outside_engine_ttft_s_median", "tail_delivery_s_median",
+               "tail_delivery_s_max")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequestTimes:
+    """The engine's own per-request times (vLLM ``--enable-per-request-metrics``, read from finish
+    records) beside kvtop's observation of the same requests (``attribution.request_times``)."""
+
+    requests: int
+    queued_requests: int  # queued >= 0.1 s before first scheduled
+    queue_s_median: float | None
+    queue_s_p90: float | None
+    queue_s_max: float | None
+    engine_prefill_tokens_per_s: float | None  # median prompt tokens / engine TTFT
+    outside_engine_ttft_s_median: float | None  # observed TTFT - queue - engine TTFT
+    tail_delivery_s_median: float | None  # observed first..last token span - the engine's
+    tail_delivery_s_max: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _TIMES_KEYS}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> EngineRequestTimes:
+        return EngineRequestTimes(int(d.get("requests") or 0), int(d.get("queued_requests") or 0),
+                                  *(d.get(k) for k in _TIMES_KEYS[2:]))
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisReport:
+    """Spikes, their causes and the verdict over one trace or the live run so far.
+
+    ``basis`` is ``requests`` (per-stream token timings attributed spike by spike) or
+    ``aggregate`` (engine counters and histograms only). ``spikes`` lists at most the analysis'
+    ``keep_spikes`` newest; ``spikes_total`` counts them all. ``pending_spikes`` is the live
+    analysis' count of spikes still waiting for their evidence window (None in a batch report).
+    """
+
+    basis: str = "requests"
+    itl_target_s: float | None = None
+    itl_target_source: str | None = None
+    median_gap_s: float | None = None
+    records: int = 0
+    gaps: int = 0
+    spikes: tuple[SpikeView, ...] = ()
+    spikes_total: int = 0
+    causes: Mapping[str, CauseRow] = field(default_factory=dict)
+    over_target_s: Mapping[str, float] | None = None  # seconds over the target per cause (requests basis)
+    requests: tuple[RequestRow, ...] = ()
+    request_preemptions: PreemptionCheck | None = None
+    engine_request_times: EngineRequestTimes | None = None
+    verdict: Verdict | None = None
+    warnings: tuple[str, ...] = ()
+    pending_spikes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "basis": self.basis,
+            "itl_target_s": self.itl_target_s,
+            "itl_target_source": self.itl_target_source,
+            "median_gap_s": self.median_gap_s,
+            "records": self.records,
+            "gaps": self.gaps,
+            "spikes": [s.to_dict() for s in self.spikes],
+            "spikes_listed": len(self.spikes),
+            "spikes_total": self.spikes_total,
+            "causes": {c: row.to_dict() for c, row in self.causes.items()},
+            "over_target_s": dict(self.over_target_s) if self.over_target_s is not None else None,
+            "requests": [r.to_dict() for r in self.requests],
+            "request_preemptions": self.request_preemptions.to_dict() if self.request_preemptions else None,
+            "engine_request_times": self.engine_request_times.to_dict() if self.engine_request_times else None,
+            "verdict": self.verdict.to_dict() if self.verdict is not None else None,
+            "warnings": list(self.warnings),
+        }
+        if self.pending_spikes is not None:
+            out["pending_spikes"] = self.pending_spikes
+        return out
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> AnalysisReport:
+        rp = d.get("request_preemptions")
+        et = d.get("engine_request_times")
+        v = d.get("verdict")
+        over = d.get("over_target_s")
+        return AnalysisReport(
+            basis=str(d.get("basis", "requests")),
+            itl_target_s=d.get("itl_target_s"),
+            itl_target_source=d.get("itl_target_source"),
+            median_gap_s=d.get("median_gap_s"),
+            records=d.get("records", 0),
+            gaps=d.get("gaps", 0),
+            spikes=tuple(SpikeView.from_dict(s) for s in d.get("spikes") or ()),
+            spikes_total=d.get("spikes_total", 0),
+            causes={c: CauseRow.from_dict(row) for c, row in (d.get("causes") or {}).items()},
+            over_target_s=dict(over) if over is not None else None,
+            requests=tuple(RequestRow.from_dict(r) for r in d.get("requests") or ()),
+            request_preemptions=PreemptionCheck.from_dict(rp) if rp else None,
+            engine_request_times=EngineRequestTimes.from_dict(et) if et else None,
+            verdict=Verdict.from_dict(v) if v else None,
+            warnings=tuple(d.get("warnings") or ()),
+            pending_spikes=d.get("pending_spikes"),
+        )
+
+    def finite(self) -> AnalysisReport:
+        """This report with every NaN/Infinity as None (what JSON and text show)."""
+        return AnalysisReport.from_dict(finite_json(self.to_dict()))
