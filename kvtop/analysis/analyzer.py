@@ -22,9 +22,11 @@ from kvtop.analysis import gaps as G
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
+from kvtop.analysis.attribution.request_times import RequestTimes
 from kvtop.analysis.engines import engine_semantics
-from kvtop.analysis.gaps import Gap, GapTracker, ReqState
+from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
 from kvtop.analysis.tally import Tally
+from kvtop.model.engine_id import engine_address
 
 CAUSES = tuple(c.value for c in ALL)
 
@@ -51,6 +53,10 @@ class Analyzer:
         self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
+        # the same engine records by engine address (``engine_address`` of their url): a spike on a
+        # stream that names its engine is judged on that engine's records only
+        self.timelines: dict[str, EngineTimeline] = {}
+        self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
         self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
@@ -67,7 +73,10 @@ class Analyzer:
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
         self._rate_cache: tuple[int, float | None] | None = None
+        self._eng_rate: dict[str, LogHistogram] = {}  # the same, per engine (streams that name theirs)
+        self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
+        self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -123,7 +132,9 @@ class Analyzer:
                 self.token(d.get("id"), t, d.get("n"))
             else:
                 self.request_event(t, str(d.get("id")), ev, d.get("n"), d.get("prompt_tokens"), d.get("class"),
-                                   d.get("completion_tokens"))
+                                   d.get("completion_tokens"), engine=d.get("engine"))
+                if ev == "finish" and ("engine_ttft_s" in d or "engine_queue_s" in d or "engine_decode_s" in d):
+                    self.engine_times(d)
         elif kind == "engine":
             self.engine(d)
         elif kind == "host":
@@ -155,10 +166,12 @@ class Analyzer:
             self.tick(t)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
-                      completion: Any = None, tokens_done: bool = False) -> None:
+                      completion: Any = None, tokens_done: bool = False, engine: Any = None) -> None:
         gt = self.gaps
         r = gt.req(rid)
         acc = self.acc
+        if engine is not None and r.engine is None:
+            self.name_engine(rid, engine)
         if ev == "arrive":
             r.arrive_t = t
             if prompt is not None:
@@ -173,6 +186,11 @@ class Analyzer:
             if gt.first_token(r, t):
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
                     acc.ttft_rate_hist.add(r.prompt_tokens / (t - r.arrive_t))
+                    if r.engine is not None:
+                        eh = self._eng_rate.get(r.engine)
+                        if eh is None:
+                            eh = self._eng_rate[r.engine] = LogHistogram(lo=1.0, bins=1000)
+                        eh.add(r.prompt_tokens / (t - r.arrive_t))
             if not tokens_done:  # the fast path has already counted it and its gap
                 # a token event; a second "first_token" (resumed streams in some proxies) is still a gap
                 gt.token(rid, t, n)
@@ -185,7 +203,7 @@ class Analyzer:
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
                     acc.finished += 1
-                    self.request_preemptions.finish(t, rid)
+                    self.request_preemptions.finish(t, rid, r.engine)
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -199,14 +217,37 @@ class Analyzer:
                 r.engine_preempts.append(t)
         self._advance(t)
 
+    def engine_times(self, d: dict[str, Any]) -> None:
+        """A finish record that carries the engine's own times for its request (``RequestTimes``)."""
+        r = self.gaps.reqs.get(str(d.get("id")))
+        if r is None:
+            return
+        p = d.get("prompt_tokens")
+        prompt = p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else r.prompt_tokens
+        self.request_times.finish(d, prompt, r.arrive_t, r.first_t, r.last_t, r.engine)
+
+    def name_engine(self, rid: str, engine: Any) -> None:
+        """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""
+        addr = engine_address(engine) if isinstance(engine, str) else None
+        if addr is not None:
+            self.gaps.set_engine(self.gaps.req(rid), addr)
+
     def engine(self, d: dict[str, Any]) -> None:
         t = d["t"]
         if d.get("up") is False:
             self._advance(t)
             return
         key = (d.get("url"), d.get("engine"))
-        self.timeline.add(t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
-                          d.get("prompt_tokens_total"))
+        point = (t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
+                 d.get("prompt_tokens_total"))
+        self.timeline.add(*point)
+        url = d.get("url")
+        addr = engine_address(url) if isinstance(url, str) else None
+        if addr is not None:
+            tl = self.timelines.get(addr)
+            if tl is None:
+                tl = self.timelines[addr] = EngineTimeline(horizon_s=self.timeline.horizon_s)
+            tl.add(*point)
         acc = self.acc
         if key not in acc.engine_first:
             acc.engine_first[key] = d
@@ -219,7 +260,7 @@ class Analyzer:
             acc.kv_max = kv if acc.kv_max is None else max(acc.kv_max, kv)
         rp = (d.get("extra") or {}).get("request_preemptions")
         if isinstance(rp, dict):
-            self.request_preemptions.scrape(key, t, rp.get("count"), rp.get("sum"))
+            self.request_preemptions.scrape(key, t, rp.get("count"), rp.get("sum"), addr)
         itl = d.get("itl")
         if isinstance(itl, dict) and not self.token_records:
             # kept only while no per-request token timings exist: the aggregate fallback needs them
@@ -271,11 +312,29 @@ class Analyzer:
         drop_before = (gt.pending[0].t_start if gt.pending else now) - self.settle - 5.0
         gt.prune(keep_from, drop_before)
         self.timeline.prune(keep_from - 60.0)
+        for tl in self.timelines.values():
+            tl.prune(keep_from - 60.0)
+
+    def timeline_for(self, engine: str | None) -> EngineTimeline:
+        """The engine records that speak for a stream of ``engine`` (its address, or None).
+
+        A stream that names a scraped engine gets that engine's records. Otherwise all records
+        together (as before streams named engines) while there is only one engine to speak of;
+        with several, a stream whose engine kvtop does not scrape gets none (another engine's
+        counter steps are not its evidence)."""
+        if engine is None or not self.timelines:
+            return self.timeline
+        tl = self.timelines.get(engine)
+        if tl is not None:
+            return tl if len(self.timelines) > 1 else self.timeline
+        if len(self.timelines) == 1 and sum(1 for k in self.gaps.eng_active if k is not None) <= 1:
+            return self.timeline  # one engine named two ways (a DNS name and an IP, say)
+        return self._no_engine
 
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
-        ev = gather(g, self.gaps, self.timeline, self.preempts, self.settle, r.engine_preempts if r else None,
-                    self.counted_at, self.prefill_rate(), r.last_spike if r else None)
+        ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
+                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
         f = classify(ev)
         g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
         g.rule_key, g.discounts = f.key, f.discounts
@@ -309,10 +368,25 @@ class Analyzer:
             if p >= 512 and g.gap > base and len(acc.prefill_a) < 5000:
                 acc.prefill_a.append((g.gap - base) / p)
 
-    def prefill_rate(self) -> float | None:
+    def prefill_rate(self, engine: str | None = None) -> float | None:
         """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT
         includes queueing and the decode work of the same steps, so the true rate is higher). A
-        prompt that this rate cannot make explain a stall certainly does not explain it."""
+        prompt that this rate cannot make explain a stall certainly does not explain it.
+        ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing).
+        Where the engine reports its own per-request times, prompt tokens / the engine's TTFT is
+        used instead: still a low estimate, without the queueing (``RequestTimes``)."""
+        named = engine if self.gaps.multi else None
+        measured = self.request_times.prefill_rate(named)
+        if measured is not None:
+            return measured
+        if named is not None:
+            h = self._eng_rate.get(named)
+            if h is None or h.n < 5:
+                return None
+            c = self._eng_rate_cache.get(named)
+            if c is None or h.n - c[0] > max(4, c[0] // 100):
+                c = self._eng_rate_cache[named] = (h.n, h.quantile(0.5))
+            return c[1]
         h = self.acc.ttft_rate_hist
         if h.n < 5:
             return None

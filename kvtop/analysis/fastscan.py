@@ -27,6 +27,7 @@ PREFIX = b'{"kind":"request","t":'
 ID_SEP = b',"id":"'
 EV_TOK = b'","event":"token"'
 EV_FT = b'","event":"first_token"'
+EV_ARRIVE = b'","event":"arrive"'
 N_KEY = b',"n":'
 T_WIDTH = 24
 ID_WIDTH = 48
@@ -238,6 +239,11 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
             return _slow_lines(an, buf.split(b"\n"))
     fi = np.flatnonzero(fast)
     skipped = 0
+    if b'"arrive"' in buf and b'"engine":' in buf:
+        # arrive lines in the writer's key order, found like the token lines; any line of another
+        # shape is looked at too
+        arrive = _match(arr, idend, EV_ARRIVE, ok & ~fast)
+        _name_engines(an, buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
     with an.batch():
         if len(fi):
             ts_, te_ = tstart[fi], tend[fi]
@@ -267,6 +273,19 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
                 skipped += _feed_line(an, line)
         an.records += int(np.count_nonzero(is_tok & fast))
     return skipped
+
+
+def _name_engines(an: Analyzer, buf: bytes, starts: Any, ends: Any, rows: list[int]) -> None:
+    """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
+    gaps are made before the chunk's other lines go through in file order, and a gap is compared
+    with other streams of its own engine."""
+    for i in rows:
+        line = buf[starts[i]:ends[i]]
+        if b'"arrive"' not in line or b'"engine":' not in line:
+            continue
+        d = parse_line(line)
+        if d is not None and d.get("kind") == "request" and d.get("event") == "arrive":
+            an.name_engine(str(d["id"]), d.get("engine"))
 
 
 def _unique(ids: Any) -> tuple[Any, Any]:

@@ -89,7 +89,7 @@ class ReqState:
     cancelled_after_preempt: bool = False
     events: int = 0  # token events (tokens / events: the stream's usual chunk size)
     watch: list[Gap] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
-    engine: str | None = None  # which engine served it (url or name), where the record says
+    engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
 
     def tokens_per_event(self) -> float:
         return self.tokens / self.events if self.events else 1.0
@@ -129,6 +129,7 @@ class Gap:
     after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
     tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
     calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
+    engine: str | None = None  # the stream's engine (ReqState.engine): other streams are compared on it only
 
 
 def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
@@ -169,6 +170,15 @@ def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: 
         k += 1
 
 
+def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
+    """Append a step of a count over time (a second change at the same instant replaces the first)."""
+    if ts and ts[-1] == t:
+        vs[-1] = v
+    else:
+        ts.append(t)
+        vs.append(v)
+
+
 class GapTracker:
     """Owns the per-stream gap state: request states, the gap distribution, long gaps and spikes
     waiting for attribution, first tokens and the count of active streams over time.
@@ -191,7 +201,7 @@ class GapTracker:
         self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
         self.long_head = 0
         self.pending: deque[Gap] = deque()
-        self.first_tokens: list[tuple[float, str, int | None]] = []
+        self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
         self.ft_head = 0
         self.active = 0
         # streams between first token and end, and those that ended lately: the co-stall search
@@ -202,6 +212,11 @@ class GapTracker:
         self.active_v: list[int] = []
         self._median_cache: tuple[int, float | None] | None = None
         self._batch_marks: tuple[int, int] | None = None
+        # Set once a stream names its engine: from then on the queries about other streams look
+        # only at streams of the same engine (a stream on another engine flowing through a stall
+        # says nothing about it). Per-engine active counts: engine -> (count, times, values).
+        self.multi = False
+        self.eng_active: dict[str | None, tuple[list[int], list[float], list[int]]] = {}
 
     # ---- per-stream state --------------------------------------------------------------------
     def req(self, rid: str) -> ReqState:
@@ -250,6 +265,7 @@ class GapTracker:
             gp.chunk_n = gp.burst_n = chunk_n
             gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
             gp.calm_baseline = r.calm_gap()
+            gp.engine = r.engine
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -261,6 +277,7 @@ class GapTracker:
                 gp.chunk_n = gp.burst_n = chunk_n
                 gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
                 gp.calm_baseline = r.calm_gap()
+                gp.engine = r.engine
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
@@ -292,13 +309,22 @@ class GapTracker:
                 if gp.gap > tgt:
                     self.pending.append(gp)
 
+    def set_engine(self, r: ReqState, engine: str) -> None:
+        """Name the engine that serves ``r`` (before its first token: the active counts are per engine)."""
+        if r.engine is None and r.first_t is None:
+            r.engine = engine
+            if not self.multi:
+                # the streams so far named no engine: their active counts carry on under None
+                self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
+                self.multi = True
+
     def first_token(self, r: ReqState, t: float) -> bool:
         """Record a stream's first token; False when it already had one."""
         if r.first_t is not None:
             return False
         r.first_t = t
-        self.first_tokens.append((t, r.id, r.prompt_tokens))
-        self._set_active(t, +1)
+        self.first_tokens.append((t, r.id, r.prompt_tokens, r.engine))
+        self._set_active(t, +1, r.engine)
         if r.end_t is None:
             self.live[r.id] = r
         return True
@@ -310,20 +336,29 @@ class GapTracker:
         r.end_t = t
         r.ended_by = how
         if r.first_t is not None:
-            self._set_active(t, -1)
+            self._set_active(t, -1, r.engine)
             if self.live.pop(r.id, None) is not None:
                 self.ended.append(r)
         if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
             self.gap(r, r.last_t, t, t - r.last_t, "cancel")
         return True
 
-    def _set_active(self, t: float, d: int) -> None:
+    def _set_active(self, t: float, d: int, engine: str | None = None) -> None:
         self.active += d
-        if self.active_t and self.active_t[-1] == t:
-            self.active_v[-1] = self.active
-        else:
-            self.active_t.append(t)
-            self.active_v.append(self.active)
+        _step(self.active_t, self.active_v, t, self.active)
+        if self.multi:
+            e = self.eng_active.get(engine)
+            if e is None:
+                e = self.eng_active[engine] = ([0], [], [])
+            e[0][0] += d
+            _step(e[1], e[2], t, e[0][0])
+
+    def _active_lists(self, engine: str | None) -> tuple[list[float], list[int]]:
+        """The active-count steps of ``engine``'s streams (all streams while none names its engine)."""
+        if not self.multi:
+            return self.active_t, self.active_v
+        e = self.eng_active.get(engine)
+        return (e[1], e[2]) if e is not None else ([], [])
 
     # ---- the fast path's batch API -----------------------------------------------------------
     def begin_batch(self) -> None:
@@ -431,6 +466,7 @@ class GapTracker:
                 before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
                 gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
                 gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
+                gp.engine = r.engine
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv
@@ -483,13 +519,15 @@ class GapTracker:
         self.pending.clear()
         return ready
 
-    def active_at(self, t: float) -> int | None:
-        i = bisect_right(self.active_t, t) - 1
-        return self.active_v[i] if i >= 0 else None
+    def active_at(self, t: float, engine: str | None = None) -> int | None:
+        """Streams between first token and end at ``t`` (of ``engine`` once streams name theirs)."""
+        ts, vs = self._active_lists(engine)
+        i = bisect_right(ts, t) - 1
+        return vs[i] if i >= 0 else None
 
-    def departures(self, a: float, b: float) -> int:
+    def departures(self, a: float, b: float, engine: str | None = None) -> int:
         """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
-        ts, vs = self.active_t, self.active_v
+        ts, vs = self._active_lists(engine)
         i = bisect_left(ts, a)
         prev = vs[i - 1] if i > 0 else 0
         n = 0
@@ -529,11 +567,12 @@ class GapTracker:
         fresh = together = 0
         tol = max(0.05, 0.25 * L)
         reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
+        multi, eng = self.multi, g.engine
         for i in range(lo, len(lg)):
             q = lg[i]
             if q.t_end > reach:
                 break
-            if q.request_id == g.request_id or q.request_id in seen:
+            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
                 continue
             ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
             if ov >= half:
@@ -549,7 +588,8 @@ class GapTracker:
             for group in groups:
                 for r in group:
                     lt = r.last_t
-                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen:
+                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen or \
+                            (multi and r.engine != eng):
                         continue
                     # silent from its last token until now, or until it ended (a stream that
                     # errors out mid-stall without a token streamed nothing through it either)
@@ -574,9 +614,10 @@ class GapTracker:
         i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
         best: tuple[str, int | None] | None = None
         total = n = 0
+        multi, eng = self.multi, g.engine
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
-            t, rid, p = ft[i]
-            if rid != g.request_id and t > g.t_start:
+            t, rid, p, e = ft[i]
+            if rid != g.request_id and t > g.t_start and not (multi and e != eng):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
@@ -602,11 +643,12 @@ class GapTracker:
             del ft[:h]
             h = 0
         self.ft_head = h
-        if len(self.active_t) > 8192:
-            i = bisect_left(self.active_t, keep_from)
-            if i > 4096:
-                del self.active_t[: i - 1]
-                del self.active_v[: i - 1]
+        for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
+            if len(ts) > 8192:
+                i = bisect_left(ts, keep_from)
+                if i > 4096:
+                    del ts[: i - 1]
+                    del vs[: i - 1]
         # a stream silent for the whole horizon without an end (a lost finish) is gone
         if self.live:
             stale = [k for k, r in self.live.items() if r.last_t is not None and r.last_t < keep_from]

@@ -70,7 +70,11 @@ class LiveAnalyzer:
             if rec.event == "token":
                 an.token(rec.id, rec.t, rec.n)
             else:
-                an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens)
+                an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens,
+                                 engine=rec.engine)
+                if rec.event == "finish" and (rec.engine_ttft_s is not None or rec.engine_queue_s is not None
+                                              or rec.engine_decode_s is not None):
+                    an.engine_times(to_dict(rec))
         elif isinstance(rec, EngineRecord):
             if rec.adapter and rec.adapter != self._adapter:
                 self._set_adapter(rec.adapter)

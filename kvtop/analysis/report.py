@@ -11,6 +11,7 @@ from kvtop.analysis.attribution.aggregate import aggregate_causes
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
+    EngineRequestTimes,
     PreemptionCheck,
     RequestRow,
     SpikeView,
@@ -170,6 +171,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
                                 r.ended_by) for r in an.reqs.values() if r.first_t is not None)
     check = an.request_preemptions.report(
         {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"})
+    times = an.request_times.report()
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
@@ -183,6 +185,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         over_target_s={c: round(v, 3) for c, v in over.items()} or None,
         requests=requests,
         request_preemptions=PreemptionCheck(**check) if check is not None else None,
+        engine_request_times=EngineRequestTimes.from_dict(times) if times is not None else None,
         verdict=verdict,
         warnings=tuple(warnings or ()),
     )

@@ -203,6 +203,35 @@ class PreemptionCheck:
                                d["pinned_agree"], d["pinned_kvtop_more"], d["pinned_kvtop_fewer"])
 
 
+_TIMES_KEYS = ("requests", "queued_requests", "queue_s_median", "queue_s_p90", "queue_s_max",
+               "engine_prefill_tokens_per_s", "outside_engine_ttft_s_median", "tail_delivery_s_median",
+               "tail_delivery_s_max")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequestTimes:
+    """The engine's own per-request times (vLLM ``--enable-per-request-metrics``, read from finish
+    records) beside kvtop's observation of the same requests (``attribution.request_times``)."""
+
+    requests: int
+    queued_requests: int  # queued >= 0.1 s before first scheduled
+    queue_s_median: float | None
+    queue_s_p90: float | None
+    queue_s_max: float | None
+    engine_prefill_tokens_per_s: float | None  # median prompt tokens / engine TTFT
+    outside_engine_ttft_s_median: float | None  # observed TTFT - queue - engine TTFT
+    tail_delivery_s_median: float | None  # observed first..last token span - the engine's
+    tail_delivery_s_max: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in _TIMES_KEYS}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> EngineRequestTimes:
+        return EngineRequestTimes(int(d.get("requests") or 0), int(d.get("queued_requests") or 0),
+                                  *(d.get(k) for k in _TIMES_KEYS[2:]))
+
+
 @dataclass(frozen=True, slots=True)
 class AnalysisReport:
     """Spikes, their causes and the verdict over one trace or the live run so far.
@@ -225,6 +254,7 @@ class AnalysisReport:
     over_target_s: Mapping[str, float] | None = None  # seconds over the target per cause (requests basis)
     requests: tuple[RequestRow, ...] = ()
     request_preemptions: PreemptionCheck | None = None
+    engine_request_times: EngineRequestTimes | None = None
     verdict: Verdict | None = None
     warnings: tuple[str, ...] = ()
     pending_spikes: int | None = None
@@ -244,6 +274,7 @@ class AnalysisReport:
             "over_target_s": dict(self.over_target_s) if self.over_target_s is not None else None,
             "requests": [r.to_dict() for r in self.requests],
             "request_preemptions": self.request_preemptions.to_dict() if self.request_preemptions else None,
+            "engine_request_times": self.engine_request_times.to_dict() if self.engine_request_times else None,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
             "warnings": list(self.warnings),
         }
@@ -254,6 +285,7 @@ class AnalysisReport:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> AnalysisReport:
         rp = d.get("request_preemptions")
+        et = d.get("engine_request_times")
         v = d.get("verdict")
         over = d.get("over_target_s")
         return AnalysisReport(
@@ -269,6 +301,7 @@ class AnalysisReport:
             over_target_s=dict(over) if over is not None else None,
             requests=tuple(RequestRow.from_dict(r) for r in d.get("requests") or ()),
             request_preemptions=PreemptionCheck.from_dict(rp) if rp else None,
+            engine_request_times=EngineRequestTimes.from_dict(et) if et else None,
             verdict=Verdict.from_dict(v) if v else None,
             warnings=tuple(d.get("warnings") or ()),
             pending_spikes=d.get("pending_spikes"),

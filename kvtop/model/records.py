@@ -145,6 +145,17 @@ class RequestRecord:
     # On finish / cancel / error from passive capture: bytes of this stream were lost (its token
     # count may be short; its "resync" records mark where).
     incomplete: bool | None = None
+    # The engine that served the request, as the source reached it (the proxy's upstream URL, the
+    # probe's URL, the captured connection's host:port); written on its "arrive" record. The
+    # analysis matches it with engine records' ``url`` (``kvtop.model.engine_id``) so stalls on one
+    # engine are judged with that engine's scrapes and streams only.
+    engine: str | None = None
+    # On finish, where the engine reports per-request times (vLLM ``--enable-per-request-metrics``),
+    # seconds on the engine's own clock: queued until first scheduled, first scheduled until the
+    # first token (prefill, chunked steps, any preemption before it), first until last token.
+    engine_queue_s: float | None = None
+    engine_ttft_s: float | None = None
+    engine_decode_s: float | None = None
 
 
 @dataclass(slots=True)

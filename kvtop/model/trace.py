@@ -6,6 +6,7 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -193,7 +194,9 @@ class TraceWriter:
 
 
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-_REQUEST_OPTIONAL = ("n", "prompt_tokens", "cls", "source", "finish_reason", "status", "error", "completion_tokens")
+# every optional field, in declaration order (as ``to_dict``): a field added to RequestRecord is
+# written without touching this list (a hand-kept list once dropped ``incomplete``)
+_REQUEST_OPTIONAL = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name not in ("t", "id", "event"))
 
 
 def _request_dict(rec: RequestRecord) -> dict[str, Any]:

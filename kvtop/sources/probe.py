@@ -16,6 +16,7 @@ from collections.abc import Callable
 import aiohttp
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.sanitize import redact_url
 from kvtop.sources.sse import StreamRecorder
 
 PROBE_PROMPT = "Count from one to one hundred in words, separated by commas:"
@@ -49,6 +50,7 @@ class Probe:
         if rate_per_s < 0:
             raise ValueError("probe rate must be >= 0")
         self.url = url.rstrip("/")
+        self._engine = redact_url(self.url)
         self.rate_per_s = rate_per_s
         self.emit = emit
         self.clock = clock
@@ -116,8 +118,10 @@ class Probe:
         return None
 
     def _body(self) -> dict[str, object]:
+        # usage on the last chunk: exact token counts, and the engine's per-request times where it
+        # sends them (vLLM --enable-per-request-metrics rides on that chunk)
         body: dict[str, object] = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
-                                   "temperature": 0}
+                                   "temperature": 0, "stream_options": {"include_usage": True}}
         if self._path == "/v1/completions":
             body["prompt"] = PROBE_PROMPT
         else:
@@ -127,7 +131,7 @@ class Probe:
     async def _one(self, session: aiohttp.ClientSession) -> None:
         rid = "probe-" + uuid.uuid4().hex[:16]
         self.started += 1
-        self.emit(RequestRecord(self.clock(), rid, "arrive", cls="probe", source="probe"))
+        self.emit(RequestRecord(self.clock(), rid, "arrive", cls="probe", source="probe", engine=self._engine))
         rec: StreamRecorder | None = None
         try:
             async with session.post(self.url + self._path, json=self._body(),

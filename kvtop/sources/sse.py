@@ -96,7 +96,7 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
 # parse. JSON escapes every quote inside a string, so these key patterns can only match real keys,
 # never text inside a value. Anything else (several choices, usage, token ids, logprobs, errors,
 # tool calls, finish) goes through the full parser.
-_SLOW_RE = re.compile(rb'"(?:usage|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
+_SLOW_RE = re.compile(rb'"(?:usage|metrics|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
 _FINISH_NULL_RE = re.compile(rb'"finish_reason": ?null')
 _LOGPROBS_RE = re.compile(rb'"logprobs": ?(.)')
 _TEXT_RE = re.compile(rb'"(?:text|content)": ?(null|"")?')
@@ -118,6 +118,25 @@ def _plain_token_chunk(data: bytes) -> int | None:
 
 
 
+# vLLM's per-request metrics object (``--enable-per-request-metrics``; on the final usage chunk of
+# a stream, in the body of a non-streamed response): field -> the finish record's field. Only
+# these numbers are read; they are engine-core times in milliseconds.
+_ENGINE_METRICS = (("queue_time_ms", "engine_queue_s"), ("time_to_first_token_ms", "engine_ttft_s"),
+                   ("generation_time_ms", "engine_decode_s"))
+_METRIC_MAX_MS = 7 * 86400e3  # a week: anything longer is not a request's time
+
+
+def engine_metrics(m: Any) -> dict[str, float] | None:
+    """Seconds from a response's ``metrics`` object (finite, non-negative numbers only)."""
+    if not isinstance(m, dict):
+        return None
+    out = {}
+    for key, name in _ENGINE_METRICS:
+        v = m.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= _METRIC_MAX_MS:
+            out[name] = round(v / 1000.0, 6)
+    return out or None
+
 
 class StreamRecorder:
     """Turns one response's bytes into request records. Shared by the proxy and the probe.
@@ -128,7 +147,7 @@ class StreamRecorder:
 
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
-        "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync",
+        "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync", "_metrics",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -154,6 +173,7 @@ class StreamRecorder:
         self.holes = 0
         self._skip = False
         self._resync = False
+        self._metrics: dict[str, float] | None = None
 
     @property
     def tokens(self) -> int:
@@ -284,6 +304,9 @@ class StreamRecorder:
                 if n and ct > (self._usage_ct or 0):
                     n = ct - (self._usage_ct or 0)
                 self._usage_ct = ct
+        m = obj.get("metrics")
+        if m is not None:
+            self._metrics = engine_metrics(m) or self._metrics
         if n:
             self._pend_n += n
             self._pend_t = t
@@ -326,8 +349,11 @@ class StreamRecorder:
             self._end(RequestRecord(t, self.id, "error", status=self.status, error=f"http_{self.status}"))
             return
         ct = self._usage_ct if self._usage_ct is not None else None
-        self._end(RequestRecord(t, self.id, "finish", finish_reason=self._finish_reason,
-                                completion_tokens=ct, prompt_tokens=self._prompt_tokens))
+        rec = RequestRecord(t, self.id, "finish", finish_reason=self._finish_reason,
+                            completion_tokens=ct, prompt_tokens=self._prompt_tokens)
+        for k, v in (self._metrics or {}).items():
+            setattr(rec, k, v)
+        self._end(rec)
 
     def _parse_json_body(self, body: bytes) -> None:
         try:
@@ -346,6 +372,7 @@ class StreamRecorder:
                 self._usage_ct = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self._prompt_tokens = usage["prompt_tokens"]
+        self._metrics = engine_metrics(d.get("metrics")) or self._metrics
 
     def cancel(self, t: float, reason: str | None = None) -> None:
         self._end(RequestRecord(t, self.id, "cancel", error=reason))

@@ -18,6 +18,8 @@ import pytest
 from engines import kvtop_run, load, servers
 from engines.kvtop_run import Recorder, analyze, kvtop, read_trace
 
+from kvtop.model.engine_id import engine_address
+
 pytestmark = pytest.mark.real_engine
 
 N_STREAMS, N_TOKENS = 8, 900
@@ -199,6 +201,37 @@ def test_per_request_preemption_histogram_matches_the_counter(preempted):
     assert rp["finished_requests"] == N_STREAMS
     assert rp["engine_preemptions"] == preempted["delta"]
     assert rp["pinned_kvtop_more"] + rp["pinned_kvtop_fewer"] <= max(1, rp["pinned_requests"] // 4), rp
+
+
+def test_per_request_metrics_and_engine_identity(preempted):
+    """vLLM --enable-per-request-metrics: every proxied stream's finish record carries the engine's
+    own queue / TTFT / decode times, and they agree with what kvtop observed of the same request:
+    queue + engine TTFT fit inside the observed TTFT, the decode spans agree, and each stream's
+    stall time (preemption) lies inside the engine's decode time. The arrive records name the
+    engine the proxy forwarded to, the same engine as the scrapes."""
+    recs = [d for d in preempted["records"] if d.get("kind") == "request"]
+    fins = {d["id"]: d for d in recs if d["event"] == "finish"}
+    assert len(fins) == N_STREAMS
+    scraped = {engine_address(e.get("url")) for e in kvtop_run.engine_records(preempted["records"])}
+    stalled = 0.0
+    for rid, f in fins.items():
+        own = [d for d in recs if d["id"] == rid]
+        assert own[0]["event"] == "arrive" and engine_address(own[0].get("engine")) in scraped
+        toks = [d["t"] for d in own if d["event"] in ("first_token", "token")]
+        q, ttft, dec = f.get("engine_queue_s"), f.get("engine_ttft_s"), f.get("engine_decode_s")
+        assert q is not None and ttft is not None and dec is not None, f
+        assert q >= 0 and ttft > 0 and dec > 0
+        assert q + ttft <= toks[0] - own[0]["t"] + 0.05, (rid, q, ttft, toks[0] - own[0]["t"])
+        span = toks[-1] - toks[0]
+        assert abs(dec - span) <= 0.1 * span + 0.5, (rid, dec, span)
+        stall = sum(b - a for a, b in zip(toks, toks[1:], strict=False) if b - a > 0.5)
+        assert dec >= 0.9 * stall, (rid, dec, stall)  # the stalls were engine time, not delivery
+        stalled += stall
+    assert stalled > 1.0  # streams really stalled (they were preempted)
+    rt = preempted["report"]["engine_request_times"]
+    print(f"\n[real-engines] vLLM 8x900 per-request metrics: {rt}")
+    assert rt["requests"] == N_STREAMS and rt["engine_prefill_tokens_per_s"] > 0
+    assert rt["queue_s_max"] is not None and rt["queue_s_max"] >= 0
 
 
 def test_operator_target_of_100ms(preempted, trace_dir):

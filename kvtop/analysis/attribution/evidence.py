@@ -76,7 +76,9 @@ class Evidence:
     def departures(self) -> int:
         """Streams that ended between the window's two gauge readings."""
         w = self.window
-        return self.gaps.departures(w.t_base, w.t_state) if w.t_base is not None and w.t_state is not None else 0
+        if w.t_base is None or w.t_state is None:
+            return 0
+        return self.gaps.departures(w.t_base, w.t_state, self.gap.engine)
 
     @cached_property
     def scrape_lag(self) -> float:
@@ -246,10 +248,13 @@ class Evidence:
 def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
            engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
-    """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end)."""
+    """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
+
+    ``timeline`` holds the engine records of the engine that served the stream (the caller picks
+    it); the other streams are those of the same engine (``GapTracker`` filters on ``g.engine``)."""
     a, b = g.t_start, g.t_end
     reported = bool(engine_preempts and any(a - 1e-6 <= t <= b + 1e-6 for t in engine_preempts))
-    act = gaps.active_at(0.5 * (a + b))
+    act = gaps.active_at(0.5 * (a + b), g.engine)
     median = gaps.median_gap()
     base = g.stream_baseline or median
     after = sorted(g.after)

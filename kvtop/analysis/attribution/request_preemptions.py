@@ -5,6 +5,8 @@ times that request was preempted. Between two scrapes the histogram's count rise
 that finished and its sum by their preemptions. Where exactly one request finished in an interval
 and kvtop observed exactly one finish there, the engine has told that request's preemption count:
 kvtop's preemption spikes on it can be checked one by one. Over a run the sums must agree.
+Where streams name their engine, an engine's interval is matched with that engine's finishes only
+(several engines in one run then pin requests too).
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ class RequestPreemptions:
     preemptions: float = 0.0  # their preemptions
     pinned: dict[str, int] = field(default_factory=dict)  # request id -> the engine's count
     _prev: dict[Any, _Prev] = field(default_factory=dict)
-    _finishes: list[tuple[float, str]] = field(default_factory=list)  # observed finishes since the oldest scrape
+    _finishes: list[tuple[float, str, str | None]] = field(default_factory=list)  # observed finishes since the oldest scrape
+    _addr: dict[Any, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
+    _named: bool = False  # some finished stream named its engine
 
-    def finish(self, t: float, rid: str) -> None:
-        self._finishes.append((t, rid))
+    def finish(self, t: float, rid: str, engine: str | None = None) -> None:
+        self._finishes.append((t, rid, engine))
+        if engine is not None:
+            self._named = True
 
-    def scrape(self, key: Any, t: float, count: float | None, total: float | None) -> None:
+    def scrape(self, key: Any, t: float, count: float | None, total: float | None,
+               address: str | None = None) -> None:
         if count is None or total is None:
             return
         prev = self._prev.get(key)
         self._prev[key] = _Prev(t, count, total)
+        self._addr[key] = address
         if prev is None or count < prev.count or total < prev.total:
             return  # first reading, or the engine restarted
         dc, ds = count - prev.count, total - prev.total
@@ -47,11 +55,16 @@ class RequestPreemptions:
         self.preemptions += ds
         # the finish event reaches kvtop a moment after the engine observed it: an interval's
         # finishes are those seen between the two scrapes
-        inside = [rid for ft, rid in self._finishes if prev.t < ft <= t]
-        if dc == 1 and len(self._prev) == 1 and len(inside) == 1 and len(self.pinned) < MAX_PINNED:
+        if self._named and address is not None:
+            inside = [rid for ft, rid, e in self._finishes if prev.t < ft <= t and e == address]
+            alone = sum(1 for a in self._addr.values() if a == address) == 1  # one histogram (rank) there
+        else:
+            inside = [rid for ft, rid, _ in self._finishes if prev.t < ft <= t]
+            alone = len(self._prev) == 1
+        if dc == 1 and alone and len(inside) == 1 and len(self.pinned) < MAX_PINNED:
             self.pinned[inside[0]] = int(round(ds))
         oldest = min(p.t for p in self._prev.values())
-        self._finishes = [(ft, rid) for ft, rid in self._finishes if ft > oldest]
+        self._finishes = [f for f in self._finishes if f[0] > oldest]
 
     def report(self, spikes_of: dict[str, int]) -> dict[str, Any] | None:
         """The check as the report shows it; ``spikes_of`` = kvtop's preemption spikes per request id."""

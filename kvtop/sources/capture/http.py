@@ -203,10 +203,11 @@ class HttpConnection:
     """Both directions of one HTTP/1.1 connection; pairs responses with requests in order
     (keep-alive and pipelining)."""
 
-    def __init__(self, emit: Emit, stats: CaptureStats, cls: str | None = None):
+    def __init__(self, emit: Emit, stats: CaptureStats, cls: str | None = None, engine: str | None = None):
         self.emit = emit
         self.stats = stats
         self.cls = cls
+        self.engine = engine  # the server's host:port, written on each arrive
         self.dead: str | None = None  # why we stopped parsing: tls, http2, not_http, lost
         self.pending: deque[_Exchange] = deque()  # requests (oldest first) whose response is not finished
         self._c_head = b""
@@ -327,7 +328,7 @@ class HttpConnection:
         ex.arrived = True
         self.stats.requests += 1
         self.emit(RequestRecord(ex.t_arrive, ex.id, "arrive", prompt_tokens=ex.prompt_tokens, cls=self.cls,
-                                source="capture"))
+                                source="capture", engine=self.engine))
 
     def client_hole(self, lost: int, t: float) -> None:
         body = self._c_body

@@ -11,6 +11,8 @@ end; the parser is told how many bytes were lost so it can skip them or mark the
 
 from __future__ import annotations
 
+import socket
+
 from kvtop.sources.capture.http import CaptureStats, HttpConnection
 from kvtop.sources.sse import Emit
 
@@ -51,6 +53,18 @@ class Connection:
         self.c = _Flow()  # client -> server
         self.s = _Flow()  # server -> client
         self.last_t = t
+
+
+def server_address(addr: bytes, port: int) -> str | None:
+    """``host:port`` of the server end (the engine the captured requests went to)."""
+    try:
+        if len(addr) == 4:
+            return f"{socket.inet_ntop(socket.AF_INET, addr)}:{port}"
+        if len(addr) == 16:
+            return f"[{socket.inet_ntop(socket.AF_INET6, addr)}]:{port}"
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class Reassembler:
@@ -234,7 +248,7 @@ class Reassembler:
             oldest = sorted(self.conns, key=lambda k: self.conns[k].last_t)[: MAX_CONNECTIONS // 8]
             for k in oldest:
                 del self.conns[k]
-        conn = Connection(HttpConnection(self.emit, self.stats, self.cls), t)
+        conn = Connection(HttpConnection(self.emit, self.stats, self.cls, server_address(key[2], self.port)), t)
         self.conns[key] = conn
         self.stats.connections += 1
         return conn

@@ -97,6 +97,7 @@ class RecordingProxy:
         reuse_port: bool = False,
     ):
         self.upstream = upstream_url(upstream)
+        self._engine = redact_url(self.upstream)  # which engine served the recorded requests
         self.emit = emit
         self.clock = clock
         self.host = host
@@ -198,7 +199,7 @@ class RecordingProxy:
                 pass
             self.requests_seen += 1
             self.emit(RequestRecord(t_arrive, rid, "arrive", prompt_tokens=prompt_tokens, cls=self.cls,
-                                    source="proxy"))
+                                    source="proxy", engine=self._engine))
             # The recorder parses the stream, so ask for it uncompressed; engines do not compress SSE.
             headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
         elif request.body_exists:

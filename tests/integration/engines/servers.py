@@ -196,6 +196,8 @@ def vllm_server(python: Path, model_dir: Path, port: int | None = None, workdir:
         "--dtype", "float32", "--enforce-eager",
         "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--block-size", str(VLLM_BLOCK_SIZE),
         "--max-num-seqs", str(VLLM_MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(VLLM_KV_BYTES),
+        # each response's final usage chunk carries the engine's own queue/TTFT/decode times
+        "--enable-per-request-metrics",
     ]
     return Server("vllm", cmd, env, port, "/health", wd)
 
