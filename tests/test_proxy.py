@@ -163,10 +163,12 @@ class ScriptedUpstream:
                     await asyncio.sleep(delay)
                 self.sent.setdefault(rid, []).append(time.monotonic())
                 await resp.write(data)
+            # a client that leaves right after the last token (the probe at its stop) closes the
+            # transport under write_eof: that is a disconnect too, not a harness failure
+            await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnected[rid] = time.monotonic()
             raise
-        await resp.write_eof()
         return resp
 
 
