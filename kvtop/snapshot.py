@@ -150,7 +150,8 @@ class Snapshot:
             out["analysis"] = self.analysis.to_dict()
         if self.capture is not None:
             out["capture"] = dict(self.capture)
-        return finite(out)
+        cleaned: dict[str, Any] = finite(out)
+        return cleaned
 
 
 def _record_json(rec: GpuRecord | HostRecord, view: GpuView | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | Non
     a, b = first.get(key), last.get(key)
     if a is None or b is None:
         return None
-    return b - a if b >= a else b
+    return float(b - a if b >= a else b)
 
 
 def _sum_delta(an: Analyzer, key: str) -> float | None:

@@ -113,8 +113,9 @@ class Probe:
         data = d.get("data") if isinstance(d, dict) else None
         if isinstance(data, list):
             for m in data:
-                if isinstance(m, dict) and isinstance(m.get("id"), str):
-                    return m["id"]
+                model = m.get("id") if isinstance(m, dict) else None
+                if isinstance(model, str):
+                    return model
         return None
 
     def _body(self) -> dict[str, object]:

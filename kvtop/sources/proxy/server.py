@@ -59,7 +59,7 @@ _RESP_DROP: frozenset[str] = frozenset()
 
 
 
-class _ServerLog(logging.LoggerAdapter):
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's server log, minus the traceback for requests its parser refuses.
 
     A header with control characters (a hostile ``X-Request-Id``) is answered 400 by aiohttp and
@@ -69,7 +69,7 @@ class _ServerLog(logging.LoggerAdapter):
     def __init__(self) -> None:
         super().__init__(logging.getLogger("aiohttp.server"), {})
 
-    def exception(self, msg: object, *args: object, exc_info: object = True, **kw: object) -> None:
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
         if isinstance(exc_info, BadHttpMessage):
             first = str(exc_info).strip().splitlines()
             self.logger.info("refused a malformed request: %s", first[0] if first else "bad HTTP message")

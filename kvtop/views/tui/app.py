@@ -21,6 +21,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Grid, Vertical, VerticalScroll
 from textual.css.query import NoMatches
+from textual.markup import escape
 from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
@@ -357,7 +358,7 @@ class KvtopApp(App[int]):
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
         state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
         # "kvtop demo: preemption-storm" already names its source
-        src = "" if s.source_label.split(" ")[-1] in self.title else render.escape(s.source_label)
+        src = "" if s.source_label.split(" ")[-1] in self.title else escape(s.source_label)
         pos = ""
         replay = self.replay
         if replay is not None:
@@ -369,7 +370,7 @@ class KvtopApp(App[int]):
                 pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
         self.main.query_one("#topbar", Static).update(
-            f"[b]{render.escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
+            f"[b]{escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
             f"t={units.duration_short(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
             layout=False,  # one line, always: a new text needs no layout pass
         )
@@ -377,19 +378,19 @@ class KvtopApp(App[int]):
         msgs = []
         notice = self.feed.notice
         if notice:
-            msgs.append(render.escape(notice))
+            msgs.append(escape(notice))
         if s.gpu_status != "ok":
-            msgs.append(f"GPU: {render.escape(s.gpu_status)}")
+            msgs.append(f"GPU: {escape(s.gpu_status)}")
         cap = s.capture
         if cap is not None:
             if cap.get("status") != "ok":
-                msgs.append(f"capture: {render.escape(str(cap.get('status')))}")
+                msgs.append(f"capture: {escape(str(cap.get('status')))}")
             elif cap.get("kernel_drops") or cap.get("holes"):
                 msgs.append(f"capture lost data: {cap.get('kernel_drops', 0)} kernel drop(s), "
                             f"{cap.get('holes', 0)} hole(s); those streams are marked incomplete")
         down = [e for e in s.engines if not e.up]
         if down:
-            msgs.append(f"{len(down)} engine(s) down: " + ", ".join(render.escape(e.url) for e in down[:3]))
+            msgs.append(f"{len(down)} engine(s) down: " + ", ".join(escape(e.url) for e in down[:3]))
         text = "  ·  ".join(msgs)
         if text != self._banner_text:  # the banner's height follows its text: relayout only on change
             self._banner_text = text
@@ -415,7 +416,7 @@ class KvtopApp(App[int]):
         self._gpu_panels = self._panels(scr.query_one("#gpus", Vertical), self._gpu_panels, len(s.gpus), "gpu")
         if not s.gpus:
             why = "no GPU data yet" if s.gpu_status == "ok" else f"GPU: {s.gpu_status}"
-            self._gpu_panels[0].show(lambda w: render.muted(render.escape(why)))
+            self._gpu_panels[0].show(lambda w: render.muted(escape(why)))
         for p, g in zip(self._gpu_panels, s.gpus, strict=False):
             p.show(lambda w, g=g: render.gpu_line(g, w))
         scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
@@ -497,7 +498,7 @@ class KvtopApp(App[int]):
             table.fit(self.request_cells(k))
         self._update_headers()
         shown, total = len(rows), len(s.requests)
-        flt = f"  filter: [b]{render.escape(self.filter_text)}[/b]" if self.filter_text else ""
+        flt = f"  filter: [b]{escape(self.filter_text)}[/b]" if self.filter_text else ""
         label = dict(render.COLUMNS)[self.sort_col]
         self.main.query_one("#req-status", Static).update(
             f"{shown} of {total} requests{flt}  {render.muted('sort: ' + label + (' ▼' if self.sort_reverse else ' ▲'))}"
@@ -554,7 +555,7 @@ class KvtopApp(App[int]):
         for e in reversed(evs):
             sev = {"warning": "warn", "error": "crit"}.get(e.severity, "ok")
             table.add_row(*[self.rich_cell(c) for c in (f"{e.t:8.1f}s", render.sev(e.severity, sev),
-                                                        render.escape(e.kind), render.escape(e.message))])
+                                                        escape(e.kind), escape(e.message))])
 
     def rich_cell(self, markup: str) -> Text:
         """DataTable cells are Rich text: resolve theme variables ($warning ...) to the current

@@ -186,7 +186,7 @@ class Sample:
         self.analysis.add(SpikeView(rid, round(a, 4), round(b, 4), round(b - a, 4), cause, confidence=conf))
 
     @staticmethod
-    def _observe(e: dict, key: str, buckets: tuple[float, ...], v: float) -> None:
+    def _observe(e: dict[str, Any], key: str, buckets: tuple[float, ...], v: float) -> None:
         for i, le in enumerate(buckets):
             if v <= le:
                 e[key][i] += 1
