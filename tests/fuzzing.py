@@ -22,8 +22,8 @@ from typing import Any
 
 import jsonschema
 
-from kvtop.analysis import scenario as scenario_mod
-from kvtop.analysis.kvbytes import ModelConfigError
+from kvtop.analysis.advice import scenario as scenario_mod
+from kvtop.analysis.advice.kvbytes import ModelConfigError
 from kvtop.analysis.scan import analyze_trace
 from kvtop.core import Core
 from kvtop.feeds.replay import ReplayFeed

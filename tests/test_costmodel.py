@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtop.analysis.capacity import capacity_plan, recommend_max_seqs
-from kvtop.analysis.chunking import plan_chunking, spike_share, spike_share_steps
-from kvtop.analysis.costmodel import EventInputs, break_even_tokens, evaluate_event, p_star, t_pf
-from kvtop.analysis.link import bw_eff
+from kvtop.analysis.advice.capacity import capacity_plan, recommend_max_seqs
+from kvtop.analysis.advice.chunking import plan_chunking, spike_share, spike_share_steps
+from kvtop.analysis.advice.costmodel import EventInputs, break_even_tokens, evaluate_event, p_star, t_pf
+from kvtop.analysis.advice.link import bw_eff
 
 K8 = 1.8781e-5
 A8 = 1 / 25_000

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvtop.analysis.kvbytes import (
+from kvtop.analysis.advice.kvbytes import (
     BUILTIN,
     ModelConfigError,
     kv_bytes_per_token,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtop.analysis import scenario
+from kvtop.analysis.advice import scenario
 
 HERE = Path(__file__).parent / "scenarios"
 FILES = sorted(HERE.glob("S*.json"))

@@ -10,7 +10,7 @@ def _n(value: Any, unit: str, source: str) -> dict[str, Any]:
     return {"value": value, "unit": unit, "source": source}
 
 
-# A fixed verdict in the shape kvtop.analysis.advisor.advise() returns, to test how the console renders
+# A fixed verdict in the shape kvtop.analysis.advice.advisor.advise() returns, to test how the console renders
 # one (the sample generator makes none; screenshots show the real analysis').
 RENDER_VERDICT: dict[str, Any] = {
     "action": "swap",

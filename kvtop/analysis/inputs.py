@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtop.analysis.advisor import DEFAULT_RHO, Num, Situation
+from kvtop.analysis.advice.advisor import DEFAULT_RHO, Num, Situation
+from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import Cause
-from kvtop.analysis.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
 

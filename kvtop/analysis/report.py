@@ -69,9 +69,9 @@ def _lost_time(an: Any, counts: dict[str, int]) -> tuple[dict[str, float], dict[
 def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
     """What the advisor needs beyond inputs.py's figures: the KV-size function, per-direction link
     rates from the engine's offload counters, and host-memory bounds for a recommended pool."""
-    from kvtop.analysis.advisor import Num
+    from kvtop.analysis.advice.advisor import Num
+    from kvtop.analysis.advice.kvbytes import BUILTIN, ModelConfigError, kv_size
     from kvtop.analysis.inputs import _sum_delta
-    from kvtop.analysis.kvbytes import BUILTIN, ModelConfigError, kv_size
 
     geo_cfg = model_config
     if geo_cfg is None and s.v("model_key") in BUILTIN:
@@ -105,7 +105,7 @@ def _last_sum(an: Any, key: str) -> float | None:
 def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> AnalysisReport:
-    from kvtop.analysis.advisor import Num, advise
+    from kvtop.analysis.advice.advisor import Num, advise
     from kvtop.analysis.inputs import build_situation
 
     s = build_situation(an, model_config, kv_bytes, dtype, tp)
@@ -135,7 +135,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     s.basis = basis
     gaps = an.n_gaps
     if basis == "requests":
-        # the spike-pattern and cause-weight gates (kvtop.analysis.diagnosis) decide; they need the
+        # the spike-pattern and cause-weight gates (kvtop.analysis.advice.diagnosis) decide; they need the
         # counts, the time over target each cause cost and the streams it hit
         s.spikes = total
         s.n["gaps"] = Num(float(gaps), "", "measured", "inter-token gaps")

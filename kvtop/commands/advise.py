@@ -20,8 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.analysis import scenario
-    from kvtop.analysis.kvbytes import ModelConfigError
+    from kvtop.analysis.advice import scenario
+    from kvtop.analysis.advice.kvbytes import ModelConfigError
     from kvtop.analysis.report import render_verdict_text
 
     try:

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.analysis.kvbytes import ModelConfigError, load_config_file
+    from kvtop.analysis.advice.kvbytes import ModelConfigError, load_config_file
     from kvtop.analysis.report import render_report_text
     from kvtop.analysis.scan import analyze_trace
     from kvtop.commands._options import itl_target_s
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
     from pathlib import Path
 
-    from kvtop.analysis import scenario
+    from kvtop.analysis.advice import scenario
     from kvtop.model.trace import TraceReader
 
     reader = TraceReader(args.trace)

@@ -65,7 +65,7 @@ class Number:
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The advisor's answer: an action, the eviction mechanism behind it, the settings to change,
-    the reasons and every number it used (``kvtop.analysis.advisor.advise``)."""
+    the reasons and every number it used (``kvtop.analysis.advice.advisor.advise``)."""
 
     action: str
     mechanism: str | None = None

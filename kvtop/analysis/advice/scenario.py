@@ -9,9 +9,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvtop.analysis.advisor import Num, Situation, advise
-from kvtop.analysis.costmodel import Victim
-from kvtop.analysis.kvbytes import (
+from kvtop.analysis.advice.advisor import Num, Situation, advise
+from kvtop.analysis.advice.costmodel import Victim
+from kvtop.analysis.advice.kvbytes import (
     Geometry,
     ModelConfigError,
     geometry_from_config,

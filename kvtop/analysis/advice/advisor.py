@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.adapters.base import Setting
-from kvtop.analysis import capacity as cap
-from kvtop.analysis import chunking, swapimpl
-from kvtop.analysis.costmodel import (
+from kvtop.analysis.advice import capacity as cap
+from kvtop.analysis.advice import chunking, swapimpl
+from kvtop.analysis.advice.costmodel import (
     EPSILON_ASYNC,
     EventInputs,
     Victim,
@@ -23,10 +23,10 @@ from kvtop.analysis.costmodel import (
     evaluate_event,
     prefix_policy,
 )
-from kvtop.analysis.diagnosis import diagnose
-from kvtop.analysis.kvbytes import KVSize
-from kvtop.analysis.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
-from kvtop.analysis.swapimpl import IMPLEMENTATIONS
+from kvtop.analysis.advice.diagnosis import diagnose
+from kvtop.analysis.advice.kvbytes import KVSize
+from kvtop.analysis.advice.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
+from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
 from kvtop.model.analysis import DECIDED_BY, Decision, Number, Verdict
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")

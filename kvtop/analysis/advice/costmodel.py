@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtop.analysis.kvbytes import KVSize
+from kvtop.analysis.advice.kvbytes import KVSize
 
 # docs/kv-science.md §12 common defaults
 EPSILON_ASYNC = 0.05  # GPU cost fraction of an asynchronous (DMA, overlapped) copy

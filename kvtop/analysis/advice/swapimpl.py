@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtop.analysis.costmodel import EPSILON_ASYNC
+from kvtop.analysis.advice.costmodel import EPSILON_ASYNC
 
 BLOCK_TOKENS = 16
 LMCACHE_CHUNK_TOKENS = 256

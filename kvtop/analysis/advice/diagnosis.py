@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtop.analysis import chunking
+from kvtop.analysis.advice import chunking
 
 if TYPE_CHECKING:
-    from kvtop.analysis.advisor import Situation
+    from kvtop.analysis.advice.advisor import Situation
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 MIN_SPIKES = 3

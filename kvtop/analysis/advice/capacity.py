@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvtop.analysis.costmodel import t_pf
+from kvtop.analysis.advice.costmodel import t_pf
 
 # Heuristic churn thresholds (docs/kv-science.md §8): sustained preemptions per completed request and
 # mean preemptions per preempted request; p above ABANDON means stalls drive users away.
