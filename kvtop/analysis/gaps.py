@@ -106,6 +106,9 @@ class ReqState:
         s = sorted(self.recent)
         return s[len(s) // 2]
 
+    def fastest_gap(self) -> float | None:
+        return min(self.recent) if self.recent else None
+
 
 @dataclass(slots=True)
 class Gap:
@@ -129,6 +132,7 @@ class Gap:
     after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
     tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
     calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
+    fast_baseline: float | None = None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
 
 
 def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
@@ -250,6 +254,7 @@ class GapTracker:
             gp.chunk_n = gp.burst_n = chunk_n
             gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
             gp.calm_baseline = r.calm_gap()
+            gp.fast_baseline = r.fastest_gap()
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -261,6 +266,7 @@ class GapTracker:
                 gp.chunk_n = gp.burst_n = chunk_n
                 gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
                 gp.calm_baseline = r.calm_gap()
+                gp.fast_baseline = r.fastest_gap()
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
@@ -431,6 +437,7 @@ class GapTracker:
                 before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
                 gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
                 gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
+                gp.fast_baseline = min(w) if w else None
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv

@@ -99,6 +99,21 @@ class Evidence:
         return self.gap.gap / self.baseline if self.baseline else None
 
     @property
+    def decode_pace(self) -> float | None:
+        """The stream's decode-only pace, at most: its fastest recent gap (a run of prefill steps lifts
+        the median of its gaps, never the fastest of them); for a stream too new to have one, the
+        fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed)."""
+        f = self.gap.fast_baseline
+        if f and self.baseline_is_stream:
+            return f
+        return min(self.gap.after) if self.gap.after else self.baseline
+
+    @property
+    def pace_known(self) -> bool:
+        """The decode pace is this stream's own (its gaps before the spike, or after it)."""
+        return self.baseline_is_stream or bool(self.gap.after)
+
+    @property
     def resumed(self) -> bool:
         """The stream produced a token again (not a cancel)."""
         return self.gap.ended_by == "token"

@@ -20,7 +20,7 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
     """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
     if not ev.prefill_rate or not tokens:
         return None
-    excess = ev.gap.gap - (ev.baseline or 0.0)
+    excess = ev.gap.gap - (ev.decode_pace or 0.0)
     return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
 
 
@@ -30,7 +30,8 @@ def signals(ev: Evidence) -> tuple[list[str], bool]:
     that spike would have been one without the prefill (slow decode)."""
     out: list[str] = []
     checked = False
-    if ev.target and ev.baseline_is_stream and ev.baseline and ev.baseline >= ev.target:
+    pace = ev.decode_pace
+    if ev.target and ev.pace_known and pace and pace >= ev.target:
         return out, checked
     ft = ev.first_token
     if ft is not None:
