@@ -103,10 +103,7 @@ class Evidence:
         """The stream's decode-only pace, at most: its fastest recent gap (a run of prefill steps lifts
         the median of its gaps, never the fastest of them); for a stream too new to have one, the
         fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed)."""
-        f = self.gap.fast_baseline
-        if f and self.baseline_is_stream:
-            return f
-        return min(self.gap.after) if self.gap.after else self.baseline
+        return decode_pace(self.gap, self.baseline, self.baseline_is_stream)
 
     @property
     def pace_known(self) -> bool:
@@ -258,6 +255,14 @@ class Evidence:
         return out
 
 
+def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> float | None:
+    """See ``Evidence.decode_pace``."""
+    f = g.fast_baseline
+    if f and baseline_is_stream:
+        return f
+    return min(g.after) if g.after else baseline
+
+
 def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
            engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
@@ -268,7 +273,8 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     median = gaps.median_gap()
     base = g.stream_baseline or median
     after = sorted(g.after)
-    if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
+    pace = decode_pace(g, base, bool(g.stream_baseline))
+    if pace and g.gap < REL_SLOW * pace and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
         co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
         co, co_med, fresh, together = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))

@@ -15,6 +15,8 @@ from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE
 
+PACE_NEAR = 0.95
+
 
 def _explains(ev: Evidence, tokens: float) -> bool | None:
     """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
@@ -31,7 +33,7 @@ def signals(ev: Evidence) -> tuple[list[str], bool]:
     out: list[str] = []
     checked = False
     pace = ev.decode_pace
-    if ev.target and ev.pace_known and pace and pace >= ev.target:
+    if ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target:
         return out, checked
     ft = ev.first_token
     if ft is not None:
