@@ -89,6 +89,11 @@ class Evidence:
         return self.timeline.covering_interval(self.gap.t_start, self.gap.t_end)
 
     @cached_property
+    def held_reply(self) -> tuple[float, float] | None:
+        """A scrape due during the stall that was answered late: (how late, when answered)."""
+        return self.timeline.held_reply(self.gap.t_start, self.gap.t_end, self.scrape_interval)
+
+    @cached_property
     def engine_running(self) -> float | None:
         """The engine's running gauge at the stall (all its streams, observed or not)."""
         return self.timeline.running_at(0.5 * (self.gap.t_start + self.gap.t_end))
