@@ -177,6 +177,13 @@ class Evidence:
         return w.prompt_delta >= PROMPT_JUMP_MIN and \
             w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
 
+    @cached_property
+    def end_prompt_excess(self) -> float:
+        """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
+        prefill completes as the streams it held resume, so its prompt is counted there."""
+        d = self.timeline.prompt_at(self.gap.t_end)
+        return max(0.0, (d or 0.0) - self.typical_prompt_delta)
+
     @property
     def prompt_excess(self) -> float:
         w = self.window

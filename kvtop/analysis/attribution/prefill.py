@@ -49,6 +49,14 @@ def signals(ev: Evidence) -> tuple[list[str], bool]:
         if ok is not False:
             checked |= ok is True
             out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
+    if not out and ev.prefill_rate:
+        # no first token seen (its request may be unobserved) and no jump over the whole window:
+        # the interval in which the stall ended still added more prompt tokens than usual, enough
+        # at the measured rate to explain it
+        extra = ev.end_prompt_excess
+        if extra and _explains(ev, extra):
+            checked = True
+            out.append(f"the scrape interval in which it ended added {extra:.0f} prompt tokens more than usual")
     if checked and ev.prefill_rate:
         out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
     return out, checked

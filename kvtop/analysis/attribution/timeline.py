@@ -259,6 +259,16 @@ class EngineTimeline:
                 out.intervals += i1 - 1 - i0
         return out
 
+    def prompt_at(self, t: float) -> float | None:
+        """The prompt-token increase over the scrape interval in which ``t`` falls (all instances;
+        None before two scrapes frame it)."""
+        tot = None
+        for k in self.keys.values():
+            i = bisect_left(k.t, t, k.head)
+            if k.head < i < len(k.t):
+                tot = (tot or 0.0) + k.prompt[i] - k.prompt[i - 1]
+        return tot
+
     def typical_prompt_delta(self) -> float:
         if not self.prompt_deltas:
             return 0.0
