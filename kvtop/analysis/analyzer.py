@@ -318,7 +318,7 @@ class Analyzer:
             return None
         c = self._rate_cache
         if c is None or h.n - c[0] > max(4, c[0] // 100):  # refreshed as the sample grows by 1 %
-            c = self._rate_cache = (h.n, h.quantile(0.9))
+            c = self._rate_cache = (h.n, h.quantile(0.5))
         return c[1]
 
     # ---- results --------------------------------------------------------------------------
