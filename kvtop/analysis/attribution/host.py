@@ -36,7 +36,7 @@ def scrapes_stalled(ev: Evidence) -> bool:
 
 def line(ev: Evidence) -> str:
     held = ev.held_reply
-    if held is not None and ev.scrape_wait - ev.scrape_interval < held[0]:
+    if held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S:
         return (f"kvtop's own scrape, due during the stall, was answered {held[0]:.2f}s late as the streams resumed: "
                 "the host or the engine's API server hung")
     if ev.scrape_lag >= 2.0 * ev.scrape_interval:
