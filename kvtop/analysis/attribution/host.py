@@ -12,10 +12,10 @@ from __future__ import annotations
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL, HOST_LATE_MIN_S
+from kvtop.analysis.gaps import BURST_S
 
 # a late reply this close to the stall's end was held by the same hang (one decode step after it)
 HELD_REPLY_S = 0.1
-from kvtop.analysis.gaps import BURST_S
 
 
 def scrapes_stalled(ev: Evidence) -> bool:
