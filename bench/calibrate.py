@@ -241,7 +241,9 @@ def main() -> int:
     train = collect(args.fit, args.seeds, args.intervals, tgt)
     rare = collect(held, args.rare_seeds, args.intervals, tgt) if args.rare_seeds else []
     test = collect(held, args.held_out_seeds, args.intervals, tgt)
-    rare_from = f"{held} seeds {'-'.join(map(str, args.rare_seeds))}"
+    rs = sorted(args.rare_seeds)
+    rare_from = "no spare seeds" if not rs else f"{held} seeds " + (
+        f"{rs[0]}-{rs[-1]}" if rs == list(range(rs[0], rs[-1] + 1)) else ",".join(map(str, rs)))
     conf, disc, how = fit(train, rare, rare_from)
     print(f"fit on {args.fit} (seeds {args.seeds}, {len(train)} calls; rules it rarely exercises on {rare_from}, "
           f"{len(rare)} calls); held out: {held} (seeds {args.held_out_seeds}, {len(test)} calls); "
