@@ -2,9 +2,9 @@
 
 A finding's confidence is ``CONFIDENCE[rule] x DISCOUNT[weakness]...`` (kvtop/analysis/attribution/
 thresholds.py). This script runs kvtop's analysis over traces with exact truth, and fits:
-* each rule's base: the share of its calls without any weakness that were right (with fewer than
-  ``MIN_FIT`` such calls, the share among all its calls with the discounts divided out; with fewer
-  than ``MIN_FIT`` calls at all, the current value stays);
+* each rule's base: the share of its calls without any weakness that were right (where such calls
+  are fewer than ``MIN_FIT`` or than half its calls, the share among all its calls with the
+  discounts divided out; with fewer than ``MIN_FIT`` calls at all, the current value stays);
 * each discount (coarse scrapes, sparse observation, merged chunks): right calls among those it
   applies to, over what the bases alone predicted for them (capped below 1: a weakness never
   raises confidence).
@@ -151,7 +151,9 @@ def fit(cs: list[Call], rare: list[Call] | None = None,
     for _ in range(3):  # bases and discounts depend on each other: a few rounds settle them
         for k, xs in by_key.items():
             plain = [c for c in xs if not c.discounts]
-            if len(plain) >= MIN_FIT:
+            # the plain calls alone only where they are most of the rule's calls: a rule that mostly
+            # fires on coarse scrapes or merged chunks is fit on all of them, discounts divided out
+            if len(plain) >= MIN_FIT and 2 * len(plain) >= len(xs):
                 conf[k] = min(MAX_BASE, sum(c.right for c in plain) / len(plain))
                 how[k] = f"fit on {len(plain)}{src.get(k, '')}"
             elif len(xs) >= MIN_FIT:
