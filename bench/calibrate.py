@@ -46,6 +46,10 @@ from kvtop.model.trace import TraceReader  # noqa: E402
 SIM_PRESETS = ("preemption-storm", "cancel-heavy", "prefill-interference", "slow-decode", "healthy")
 CAUSE_OF = {"preemption": "preemption", "prefill": "prefill_interference", "slow": "slow_decode"}
 MIN_FIT = 20
+# rules kept at their hand-set value whatever the traces say: a preemption read from KV and queue
+# gauges alone (the run ended before the counter could show it) rests on evidence that holds for
+# every stream in a storm; its right calls on the traces come from the last seconds of a few runs
+KEEP_SET = ("preemption/unread",)
 MIN_BIN = 50
 MAX_DISCOUNT = 0.99
 MAX_BASE = 0.99  # no rule is ever certain: a few thousand right calls do not make the next one sure
@@ -150,6 +154,8 @@ def fit(cs: list[Call], rare: list[Call] | None = None,
                 by_key[k], src[k] = xs, f", {rare_from}"
     for _ in range(3):  # bases and discounts depend on each other: a few rounds settle them
         for k, xs in by_key.items():
+            if k in KEEP_SET:
+                continue
             plain = [c for c in xs if not c.discounts]
             # the plain calls alone only where they are most of the rule's calls: a rule that mostly
             # fires on coarse scrapes or merged chunks is fit on all of them, discounts divided out

@@ -103,6 +103,9 @@ def dominant(ev: Evidence) -> Finding | None:
     g = ev.gap
     if ev.first_token is None or len(g.after) < 2 or not ev.target:
         return None
+    own = ev.decode_pace
+    if ev.pace_known and own and own >= PACE_NEAR * ev.target:
+        return None  # the stream's own decode-only pace before it was at the target: slow decode (as in signals)
     pace = min(g.after)
     before = ev.baseline or 0.0  # the pace before it: a slower pace that just ended is no prefill
     if pace <= 0 or pace >= ev.target or g.gap < PREFILL_DOMINANT * max(pace, before) or g.gap < max(g.after):

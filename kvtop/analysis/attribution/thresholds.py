@@ -52,14 +52,14 @@ CONFIDENCE: dict[str, float] = {
     "preemption/counter": 0.990,  # fit on 463 (discounts divided out)
     "preemption/state": 0.800,  # set
     "preemption/cancelled": 0.800,  # set
-    "preemption/unread": 0.990,  # fit on 50, tracegen seeds 3-6 (discounts divided out)
+    "preemption/unread": 0.600,  # set
     "preemption/longer": 0.990,  # fit on 24 (discounts divided out)
     "preemption/mass": 0.600,  # set
     "prefill/lone-checked": 0.922,  # fit on 80, tracegen seeds 3-6 (discounts divided out)
     "prefill/lone": 0.600,  # set
     "prefill/shared-checked": 0.990,  # fit on 1539 (discounts divided out)
     "prefill/shared": 0.850,  # set
-    "prefill/dominant": 0.990,  # fit on 54, tracegen seeds 3-6 (discounts divided out)
+    "prefill/dominant": 0.800,  # set
     "prefill/recompute": 0.684,  # fit on 683, tracegen seeds 3-6 (discounts divided out)
     "slow/lifted": 0.990,  # fit on 29946
     "slow/lifted-run": 0.990,  # fit on 54
