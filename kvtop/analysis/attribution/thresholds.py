@@ -65,7 +65,7 @@ CONFIDENCE: dict[str, float] = {
     "slow/lifted-run": 0.990,  # fit on 54
     "slow/continued": 0.986,  # fit on 146, tracegen seeds 3-6
     "slow/onset": 0.974,  # fit on 12687, tracegen seeds 3-6
-    "slow/pace": 0.881,  # fit on 6288, tracegen seeds 3-6
+    "slow/pace": 0.876,  # fit on 6324, tracegen seeds 3-6
 }
 DISCOUNT: dict[str, float] = {"coarse": 0.990, "sparse": 0.990, "chunked": 0.990}
 # END FITTED
