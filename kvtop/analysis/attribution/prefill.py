@@ -15,6 +15,9 @@ from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE
 
+# A decode-only pace this close to the target misses it on its own as soon as the engine slows a
+# little more (the estimate, the stream's fastest recent gap, lags a pace that keeps rising): the
+# spike is slow decode, not prefill (chosen on bench/tracegen seeds 3-4)
 PACE_NEAR = 0.95
 
 

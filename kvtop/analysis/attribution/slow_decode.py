@@ -19,7 +19,9 @@ def _median(v: list[float]) -> float:
 
 
 def lifted(ev: Evidence) -> Finding | None:
-    """The gap is less than REL_SLOW x the stream's pace, and the gaps after it do not show it standing out."""
+    """The gap is less than REL_SLOW x the stream's decode-only pace (its fastest recent gap: the
+    median would count a run of prefill steps as the pace), and the gaps after it do not show it
+    standing out."""
     g = ev.gap
     pace = ev.decode_pace
     if not pace or g.gap >= REL_SLOW * pace:
