@@ -23,3 +23,15 @@ def test_fit_reads_accuracy_per_rule_and_per_weakness():
 def test_a_rule_right_every_time_is_still_not_certain():
     conf, _, _ = fit([Call("slow/lifted", (), True) for _ in range(100)])
     assert conf["slow/lifted"] == pytest.approx(0.99)
+
+
+def test_a_rule_the_fitting_generator_rarely_exercises_is_fit_on_the_spare_traces():
+    # slow/pace fires 5 times on the fitting generator (all right) and 60 times on the spare seeds,
+    # where 45 of them (75 %) are right: the spare calls decide, and the fit says where it came from
+    calls = [Call("slow/pace", (), True) for _ in range(5)] + [Call("slow/lifted", (), True) for _ in range(50)]
+    spare = [Call("slow/pace", (), i < 45) for i in range(60)] + [Call("slow/lifted", (), False) for _ in range(50)]
+    conf, _, how = fit(calls, spare, "tracegen seeds 3-4")
+    assert conf["slow/pace"] == pytest.approx(0.75)
+    assert "tracegen seeds 3-4" in how["slow/pace"]
+    # a rule with enough calls of its own ignores the spare ones
+    assert conf["slow/lifted"] == pytest.approx(0.99) and "tracegen" not in how["slow/lifted"]

@@ -106,6 +106,9 @@ class ReqState:
         s = sorted(self.recent)
         return s[len(s) // 2]
 
+    def fastest_gap(self) -> float | None:
+        return min(self.recent) if self.recent else None
+
 
 @dataclass(slots=True)
 class Gap:
@@ -130,6 +133,7 @@ class Gap:
     tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
     calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
     engine: str | None = None  # the stream's engine (ReqState.engine): other streams are compared on it only
+    fast_baseline: float | None = None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
 
 
 def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
@@ -266,6 +270,7 @@ class GapTracker:
             gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
             gp.calm_baseline = r.calm_gap()
             gp.engine = r.engine
+            gp.fast_baseline = r.fastest_gap()
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -278,6 +283,7 @@ class GapTracker:
                 gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
                 gp.calm_baseline = r.calm_gap()
                 gp.engine = r.engine
+                gp.fast_baseline = r.fastest_gap()
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
@@ -467,6 +473,7 @@ class GapTracker:
                 gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
                 gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
                 gp.engine = r.engine
+                gp.fast_baseline = min(w) if w else None
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv

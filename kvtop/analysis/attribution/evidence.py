@@ -91,6 +91,11 @@ class Evidence:
         return self.timeline.covering_interval(self.gap.t_start, self.gap.t_end)
 
     @cached_property
+    def held_reply(self) -> tuple[float, float] | None:
+        """A scrape due during the stall that was answered late: (how late, when answered)."""
+        return self.timeline.held_reply(self.gap.t_start, self.gap.t_end, self.scrape_interval)
+
+    @cached_property
     def engine_running(self) -> float | None:
         """The engine's running gauge at the stall (all its streams, observed or not)."""
         return self.timeline.running_at(0.5 * (self.gap.t_start + self.gap.t_end))
@@ -99,6 +104,18 @@ class Evidence:
     @property
     def rel(self) -> float | None:
         return self.gap.gap / self.baseline if self.baseline else None
+
+    @property
+    def decode_pace(self) -> float | None:
+        """The stream's decode-only pace, at most: its fastest recent gap (a run of prefill steps lifts
+        the median of its gaps, never the fastest of them); for a stream too new to have one, the
+        fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed)."""
+        return decode_pace(self.gap, self.baseline, self.baseline_is_stream)
+
+    @property
+    def pace_known(self) -> bool:
+        """The decode pace is this stream's own (its gaps before the spike, or after it)."""
+        return self.baseline_is_stream or bool(self.gap.after)
 
     @property
     def resumed(self) -> bool:
@@ -161,6 +178,13 @@ class Evidence:
         w = self.window
         return w.prompt_delta >= PROMPT_JUMP_MIN and \
             w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
+
+    @cached_property
+    def end_prompt_excess(self) -> float:
+        """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
+        prefill completes as the streams it held resume, so its prompt is counted there."""
+        d = self.timeline.prompt_at(self.gap.t_end)
+        return max(0.0, (d or 0.0) - self.typical_prompt_delta)
 
     @property
     def prompt_excess(self) -> float:
@@ -245,6 +269,14 @@ class Evidence:
         return out
 
 
+def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> float | None:
+    """See ``Evidence.decode_pace``."""
+    f = g.fast_baseline
+    if f and baseline_is_stream:
+        return f
+    return min(g.after) if g.after else baseline
+
+
 def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
            engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
@@ -258,7 +290,8 @@ def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, s
     median = gaps.median_gap()
     base = g.stream_baseline or median
     after = sorted(g.after)
-    if base and g.gap < REL_SLOW * base and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
+    pace = decode_pace(g, base, bool(g.stream_baseline))
+    if pace and g.gap < REL_SLOW * pace and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
         co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
         co, co_med, fresh, together = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))

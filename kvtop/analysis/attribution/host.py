@@ -14,6 +14,9 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL, HOST_LATE_MIN_S
 from kvtop.analysis.gaps import BURST_S
 
+# a late reply this close to the stall's end was held by the same hang (one decode step after it)
+HELD_REPLY_S = 0.1
+
 
 def scrapes_stalled(ev: Evidence) -> bool:
     """A scrape beat missed (>= 2 intervals covering half the stall), or one late by at least half
@@ -23,10 +26,19 @@ def scrapes_stalled(ev: Evidence) -> bool:
         return True
     wait = ev.scrape_wait
     late = wait - si
-    return late >= 0.5 * ev.gap.gap and late >= HOST_LATE_MIN_S and wait >= 1.25 * si
+    if late >= 0.5 * ev.gap.gap and late >= HOST_LATE_MIN_S and wait >= 1.25 * si:
+        return True
+    # a beat due inside the stall answered only when the streams resumed: however little of the
+    # stall was left when the beat fell due, kvtop's reply waited on the same host / API server
+    held = ev.held_reply
+    return held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S
 
 
 def line(ev: Evidence) -> str:
+    held = ev.held_reply
+    if held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S:
+        return (f"kvtop's own scrape, due during the stall, was answered {held[0]:.2f}s late as the streams resumed: "
+                "the host or the engine's API server hung")
     if ev.scrape_lag >= 2.0 * ev.scrape_interval:
         return f"kvtop's own scrapes stalled {ev.scrape_lag:.1f}s across it: the host or the engine's API server hung"
     return (f"kvtop's own scrape came {ev.scrape_wait - ev.scrape_interval:.2f}s late across it: the host or the "

@@ -19,11 +19,14 @@ def _median(v: list[float]) -> float:
 
 
 def lifted(ev: Evidence) -> Finding | None:
-    """The gap is less than REL_SLOW x the stream's pace, and the gaps after it do not show it standing out."""
+    """The gap is less than REL_SLOW x the stream's decode-only pace (its fastest recent gap: the
+    median would count a run of prefill steps as the pace), and the gaps after it do not show it
+    standing out."""
     g = ev.gap
-    rel = ev.rel
-    if rel is None or rel >= REL_SLOW:
+    pace = ev.decode_pace
+    if not pace or g.gap >= REL_SLOW * pace:
         return None
+    rel = g.gap / pace
     if g.after and g.gap >= REL_SLOW * _median(g.after):
         return None  # the pace after it is much faster: this gap stood out
     return ev.found(Cause.SLOW_DECODE, "slow/lifted" if ev.baseline_is_stream else "slow/lifted-run",

@@ -197,6 +197,19 @@ class EngineTimeline:
                 i += 1
         return worst
 
+    def held_reply(self, a: float, b: float, si: float) -> tuple[float, float] | None:
+        """A scrape due inside [a, b] that was answered late: (how late, when answered), the latest
+        answered one. A reply held until about when the stalled streams resumed waited with them."""
+        best = None
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a - si, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                due = k.t[i] + si
+                if a <= due <= b and (best is None or k.t[i + 1] > best[1]):
+                    best = (k.t[i + 1] - due, k.t[i + 1])
+                i += 1
+        return best
+
     def running_at(self, t: float) -> float | None:
         """The running gauge summed over instances, from each one's last scrape at or before ``t``."""
         tot = None
@@ -245,6 +258,16 @@ class EngineTimeline:
                 out.prompt_delta += k.prompt[i1 - 1] - k.prompt[i0]
                 out.intervals += i1 - 1 - i0
         return out
+
+    def prompt_at(self, t: float) -> float | None:
+        """The prompt-token increase over the scrape interval in which ``t`` falls (all instances;
+        None before two scrapes frame it)."""
+        tot = None
+        for k in self.keys.values():
+            i = bisect_left(k.t, t, k.head)
+            if k.head < i < len(k.t):
+                tot = (tot or 0.0) + k.prompt[i] - k.prompt[i - 1]
+        return tot
 
     def typical_prompt_delta(self) -> float:
         if not self.prompt_deltas:
