@@ -11,11 +11,17 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import BURST_EXPLAINS, BURST_MIN_TOKENS, BURST_REL, HOST_LATE_MIN_S
 from kvtop.analysis.gaps import BURST_S
 
 # a late reply this close to the stall's end was held by the same hang (one decode step after it)
 HELD_REPLY_S = 0.1
+HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no scheduling jitter
+
+# A delivery stall (slow reader, API-server merging, network) ends with what was buffered: one big
+# chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
+BURST_MIN_TOKENS = 4
+BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
+BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover this share of the stall
 
 
 def scrapes_stalled(ev: Evidence) -> bool:

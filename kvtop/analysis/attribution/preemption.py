@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import KV_FULL, LONGER
+
+# KV usage this close to full while every other stream keeps flowing: a victim the counter never
+# counts (cancelled while preempted) pins it there.
+KV_FULL = 0.95
+# a co-stalled stream silent this much longer than the others: it was preempted too
+LONGER = 1.2
 
 
 def reported(ev: Evidence) -> Finding | None:

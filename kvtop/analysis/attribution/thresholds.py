@@ -1,12 +1,14 @@
-"""Thresholds shared by the per-spike rules and the aggregate (no request records) fallback."""
+"""Thresholds shared by several rules, the evidence and the aggregate (no request records) fallback.
+
+A threshold only one rule reads lives in that rule's module, so changing a rule is one module and
+its test. The confidences below are fitted (bench/calibrate.py), not chosen.
+"""
 
 from __future__ import annotations
 
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
-KV_FULL = 0.95
 SHARED_FRESH = 0.5  # this share of the other active streams falling silent and resuming with a stall makes it shared
-LONGER = 1.2  # a co-stalled victim stalled this much longer than the others: it was preempted too
 PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
 STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's start (scrape skew)
@@ -16,14 +18,6 @@ STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's s
 # retraction. The step must be read from a scrape interval overlapping that moment.
 RESUME_LEAD_S = 1.0  # the counter may step this long before the resumed token (plus the measured re-prefill)
 RETRACT_LAG_S = 1.0  # ... or this long after the stall began (SGLang)
-
-HOST_LATE_MIN_S = 0.25  # a scrape this late (beyond its interval) is no scheduling jitter
-
-# A delivery stall (slow reader, API-server merging, network) ends with what was buffered: one big
-# chunk, or many events within a couple of milliseconds. A resumed victim emits one step's worth.
-BURST_MIN_TOKENS = 4
-BURST_REL = 3.0  # ... and this many times the stream's usual tokens per event
-BURST_EXPLAINS = 0.25  # the buffered tokens, at the stream's own pace, cover this share of the stall
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
