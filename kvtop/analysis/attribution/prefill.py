@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE
+from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE, RECOMPUTE_STEP_S
 
 # A decode-only pace this close to the target misses it on its own as soon as the engine slows a
 # little more (the estimate, the stream's fastest recent gap, lags a pace that keeps rising): the
@@ -92,9 +92,16 @@ def recompute(ev: Evidence) -> Finding | None:
     d = ev.counter_delta()
     if d < 1:
         return None
-    return ev.found(Cause.PREFILL, "prefill/recompute", [
-        f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
-        "re-prefill (a recompute stall) held every stream"], "recompute", sparse_matters=False)
+    lines = [f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
+             "re-prefill (a recompute stall) held every stream"]
+    key = "prefill/recompute"
+    if ev.gap.gap > RECOMPUTE_STEP_S:
+        # the counter steps all through a storm, so a step at the end of a long silence proves little:
+        # a host or API-server hang that fell between kvtop's scrape beats looks the same
+        key = "prefill/recompute-long"
+        lines.append(f"but the stall ({ev.gap.gap:.2f}s) outlasts one re-prefill step ({RECOMPUTE_STEP_S:g}s) and "
+                     "no scrape of kvtop's could tell a host hang between its beats from it")
+    return ev.found(Cause.PREFILL, key, lines, "recompute", sparse_matters=False)
 
 
 def dominant(ev: Evidence) -> Finding | None:
