@@ -32,12 +32,6 @@ PREFILL_SHARE = 0.3
 # step was mostly prefill (its decode part alone would have kept the pace).
 PREFILL_DOMINANT = 2.0
 
-# A resumed victim's re-prefill holds the batch for one engine step: a shared stall longer than this
-# with a counter step at its end is as often a host or API-server hang that fell between kvtop's
-# scrape beats (on bench/tracegen seeds 3-6 the recompute calls on longer stalls were right 12 % of
-# the time, on shorter ones 99 %), so it gets its own, lower, confidence ("prefill/recompute-long").
-RECOMPUTE_STEP_S = 0.3
-
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
 # from a stream that arrives in merged chunks, says less about one stream.
 COARSE_SCRAPE_S = 2.0
