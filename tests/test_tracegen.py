@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -290,7 +291,7 @@ def test_nothing_arrives_during_a_host_pause(tmp_path):
         assert not [d for d in recs if a + 0.001 < d["t"] < a + dur]
 
 
-def test_a_gap_stretched_by_a_hold_is_labelled_by_the_hold_not_the_short_step_under_it(tmp_path):
+def test_a_gap_stretched_by_a_hold_is_labelled_by_the_hold_not_the_short_step_under_it(tmp_path: Path) -> None:
     """One gap, one cause: the one that accounts for most of its time over the target. The stepper
     writes a prefill span for every step of at least half the target (65 ms at 100 ms); when a slow
     reader or an API-server stall held that step's token for a second, the gap's time over the
@@ -322,7 +323,7 @@ def test_a_gap_stretched_by_a_hold_is_labelled_by_the_hold_not_the_short_step_un
         assert not [x for x in truth[rid] if x[2] == "prefill_interference" and min(b, x[1]) - max(a, x[0]) > 0]
 
 
-def test_the_step_cause_is_chosen_on_its_duration_without_a_host_pause_inside_it():
+def test_the_step_cause_is_chosen_on_its_duration_without_a_host_pause_inside_it() -> None:
     """A 4,000-token prompt admitted next to one decoding stream: a 0.24 s prefill step. A 0.4 s
     host pause inside that step stretches the stream's gap to 0.64 s but changes neither the step's
     cause nor its recorded duration (the pause gets its own truth span in the delivery model)."""
@@ -330,11 +331,11 @@ def test_the_step_cause_is_chosen_on_its_duration_without_a_host_pause_inside_it
 
     from bench.tracegen.stepper import EngineSpec, Req, Stepper
 
-    def run(pauses: list[tuple[float, float]]) -> list[tuple[str, dict, float]]:
+    def run(pauses: list[tuple[float, float]]) -> list[tuple[str, dict[str, Any], float]]:
         reqs = [Req("a", "x", 0.0, 100, 200, need=100), Req("b", "x", 0.5, 4000, 10, need=4000)]
         r = Stepper(EngineSpec(chunked=False), reqs, random.Random(1), pauses, 0.1).simulate(3.0)
         em = reqs[0].emits
-        return [(sp.cause, sp.detail, em[sp.i_to][0] - em[sp.i_from][0]) for sp in r.spans]
+        return [(sp.cause, sp.detail, em[sp.i_to][0] - em[sp.i_from][0]) for sp in r.spans if sp.i_to is not None]
 
     plain, paused = run([]), run([(0.6, 0.4)])
     assert [(c, d) for c, d, _ in plain] == [(c, d) for c, d, _ in paused] != []
