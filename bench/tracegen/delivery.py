@@ -23,6 +23,7 @@ import math
 import random
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from typing import Any
 
 from .situations import DeliverySpec
 from .stepper import Req, Run
@@ -38,7 +39,7 @@ class Stream:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (t, n); same-ms runs are split reads
     deliv: list[float] = field(default_factory=list)  # delivered time of each engine emission
     end: tuple[float, str] | None = None  # (t, finish | cancel)
-    spans: list[tuple[float, float, str, dict]] = field(default_factory=list)  # truth (t_start, t_end, cause)
+    spans: list[tuple[float, float, str, dict[str, Any]]] = field(default_factory=list)  # truth (t_start, t_end, cause)
 
 
 def windows(rng: random.Random, rate: float, lens: tuple[float, float], t0: float, t1: float) -> list[tuple[float, float]]:

@@ -177,14 +177,24 @@ def _request_lines(s: Stream, prompt_on_arrive: bool) -> list[tuple[float, str]]
     return out
 
 
-def _truth_lines(g: Generated) -> list[tuple[float, str]]:
-    out = []
+def _dominant(gap_s: float, step_s: float) -> str:
+    """Which of an engine step and a delivery hold over the same client-time gap accounts for most
+    of its time over the target: the step owns its own excess (its duration without any host pause
+    inside it, ``step_s``), the hold everything the client waited beyond that."""
+    step_over = max(0.0, step_s - ITL_TARGET_S)
+    hold_over = (gap_s - ITL_TARGET_S) - step_over
+    return "step" if step_over >= hold_over else "hold"
 
-    def add(t: float, event: str, rid: str | None, data: dict[str, Any]) -> None:
-        rec = TruthRecord(trace_time(t), event, rid, data)
-        out.append((rec.t, json.dumps(to_dict(rec), separators=(",", ":"))))
 
+def stall_spans(g: Generated) -> list[tuple[str, float, float, str, dict[str, Any]]]:
+    """Every stall's truth in client time: (request, t_start, t_end, cause, detail).
+
+    One gap gets one cause. A long engine step (prefill interference, slow decode) and a delivery
+    hold (slow reader, API-server merge or stall, host pause) can stretch the same gap; the one
+    that accounts for most of the gap's time over the target labels it and the other span is
+    dropped (a 65 ms step that a slow reader stretched to 2 s is the reader's stall)."""
     by_id = {s.req.id: s for s in g.streams}
+    engine: list[tuple[str, float, float, str, dict[str, Any]]] = []
     for sp in g.run.spans:
         s = by_id.get(sp.rid)
         if s is None or sp.i_from < 0 or sp.i_from >= len(s.deliv):
@@ -200,10 +210,35 @@ def _truth_lines(g: Generated) -> list[tuple[float, str]]:
             continue  # still silent when the run ended: no gap closes
         if b <= a:
             continue
-        add(b, "stall", sp.rid, {"t_start": a, "t_end": b, "cause": sp.cause, **sp.detail})
-    for s in g.streams:
-        for a, b, cause, detail in s.spans:
-            add(b, "stall", s.req.id, {"t_start": a, "t_end": b, "cause": cause, **detail})
+        engine.append((sp.rid, a, b, sp.cause, sp.detail))
+    holds = [(s.req.id, a, b, cause, detail) for s in g.streams for a, b, cause, detail in s.spans]
+    hold_at: dict[str, list[int]] = {}
+    for i, h in enumerate(holds):
+        hold_at.setdefault(h[0], []).append(i)
+    dropped: set[int] = set()
+    out = []
+    for rid, a, b, cause, detail in engine:
+        step_s = detail.get("step_s")
+        if step_s is not None:  # one step's stall (not a preemption): does a hold stretch the same gap?
+            over = [i for i in hold_at.get(rid, ()) if min(b, holds[i][2]) - max(a, holds[i][1]) > 0]
+            if over:
+                if _dominant(b - a, float(step_s)) == "hold":
+                    continue
+                dropped.update(over)
+        out.append((rid, a, b, cause, detail))
+    out += [h for i, h in enumerate(holds) if i not in dropped]
+    return out
+
+
+def _truth_lines(g: Generated) -> list[tuple[float, str]]:
+    out = []
+
+    def add(t: float, event: str, rid: str | None, data: dict[str, Any]) -> None:
+        rec = TruthRecord(trace_time(t), event, rid, data)
+        out.append((rec.t, json.dumps(to_dict(rec), separators=(",", ":"))))
+
+    for rid, a, b, cause, detail in stall_spans(g):
+        add(b, "stall", rid, {"t_start": a, "t_end": b, "cause": cause, **detail})
     for v in g.run.victims:
         add(v.t, "victim", v.rid, {"t_preempt": trace_time(v.t), "outcome": v.outcome,
                                    "t_end": None if v.t_end is None else trace_time(v.t_end), "times": v.times,

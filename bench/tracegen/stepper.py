@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Span:
     i_from: int
     i_to: int | None
     t_to: float | None = None
-    detail: dict = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class Stepper:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.s.block)
 
-    def _key(self, r: Req) -> tuple:
+    def _key(self, r: Req) -> tuple[Any, ...]:
         return (r.priority, r.arrive, r.id) if self.s.scheduler == "priority" else (r.arrive, r.id)
 
     def _factor(self, t: float) -> float:
@@ -401,5 +402,5 @@ class Stepper:
             r.victim_of = None
 
 
-def lognormal(rng, median: float, sigma: float, lo: float, hi: float) -> float:
+def lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> float:
     return min(hi, max(lo, median * math.exp(sigma * rng.gauss(0.0, 1.0))))

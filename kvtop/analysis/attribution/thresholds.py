@@ -49,12 +49,13 @@ CONFIDENCE: dict[str, float] = {
     "preemption/unread": 0.600,  # set
     "preemption/longer": 0.990,  # fit on 24 (discounts divided out)
     "preemption/mass": 0.600,  # set
-    "prefill/lone-checked": 0.922,  # fit on 80, tracegen seeds 3-6 (discounts divided out)
+    "prefill/lone-checked": 0.896,  # fit on 80, tracegen seeds 3-6 (discounts divided out)
     "prefill/lone": 0.600,  # set
     "prefill/shared-checked": 0.990,  # fit on 1539 (discounts divided out)
     "prefill/shared": 0.850,  # set
     "prefill/dominant": 0.800,  # set
-    "prefill/recompute": 0.684,  # fit on 683, tracegen seeds 3-6 (discounts divided out)
+    "prefill/recompute": 0.990,  # fit on 380, tracegen seeds 3-6 (discounts divided out)
+    "prefill/recompute-long": 0.113,  # fit on 303, tracegen seeds 3-6 (discounts divided out)
     "slow/lifted": 0.990,  # fit on 29946
     "slow/lifted-run": 0.990,  # fit on 54
     "slow/continued": 0.986,  # fit on 146, tracegen seeds 3-6
