@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import PREFILL_DOMINANT, PREFILL_SHARE
+
+# A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
+# the stall's excess over the stream's pace.
+PREFILL_SHARE = 0.3
+# A gap this many times the decode-only pace after it, ended by another request's first token: the
+# step was mostly prefill (its decode part alone would have kept the pace).
+PREFILL_DOMINANT = 2.0
 
 # A decode-only pace this close to the target misses it on its own as soon as the engine slows a
 # little more (the estimate, the stream's fastest recent gap, lags a pace that keeps rising): the

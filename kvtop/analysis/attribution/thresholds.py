@@ -19,13 +19,6 @@ STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's s
 RESUME_LEAD_S = 1.0  # the counter may step this long before the resumed token (plus the measured re-prefill)
 RETRACT_LAG_S = 1.0  # ... or this long after the stall began (SGLang)
 
-# A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
-# the stall's excess over the stream's pace.
-PREFILL_SHARE = 0.3
-# A gap this many times the decode-only pace after it, ended by another request's first token: the
-# step was mostly prefill (its decode part alone would have kept the pace).
-PREFILL_DOMINANT = 2.0
-
 # Confidence: evidence read from coarse scrapes, or with few of the engine's streams observed, or
 # from a stream that arrives in merged chunks, says less about one stream.
 COARSE_SCRAPE_S = 2.0
