@@ -377,3 +377,64 @@ def test_a_prompt_counted_where_an_engine_wide_stall_ended_explains_it_without_a
     assert any("added 1000 prompt tokens more than usual" in e for e in g.evidence)
     # 200 extra tokens are 20 ms of prefill: they do not explain a 150 ms stall
     assert spike(200).cause != "prefill_interference"
+
+
+def _spec_records(end_n: int) -> list[dict]:
+    """8 streams with speculative decoding: every 40 ms each delivers 1-4 tokens (mean 2.5); r3 is
+    silent 4.0-4.2 s and the event that ends its silence carries ``end_n`` tokens."""
+    sizes = (1, 4, 2, 3, 4, 1, 2, 3)
+    out = []
+    for i in range(8):
+        rid = f"r{i}"
+        out += [{"kind": "request", "t": 0.0, "id": rid, "event": "arrive", "prompt_tokens": 500},
+                {"kind": "request", "t": 0.05, "id": rid, "event": "first_token", "n": 1}]
+    k = 1
+    while 0.05 + k * 0.04 <= 10.0:
+        t = round(0.05 + k * 0.04, 6)
+        for i in range(8):
+            if i == 3 and 4.0 < t < 4.2:
+                continue
+            n = end_n if i == 3 and t == pytest.approx(4.21) else sizes[(k + i) % len(sizes)]
+            out.append({"kind": "request", "t": t, "id": f"r{i}", "event": "token", "n": n})
+        k += 1
+    return out
+
+
+def test_a_chunk_bigger_than_any_one_step_of_the_stream_ends_a_delivery_stall():
+    # With speculative decoding one step carries up to k + 1 = 4 tokens. 6 tokens after a 0.2 s
+    # silence were produced during it and held (API-server merging), though 6 is less than 3x the
+    # stream's usual 2.5: delivery, even with a counter step at its end (another victim's resume).
+    g = _one(run(_spec_records(6) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
+    assert g.cause == "unknown" and g.kind == "delivery" and g.step_n_max == 4
+    # the same silence ended by one step's worth (3 tokens) is the resumed victim the counter names
+    g = _one(run(_spec_records(3) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
+    assert g.cause == "preemption"
+
+
+def test_fast_path_knows_each_streams_largest_step_across_chunk_boundaries(tmp_path):
+    import json
+
+    from kvtop.analysis import fastscan
+
+    recs = _spec_records(6) + engine_records(kv=0.97, pre_steps=(4.5,))
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p, make_header(engine={"adapter": "vllm"})) as w:
+        for d in sorted(recs, key=lambda d: d["t"]):
+            w.write(d)
+    slow = Analyzer(itl_target_s=0.1)
+    slow.set_header({"engine": {"adapter": "vllm"}})
+    with open(p) as f:
+        next(f)
+        for line in f:
+            slow.feed_dict(json.loads(line))
+    slow.finish()
+    fast = Analyzer(itl_target_s=0.1)
+    fast.set_header({"engine": {"adapter": "vllm"}})
+    fastscan.scan(str(p), fast, chunk_bytes=1500)  # many chunks: the window straddles their boundaries
+    fast.finish()
+
+    def key(an):
+        return [(g.request_id, g.t_end, str(g.cause), g.kind, g.step_n_max) for g in an.spikes]
+
+    assert key(fast) == key(slow)
+    assert ("r3", 4.21, "unknown", "delivery", 4) in key(slow)

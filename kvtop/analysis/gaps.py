@@ -79,6 +79,7 @@ class ReqState:
     end_t: float | None = None
     ended_by: str | None = None
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent_n: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # tokens of the events closing them
     calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
     max_gap: float = 0.0
     spikes: int = 0
@@ -134,6 +135,9 @@ class Gap:
     calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
     engine: str | None = None  # the stream's engine (ReqState.engine): other streams are compared on it only
     fast_baseline: float | None = None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
+    # the most tokens one of the stream's recent events carried: one engine step's worth at most
+    # (k + 1 with speculative decoding), unless the API server already merged steps before the gap
+    step_n_max: int = 0
 
 
 def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
@@ -251,6 +255,7 @@ class GapTracker:
             if r.watch:
                 r.watch = [w for w in r.watch if not _feed_look(w, t, k, t - lt)]
             self.gap(r, lt, t, t - lt, "token", k)
+            r.recent_n.append(k)
 
     def resync(self, r: ReqState, t: float, n: int | None = None) -> None:
         """Tokens after a hole in the observed bytes: counted, and the stream's clock moves on
@@ -271,6 +276,7 @@ class GapTracker:
             gp.calm_baseline = r.calm_gap()
             gp.engine = r.engine
             gp.fast_baseline = r.fastest_gap()
+            gp.step_n_max = max(r.recent_n, default=0)
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -284,6 +290,7 @@ class GapTracker:
                 gp.calm_baseline = r.calm_gap()
                 gp.engine = r.engine
                 gp.fast_baseline = r.fastest_gap()
+                gp.step_n_max = max(r.recent_n, default=0)
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
@@ -474,6 +481,11 @@ class GapTracker:
                 gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
                 gp.engine = r.engine
                 gp.fast_baseline = min(w) if w else None
+                lo = max(g0, i - RECENT)
+                wn = [int(x) for x, v in zip(n_s[lo:i].tolist(), valid[lo:i].tolist(), strict=True) if v]
+                if len(wn) < RECENT and r.recent_n:
+                    wn = list(r.recent_n)[-(RECENT - len(wn)):] + wn
+                gp.step_n_max = max(wn[-RECENT:], default=0)
                 self.long.append(gp)
                 if gv > self.long_max:
                     self.long_max = gv
@@ -493,6 +505,8 @@ class GapTracker:
                 r.max_gap = mg
             tail = gaps[max(g0, g1 - RECENT):g1]
             r.recent.extend(x for x in tail.tolist() if not math.isnan(x))
+            lo = max(g0, g1 - RECENT)
+            r.recent_n.extend(int(x) for x, v in zip(n_s[lo:g1].tolist(), valid[lo:g1].tolist(), strict=True) if v)
             lo_k = int(np.searchsorted(sf_pos, g0))
             hi_k = int(np.searchsorted(sf_pos, g1))
             r.calm.extend(gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist())

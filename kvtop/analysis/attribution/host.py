@@ -60,12 +60,17 @@ def judge(ev: Evidence) -> Finding | None:
         return Finding(Cause.UNKNOWN, 0.5, ["it began where the stream's delivery stall ended: the same disruption"],
                        "delivery")
     usual = max(1.0, g.tokens_per_event)
-    if g.ended_by != "token" or g.burst_n < max(BURST_MIN_TOKENS, BURST_REL * usual):
+    # more tokens than any one event of the stream carried so far is more than one engine step's
+    # worth (a resumed victim emits one step, up to k + 1 tokens with speculative decoding): they
+    # were produced during the stall and held back, as is a chunk several times the usual size
+    if g.ended_by != "token" or g.burst_n < BURST_MIN_TOKENS or (
+            g.burst_n < BURST_REL * usual and g.burst_n <= g.step_n_max):
         return None
     # the buffered tokens at the stream's own pace (baseline per event / tokens per event)
     pace = (ev.baseline or 0.0) / usual
     if pace and g.burst_n * pace < BURST_EXPLAINS * g.gap:
         return None
     return Finding(Cause.UNKNOWN, 0.6, [
-        f"the stall ended with {g.burst_n} tokens delivered at once (the stream usually gets {usual:.1f} per event):"
+        f"the stall ended with {g.burst_n} tokens delivered at once (the stream usually gets {usual:.1f} per event,"
+        f" at most {g.step_n_max} so far):"
         " a delivery stall (slow reader, API-server merging or network), not the engine"], "delivery")
