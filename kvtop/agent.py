@@ -20,7 +20,7 @@ from aiohttp import web
 
 from kvtop.core import Core
 from kvtop.feeds.live import LiveRunner
-from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, analysis_lag, engine_label
+from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
 
 DEFAULT_PORT = 9470
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -71,7 +71,7 @@ class Agent:
             self.trace.flush_if_due()
             self.metrics.dropped = self.trace.write_errors + int(self.runner._sink_failed)
         self.metrics.update(snap, self.core.analysis, stale_after_s=max(10.0, 5 * self.opts.interval_s),
-                            analysis_lag_s=analysis_lag(self.core.analysis, now))
+                            analysis_lag_s=self.core.analysis.lag(now) if self.core.analysis else 0.0)
 
     def report(self) -> dict[str, Any]:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""

@@ -100,6 +100,10 @@ class LiveAnalysis(Protocol):
 
     def report(self, now: float) -> AnalysisReport | None: ...
 
+    def lag(self, now: float) -> float:
+        """Seconds since the oldest spike still waiting for its evidence window ended (0 when none)."""
+        ...
+
     def fresh(self) -> LiveAnalysis:
         """A new, empty analysis with the same settings."""
         ...

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
 from kvtop.model.records import from_dict
@@ -58,3 +60,20 @@ def test_live_report_is_cached_between_ticks():
     a = live.report(1.0)
     assert live.report(1.5) is a  # same second: no rebuild
     assert live.report(3.0) is not a
+
+
+def test_live_analysis_lag_is_the_age_of_the_oldest_spike_waiting_for_its_evidence():
+    # what `kvtop agent` publishes as kvtop_analysis_lag_seconds
+    live = LiveAnalyzer(adapter="vllm", model="meta-llama/Llama-3.1-8B-Instruct")
+    core = Core(analysis=live)
+    for d in _records():
+        if d["t"] > 6.3:
+            break
+        core.ingest(from_dict(d))
+    # r3's stall ended at 6.0; the counter that would confirm it is read at 6.5: it still waits
+    assert live.lag(6.3) == pytest.approx(0.3, abs=0.02)
+    for d in _records():
+        if d["t"] > 6.3:
+            core.ingest(from_dict(d))
+    core.snapshot(now=10.0)  # judged once its window closed
+    assert live.lag(10.0) == 0.0

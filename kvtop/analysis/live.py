@@ -89,6 +89,10 @@ class LiveAnalyzer:
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
         return self.an.request_info(request_id)
 
+    def lag(self, now: float) -> float:
+        pending = self.an.gaps.pending
+        return max(0.0, now - pending[0].t_end) if pending else 0.0
+
     def report(self, now: float) -> AnalysisReport | None:
         an = self.an
         if an.records == 0:

@@ -234,11 +234,3 @@ class AgentMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def analysis_lag(analyzer: Any, now: float) -> float:
-    """Seconds between now and the oldest spike still waiting for attribution (0 when none)."""
-    an = getattr(analyzer, "an", analyzer)
-    pending = getattr(an, "_pending", None)
-    if not pending:
-        return 0.0
-    return max(0.0, now - float(pending[0].t_end))
