@@ -125,32 +125,39 @@ def test_confidence_is_lower_on_coarse_scrapes():
     assert any("5.0s scrape interval" in e for e in coarse.evidence)
 
 
-def test_fast_path_collects_the_same_look_ahead(tmp_path):
-    """Bursts and following gaps that straddle the fast path's chunk boundaries give the same spikes,
-    causes and look-ahead as the streaming path."""
+def _streaming_and_fast(tmp_path, recs, itl_target_s: float, chunk_bytes: int) -> tuple[Analyzer, Analyzer]:
+    """The same trace file through the per-record path and through the fast path in small chunks."""
+    import json
+
     from kvtop.analysis import fastscan
 
-    recs = stream_records(n_streams=6, dur=12.0, silent={"r1": (3.0, 5.0), "r2": (6.0, 6.9), "r4": (8.0, 9.5)})
-    recs.append({"kind": "request", "t": 5.0, "id": "r1", "event": "token", "n": 90})
-    recs += [{"kind": "request", "t": round(6.9 + k * 1e-5, 6), "id": "r2", "event": "token", "n": 1} for k in range(40)]
-    recs += engine_records(dur=12.0, kv=0.97, pre_steps=(9.5,))
     p = tmp_path / "t.jsonl"
     with TraceWriter(p, make_header(engine={"adapter": "vllm"})) as w:
         for d in sorted(recs, key=lambda d: d["t"]):
             w.write(d)
-    slow = Analyzer(itl_target_s=0.08)  # look-ahead starts once the target is known
+    slow = Analyzer(itl_target_s=itl_target_s)
     slow.set_header({"engine": {"adapter": "vllm"}})
     with open(p) as f:
-        import json
-
         next(f)
         for line in f:
             slow.feed_dict(json.loads(line))
     slow.finish()
-    fast = Analyzer(itl_target_s=0.08)
+    fast = Analyzer(itl_target_s=itl_target_s)
     fast.set_header({"engine": {"adapter": "vllm"}})
-    fastscan.scan(str(p), fast, chunk_bytes=2048)
+    fastscan.scan(str(p), fast, chunk_bytes=chunk_bytes)
     fast.finish()
+    return slow, fast
+
+
+def test_fast_path_collects_the_same_look_ahead(tmp_path):
+    """Bursts and following gaps that straddle the fast path's chunk boundaries give the same spikes,
+    causes and look-ahead as the streaming path."""
+    recs = stream_records(n_streams=6, dur=12.0, silent={"r1": (3.0, 5.0), "r2": (6.0, 6.9), "r4": (8.0, 9.5)})
+    recs.append({"kind": "request", "t": 5.0, "id": "r1", "event": "token", "n": 90})
+    recs += [{"kind": "request", "t": round(6.9 + k * 1e-5, 6), "id": "r2", "event": "token", "n": 1} for k in range(40)]
+    recs += engine_records(dur=12.0, kv=0.97, pre_steps=(9.5,))
+    # look-ahead starts once the target is known
+    slow, fast = _streaming_and_fast(tmp_path, recs, itl_target_s=0.08, chunk_bytes=2048)
 
     def key(an):
         return [(g.request_id, g.t_end, str(g.cause), g.kind, g.burst_n, [round(x, 9) for x in g.after],
@@ -412,26 +419,9 @@ def test_a_chunk_bigger_than_any_one_step_of_the_stream_ends_a_delivery_stall():
 
 
 def test_fast_path_knows_each_streams_largest_step_across_chunk_boundaries(tmp_path):
-    import json
-
-    from kvtop.analysis import fastscan
-
     recs = _spec_records(6) + engine_records(kv=0.97, pre_steps=(4.5,))
-    p = tmp_path / "t.jsonl"
-    with TraceWriter(p, make_header(engine={"adapter": "vllm"})) as w:
-        for d in sorted(recs, key=lambda d: d["t"]):
-            w.write(d)
-    slow = Analyzer(itl_target_s=0.1)
-    slow.set_header({"engine": {"adapter": "vllm"}})
-    with open(p) as f:
-        next(f)
-        for line in f:
-            slow.feed_dict(json.loads(line))
-    slow.finish()
-    fast = Analyzer(itl_target_s=0.1)
-    fast.set_header({"engine": {"adapter": "vllm"}})
-    fastscan.scan(str(p), fast, chunk_bytes=1500)  # many chunks: the window straddles their boundaries
-    fast.finish()
+    # many chunks: the window straddles their boundaries
+    slow, fast = _streaming_and_fast(tmp_path, recs, itl_target_s=0.1, chunk_bytes=1500)
 
     def key(an):
         return [(g.request_id, g.t_end, str(g.cause), g.kind, g.step_n_max) for g in an.spikes]

@@ -147,6 +147,18 @@ def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
     return r.tokens / r.events if r.events else 1.0
 
 
+def _stream_gap(r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int) -> Gap:
+    """A long gap of stream ``r`` with what the stream's state says about it before the closing event."""
+    gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
+    gp.chunk_n = gp.burst_n = chunk_n
+    gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
+    gp.calm_baseline = r.calm_gap()
+    gp.engine = r.engine
+    gp.fast_baseline = r.fastest_gap()
+    gp.step_n_max = max(r.recent_n, default=0)
+    return gp
+
+
 def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
     """One token event after spike ``w`` (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
     if t - w.t_end <= BURST_S:
@@ -270,13 +282,7 @@ class GapTracker:
             r.max_gap = g
         tgt = self.itl_target_s
         if tgt is None:
-            gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-            gp.chunk_n = gp.burst_n = chunk_n
-            gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
-            gp.calm_baseline = r.calm_gap()
-            gp.engine = r.engine
-            gp.fast_baseline = r.fastest_gap()
-            gp.step_n_max = max(r.recent_n, default=0)
+            gp = _stream_gap(r, lt, t, g, ended_by, chunk_n)
             self.warm.append(gp)
             if len(self.warm) >= WARMUP_GAPS:
                 self.derive_target()
@@ -284,13 +290,7 @@ class GapTracker:
             if not self.n_gaps & 7:
                 self.hist.add(g)
             if g >= LONG_FRACTION * tgt:
-                gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-                gp.chunk_n = gp.burst_n = chunk_n
-                gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
-                gp.calm_baseline = r.calm_gap()
-                gp.engine = r.engine
-                gp.fast_baseline = r.fastest_gap()
-                gp.step_n_max = max(r.recent_n, default=0)
+                gp = _stream_gap(r, lt, t, g, ended_by, chunk_n)
                 self.long.append(gp)
                 if g > self.long_max:
                     self.long_max = g
