@@ -20,7 +20,6 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,13 @@ from bench.tracegen.generate import simulate as tg_simulate  # noqa: E402
 from bench.tracegen.generate import write as tg_write  # noqa: E402
 from bench.tracegen.situations import SITUATIONS  # noqa: E402
 from kvtop.analysis.scan import analyze_trace  # noqa: E402
-from kvtop.analysis.scoring import NON_ENGINE_CAUSES, label_span, precision_recall, truth_intervals  # noqa: E402
+from kvtop.analysis.scoring import (  # noqa: E402
+    NON_ENGINE_CAUSES,
+    label_span,
+    precision_recall,
+    reliability_table,
+    truth_intervals,
+)
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode")
 SHORT = {"preemption": "preempt", "prefill_interference": "prefill", "slow_decode": "slow"}
@@ -39,7 +44,6 @@ SIM_PRESETS = ("preemption-storm", "cancel-heavy", "prefill-interference", "slow
 # every gap of slow-decode's ~400 streams is a spike once its batch has ramped up (300K+ spikes per
 # 2-minute run, most of the matrix's time): one seed is plenty
 ONE_SEED = ("slow-decode",)
-BINS = [i / 10 for i in range(11)]
 
 
 def score_trace(path: str, itl_target_s: float) -> dict[str, Any]:
@@ -82,22 +86,9 @@ def header_line() -> str:
 
 def reliability(results: list[dict[str, Any]]) -> list[str]:
     """Bins of stated confidence vs observed accuracy (spikes given a cause other than unknown)."""
-    bins: dict[int, list[tuple[float, bool]]] = defaultdict(list)
-    for res in results:
-        for pred, t, c in zip(res["kvtop"], res["truth"], res["conf"], strict=True):
-            if pred == "unknown":
-                continue
-            bins[min(9, int(c * 10))].append((c, pred == t))
-    out = [f"{'confidence':<12}{'spikes':>8}{'stated':>8}{'observed':>10}{'error':>7}"]
-    for b in range(10):
-        xs = bins.get(b)
-        if not xs:
-            continue
-        stated = sum(c for c, _ in xs) / len(xs)
-        obs = sum(ok for _, ok in xs) / len(xs)
-        flag = "" if len(xs) >= 50 else "  (< 50 spikes)"
-        out.append(f"{BINS[b]:.1f}-{BINS[b + 1]:.1f}{'':<5}{len(xs):>8}{stated:>8.2f}{obs:>10.2f}{abs(obs - stated):>7.2f}{flag}")
-    return out
+    calls = [(c, pred == t) for res in results
+             for pred, t, c in zip(res["kvtop"], res["truth"], res["conf"], strict=True) if pred != "unknown"]
+    return reliability_table(calls)[0]
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtop.analysis.analyzer import Analyzer  # noqa: E402
 from kvtop.analysis.attribution import thresholds  # noqa: E402
 from kvtop.analysis.engines import engine_semantics  # noqa: E402
-from kvtop.analysis.scoring import label, truth_intervals  # noqa: E402
+from kvtop.analysis.scoring import label, reliability_table, truth_intervals  # noqa: E402
 from kvtop.model.trace import TraceReader  # noqa: E402
 
 SIM_PRESETS = ("preemption-storm", "cancel-heavy", "prefill-interference", "slow-decode", "healthy")
@@ -179,23 +179,7 @@ def fit(cs: list[Call], rare: list[Call] | None = None,
 
 def reliability(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> tuple[list[str], float]:
     """The table, and the worst error among bins with at least MIN_BIN spikes."""
-    bins: dict[int, list[tuple[float, bool]]] = defaultdict(list)
-    for c in cs:
-        s = stated(c, conf, disc)
-        bins[min(9, int(s * 10))].append((s, c.right))
-    lines = [f"{'confidence':<12}{'spikes':>8}{'stated':>8}{'observed':>10}{'error':>7}"]
-    worst = 0.0
-    for b in range(10):
-        xs = bins.get(b)
-        if not xs:
-            continue
-        st = sum(s for s, _ in xs) / len(xs)
-        ob = sum(r for _, r in xs) / len(xs)
-        if len(xs) >= MIN_BIN:
-            worst = max(worst, abs(ob - st))
-        flag = "" if len(xs) >= MIN_BIN else f"  (< {MIN_BIN} spikes)"
-        lines.append(f"{b / 10:.1f}-{(b + 1) / 10:.1f}{'':<5}{len(xs):>8}{st:>8.2f}{ob:>10.2f}{abs(ob - st):>7.3f}{flag}")
-    return lines, worst
+    return reliability_table([(stated(c, conf, disc), c.right) for c in cs], MIN_BIN)
 
 
 def per_rule(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> list[str]:

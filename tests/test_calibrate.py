@@ -35,3 +35,14 @@ def test_a_rule_the_fitting_generator_rarely_exercises_is_fit_on_the_spare_trace
     assert "tracegen seeds 3-4" in how["slow/pace"]
     # a rule with enough calls of its own ignores the spare ones
     assert conf["slow/lifted"] == pytest.approx(0.99) and "tracegen" not in how["slow/lifted"]
+
+
+def test_reliability_table_weighs_only_bins_with_enough_calls():
+    from kvtop.analysis.scoring import reliability_table
+
+    calls = [(0.9, i < 70) for i in range(100)]  # stated 0.90, 70 % right
+    calls += [(0.55, False) for _ in range(10)]  # a thin bin, all wrong: shown, not weighed
+    lines, worst = reliability_table(calls, min_bin=50)
+    assert worst == pytest.approx(0.2)
+    assert lines[1].split()[:5] == ["0.5-0.6", "10", "0.55", "0.00", "0.55"] and lines[1].endswith("(< 50 spikes)")
+    assert lines[2].split() == ["0.9-1.0", "100", "0.90", "0.70", "0.20"]

@@ -97,3 +97,25 @@ def score(report: AnalysisReport, path: str) -> dict[str, Any]:
     res["spikes"] = len(pairs)
     res["unlabelled"] = sum(1 for _, t in pairs if t is None)
     return res
+
+
+def reliability_table(calls: list[tuple[float, bool]], min_bin: int = 50) -> tuple[list[str], float]:
+    """Stated confidence vs the share right, per 0.1 bin of ``(confidence, right)`` calls: the table's
+    lines, and the worst error among bins holding at least ``min_bin`` calls."""
+    bins: dict[int, list[tuple[float, bool]]] = defaultdict(list)
+    for c, ok in calls:
+        bins[min(9, int(c * 10))].append((c, ok))
+    lines = [f"{'confidence':<12}{'spikes':>8}{'stated':>8}{'observed':>10}{'error':>7}"]
+    worst = 0.0
+    for b in range(10):
+        xs = bins.get(b)
+        if not xs:
+            continue
+        stated = sum(c for c, _ in xs) / len(xs)
+        observed = sum(ok for _, ok in xs) / len(xs)
+        if len(xs) >= min_bin:
+            worst = max(worst, abs(observed - stated))
+        flag = "" if len(xs) >= min_bin else f"  (< {min_bin} spikes)"
+        lines.append(f"{b / 10:.1f}-{(b + 1) / 10:.1f}{'':<5}{len(xs):>8}{stated:>8.2f}{observed:>10.2f}"
+                     f"{abs(observed - stated):>7.2f}{flag}")
+    return lines, worst
