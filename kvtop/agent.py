@@ -75,15 +75,15 @@ class Agent:
 
     def report(self) -> dict[str, Any]:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""
-        an = getattr(self.core.analysis, "an", None)
-        rep = self.core.analysis.report(self.core.now) if self.core.analysis is not None else None
+        analysis = self.core.analysis
+        totals = analysis.counters() if analysis is not None else None
+        rep = analysis.report(self.core.now) if analysis is not None else None
         v = rep.verdict if rep is not None else None
         return {
             "engine": self.metrics.request_engine,
-            "spikes_by_cause": {str(k): v for k, v in (getattr(an, "cause_counts", {}) or {}).items()},
-            "stall_seconds_by_cause": {str(k): round(v, 6)
-                                       for k, v in (getattr(an, "cause_seconds", {}) or {}).items()},
-            "preemptions_attributed": len(getattr(getattr(an, "acc", None), "preempted_ids", ())),
+            "spikes_by_cause": dict(totals.spikes_by_cause) if totals else {},
+            "stall_seconds_by_cause": {k: round(v, 6) for k, v in totals.stall_s_by_cause.items()} if totals else {},
+            "preemptions_attributed": totals.preemptions_attributed if totals else 0,
             "verdict": {"action": v.action if v else None, "mechanism": v.mechanism if v else None,
                         "confidence": v.confidence if v else None},
             "itl_target_s": rep.itl_target_s if rep is not None else None,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from kvtop import __version__
 from kvtop.history import History
-from kvtop.model.analysis import AnalysisReport
+from kvtop.model.analysis import AnalysisCounters, AnalysisReport
 from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
 from kvtop.model.sanitize import printable, sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_rate
@@ -99,6 +99,8 @@ class LiveAnalysis(Protocol):
         ...
 
     def report(self, now: float) -> AnalysisReport | None: ...
+
+    def counters(self) -> AnalysisCounters: ...
 
     def lag(self, now: float) -> float:
         """Seconds since the oldest spike still waiting for its evidence window ended (0 when none)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.report import build_report
-from kvtop.model.analysis import AnalysisReport
+from kvtop.model.analysis import AnalysisCounters, AnalysisReport
 from kvtop.model.records import (
     EngineRecord,
     GpuRecord,
@@ -88,6 +88,11 @@ class LiveAnalyzer:
 
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
         return self.an.request_info(request_id)
+
+    def counters(self) -> AnalysisCounters:
+        an = self.an
+        return AnalysisCounters({str(c): n for c, n in an.cause_counts.items()},
+                                {str(c): s for c, s in an.cause_seconds.items()}, len(an.acc.preempted_ids))
 
     def lag(self, now: float) -> float:
         pending = self.an.gaps.pending

@@ -310,3 +310,12 @@ class AnalysisReport:
     def finite(self) -> AnalysisReport:
         """This report with every NaN/Infinity as None (what JSON and text show)."""
         return AnalysisReport.from_dict(finite_json(self.to_dict()))
+
+
+@dataclass(frozen=True, slots=True)
+class AnalysisCounters:
+    """Running totals of a live analysis since it started (what `kvtop agent` exports as counters)."""
+
+    spikes_by_cause: Mapping[str, int]
+    stall_s_by_cause: Mapping[str, float]
+    preemptions_attributed: int  # streams with at least one stall attributed to preemption

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -35,6 +35,9 @@ from prometheus_client.registry import Collector
 from kvtop import __version__
 from kvtop.model.records import EngineRecord, Record, RequestRecord
 from kvtop.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvtop.core import LiveAnalysis
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -117,7 +120,7 @@ class AgentMetrics:
             self._open.popitem(last=False)
 
     # -- per tick -----------------------------------------------------------------------------
-    def update(self, snap: Snapshot, analyzer: Any = None, stale_after_s: float = 10.0,
+    def update(self, snap: Snapshot, analysis: LiveAnalysis | None = None, stale_after_s: float = 10.0,
                analysis_lag_s: float | None = None) -> None:
         """Rebuild the derived families from one snapshot (and the live analyzer's counters)."""
         fams: list[Any] = []
@@ -165,17 +168,16 @@ class AgentMetrics:
                          ["engine", "cause"])
         stall = counter("kvtop_stall_seconds", "Seconds streams stalled in spikes, by attributed cause",
                         ["engine", "cause"])
-        an = getattr(analyzer, "an", analyzer)
-        counts = getattr(an, "cause_counts", None) or {}
-        secs = getattr(an, "cause_seconds", None) or {}
+        totals = analysis.counters() if analysis is not None else None
+        counts = totals.spikes_by_cause if totals else {}
+        secs = totals.stall_s_by_cause if totals else {}
         for c in CAUSES:
             spikes.add_metric([lab, c], float(counts.get(c, 0)))
             stall.add_metric([lab, c], float(secs.get(c, 0.0)))
         attributed = counter("kvtop_preemptions_attributed",
                              "Streams whose stall kvtop attributed to preemption (compare kvtop_engine_preemptions_total)",
                              ["engine"])
-        acc = getattr(an, "acc", None)
-        attributed.add_metric([lab], float(len(getattr(acc, "preempted_ids", ()))))
+        attributed.add_metric([lab], float(totals.preemptions_attributed if totals else 0))
         rep = snap.analysis
         verdict = rep.verdict if rep is not None else None
         v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtop.core import Core
-from kvtop.model.analysis import AnalysisReport, CauseRow, SpikeView, Verdict
+from kvtop.model.analysis import AnalysisCounters, AnalysisReport, CauseRow, SpikeView, Verdict
 from kvtop.model.records import EngineRecord, GpuRecord, Histogram, HostRecord, Record, RequestRecord
 
 GIB = 1 << 30
@@ -48,6 +48,14 @@ class SampleAnalysis:
         mine = self._by_req.get(request_id, ())
         pre = sum(1 for s in mine if s.cause == "preemption")
         return len(mine), pre, (mine[-1].cause if mine else None)
+
+    def counters(self) -> AnalysisCounters:
+        counts: dict[str, int] = {}
+        secs: dict[str, float] = {}
+        for s in self.spikes:
+            counts[s.cause] = counts.get(s.cause, 0) + 1
+            secs[s.cause] = secs.get(s.cause, 0.0) + s.gap_s
+        return AnalysisCounters(counts, secs, len({s.request_id for s in self.spikes if s.cause == "preemption"}))
 
     def lag(self, now: float) -> float:  # the generator registers each spike already judged
         return 0.0
