@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CITE = re.compile(r"docs/([a-z-]+)\.md\s*§\s*(\d+(?:\.\d+)?[a-z]?)")
-SEARCHED = ("kvtop", "plugins", "tests", "bench", "scripts")
+SEARCHED = ("kvtop", "plugins", "tests", "bench", "eval", "scripts")  # eval/: once the evaluation moves there
 
 
 def _sections(doc: Path) -> set[str]:
@@ -22,6 +22,8 @@ def _sections(doc: Path) -> set[str]:
 
 def _texts():
     for d in SEARCHED:
+        if not (REPO / d).is_dir():
+            continue
         for p in (REPO / d).rglob("*"):
             if p.is_file() and p.suffix in (".py", ".md", ".json", ".sh") and "__snapshots__" not in p.parts:
                 yield p, p.read_text(encoding="utf-8", errors="replace")
