@@ -13,8 +13,9 @@ runs, with the *base* commit checked out in a temporary git worktree and with th
   the analysis on the streaming path (``analyze_trace(fast=False)``), ``--save-scenario``, and
   ``kvtop replay --headless`` text and JSON (the Snapshot JSON through the live core);
 * ``kvtop advise`` text and JSON on every scenario in ``tests/scenarios``;
-* ``kvtop snapshot --format json`` against every captured real-engine page in
-  ``tests/fixtures/engines`` (served from loopback), with the wall-clock fields blanked.
+* ``kvtop snapshot --format json --no-host --no-gpu`` against every captured real-engine page in
+  ``tests/fixtures/engines`` (served from loopback), with the wall-clock fields (and the number of
+  scrapes that fit in its second) blanked.
 
 Both trees run under the same interpreter; each is put first on ``PYTHONPATH`` (``kvtop`` and
 ``kvtop_plugins``), and the traces every command reads are the ones the *base* tree wrote, so a
@@ -213,8 +214,8 @@ def _compare(args: argparse.Namespace, work: Path, base: Tree, this: Tree) -> in
         for d in sorted(pages.iterdir()):
             for tree in (base, this):
                 got = tree.kvtop(["snapshot", "--url", f"http://127.0.0.1:{port}/{d.name}/metrics", "--duration", "1",
-                                  "--interval", "0.5", "--format", "json"], work)
-                out[tree.name][f"snapshot {d.name}"] = STAMP.sub(b"<time>", _unwall(got, frozenset({"window_s"})))
+                                  "--interval", "0.5", "--no-host", "--no-gpu", "--format", "json"], work)
+                out[tree.name][f"snapshot {d.name}"] = STAMP.sub(b"<time>", _unwall(got, frozenset({"window_s", "records"})))
     finally:
         srv.shutdown()
 
