@@ -66,6 +66,8 @@ Explain = Callable[[Evidence], Finding | Signs | None]
 
 @dataclass(frozen=True)
 class Rule:
+    """One row of the table."""
+
     key: str
     cause: Cause
     kinds: tuple[str, ...]  # the ``rule`` names its findings report (Finding.kind)
