@@ -86,7 +86,8 @@ def calls(path: str, itl_target_s: float) -> list[Call]:
     truth = truth_intervals(path, engine_wide=True)
     out = []
     for g in an.spikes:
-        if g.rule_key is None:  # unknown: no claim to be right or wrong about
+        # an unknown makes no claim to be right or wrong about: its confidence is set, never fit
+        if g.cause == "unknown" or g.rule_key is None:
             continue
         t = label({"request_id": g.request_id, "t_start": g.t_start, "t_end": g.t_end}, truth)
         out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))

@@ -1,8 +1,8 @@
 """Cause attribution for token-gap spikes.
 
-``evidence.gather`` builds one typed ``Evidence`` per spike; ``classify`` asks the rules
-(one module per cause) in a fixed order; ``aggregate`` is the fallback for traces without request
-records. Thresholds live in ``thresholds`` and are shared by both.
+``evidence.gather`` builds one typed ``Evidence`` per spike; ``classify`` asks the rules in the
+order of their table (``rules.RULES``; one module per cause); ``aggregate`` is the fallback for
+traces without request records. Thresholds live in ``thresholds`` and are shared by both.
 """
 
 from kvtop.analysis.attribution.causes import ALL, Cause, Finding

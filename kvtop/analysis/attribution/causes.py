@@ -35,3 +35,11 @@ class Finding:
     kind: str | None = None  # a finer name where it helps: "host", "delivery", "recompute", "onset"
     key: str | None = None  # its entry in thresholds.CONFIDENCE (the calibrated base confidence)
     discounts: tuple[str, ...] = ()  # thresholds.DISCOUNT entries applied (coarse, sparse, chunked)
+
+
+@dataclass
+class Signs:
+    """What a rule saw but found too weak to answer on: the lines lead whatever answer a later rule
+    gives instead (``classify`` carries them)."""
+
+    lines: list[str]

@@ -53,12 +53,13 @@ def line(ev: Evidence) -> str:
 
 def judge(ev: Evidence) -> Finding | None:
     if scrapes_stalled(ev):
-        return Finding(Cause.UNKNOWN, 0.6, [line(ev), "not an engine cause: no engine setting fixes it"], "host")
+        return ev.found(Cause.UNKNOWN, "unknown/host", [line(ev), "not an engine cause: no engine setting fixes it"],
+                        "host", weighed=False)
     g = ev.gap
     p = ev.prev_spike
     if p is not None and p.kind == "delivery" and g.t_start - p.t_end <= BURST_S:
-        return Finding(Cause.UNKNOWN, 0.5, ["it began where the stream's delivery stall ended: the same disruption"],
-                       "delivery")
+        return ev.found(Cause.UNKNOWN, "unknown/delivery-continued",
+                        ["it began where the stream's delivery stall ended: the same disruption"], "delivery", weighed=False)
     usual = max(1.0, g.tokens_per_event)
     # more tokens than any one event of the stream carried so far is more than one engine step's
     # worth (a resumed victim emits one step, up to k + 1 tokens with speculative decoding): they
@@ -70,7 +71,7 @@ def judge(ev: Evidence) -> Finding | None:
     pace = (ev.baseline or 0.0) / usual
     if pace and g.burst_n * pace < BURST_EXPLAINS * g.gap:
         return None
-    return Finding(Cause.UNKNOWN, 0.6, [
+    return ev.found(Cause.UNKNOWN, "unknown/delivery", [
         f"the stall ended with {g.burst_n} tokens delivered at once (the stream usually gets {usual:.1f} per event,"
         f" at most {g.step_n_max} so far):"
-        " a delivery stall (slow reader, API-server merging or network), not the engine"], "delivery")
+        " a delivery stall (slow reader, API-server merging or network), not the engine"], "delivery", weighed=False)

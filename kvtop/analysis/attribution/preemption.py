@@ -14,7 +14,7 @@ get this cause.
 
 from __future__ import annotations
 
-from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
 
 # KV usage this close to full while every other stream keeps flowing: a victim the counter never
@@ -47,13 +47,13 @@ def _state_signs(ev: Evidence) -> list[str]:
     return out
 
 
-def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
+def lone(ev: Evidence) -> Finding | Signs | None:
     """A stall of this stream alone (others streamed through it, or none was decoding).
 
-    Returns the finding when the evidence is strong enough, else None and the weaker signs seen
-    (they belong in whatever answer the stall gets instead)."""
+    Returns the finding when the evidence is strong enough, else the weaker signs seen (they belong
+    in whatever answer the stall gets instead)."""
     if not ev.preempts:
-        return None, []
+        return None
     w = ev.window
     # state evidence (KV, running, waiting) is about the engine, not this stream: it counts where
     # the counter cannot (a victim cancelled while waiting) or where the engine's semantics are unknown
@@ -86,7 +86,7 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     if not strong:
         if ev.counted_at == "resume" and ev.resumed and ev.has_counter and signs:
             pev.append("the stream resumed but the counter did not step at its resume (this engine counts there)")
-        return None, pev
+        return Signs(pev)
     lines = []
     if flowing is not None and flowing > 0:
         lines.append("the other streams kept flowing")
@@ -95,7 +95,7 @@ def lone(ev: Evidence) -> tuple[Finding | None, list[str]]:
     else:
         # state evidence alone (KV, running/waiting, others flowing)
         kind = "cancelled" if ev.gap.ended_by == "cancel" else ("unread" if unread else "state")
-    return ev.found(Cause.PREEMPTION, "preemption/" + kind, lines + pev, kind, claim[1] if claim else None), []
+    return ev.found(Cause.PREEMPTION, "preemption/" + kind, lines + pev, kind, claim[1] if claim else None)
 
 
 def longer_than_company(ev: Evidence) -> Finding | None:

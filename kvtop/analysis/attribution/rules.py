@@ -1,0 +1,199 @@
+"""The attribution rules as ordered data: ``RULES`` is the order in which they are asked about one spike.
+
+Each row names a rule, the cause it gives (and the ``rule`` names its findings report), the stalls it
+applies to, the function that explains the stall, the calibrated confidence entries
+(``thresholds.CONFIDENCE``) its findings take, and what it checks in words. ``classify`` asks the rows
+in order and returns the first finding. docs/rules.md carries this table as Markdown
+(``python -m kvtop.analysis.attribution --markdown`` prints it; tests/test_rules_table.py checks that
+they agree), so a rule change is one row here, its rule function and its test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from functools import partial
+
+from kvtop.analysis.attribution import host, preemption, prefill, slow_decode, unknown
+from kvtop.analysis.attribution.causes import Cause, Finding, Signs
+from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import (
+    CONFIDENCE,
+    KV_HIGH,
+    REL_SLOW,
+    RESUME_LEAD_S,
+    SHARED_FRESH,
+    STEP_EARLY_S,
+)
+from kvtop.analysis.gaps import BURST_S, RECENT
+
+
+class Stall(Enum):
+    """How the stall relates to the other observed streams (see ``stall_of``)."""
+
+    FLOWED = "flowed"  # another stream kept receiving tokens through it
+    ALONE = "alone"  # no other observed stream was decoding
+    SHARED = "shared"  # every decoding stream stalled with it
+
+
+def stall_of(ev: Evidence) -> Stall:
+    """While any other stream still received tokens the engine kept stepping: this stream alone was
+    left out. In a preemption storm most streams sit silent (preempted earlier, still waiting), so a
+    share of silent streams says nothing; an engine-wide stall (a prefill step, a host hiccup) is one
+    that nobody streamed through."""
+    if ev.others_flowed:
+        return Stall.FLOWED
+    return Stall.ALONE if ev.alone else Stall.SHARED
+
+
+@dataclass(frozen=True)
+class When:
+    """The stalls a rule applies to."""
+
+    says: str  # in the rules table
+    stalls: frozenset[Stall]
+
+
+ANY = When("any stall", frozenset(Stall))
+LONE = When("lone: another stream kept flowing, or none was decoding", frozenset({Stall.FLOWED, Stall.ALONE}))
+ALONE = When("alone: no other observed stream was decoding", frozenset({Stall.ALONE}))
+SHARED = When("shared: every decoding stream stalled with it", frozenset({Stall.SHARED}))
+
+# A rule's answer: a finding, the weaker signs it saw (they lead whatever later rule answers), or nothing.
+Explain = Callable[[Evidence], Finding | Signs | None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table."""
+
+    key: str
+    cause: Cause
+    kinds: tuple[str, ...]  # the ``rule`` names its findings report (Finding.kind)
+    when: When
+    explain: Explain
+    confidence: tuple[str, ...]  # the thresholds.CONFIDENCE entries its findings take
+    checks: str  # what it requires, in words (the rules table)
+    context: bool = True  # its answer leads with how the stall compares with its stream and the others
+
+
+def _mass(ev: Evidence) -> Finding | None:
+    """A mass preemption, unless a prefill signal explains the streams falling silent together."""
+    return preemption.mass(ev, bool(prefill.signals(ev)[0]))
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:g} %"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("reported", Cause.PREEMPTION, ("reported",), ANY, preemption.reported, ("preemption/reported",),
+         "the engine or adapter reported a `preempt` event for this request inside the gap", context=False),
+    Rule("outside-engine", Cause.UNKNOWN, ("host", "delivery"), ANY, host.judge,
+         ("unknown/host", "unknown/delivery", "unknown/delivery-continued"),
+         "`host`: kvtop's own scrapes paused across the stall (≥ half of it and ≥ 2 scrape intervals), or the "
+         f"scrape interval covering it came late by ≥ half the stall (and ≥ {host.HOST_LATE_MIN_S:g} s), or a "
+         f"scrape that fell due inside the stall was answered ≥ {host.HOST_LATE_MIN_S:g} s late within "
+         f"{host.HELD_REPLY_S:g} s of the stall's end (however little of the stall was left when it fell due, the "
+         "reply waited for the same hang): the host or the engine's API server hung. `delivery`: the stall ended "
+         f"with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within {BURST_S * 1e3:g} ms of its "
+         f"end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or more than any one of its "
+         f"recent {RECENT} events carried (more than one engine step: k + 1 tokens with speculative decoding), "
+         f"covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a slow reader, "
+         "API-server merging, the network); a resumed preemption victim emits one step's worth. A spike "
+         "starting where such a burst ended is the same disruption (`unknown/delivery-continued`). Asked before "
+         "any engine cause"),
+    Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
+         f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
+         f"(look-ahead, below) are < 1/{REL_SLOW:g} of it. `slow/lifted-run`: the stream has no gaps of its own "
+         "before it (the pace is its look-ahead's, or the run's median gap)", context=False),
+    # with nobody else decoding, a prefill that the measured rate confirms comes first: in a storm
+    # some counter step is near almost any stall of the only observed stream
+    Rule("alone-prefill-checked", Cause.PREFILL, ("lone",), ALONE, partial(prefill.lone, checked_only=True),
+         ("prefill/lone-checked",),
+         "a prefill explains the stall as in `shared-prefill`, confirmed by the measured prefill rate; asked "
+         "before the preemption rules (in a storm some counter step is near almost any stall of the only "
+         "observed stream)"),
+    Rule("lone-preemption", Cause.PREEMPTION, ("counter", "state", "cancelled", "unread"), LONE, preemption.lone,
+         ("preemption/counter", "preemption/state", "preemption/cancelled", "preemption/unread"),
+         "`counter`: a preemption-counter unit is claimed from a scrape interval that overlaps the moment the "
+         f"engine counts it: **at resume** for vLLM V1 (the interval around the stall's end, reaching back "
+         f"{RESUME_LEAD_S:g} s plus the victim's re-prefill at the measured rate), **at retraction** for SGLang "
+         f"(around its start), anywhere in the stall ± {STEP_EARLY_S:g} s for engines whose adapter does not say "
+         "(`preempt_counted_at`). Each unit is claimed once; a step read from an interval that does not overlap "
+         "the stall is somebody else's, however coarse the scrapes. **No claim when no other observed stream "
+         "was decoding**: the step may belong to a stream kvtop does not see, and an engine-wide stall looks "
+         f"the same from one stream. `state`, `cancelled`: KV ≥ {KV_HIGH:g} with running dropping (beyond the "
+         f"streams that finished between the same scrapes) or waiting rising, or KV ≥ {preemption.KV_FULL:g} "
+         "while others flow, **only** where the counter cannot speak: the silence ended in a cancel (vLLM never "
+         "counts a victim cancelled while waiting), the engine has no counter, or its counting moment is "
+         "unknown; `unread`: the run ended before any scrape after the stall was read, so the resume counter "
+         "cannot show it. In a storm those gauges hold for every stream, so a stream that resumed on vLLM V1 "
+         "without a counter step at its resume is not called a preemption. The signs seen when the evidence "
+         "is too weak lead the answer a later rule gives"),
+    Rule("alone-prefill", Cause.PREFILL, ("lone",), ALONE, prefill.lone, ("prefill/lone",),
+         "a prefill signal as in `shared-prefill` that the measured rate cannot confirm (none measured yet)"),
+    Rule("longer", Cause.PREEMPTION, ("longer",), SHARED, preemption.longer_than_company, ("preemption/longer",),
+         f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams, with a "
+         "counter unit claimed as in `lone-preemption`"),
+    Rule("shared-prefill", Cause.PREFILL, ("shared",), SHARED, prefill.shared,
+         ("prefill/shared-checked", "prefill/shared"),
+         "other requests' first tokens at its end (their prompts added up: prompts admitted in one step finish "
+         "together), a prompt-counter jump over the stall's evidence window, or (no first token seen: the "
+         "request may be unobserved) the prompt tokens that the scrape interval in which the stall ended added "
+         "beyond the usual explain it: those tokens at the **measured** prefill rate (median prompt tokens / "
+         f"TTFT, a low estimate) cover ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the stream's "
+         f"decode-only pace, and that pace is under {_pct(prefill.PACE_NEAR)} of the target (else the spike is "
+         "slow decode: near the target the pace, not the prefill, decides). Without a measured rate the "
+         "first-token and jump signals are taken as is (`prefill/shared`)"),
+    Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
+         "another request's first token at its end, and the gap is the longest around it and ≥ "
+         f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "
+         "shortest look-ahead gap, itself within the target); the prompts, at the measured rate slowed by as "
+         "much as the engine's pace is now slower than its stall-free pace, cover ≥ "
+         f"{_pct(prefill.PREFILL_SHARE)} of the excess; not where the stream's own decode-only pace before it "
+         "was already near the target (as in `shared-prefill`). A mostly-prefill step on an engine running "
+         "slower (throttled clocks, a flood of short requests), which the slow-decode rules would otherwise take"),
+    Rule("onset", Cause.SLOW_DECODE, ("onset", "continued"), ANY, slow_decode.onset, ("slow/onset", "slow/continued"),
+         f"the ≥ 2 gaps after it are more than 1/{REL_SLOW:g} as long as it: a new, slower pace, not a stall "
+         "(asked after the prefill rules: a run of prefill steps lifts a few gaps too); `continued`: near a "
+         "stream's end, a spike right after a slow-decode spike of the same pace"),
+    Rule("recompute", Cause.PREFILL, ("recompute",), SHARED, prefill.recompute,
+         ("prefill/recompute", "prefill/recompute-long"),
+         "on an engine that counts preemptions at resume (vLLM V1), the counter stepped at its end with no new "
+         "prompt: a resumed victim's re-prefill (recompute tokens are in no counter); a stall longer than one "
+         f"re-prefill step ({prefill.RECOMPUTE_STEP_S:g} s) takes `prefill/recompute-long`, a much lower "
+         "confidence (a host hang between scrape beats looks the same)"),
+    Rule("mass", Cause.PREEMPTION, ("mass",), SHARED, _mass, ("preemption/mass",),
+         "streams fell silent together while the counter rose by ≥ 2 (and ≥ half of them), with no prefill "
+         "signal; not on engines that count at resume, where each victim's step comes at its own resume"),
+    Rule("pace", Cause.SLOW_DECODE, ("pace",), ANY, slow_decode.pace_missed, ("slow/pace",),
+         "the stream's own pace already missed the target"),
+    Rule("lone-unknown", Cause.UNKNOWN, ("lone",), LONE, unknown.lone, ("unknown/lone",),
+         "nothing above explained it; the evidence says which signal was missing"),
+    Rule("shared-unknown", Cause.UNKNOWN, ("shared",), SHARED, unknown.shared, ("unknown/shared",),
+         "nothing above explained it"),
+)
+
+LEGEND = (
+    "A stall is **lone** when another observed stream of the same engine kept receiving tokens through it "
+    f"(and fewer than {_pct(SHARED_FRESH)} of the other active streams fell silent and came back with it: one "
+    "engine-wide or delivery event that a few streams' buffered tokens hid; unless, with scrapes finer than "
+    "the stall, the counter rose once for each of them: vLLM resumes waiting victims as a batch), or when no "
+    "other observed stream was decoding (**alone**: none active, or all silent since before it, preempted "
+    "earlier and still waiting); otherwise it is **shared**. The first row that answers decides; the signs "
+    "a rule saw but found too weak lead the answer a later row gives."
+)
+
+
+def markdown(rules: tuple[Rule, ...] = RULES, confidence: dict[str, float] | None = None) -> str:
+    """The rules table as Markdown, from the rows and the calibrated confidences."""
+    conf = CONFIDENCE if confidence is None else confidence
+    out = ["| order | key | cause (`rule`) | applies when | what it checks | confidence |",
+           "|---|---|---|---|---|---|"]
+    for i, r in enumerate(rules, 1):
+        kinds = ", ".join(f"`{k}`" for k in r.kinds)
+        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence)
+        out.append(f"| {i} | `{r.key}` | {r.cause} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
+    return "\n".join(out) + "\n\n" + LEGEND + "\n"

@@ -1,0 +1,26 @@
+"""Unknown: no rule explained the stall. The answer says which evidence was missing (asked last,
+so it always answers)."""
+
+from __future__ import annotations
+
+from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.evidence import Evidence
+
+
+def lone(ev: Evidence) -> Finding:
+    """A stall of this stream alone that neither preemption, prefill nor slow decode explains."""
+    if ev.flowing is None:
+        why = "the only active stream stalled, so nothing tells the engine apart from the host" + (
+            "" if ev.preempts else " (this engine never preempts)")
+    elif ev.alone:
+        why = "the other streams were silent since before it: nothing tells the engine apart from the host"
+    else:
+        why = ("a lone stall without preemption evidence (no counter step, KV not near full, "
+               "no running/waiting change)" if ev.preempts else "a lone stall (this engine never preempts)")
+    return ev.found(Cause.UNKNOWN, "unknown/lone", [why], "lone", weighed=False)
+
+
+def shared(ev: Evidence) -> Finding:
+    """Every decoding stream stalled together and no rule explained it."""
+    return ev.found(Cause.UNKNOWN, "unknown/shared",
+                    ["all streams stalled together without a prefill or preemption signal"], "shared", weighed=False)

@@ -1,0 +1,35 @@
+"""docs/rules.md shows the rules table that the rules' data generates (kvtop/analysis/attribution/rules.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtop.analysis.attribution.rules import markdown
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "rules.md"
+BEGIN, END = "<!-- rules-table:begin -->", "<!-- rules-table:end -->"
+REGENERATE = "run `python -m kvtop.analysis.attribution --markdown` and paste its output"
+
+
+def test_docs_rules_table_is_the_generated_one():
+    assert DOC.is_file(), f"{DOC} is missing: {REGENERATE} between {BEGIN} and {END}"
+    text = DOC.read_text(encoding="utf-8")
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"{DOC} needs one {BEGIN} ... {END} pair"
+    shown = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert shown.strip() == markdown().strip(), f"{DOC}'s rules table differs from the rules' data: {REGENERATE}"
+
+
+def test_the_generator_prints_one_row_per_rule_in_order():
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "kvtop.analysis.attribution", "--markdown"],
+                       capture_output=True, text=True, check=True, env=env)
+    out = p.stdout
+    assert out == markdown() and p.stderr == ""
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| order")]
+    assert [r.split(" | ")[0] for r in rows] == [f"| {i}" for i in range(1, 16)]
+    assert rows[0].startswith("| 1 | `reported` | preemption (`reported`) | any stall |")
+    assert rows[-1].endswith("| `unknown/shared` 0.350 |")
