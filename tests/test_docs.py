@@ -164,9 +164,9 @@ def test_the_readme_is_a_manual_that_links_its_reference():
 
 
 def test_the_rules_table_sits_between_its_markers():
+    # what lies between the markers is generated from the rules' data (tests/test_rules_table.py)
     text = (REPO / "docs" / "rules.md").read_text(encoding="utf-8")
     assert text.count("<!-- rules-table:begin -->\n") == 1 and text.count("<!-- rules-table:end -->\n") == 1
     table = text.split("<!-- rules-table:begin -->\n", 1)[1].split("<!-- rules-table:end -->", 1)[0]
     rows = [line for line in table.splitlines() if line.startswith("|")]
-    assert rows and len(rows) == len(table.strip().splitlines())  # only the table between the markers
-    assert rows[0].startswith("| order | cause (`rule`) |")
+    assert len(rows) >= 10 and rows[0].startswith("| order | key | cause (`rule`) |")
