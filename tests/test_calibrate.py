@@ -1,11 +1,11 @@
-"""bench/calibrate.py: a rule's base is the share of its plain calls that were right, a discount the
+"""eval/calibrate.py: a rule's base is the share of its plain calls that were right, a discount the
 share right among the calls it touches over what the bases predicted."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.calibrate import Call, fit, reliability
+from eval.calibrate import Call, fit, reliability
 
 
 def test_fit_reads_accuracy_per_rule_and_per_weakness():
@@ -38,7 +38,7 @@ def test_a_rule_the_fitting_generator_rarely_exercises_is_fit_on_the_spare_trace
 
 
 def test_reliability_table_weighs_only_bins_with_enough_calls():
-    from kvtop.analysis.scoring import reliability_table
+    from eval.scoring import reliability_table
 
     calls = [(0.9, i < 70) for i in range(100)]  # stated 0.90, 70 % right
     calls += [(0.55, False) for _ in range(10)]  # a thin bin, all wrong: shown, not weighed

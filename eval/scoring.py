@@ -1,11 +1,11 @@
-"""Score attribution against a simulated trace's ``truth`` records (tests and bench only).
+"""Score attribution against a simulated trace's ``truth`` records (evaluation only).
 
-Nothing in the analysis path imports this module: ``kvtop analyze`` never reads truth records.
+kvtop never imports this module (an import contract): ``kvtop analyze`` never reads truth records.
 A spike's true cause is the truth event for the same request whose stall overlaps the spike most:
 a preemption (``resume`` with t_start/t_end, or ``preempt`` followed by a ``cancel``), a prefill
 stall that lists the request among the ``affected`` streams, or a ``stall`` record (one stalled gap
 of one stream with its ``cause``: engine causes or delivery causes such as a slow reader or a host
-pause, as written by the independent generator in bench/tracegen). With ``engine_wide``, a
+pause, as written by the independent generator in eval/tracegen). With ``engine_wide``, a
 ``slow_step`` run (no stream list: every decoding stream waited) labels every stream's overlapping
 gaps ``slow_decode`` (and wins a tie with a prefill stall: the decode part alone missed the target).
 """
