@@ -283,6 +283,31 @@ def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests
     assert hist_sum > 0
 
 
+@pytest.mark.parametrize("name", ["base", "sglang", "nopreempt"])
+def test_kvtop_adapters_read_the_generators_own_engine_records_from_its_pages(name):
+    """The generator writes each scrape's engine record itself (eval/tracegen/records.py), never
+    through kvtop; kvtop's adapter for the engine family (vllm, sglang, tgi), reading the page the
+    same scrape renders, gets the same line, byte for byte."""
+    from eval.tracegen.generate import ADAPTER, URL, engine_records, pages
+    from kvtop.model.records import to_dict
+    from kvtop.plugin import load_adapter
+
+    g = simulate(name, 1, 20.0)
+    adapter = load_adapter(ADAPTER[g.sit.engine.semantics])()
+    ours = [json.dumps(d, separators=(",", ":")) for d in engine_records(g, 1.0)]
+    read = []
+    for ts, text in pages(g, 1.0):
+        (rec,) = adapter.parse(text, ts)
+        rec.url = URL
+        read.append(json.dumps(to_dict(rec), separators=(",", ":")))
+    assert len(ours) == len(read) >= 19  # one scrape a second for 20 s
+    assert ours == read
+    last = json.loads(ours[-1])
+    assert last["running"] > 0 and last["generation_tokens_total"] > 0 and last["itl"]["count"] > 0
+    if name != "nopreempt":
+        assert last["preemptions_total"] > 0
+
+
 def test_nothing_arrives_during_a_host_pause(tmp_path):
     g = simulate("delivery", 1, 90.0)
     p = tmp_path / "dl.jsonl"
