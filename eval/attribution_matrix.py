@@ -4,7 +4,7 @@ baseline, plus how often non-engine stalls are called preemption and a confidenc
 Two generators: kvtop's own simulator (``kvtop simulate`` presets) and the independent step-level
 generator in eval/tracegen (different engine model, vLLM V1 / SGLang / never-preempting
 semantics, a delivery model between engine and client). Every spike kvtop reports is labelled by
-the truth stall of the same request that overlaps it most (eval.scoring); the rule
+the truth stall of the same request that overlaps it most (eval.truth); the rule
 baseline (eval/tracegen/baseline.py) judges the same spikes.
 
     python -m eval.attribution_matrix            # 2 seeds, 1/5/15 s scrapes (a few minutes)
@@ -22,17 +22,12 @@ import tempfile
 import time
 from typing import Any
 
-from eval.scoring import (
-    NON_ENGINE_CAUSES,
-    label_span,
-    precision_recall,
-    reliability_table,
-    truth_intervals,
-)
+from eval.scoring import precision_recall, reliability_table
 from eval.tracegen import baseline
 from eval.tracegen.generate import simulate as tg_simulate
 from eval.tracegen.generate import write as tg_write
 from eval.tracegen.situations import SITUATIONS
+from eval.truth import NON_ENGINE_CAUSES, label_span, truth_intervals
 from kvtop.analysis.scan import analyze_trace
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode")

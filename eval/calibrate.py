@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.scoring import label, reliability_table, truth_intervals
+from eval.scoring import reliability_table
+from eval.truth import label, truth_intervals
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import thresholds
 from kvtop.analysis.engines import engine_semantics

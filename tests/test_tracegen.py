@@ -225,8 +225,8 @@ def test_rule_baseline_follows_the_readme_signal_table(tmp_path):
                    "prefill_interference", "slow_decode"]
 
 
-def test_scoring_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
-    from eval.scoring import label, truth_intervals
+def test_truth_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
+    from eval.truth import label, truth_intervals
 
     g = simulate("delivery", 2, 60.0)
     p = tmp_path / "d.jsonl"
@@ -323,9 +323,9 @@ def test_a_gap_stretched_by_a_hold_is_labelled_by_the_hold_not_the_short_step_un
     writes a prefill span for every step of at least half the target (65 ms at 100 ms); when a slow
     reader or an API-server stall held that step's token for a second, the gap's time over the
     target is the hold's, and kvtop's "delivery" answer is the right one."""
-    from eval.scoring import label_span, truth_intervals
     from eval.tracegen.generate import _dominant
     from eval.tracegen.situations import ITL_TARGET_S
+    from eval.truth import label_span, truth_intervals
 
     assert _dominant(2.0, 0.065) == "hold"  # a 65 ms step under a 2 s gap
     assert _dominant(1.0, 0.9) == "step"  # a 900 ms prefill step that a reader delayed by 100 ms
