@@ -1,6 +1,6 @@
 """Passive capture's cost: CPU per captured chunk and per packet, and drops, against tcpdump.
 
-    python bench/capture_cost.py [--streams 64,512] [--rate 50] [--seconds 6] [--clients 2]
+    python -m bench.capture_cost [--streams 64,512] [--rate 50] [--seconds 6] [--clients 2]
 
 The same loopback SSE load as bench/proxy_overhead.py (a local upstream streaming ``--rate``
 tokens per second per stream to client processes, no proxy in the path) is observed, in the same
@@ -34,10 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from proxy_overhead import _free_port, _proc_cpu_split, run_load, upstream_main  # noqa: E402
+from bench.proxy_overhead import _free_port, _proc_cpu_split, run_load, upstream_main
 
 
 def capture_main(port: int, record: str, ready: Any, q: mp.Queue) -> None:

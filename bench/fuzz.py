@@ -6,20 +6,17 @@ scraper's normalisation, a Core fed clean -> mutated -> clean scrapes and the sn
 replay; every scenario through advise. Prints the counts and every failure (first 20); exit 1 on
 any failure.
 
-    python bench/fuzz.py --cases 100000 [--seed 1] [--detected-only]
+    python -m bench.fuzz --cases 100000 [--seed 1] [--detected-only]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import fuzzing  # noqa: E402
+from testkit import fuzzing
 
 
 def main() -> int:

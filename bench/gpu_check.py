@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Exercise kvtop's GPU and host sources against the real NVML on a machine with a GPU.
 
-    python3 bench/gpu_check.py [--interval 1.0] [--load] [--load-seconds 2] [--mib 256]
+    python3 -m bench.gpu_check [--interval 1.0] [--load] [--load-seconds 2] [--mib 256]
 
 Prints every field GpuSource read for every GPU (two polls ``--interval`` apart, each timed),
 every NVML call it made with its outcome (OK / NOT_SUPPORTED / ...) and latency, raw probes of
@@ -21,13 +21,10 @@ import threading
 import time
 import types
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvtop.sources.gpu import GpuSource  # noqa: E402
-from kvtop.sources.host import HostSource  # noqa: E402
+from kvtop.sources.gpu import GpuSource
+from kvtop.sources.host import HostSource
 
 GB = 1e9
 
@@ -301,8 +298,7 @@ def load_test(gpu: GpuSource, host: HostSource, real: Any, secs: float, mib: int
 
 def fake_parallel_bench(n: int) -> int:
     """Poll cost on the throughput fallback with NVML's ~20 ms blocking per call simulated."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from fake_nvml import FI_RX, FI_TX, FakeGpu, FakeNvml
+    from testkit.fake_nvml import FI_RX, FI_TX, FakeGpu, FakeNvml
 
     nv = FakeNvml([FakeGpu(uuid=f"GPU-{i}", tx_kbps=1000 + i,
                            field_fail={FI_TX: "NOT_SUPPORTED", FI_RX: "NOT_SUPPORTED"}) for i in range(n)])

@@ -36,8 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def _free_port() -> int:
     with socket.socket() as s:

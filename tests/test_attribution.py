@@ -491,7 +491,7 @@ def test_a_stream_that_errors_out_mid_stall_did_not_stream_through_it():
 def test_a_recompute_reading_on_a_stall_longer_than_one_re_prefill_step_is_stated_with_low_confidence() -> None:
     # r1..r6 wait since 1 s (preempted); r0 and r7, the only decoding streams, fall silent together
     # and the counter steps at the end: a resumed victim's re-prefill. Within one re-prefill step
-    # (0.25 s) that reading was right 99 % of the time on bench/tracegen; a 2 s silence ending in a
+    # (0.25 s) that reading was right 99 % of the time on eval/tracegen; a 2 s silence ending in a
     # storm's counter step was as often a host hang between kvtop's scrapes (right 12 %)
     from kvtop.analysis.attribution.thresholds import CONFIDENCE
 

@@ -7,8 +7,8 @@ import pytest
 sim = pytest.importorskip("kvtop.sim.simulate")
 workload = pytest.importorskip("kvtop.sim.workload")
 
+from eval.scoring import score  # noqa: E402
 from kvtop.analysis.scan import analyze_trace  # noqa: E402
-from kvtop.analysis.scoring import score  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,11 @@
-"""bench/calibrate.py: a rule's base is the share of its plain calls that were right, a discount the
+"""eval/calibrate.py: a rule's base is the share of its plain calls that were right, a discount the
 share right among the calls it touches over what the bases predicted."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.calibrate import Call, fit, reliability
+from eval.calibrate import Call, fit, reliability
 
 
 def test_fit_reads_accuracy_per_rule_and_per_weakness():
@@ -38,7 +38,7 @@ def test_a_rule_the_fitting_generator_rarely_exercises_is_fit_on_the_spare_trace
 
 
 def test_reliability_table_weighs_only_bins_with_enough_calls():
-    from kvtop.analysis.scoring import reliability_table
+    from eval.scoring import reliability_table
 
     calls = [(0.9, i < 70) for i in range(100)]  # stated 0.90, 70 % right
     calls += [(0.55, False) for _ in range(10)]  # a thin bin, all wrong: shown, not weighed
@@ -46,3 +46,18 @@ def test_reliability_table_weighs_only_bins_with_enough_calls():
     assert worst == pytest.approx(0.2)
     assert lines[1].split()[:5] == ["0.5-0.6", "10", "0.55", "0.00", "0.55"] and lines[1].endswith("(< 50 spikes)")
     assert lines[2].split() == ["0.9-1.0", "100", "0.90", "0.70", "0.20"]
+
+
+def test_the_shipped_fitted_file_is_what_calibrate_writes_for_the_confidences_the_analysis_loads():
+    import json
+    from importlib import resources
+
+    from eval.calibrate import fitted_json
+    from kvtop.analysis.attribution import thresholds
+
+    shipped = resources.files("kvtop.analysis.attribution").joinpath("fitted.json").read_text(encoding="utf-8")
+    how = json.loads(shipped)["how"]
+    assert fitted_json(thresholds.CONFIDENCE, thresholds.DISCOUNT, how) == shipped
+    assert thresholds.CONFIDENCE["prefill/recompute-long"] == pytest.approx(0.113)
+    assert thresholds.DISCOUNT == {"coarse": 0.99, "sparse": 0.99, "chunked": 0.99}
+    assert set(how) == set(thresholds.CONFIDENCE) and how["preemption/unread"] == "set"

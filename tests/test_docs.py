@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CITE = re.compile(r"docs/([a-z-]+)\.md\s*§\s*(\d+(?:\.\d+)?[a-z]?)")
-SEARCHED = ("kvtop", "plugins", "tests", "bench", "eval", "scripts")  # eval/: once the evaluation moves there
+SEARCHED = ("kvtop", "plugins", "tests", "bench", "eval", "testkit", "scripts")
 
 
 def _sections(doc: Path) -> set[str]:

@@ -13,10 +13,11 @@ import pytest
 from test_capture_tcp import SERVER, SSE_HEAD, Wire, capture, chunk, event, request
 from test_proxy import Recorder, ScriptedUpstream, _post
 
+from eval.scoring import score
+from eval.truth import label_span, truth_intervals
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.scan import analyze_trace
-from kvtop.analysis.scoring import label_span, score, truth_intervals
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.engine_id import engine_address
 from kvtop.model.records import RequestRecord, from_dict, to_dict

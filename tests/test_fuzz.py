@@ -1,14 +1,15 @@
 """Fuzz suite, fast profile: seeded mutations of the in-repo engine captures, a trace and the shipped
 scenarios through detection, every adapter, the scraper, the Core, the snapshot JSON, analyze
 (both paths), replay and advise. Zero crashes, zero non-finite or negative numbers and zero schema
-violations in snapshot JSON. The long profile is ``python bench/fuzz.py --cases 100000``."""
+violations in snapshot JSON. The long profile is ``python -m bench.fuzz --cases 100000``."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from fuzzing import ADAPTERS, CAPTURES, Stats, page_case, run
+
+from testkit.fuzzing import ADAPTERS, CAPTURES, Stats, page_case, run
 
 CASES_PER_SEED = 250  # x 4 seeds: 1,000 cases: ~500 pages, ~330 traces, ~170 scenarios
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvtop.sources.gpu import GpuSource
-from tests.fake_nvml import (
+from testkit.fake_nvml import (
     CONSTANTS,
     ERROR_CLASSES,
     ERROR_CODES,

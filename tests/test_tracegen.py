@@ -1,4 +1,4 @@
-"""The independent trace generator (bench/tracegen): engine semantics, delivery, determinism.
+"""The independent trace generator (eval/tracegen): engine semantics, delivery, determinism.
 
 Facts are checked against the generator's own engine log (what really happened) and read back
 from the trace file the way kvtop reads it.
@@ -7,6 +7,7 @@ from the trace file the way kvtop reads it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +15,8 @@ from typing import Any
 
 import pytest
 
+from eval.tracegen.generate import Generated, simulate, write
 from tests.conftest import REPO, run_kvtop
-
-sys.path.insert(0, str(REPO))
-
-from bench.tracegen.generate import Generated, simulate, write  # noqa: E402
-
-CLI = str(REPO / "bench" / "tracegen" / "cli.py")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -161,10 +157,16 @@ def test_same_seed_same_bytes_other_seed_other_trace(tmp_path):
     assert out[0] != out[2]
 
 
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m eval.tracegen.cli ARGS`` as the docs say, from any folder (the checkout on the path)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "eval.tracegen.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=env)
+
+
 def test_kvtop_analyze_reads_the_trace_unchanged(tmp_path):
     p = tmp_path / "t.jsonl"
-    r = subprocess.run([sys.executable, CLI, "--situation", "priority", "--seed", "1", "--duration", "45",
-                        "-o", str(p)], capture_output=True, text=True, timeout=120)
+    r = _cli("--situation", "priority", "--seed", "1", "--duration", "45", "-o", str(p))
     assert r.returncode == 0, r.stderr
     res = run_kvtop("analyze", str(p), "--format", "json")
     assert res.returncode == 0, res.stderr
@@ -176,7 +178,7 @@ def test_kvtop_analyze_reads_the_trace_unchanged(tmp_path):
 @pytest.mark.parametrize("args", [["--situation", "nope", "-o", "x.jsonl"], ["--situation", "base"],
                                   ["--situation", "base", "-o", "x", "--scrape-interval", "0"]])
 def test_cli_bad_input_is_one_line_exit_2(args, tmp_path):
-    r = subprocess.run([sys.executable, CLI, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = _cli(*args, cwd=tmp_path)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
 
@@ -208,7 +210,7 @@ def _synthetic(path: Path) -> None:
 
 
 def test_rule_baseline_follows_the_readme_signal_table(tmp_path):
-    from bench.tracegen import baseline
+    from eval.tracegen import baseline
 
     p = tmp_path / "syn.jsonl"
     _synthetic(p)
@@ -223,8 +225,8 @@ def test_rule_baseline_follows_the_readme_signal_table(tmp_path):
                    "prefill_interference", "slow_decode"]
 
 
-def test_scoring_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
-    from kvtop.analysis.scoring import label, truth_intervals
+def test_truth_labels_a_spike_by_its_own_stalls_overlap(tmp_path):
+    from eval.truth import label, truth_intervals
 
     g = simulate("delivery", 2, 60.0)
     p = tmp_path / "d.jsonl"
@@ -264,7 +266,7 @@ def test_every_line_validates_against_the_trace_schema(name, tmp_path):
 
 
 def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests(base):
-    from bench.tracegen.generate import pages
+    from eval.tracegen.generate import pages
     from kvtop.sources.prom import parse_page
 
     g, _ = base
@@ -279,6 +281,31 @@ def test_vllm_page_request_num_preemptions_sums_to_the_counter_of_ended_requests
     assert counter is not None and hist_sum is not None
     assert hist_sum == counter - live_counted
     assert hist_sum > 0
+
+
+@pytest.mark.parametrize("name", ["base", "sglang", "nopreempt"])
+def test_kvtop_adapters_read_the_generators_own_engine_records_from_its_pages(name):
+    """The generator writes each scrape's engine record itself (eval/tracegen/records.py), never
+    through kvtop; kvtop's adapter for the engine family (vllm, sglang, tgi), reading the page the
+    same scrape renders, gets the same line, byte for byte."""
+    from eval.tracegen.generate import ADAPTER, URL, engine_records, pages
+    from kvtop.model.records import to_dict
+    from kvtop.plugin import load_adapter
+
+    g = simulate(name, 1, 20.0)
+    adapter = load_adapter(ADAPTER[g.sit.engine.semantics])()
+    ours = [json.dumps(d, separators=(",", ":")) for d in engine_records(g, 1.0)]
+    read = []
+    for ts, text in pages(g, 1.0):
+        (rec,) = adapter.parse(text, ts)
+        rec.url = URL
+        read.append(json.dumps(to_dict(rec), separators=(",", ":")))
+    assert len(ours) == len(read) >= 19  # one scrape a second for 20 s
+    assert ours == read
+    last = json.loads(ours[-1])
+    assert last["running"] > 0 and last["generation_tokens_total"] > 0 and last["itl"]["count"] > 0
+    if name != "nopreempt":
+        assert last["preemptions_total"] > 0
 
 
 def test_nothing_arrives_during_a_host_pause(tmp_path):
@@ -296,9 +323,9 @@ def test_a_gap_stretched_by_a_hold_is_labelled_by_the_hold_not_the_short_step_un
     writes a prefill span for every step of at least half the target (65 ms at 100 ms); when a slow
     reader or an API-server stall held that step's token for a second, the gap's time over the
     target is the hold's, and kvtop's "delivery" answer is the right one."""
-    from bench.tracegen.generate import _dominant
-    from bench.tracegen.situations import ITL_TARGET_S
-    from kvtop.analysis.scoring import label_span, truth_intervals
+    from eval.tracegen.generate import _dominant
+    from eval.tracegen.situations import ITL_TARGET_S
+    from eval.truth import label_span, truth_intervals
 
     assert _dominant(2.0, 0.065) == "hold"  # a 65 ms step under a 2 s gap
     assert _dominant(1.0, 0.9) == "step"  # a 900 ms prefill step that a reader delayed by 100 ms
@@ -329,7 +356,7 @@ def test_the_step_cause_is_chosen_on_its_duration_without_a_host_pause_inside_it
     cause nor its recorded duration (the pause gets its own truth span in the delivery model)."""
     import random
 
-    from bench.tracegen.stepper import EngineSpec, Req, Stepper
+    from eval.tracegen.stepper import EngineSpec, Req, Stepper
 
     def run(pauses: list[tuple[float, float]]) -> list[tuple[str, dict[str, Any], float]]:
         reqs = [Req("a", "x", 0.0, 100, 200, need=100), Req("b", "x", 0.5, 4000, 10, need=4000)]

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-# The engine helpers are imported as the top-level package `engines` (bench/real_engines.py does too).
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engines import servers  # noqa: E402
+# The engine helpers live in testkit/engines, where bench/real_engines.py imports them too.
+from testkit.engines import servers
 
 _T0 = time.monotonic()
 

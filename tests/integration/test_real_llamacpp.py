@@ -13,8 +13,9 @@ import threading
 import time
 
 import pytest
-from engines import kvtop_run, load, servers
-from engines.kvtop_run import Recorder, analyze, kvtop, read_trace
+
+from testkit.engines import kvtop_run, load, servers
+from testkit.engines.kvtop_run import Recorder, analyze, kvtop, read_trace
 
 pytestmark = pytest.mark.real_engine
 

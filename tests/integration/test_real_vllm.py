@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from engines import kvtop_run, load, servers
-from engines.kvtop_run import Recorder, analyze, kvtop, read_trace
 
 from kvtop.model.engine_id import engine_address
+from testkit.engines import kvtop_run, load, servers
+from testkit.engines.kvtop_run import Recorder, analyze, kvtop, read_trace
 
 pytestmark = pytest.mark.real_engine
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engines import servers
-from engines.kvtop_run import Recorder, kvtop_env, read_trace
 
 from kvtop.sources.capture import CaptureUnavailable, check_capture
+from testkit.engines import servers
+from testkit.engines.kvtop_run import Recorder, kvtop_env, read_trace
 
 pytestmark = pytest.mark.real_engine
 

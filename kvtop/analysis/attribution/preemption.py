@@ -63,8 +63,7 @@ def lone(ev: Evidence) -> Finding | Signs | None:
     pev = []
     # nobody else observed was decoding: a counter step says the engine preempted *someone*, and the
     # unobserved streams (or an engine-wide stall that only this stream shows) cannot be told apart
-    # from this one. On the independent traces every such claim was wrong (a prefill of an
-    # unobserved request): the honest answer is unknown.
+    # from this one (a prefill of an unobserved request looks the same): the honest answer is unknown.
     blind = ev.alone and ev.resumed
     claim = ev.claim_counter() if ev.has_counter and not blind else None
     if blind and ev.has_counter and ev.counter_delta() > 0:

@@ -23,13 +23,12 @@ PREFILL_DOMINANT = 2.0
 
 # A decode-only pace this close to the target misses it on its own as soon as the engine slows a
 # little more (the estimate, the stream's fastest recent gap, lags a pace that keeps rising): the
-# spike is slow decode, not prefill (chosen on bench/tracegen seeds 3-4)
+# spike is slow decode, not prefill
 PACE_NEAR = 0.95
 
 # A resumed victim's re-prefill holds the batch for one engine step: a shared stall longer than this
 # with a counter step at its end is as often a host or API-server hang that fell between kvtop's
-# scrape beats (on bench/tracegen seeds 3-6 the recompute calls on longer stalls were right 12 % of
-# the time, on shorter ones 99 %), so it gets its own, lower, confidence ("prefill/recompute-long").
+# scrape beats, so it gets its own, lower, confidence ("prefill/recompute-long").
 RECOMPUTE_STEP_S = 0.3
 
 

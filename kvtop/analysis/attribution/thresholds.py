@@ -1,10 +1,14 @@
 """Thresholds shared by several rules, the evidence and the aggregate (no request records) fallback.
 
 A threshold only one rule reads lives in that rule's module, so changing a rule is one module and
-its test. The confidences below are fitted (bench/calibrate.py), not chosen.
+its test. The confidences are fitted (eval/calibrate.py writes them to fitted.json), not chosen.
 """
 
 from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
 
 REL_SLOW = 2.0  # a spike less than 2x its stream's recent gaps is "all gaps lifted", not an outlier
 KV_HIGH = 0.8  # KV usage counted as near full (vLLM frees a victim's blocks at once: it rarely reads 1.0)
@@ -26,41 +30,11 @@ SPARSE_SHARE = 0.5
 CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
 
 # Calibrated confidence: a finding's confidence is CONFIDENCE[its rule] x DISCOUNT[each weakness of
-# its evidence]. Fit by bench/calibrate.py on kvtop's own simulator (``kvtop simulate`` presets,
-# seed 1, 1/5/15 s scrapes): the base is the share of the rule's calls that were right (its plain
-# calls where they are most of them, else all with the discounts divided out), a discount the share
-# right among the calls it applies to over what the bases predicted. Rules the simulator rarely
-# exercises (< 20 calls: it has no engine-wide slowdown, few lone prefills) are fit on bench/tracegen
-# seeds 3-6, which the held-out reliability table (tracegen seeds 1-2) never uses; rules rare on both
-# keep a hand-set value (marked "set"), as do the "unknown/..." entries: an unknown makes no claim to
-# be right or wrong, so there is nothing to fit. The three discounts sit at the fit's cap (0.99) yet
-# still move what reports show (a finding with one weakness reads 0.98, not 0.99), so they stay.
-# BEGIN FITTED (bench/calibrate.py --write rewrites this block)
-CONFIDENCE: dict[str, float] = {
-    "preemption/reported": 0.980,  # set
-    "preemption/counter": 0.990,  # fit on 463 (discounts divided out)
-    "preemption/state": 0.800,  # set
-    "preemption/cancelled": 0.800,  # set
-    "preemption/unread": 0.600,  # set
-    "preemption/longer": 0.990,  # fit on 24 (discounts divided out)
-    "preemption/mass": 0.600,  # set
-    "prefill/lone-checked": 0.896,  # fit on 80, tracegen seeds 3-6 (discounts divided out)
-    "prefill/lone": 0.600,  # set
-    "prefill/shared-checked": 0.990,  # fit on 1539 (discounts divided out)
-    "prefill/shared": 0.850,  # set
-    "prefill/dominant": 0.800,  # set
-    "prefill/recompute": 0.990,  # fit on 380, tracegen seeds 3-6 (discounts divided out)
-    "prefill/recompute-long": 0.113,  # fit on 303, tracegen seeds 3-6 (discounts divided out)
-    "slow/lifted": 0.990,  # fit on 29946
-    "slow/lifted-run": 0.990,  # fit on 54
-    "slow/continued": 0.986,  # fit on 146, tracegen seeds 3-6
-    "slow/onset": 0.974,  # fit on 12687, tracegen seeds 3-6
-    "slow/pace": 0.876,  # fit on 6324, tracegen seeds 3-6
-    "unknown/host": 0.600,  # set
-    "unknown/delivery": 0.600,  # set
-    "unknown/delivery-continued": 0.500,  # set
-    "unknown/lone": 0.300,  # set
-    "unknown/shared": 0.350,  # set
-}
-DISCOUNT: dict[str, float] = {"coarse": 0.990, "sparse": 0.990, "chunked": 0.990}
-# END FITTED
+# its evidence]. Both are data, fitted on traces with exact truth and written to fitted.json by
+# ``python -m eval.calibrate --write`` (docs/evaluation.md says how and on which traces). An unknown
+# makes no claim to be right or wrong, so its value is set, not fit; the three discounts sit at the
+# fit's cap (0.99) yet still move what reports show (one weakness reads 0.98), so they stay.
+FITTED_FILE = "fitted.json"
+_FITTED: dict[str, Any] = json.loads(resources.files(__package__).joinpath(FITTED_FILE).read_text(encoding="utf-8"))
+CONFIDENCE: dict[str, float] = {k: float(v) for k, v in _FITTED["confidence"].items()}
+DISCOUNT: dict[str, float] = {k: float(v) for k, v in _FITTED["discount"].items()}

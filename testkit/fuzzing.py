@@ -1,5 +1,5 @@
 """Seeded mutators and invariant checks shared by the fuzz tests (tests/test_fuzz.py) and the long
-profile (bench/fuzz.py).
+profile (``python -m bench.fuzz``).
 
 Inputs start from the engine captures in tests/fixtures/engines, a small synthetic trace and the
 shipped scenarios, and are mutated the way a broken or hostile engine, a torn file or a careless

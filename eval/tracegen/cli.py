@@ -1,20 +1,16 @@
 """Write a kvtop trace from the independent generator.
 
-    python bench/tracegen/cli.py --situation base --seed 1 -o trace.jsonl [--scrape-interval 5]
-    python bench/tracegen/cli.py --list
+    python -m eval.tracegen.cli --situation base --seed 1 -o trace.jsonl [--scrape-interval 5]
+    python -m eval.tracegen.cli --list
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make ``bench.tracegen`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.tracegen.generate import generate  # noqa: E402
-from bench.tracegen.situations import SITUATIONS  # noqa: E402
+from eval.tracegen.generate import generate
+from eval.tracegen.situations import SITUATIONS
 
 
 def main(argv: list[str] | None = None) -> int:

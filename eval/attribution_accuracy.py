@@ -4,7 +4,7 @@ For each preset and seed: simulate, run `kvtop analyze` logic on the trace (whic
 truth records), then score every spike against the truth: precision and recall for preemption and
 prefill-interference spikes, spikes on `healthy`, and each preset's verdict vs the one expected.
 
-    python bench/attribution_accuracy.py [--seeds 1 2 3] [--duration 120]
+    python -m eval.attribution_accuracy [--seeds 1 2 3] [--duration 120]
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
+from eval.scoring import score
 from kvtop.analysis.scan import analyze_trace
-from kvtop.analysis.scoring import score
 
 # The verdict each preset's documentation implies (kvtop/sim/presets/*.json "demonstrates").
 EXPECTED = {
@@ -63,7 +64,7 @@ def main() -> int:
                 ok = action == EXPECTED.get(preset)
                 ok_verdicts += ok
 
-                def pr(c: str, sc: dict = sc) -> str:
+                def pr(c: str, sc: dict[str, Any] = sc) -> str:
                     x = sc[c]
                     tot[c]["tp"] += x["tp"]
                     tot[c]["pred"] += x["predicted"]

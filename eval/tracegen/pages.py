@@ -1,7 +1,7 @@
 """Prometheus text pages in each engine family's own names, rendered from the engine model's state.
 
-The trace's engine records come from parsing these pages with kvtop's registered adapters, so
-they are exactly what kvtop would read from that engine's /metrics.
+The trace's engine records say what these pages say (``records``, written from the same state);
+tests/test_tracegen.py checks that kvtop's adapters read exactly those records from the pages.
 """
 
 from __future__ import annotations

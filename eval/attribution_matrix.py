@@ -2,14 +2,14 @@
 baseline, plus how often non-engine stalls are called preemption and a confidence reliability table.
 
 Two generators: kvtop's own simulator (``kvtop simulate`` presets) and the independent step-level
-generator in bench/tracegen (different engine model, vLLM V1 / SGLang / never-preempting
+generator in eval/tracegen (different engine model, vLLM V1 / SGLang / never-preempting
 semantics, a delivery model between engine and client). Every spike kvtop reports is labelled by
-the truth stall of the same request that overlaps it most (kvtop.analysis.scoring); the rule
-baseline (bench/tracegen/baseline.py) judges the same spikes.
+the truth stall of the same request that overlaps it most (eval.truth); the rule
+baseline (eval/tracegen/baseline.py) judges the same spikes.
 
-    python bench/attribution_matrix.py            # 2 seeds, 1/5/15 s scrapes (a few minutes)
-    python bench/attribution_matrix.py --quick    # 1 seed, 1/5 s scrapes, shorter runs (~1 min)
-    python bench/attribution_matrix.py --json out.json
+    python -m eval.attribution_matrix            # 2 seeds, 1/5/15 s scrapes (a few minutes)
+    python -m eval.attribution_matrix --quick    # 1 seed, 1/5 s scrapes, shorter runs (~1 min)
+    python -m eval.attribution_matrix --json out.json
 """
 
 from __future__ import annotations
@@ -20,23 +20,15 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.tracegen import baseline  # noqa: E402
-from bench.tracegen.generate import simulate as tg_simulate  # noqa: E402
-from bench.tracegen.generate import write as tg_write  # noqa: E402
-from bench.tracegen.situations import SITUATIONS  # noqa: E402
-from kvtop.analysis.scan import analyze_trace  # noqa: E402
-from kvtop.analysis.scoring import (  # noqa: E402
-    NON_ENGINE_CAUSES,
-    label_span,
-    precision_recall,
-    reliability_table,
-    truth_intervals,
-)
+from eval.scoring import precision_recall, reliability_table
+from eval.tracegen import baseline
+from eval.tracegen.generate import simulate as tg_simulate
+from eval.tracegen.generate import write as tg_write
+from eval.tracegen.situations import SITUATIONS
+from eval.truth import NON_ENGINE_CAUSES, label_span, truth_intervals
+from kvtop.analysis.scan import analyze_trace
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode")
 SHORT = {"preemption": "preempt", "prefill_interference": "prefill", "slow_decode": "slow"}
@@ -150,7 +142,7 @@ def main() -> int:
     print(header_line())
     for gen in ("tracegen", "sim"):
         for iv in intervals:
-            tot: dict[str, list] = {"truth": [], "kvtop": [], "rules": [], "conf": []}
+            tot: dict[str, list[Any]] = {"truth": [], "kvtop": [], "rules": [], "conf": []}
             for (g_, _, iv_), c in cells.items():
                 if g_ == gen and iv_ == iv:
                     for k in tot:

@@ -1,7 +1,7 @@
 """Fit the attribution's confidences on one trace generator and show how reliable they are on the other.
 
 A finding's confidence is ``CONFIDENCE[rule] x DISCOUNT[weakness]...`` (kvtop/analysis/attribution/
-thresholds.py). This script runs kvtop's analysis over traces with exact truth, and fits:
+thresholds.py, which loads them from fitted.json beside it). This script runs kvtop's analysis over traces with exact truth, and fits:
 * each rule's base: the share of its calls without any weakness that were right (where such calls
   are fewer than ``MIN_FIT`` or than half its calls, the share among all its calls with the
   discounts divided out; with fewer than ``MIN_FIT`` calls at all, the current value stays);
@@ -10,13 +10,13 @@ thresholds.py). This script runs kvtop's analysis over traces with exact truth, 
   raises confidence).
 Rules the fitting generator rarely exercises (kvtop's simulator has no engine-wide slowdown, so
 ``slow/pace`` and ``prefill/dominant`` hardly fire there) are fit on the other generator's
-``--rare-seeds`` (bench/tracegen seeds 3-6 by default), which the held-out table never uses.
+``--rare-seeds`` (eval/tracegen seeds 3-6 by default), which the held-out table never uses.
 Then it prints the reliability table (stated vs observed accuracy per confidence bin, spikes given
 a cause other than unknown) on the fitting generator and on the held-out one.
 
-    python bench/calibrate.py                      # fit on kvtop/sim (+ rare rules on tracegen 3-6), hold out tracegen 1-2
-    python bench/calibrate.py --fit tracegen       # the reverse check
-    python bench/calibrate.py --write              # also rewrite the FITTED block of thresholds.py
+    python -m eval.calibrate                       # fit on kvtop/sim (+ rare rules on tracegen 3-6), hold out tracegen 1-2
+    python -m eval.calibrate --fit tracegen        # the reverse check
+    python -m eval.calibrate --write               # also write kvtop/analysis/attribution/fitted.json
 
 Only ``--fit sim`` may ``--write``: the shipped numbers are fit on kvtop's simulator and judged on
 the independent generator, never chosen on the traces that report them.
@@ -25,8 +25,8 @@ the independent generator, never chosen on the traces that report them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -35,13 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvtop.analysis.analyzer import Analyzer  # noqa: E402
-from kvtop.analysis.attribution import thresholds  # noqa: E402
-from kvtop.analysis.engines import engine_semantics  # noqa: E402
-from kvtop.analysis.scoring import label, reliability_table, truth_intervals  # noqa: E402
-from kvtop.model.trace import TraceReader  # noqa: E402
+from eval.scoring import reliability_table
+from eval.truth import label, truth_intervals
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.attribution import thresholds
+from kvtop.analysis.engines import engine_semantics
+from kvtop.model.trace import TraceReader
 
 SIM_PRESETS = ("preemption-storm", "cancel-heavy", "prefill-interference", "slow-decode", "healthy")
 CAUSE_OF = {"preemption": "preemption", "prefill": "prefill_interference", "slow": "slow_decode"}
@@ -107,8 +106,8 @@ def traces(gen: str, seeds: list[int], intervals: list[float], d: str) -> Iterat
                     yield p
                     os.unlink(p)
     else:
-        from bench.tracegen.generate import simulate, write
-        from bench.tracegen.situations import SITUATIONS
+        from eval.tracegen.generate import simulate, write
+        from eval.tracegen.situations import SITUATIONS
 
         for name in SITUATIONS:
             for seed in seeds:
@@ -195,17 +194,19 @@ def per_rule(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> 
     return out
 
 
-def write_block(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> None:
-    path = Path(thresholds.__file__)
-    src = path.read_text(encoding="utf-8")
-    body = ["CONFIDENCE: dict[str, float] = {"]
-    body += [f'    "{k}": {v:.3f},  # {how[k]}' for k, v in conf.items()]
-    body += ["}", "DISCOUNT: dict[str, float] = {" + ", ".join(f'"{k}": {v:.3f}' for k, v in disc.items()) + "}"]
-    new, n = re.subn(r"(# BEGIN FITTED[^\n]*\n).*?(# END FITTED)", lambda m: m.group(1) + "\n".join(body) + "\n" + m.group(2),
-                     src, flags=re.S)
-    if n != 1:
-        raise SystemExit(f"{path}: no FITTED block to rewrite")
-    path.write_text(new, encoding="utf-8")
+def fitted_json(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> str:
+    """The text of kvtop/analysis/attribution/fitted.json: the bases and discounts the analysis loads,
+    and how each base was obtained ("set", or "fit on N calls" and where they came from)."""
+    doc = {"confidence": {k: round(v, 3) for k, v in conf.items()},
+           "discount": {k: round(v, 3) for k, v in disc.items()},
+           "how": {k: how[k] for k in conf}}
+    return json.dumps(doc, indent=1) + "\n"
+
+
+def write_fitted(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> None:
+    # the data file beside thresholds.py (the package's copy, so an editable install reads it at once)
+    path = Path(thresholds.__file__).with_name(thresholds.FITTED_FILE)
+    path.write_text(fitted_json(conf, disc, how), encoding="utf-8")
     print(f"wrote {path}")
 
 
@@ -219,7 +220,8 @@ def main() -> int:
                          "(never the held-out seeds; none: those rules keep their set values)")
     ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 5.0, 15.0])
     ap.add_argument("--itl-target-ms", type=float, default=100.0, metavar="N")
-    ap.add_argument("--write", action="store_true", help="rewrite the FITTED block of thresholds.py (--fit sim only)")
+    ap.add_argument("--write", action="store_true",
+                    help="write kvtop/analysis/attribution/fitted.json (--fit sim only)")
     args = ap.parse_args()
     if args.write and args.fit != "sim":
         print("calibrate: --write only with --fit sim (the shipped numbers are fit on kvtop's simulator)", file=sys.stderr)
@@ -259,7 +261,7 @@ def main() -> int:
         print("  " + line)
     print(f"\n{time.perf_counter() - t0:.0f} s")
     if args.write:
-        write_block(conf, disc, how)
+        write_fitted(conf, disc, how)
     return 0
 
 

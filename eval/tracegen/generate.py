@@ -1,6 +1,7 @@
-"""Run a situation and write a standard kvtop trace: header, engine records (parsed from rendered
-/metrics pages by kvtop's own adapters), request records as kvtop's proxy writes them, and
-``truth`` records (``stall`` per stalled gap of an observed stream, ``victim`` per preemption).
+"""Run a situation and write a standard kvtop trace: header, engine records (what the rendered
+/metrics pages say, written by the generator itself: ``records``), request records as kvtop's proxy
+writes them, and ``truth`` records (``stall`` per stalled gap of an observed stream, ``victim`` per
+preemption). Nothing here imports kvtop: the trace format is the only thing the two share.
 
 Deterministic: the same situation, seed, duration and scrape interval give the same bytes.
 """
@@ -14,11 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvtop.model.records import TruthRecord, to_dict, trace_time
-from kvtop.plugin import load_adapter
-
 from .delivery import Stream, deliver, windows
 from .pages import (
+    CREATED,
     VLLM_ITL_BUCKETS,
     VLLM_NUM_PREEMPTIONS_BUCKETS,
     VLLM_TTFT_BUCKETS,
@@ -28,12 +27,18 @@ from .pages import (
     tgi_page,
     vllm_page,
 )
+from .records import sglang_record, tgi_record, vllm_record
 from .situations import ITL_TARGET_S, SITUATIONS, Situation, requests
 from .stepper import Run, Stepper
 
 ADAPTER = {"vllm": "vllm", "sglang": "sglang", "never": "tgi"}
 URL = "tracegen://"
 BYTES_PER_TOKEN = 131_072  # Llama-3.1-8B, bf16: 32 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes
+
+
+def trace_time(t: float) -> float:
+    """A record time as kvtop's traces hold it: to the microsecond."""
+    return round(t, 6)
 
 
 @dataclass
@@ -95,8 +100,22 @@ def scrape_times(g: Generated, interval_s: float) -> list[float]:
     return out
 
 
-def pages(g: Generated, interval_s: float) -> Iterator[tuple[float, str]]:
-    """(scrape time, /metrics page text) for every scrape, in the engine family's own names."""
+@dataclass
+class Scrape:
+    """What one scrape of the engine's /metrics shows. The histograms are cumulative and shared
+    from one scrape to the next: read them before asking for the next scrape."""
+
+    t: float
+    state: State
+    itl: Cum
+    ttft: Cum
+    npre: Cum
+    prompts: int  # requests whose prompt was counted (TGI's input-length histogram)
+    finished: int  # requests observed in TGI's per-request histograms
+
+
+def scrapes(g: Generated, interval_s: float) -> Iterator[Scrape]:
+    """Every scrape in time order, in the engine family's own semantics."""
     run = g.run
     sem = g.sit.engine.semantics
     log_t = [e[0] for e in run.log]
@@ -124,7 +143,6 @@ def pages(g: Generated, interval_s: float) -> Iterator[tuple[float, str]]:
                 prompt_sum += arrivals[ai][1]
                 ai += 1
             st.prompt = prompt_sum
-            text = tgi_page(st, itl, ttft, ai, fin_n)
         else:
             while ii < len(run.itl) and run.itl[ii][0] <= ts:
                 _, v, n = run.itl[ii]
@@ -140,18 +158,36 @@ def pages(g: Generated, interval_s: float) -> Iterator[tuple[float, str]]:
             while ei < len(ended) and ended[ei][0] <= ts:
                 npre.add(float(ended[ei][1]))
                 ei += 1
-            text = vllm_page(st, itl, ttft, npre) if sem == "vllm" else sglang_page(st, itl, ttft)
-        yield ts, text
+        yield Scrape(ts, st, itl, ttft, npre, ai, fin_n)
+
+
+def pages(g: Generated, interval_s: float) -> Iterator[tuple[float, str]]:
+    """(scrape time, /metrics page text) for every scrape, in the engine family's own names."""
+    sem = g.sit.engine.semantics
+    for sc in scrapes(g, interval_s):
+        if sem == "never":
+            text = tgi_page(sc.state, sc.itl, sc.ttft, sc.prompts, sc.finished)
+        elif sem == "sglang":
+            text = sglang_page(sc.state, sc.itl, sc.ttft)
+        else:
+            text = vllm_page(sc.state, sc.itl, sc.ttft, sc.npre)
+        yield sc.t, text
+
+
+def engine_records(g: Generated, interval_s: float) -> Iterator[dict[str, Any]]:
+    """The engine record of every scrape: what the page of ``pages`` says, as a trace line's dict."""
+    sem = g.sit.engine.semantics
+    for sc in scrapes(g, interval_s):
+        if sem == "never":
+            yield tgi_record(sc.t, URL, sc.state, sc.itl)
+        elif sem == "sglang":
+            yield sglang_record(sc.t, URL, sc.state, sc.itl, sc.ttft)
+        else:
+            yield vllm_record(sc.t, URL, sc.state, sc.itl, sc.ttft, sc.npre, CREATED)
 
 
 def _engine_lines(g: Generated, interval_s: float) -> list[tuple[float, str]]:
-    adapter = load_adapter(ADAPTER[g.sit.engine.semantics])()
-    out = []
-    for ts, text in pages(g, interval_s):
-        for rec in adapter.parse(text, ts):
-            rec.url = URL
-            out.append((ts, json.dumps(to_dict(rec), separators=(",", ":"))))
-    return out
+    return [(d["t"], json.dumps(d, separators=(",", ":"))) for d in engine_records(g, interval_s)]
 
 
 def _request_lines(s: Stream, prompt_on_arrive: bool) -> list[tuple[float, str]]:
@@ -234,8 +270,9 @@ def _truth_lines(g: Generated) -> list[tuple[float, str]]:
     out = []
 
     def add(t: float, event: str, rid: str | None, data: dict[str, Any]) -> None:
-        rec = TruthRecord(trace_time(t), event, rid, data)
-        out.append((rec.t, json.dumps(to_dict(rec), separators=(",", ":"))))
+        t = trace_time(t)
+        rec = {"kind": "truth", "t": t, "event": event, "request_id": rid, "data": data}
+        out.append((t, json.dumps(rec, separators=(",", ":"))))
 
     for rid, a, b, cause, detail in stall_spans(g):
         add(b, "stall", rid, {"t_start": a, "t_end": b, "cause": cause, **detail})
@@ -253,6 +290,7 @@ def header(g: Generated, interval_s: float) -> dict[str, Any]:
         "host": "tracegen",
         "engine": {"adapter": ADAPTER[e.semantics], "url": URL, "model": e.model, "version": "tracegen"},
         "kv": {"bytes_per_token": BYTES_PER_TOKEN, "block_size": e.block, "capacity_tokens": e.kv_tokens // e.block * e.block},
+        # the recorder name traces carried before the generator moved to eval/: same bytes as before
         "recorder": "bench/tracegen", "interval_s": interval_s, "itl_target_s": ITL_TARGET_S,
         "tracegen": {"situation": g.sit.name, "about": g.sit.about, "seed": g.seed, "duration_s": g.duration_s,
                      "semantics": e.semantics, "scheduler": e.scheduler, "chunked_prefill": e.chunked,

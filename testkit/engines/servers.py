@@ -1,6 +1,6 @@
 """Install, start and stop the real inference servers used by the real-engine tier.
 
-Used by tests/integration/conftest.py and bench/real_engines.py. Standard library only, so the
+Used by tests/integration/ and bench/real_engines.py. Standard library only, so the
 bench script and the tests share it without extra dependencies.
 
 The engines live in a cache (``$KVTOP_ENGINE_CACHE``, default ``~/.cache/kvtop-engines``) built by

@@ -1,6 +1,6 @@
 """Capture a real vLLM /metrics page under preemption (tests/fixtures/vllm-0.32.0-cpu-preemption.prom).
 
-    .venv/bin/python tests/integration/engines/capture_vllm_metrics.py [OUT]
+    .venv/bin/python -m testkit.engines.capture_vllm_metrics [OUT]     # from the repository root
 
 Starts the tiny-model vLLM server (see setup_vllm.sh), sends 8 concurrent streams x 900 tokens
 (distinct prompts, ignore_eos) into its 1,056-slot KV cache, scrapes /metrics every 0.2 s, and keeps
@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from testkit.engines import load, servers
 
-from engines import load, servers  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "vllm-0.32.0-cpu-preemption.prom"
 
 
@@ -76,7 +74,7 @@ def main(argv: list[str]) -> int:
         "# kvtop-sample: real capture under preemption: 8 concurrent streams x 900 tokens, ignore_eos, distinct prompts;",
         "# kvtop-sample: the last page scraped while requests were waiting and preemptions_total > 0",
         f"# kvtop-sample: captured {dt.datetime.now(dt.timezone.utc):%Y-%m-%d} on a 2-core CPU-only machine by",
-        "# kvtop-sample: tests/integration/engines/capture_vllm_metrics.py; only vllm: families kept, lines unchanged",
+        "# kvtop-sample: testkit/engines/capture_vllm_metrics.py; only vllm: families kept, lines unchanged",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(header + body) + "\n", encoding="utf-8")

@@ -1,0 +1,84 @@
+"""Truth records, read back from a trace with exact ground truth (evaluation only).
+
+The simulator (``kvtop simulate``) and the independent generator (``eval.tracegen``) write ``truth``
+lines beside what kvtop observes; kvtop itself never reads them. This module turns them into, per
+request, the stalls that really happened, and labels a spike with the one it overlaps most.
+A preemption is a ``resume`` with t_start/t_end, or a ``preempt`` followed by a ``cancel``; a
+prefill stall lists the request among the ``affected`` streams; a ``stall`` record is one stalled
+gap of one stream with its ``cause`` (engine causes, or delivery causes such as a slow reader or a
+host pause, as eval/tracegen writes them). With ``engine_wide``, a ``slow_step`` run (no stream
+list: every decoding stream waited) labels every stream's overlapping gaps ``slow_decode`` (and wins
+a tie with a prefill stall: the decode part alone missed the target).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from kvtop.model.trace import TraceReader
+
+TRUTH_CAUSES = ("preemption", "prefill_interference")
+# stalls that happen between the engine and the client: never the engine's doing
+NON_ENGINE_CAUSES = ("slow_reader", "api_merge", "api_stall", "host_pause")
+ANY_STREAM = "*"  # key of intervals that apply to every stream
+
+
+class Stall(NamedTuple):
+    """One stall that really happened, in trace time."""
+
+    t_start: float
+    t_end: float
+    cause: str
+
+
+Truth = dict[str, list[Stall]]  # request id (or ANY_STREAM) -> its stalls
+
+
+def truth_intervals(path: str, engine_wide: bool = False) -> Truth:
+    out: Truth = defaultdict(list)
+    open_pre: dict[str, float] = {}
+    for d in TraceReader(path).dicts():
+        if d.get("kind") != "truth":
+            continue
+        ev, rid, data = d.get("event"), d.get("request_id"), d.get("data") or {}
+        if ev == "preempt" and rid:
+            open_pre[rid] = d["t"]
+        elif ev == "resume" and rid:
+            out[rid].append(Stall(data.get("t_start", open_pre.get(rid, d["t"])), data.get("t_end", d["t"]), "preemption"))
+            open_pre.pop(rid, None)
+        elif ev == "cancel" and rid and rid in open_pre:
+            out[rid].append(Stall(open_pre.pop(rid), d["t"], "preemption"))
+        elif ev == "prefill_stall":
+            for a in data.get("affected", []):
+                out[a].append(Stall(data["t_start"], data["t_end"], "prefill_interference"))
+        elif ev == "stall" and rid:
+            out[rid].append(Stall(data["t_start"], data["t_end"], data["cause"]))
+        elif ev == "slow_step" and engine_wide:
+            out[ANY_STREAM].append(Stall(data["t_start"], data["t_end"], "slow_decode"))
+    return out
+
+
+def label(spike: Mapping[str, Any], truth: Truth) -> str | None:
+    """The true cause of a spike given as ``{"request_id", "t_start", "t_end"}``."""
+    return label_span(spike["request_id"], spike["t_start"], spike["t_end"], truth)
+
+
+def label_span(request_id: str, t_start: float, t_end: float,
+               truth: Truth) -> str | None:
+    """The truth stall that overlaps [t_start, t_end] most: of the request itself, else engine-wide."""
+    best, best_ov = None, 0.0
+    for a, b, cause in truth.get(request_id, ()):
+        ov = min(b, t_end) - max(a, t_start)
+        if ov > best_ov:
+            best, best_ov = cause, ov
+    for a, b, cause in truth.get(ANY_STREAM, ()):
+        ov = min(b, t_end) - max(a, t_start)
+        # a prefill step inside a run of steps whose decode part alone misses the target: the
+        # stall would have happened without the prefill
+        if ov > best_ov or (ov > 0 and ov >= best_ov and best == "prefill_interference"):
+            best, best_ov = cause, ov
+    return best
+
+
