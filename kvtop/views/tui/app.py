@@ -13,7 +13,7 @@ import gc
 import re
 import signal
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import on
@@ -27,12 +27,14 @@ from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
 from kvtop import units
-from kvtop.core import Core
 from kvtop.pipeline import Feed, ReplayControls, StaticFeed
-from kvtop.snapshot import Snapshot
+from kvtop.snapshot import Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
 from kvtop.views.tui.charts import Chart, chart_specs
 from kvtop.views.tui.table import RowTable
+
+if TYPE_CHECKING:  # the console reads a core only through SnapshotSource; a StaticFeed wants the type
+    from kvtop.core import Core
 
 WINDOWS = (60.0, 300.0, 900.0, 3600.0)
 VIEWS: tuple[tuple[str, str], ...] = (
@@ -213,7 +215,7 @@ class KvtopApp(App[int]):
         # real run: tests share the process's signal handlers.
         self.handle_signals = handle_signals
         self._refresh_timer: Any = None
-        self.core = core
+        self.core: SnapshotSource = core
         # a console over a core that something else fills still has a feed: one with nothing to run
         self.feed: Feed = feed if feed is not None else StaticFeed(core)
         self.replay: ReplayControls | None = self.feed.controls()
@@ -304,8 +306,11 @@ class KvtopApp(App[int]):
             feed_core.paused = self.paused
             self.core = feed_core
             self._reset_tables()
-        # a replay's clock is the trace position, not the last record's time
-        s = self.core.snapshot(now=self.replay.t) if self.replay is not None else self.core.snapshot()
+        # a replay's clock is the trace position, not the last record's time; the charts may show
+        # up to the longest window (w changes it without a new snapshot); the detail screen shows a
+        # request's timeline
+        s = self.core.snapshot(now=self.replay.t if self.replay is not None else None, history_s=WINDOWS[-1],
+                               timeline=self.view_name == "detail", request_id=self.detail_id)
         if self.taken_at is not None:
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
@@ -315,26 +320,10 @@ class KvtopApp(App[int]):
             return
         self.snap = self.take_snapshot()
         self.ticks += 1
-        if self._note_verdict(self.snap):
-            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
         try:
             self.render_current()
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
-
-    def _note_verdict(self, s: Snapshot) -> bool:
-        """A changed verdict is worth an entry in the events log; True when one was added."""
-        v = s.analysis.verdict if s.analysis is not None else None
-        if v is None:
-            return False
-        action = v.action
-        prev, self._last_action = self._last_action, action
-        if prev is None or prev == action:
-            return False
-        conf = v.confidence
-        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
-        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
-        return True
 
     def render_current(self) -> None:
         s = self.snap
@@ -427,7 +416,7 @@ class KvtopApp(App[int]):
         for p, e in zip(self._engine_panels, s.engines, strict=False):
             p.set_class(not e.up, "-down")
             p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
-        done, over = self.core.finished_total, self.core.gaps_over_target_total
+        done, over = s.finished_total, s.gaps_over_target_total
         retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
         scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)
         self._render_charts(s)
@@ -451,7 +440,7 @@ class KvtopApp(App[int]):
         """History charts under the panels: as many columns as the width allows, their height
         shared out of what the terminal has left (a taller terminal, taller charts)."""
         scr = self.main
-        specs = chart_specs(s, self.core.history)
+        specs = chart_specs(s)
         grid = scr.query_one("#chart-grid", Grid)
         have = self._charts
         if len(have) < len(specs):
@@ -531,12 +520,9 @@ class KvtopApp(App[int]):
                           for key, label in render.COLUMNS])
 
     def _render_detail(self, s: Snapshot) -> None:
-        rid = self.detail_id
-        if rid is None and s.requests:
-            # nothing chosen: the request with the worst gap is what an operator wants first
-            rid = max(s.requests, key=lambda r: (r.max_gap_s or 0.0, r.id)).id
+        tl = s.detail  # the selected request's, else the worst-gap one's (the core chose)
+        rid = self.detail_id if self.detail_id is not None else (tl.id if tl is not None else None)
         rv = next((r for r in s.requests if r.id == rid), None) if rid else None
-        tl = self.core.request_timeline(rid) if rid else None
         spikes = s.analysis.spikes if s.analysis is not None else ()
         self.main.query_one("#detail-body", Panel).show(
             lambda w: render.detail(rv, tl, spikes, s.itl_target_s, s.t, w)
@@ -601,6 +587,8 @@ class KvtopApp(App[int]):
             scr.query_one("#req-table", RowTable).focus()
         elif name == "events":
             scr.query_one("#ev-table", DataTable).focus()
+        elif name == "detail" and self.snap is not None:
+            self.snap = self.take_snapshot()  # with the chosen request's timeline
         self.render_current()
         self.refresh_bindings()
 
