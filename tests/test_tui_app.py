@@ -11,8 +11,8 @@ pytest.importorskip("textual")
 from tui_support import RENDER_VERDICT, FakeReplay, TickFeed, screen_text  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
+from kvtop.feeds.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 from kvtop.views.tui.app import KvtopApp  # noqa: E402
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 

@@ -13,8 +13,8 @@ from conftest import FIXTURES  # noqa: E402
 from tui_support import TickFeed, screen_text, vllm_adapter  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
+from kvtop.feeds.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 from kvtop.views.tui.app import KvtopApp  # noqa: E402
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 
