@@ -1,8 +1,12 @@
-"""The console: renders ``Core.snapshot()`` on a timer; the feed (live, replay, demo) runs as a
-worker that pushes records into the core, so polling never blocks the UI.
+"""The console: takes a snapshot of the core on a timer and hands it to the view on screen; the
+feed (live, replay, demo) runs as a worker that pushes records into the core, so polling never
+blocks the UI.
 
-Screens (keys 1-5): Overview, Requests, Request detail, Advisor, Events. ``p`` pauses rendering
-(and a replay feed), ``space`` refreshes now, ``?`` shows help generated from the bindings.
+Screens (keys 1-5), one widget each with ``update(snapshot)``: Overview (overview.py), Requests
+(requests.py), Request detail (detail.py), Advisor (advisor.py), Events (events.py); the fleet
+(fleet.py, key ``f``) is a screen of its own over a Prometheus feed. The app keeps what is the
+console's: the top bar, the filter box, pause, the poll interval, the replay keys. ``p`` pauses
+rendering (and a replay feed), ``space`` refreshes now, ``?`` shows help generated from the bindings.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from kvtop.views.tui import plot, render
 from kvtop.views.tui.advisor import AdvisorView
 from kvtop.views.tui.detail import DetailView
 from kvtop.views.tui.events import EventsView
+from kvtop.views.tui.fleet import FleetScreen, open_fleet
 from kvtop.views.tui.overview import WINDOWS, OverviewView
 from kvtop.views.tui.requests import RequestsView
 from kvtop.views.tui.table import RowTable
@@ -289,6 +294,9 @@ class KvtopApp(App[int]):
         self.ticks += 1
         try:
             self.render_current()
+            for scr in self.screen_stack:  # the fleet, also under an instance it opened
+                if isinstance(scr, FleetScreen):
+                    scr.update(self.snap)
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
 
@@ -501,9 +509,7 @@ class KvtopApp(App[int]):
         self.push_screen(SeekScreen(replay.duration), done)
 
     def action_fleet(self) -> None:
-        from kvtop.views.tui.fleet import open_fleet
-
-        open_fleet(self)
+        open_fleet(self, self.snap if self.snap is not None else self.take_snapshot())
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.help_rows()))
