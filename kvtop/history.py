@@ -4,7 +4,8 @@ The core hands every engine, GPU and host record to ``History.ingest``; each rec
 per chart series, derived at ingest (rates from counter deltas, ITL/TTFT quantiles over the last
 ``QUANTILE_WINDOW_S`` of histogram deltas) so a chart only reads numbers. Every series is a pair of
 flat arrays capped at ``MAX_POINTS`` samples (an hour at the default 1 s poll; ~30 KB a series):
-memory stays flat however long the console runs. Pure: no I/O, no Textual.
+memory stays flat however long the console runs. A Snapshot carries copies of the window the
+console asks for (``History.window``), so the charts never read this store. Pure: no I/O, no Textual.
 """
 
 from __future__ import annotations
