@@ -111,6 +111,9 @@ class SeekScreen(ModalScreen[float | None]):
             self.notify(f"not a number of seconds: {ev.value!r}", severity="error")
 
 
+View = OverviewView | RequestsView | DetailView | AdvisorView | EventsView
+
+
 @dataclass(frozen=True)
 class Views:
     """The console's screens, one widget each; each renders a Snapshot (``update``) and holds its own
@@ -122,8 +125,8 @@ class Views:
     advisor: AdvisorView
     events: EventsView
 
-    def get(self, name: str) -> OverviewView | RequestsView | DetailView | AdvisorView | EventsView:
-        view: OverviewView | RequestsView | DetailView | AdvisorView | EventsView = getattr(self, name)
+    def get(self, name: str) -> View:
+        view: View = getattr(self, name)
         return view
 
 
