@@ -83,7 +83,7 @@ def main() -> None:
     print(f"RSS: before {rss0:.0f} MB, after 1st sample {samples[0][1]:.0f} MB, peak {peak:.0f} MB, "
           f"end {samples[-1][1]:.0f} MB; slope over the second half {slope:+.1f} MB per simulated hour")
     fin: tuple[object, ...] = getattr(core, "finished_requests", tuple)()  # absent before finished requests were summarised
-    print(f"requests held by the core: {len(core._requests)} with timelines, {len(fin)} "
+    print(f"requests held by the core: {len(core.requests)} with timelines, {len(fin)} "
           f"summaries; shown in the snapshot at the end: {samples[-1][2]}")
     for t, rss, n in samples[:: max(1, len(samples) // 8)]:
         print(f"  t={t:7.0f} s  RSS {rss:6.0f} MB  requests on screen {n}")

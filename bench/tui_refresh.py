@@ -5,7 +5,7 @@
    the changed regions (the wait for the screen to settle after the tick, minus an idle wait
    measured the same way). Baseline in the same run: Core.snapshot() alone. Target < 50 ms.
 2. kvtop's own CPU over --seconds (default 60) at a 1 s interval: against synthetic feeds (the
-   seeded sample generator in kvtop/views/tui/sample.py advanced once a second, its own generation time
+   seeded sample generator in kvtop/feeds/sample.py advanced once a second, its own generation time
    reported separately), and against `kvtop demo` in-process (simulated engine + load generator +
    live runner), measured without and with the console so the console's share is the difference.
    Target < 5% of one core.
@@ -20,8 +20,8 @@ import asyncio
 import statistics
 import time
 
+from kvtop.feeds.sample import FIXED_TAKEN_AT, Sample
 from kvtop.views.tui.app import KvtopApp
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample
 
 SIZE = (160, 50)
 

@@ -4,33 +4,37 @@ The core hands every engine, GPU and host record to ``History.ingest``; each rec
 per chart series, derived at ingest (rates from counter deltas, ITL/TTFT quantiles over the last
 ``QUANTILE_WINDOW_S`` of histogram deltas) so a chart only reads numbers. Every series is a pair of
 flat arrays capped at ``MAX_POINTS`` samples (an hour at the default 1 s poll; ~30 KB a series):
-memory stays flat however long the console runs. Pure: no I/O, no Textual.
+memory stays flat however long the console runs. A Snapshot carries copies of the window the
+console asks for (``History.window``), so the charts never read this store. Pure: no I/O, no Textual.
 """
 
 from __future__ import annotations
 
-import math
-from array import array
-from bisect import bisect_left, bisect_right
+import itertools
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvtop.model.records import EngineRecord, GpuRecord, Histogram, HostRecord, Record
 from kvtop.model.series import histogram_delta, histogram_quantile
+from kvtop.snapshot import HistoryWindow, Samples
 
 MAX_POINTS = 3600
 QUANTILE_WINDOW_S = 10.0
 NAN = float("nan")
+# Samples.last() looks back over the last 3 samples and Samples.at() to the one before its time.
+_LOOK_BACK = 3
+_ORIGINS = itertools.count(1)
 
 
-class Ring:
-    """(t, value) samples in time order, the last ``maxlen`` kept; a missing value is NaN."""
+class Ring(Samples):
+    """(t, value) samples in time order, the last ``maxlen`` kept; a missing value is NaN. The read
+    side (columns, nearest sample, last value) is ``Samples``, which a Snapshot carries copies of."""
 
-    __slots__ = ("t", "v", "maxlen")
+    __slots__ = ("maxlen",)
 
     def __init__(self, maxlen: int = MAX_POINTS):
-        self.t = array("d")
-        self.v = array("d")
+        super().__init__(origin=next(_ORIGINS))
         self.maxlen = maxlen
 
     def append(self, t: float, v: float | None) -> None:
@@ -42,56 +46,11 @@ class Ring:
             del self.t[: len(self.t) - self.maxlen]
             del self.v[: len(self.v) - self.maxlen]
 
-    def __len__(self) -> int:
-        return len(self.t)
-
-    def last(self) -> float | None:
-        for i in range(len(self.v) - 1, max(-1, len(self.v) - 4), -1):
-            if not math.isnan(self.v[i]):
-                return self.v[i]
-        return None
-
-    def span(self, t0: float, t1: float) -> tuple[int, int]:
-        """Index range of the samples with t0 <= t <= t1."""
-        return bisect_left(self.t, t0), bisect_right(self.t, t1)
-
-    def columns(self, t0: float, t1: float, n: int, how: str = "max") -> list[float | None]:
-        """``n`` equal time columns over [t0, t1]: each column's max (spikes stay visible when
-        an hour is squeezed into 60 columns) or mean; None where a column has no sample."""
-        out: list[float | None] = [None] * n
-        if n <= 0 or t1 <= t0:
-            return out
-        i, j = self.span(t0, t1)
-        ts, vs = self.t, self.v
-        scale = n / (t1 - t0)
-        if how == "max":
-            for k in range(i, j):
-                v = vs[k]
-                if v != v:  # NaN
-                    continue
-                c = min(n - 1, int((ts[k] - t0) * scale))
-                cur = out[c]
-                if cur is None or v > cur:
-                    out[c] = v
-            return out
-        sums = [0.0] * n
-        cnt = [0] * n
-        for k in range(i, j):
-            v = vs[k]
-            if v != v:
-                continue
-            c = min(n - 1, int((ts[k] - t0) * scale))
-            sums[c] += v
-            cnt[c] += 1
-        return [sums[c] / cnt[c] if cnt[c] else None for c in range(n)]
-
-    def at(self, t: float) -> tuple[float, float] | None:
-        """The sample nearest to ``t`` (hover readout)."""
-        if not self.t:
-            return None
-        k = bisect_left(self.t, t)
-        best = min((x for x in (k - 1, k) if 0 <= x < len(self.t)), key=lambda x: abs(self.t[x] - t))
-        return self.t[best], self.v[best]
+    def since(self, t0: float) -> Samples:
+        """A copy of the samples from ``t0`` on, plus the few before it that a chart's latest
+        value and hover readout may look back to, so they read the same as on the whole ring."""
+        k = max(0, bisect_left(self.t, t0) - _LOOK_BACK)
+        return Samples(self.t[k:], self.v[k:], self.origin)
 
 
 ENGINE_SERIES = ("kv_usage", "running", "waiting", "preemptions_per_s", "itl_p50_s", "itl_p99_s",
@@ -181,3 +140,12 @@ class History:
     def engine_series(self, url: str, engine: str | None) -> dict[str, Ring] | None:
         e = self.engines.get((url, engine))
         return e.series if e is not None else None
+
+    def window(self, t0: float) -> HistoryWindow:
+        """Copies of every series from ``t0`` on, for a Snapshot."""
+
+        def cut(series: dict[str, Ring]) -> dict[str, Samples]:
+            return {k: r.since(t0) for k, r in series.items()}
+
+        return HistoryWindow(engines={k: cut(e.series) for k, e in self.engines.items()},
+                             gpus={i: cut(g) for i, g in self.gpus.items()}, host=cut(self.host))

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import GpuRecord, HostRecord
@@ -95,6 +97,98 @@ class EventView:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTimeline:
+    """One request's token arrivals and the engine events around it (request detail view)."""
+
+    id: str
+    arrive_t: float
+    end_t: float | None
+    state: str
+    tokens: tuple[tuple[float, int], ...]  # (t, tokens in chunk); only the newest chunks are kept
+    marks: tuple[tuple[float, str], ...]  # request-level preempt / resume events
+    engine_marks: tuple[tuple[float, str, float], ...]  # (t, "preemption" | "prompt_burst", amount)
+
+
+class Samples:
+    """A chart series' (t, value) samples in time order, read side; a missing value is NaN.
+
+    The core's bounded store (kvtop/history.py ``Ring``) appends to these arrays; a Snapshot holds
+    copies of the window it covers. ``origin`` names the series the samples came from, so a chart
+    can tell "the same series, newer samples" (repaint the newest column) from another series."""
+
+    __slots__ = ("t", "v", "origin")
+
+    def __init__(self, t: array[float] | None = None, v: array[float] | None = None, origin: int = 0):
+        self.t = array("d") if t is None else t
+        self.v = array("d") if v is None else v
+        self.origin = origin
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+    def last(self) -> float | None:
+        for i in range(len(self.v) - 1, max(-1, len(self.v) - 4), -1):
+            if not math.isnan(self.v[i]):
+                return self.v[i]
+        return None
+
+    def span(self, t0: float, t1: float) -> tuple[int, int]:
+        """Index range of the samples with t0 <= t <= t1."""
+        return bisect_left(self.t, t0), bisect_right(self.t, t1)
+
+    def columns(self, t0: float, t1: float, n: int, how: str = "max") -> list[float | None]:
+        """``n`` equal time columns over [t0, t1]: each column's max (spikes stay visible when
+        an hour is squeezed into 60 columns) or mean; None where a column has no sample."""
+        out: list[float | None] = [None] * n
+        if n <= 0 or t1 <= t0:
+            return out
+        i, j = self.span(t0, t1)
+        ts, vs = self.t, self.v
+        scale = n / (t1 - t0)
+        if how == "max":
+            for k in range(i, j):
+                v = vs[k]
+                if v != v:  # NaN
+                    continue
+                c = min(n - 1, int((ts[k] - t0) * scale))
+                cur = out[c]
+                if cur is None or v > cur:
+                    out[c] = v
+            return out
+        sums = [0.0] * n
+        cnt = [0] * n
+        for k in range(i, j):
+            v = vs[k]
+            if v != v:
+                continue
+            c = min(n - 1, int((ts[k] - t0) * scale))
+            sums[c] += v
+            cnt[c] += 1
+        return [sums[c] / cnt[c] if cnt[c] else None for c in range(n)]
+
+    def at(self, t: float) -> tuple[float, float] | None:
+        """The sample nearest to ``t`` (hover readout)."""
+        if not self.t:
+            return None
+        k = bisect_left(self.t, t)
+        best = min((x for x in (k - 1, k) if 0 <= x < len(self.t)), key=lambda x: abs(self.t[x] - t))
+        return self.t[best], self.v[best]
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryWindow:
+    """The console's chart series over the window a snapshot was asked for: per engine (url,
+    engine label), per GPU index and for the host, series name -> samples."""
+
+    engines: dict[tuple[str, str | None], dict[str, Samples]] = field(default_factory=dict)
+    gpus: dict[int, dict[str, Samples]] = field(default_factory=dict)
+    host: dict[str, Samples] = field(default_factory=dict)
+
+    def engine_series(self, url: str, engine: str | None) -> dict[str, Samples] | None:
+        return self.engines.get((url, engine))
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     kvtop_version: str
     taken_at: str  # ISO-8601 UTC
@@ -113,6 +207,14 @@ class Snapshot:
     host_status: str = "ok"  # "ok" or why there is no host data ("off (--no-host)")
     # passive capture (--capture): port, status ("ok" or why not) and its loss counters; None when off
     capture: dict[str, Any] | None = None
+    # Requests that ended and left the screens (only their summary kept), and their gaps over target.
+    finished_total: int = 0
+    gaps_over_target_total: int = 0
+    # What the console asks for on top (never in the JSON): the history charts' series over the
+    # asked window, and the timeline of the selected request (else of the listed one with the
+    # worst gap).
+    history: HistoryWindow | None = None
+    detail: RequestTimeline | None = None
 
     def to_json(self, include_history: bool = False) -> dict[str, Any]:
         """The documented JSON contract (schemas/snapshot.schema.json)."""
@@ -152,6 +254,19 @@ class Snapshot:
             out["capture"] = dict(self.capture)
         cleaned: dict[str, Any] = finite(out)
         return cleaned
+
+
+class SnapshotSource(Protocol):
+    """What a view may ask of the core: snapshots, and an entry in its event log (a feed that
+    failed). Pausing is shown in the snapshot the core derives."""
+
+    now: float
+    paused: bool
+
+    def snapshot(self, now: float | None = None, *, history_s: float | None = None, timeline: bool = False,
+                 request_id: str | None = None) -> Snapshot: ...
+
+    def event(self, t: float, severity: str, kind: str, message: str) -> None: ...
 
 
 def _record_json(rec: GpuRecord | HostRecord, view: GpuView | None = None) -> dict[str, Any]:

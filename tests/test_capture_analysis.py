@@ -70,8 +70,8 @@ async def test_console_banner_says_how_to_grant_capture_and_counts_loss():
     pytest.importorskip("textual")
     from tui_support import screen_text
 
+    from kvtop.feeds.sample import FIXED_TAKEN_AT, sample
     from kvtop.views.tui.app import KvtopApp
-    from kvtop.views.tui.sample import FIXED_TAKEN_AT, sample
 
     s = sample()
     s.core.capture = {"port": 8000, "status": "passive capture needs CAP_NET_RAW: run as root, or grant it"}

@@ -44,7 +44,7 @@ def test_summaries_are_bounded_and_live_timelines_keep_the_last_chunks():
     core.snapshot()
     assert len(core.finished_requests()) == 50
     assert core.finished_total == 199  # the last one is still on screen
-    assert len(core._requests) == 1
+    assert len(core.requests) == 1
     assert {s.state for s in core.finished_requests()} == {"finished", "cancelled"}
     # a very long live stream: its timeline holds the newest TIMELINE_MAX_CHUNKS chunks
     core.ingest(RequestRecord(t + 5, "long", "arrive"))

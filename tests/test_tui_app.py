@@ -11,8 +11,8 @@ pytest.importorskip("textual")
 from tui_support import RENDER_VERDICT, FakeReplay, TickFeed, screen_text  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
+from kvtop.feeds.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 from kvtop.views.tui.app import KvtopApp  # noqa: E402
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 
@@ -81,14 +81,14 @@ async def test_requests_sort_cycles_and_reverses():
         assert _table_ids(app) == list(reversed(want))
         for _ in range(3):  # preempt, last cause, then wraps around to the id column, A→Z
             await pilot.press("s")
-        assert app.sort_col == "id"
+        assert app.views.requests.sort_col == "id"
         assert _table_ids(app) == sorted(r.id for r in reqs)
         # mouse: clicking the "tokens" header sorts by tokens, most first
         table = app.main.query_one("#req-table")
         x = table.column_x("tokens") + 1
         await pilot.click("#req-table", offset=(x, 0))
         await pilot.pause()
-        assert app.sort_col == "tokens"
+        assert app.views.requests.sort_col == "tokens"
         assert _table_ids(app) == [r.id for r in sorted(reqs, key=lambda r: (r.tokens, r.id), reverse=True)]
 
 

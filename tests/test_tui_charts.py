@@ -129,7 +129,7 @@ async def test_overview_charts_show_the_preemption_storm():
         # the window selector narrows the time axis
         await pilot.press("w")
         await pilot.pause()
-        assert app.window_s == 900.0 and "-15m" in kv.render_line(kv.size.height - 1).text
+        assert app.views.overview.window_s == 900.0 and "-15m" in kv.render_line(kv.size.height - 1).text
 
 
 async def test_charts_fit_80x24():

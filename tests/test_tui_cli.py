@@ -94,8 +94,8 @@ def test_discover_finds_a_metrics_page_and_skips_other_servers():
 def test_headless_paths_do_not_import_textual():
     code = (
         "import sys; import kvtop.cli as c; c.build_parser(); "
-        "import kvtop.commands.tui, kvtop.views.tui.fmt, kvtop.views.tui.sample; "
-        "from kvtop.views.tui.sample import sample; sample(requests=3, seconds=3).core.snapshot(); "
+        "import kvtop.commands.tui, kvtop.views.tui.fmt, kvtop.feeds.sample; "
+        "from kvtop.feeds.sample import sample; sample(requests=3, seconds=3).core.snapshot(); "
         "print('textual' in sys.modules)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -58,8 +58,8 @@ class FleetApp(App[None]):
         self.core, self.targets, self.agents = fleet_state()
 
     def on_mount(self) -> None:
-        self.push_screen(FleetScreen(lambda: fleet_rows(self.core.snapshot(60.0), self.targets, self.agents),
-                                     lambda: "[dim]http://prometheus:9090[/]", interval=3600))
+        self.push_screen(FleetScreen(lambda snap: fleet_rows(snap, self.targets, self.agents), self.core.snapshot(60.0),
+                                     lambda: "[dim]http://prometheus:9090[/]"))
 
 
 def test_fleet_screen_snapshot(snap_compare):

@@ -8,8 +8,8 @@ pytest.importorskip("textual")
 
 from kvtop.core import Core  # noqa: E402
 from kvtop.feeds.live import LiveRunner  # noqa: E402
+from kvtop.feeds.sample import FIXED_TAKEN_AT, sample  # noqa: E402
 from kvtop.views.tui.app import HelpScreen, KvtopApp  # noqa: E402
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, sample  # noqa: E402
 from kvtop.views.tui.table import RowTable  # noqa: E402
 
 

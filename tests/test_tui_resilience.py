@@ -13,8 +13,8 @@ from conftest import FIXTURES  # noqa: E402
 from tui_support import TickFeed, screen_text, vllm_adapter  # noqa: E402
 
 from kvtop.core import Core  # noqa: E402
+from kvtop.feeds.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 from kvtop.views.tui.app import KvtopApp  # noqa: E402
-from kvtop.views.tui.sample import FIXED_TAKEN_AT, Sample, sample  # noqa: E402
 
 SIZE = (120, 40)
 
@@ -90,7 +90,7 @@ async def test_thousand_live_requests_stay_responsive():
         assert app.ticks > ticks  # refreshes kept coming while we typed
         shown = app.main.query_one("#req-table").row_count
         assert shown == sum(1 for r in app.snap.requests if r.cls == "batch")
-        assert app.sort_col == "spikes"
+        assert app.views.requests.sort_col == "spikes"
 
 
 async def test_live_runner_feed_then_the_engine_goes_away():

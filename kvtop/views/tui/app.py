@@ -1,8 +1,12 @@
-"""The console: renders ``Core.snapshot()`` on a timer; the feed (live, replay, demo) runs as a
-worker that pushes records into the core, so polling never blocks the UI.
+"""The console: takes a snapshot of the core on a timer and hands it to the view on screen; the
+feed (live, replay, demo) runs as a worker that pushes records into the core, so polling never
+blocks the UI.
 
-Screens (keys 1-5): Overview, Requests, Request detail, Advisor, Events. ``p`` pauses rendering
-(and a replay feed), ``space`` refreshes now, ``?`` shows help generated from the bindings.
+Screens (keys 1-5), one widget each with ``update(snapshot)``: Overview (overview.py), Requests
+(requests.py), Request detail (detail.py), Advisor (advisor.py), Events (events.py); the fleet
+(fleet.py, key ``f``) is a screen of its own over a Prometheus feed. The app keeps what is the
+console's: the top bar, the filter box, pause, the poll interval, the replay keys. ``p`` pauses
+rendering (and a replay feed), ``space`` refreshes now, ``?`` shows help generated from the bindings.
 """
 
 from __future__ import annotations
@@ -10,16 +14,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import re
 import signal
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
-from textual.containers import Grid, Vertical, VerticalScroll
+from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.markup import escape
 from textual.screen import ModalScreen, Screen
@@ -27,14 +30,21 @@ from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
 from kvtop import units
-from kvtop.core import Core
 from kvtop.pipeline import Feed, ReplayControls, StaticFeed
-from kvtop.snapshot import Snapshot
+from kvtop.snapshot import Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
-from kvtop.views.tui.charts import Chart, chart_specs
+from kvtop.views.tui.advisor import AdvisorView
+from kvtop.views.tui.detail import DetailView
+from kvtop.views.tui.events import EventsView
+from kvtop.views.tui.fleet import FleetScreen, open_fleet
+from kvtop.views.tui.overview import WINDOWS, OverviewView
+from kvtop.views.tui.requests import RequestsView
 from kvtop.views.tui.table import RowTable
+from kvtop.views.tui.widgets import Cells
 
-WINDOWS = (60.0, 300.0, 900.0, 3600.0)
+if TYPE_CHECKING:  # the console reads a core only through SnapshotSource; a StaticFeed wants the type
+    from kvtop.core import Core
+
 VIEWS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
     ("advisor", "Advisor"), ("events", "Events"),
@@ -58,33 +68,6 @@ _CONTEXT = {"window": "Overview charts", "cycle_sort": "Requests", "reverse_sort
 _LONG_HELP = {"window": "History window: 1m → 5m → 15m → 1h", "quit": "Quit (also F10, Ctrl-C)",
               "help": "Help (also F1)", "toggle_pause": "Pause: freeze the screen (and a replay); data keeps coming",
               "refresh_now": "Refresh: poll every source and redraw now"}
-_THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
-
-
-class Panel(Static):
-    """A Static whose markup depends on its own width; re-rendered on resize."""
-
-    def __init__(self, builder: Any = None, **kw: Any):
-        super().__init__("", **kw)
-        self.builder = builder
-        self._shown: str | None = None
-
-    def show(self, builder: Any) -> None:
-        self.builder = builder
-        self._redraw()
-
-    def _redraw(self) -> None:
-        if self.builder is not None:
-            width = self.size.width or self.app.size.width
-            markup = self.builder(width)
-            if markup != self._shown:  # unchanged panels cost nothing (no re-parse, no repaint)
-                # the same number of lines: no layout pass (the Overview holds dozens of widgets)
-                relayout = self._shown is None or markup.count("\n") != self._shown.count("\n")
-                self._shown = markup
-                self.update(markup, layout=relayout)
-
-    def on_resize(self) -> None:
-        self._redraw()
 
 
 class HelpScreen(ModalScreen[None]):
@@ -128,47 +111,48 @@ class SeekScreen(ModalScreen[float | None]):
             self.notify(f"not a number of seconds: {ev.value!r}", severity="error")
 
 
+View = OverviewView | RequestsView | DetailView | AdvisorView | EventsView
+
+
+@dataclass(frozen=True)
+class Views:
+    """The console's screens, one widget each; each renders a Snapshot (``update``) and holds its own
+    state (sort, filter, selection, window, caches)."""
+
+    overview: OverviewView
+    requests: RequestsView
+    detail: DetailView
+    advisor: AdvisorView
+    events: EventsView
+
+    def get(self, name: str) -> View:
+        view: View = getattr(self, name)
+        return view
+
+
 class MainScreen(Screen[None]):
     # Panels collapse below 100 columns (one line per GPU, compact engines); from 220 columns
     # GPUs sit two to a row.
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide"), (220, "-huge")]
+
+    def __init__(self, views: Views, on_ready: Callable[[], None]):
+        super().__init__()
+        self.views = views
+        self._on_ready = on_ready
 
     def compose(self) -> ComposeResult:
         yield Static("", id="topbar")
         yield Static("", id="banner")
         yield Tabs(*[Tab(f"{i + 1} {label}", id=f"tab-{key}") for i, (key, label) in enumerate(VIEWS)], id="tabs")
         with ContentSwitcher(initial="overview", id="switcher"):
-            with Vertical(id="overview"):
-                with VerticalScroll(id="ov-top"):
-                    yield Static("[b]GPUs[/b]", classes="section")
-                    yield Vertical(id="gpus")
-                    yield Panel(id="host")
-                    yield Static("[b]Engines[/b]", classes="section")
-                    yield Vertical(id="engines")
-                    yield Panel(id="summary")
-                yield Static("", id="charts-head", classes="section")
-                with VerticalScroll(id="charts"):
-                    yield Grid(id="chart-grid")
-            with Vertical(id="requests"):
-                yield Static("", id="req-status")
-                yield RowTable(render.COLUMNS, self.app.request_cells, id="req-table")  # type: ignore[attr-defined]
-            with VerticalScroll(id="detail"):
-                yield Panel(id="detail-body")
-            with VerticalScroll(id="advisor"):
-                yield Panel(id="advisor-body")
-            with Vertical(id="events"):
-                ev: DataTable[Any] = DataTable(id="ev-table", cursor_type="row", zebra_stripes=True)
-                ev.add_column("t", key="t")
-                ev.add_column("severity", key="severity")
-                ev.add_column("kind", key="kind")
-                ev.add_column("message", key="message")
-                yield ev
+            for key, _label in VIEWS:
+                yield self.views.get(key)
         yield Input(placeholder="filter (words match id, state, class, cause); enter keeps, esc clears",
                     id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.app.main_ready()  # type: ignore[attr-defined]
+        self._on_ready()
 
 
 class KvtopApp(App[int]):
@@ -176,6 +160,9 @@ class KvtopApp(App[int]):
     TITLE = "kvtop"
     ENABLE_COMMAND_PALETTE = True
 
+    # A view's keys (its KEYS) are bound here, on the app, so they work whatever has the focus (the
+    # Overview holds nothing focusable) and the footer and the help list every key in one order;
+    # check_action enables a view's keys only while it shows and the app hands the action to it.
     BINDINGS = [
         # htop / btop / nvitop users reach for Ctrl-C and F10 to leave, F1 for help
         Binding("q,f10", "quit", "Quit", key_display="q"),
@@ -187,7 +174,7 @@ class KvtopApp(App[int]):
         # btop's convention: + lengthens the update interval, - shortens it
         Binding("plus,equals_sign", "interval(2)", "Poll less often (interval ×2)", key_display="+", show=False),
         Binding("minus", "interval(0.5)", "Poll more often (interval ÷2)", key_display="-", show=False),
-        Binding("w", "window", "Window"),
+        *OverviewView.KEYS,
         Binding("j", "nav(1)", "Down (also ↓)", show=False),
         Binding("k", "nav(-1)", "Up (also ↑)", show=False),
         Binding("1", "view('overview')", "Overview screen", show=False),
@@ -195,9 +182,9 @@ class KvtopApp(App[int]):
         Binding("3", "view('detail')", "Request detail screen", show=False),
         Binding("4", "view('advisor')", "Advisor screen", show=False),
         Binding("5", "view('events')", "Events screen", show=False),
+        # the filter box is the console's: it narrows the Requests and the Events screens
         Binding("slash", "filter", "Filter", key_display="/"),
-        Binding("s", "cycle_sort", "Sort"),
-        Binding("r", "reverse_sort", "Reverse", show=False),
+        *RequestsView.KEYS,
         Binding("escape", "back", "Back", show=False),
         Binding("left_square_bracket", "step(-10)", "Back 10 s", key_display="["),
         Binding("right_square_bracket", "step(10)", "Forward 10 s", key_display="]"),
@@ -205,6 +192,9 @@ class KvtopApp(App[int]):
         # no description: kept out of the help screen, which every console snapshot shows
         Binding("f", "fleet", "", show=False),
     ]
+    # the views whose keys these are, enabled only while one of them shows (w is the Overview's but
+    # stays on everywhere: the window it sets is there on the way back)
+    _VIEW_ACTIONS = {"cycle_sort": ("requests",), "reverse_sort": ("requests",), "filter": ("requests", "events")}
 
     def __init__(self, core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                  interval: float = 1.0, taken_at: str | None = None, handle_signals: bool = False):
@@ -213,7 +203,7 @@ class KvtopApp(App[int]):
         # real run: tests share the process's signal handlers.
         self.handle_signals = handle_signals
         self._refresh_timer: Any = None
-        self.core = core
+        self.core: SnapshotSource = core
         # a console over a core that something else fills still has a feed: one with nothing to run
         self.feed: Feed = feed if feed is not None else StaticFeed(core)
         self.replay: ReplayControls | None = self.feed.controls()
@@ -227,27 +217,15 @@ class KvtopApp(App[int]):
         self.paused = False
         self.snap: Snapshot | None = None
         self.view_name = "overview"
-        self.detail_id: str | None = None
         self.filter_text = ""
-        self.sort_col = "max_gap"
-        self.sort_reverse = True
         self.ticks = 0
-        # request id -> (the RequestView, its cell markup, its cells): a row keeps its cells object
-        # while its markup is unchanged, so the table reuses the painted line
-        self._req_cache: dict[str, tuple[Any, tuple[str, ...], tuple[Text, ...]]] = {}
-        self._cell_cache: dict[str, Text] = {}
-        self._req_rows: dict[str, Any] = {}
-        self._req_target: float | None = None
-        self._events_key: tuple[Any, ...] | None = None
+        self.cells = Cells(lambda: self.theme_variables)
+        self.views = Views(overview=OverviewView(interval, replay=self.replay is not None),
+                           requests=RequestsView(self.cells), detail=DetailView(), advisor=AdvisorView(),
+                           events=EventsView(self.cells))
         self._banner_text: str | None = None
         self._stop = asyncio.Event()
-        self._last_action: str | None = None
-        self._gpu_panels: list[Panel] = []
-        self._charts: list[Chart] = []
-        self._chart_fit: tuple[int, int] | None = None
-        self.window_s = WINDOWS[1]
-        self._engine_panels: list[Panel] = []
-        self.main = MainScreen()
+        self.main = MainScreen(self.views, self.main_ready)
         self._main_ready = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -257,7 +235,6 @@ class KvtopApp(App[int]):
     def on_mount(self) -> None:
         self.theme = self._theme_name
         self.theme_changed_signal.subscribe(self, self._on_theme_changed)
-        self._update_headers()
         self.run_worker(self._run_feed(), name="feed", group="feed", exclusive=True)
         self._refresh_timer = self.set_interval(self.interval, self.tick, name="refresh")
         if self.handle_signals:
@@ -304,8 +281,11 @@ class KvtopApp(App[int]):
             feed_core.paused = self.paused
             self.core = feed_core
             self._reset_tables()
-        # a replay's clock is the trace position, not the last record's time
-        s = self.core.snapshot(now=self.replay.t) if self.replay is not None else self.core.snapshot()
+        # a replay's clock is the trace position, not the last record's time; the charts may show
+        # up to the longest window (w changes it without a new snapshot); the detail screen shows a
+        # request's timeline
+        s = self.core.snapshot(now=self.replay.t if self.replay is not None else None, history_s=WINDOWS[-1],
+                               timeline=self.view_name == "detail", request_id=self.views.detail.request_id)
         if self.taken_at is not None:
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
@@ -315,26 +295,13 @@ class KvtopApp(App[int]):
             return
         self.snap = self.take_snapshot()
         self.ticks += 1
-        if self._note_verdict(self.snap):
-            self.snap = self.take_snapshot()  # so the new event shows now, not a tick later
         try:
             self.render_current()
+            for scr in self.screen_stack:  # the fleet, also under an instance it opened
+                if isinstance(scr, FleetScreen):
+                    scr.update(self.snap)
         except NoMatches:  # the app is shutting down and its widgets are gone
             pass
-
-    def _note_verdict(self, s: Snapshot) -> bool:
-        """A changed verdict is worth an entry in the events log; True when one was added."""
-        v = s.analysis.verdict if s.analysis is not None else None
-        if v is None:
-            return False
-        action = v.action
-        prev, self._last_action = self._last_action, action
-        if prev is None or prev == action:
-            return False
-        conf = v.confidence
-        conf_txt = f" (confidence {conf:.0%})" if isinstance(conf, (int, float)) else ""
-        self.core.event(s.t, "info", "verdict_change", f"advisor: {prev} -> {action}{conf_txt}")
-        return True
 
     def render_current(self) -> None:
         s = self.snap
@@ -342,17 +309,7 @@ class KvtopApp(App[int]):
             return
         with self.batch_update():
             self._render_topbar(s)
-            view = self.view_name
-            if view == "overview":
-                self._render_overview(s)
-            elif view == "requests":
-                self._render_requests(s)
-            elif view == "detail":
-                self._render_detail(s)
-            elif view == "advisor":
-                self.query_one("#advisor-body", Panel).show(lambda w: render.advisor(s, w))
-            elif view == "events":
-                self._render_events(s)
+            self.views.get(self.view_name).update(s)
 
     def _render_topbar(self, s: Snapshot) -> None:
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
@@ -397,195 +354,16 @@ class KvtopApp(App[int]):
             banner.update(text)
             banner.display = bool(msgs)
 
-    @staticmethod
-    def _panels(box: Vertical, have: list[Panel], n: int, cls: str) -> list[Panel]:
-        """Grow or shrink ``have`` to ``n`` panels (at least one, for the "no data" line)."""
-        n = max(1, n)
-        if len(have) < n:
-            new = [Panel(classes=cls) for _ in range(n - len(have))]
-            box.mount_all(new)
-            have = have + new
-        elif len(have) > n:
-            for p in have[n:]:
-                p.remove()
-            have = have[:n]
-        return have
-
-    def _render_overview(self, s: Snapshot) -> None:
-        scr = self.main
-        self._gpu_panels = self._panels(scr.query_one("#gpus", Vertical), self._gpu_panels, len(s.gpus), "gpu")
-        if not s.gpus:
-            why = "no GPU data yet" if s.gpu_status == "ok" else f"GPU: {s.gpu_status}"
-            self._gpu_panels[0].show(lambda w: render.muted(escape(why)))
-        for p, g in zip(self._gpu_panels, s.gpus, strict=False):
-            p.show(lambda w, g=g: render.gpu_line(g, w))
-        scr.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
-        self._engine_panels = self._panels(scr.query_one("#engines", Vertical), self._engine_panels,
-                                           len(s.engines), "engine")
-        if not s.engines:
-            self._engine_panels[0].show(lambda w: render.muted("no engine data yet"))
-        for p, e in zip(self._engine_panels, s.engines, strict=False):
-            p.set_class(not e.up, "-down")
-            p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
-        done, over = self.core.finished_total, self.core.gaps_over_target_total
-        retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
-        scr.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)
-        self._render_charts(s)
-
-    def _fit_charts(self) -> None:
-        """Columns from the width, row height from the height left under the panels."""
-        box = self.main.query_one("#charts", VerticalScroll)
-        grid = self.main.query_one("#chart-grid", Grid)
-        width = box.size.width or self.size.width
-        cols = 1 if width < 60 else 2 if width < 140 else 3
-        rows = max(1, -(-len(self._charts) // cols))
-        h = max(6, (box.size.height or 12) // rows)
-        if self._chart_fit != (cols, h):
-            self._chart_fit = (cols, h)
-            grid.styles.grid_size_columns = cols
-            grid.styles.grid_rows = f"{h}"
-            # the panels above may have changed height too: fit again once laid out
-            self.call_after_refresh(self._fit_charts)
-
-    def _render_charts(self, s: Snapshot) -> None:
-        """History charts under the panels: as many columns as the width allows, their height
-        shared out of what the terminal has left (a taller terminal, taller charts)."""
-        scr = self.main
-        specs = chart_specs(s, self.core.history)
-        grid = scr.query_one("#chart-grid", Grid)
-        have = self._charts
-        if len(have) < len(specs):
-            new = [Chart() for _ in range(len(specs) - len(have))]
-            grid.mount_all(new)
-            have = have + new
-        elif len(have) > len(specs):
-            for c in have[len(specs):]:
-                c.remove()
-            have = have[: len(specs)]
-        self._charts = have
-        self._fit_charts()
-        replay = self.replay is not None
-        t1 = s.t
-        t0 = t1 - self.window_s
-        now_label = f"t={units.duration_short(t1)}" if replay else "now"
-        for c, spec in zip(have, specs, strict=False):
-            c.show(spec, t0, t1, now_label)
-        head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes by cause:"
-        scr.query_one("#charts-head", Static).update(
-            f"[b]History[/b] {render.muted(head)} "
-            "[$error]▲ preemption[/] [$warning]▲ prefill[/] [$secondary]▲ slow decode[/]",
-            layout=False,
-        )
-
-    def _render_requests(self, s: Snapshot) -> None:
-        """Hand the table the rows in sort order; it asks for the cells of the rows it paints."""
-        table = self.main.query_one("#req-table", RowTable)
-        self._req_target = s.itl_target_s
-        rows = [r for r in s.requests if render.matches(r, self.filter_text)]
-        want = {r.id: r for r in rows}
-        self._req_rows = want
-        cache = self._req_cache
-        for k in [k for k in cache if k not in want]:
-            del cache[k]
-        for r in rows:
-            if r.id not in cache:
-                table.fit(self.request_cells(r.id))  # columns fit every row, as it arrives
-        # the id breaks ties so equal rows do not swap between ticks (two stable sorts: no key tuples)
-        rows.sort(key=render.SORT_KEYS["id"], reverse=self.sort_reverse)
-        rows.sort(key=render.SORT_KEYS[self.sort_col], reverse=self.sort_reverse)
-        table.set_rows([r.id for r in rows])
-        for k in table.visible_keys():
-            table.fit(self.request_cells(k))
-        self._update_headers()
-        shown, total = len(rows), len(s.requests)
-        flt = f"  filter: [b]{escape(self.filter_text)}[/b]" if self.filter_text else ""
-        label = dict(render.COLUMNS)[self.sort_col]
-        self.main.query_one("#req-status", Static).update(
-            f"{shown} of {total} requests{flt}  {render.muted('sort: ' + label + (' ▼' if self.sort_reverse else ' ▲'))}"
-            f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}",
-            layout=False,
-        )
-
-    def request_cells(self, rid: str) -> tuple[Text, ...]:
-        """The cells of one request row, built when the table paints the row."""
-        r = self._req_rows.get(rid)
-        hit = self._req_cache.get(rid)
-        if hit is not None and (r is None or hit[0] is r):
-            return hit[2]
-        if r is None:
-            return ()
-        markup = render.request_cells(r, self._req_target)
-        if hit is not None and hit[1] == markup:
-            self._req_cache[rid] = (r, markup, hit[2])
-            return hit[2]
-        cells = tuple(self.rich_cell(c) for c in markup)
-        self._req_cache[rid] = (r, markup, cells)
-        return cells
-
-    def _update_headers(self) -> None:
-        try:
-            table = self.main.query_one("#req-table", RowTable)
-        except NoMatches:
-            return
-        table.set_labels([label + ((" ▼" if self.sort_reverse else " ▲") if key == self.sort_col else "")
-                          for key, label in render.COLUMNS])
-
-    def _render_detail(self, s: Snapshot) -> None:
-        rid = self.detail_id
-        if rid is None and s.requests:
-            # nothing chosen: the request with the worst gap is what an operator wants first
-            rid = max(s.requests, key=lambda r: (r.max_gap_s or 0.0, r.id)).id
-        rv = next((r for r in s.requests if r.id == rid), None) if rid else None
-        tl = self.core.request_timeline(rid) if rid else None
-        spikes = s.analysis.spikes if s.analysis is not None else ()
-        self.main.query_one("#detail-body", Panel).show(
-            lambda w: render.detail(rv, tl, spikes, s.itl_target_s, s.t, w)
-        )
-
-    def _render_events(self, s: Snapshot) -> None:
-        table = self.main.query_one("#ev-table", DataTable)
-        evs = [e for e in s.events if not self.filter_text or self.filter_text.lower() in
-               f"{e.kind} {e.severity} {e.message}".lower()]
-        key = (len(s.events), s.events[-1] if s.events else None, self.filter_text)
-        if key == self._events_key:
-            return
-        self._events_key = key
-        # events change rarely and are bounded (500); newest first so 80x24 shows what just happened
-        table.clear()
-        for e in reversed(evs):
-            sev = {"warning": "warn", "error": "crit"}.get(e.severity, "ok")
-            table.add_row(*[self.rich_cell(c) for c in (f"{e.t:8.1f}s", render.sev(e.severity, sev),
-                                                        escape(e.kind), escape(e.message))])
-
-    def rich_cell(self, markup: str) -> Text:
-        """DataTable cells are Rich text: resolve theme variables ($warning ...) to the current
-        theme's colours so severity still follows the theme."""
-        t = self._cell_cache.get(markup)
-        if t is None:
-            if len(self._cell_cache) > 20000:
-                self._cell_cache.clear()
-            t = Text.from_markup(_THEME_VAR.sub(self._theme_colour, markup), end="")
-            if len(t.spans) == 1 and t.spans[0].start == 0 and t.spans[0].end == len(t.plain):
-                # a whole-cell colour as the base style renders far cheaper than a span
-                t = Text(t.plain, style=t.spans[0].style, end="")
-            self._cell_cache[markup] = t
-        return t
-
-    def _theme_colour(self, m: re.Match[str]) -> str:
-        v = self.theme_variables.get(m.group(1), "default")
-        v = v.removeprefix("ansi_")
-        return "dim" if m.group(1) == "text-muted" else v
-
     def _on_theme_changed(self, _theme: Theme) -> None:
-        self._cell_cache = {}
+        self.cells.reset()
         self._reset_tables()  # rebuilt cells take the new theme's colours
         self.render_current()
 
     def _reset_tables(self) -> None:
         # new cell objects: the requests table repaints every row from them on the next tick
         # (and keeps its cursor on the same request); the events table is rebuilt
-        self._req_cache = {}
-        self._events_key = None
+        self.views.requests.reset()
+        self.views.events.reset()
 
     # -- actions --------------------------------------------------------------------------------
     def action_view(self, name: str) -> None:
@@ -601,6 +379,8 @@ class KvtopApp(App[int]):
             scr.query_one("#req-table", RowTable).focus()
         elif name == "events":
             scr.query_one("#ev-table", DataTable).focus()
+        elif name == "detail" and self.snap is not None:
+            self.snap = self.take_snapshot()  # with the chosen request's timeline
         self.render_current()
         self.refresh_bindings()
 
@@ -612,26 +392,15 @@ class KvtopApp(App[int]):
 
     @on(RowTable.RowSelected, "#req-table")
     def _open_detail(self, ev: RowTable.RowSelected) -> None:
-        self.detail_id = ev.key
+        self.views.detail.request_id = ev.key
         self.action_view("detail")
 
-    @on(RowTable.HeaderSelected, "#req-table")
-    def _header_sort(self, ev: RowTable.HeaderSelected) -> None:
-        col = ev.key
-        if col == self.sort_col:
-            self.sort_reverse = not self.sort_reverse
-        else:
-            self.sort_col, self.sort_reverse = col, col in render.NUMERIC
-        self.render_current()
-
     def action_cycle_sort(self) -> None:
-        keys = [k for k, _ in render.COLUMNS]
-        self.sort_col = keys[(keys.index(self.sort_col) + 1) % len(keys)]
-        self.sort_reverse = self.sort_col in render.NUMERIC
+        self.views.requests.cycle_sort()
         self.render_current()
 
     def action_reverse_sort(self) -> None:
-        self.sort_reverse = not self.sort_reverse
+        self.views.requests.reverse_sort()
         self.render_current()
 
     def action_filter(self) -> None:
@@ -640,9 +409,12 @@ class KvtopApp(App[int]):
         box.value = self.filter_text
         box.focus()
 
+    def _set_filter(self, text: str) -> None:
+        self.filter_text = self.views.requests.filter_text = self.views.events.filter_text = text
+
     @on(Input.Changed, "#filter")
     def _filter_changed(self, ev: Input.Changed) -> None:
-        self.filter_text = ev.value.strip()
+        self._set_filter(ev.value.strip())
         self.render_current()
 
     @on(Input.Submitted, "#filter")
@@ -661,13 +433,13 @@ class KvtopApp(App[int]):
         if box.display:
             box.display = False
             box.value = ""
-            self.filter_text = ""
+            self._set_filter("")
             self._focus_view()
             self.render_current()
         elif self.view_name == "detail":
             self.action_view("requests")
         elif self.filter_text:
-            self.filter_text = ""
+            self._set_filter("")
             self.render_current()
 
     def action_toggle_pause(self) -> None:
@@ -690,7 +462,7 @@ class KvtopApp(App[int]):
         new = min(3600.0, max(0.05, round(self.interval * factor, 3)))
         if new == self.interval:
             return
-        self.interval = new
+        self.interval = self.views.overview.interval = new
         self.feed.interval_s = new
         if self._refresh_timer is not None:
             self._refresh_timer.stop()
@@ -700,9 +472,8 @@ class KvtopApp(App[int]):
 
     def action_window(self) -> None:
         """Cycle the history charts' time window."""
-        i = WINDOWS.index(self.window_s) if self.window_s in WINDOWS else 0
-        self.window_s = WINDOWS[(i + 1) % len(WINDOWS)]
-        self.notify(f"history window {plot.window_label(self.window_s)}", timeout=2)
+        window = self.views.overview.cycle_window()
+        self.notify(f"history window {plot.window_label(window)}", timeout=2)
         self.render_current()
 
     def action_nav(self, delta: int) -> None:
@@ -713,7 +484,7 @@ class KvtopApp(App[int]):
         elif isinstance(w, DataTable):
             (w.action_cursor_down if delta > 0 else w.action_cursor_up)()
         else:
-            box = self.main.query(f"#{self.view_name}").first()
+            box = self.views.get(self.view_name)
             if isinstance(box, VerticalScroll):
                 (box.scroll_down if delta > 0 else box.scroll_up)(animate=False)
 
@@ -741,9 +512,7 @@ class KvtopApp(App[int]):
         self.push_screen(SeekScreen(replay.duration), done)
 
     def action_fleet(self) -> None:
-        from kvtop.views.tui.fleet import open_fleet
-
-        open_fleet(self)
+        open_fleet(self, self.snap if self.snap is not None else self.take_snapshot())
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.help_rows()))
@@ -769,10 +538,9 @@ class KvtopApp(App[int]):
         return rows
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in ("cycle_sort", "reverse_sort"):
-            return self.view_name == "requests"
-        if action == "filter":
-            return self.view_name in ("requests", "events")
+        views = self._VIEW_ACTIONS.get(action)
+        if views is not None:
+            return self.view_name in views
         if action in ("step", "seek"):
             return self.replay is not None
         return True

@@ -5,7 +5,7 @@ several engines) inside the console's 50 ms budget at 1,000 requests; plotext bu
 an ANSI string that Rich then re-parses (milliseconds a chart), and its charts carry axes and
 legends that do not fit the 5-8 rows a chart gets at 80x24. Here a chart is a few lists of runs
 (kvtop/views/tui/plot.py), drawn only for the lines on screen, coloured by the current theme, and a hover
-tooltip reads the nearest sample back from the bounded store (kvtop/history.py).
+tooltip reads the nearest sample back from the snapshot's copy of the series (``Snapshot.history``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from kvtop import units
-from kvtop.history import Ring
-from kvtop.snapshot import Snapshot
+from kvtop.snapshot import HistoryWindow, Samples, Snapshot
 from kvtop.views.tui import plot
 
 GUTTER = 7  # y-axis labels
@@ -36,10 +35,10 @@ CAUSE_COLOUR = {"preemption": "error", "prefill_interference": "warning", "slow_
 class ChartSpec:
     key: str
     title: str
-    ring: Ring | None
+    ring: Samples | None
     label: str
     fmt: Callable[[float | None], str]
-    ring2: Ring | None = None
+    ring2: Samples | None = None
     label2: str = ""
     ref: float | None = None
     ref_label: str = ""
@@ -79,9 +78,10 @@ def spike_marks(s: Snapshot) -> plot.Marks:
     return marks
 
 
-def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
+def chart_specs(s: Snapshot) -> list[ChartSpec]:
     """The Overview's charts, most telling first: per engine KV, ITL, preemptions, queue, TTFT,
     tokens/s; per GPU memory and PCIe; host pinned memory."""
+    history = s.history if s.history is not None else HistoryWindow()
     out: list[ChartSpec] = []
     marks = spike_marks(s)
     multi = len(s.engines) > 1
@@ -117,9 +117,14 @@ def chart_specs(s: Snapshot, history: Any) -> list[ChartSpec]:
                              gs["pcie_rx_bytes_per_s"], "RX", ref=cap,
                              ref_label=f"link {units.byte_rate_short(cap)}" if cap else "", fixed_top=cap))
     host_empty = "no host data yet" if s.host_status == "ok" else s.host_status
-    out.append(ChartSpec("host", "host pinned memory", history.host["pinned_bytes"], "pinned", units.bytes_short,
+    out.append(ChartSpec("host", "host pinned memory", history.host.get("pinned_bytes"), "pinned", units.bytes_short,
                          empty=host_empty))
     return out
+
+
+def _origin(ring: Samples | None) -> int | None:
+    """Which series the samples are a copy of: each snapshot brings new copies of the same series."""
+    return None if ring is None else ring.origin
 
 
 class Chart(Widget):
@@ -156,7 +161,7 @@ class Chart(Widget):
         old = self.spec
         full = (old is None or old.key != spec.key or (t0, t1) != (self.t0, self.t1) or n != self._kv_cols
                 or (old.ref, old.fixed_top, old.over) != (spec.ref, spec.fixed_top, spec.over)
-                or old.ring is not spec.ring or old.ring2 is not spec.ring2
+                or _origin(old.ring) != _origin(spec.ring) or _origin(old.ring2) != _origin(spec.ring2)
                 or self._grew_past_top(spec))
         axis = old is not None and (old.marks is not spec.marks and (old.marks or spec.marks)
                                     or now_label != self.now_label)

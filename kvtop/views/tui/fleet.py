@@ -5,7 +5,7 @@ direct scrape: KV usage, running/waiting, preemptions/s, ITL p99) and, where a k
 next to an engine, the agent's verdict and its spikes by cause. ``s`` cycles the sort column,
 ``r`` reverses it, ``enter`` opens the selected instance, ``escape`` returns to the console.
 
-Kept apart from kvtop/views/tui/app.py on purpose: the console only binds the key and pushes this screen.
+Kept apart from kvtop/views/tui/app.py on purpose: the console binds the key, pushes this screen and hands it its snapshots.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ class InstanceScreen(ModalScreen[None]):
 
 
 class FleetScreen(Screen[None]):
-    """Rows come from ``rows()``; refreshed every ``interval`` seconds."""
+    """``update(snapshot)`` with each of the console's snapshots (the first one at construction);
+    ``rows`` turns a snapshot into the table's rows, ``status`` is the status line's tail."""
 
     BINDINGS = [
         Binding("escape", "app.pop_screen", "Console"),
@@ -193,12 +194,12 @@ class FleetScreen(Screen[None]):
     ]
     DEFAULT_CSS = "FleetScreen #fleet-status { height: 1; padding: 0 1; } FleetScreen DataTable { height: 1fr; }"
 
-    def __init__(self, rows: Callable[[], list[FleetRow]], status: Callable[[], str] | None = None,
-                 interval: float = 1.0):
+    def __init__(self, rows: Callable[[Snapshot], list[FleetRow]], snapshot: Snapshot,
+                 status: Callable[[], str] | None = None):
         super().__init__()
         self._rows_fn = rows
         self._status_fn = status or (lambda: "")
-        self.interval = interval
+        self._snap = snapshot
         self.sort_col = "instance"
         self.sort_reverse = False
         self.rows: list[FleetRow] = []
@@ -213,10 +214,14 @@ class FleetScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.refresh_rows()
-        self.set_interval(self.interval, self.refresh_rows)
+
+    def update(self, snapshot: Snapshot) -> None:
+        self._snap = snapshot
+        if self.is_mounted:
+            self.refresh_rows()
 
     def refresh_rows(self) -> None:
-        rows = list(self._rows_fn())
+        rows = list(self._rows_fn(self._snap))
         key = next(k for c, _, k in COLUMNS if c == self.sort_col)
         rows.sort(key=lambda r: (key(r), r.instance), reverse=self.sort_reverse)
         self.rows = rows
@@ -253,8 +258,9 @@ class FleetScreen(Screen[None]):
         self.action_open()
 
 
-def open_fleet(app: Any) -> None:
-    """Push the fleet screen for a console whose feed reads Prometheus (no-op otherwise)."""
+def open_fleet(app: Any, snapshot: Snapshot) -> None:
+    """Push the fleet screen for a console whose feed reads Prometheus (no-op otherwise); the
+    console hands it its snapshots from then on."""
     from kvtop.sources.promfleet import PromFeed
 
     feed = app.feed
@@ -263,10 +269,10 @@ def open_fleet(app: Any) -> None:
         return
     fleet = feed.fleet
 
-    def rows() -> list[FleetRow]:
-        return fleet_rows(app.core.snapshot(), fleet.targets, fleet.agents, getattr(fleet, "computed", None))
+    def rows(snap: Snapshot) -> list[FleetRow]:
+        return fleet_rows(snap, fleet.targets, fleet.agents, getattr(fleet, "computed", None))
 
     def status() -> str:
         return f"[b red]{escape(fleet.error)}[/]" if fleet.error else f"[dim]{escape(feed.url)}[/]"
 
-    app.push_screen(FleetScreen(rows, status, interval=app.interval))
+    app.push_screen(FleetScreen(rows, snapshot, status))

@@ -10,10 +10,9 @@ from typing import Any
 from textual.markup import escape
 
 from kvtop import units
-from kvtop.core import RequestTimeline
 from kvtop.model.analysis import SpikeView
 from kvtop.model.records import HostRecord
-from kvtop.snapshot import EngineView, GpuView, RequestView, Snapshot
+from kvtop.snapshot import EngineView, GpuView, RequestTimeline, RequestView, Snapshot
 from kvtop.views.tui import fmt
 
 CAUSE_VAR = {
