@@ -11,5 +11,5 @@ Stable interface (the evaluation scripts and tests rely on it):
 
 Module map: ``stepper`` (step-level engine model), ``situations`` (engines, traffic, delivery
 settings), ``delivery`` (engine -> proxy), ``pages`` (/metrics text per engine family),
-``generate`` (scrapes, records, truth), ``baseline`` (the README-table rule baseline).
+``generate`` (scrapes, records, truth), ``baseline`` (the docs/rules.md-table rule baseline).
 """

@@ -1,4 +1,4 @@
-"""A plain rule baseline written from the signal table in README "Analysis and verdicts".
+"""A plain rule baseline written from the rules table in docs/rules.md.
 
 It judges the spikes kvtop found (same spikes, so the two are scored on one set) with only the
 table's headline signals and no KV rules:

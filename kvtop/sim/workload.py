@@ -1,7 +1,7 @@
 """Workloads and presets for the simulated engine: engine geometry, step costs, traffic classes.
 
-A workload is a JSON object (see ``kvtop/sim/presets/*.json`` and the README section "Simulated
-engine and presets"). ``Workload.requests(seed, duration_s)`` yields the arrivals in time order;
+A workload is a JSON object (see ``kvtop/sim/presets/*.json`` and docs/simulator.md "Workload
+files"). ``Workload.requests(seed, duration_s)`` yields the arrivals in time order;
 the same generator feeds ``kvtop simulate`` and the HTTP load generator, so both see the same
 traffic for the same seed.
 """

@@ -12,7 +12,7 @@ Cardinality is bounded by construction and never includes a request id:
 Spike, stall, verdict and client-side histogram series exist for the engine the streams are observed
 in front of (the proxy's / probe's); every other engine adds its state only. bench/agent_metrics.py:
 61 series for one engine (no GPU), +7 per further engine, +10 per GPU, the same at 50 or 1,000
-live requests (README "Fleet").
+live requests (docs/fleet.md "Series").
 
 Two paths keep ``/metrics`` cheap whatever the load: per-token work (client-side gap and TTFT
 histograms) happens as records arrive, and everything derived from the core (spike counters, the
