@@ -23,6 +23,7 @@ from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gat
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes
+from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
 from kvtop.analysis.tally import Tally
@@ -57,7 +58,7 @@ class Analyzer:
         # stream that names its engine is judged on that engine's records only
         self.timelines: dict[str, EngineTimeline] = {}
         self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
-        self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
+        self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
         # seconds above the target each cause cost (what a verdict should weigh, not spike counts)
@@ -152,7 +153,7 @@ class Analyzer:
         if t > self.now:
             self.now = t
         p = self.gaps.pending
-        if p and not self._hold and p[0].t_end + self.settle <= t:
+        if p and not self._hold and p[0].gap.t_end + self.settle <= t:
             self.tick(t)
 
     def token(self, rid: Any, t: float, n: Any = None) -> None:
@@ -162,7 +163,7 @@ class Analyzer:
             self.now = t
         self.gaps.token(str(rid), t, n)
         p = self.gaps.pending
-        if p and not self._hold and p[0].t_end + self.settle <= t:
+        if p and not self._hold and p[0].gap.t_end + self.settle <= t:
             self.tick(t)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
@@ -308,8 +309,8 @@ class Analyzer:
         gt = self.gaps
         keep_from = now - self.horizon_s
         if gt.pending:
-            keep_from = min(keep_from, gt.pending[0].t_start)
-        drop_before = (gt.pending[0].t_start if gt.pending else now) - self.settle - 5.0
+            keep_from = min(keep_from, gt.pending[0].gap.t_start)
+        drop_before = (gt.pending[0].gap.t_start if gt.pending else now) - self.settle - 5.0
         gt.prune(keep_from, drop_before)
         self.timeline.prune(keep_from - 60.0)
         for tl in self.timelines.values():
@@ -336,8 +337,7 @@ class Analyzer:
         ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
                     self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
         f = classify(ev)
-        g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
-        g.rule_key, g.discounts = f.key, f.discounts
+        spike = Spike(g, f)
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
         self.cause_conf[f.cause] += f.confidence
@@ -345,12 +345,12 @@ class Analyzer:
         self.cause_seconds[f.cause] += g.gap
         if len(self.spikes) == self.spikes.maxlen:
             self.n_spikes_dropped += 1
-        self.spikes.append(g)
+        self.spikes.append(spike)
         acc = self.acc
         if r is not None:
             r.spikes += 1
             r.last_cause = f.cause.value
-            r.last_spike = g
+            r.last_spike = spike
             if f.cause is Cause.PREEMPTION:
                 r.preempt_spikes += 1
                 if r.id not in acc.preempted_ids:

@@ -1,5 +1,11 @@
 """Inter-token gaps: per-request state, the gap distribution, and spike candidates.
 
+A long gap becomes a frozen ``Gap`` in one place, ``candidate``, from what the stream's recent
+events say (its last gaps, the tokens of its last events, its stall-free gaps): the per-event path
+(``GapTracker.token``) and the fast path's numpy batches (``GapTracker.add_batch``) both call it,
+so a gap feature is written once. A spike's look-ahead (the events after it) is collected beside
+it by a ``Pending`` and fixed into the ``Gap`` attribution reads once it settles.
+
 A gap is the time between two consecutive token events of one request (the first gap starts at
 the first token: time to first token is not an inter-token gap). A gap that ends in a cancel (the
 client gave up while the stream was silent) is a gap too: a victim cancelled while preempted never
@@ -11,9 +17,12 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a judged spike pairs a Gap with attribution's finding: attribution imports this module
+    from kvtop.analysis.attribution.spike import Spike
 
 # Default ITL target = K_TARGET × the median of the first WARMUP gaps (documented in the README).
 K_TARGET = 4.0
@@ -52,6 +61,19 @@ class LogHistogram:
         self.counts[self.index(v)] += k
         self.n += k
 
+    def add_array(self, values: Any) -> None:
+        """Add a numpy array of values at once (the fast path's sample of gaps); the bins of ``add``."""
+        import numpy as np
+
+        if not len(values):
+            return
+        lo = self._lo
+        idx = np.clip((np.log(np.maximum(values, lo) / lo) * self._scale).astype(np.int64), 0, len(self.counts) - 1)
+        idx[values <= lo] = 0
+        for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+            self.counts[int(i)] += int(c)
+        self.n += len(values)
+
     def value_at(self, i: int) -> float:
         return self._lo * math.exp((i + 0.5) / self._scale)
 
@@ -85,93 +107,100 @@ class ReqState:
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
-    last_spike: Gap | None = None  # the stream's previous judged spike
+    last_spike: Spike | None = None  # the stream's previous judged spike (its candidate and finding)
     engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
     cancelled_after_preempt: bool = False
     events: int = 0  # token events (tokens / events: the stream's usual chunk size)
-    watch: list[Gap] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
+    watch: list[Pending] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
     engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
 
     def tokens_per_event(self) -> float:
         return self.tokens / self.events if self.events else 1.0
 
-    def calm_gap(self) -> float | None:
-        if not self.calm:
-            return None
-        s = sorted(self.calm)
-        return s[len(s) // 2]
-
-    def baseline_gap(self) -> float | None:
-        if not self.recent:
-            return None
-        s = sorted(self.recent)
-        return s[len(s) // 2]
-
-    def fastest_gap(self) -> float | None:
-        return min(self.recent) if self.recent else None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Gap:
-    """A long gap (candidate spike) waiting for attribution."""
+    """A long gap of one stream (a candidate spike), its features fixed when ``candidate`` builds it.
+
+    ``burst_n`` and ``after`` are its look-ahead: as built they hold only the closing event; a spike
+    collects the rest in its ``Pending`` and the Gap handed to attribution carries them."""
 
     request_id: str
     t_start: float
     t_end: float
     gap: float
     stream_baseline: float | None  # median of the stream's previous gaps
-    tokens_before: int
-    ended_by: str = "token"
-    cause: Any = None  # an attribution.Cause once judged (a str subclass)
-    kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
-    rule_key: str | None = None  # the finding's calibration key (thresholds.CONFIDENCE)
-    discounts: tuple[str, ...] = ()  # the confidence discounts applied (thresholds.DISCOUNT)
-    confidence: float = 0.0
-    evidence: list[str] = field(default_factory=list)
-    chunk_n: int = 1  # tokens delivered by the event that ended the gap
-    burst_n: int = 0  # tokens delivered within BURST_S of the end (the closing event included)
-    after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
-    tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
-    calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
-    engine: str | None = None  # the stream's engine (ReqState.engine): other streams are compared on it only
-    fast_baseline: float | None = None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
+    tokens_before: int  # the stream's tokens up to the end of the gap (the closing event's included)
+    ended_by: str  # "token" or "cancel"
+    chunk_n: int  # tokens delivered by the event that ended the gap
+    tokens_per_event: float  # the stream's usual chunk size before the gap
+    calm_baseline: float | None  # median of the stream's previous stall-free gaps (within the target)
+    engine: str | None  # the stream's engine (ReqState.engine): other streams are compared on it only
+    fast_baseline: float | None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
     # the most tokens one of the stream's recent events carried: one engine step's worth at most
     # (k + 1 with speculative decoding), unless the API server already merged steps before the gap
-    step_n_max: int = 0
+    step_n_max: int
+    burst_n: int  # tokens delivered within BURST_S of the end (the closing event included)
+    after: tuple[float, ...] = ()  # the stream's following gaps (look-ahead)
 
 
-def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
-    """The stream's tokens per event before the event that closed a gap."""
+def _median(v: Sequence[float]) -> float | None:
+    return sorted(v)[len(v) // 2] if v else None
+
+
+def candidate(rid: str, engine: str | None, t_start: float, t_end: float, gap: float, ended_by: str, chunk_n: int,
+              tokens: int, events: int, recent: Sequence[float], recent_n: Iterable[int],
+              calm: Sequence[float]) -> Gap:
+    """The long gap ``t_start``..``t_end`` (``gap`` long) of stream ``rid``, with what the stream's
+    recent events say about it. The one place a gap feature is computed (both ingestion paths).
+
+    ``tokens`` and ``events``: the stream's tokens and token events so far, the closing event
+    included when it is a token (``chunk_n`` tokens); ``recent``: its last RECENT gaps before this
+    one, ``recent_n`` the tokens of the events that closed them, ``calm`` its last RECENT gaps
+    within the target."""
     if ended_by == "token":
-        return (r.tokens - chunk_n) / (r.events - 1) if r.events > 1 else 1.0
-    return r.tokens / r.events if r.events else 1.0
+        tpe = (tokens - chunk_n) / (events - 1) if events > 1 else 1.0
+    else:
+        tpe = tokens / events if events else 1.0
+    return Gap(rid, t_start, t_end, gap, _median(recent), tokens, ended_by, chunk_n, tpe, _median(calm), engine,
+               min(recent) if recent else None, max(recent_n, default=0), chunk_n)
 
 
 def _stream_gap(r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int) -> Gap:
-    """A long gap of stream ``r`` with what the stream's state says about it before the closing event."""
-    gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-    gp.chunk_n = gp.burst_n = chunk_n
-    gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
-    gp.calm_baseline = r.calm_gap()
-    gp.engine = r.engine
-    gp.fast_baseline = r.fastest_gap()
-    gp.step_n_max = max(r.recent_n, default=0)
-    return gp
+    """A long gap of stream ``r`` from its state before the closing event (the per-event path)."""
+    return candidate(r.id, r.engine, lt, t, g, ended_by, chunk_n, r.tokens, r.events, r.recent, r.recent_n, r.calm)
 
 
-def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
-    """One token event after spike ``w`` (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
-    if t - w.t_end <= BURST_S:
-        w.burst_n += k
-        return False
-    if t - w.t_end > LOOKAHEAD_S:
-        return True
-    w.after.append(g)
-    return len(w.after) >= LOOKAHEAD
+@dataclass(slots=True)
+class Pending:
+    """A spike waiting for attribution, and its look-ahead as the stream's next events arrive."""
+
+    gap: Gap
+    burst_n: int = 0
+    after: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.burst_n = self.gap.chunk_n
+
+    def look(self, t: float, k: int, g: float) -> bool:
+        """One token event after the spike (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
+        end = self.gap.t_end
+        if t - end <= BURST_S:
+            self.burst_n += k
+            return False
+        if t - end > LOOKAHEAD_S:
+            return True
+        self.after.append(g)
+        return len(self.after) >= LOOKAHEAD
+
+    def settled(self) -> Gap:
+        """The spike with its look-ahead, as attribution reads it."""
+        return replace(self.gap, burst_n=self.burst_n, after=tuple(self.after))
 
 
-def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
-                g1: int) -> list[Gap]:
+def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: Any, n_s: Any, gaps: Any, g0: int,
+                g1: int) -> list[Pending]:
     """The look-ahead of a stream's spikes over one batch of its events (sorted positions g0..g1-1),
     as ``token`` collects it event by event; returns the spikes still watching at the batch's end."""
     j = g0
@@ -180,7 +209,7 @@ def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: 
         nxt = spikes[k][0] if k < len(spikes) else g1 - 1
         while watch and j <= nxt:
             t, n, g = float(t_s[j]), int(n_s[j]), float(gaps[j])
-            watch = [w for w in watch if not _feed_look(w, t, n, g)]
+            watch = [w for w in watch if not w.look(t, n, g)]
             j += 1
         if k >= len(spikes):
             return watch
@@ -220,7 +249,7 @@ class GapTracker:
         self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
         self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
         self.long_head = 0
-        self.pending: deque[Gap] = deque()
+        self.pending: deque[Pending] = deque()  # spikes by t_end, collecting their look-ahead
         self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
         self.ft_head = 0
         self.active = 0
@@ -265,7 +294,7 @@ class GapTracker:
         r.events += 1
         if lt is not None:
             if r.watch:
-                r.watch = [w for w in r.watch if not _feed_look(w, t, k, t - lt)]
+                r.watch = [w for w in r.watch if not w.look(t, k, t - lt)]
             self.gap(r, lt, t, t - lt, "token", k)
             r.recent_n.append(k)
 
@@ -290,14 +319,9 @@ class GapTracker:
             if not self.n_gaps & 7:
                 self.hist.add(g)
             if g >= LONG_FRACTION * tgt:
-                gp = _stream_gap(r, lt, t, g, ended_by, chunk_n)
-                self.long.append(gp)
-                if g > self.long_max:
-                    self.long_max = g
-                if g > tgt:
-                    self.pending.append(gp)
-                    if ended_by == "token":
-                        r.watch.append(gp)
+                p = self._keep(_stream_gap(r, lt, t, g, ended_by, chunk_n), tgt)
+                if p is not None and ended_by == "token":
+                    r.watch.append(p)
         if ended_by == "token":
             r.recent.append(g)
             if tgt is None or g <= tgt:
@@ -317,10 +341,19 @@ class GapTracker:
             return
         for gp in warm:
             if gp.gap >= LONG_FRACTION * tgt:
-                self.long.append(gp)
-                self.long_max = max(self.long_max, gp.gap)
-                if gp.gap > tgt:
-                    self.pending.append(gp)
+                self._keep(gp, tgt)
+
+    def _keep(self, gp: Gap, tgt: float) -> Pending | None:
+        """A long gap (at least LONG_FRACTION of the target): kept for the co-stall search, and a
+        spike (over the target) waits for attribution; returns its ``Pending``."""
+        self.long.append(gp)
+        if gp.gap > self.long_max:
+            self.long_max = gp.gap
+        if gp.gap > tgt:
+            p = Pending(gp)
+            self.pending.append(p)
+            return p
+        return None
 
     def set_engine(self, r: ReqState, engine: str) -> None:
         """Name the engine that serves ``r`` (before its first token: the active counts are per engine)."""
@@ -388,7 +421,7 @@ class GapTracker:
             self.long[l0:] = sorted(self.long[l0:], key=lambda g: g.t_end)
         if len(self.pending) - p0 > 1:
             tail = [self.pending.pop() for _ in range(len(self.pending) - p0)]
-            tail.sort(key=lambda g: g.t_end)
+            tail.sort(key=lambda p: p.gap.t_end)
             self.pending.extend(tail)
 
     def add_batch(self, ids: list[str], codes: Any, ts: Any, ns: Any, ft: Any) -> None:
@@ -437,15 +470,7 @@ class GapTracker:
             file_valid = valid[pos]
             gfile = gaps[pos][file_valid]
             k = np.arange(self.n_gaps + 1, self.n_gaps + 1 + len(gfile))
-            sample = gfile[(k & 7) == 0]
-            if len(sample):
-                h = self.hist
-                idx = np.clip((np.log(np.maximum(sample, h._lo) / h._lo) * h._scale).astype(np.int64), 0,
-                              len(h.counts) - 1)
-                idx[sample <= h._lo] = 0
-                for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-                    h.counts[int(i)] += int(c)
-                h.n += len(sample)
+            self.hist.add_array(gfile[(k & 7) == 0])
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
         gz = np.where(valid, gaps, -1.0)
@@ -453,7 +478,7 @@ class GapTracker:
         longs = np.flatnonzero(gz >= long_thr).tolist()
         gmax = np.maximum.reduceat(gz, gstart)
         tsum = np.add.reduceat(n_s, gstart)
-        spikes: dict[int, list[tuple[int, Gap]]] = {}  # group -> (sorted index, spike)
+        spikes: dict[int, list[tuple[int, Pending]]] = {}  # group -> (sorted index, spike)
         if longs:
             grp = np.searchsorted(gstart, longs, side="right") - 1
             # stall-free gaps of the same stream before each long gap: positions lo_ks[k]..hi_ks[k] of sf_pos
@@ -463,35 +488,25 @@ class GapTracker:
                 r = reqs[int(c_s[i])]
                 g0 = int(gstart[gi])
                 lo_k, hi_k = lo_ks[li], hi_ks[li]
+                # the stream's windows as ``token`` would hold them before event i: this batch's
+                # part of them, topped up from the stream's state before the batch
                 cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
                 if len(cw) < RECENT:
                     cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw
-                cw = cw[-RECENT:]
-                w = [x for x in gaps[max(g0, i - RECENT):i].tolist() if not math.isnan(x)]
+                lo = max(g0, i - RECENT)
+                w = [x for x in gaps[lo:i].tolist() if not math.isnan(x)]
                 if len(w) < RECENT:
                     w = list(r.recent)[-(RECENT - len(w)):] + w if r.recent else w
-                w = w[-RECENT:]
-                bl = sorted(w)[len(w) // 2] if w else None
-                gv = float(gaps[i])
-                te = float(t_s[i])
-                gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
-                gp.chunk_n = gp.burst_n = int(n_s[i])
-                before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
-                gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
-                gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
-                gp.engine = r.engine
-                gp.fast_baseline = min(w) if w else None
-                lo = max(g0, i - RECENT)
                 wn = [int(x) for x, v in zip(n_s[lo:i].tolist(), valid[lo:i].tolist(), strict=True) if v]
                 if len(wn) < RECENT and r.recent_n:
                     wn = list(r.recent_n)[-(RECENT - len(wn)):] + wn
-                gp.step_n_max = max(wn[-RECENT:], default=0)
-                self.long.append(gp)
-                if gv > self.long_max:
-                    self.long_max = gv
-                if gv > tgt:
-                    self.pending.append(gp)
-                    spikes.setdefault(gi, []).append((i, gp))
+                gv = float(gaps[i])
+                te = float(t_s[i])
+                events = ev0[int(c_s[i])] + i - g0 + 1  # the stream's token events up to this one
+                p = self._keep(candidate(r.id, r.engine, te - gv, te, gv, "token", int(n_s[i]), int(tokens_at[i]),
+                                         events, w[-RECENT:], wn[-RECENT:], cw[-RECENT:]), tgt)
+                if p is not None:
+                    spikes.setdefault(gi, []).append((i, p))
         for gi in range(len(gstart)):
             g0, g1 = int(gstart[gi]), int(gend[gi])
             r = reqs[int(c_s[g0])]
@@ -530,13 +545,13 @@ class GapTracker:
         order (t_end, request id) so counter units are claimed the same way whichever path
         produced them."""
         ready = []
-        while self.pending and self.pending[0].t_end + settle <= now:
-            ready.append(self.pending.popleft())
+        while self.pending and self.pending[0].gap.t_end + settle <= now:
+            ready.append(self.pending.popleft().settled())
         ready.sort(key=lambda g: (g.t_end, g.request_id))
         return ready
 
     def take_all(self) -> list[Gap]:
-        ready = sorted(self.pending, key=lambda g: (g.t_end, g.request_id))
+        ready = sorted((p.settled() for p in self.pending), key=lambda g: (g.t_end, g.request_id))
         self.pending.clear()
         return ready
 

@@ -165,8 +165,9 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
     s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
-    spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.gap, 6), str(g.cause),
-                             g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence)) for g in an.spikes)
+    spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.candidate.gap, 6),
+                             str(g.cause), g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence))
+                   for g in an.spikes)
     requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
                                 r.ended_by) for r in an.reqs.values() if r.first_t is not None)
     check = an.request_preemptions.report(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.thresholds import (
     CHUNKED_TOKENS,
     COARSE_SCRAPE_S,
@@ -53,7 +54,7 @@ class Evidence:
     co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
     co_together: int  # ... and of those, the ones that also came back with it
     co_gap_median: float | None  # median length of their silences
-    prev_spike: Gap | None  # the stream's previous spike (judged), if any
+    prev_spike: Spike | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
     typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
     prefill_rate: float | None  # measured prompt tokens/s (a low estimate; None: not measured yet)
@@ -279,7 +280,7 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> flo
 
 def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
            engine_preempts: list[float] | None = None, counted_at: str | None = None,
-           prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
+           prefill_rate: float | None = None, prev_spike: Spike | None = None) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
 
     ``timeline`` holds the engine records of the engine that served the stream (the caller picks
