@@ -7,7 +7,8 @@ One ``Analyzer`` serves both uses: ``kvtop analyze`` streams a trace through it 
 when the victim resumes), so both paths see the same evidence and give the same answers.
 Memory is bounded: evidence older than ``horizon_s`` is dropped; per-request state is capped.
 
-Per-stream gap state lives in ``GapTracker`` (``self.gaps``); engine evidence in ``EngineTimeline``;
+Per-stream gap state lives in ``GapTracker`` (``self.gaps``), what other streams did in its
+``StallIndex`` (``self.gaps.stalls``); engine evidence in ``EngineTimeline``;
 the evidence for one spike is gathered by ``attribution.gather`` and judged by ``attribution.classify``.
 """
 
@@ -311,7 +312,7 @@ class Analyzer:
         if gt.pending:
             keep_from = min(keep_from, gt.pending[0].gap.t_start)
         drop_before = (gt.pending[0].gap.t_start if gt.pending else now) - self.settle - 5.0
-        gt.prune(keep_from, drop_before)
+        gt.stalls.prune(keep_from, drop_before)
         self.timeline.prune(keep_from - 60.0)
         for tl in self.timelines.values():
             tl.prune(keep_from - 60.0)
@@ -328,13 +329,14 @@ class Analyzer:
         tl = self.timelines.get(engine)
         if tl is not None:
             return tl if len(self.timelines) > 1 else self.timeline
-        if len(self.timelines) == 1 and sum(1 for k in self.gaps.eng_active if k is not None) <= 1:
+        if len(self.timelines) == 1 and sum(1 for k in self.gaps.stalls.eng_active if k is not None) <= 1:
             return self.timeline  # one engine named two ways (a DNS name and an IP, say)
         return self._no_engine
 
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
-        ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
+        gt = self.gaps
+        ev = gather(g, gt.stalls, gt.median_gap(), gt.itl_target_s, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
                     self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
         f = classify(ev)
         spike = Spike(g, f)
@@ -375,7 +377,7 @@ class Analyzer:
         ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing).
         Where the engine reports its own per-request times, prompt tokens / the engine's TTFT is
         used instead: still a low estimate, without the queueing (``RequestTimes``)."""
-        named = engine if self.gaps.multi else None
+        named = engine if self.gaps.stalls.multi else None
         measured = self.request_times.prefill_rate(named)
         if measured is not None:
             return measured

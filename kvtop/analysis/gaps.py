@@ -15,11 +15,12 @@ produces another token, and the engine may never count its preemption.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+from kvtop.analysis.stalls import StallIndex
 
 if TYPE_CHECKING:  # a judged spike pairs a Gap with attribution's finding: attribution imports this module
     from kvtop.analysis.attribution.spike import Spike
@@ -219,22 +220,13 @@ def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: An
         k += 1
 
 
-def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
-    """Append a step of a count over time (a second change at the same instant replaces the first)."""
-    if ts and ts[-1] == t:
-        vs[-1] = v
-    else:
-        ts.append(t)
-        vs.append(v)
-
-
 class GapTracker:
-    """Owns the per-stream gap state: request states, the gap distribution, long gaps and spikes
-    waiting for attribution, first tokens and the count of active streams over time.
+    """Owns the per-stream gap state: request states, the gap distribution and spikes waiting for
+    attribution; fills the stall index (``stalls``: long gaps, first tokens, active streams) that the
+    evidence builder asks about other streams around a spike.
 
     Both ingestion paths go through it: ``token`` one event at a time, ``add_batch`` a block of
-    token events parsed by the fast path (same results). The queries at the bottom are what the
-    evidence builder asks about other streams around a spike.
+    token events parsed by the fast path (same results).
     """
 
     def __init__(self, itl_target_s: float | None = None, k: float = K_TARGET, max_requests: int | None = None):
@@ -246,26 +238,10 @@ class GapTracker:
         self.hist = LogHistogram()  # every 8th gap after warm-up (a sample for the median)
         self.n_gaps = 0
         self.warm: list[Gap] = []  # every gap until the target is known
-        self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
-        self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
-        self.long_head = 0
         self.pending: deque[Pending] = deque()  # spikes by t_end, collecting their look-ahead
-        self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
-        self.ft_head = 0
-        self.active = 0
-        # streams between first token and end, and those that ended lately: the co-stall search
-        # needs streams whose silence had not ended when a spike is judged
-        self.live: dict[str, ReqState] = {}
-        self.ended: deque[ReqState] = deque()
-        self.active_t: list[float] = []
-        self.active_v: list[int] = []
+        self.stalls = StallIndex()
         self._median_cache: tuple[int, float | None] | None = None
         self._batch_marks: tuple[int, int] | None = None
-        # Set once a stream names its engine: from then on the queries about other streams look
-        # only at streams of the same engine (a stream on another engine flowing through a stall
-        # says nothing about it). Per-engine active counts: engine -> (count, times, values).
-        self.multi = False
-        self.eng_active: dict[str | None, tuple[list[int], list[float], list[int]]] = {}
 
     # ---- per-stream state --------------------------------------------------------------------
     def req(self, rid: str) -> ReqState:
@@ -282,7 +258,7 @@ class GapTracker:
                 del self.reqs[k]
                 return
         k, _ = self.reqs.popitem(last=False)
-        self.live.pop(k, None)
+        self.stalls.forget(k)
 
     def token(self, rid: str, t: float, n: int | None = None) -> None:
         """Hot path: one token event (``n`` tokens delivered at once)."""
@@ -346,9 +322,7 @@ class GapTracker:
     def _keep(self, gp: Gap, tgt: float) -> Pending | None:
         """A long gap (at least LONG_FRACTION of the target): kept for the co-stall search, and a
         spike (over the target) waits for attribution; returns its ``Pending``."""
-        self.long.append(gp)
-        if gp.gap > self.long_max:
-            self.long_max = gp.gap
+        self.stalls.add_long(gp)
         if gp.gap > tgt:
             p = Pending(gp)
             self.pending.append(p)
@@ -359,20 +333,14 @@ class GapTracker:
         """Name the engine that serves ``r`` (before its first token: the active counts are per engine)."""
         if r.engine is None and r.first_t is None:
             r.engine = engine
-            if not self.multi:
-                # the streams so far named no engine: their active counts carry on under None
-                self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
-                self.multi = True
+            self.stalls.engines_named()
 
     def first_token(self, r: ReqState, t: float) -> bool:
         """Record a stream's first token; False when it already had one."""
         if r.first_t is not None:
             return False
         r.first_t = t
-        self.first_tokens.append((t, r.id, r.prompt_tokens, r.engine))
-        self._set_active(t, +1, r.engine)
-        if r.end_t is None:
-            self.live[r.id] = r
+        self.stalls.first_token(r, t)
         return True
 
     def end(self, r: ReqState, t: float, how: str) -> bool:
@@ -382,33 +350,14 @@ class GapTracker:
         r.end_t = t
         r.ended_by = how
         if r.first_t is not None:
-            self._set_active(t, -1, r.engine)
-            if self.live.pop(r.id, None) is not None:
-                self.ended.append(r)
+            self.stalls.stream_ended(r, t)
         if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
             self.gap(r, r.last_t, t, t - r.last_t, "cancel")
         return True
 
-    def _set_active(self, t: float, d: int, engine: str | None = None) -> None:
-        self.active += d
-        _step(self.active_t, self.active_v, t, self.active)
-        if self.multi:
-            e = self.eng_active.get(engine)
-            if e is None:
-                e = self.eng_active[engine] = ([0], [], [])
-            e[0][0] += d
-            _step(e[1], e[2], t, e[0][0])
-
-    def _active_lists(self, engine: str | None) -> tuple[list[float], list[int]]:
-        """The active-count steps of ``engine``'s streams (all streams while none names its engine)."""
-        if not self.multi:
-            return self.active_t, self.active_v
-        e = self.eng_active.get(engine)
-        return (e[1], e[2]) if e is not None else ([], [])
-
     # ---- the fast path's batch API -----------------------------------------------------------
     def begin_batch(self) -> None:
-        self._batch_marks = (len(self.long), len(self.pending))
+        self._batch_marks = (len(self.stalls.long), len(self.pending))
 
     def end_batch(self) -> None:
         """Gaps from a batch and from the per-record events around it interleave in time: restore
@@ -417,8 +366,7 @@ class GapTracker:
             return
         l0, p0 = self._batch_marks
         self._batch_marks = None
-        if len(self.long) - l0 > 1:
-            self.long[l0:] = sorted(self.long[l0:], key=lambda g: g.t_end)
+        self.stalls.sort_long_from(l0)
         if len(self.pending) - p0 > 1:
             tail = [self.pending.pop() for _ in range(len(self.pending) - p0)]
             tail.sort(key=lambda p: p.gap.t_end)
@@ -554,143 +502,3 @@ class GapTracker:
         ready = sorted((p.settled() for p in self.pending), key=lambda g: (g.t_end, g.request_id))
         self.pending.clear()
         return ready
-
-    def active_at(self, t: float, engine: str | None = None) -> int | None:
-        """Streams between first token and end at ``t`` (of ``engine`` once streams name theirs)."""
-        ts, vs = self._active_lists(engine)
-        i = bisect_right(ts, t) - 1
-        return vs[i] if i >= 0 else None
-
-    def departures(self, a: float, b: float, engine: str | None = None) -> int:
-        """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
-        ts, vs = self._active_lists(engine)
-        i = bisect_left(ts, a)
-        prev = vs[i - 1] if i > 0 else 0
-        n = 0
-        while i < len(ts) and ts[i] <= b:
-            if vs[i] < prev:
-                n += prev - vs[i]
-            prev = vs[i]
-            i += 1
-        return n
-
-    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
-        """Other streams silent over at least half of the spike, the median of their silences, and
-        how many of them fell silent with it (up to a second, or half its length, before it began)
-        rather than long before (streams preempted earlier and still waiting), and how many of those
-        also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
-        end: one engine-wide or delivery event, not victims resuming one by one).
-
-        A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
-        to then, and streams still silent then (preempted streams often resume much later). Lengths
-        are cut at that moment, so the batch path, which judges later, gets the same answer."""
-        L = g.t_end - g.t_start
-        half = 0.5 * L
-        cap = g.t_end + settle
-        lg = self.long
-        lo = self.long_head
-        hi = len(lg)
-        a_end = g.t_start + half
-        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
-            mid = (lo + hi) // 2
-            if lg[mid].t_end < a_end:
-                lo = mid + 1
-            else:
-                hi = mid
-        seen = set()
-        lens = []
-        fresh_from = g.t_start - min(half, 1.0)
-        fresh = together = 0
-        tol = max(0.05, 0.25 * L)
-        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
-        multi, eng = self.multi, g.engine
-        for i in range(lo, len(lg)):
-            q = lg[i]
-            if q.t_end > reach:
-                break
-            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
-                continue
-            ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
-            if ov >= half:
-                seen.add(q.request_id)
-                lens.append(min(q.t_end, cap) - q.t_start)
-                if q.t_start >= fresh_from:
-                    fresh += 1
-                    together += abs(q.t_end - g.t_end) <= tol
-                if enough is not None and len(seen) >= enough:
-                    break  # every other active stream already found stalled
-        if enough is None or len(seen) < enough:
-            groups: tuple[Iterable[ReqState], ...] = (self.live.values(), self.ended)
-            for group in groups:
-                for r in group:
-                    lt = r.last_t
-                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen or \
-                            (multi and r.engine != eng):
-                        continue
-                    # silent from its last token until now, or until it ended (a stream that
-                    # errors out mid-stall without a token streamed nothing through it either)
-                    end = cap if r.end_t is None else min(r.end_t, cap)
-                    if min(end, g.t_end) - max(lt, g.t_start) < half:
-                        continue
-                    seen.add(r.id)
-                    lens.append(end - lt)
-                    fresh += lt >= fresh_from
-        if not lens:
-            return 0, None, 0, 0
-        lens.sort()
-        return len(seen), lens[len(lens) // 2], fresh, together
-
-    def first_token_near(self, g: Gap) -> tuple[str, int | None, int, int] | None:
-        """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
-        its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
-        engine step get their first tokens together, and the step's length is their sum."""
-        base = g.stream_baseline or self.median_gap() or 0.02
-        delta = max(0.05, 2.0 * base)
-        ft = self.first_tokens
-        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
-        best: tuple[str, int | None] | None = None
-        total = n = 0
-        multi, eng = self.multi, g.engine
-        while i < len(ft) and ft[i][0] <= g.t_end + delta:
-            t, rid, p, e = ft[i]
-            if rid != g.request_id and t > g.t_start and not (multi and e != eng):
-                total += p or 0
-                n += 1
-                if best is None or (p or 0) > (best[1] or 0):
-                    best = (rid, p)
-            i += 1
-        return None if best is None else (best[0], best[1], total, n)
-
-    def prune(self, keep_from: float, ended_before: float) -> None:
-        """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""
-        lg = self.long
-        h = self.long_head
-        while h < len(lg) and lg[h].t_end < keep_from:
-            h += 1
-        if h > 4096 and h > len(lg) // 2:
-            del lg[:h]
-            h = 0
-        self.long_head = h
-        ft = self.first_tokens
-        h = self.ft_head
-        while h < len(ft) and ft[h][0] < keep_from:
-            h += 1
-        if h > 4096 and h > len(ft) // 2:
-            del ft[:h]
-            h = 0
-        self.ft_head = h
-        for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
-            if len(ts) > 8192:
-                i = bisect_left(ts, keep_from)
-                if i > 4096:
-                    del ts[: i - 1]
-                    del vs[: i - 1]
-        # a stream silent for the whole horizon without an end (a lost finish) is gone
-        if self.live:
-            stale = [k for k, r in self.live.items() if r.last_t is not None and r.last_t < keep_from]
-            for k in stale:
-                del self.live[k]
-        # an ended stream matters only to spikes ending before it did; later spikes end after now
-        ended = self.ended
-        while ended and (ended[0].end_t or 0.0) < ended_before:
-            ended.popleft()
