@@ -27,6 +27,7 @@ from kvtop.analysis.attribution.request_times import RequestTimes
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
+from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.tally import Tally
 from kvtop.model.engine_id import engine_address
 
@@ -398,6 +399,20 @@ class Analyzer:
         return c[1]
 
     # ---- results --------------------------------------------------------------------------
+    def state(self) -> AnalysisState:
+        """What the analysis arrived at so far, for the report (see ``AnalysisState``)."""
+        reqs = self.gaps.reqs
+        return AnalysisState(
+            header=self.header, preempts=self.preempts, records=self.records, token_records=self.token_records,
+            t0=self.t0, now=self.now, gaps=self.gaps.n_gaps, median_gap=self.median_gap(),
+            itl_target_s=self.gaps.itl_target_s, target_source=self.gaps.target_source, k=self.gaps.k,
+            n_spikes=self.n_spikes, cause_counts=dict(self.cause_counts), cause_conf=dict(self.cause_conf),
+            cause_over=dict(self.cause_over), spikes=tuple(self.spikes), streams=tuple(reqs.values()),
+            tally=self.acc, scrapes=tuple(self.scrapes),
+            request_preemptions=self.request_preemptions.report(
+                {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
+            engine_request_times=self.request_times.report())
+
     def median_gap(self) -> float | None:
         return self.gaps.median_gap()
 
