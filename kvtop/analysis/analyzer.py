@@ -26,8 +26,9 @@ from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.engines import engine_semantics
-from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
+from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
+from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
 from kvtop.model.engine_id import engine_address
 
@@ -417,7 +418,7 @@ class Analyzer:
         return self.gaps.median_gap()
 
     def request_info(self, rid: str) -> tuple[int, int, str | None]:
-        r = self.gaps.reqs.get(rid)
-        if r is None:
+        i = self.gaps.streams.info(rid)
+        if i is None:
             return (0, 0, None)
-        return (r.spikes, r.preempt_spikes, r.last_cause)
+        return (i.spikes, i.preempt_spikes, i.last_cause)

@@ -15,23 +15,19 @@ produces another token, and the engine may never count its preemption.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtop.analysis.stalls import StallIndex
-
-if TYPE_CHECKING:  # a judged spike pairs a Gap with attribution's finding: attribution imports this module
-    from kvtop.analysis.attribution.spike import Spike
+from kvtop.analysis.streams import RECENT, ReqState, StreamStore
 
 # Default ITL target = K_TARGET × the median of the first WARMUP gaps (documented in the README).
 K_TARGET = 4.0
 WARMUP_GAPS = 2000
 # Gaps at least this fraction of the target are kept (for a while) to find streams that stalled together.
 LONG_FRACTION = 0.5
-RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
-# stall-free ones, within the target: the pace before a slowdown began)
 # Look-ahead after a spike (both paths see the same): token events within BURST_S of its end are
 # the chunk that ended it (a delivery stall ends with everything buffered at once, as one event or
 # many within a millisecond); then up to LOOKAHEAD following gaps that end within LOOKAHEAD_S.
@@ -88,36 +84,6 @@ class LogHistogram:
             if acc >= target and c:
                 return self.value_at(i)
         return None
-
-
-@dataclass(slots=True)
-class ReqState:
-    id: str
-    arrive_t: float | None = None
-    prompt_tokens: int | None = None
-    cls: str | None = None
-    first_t: float | None = None
-    last_t: float | None = None
-    tokens: int = 0
-    end_t: float | None = None
-    ended_by: str | None = None
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    recent_n: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # tokens of the events closing them
-    calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
-    max_gap: float = 0.0
-    spikes: int = 0
-    preempt_spikes: int = 0
-    last_cause: str | None = None
-    last_spike: Spike | None = None  # the stream's previous judged spike (its candidate and finding)
-    engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
-    cancelled_after_preempt: bool = False
-    events: int = 0  # token events (tokens / events: the stream's usual chunk size)
-    watch: list[Pending] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
-    engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
-
-    def tokens_per_event(self) -> float:
-        return self.tokens / self.events if self.events else 1.0
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,31 +200,20 @@ class GapTracker:
         self.target_source: str | None = "given" if itl_target_s else None
         self.k = k
         self.max_requests = max_requests
-        self.reqs: OrderedDict[str, ReqState] = OrderedDict()
         self.hist = LogHistogram()  # every 8th gap after warm-up (a sample for the median)
         self.n_gaps = 0
         self.warm: list[Gap] = []  # every gap until the target is known
         self.pending: deque[Pending] = deque()  # spikes by t_end, collecting their look-ahead
         self.stalls = StallIndex()
+        # a stream dropped from the store (capped) is no longer live for the co-stall search
+        self.streams = StreamStore(max_requests, on_drop=self.stalls.forget)
+        self.reqs = self.streams.by_id  # the hot paths look streams up here directly
         self._median_cache: tuple[int, float | None] | None = None
         self._batch_marks: tuple[int, int] | None = None
 
     # ---- per-stream state --------------------------------------------------------------------
     def req(self, rid: str) -> ReqState:
-        r = self.reqs.get(rid)
-        if r is None:
-            r = self.reqs[rid] = ReqState(rid)
-            if self.max_requests is not None and len(self.reqs) > self.max_requests:
-                self._evict()
-        return r
-
-    def _evict(self) -> None:
-        for k, v in self.reqs.items():
-            if v.end_t is not None:
-                del self.reqs[k]
-                return
-        k, _ = self.reqs.popitem(last=False)
-        self.stalls.forget(k)
+        return self.streams.req(rid)
 
     def token(self, rid: str, t: float, n: int | None = None) -> None:
         """Hot path: one token event (``n`` tokens delivered at once)."""

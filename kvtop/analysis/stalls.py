@@ -13,8 +13,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvtop.analysis.streams import ReqState
+
 if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
-    from kvtop.analysis.gaps import Gap, ReqState
+    from kvtop.analysis.gaps import Gap
 
 
 def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.causes import Cause
 from kvtop.analysis.attribution.spike import Spike
-from kvtop.analysis.gaps import ReqState
+from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
 
 
