@@ -1,15 +1,16 @@
-"""Inter-token gaps: per-request state, the gap distribution, and spike candidates.
+"""Inter-token gaps: the gap distribution and spike candidates (per-stream state is in ``streams``,
+what other streams did in ``stalls``).
+
+A gap is the time between two consecutive token events of one request (the first gap starts at
+the first token: time to first token is not an inter-token gap). A gap that ends in a cancel (the
+client gave up while the stream was silent) is a gap too: a victim cancelled while preempted never
+produces another token, and the engine may never count its preemption.
 
 A long gap becomes a frozen ``Gap`` in one place, ``candidate``, from what the stream's recent
 events say (its last gaps, the tokens of its last events, its stall-free gaps): the per-event path
 (``GapTracker.token``) and the fast path's numpy batches (``GapTracker.add_batch``) both call it,
 so a gap feature is written once. A spike's look-ahead (the events after it) is collected beside
 it by a ``Pending`` and fixed into the ``Gap`` attribution reads once it settles.
-
-A gap is the time between two consecutive token events of one request (the first gap starts at
-the first token: time to first token is not an inter-token gap). A gap that ends in a cancel (the
-client gave up while the stream was silent) is a gap too: a victim cancelled while preempted never
-produces another token, and the engine may never count its preemption.
 """
 
 from __future__ import annotations
