@@ -73,7 +73,7 @@ def test_preemption_one_stream_silent_counter_one_scrape_later():
     assert len(spikes) == 1
     g = spikes[0]
     assert g.request_id == "r3" and g.cause == "preemption"
-    assert g.gap == pytest.approx(2.0, abs=0.03)
+    assert g.candidate.gap == pytest.approx(2.0, abs=0.03)
     assert g.confidence >= 0.8
     assert any("counter stepped" in e for e in g.evidence)
     assert an.request_info("r3") == (1, 1, "preemption")

@@ -49,7 +49,7 @@ def test_live_memory_is_bounded():
     rep = live.report(t + 10)
     assert len(live.an.reqs) <= 50
     assert len(rep.spikes) == 20 and rep.spikes_total == 2000
-    assert len(live.an.gaps.long) - live.an.gaps.long_head < 2000  # old evidence pruned
+    assert len(live.an.gaps.stalls.long) - live.an.gaps.stalls.long_head < 2000  # old evidence pruned
 
 
 def test_live_report_is_cached_between_ticks():

@@ -53,14 +53,14 @@ def test_a_stall_ending_in_a_buffered_burst_is_delivery_not_preemption():
     recs = [d for d in recs if not (d.get("id") == "r3" and d.get("event") == "token" and d["t"] == pytest.approx(6.01))]
     # KV pinned and a counter step right at its end (another victim's resume): still not r3's
     g = _one(run(recs + engine_records(kv=0.97, pre_steps=(6.5,))), "r3")
-    assert g.cause == "unknown" and g.kind == "delivery" and g.burst_n == 100
+    assert g.cause == "unknown" and g.kind == "delivery" and g.candidate.burst_n == 100
     assert any("100 tokens delivered at once" in e for e in g.evidence)
     # many separate reads within a millisecond are the same burst
     recs2 = [d for d in stream_records(silent={"r3": (4.0, 6.0)})]
     recs2 += [{"kind": "request", "t": round(6.0 + k * 1e-5, 6), "id": "r3", "event": "token", "n": 1}
               for k in range(100)]
     g = _one(run(recs2 + engine_records(kv=0.97, pre_steps=(6.5,))), "r3")
-    assert g.kind == "delivery" and g.burst_n == 100
+    assert g.kind == "delivery" and g.candidate.burst_n == 100
     # too few to cover the stall at the stream's 20 ms pace (20 tokens: 0.4 s of 2 s): not a delivery burst
     recs3 = [d for d in stream_records(silent={"r3": (4.0, 6.0)})]
     recs3 += [{"kind": "request", "t": round(6.0 + k * 1e-5, 6), "id": "r3", "event": "token", "n": 1}
@@ -107,7 +107,7 @@ def test_look_ahead_separates_a_lone_lift_from_a_slower_pace():
 
     a = run(stream(STEP), itl_target_s=0.1)
     (g,) = list(a.spikes)
-    assert g.cause != "slow_decode" and g.after == pytest.approx([STEP] * 3)
+    assert g.cause != "slow_decode" and g.candidate.after == pytest.approx([STEP] * 3)
     b = run(stream(0.15), itl_target_s=0.1)
     first = min(b.spikes, key=lambda g: g.t_start)
     assert first.cause == "slow_decode" and first.kind == "onset"
@@ -160,8 +160,8 @@ def test_fast_path_collects_the_same_look_ahead(tmp_path):
     slow, fast = _streaming_and_fast(tmp_path, recs, itl_target_s=0.08, chunk_bytes=2048)
 
     def key(an):
-        return [(g.request_id, g.t_end, str(g.cause), g.kind, g.burst_n, [round(x, 9) for x in g.after],
-                 round(g.tokens_per_event, 9)) for g in an.spikes]
+        return [(g.request_id, g.t_end, str(g.cause), g.kind, g.candidate.burst_n,
+                 [round(x, 9) for x in g.candidate.after], round(g.candidate.tokens_per_event, 9)) for g in an.spikes]
 
     assert key(fast) == key(slow)
     kinds = {g.request_id: g.kind for g in slow.spikes}
@@ -347,7 +347,7 @@ def test_prefill_steps_that_lift_a_streams_median_over_the_target_are_still_pref
     an = run(_prefill_run_records() + engine_records(dur=9.0), itl_target_s=0.1)
     late = [g for g in an.spikes if g.request_id == "r0" and g.t_start > 5.0]
     assert len(late) >= 10
-    assert late[-1].stream_baseline >= 0.1  # the median a run of prefill steps lifted
+    assert late[-1].candidate.stream_baseline >= 0.1  # the median a run of prefill steps lifted
     # judged against the stream's decode-only pace (its fastest recent gap), each step is a prefill
     assert all(g.cause == "prefill_interference" for g in late), {(str(g.cause), g.kind) for g in late}
 
@@ -412,7 +412,7 @@ def test_a_chunk_bigger_than_any_one_step_of_the_stream_ends_a_delivery_stall():
     # silence were produced during it and held (API-server merging), though 6 is less than 3x the
     # stream's usual 2.5: delivery, even with a counter step at its end (another victim's resume).
     g = _one(run(_spec_records(6) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
-    assert g.cause == "unknown" and g.kind == "delivery" and g.step_n_max == 4
+    assert g.cause == "unknown" and g.kind == "delivery" and g.candidate.step_n_max == 4
     # the same silence ended by one step's worth (3 tokens) is the resumed victim the counter names
     g = _one(run(_spec_records(3) + engine_records(kv=0.97, pre_steps=(4.5,))), "r3")
     assert g.cause == "preemption"
@@ -424,7 +424,7 @@ def test_fast_path_knows_each_streams_largest_step_across_chunk_boundaries(tmp_p
     slow, fast = _streaming_and_fast(tmp_path, recs, itl_target_s=0.1, chunk_bytes=1500)
 
     def key(an):
-        return [(g.request_id, g.t_end, str(g.cause), g.kind, g.step_n_max) for g in an.spikes]
+        return [(g.request_id, g.t_end, str(g.cause), g.kind, g.candidate.step_n_max) for g in an.spikes]
 
     assert key(fast) == key(slow)
     assert ("r3", 4.21, "unknown", "delivery", 4) in key(slow)

@@ -7,7 +7,8 @@ One ``Analyzer`` serves both uses: ``kvtop analyze`` streams a trace through it 
 when the victim resumes), so both paths see the same evidence and give the same answers.
 Memory is bounded: evidence older than ``horizon_s`` is dropped; per-request state is capped.
 
-Per-stream gap state lives in ``GapTracker`` (``self.gaps``); engine evidence in ``EngineTimeline``;
+Per-stream gap state lives in ``GapTracker`` (``self.gaps``), what other streams did in its
+``StallIndex`` (``self.gaps.stalls``); engine evidence in ``EngineTimeline``;
 the evidence for one spike is gathered by ``attribution.gather`` and judged by ``attribution.classify``.
 """
 
@@ -23,8 +24,11 @@ from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gat
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes
+from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.engines import engine_semantics
-from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram, ReqState
+from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
+from kvtop.analysis.state import AnalysisState
+from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
 from kvtop.model.engine_id import engine_address
 
@@ -57,7 +61,7 @@ class Analyzer:
         # stream that names its engine is judged on that engine's records only
         self.timelines: dict[str, EngineTimeline] = {}
         self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
-        self.spikes: deque[Gap] = deque(maxlen=keep_spikes)
+        self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
         # seconds above the target each cause cost (what a verdict should weigh, not spike counts)
@@ -152,7 +156,7 @@ class Analyzer:
         if t > self.now:
             self.now = t
         p = self.gaps.pending
-        if p and not self._hold and p[0].t_end + self.settle <= t:
+        if p and not self._hold and p[0].gap.t_end + self.settle <= t:
             self.tick(t)
 
     def token(self, rid: Any, t: float, n: Any = None) -> None:
@@ -162,7 +166,7 @@ class Analyzer:
             self.now = t
         self.gaps.token(str(rid), t, n)
         p = self.gaps.pending
-        if p and not self._hold and p[0].t_end + self.settle <= t:
+        if p and not self._hold and p[0].gap.t_end + self.settle <= t:
             self.tick(t)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
@@ -308,9 +312,9 @@ class Analyzer:
         gt = self.gaps
         keep_from = now - self.horizon_s
         if gt.pending:
-            keep_from = min(keep_from, gt.pending[0].t_start)
-        drop_before = (gt.pending[0].t_start if gt.pending else now) - self.settle - 5.0
-        gt.prune(keep_from, drop_before)
+            keep_from = min(keep_from, gt.pending[0].gap.t_start)
+        drop_before = (gt.pending[0].gap.t_start if gt.pending else now) - self.settle - 5.0
+        gt.stalls.prune(keep_from, drop_before)
         self.timeline.prune(keep_from - 60.0)
         for tl in self.timelines.values():
             tl.prune(keep_from - 60.0)
@@ -327,17 +331,17 @@ class Analyzer:
         tl = self.timelines.get(engine)
         if tl is not None:
             return tl if len(self.timelines) > 1 else self.timeline
-        if len(self.timelines) == 1 and sum(1 for k in self.gaps.eng_active if k is not None) <= 1:
+        if len(self.timelines) == 1 and sum(1 for k in self.gaps.stalls.eng_active if k is not None) <= 1:
             return self.timeline  # one engine named two ways (a DNS name and an IP, say)
         return self._no_engine
 
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
-        ev = gather(g, self.gaps, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
+        gt = self.gaps
+        ev = gather(g, gt.stalls, gt.median_gap(), gt.itl_target_s, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
                     self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
         f = classify(ev)
-        g.cause, g.confidence, g.evidence, g.kind = f.cause, f.confidence, f.lines, f.kind
-        g.rule_key, g.discounts = f.key, f.discounts
+        spike = Spike(g, f)
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
         self.cause_conf[f.cause] += f.confidence
@@ -345,12 +349,12 @@ class Analyzer:
         self.cause_seconds[f.cause] += g.gap
         if len(self.spikes) == self.spikes.maxlen:
             self.n_spikes_dropped += 1
-        self.spikes.append(g)
+        self.spikes.append(spike)
         acc = self.acc
         if r is not None:
             r.spikes += 1
             r.last_cause = f.cause.value
-            r.last_spike = g
+            r.last_spike = spike
             if f.cause is Cause.PREEMPTION:
                 r.preempt_spikes += 1
                 if r.id not in acc.preempted_ids:
@@ -375,7 +379,7 @@ class Analyzer:
         ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing).
         Where the engine reports its own per-request times, prompt tokens / the engine's TTFT is
         used instead: still a low estimate, without the queueing (``RequestTimes``)."""
-        named = engine if self.gaps.multi else None
+        named = engine if self.gaps.stalls.multi else None
         measured = self.request_times.prefill_rate(named)
         if measured is not None:
             return measured
@@ -396,11 +400,25 @@ class Analyzer:
         return c[1]
 
     # ---- results --------------------------------------------------------------------------
+    def state(self) -> AnalysisState:
+        """What the analysis arrived at so far, for the report (see ``AnalysisState``)."""
+        reqs = self.gaps.reqs
+        return AnalysisState(
+            header=self.header, preempts=self.preempts, records=self.records, token_records=self.token_records,
+            t0=self.t0, now=self.now, gaps=self.gaps.n_gaps, median_gap=self.median_gap(),
+            itl_target_s=self.gaps.itl_target_s, target_source=self.gaps.target_source, k=self.gaps.k,
+            n_spikes=self.n_spikes, cause_counts=dict(self.cause_counts), cause_conf=dict(self.cause_conf),
+            cause_over=dict(self.cause_over), spikes=tuple(self.spikes), streams=tuple(reqs.values()),
+            tally=self.acc, scrapes=tuple(self.scrapes),
+            request_preemptions=self.request_preemptions.report(
+                {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
+            engine_request_times=self.request_times.report())
+
     def median_gap(self) -> float | None:
         return self.gaps.median_gap()
 
     def request_info(self, rid: str) -> tuple[int, int, str | None]:
-        r = self.gaps.reqs.get(rid)
-        if r is None:
+        i = self.gaps.streams.info(rid)
+        if i is None:
             return (0, 0, None)
-        return (r.spikes, r.preempt_spikes, r.last_cause)
+        return (i.spikes, i.preempt_spikes, i.last_cause)

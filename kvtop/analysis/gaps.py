@@ -1,27 +1,34 @@
-"""Inter-token gaps: per-request state, the gap distribution, and spike candidates.
+"""Inter-token gaps: the gap distribution and spike candidates (per-stream state is in ``streams``,
+what other streams did in ``stalls``).
 
 A gap is the time between two consecutive token events of one request (the first gap starts at
 the first token: time to first token is not an inter-token gap). A gap that ends in a cancel (the
 client gave up while the stream was silent) is a gap too: a victim cancelled while preempted never
 produces another token, and the engine may never count its preemption.
+
+A long gap becomes a frozen ``Gap`` in one place, ``candidate``, from what the stream's recent
+events say (its last gaps, the tokens of its last events, its stall-free gaps): the per-event path
+(``GapTracker.token``) and the fast path's numpy batches (``GapTracker.add_batch``) both call it,
+so a gap feature is written once. A spike's look-ahead (the events after it) is collected beside
+it by a ``Pending`` and fixed into the ``Gap`` attribution reads once it settles.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right
-from collections import OrderedDict, deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from kvtop.analysis.stalls import StallIndex
+from kvtop.analysis.streams import RECENT, ReqState, StreamStore
 
 # Default ITL target = K_TARGET × the median of the first WARMUP gaps (documented in the README).
 K_TARGET = 4.0
 WARMUP_GAPS = 2000
 # Gaps at least this fraction of the target are kept (for a while) to find streams that stalled together.
 LONG_FRACTION = 0.5
-RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
-# stall-free ones, within the target: the pace before a slowdown began)
 # Look-ahead after a spike (both paths see the same): token events within BURST_S of its end are
 # the chunk that ended it (a delivery stall ends with everything buffered at once, as one event or
 # many within a millisecond); then up to LOOKAHEAD following gaps that end within LOOKAHEAD_S.
@@ -52,6 +59,19 @@ class LogHistogram:
         self.counts[self.index(v)] += k
         self.n += k
 
+    def add_array(self, values: Any) -> None:
+        """Add a numpy array of values at once (the fast path's sample of gaps); the bins of ``add``."""
+        import numpy as np
+
+        if not len(values):
+            return
+        lo = self._lo
+        idx = np.clip((np.log(np.maximum(values, lo) / lo) * self._scale).astype(np.int64), 0, len(self.counts) - 1)
+        idx[values <= lo] = 0
+        for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
+            self.counts[int(i)] += int(c)
+        self.n += len(values)
+
     def value_at(self, i: int) -> float:
         return self._lo * math.exp((i + 0.5) / self._scale)
 
@@ -67,111 +87,88 @@ class LogHistogram:
         return None
 
 
-@dataclass(slots=True)
-class ReqState:
-    id: str
-    arrive_t: float | None = None
-    prompt_tokens: int | None = None
-    cls: str | None = None
-    first_t: float | None = None
-    last_t: float | None = None
-    tokens: int = 0
-    end_t: float | None = None
-    ended_by: str | None = None
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    recent_n: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # tokens of the events closing them
-    calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
-    max_gap: float = 0.0
-    spikes: int = 0
-    preempt_spikes: int = 0
-    last_cause: str | None = None
-    last_spike: Gap | None = None  # the stream's previous judged spike
-    engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
-    cancelled_after_preempt: bool = False
-    events: int = 0  # token events (tokens / events: the stream's usual chunk size)
-    watch: list[Gap] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
-    engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
-
-    def tokens_per_event(self) -> float:
-        return self.tokens / self.events if self.events else 1.0
-
-    def calm_gap(self) -> float | None:
-        if not self.calm:
-            return None
-        s = sorted(self.calm)
-        return s[len(s) // 2]
-
-    def baseline_gap(self) -> float | None:
-        if not self.recent:
-            return None
-        s = sorted(self.recent)
-        return s[len(s) // 2]
-
-    def fastest_gap(self) -> float | None:
-        return min(self.recent) if self.recent else None
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Gap:
-    """A long gap (candidate spike) waiting for attribution."""
+    """A long gap of one stream (a candidate spike), its features fixed when ``candidate`` builds it.
+
+    ``burst_n`` and ``after`` are its look-ahead: as built they hold only the closing event; a spike
+    collects the rest in its ``Pending`` and the Gap handed to attribution carries them."""
 
     request_id: str
     t_start: float
     t_end: float
     gap: float
     stream_baseline: float | None  # median of the stream's previous gaps
-    tokens_before: int
-    ended_by: str = "token"
-    cause: Any = None  # an attribution.Cause once judged (a str subclass)
-    kind: str | None = None  # the finding's finer name ("delivery", "recompute", ...)
-    rule_key: str | None = None  # the finding's calibration key (thresholds.CONFIDENCE)
-    discounts: tuple[str, ...] = ()  # the confidence discounts applied (thresholds.DISCOUNT)
-    confidence: float = 0.0
-    evidence: list[str] = field(default_factory=list)
-    chunk_n: int = 1  # tokens delivered by the event that ended the gap
-    burst_n: int = 0  # tokens delivered within BURST_S of the end (the closing event included)
-    after: list[float] = field(default_factory=list)  # the stream's following gaps (look-ahead)
-    tokens_per_event: float = 1.0  # the stream's usual chunk size before the gap
-    calm_baseline: float | None = None  # median of the stream's previous stall-free gaps (within the target)
-    engine: str | None = None  # the stream's engine (ReqState.engine): other streams are compared on it only
-    fast_baseline: float | None = None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
+    tokens_before: int  # the stream's tokens up to the end of the gap (the closing event's included)
+    ended_by: str  # "token" or "cancel"
+    chunk_n: int  # tokens delivered by the event that ended the gap
+    tokens_per_event: float  # the stream's usual chunk size before the gap
+    calm_baseline: float | None  # median of the stream's previous stall-free gaps (within the target)
+    engine: str | None  # the stream's engine (ReqState.engine): other streams are compared on it only
+    fast_baseline: float | None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
     # the most tokens one of the stream's recent events carried: one engine step's worth at most
     # (k + 1 with speculative decoding), unless the API server already merged steps before the gap
-    step_n_max: int = 0
+    step_n_max: int
+    burst_n: int  # tokens delivered within BURST_S of the end (the closing event included)
+    after: tuple[float, ...] = ()  # the stream's following gaps (look-ahead)
 
 
-def _tpe(r: ReqState, chunk_n: int, ended_by: str) -> float:
-    """The stream's tokens per event before the event that closed a gap."""
+def _median(v: Sequence[float]) -> float | None:
+    return sorted(v)[len(v) // 2] if v else None
+
+
+def candidate(rid: str, engine: str | None, t_start: float, t_end: float, gap: float, ended_by: str, chunk_n: int,
+              tokens: int, events: int, recent: Sequence[float], recent_n: Iterable[int],
+              calm: Sequence[float]) -> Gap:
+    """The long gap ``t_start``..``t_end`` (``gap`` long) of stream ``rid``, with what the stream's
+    recent events say about it. The one place a gap feature is computed (both ingestion paths).
+
+    ``tokens`` and ``events``: the stream's tokens and token events so far, the closing event
+    included when it is a token (``chunk_n`` tokens); ``recent``: its last RECENT gaps before this
+    one, ``recent_n`` the tokens of the events that closed them, ``calm`` its last RECENT gaps
+    within the target."""
     if ended_by == "token":
-        return (r.tokens - chunk_n) / (r.events - 1) if r.events > 1 else 1.0
-    return r.tokens / r.events if r.events else 1.0
+        tpe = (tokens - chunk_n) / (events - 1) if events > 1 else 1.0
+    else:
+        tpe = tokens / events if events else 1.0
+    return Gap(rid, t_start, t_end, gap, _median(recent), tokens, ended_by, chunk_n, tpe, _median(calm), engine,
+               min(recent) if recent else None, max(recent_n, default=0), chunk_n)
 
 
 def _stream_gap(r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int) -> Gap:
-    """A long gap of stream ``r`` with what the stream's state says about it before the closing event."""
-    gp = Gap(r.id, lt, t, g, r.baseline_gap(), r.tokens, ended_by)
-    gp.chunk_n = gp.burst_n = chunk_n
-    gp.tokens_per_event = _tpe(r, chunk_n, ended_by)
-    gp.calm_baseline = r.calm_gap()
-    gp.engine = r.engine
-    gp.fast_baseline = r.fastest_gap()
-    gp.step_n_max = max(r.recent_n, default=0)
-    return gp
+    """A long gap of stream ``r`` from its state before the closing event (the per-event path)."""
+    return candidate(r.id, r.engine, lt, t, g, ended_by, chunk_n, r.tokens, r.events, r.recent, r.recent_n, r.calm)
 
 
-def _feed_look(w: Gap, t: float, k: int, g: float) -> bool:
-    """One token event after spike ``w`` (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
-    if t - w.t_end <= BURST_S:
-        w.burst_n += k
-        return False
-    if t - w.t_end > LOOKAHEAD_S:
-        return True
-    w.after.append(g)
-    return len(w.after) >= LOOKAHEAD
+@dataclass(slots=True)
+class Pending:
+    """A spike waiting for attribution, and its look-ahead as the stream's next events arrive."""
+
+    gap: Gap
+    burst_n: int = 0
+    after: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.burst_n = self.gap.chunk_n
+
+    def look(self, t: float, k: int, g: float) -> bool:
+        """One token event after the spike (``k`` tokens, ``g`` its gap); True when the look-ahead is complete."""
+        end = self.gap.t_end
+        if t - end <= BURST_S:
+            self.burst_n += k
+            return False
+        if t - end > LOOKAHEAD_S:
+            return True
+        self.after.append(g)
+        return len(self.after) >= LOOKAHEAD
+
+    def settled(self) -> Gap:
+        """The spike with its look-ahead, as attribution reads it."""
+        return replace(self.gap, burst_n=self.burst_n, after=tuple(self.after))
 
 
-def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: Any, gaps: Any, g0: int,
-                g1: int) -> list[Gap]:
+def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: Any, n_s: Any, gaps: Any, g0: int,
+                g1: int) -> list[Pending]:
     """The look-ahead of a stream's spikes over one batch of its events (sorted positions g0..g1-1),
     as ``token`` collects it event by event; returns the spikes still watching at the batch's end."""
     j = g0
@@ -180,7 +177,7 @@ def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: 
         nxt = spikes[k][0] if k < len(spikes) else g1 - 1
         while watch and j <= nxt:
             t, n, g = float(t_s[j]), int(n_s[j]), float(gaps[j])
-            watch = [w for w in watch if not _feed_look(w, t, n, g)]
+            watch = [w for w in watch if not w.look(t, n, g)]
             j += 1
         if k >= len(spikes):
             return watch
@@ -190,22 +187,13 @@ def _batch_look(watch: list[Gap], spikes: list[tuple[int, Gap]], t_s: Any, n_s: 
         k += 1
 
 
-def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
-    """Append a step of a count over time (a second change at the same instant replaces the first)."""
-    if ts and ts[-1] == t:
-        vs[-1] = v
-    else:
-        ts.append(t)
-        vs.append(v)
-
-
 class GapTracker:
-    """Owns the per-stream gap state: request states, the gap distribution, long gaps and spikes
-    waiting for attribution, first tokens and the count of active streams over time.
+    """Owns the per-stream gap state: request states, the gap distribution and spikes waiting for
+    attribution; fills the stall index (``stalls``: long gaps, first tokens, active streams) that the
+    evidence builder asks about other streams around a spike.
 
     Both ingestion paths go through it: ``token`` one event at a time, ``add_batch`` a block of
-    token events parsed by the fast path (same results). The queries at the bottom are what the
-    evidence builder asks about other streams around a spike.
+    token events parsed by the fast path (same results).
     """
 
     def __init__(self, itl_target_s: float | None = None, k: float = K_TARGET, max_requests: int | None = None):
@@ -213,47 +201,20 @@ class GapTracker:
         self.target_source: str | None = "given" if itl_target_s else None
         self.k = k
         self.max_requests = max_requests
-        self.reqs: OrderedDict[str, ReqState] = OrderedDict()
         self.hist = LogHistogram()  # every 8th gap after warm-up (a sample for the median)
         self.n_gaps = 0
         self.warm: list[Gap] = []  # every gap until the target is known
-        self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
-        self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
-        self.long_head = 0
-        self.pending: deque[Gap] = deque()
-        self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
-        self.ft_head = 0
-        self.active = 0
-        # streams between first token and end, and those that ended lately: the co-stall search
-        # needs streams whose silence had not ended when a spike is judged
-        self.live: dict[str, ReqState] = {}
-        self.ended: deque[ReqState] = deque()
-        self.active_t: list[float] = []
-        self.active_v: list[int] = []
+        self.pending: deque[Pending] = deque()  # spikes by t_end, collecting their look-ahead
+        self.stalls = StallIndex()
+        # a stream dropped from the store (capped) is no longer live for the co-stall search
+        self.streams = StreamStore(max_requests, on_drop=self.stalls.forget)
+        self.reqs = self.streams.by_id  # the hot paths look streams up here directly
         self._median_cache: tuple[int, float | None] | None = None
         self._batch_marks: tuple[int, int] | None = None
-        # Set once a stream names its engine: from then on the queries about other streams look
-        # only at streams of the same engine (a stream on another engine flowing through a stall
-        # says nothing about it). Per-engine active counts: engine -> (count, times, values).
-        self.multi = False
-        self.eng_active: dict[str | None, tuple[list[int], list[float], list[int]]] = {}
 
     # ---- per-stream state --------------------------------------------------------------------
     def req(self, rid: str) -> ReqState:
-        r = self.reqs.get(rid)
-        if r is None:
-            r = self.reqs[rid] = ReqState(rid)
-            if self.max_requests is not None and len(self.reqs) > self.max_requests:
-                self._evict()
-        return r
-
-    def _evict(self) -> None:
-        for k, v in self.reqs.items():
-            if v.end_t is not None:
-                del self.reqs[k]
-                return
-        k, _ = self.reqs.popitem(last=False)
-        self.live.pop(k, None)
+        return self.streams.req(rid)
 
     def token(self, rid: str, t: float, n: int | None = None) -> None:
         """Hot path: one token event (``n`` tokens delivered at once)."""
@@ -265,7 +226,7 @@ class GapTracker:
         r.events += 1
         if lt is not None:
             if r.watch:
-                r.watch = [w for w in r.watch if not _feed_look(w, t, k, t - lt)]
+                r.watch = [w for w in r.watch if not w.look(t, k, t - lt)]
             self.gap(r, lt, t, t - lt, "token", k)
             r.recent_n.append(k)
 
@@ -290,14 +251,9 @@ class GapTracker:
             if not self.n_gaps & 7:
                 self.hist.add(g)
             if g >= LONG_FRACTION * tgt:
-                gp = _stream_gap(r, lt, t, g, ended_by, chunk_n)
-                self.long.append(gp)
-                if g > self.long_max:
-                    self.long_max = g
-                if g > tgt:
-                    self.pending.append(gp)
-                    if ended_by == "token":
-                        r.watch.append(gp)
+                p = self._keep(_stream_gap(r, lt, t, g, ended_by, chunk_n), tgt)
+                if p is not None and ended_by == "token":
+                    r.watch.append(p)
         if ended_by == "token":
             r.recent.append(g)
             if tgt is None or g <= tgt:
@@ -317,29 +273,30 @@ class GapTracker:
             return
         for gp in warm:
             if gp.gap >= LONG_FRACTION * tgt:
-                self.long.append(gp)
-                self.long_max = max(self.long_max, gp.gap)
-                if gp.gap > tgt:
-                    self.pending.append(gp)
+                self._keep(gp, tgt)
+
+    def _keep(self, gp: Gap, tgt: float) -> Pending | None:
+        """A long gap (at least LONG_FRACTION of the target): kept for the co-stall search, and a
+        spike (over the target) waits for attribution; returns its ``Pending``."""
+        self.stalls.add_long(gp)
+        if gp.gap > tgt:
+            p = Pending(gp)
+            self.pending.append(p)
+            return p
+        return None
 
     def set_engine(self, r: ReqState, engine: str) -> None:
         """Name the engine that serves ``r`` (before its first token: the active counts are per engine)."""
         if r.engine is None and r.first_t is None:
             r.engine = engine
-            if not self.multi:
-                # the streams so far named no engine: their active counts carry on under None
-                self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
-                self.multi = True
+            self.stalls.engines_named()
 
     def first_token(self, r: ReqState, t: float) -> bool:
         """Record a stream's first token; False when it already had one."""
         if r.first_t is not None:
             return False
         r.first_t = t
-        self.first_tokens.append((t, r.id, r.prompt_tokens, r.engine))
-        self._set_active(t, +1, r.engine)
-        if r.end_t is None:
-            self.live[r.id] = r
+        self.stalls.first_token(r, t)
         return True
 
     def end(self, r: ReqState, t: float, how: str) -> bool:
@@ -349,33 +306,14 @@ class GapTracker:
         r.end_t = t
         r.ended_by = how
         if r.first_t is not None:
-            self._set_active(t, -1, r.engine)
-            if self.live.pop(r.id, None) is not None:
-                self.ended.append(r)
+            self.stalls.stream_ended(r, t)
         if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
             self.gap(r, r.last_t, t, t - r.last_t, "cancel")
         return True
 
-    def _set_active(self, t: float, d: int, engine: str | None = None) -> None:
-        self.active += d
-        _step(self.active_t, self.active_v, t, self.active)
-        if self.multi:
-            e = self.eng_active.get(engine)
-            if e is None:
-                e = self.eng_active[engine] = ([0], [], [])
-            e[0][0] += d
-            _step(e[1], e[2], t, e[0][0])
-
-    def _active_lists(self, engine: str | None) -> tuple[list[float], list[int]]:
-        """The active-count steps of ``engine``'s streams (all streams while none names its engine)."""
-        if not self.multi:
-            return self.active_t, self.active_v
-        e = self.eng_active.get(engine)
-        return (e[1], e[2]) if e is not None else ([], [])
-
     # ---- the fast path's batch API -----------------------------------------------------------
     def begin_batch(self) -> None:
-        self._batch_marks = (len(self.long), len(self.pending))
+        self._batch_marks = (len(self.stalls.long), len(self.pending))
 
     def end_batch(self) -> None:
         """Gaps from a batch and from the per-record events around it interleave in time: restore
@@ -384,11 +322,10 @@ class GapTracker:
             return
         l0, p0 = self._batch_marks
         self._batch_marks = None
-        if len(self.long) - l0 > 1:
-            self.long[l0:] = sorted(self.long[l0:], key=lambda g: g.t_end)
+        self.stalls.sort_long_from(l0)
         if len(self.pending) - p0 > 1:
             tail = [self.pending.pop() for _ in range(len(self.pending) - p0)]
-            tail.sort(key=lambda g: g.t_end)
+            tail.sort(key=lambda p: p.gap.t_end)
             self.pending.extend(tail)
 
     def add_batch(self, ids: list[str], codes: Any, ts: Any, ns: Any, ft: Any) -> None:
@@ -437,15 +374,7 @@ class GapTracker:
             file_valid = valid[pos]
             gfile = gaps[pos][file_valid]
             k = np.arange(self.n_gaps + 1, self.n_gaps + 1 + len(gfile))
-            sample = gfile[(k & 7) == 0]
-            if len(sample):
-                h = self.hist
-                idx = np.clip((np.log(np.maximum(sample, h._lo) / h._lo) * h._scale).astype(np.int64), 0,
-                              len(h.counts) - 1)
-                idx[sample <= h._lo] = 0
-                for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-                    h.counts[int(i)] += int(c)
-                h.n += len(sample)
+            self.hist.add_array(gfile[(k & 7) == 0])
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
         gz = np.where(valid, gaps, -1.0)
@@ -453,7 +382,7 @@ class GapTracker:
         longs = np.flatnonzero(gz >= long_thr).tolist()
         gmax = np.maximum.reduceat(gz, gstart)
         tsum = np.add.reduceat(n_s, gstart)
-        spikes: dict[int, list[tuple[int, Gap]]] = {}  # group -> (sorted index, spike)
+        spikes: dict[int, list[tuple[int, Pending]]] = {}  # group -> (sorted index, spike)
         if longs:
             grp = np.searchsorted(gstart, longs, side="right") - 1
             # stall-free gaps of the same stream before each long gap: positions lo_ks[k]..hi_ks[k] of sf_pos
@@ -463,35 +392,25 @@ class GapTracker:
                 r = reqs[int(c_s[i])]
                 g0 = int(gstart[gi])
                 lo_k, hi_k = lo_ks[li], hi_ks[li]
+                # the stream's windows as ``token`` would hold them before event i: this batch's
+                # part of them, topped up from the stream's state before the batch
                 cw = gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist()
                 if len(cw) < RECENT:
                     cw = list(r.calm)[-(RECENT - len(cw)):] + cw if r.calm else cw
-                cw = cw[-RECENT:]
-                w = [x for x in gaps[max(g0, i - RECENT):i].tolist() if not math.isnan(x)]
+                lo = max(g0, i - RECENT)
+                w = [x for x in gaps[lo:i].tolist() if not math.isnan(x)]
                 if len(w) < RECENT:
                     w = list(r.recent)[-(RECENT - len(w)):] + w if r.recent else w
-                w = w[-RECENT:]
-                bl = sorted(w)[len(w) // 2] if w else None
-                gv = float(gaps[i])
-                te = float(t_s[i])
-                gp = Gap(r.id, te - gv, te, gv, bl, int(tokens_at[i]), "token")
-                gp.chunk_n = gp.burst_n = int(n_s[i])
-                before = ev0[int(c_s[i])] + i - g0  # token events of the stream before this one
-                gp.tokens_per_event = (int(tokens_at[i]) - gp.chunk_n) / before if before else 1.0
-                gp.calm_baseline = sorted(cw)[len(cw) // 2] if cw else None
-                gp.engine = r.engine
-                gp.fast_baseline = min(w) if w else None
-                lo = max(g0, i - RECENT)
                 wn = [int(x) for x, v in zip(n_s[lo:i].tolist(), valid[lo:i].tolist(), strict=True) if v]
                 if len(wn) < RECENT and r.recent_n:
                     wn = list(r.recent_n)[-(RECENT - len(wn)):] + wn
-                gp.step_n_max = max(wn[-RECENT:], default=0)
-                self.long.append(gp)
-                if gv > self.long_max:
-                    self.long_max = gv
-                if gv > tgt:
-                    self.pending.append(gp)
-                    spikes.setdefault(gi, []).append((i, gp))
+                gv = float(gaps[i])
+                te = float(t_s[i])
+                events = ev0[int(c_s[i])] + i - g0 + 1  # the stream's token events up to this one
+                p = self._keep(candidate(r.id, r.engine, te - gv, te, gv, "token", int(n_s[i]), int(tokens_at[i]),
+                                         events, w[-RECENT:], wn[-RECENT:], cw[-RECENT:]), tgt)
+                if p is not None:
+                    spikes.setdefault(gi, []).append((i, p))
         for gi in range(len(gstart)):
             g0, g1 = int(gstart[gi]), int(gend[gi])
             r = reqs[int(c_s[g0])]
@@ -530,152 +449,12 @@ class GapTracker:
         order (t_end, request id) so counter units are claimed the same way whichever path
         produced them."""
         ready = []
-        while self.pending and self.pending[0].t_end + settle <= now:
-            ready.append(self.pending.popleft())
+        while self.pending and self.pending[0].gap.t_end + settle <= now:
+            ready.append(self.pending.popleft().settled())
         ready.sort(key=lambda g: (g.t_end, g.request_id))
         return ready
 
     def take_all(self) -> list[Gap]:
-        ready = sorted(self.pending, key=lambda g: (g.t_end, g.request_id))
+        ready = sorted((p.settled() for p in self.pending), key=lambda g: (g.t_end, g.request_id))
         self.pending.clear()
         return ready
-
-    def active_at(self, t: float, engine: str | None = None) -> int | None:
-        """Streams between first token and end at ``t`` (of ``engine`` once streams name theirs)."""
-        ts, vs = self._active_lists(engine)
-        i = bisect_right(ts, t) - 1
-        return vs[i] if i >= 0 else None
-
-    def departures(self, a: float, b: float, engine: str | None = None) -> int:
-        """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
-        ts, vs = self._active_lists(engine)
-        i = bisect_left(ts, a)
-        prev = vs[i - 1] if i > 0 else 0
-        n = 0
-        while i < len(ts) and ts[i] <= b:
-            if vs[i] < prev:
-                n += prev - vs[i]
-            prev = vs[i]
-            i += 1
-        return n
-
-    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
-        """Other streams silent over at least half of the spike, the median of their silences, and
-        how many of them fell silent with it (up to a second, or half its length, before it began)
-        rather than long before (streams preempted earlier and still waiting), and how many of those
-        also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
-        end: one engine-wide or delivery event, not victims resuming one by one).
-
-        A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
-        to then, and streams still silent then (preempted streams often resume much later). Lengths
-        are cut at that moment, so the batch path, which judges later, gets the same answer."""
-        L = g.t_end - g.t_start
-        half = 0.5 * L
-        cap = g.t_end + settle
-        lg = self.long
-        lo = self.long_head
-        hi = len(lg)
-        a_end = g.t_start + half
-        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
-            mid = (lo + hi) // 2
-            if lg[mid].t_end < a_end:
-                lo = mid + 1
-            else:
-                hi = mid
-        seen = set()
-        lens = []
-        fresh_from = g.t_start - min(half, 1.0)
-        fresh = together = 0
-        tol = max(0.05, 0.25 * L)
-        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
-        multi, eng = self.multi, g.engine
-        for i in range(lo, len(lg)):
-            q = lg[i]
-            if q.t_end > reach:
-                break
-            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
-                continue
-            ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
-            if ov >= half:
-                seen.add(q.request_id)
-                lens.append(min(q.t_end, cap) - q.t_start)
-                if q.t_start >= fresh_from:
-                    fresh += 1
-                    together += abs(q.t_end - g.t_end) <= tol
-                if enough is not None and len(seen) >= enough:
-                    break  # every other active stream already found stalled
-        if enough is None or len(seen) < enough:
-            groups: tuple[Iterable[ReqState], ...] = (self.live.values(), self.ended)
-            for group in groups:
-                for r in group:
-                    lt = r.last_t
-                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen or \
-                            (multi and r.engine != eng):
-                        continue
-                    # silent from its last token until now, or until it ended (a stream that
-                    # errors out mid-stall without a token streamed nothing through it either)
-                    end = cap if r.end_t is None else min(r.end_t, cap)
-                    if min(end, g.t_end) - max(lt, g.t_start) < half:
-                        continue
-                    seen.add(r.id)
-                    lens.append(end - lt)
-                    fresh += lt >= fresh_from
-        if not lens:
-            return 0, None, 0, 0
-        lens.sort()
-        return len(seen), lens[len(lens) // 2], fresh, together
-
-    def first_token_near(self, g: Gap) -> tuple[str, int | None, int, int] | None:
-        """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
-        its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
-        engine step get their first tokens together, and the step's length is their sum."""
-        base = g.stream_baseline or self.median_gap() or 0.02
-        delta = max(0.05, 2.0 * base)
-        ft = self.first_tokens
-        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
-        best: tuple[str, int | None] | None = None
-        total = n = 0
-        multi, eng = self.multi, g.engine
-        while i < len(ft) and ft[i][0] <= g.t_end + delta:
-            t, rid, p, e = ft[i]
-            if rid != g.request_id and t > g.t_start and not (multi and e != eng):
-                total += p or 0
-                n += 1
-                if best is None or (p or 0) > (best[1] or 0):
-                    best = (rid, p)
-            i += 1
-        return None if best is None else (best[0], best[1], total, n)
-
-    def prune(self, keep_from: float, ended_before: float) -> None:
-        """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""
-        lg = self.long
-        h = self.long_head
-        while h < len(lg) and lg[h].t_end < keep_from:
-            h += 1
-        if h > 4096 and h > len(lg) // 2:
-            del lg[:h]
-            h = 0
-        self.long_head = h
-        ft = self.first_tokens
-        h = self.ft_head
-        while h < len(ft) and ft[h][0] < keep_from:
-            h += 1
-        if h > 4096 and h > len(ft) // 2:
-            del ft[:h]
-            h = 0
-        self.ft_head = h
-        for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
-            if len(ts) > 8192:
-                i = bisect_left(ts, keep_from)
-                if i > 4096:
-                    del ts[: i - 1]
-                    del vs[: i - 1]
-        # a stream silent for the whole horizon without an end (a lost finish) is gone
-        if self.live:
-            stale = [k for k, r in self.live.items() if r.last_t is not None and r.last_t < keep_from]
-            for k in stale:
-                del self.live[k]
-        # an ended stream matters only to spikes ending before it did; later spikes end after now
-        ended = self.ended
-        while ended and (ended[0].end_t or 0.0) < ended_before:
-            ended.popleft()

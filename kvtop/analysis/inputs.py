@@ -1,4 +1,4 @@
-"""Measured cost-model inputs from what an ``Analyzer`` saw, each with its source.
+"""Measured cost-model inputs from what an analysis saw (its ``AnalysisState``), each with its source.
 
 ``measured`` means read from this trace's records; ``config`` from the model geometry (a
 --model-config file or the built-in table); ``given`` from the command line; ``assumed`` a
@@ -11,8 +11,8 @@ from typing import Any
 
 from kvtop.analysis.advice.advisor import DEFAULT_RHO, Num, Situation
 from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
-from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import Cause
+from kvtop.analysis.state import AnalysisState
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
 
@@ -24,21 +24,21 @@ def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | Non
     return float(b - a if b >= a else b)
 
 
-def _sum_delta(an: Analyzer, key: str) -> float | None:
+def _sum_delta(st: AnalysisState, key: str) -> float | None:
     tot = None
-    for k, first in an.acc.engine_first.items():
-        d = _delta(first, an.acc.engine_last[k], key)
+    for k, first in st.tally.engine_first.items():
+        d = _delta(first, st.tally.engine_last[k], key)
         if d is not None:
             tot = (tot or 0.0) + d
     return tot
 
 
-def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
+def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                     dtype: str = "bf16", tp: int = 1) -> Situation:
-    s = Situation(preempts=an.preempts, basis="requests")
+    s = Situation(preempts=st.preempts, basis="requests")
     n = s.n
-    acc = an.acc
-    hdr = an.header or {}
+    acc = st.tally
+    hdr = st.header or {}
     eng = hdr.get("engine") or {}
     model_name = eng.get("model")
     if not model_name:
@@ -72,11 +72,11 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
         n["k_att"] = Num(geo.k_att, "1/token", "config")
 
     # ITL target and decode step
-    if an.itl_target_s:
-        n["itl_target"] = Num(an.itl_target_s, "s", "given" if an.target_source == "given" else "measured",
-                              an.target_source)
-        n["itl_slo"] = Num(an.itl_target_s, "s", n["itl_target"].source)
-    med = an.median_gap()
+    if st.itl_target_s:
+        n["itl_target"] = Num(st.itl_target_s, "s", "given" if st.target_source == "given" else "measured",
+                              st.target_source)
+        n["itl_slo"] = Num(st.itl_target_s, "s", n["itl_target"].source)
+    med = st.median_gap
     if med:
         n["decode_step"] = Num(med, "s", "measured", "median inter-token gap")
 
@@ -97,21 +97,21 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
     # link bandwidth: the engine's offload byte/time counters, else GPU PCIe peaks during offload
     bw_parts = []
     for d in ("out", "in"):
-        b = _sum_delta(an, f"offload_{d}_bytes_total")
-        sec = _sum_delta(an, f"offload_{d}_seconds_total")
+        b = _sum_delta(st, f"offload_{d}_bytes_total")
+        sec = _sum_delta(st, f"offload_{d}_seconds_total")
         if b and sec and sec > 0:
             bw_parts.append(b / sec)
     if bw_parts:
         n["bw_eff"] = Num(min(bw_parts), "B/s", "measured", "engine offload bytes / offload seconds")
-    elif acc.gpu_pcie_max > 1e9 and (_sum_delta(an, "offload_out_bytes_total") or 0) > 0:
+    elif acc.gpu_pcie_max > 1e9 and (_sum_delta(st, "offload_out_bytes_total") or 0) > 0:
         n["bw_eff"] = Num(acc.gpu_pcie_max, "B/s", "measured", "peak NVML PCIe throughput during offload traffic")
 
     # preemption statistics
-    n_pre_spikes = an.cause_counts[Cause.PREEMPTION]
+    n_pre_spikes = st.cause_counts[Cause.PREEMPTION]
     preempted = len(acc.preempted_ids)
-    counter = _sum_delta(an, "preemptions_total")
-    finished = acc.finished or _sum_delta(an, "requests_finished_total") or 0
-    duration = max(1e-9, an.now - (an.t0 or 0.0))
+    counter = _sum_delta(st, "preemptions_total")
+    finished = acc.finished or _sum_delta(st, "requests_finished_total") or 0
+    duration = max(1e-9, st.now - (st.t0 or 0.0))
     if counter is not None:
         n["preemptions"] = Num(counter, "", "measured", "engine counter increase")
     pre_count = counter if counter else n_pre_spikes
@@ -131,7 +131,7 @@ def build_situation(an: Analyzer, model_config: dict[str, Any] | None = None, kv
                               "mean prompt + generated tokens of preemption victims")
 
     # shared prefixes
-    hits, queries = _sum_delta(an, "prefix_hits_total"), _sum_delta(an, "prefix_queries_total")
+    hits, queries = _sum_delta(st, "prefix_hits_total"), _sum_delta(st, "prefix_queries_total")
     if hits is not None and queries:
         share = hits / queries
         n["prefix_hit_share"] = Num(share, "", "measured", "prefix cache hits / queries")

@@ -96,7 +96,7 @@ class LiveAnalyzer:
 
     def lag(self, now: float) -> float:
         pending = self.an.gaps.pending
-        return max(0.0, now - pending[0].t_end) if pending else 0.0
+        return max(0.0, now - pending[0].gap.t_end) if pending else 0.0
 
     def report(self, now: float) -> AnalysisReport | None:
         an = self.an

@@ -8,6 +8,7 @@ from kvtop import units
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
+from kvtop.analysis.state import AnalysisState
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
@@ -55,18 +56,18 @@ EVIDENCE_HINT = ("per-request evidence: run with --probe RATE, --capture or --pr
                  "rate are measured instead of assumed")
 
 
-def _lost_time(an: Any, counts: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
+def _lost_time(st: AnalysisState, counts: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds over the target per cause (every spike) and streams hit per cause (the listed spikes)."""
     # the analyzer sums every spike's time over the target as it attributes it, dropped ones included
-    lost: dict[str, float] = {c.value: an.cause_over[c] for c in ALL if c.value in counts}
+    lost: dict[str, float] = {c.value: st.cause_over[c] for c in ALL if c.value in counts}
     streams: dict[str, set[str]] = {c: set() for c in counts}
-    for g in an.spikes:
+    for g in st.spikes:
         c = str(g.cause) if str(g.cause) in streams else "unknown"
         streams[c].add(g.request_id)
     return lost, {c: len(v) for c, v in streams.items()}
 
 
-def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
+def _size_link_host(st: AnalysisState, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
     """What the advisor needs beyond inputs.py's figures: the KV-size function, per-direction link
     rates from the engine's offload counters, and host-memory bounds for a recommended pool."""
     from kvtop.analysis.advice.advisor import Num
@@ -84,11 +85,11 @@ def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype:
     except ModelConfigError:
         s.size = None
     for d, key, what in (("out", "bw_d2h", "GPU->host"), ("in", "bw_h2d", "host->GPU")):
-        b = _sum_delta(an, f"offload_{d}_bytes_total")
-        sec = _sum_delta(an, f"offload_{d}_seconds_total")
+        b = _sum_delta(st, f"offload_{d}_bytes_total")
+        sec = _sum_delta(st, f"offload_{d}_seconds_total")
         if b and sec and sec > 0:
             s.n[key] = Num(b / sec, "B/s", "measured", f"engine offload {what} bytes / seconds")
-    host = an.acc.host or {}
+    host = st.tally.host or {}
     if host.get("mem_available_bytes"):
         s.n["host_available_bytes"] = Num(float(host["mem_available_bytes"]), "B", "measured", "MemAvailable")
     if host.get("cgroup_mem_max_bytes"):
@@ -97,8 +98,8 @@ def _size_link_host(an: Any, s: Any, model_config: dict[str, Any] | None, dtype:
                                        "cgroup memory.max - shmem (upper bound)")
 
 
-def _last_sum(an: Any, key: str) -> float | None:
-    vals = [d.get(key) for d in an.acc.engine_last.values() if d.get(key) is not None]
+def _last_sum(st: AnalysisState, key: str) -> float | None:
+    vals: list[float] = [d[key] for d in st.tally.engine_last.values() if d.get(key) is not None]
     return float(sum(vals)) if vals else None
 
 
@@ -108,18 +109,19 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     from kvtop.analysis.advice.advisor import Num, advise
     from kvtop.analysis.inputs import build_situation
 
-    s = build_situation(an, model_config, kv_bytes, dtype, tp)
-    _size_link_host(an, s, model_config, dtype, tp)
+    st = an.state()
+    s = build_situation(st, model_config, kv_bytes, dtype, tp)
+    _size_link_host(st, s, model_config, dtype, tp)
     s.engine = engine
     s.settings_names = dict(settings_names or {})
-    basis = "requests" if an.token_records else "aggregate"
+    basis = "requests" if st.token_records else "aggregate"
     if basis == "requests":
-        by_cause = dict(an.cause_counts)
-        total = an.n_spikes
-        conf = {c.value: (an.cause_conf[c] / by_cause[c] if by_cause[c] else None) for c in ALL}
+        by_cause = dict(st.cause_counts)
+        total = st.n_spikes
+        conf = {c.value: (st.cause_conf[c] / by_cause[c] if by_cause[c] else None) for c in ALL}
     else:
-        by_cause, tgt, src = aggregate_causes(list(an.scrapes), an.itl_target_s, an.k, an.preempts,
-                                              an.target_source)
+        by_cause, tgt, src = aggregate_causes(list(st.scrapes), st.itl_target_s, st.k, st.preempts,
+                                              st.target_source)
         total = sum(by_cause.values())
         conf = {c.value: (0.35 if by_cause[c] else None) for c in ALL}
         if tgt is not None and "itl_target" not in s.n:
@@ -129,33 +131,33 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
                        "deltas vs preemption and prompt-token counters (lower confidence)")
     counts: dict[str, int] = {c.value: by_cause[c] for c in ALL}
     # seconds above the target per cause (per-spike attribution only: the aggregate path has no gaps)
-    over = {c.value: an.cause_over[c] for c in ALL} if basis == "requests" else {}
+    over = {c.value: st.cause_over[c] for c in ALL} if basis == "requests" else {}
     shares = {c: (counts[c] / total if total else 0.0) for c in counts}
     s.cause_counts = {c: float(v) for c, v in counts.items()}
     s.basis = basis
-    gaps = an.n_gaps
+    gaps = st.gaps
     if basis == "requests":
         # the spike-pattern and cause-weight gates (kvtop.analysis.advice.diagnosis) decide; they need the
         # counts, the time over target each cause cost and the streams it hit
         s.spikes = total
         s.n["gaps"] = Num(float(gaps), "", "measured", "inter-token gaps")
-        streams = sum(1 for r in an.reqs.values() if r.first_t is not None)
-        hit = sum(1 for r in an.reqs.values() if r.spikes)
+        streams = sum(1 for r in st.streams if r.first_t is not None)
+        hit = sum(1 for r in st.streams if r.spikes)
         s.n["streams"] = Num(float(streams), "", "measured")
         s.n["streams_hit"] = Num(float(hit), "", "measured", "streams with at least one spike")
-        lost, hit_by = _lost_time(an, counts)
+        lost, hit_by = _lost_time(st, counts)
         s.cause_lost_s = lost
         s.cause_streams = hit_by
         for c, v in lost.items():
             if v:
                 s.n[f"lost_s_{c}"] = Num(v, "s", "measured", "time over the target")
                 s.n[f"streams_{c}"] = Num(hit_by[c], "", "measured", "streams hit by this cause")
-        if an.t0 is not None and an.now > an.t0:
-            s.n["window"] = Num(an.now - an.t0, "s", "measured", "trace span")
+        if st.t0 is not None and st.now > st.t0:
+            s.n["window"] = Num(st.now - st.t0, "s", "measured", "trace span")
     else:
         s.spikes = total if s.v("itl_target") is not None else None
         s.evidence_hint = EVIDENCE_HINT
-        waiting = _last_sum(an, "waiting")
+        waiting = _last_sum(st, "waiting")
         if waiting is not None:
             s.n["waiting"] = Num(waiting, "requests", "measured", "last scrape, all engines")
     if basis == "requests" and total:
@@ -165,19 +167,19 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
     s.confidence_scale = 1.0 if basis == "requests" else 0.6
     verdict = advise(s)
-    spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.gap, 6), str(g.cause),
-                             g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence)) for g in an.spikes)
+    spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.candidate.gap, 6),
+                             str(g.cause), g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence))
+                   for g in st.spikes)
     requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
-                                r.ended_by) for r in an.reqs.values() if r.first_t is not None)
-    check = an.request_preemptions.report(
-        {r.id: r.preempt_spikes for r in an.reqs.values() if r.ended_by == "finish"})
-    times = an.request_times.report()
+                                r.ended_by) for r in st.streams if r.first_t is not None)
+    check = st.request_preemptions
+    times = st.engine_request_times
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
         itl_target_source=s.n["itl_target"].note if "itl_target" in s.n else None,
-        median_gap_s=an.median_gap(),
-        records=an.records,
+        median_gap_s=st.median_gap,
+        records=st.records,
         gaps=gaps,
         spikes=spikes,
         spikes_total=total,

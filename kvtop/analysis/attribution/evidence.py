@@ -1,6 +1,6 @@
 """Everything the rules may look at for one spike, gathered in one place.
 
-``gather`` is the only code that reads the gap tracker and the engine timeline for attribution;
+``gather`` is the only code that reads the stall index and the engine timeline for attribution;
 the streaming and the fast path both reach it through ``Analyzer``. The rules
 (``preemption``, ``prefill``, ``slow_decode``, ``host``) read an ``Evidence`` and nothing else.
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.thresholds import (
     CHUNKED_TOKENS,
     COARSE_SCRAPE_S,
@@ -27,7 +28,8 @@ from kvtop.analysis.attribution.thresholds import (
     STEP_EARLY_S,
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
-from kvtop.analysis.gaps import Gap, GapTracker
+from kvtop.analysis.gaps import Gap
+from kvtop.analysis.stalls import StallIndex
 
 
 @dataclass
@@ -53,7 +55,7 @@ class Evidence:
     co_fresh: int  # ... and of those, the ones that fell silent with it (not long before)
     co_together: int  # ... and of those, the ones that also came back with it
     co_gap_median: float | None  # median length of their silences
-    prev_spike: Gap | None  # the stream's previous spike (judged), if any
+    prev_spike: Spike | None  # the stream's previous spike (judged), if any
     first_token: FirstToken | None
     typical_prompt_delta: float  # prompt tokens the engine adds per scrape, usually
     prefill_rate: float | None  # measured prompt tokens/s (a low estimate; None: not measured yet)
@@ -62,7 +64,7 @@ class Evidence:
     has_counter: bool  # the engine exports a preemption counter
     tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
     timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
-    gaps: GapTracker  # the other streams
+    stalls: StallIndex  # the other streams
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -78,7 +80,7 @@ class Evidence:
         w = self.window
         if w.t_base is None or w.t_state is None:
             return 0
-        return self.gaps.departures(w.t_base, w.t_state, self.gap.engine)
+        return self.stalls.departures(w.t_base, w.t_state, self.gap.engine)
 
     @cached_property
     def scrape_lag(self) -> float:
@@ -277,31 +279,31 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> flo
     return min(g.after) if g.after else baseline
 
 
-def gather(g: Gap, gaps: GapTracker, timeline: EngineTimeline, preempts: bool, settle: float,
-           engine_preempts: list[float] | None = None, counted_at: str | None = None,
-           prefill_rate: float | None = None, prev_spike: Gap | None = None) -> Evidence:
+def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | None, timeline: EngineTimeline,
+           preempts: bool, settle: float, engine_preempts: list[float] | None = None, counted_at: str | None = None,
+           prefill_rate: float | None = None, prev_spike: Spike | None = None) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
 
-    ``timeline`` holds the engine records of the engine that served the stream (the caller picks
-    it); the other streams are those of the same engine (``GapTracker`` filters on ``g.engine``)."""
+    ``median`` is the run's median gap, ``target`` the ITL target. ``timeline`` holds the engine
+    records of the engine that served the stream (the caller picks it); the other streams are those
+    of the same engine (``StallIndex`` filters on ``g.engine``)."""
     a, b = g.t_start, g.t_end
     reported = bool(engine_preempts and any(a - 1e-6 <= t <= b + 1e-6 for t in engine_preempts))
-    act = gaps.active_at(0.5 * (a + b), g.engine)
-    median = gaps.median_gap()
+    act = stalls.active_at(0.5 * (a + b), g.engine)
     base = g.stream_baseline or median
     after = sorted(g.after)
     pace = decode_pace(g, base, bool(g.stream_baseline))
     if pace and g.gap < REL_SLOW * pace and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
         co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
-        co, co_med, fresh, together = gaps.co_stalled(g, settle, None if act is None else max(1, act - 1))
+        co, co_med, fresh, together = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
-    ft = gaps.first_token_near(g)
+    ft = stalls.first_token_near(g, median)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
         co_stalled=co, co_fresh=fresh, co_together=together, co_gap_median=co_med, prev_spike=prev_spike,
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
-        target=gaps.itl_target_s,
-        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, gaps=gaps)
+        target=target,
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls)

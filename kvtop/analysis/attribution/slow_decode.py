@@ -8,12 +8,14 @@ A spike the following gaps are about as long as is (the onset of) a slower pace,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import REL_SLOW
 
 
-def _median(v: list[float]) -> float:
+def _median(v: Sequence[float]) -> float:
     s = sorted(v)
     return s[len(s) // 2]
 
@@ -41,10 +43,10 @@ def onset(ev: Evidence) -> Finding | None:
     after = g.after
     p = ev.prev_spike
     if len(after) < 2 and p is not None and p.cause is Cause.SLOW_DECODE and g.t_start - p.t_end <= REL_SLOW * g.gap \
-            and g.gap < REL_SLOW * p.gap and not (after and g.gap >= REL_SLOW * after[0]):
+            and g.gap < REL_SLOW * p.candidate.gap and not (after and g.gap >= REL_SLOW * after[0]):
         # too few gaps after it (the stream ended): it continues the slow pace of the spike just before
         return ev.found(Cause.SLOW_DECODE, "slow/continued", ["the stream's previous spike, just before, was slow "
-                        f"decode at {p.gap * 1e3:.0f} ms: the same slower pace"], "continued", weighed=False)
+                        f"decode at {p.candidate.gap * 1e3:.0f} ms: the same slower pace"], "continued", weighed=False)
     if len(after) < 2:
         return None
     ahead = _median(after)

@@ -1,0 +1,244 @@
+"""The stall index: what other streams did around a spike (the cross-stream questions).
+
+Long gaps by end time, first tokens by time, the count of active streams over time (per engine
+once streams name theirs) and the streams that are live or ended lately. ``co_stalled`` (who else
+fell silent with it), ``first_token_near`` (prompts admitted as it ended), ``active_at`` and
+``departures`` are what the evidence builder asks about them. The gap tracker fills it.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvtop.analysis.streams import ReqState
+
+if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
+    from kvtop.analysis.gaps import Gap
+
+
+def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
+    """Append a step of a count over time (a second change at the same instant replaces the first)."""
+    if ts and ts[-1] == t:
+        vs[-1] = v
+    else:
+        ts.append(t)
+        vs.append(v)
+
+
+class StallIndex:
+    def __init__(self) -> None:
+        self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
+        self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
+        self.long_head = 0
+        self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
+        self.ft_head = 0
+        self.active = 0
+        # streams between first token and end, and those that ended lately: the co-stall search
+        # needs streams whose silence had not ended when a spike is judged
+        self.live: dict[str, ReqState] = {}
+        self.ended: deque[ReqState] = deque()
+        self.active_t: list[float] = []
+        self.active_v: list[int] = []
+        # Set once a stream names its engine: from then on the queries about other streams look
+        # only at streams of the same engine (a stream on another engine flowing through a stall
+        # says nothing about it). Per-engine active counts: engine -> (count, times, values).
+        self.multi = False
+        self.eng_active: dict[str | None, tuple[list[int], list[float], list[int]]] = {}
+
+    # ---- filling it --------------------------------------------------------------------------
+    def add_long(self, gp: Gap) -> None:
+        """A long gap (at least LONG_FRACTION of the target), in t_end order (see ``sort_long_from``)."""
+        self.long.append(gp)
+        if gp.gap > self.long_max:
+            self.long_max = gp.gap
+
+    def sort_long_from(self, i: int) -> None:
+        """Restore t_end order of the long gaps added since there were ``i`` of them (a fast-path batch)."""
+        if len(self.long) - i > 1:
+            self.long[i:] = sorted(self.long[i:], key=lambda g: g.t_end)
+
+    def engines_named(self) -> None:
+        """The first stream named its engine: the streams so far named none, their active counts
+        carry on under None."""
+        if not self.multi:
+            self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
+            self.multi = True
+
+    def first_token(self, r: ReqState, t: float) -> None:
+        """Stream ``r`` got its first token at ``t``: active from now (live unless it already ended)."""
+        self.first_tokens.append((t, r.id, r.prompt_tokens, r.engine))
+        self._set_active(t, +1, r.engine)
+        if r.end_t is None:
+            self.live[r.id] = r
+
+    def stream_ended(self, r: ReqState, t: float) -> None:
+        """An active stream ended at ``t``."""
+        self._set_active(t, -1, r.engine)
+        if self.live.pop(r.id, None) is not None:
+            self.ended.append(r)
+
+    def forget(self, rid: str) -> None:
+        """A stream dropped from the per-stream store (capped): no longer live."""
+        self.live.pop(rid, None)
+
+    def _set_active(self, t: float, d: int, engine: str | None = None) -> None:
+        self.active += d
+        _step(self.active_t, self.active_v, t, self.active)
+        if self.multi:
+            e = self.eng_active.get(engine)
+            if e is None:
+                e = self.eng_active[engine] = ([0], [], [])
+            e[0][0] += d
+            _step(e[1], e[2], t, e[0][0])
+
+    def _active_lists(self, engine: str | None) -> tuple[list[float], list[int]]:
+        """The active-count steps of ``engine``'s streams (all streams while none names its engine)."""
+        if not self.multi:
+            return self.active_t, self.active_v
+        e = self.eng_active.get(engine)
+        return (e[1], e[2]) if e is not None else ([], [])
+
+    # ---- the questions ---------------------------------------------------------------------------
+    def active_at(self, t: float, engine: str | None = None) -> int | None:
+        """Streams between first token and end at ``t`` (of ``engine`` once streams name theirs)."""
+        ts, vs = self._active_lists(engine)
+        i = bisect_right(ts, t) - 1
+        return vs[i] if i >= 0 else None
+
+    def departures(self, a: float, b: float, engine: str | None = None) -> int:
+        """Streams that ended in [a, b] (a step down of the active count; several at one instant merge)."""
+        ts, vs = self._active_lists(engine)
+        i = bisect_left(ts, a)
+        prev = vs[i - 1] if i > 0 else 0
+        n = 0
+        while i < len(ts) and ts[i] <= b:
+            if vs[i] < prev:
+                n += prev - vs[i]
+            prev = vs[i]
+            i += 1
+        return n
+
+    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
+        """Other streams silent over at least half of the spike, the median of their silences, and
+        how many of them fell silent with it (up to a second, or half its length, before it began)
+        rather than long before (streams preempted earlier and still waiting), and how many of those
+        also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
+        end: one engine-wide or delivery event, not victims resuming one by one).
+
+        A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
+        to then, and streams still silent then (preempted streams often resume much later). Lengths
+        are cut at that moment, so the batch path, which judges later, gets the same answer."""
+        L = g.t_end - g.t_start
+        half = 0.5 * L
+        cap = g.t_end + settle
+        lg = self.long
+        lo = self.long_head
+        hi = len(lg)
+        a_end = g.t_start + half
+        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
+            mid = (lo + hi) // 2
+            if lg[mid].t_end < a_end:
+                lo = mid + 1
+            else:
+                hi = mid
+        seen = set()
+        lens = []
+        fresh_from = g.t_start - min(half, 1.0)
+        fresh = together = 0
+        tol = max(0.05, 0.25 * L)
+        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
+        multi, eng = self.multi, g.engine
+        for i in range(lo, len(lg)):
+            q = lg[i]
+            if q.t_end > reach:
+                break
+            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
+                continue
+            ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
+            if ov >= half:
+                seen.add(q.request_id)
+                lens.append(min(q.t_end, cap) - q.t_start)
+                if q.t_start >= fresh_from:
+                    fresh += 1
+                    together += abs(q.t_end - g.t_end) <= tol
+                if enough is not None and len(seen) >= enough:
+                    break  # every other active stream already found stalled
+        if enough is None or len(seen) < enough:
+            groups: tuple[Iterable[ReqState], ...] = (self.live.values(), self.ended)
+            for group in groups:
+                for r in group:
+                    lt = r.last_t
+                    if lt is None or lt > a_end or r.id == g.request_id or r.id in seen or \
+                            (multi and r.engine != eng):
+                        continue
+                    # silent from its last token until now, or until it ended (a stream that
+                    # errors out mid-stall without a token streamed nothing through it either)
+                    end = cap if r.end_t is None else min(r.end_t, cap)
+                    if min(end, g.t_end) - max(lt, g.t_start) < half:
+                        continue
+                    seen.add(r.id)
+                    lens.append(end - lt)
+                    fresh += lt >= fresh_from
+        if not lens:
+            return 0, None, 0, 0
+        lens.sort()
+        return len(seen), lens[len(lens) // 2], fresh, together
+
+    def first_token_near(self, g: Gap, median_gap: float | None) -> tuple[str, int | None, int, int] | None:
+        """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
+        its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
+        engine step get their first tokens together, and the step's length is their sum. Close: within
+        two of the stream's gaps (``median_gap``, the run's, for a stream without a baseline)."""
+        base = g.stream_baseline or median_gap or 0.02
+        delta = max(0.05, 2.0 * base)
+        ft = self.first_tokens
+        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
+        best: tuple[str, int | None] | None = None
+        total = n = 0
+        multi, eng = self.multi, g.engine
+        while i < len(ft) and ft[i][0] <= g.t_end + delta:
+            t, rid, p, e = ft[i]
+            if rid != g.request_id and t > g.t_start and not (multi and e != eng):
+                total += p or 0
+                n += 1
+                if best is None or (p or 0) > (best[1] or 0):
+                    best = (rid, p)
+            i += 1
+        return None if best is None else (best[0], best[1], total, n)
+
+    def prune(self, keep_from: float, ended_before: float) -> None:
+        """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""
+        lg = self.long
+        h = self.long_head
+        while h < len(lg) and lg[h].t_end < keep_from:
+            h += 1
+        if h > 4096 and h > len(lg) // 2:
+            del lg[:h]
+            h = 0
+        self.long_head = h
+        ft = self.first_tokens
+        h = self.ft_head
+        while h < len(ft) and ft[h][0] < keep_from:
+            h += 1
+        if h > 4096 and h > len(ft) // 2:
+            del ft[:h]
+            h = 0
+        self.ft_head = h
+        for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
+            if len(ts) > 8192:
+                i = bisect_left(ts, keep_from)
+                if i > 4096:
+                    del ts[: i - 1]
+                    del vs[: i - 1]
+        # a stream silent for the whole horizon without an end (a lost finish) is gone
+        if self.live:
+            stale = [k for k, r in self.live.items() if r.last_t is not None and r.last_t < keep_from]
+            for k in stale:
+                del self.live[k]
+        # an ended stream matters only to spikes ending before it did; later spikes end after now
+        ended = self.ended
+        while ended and (ended[0].end_t or 0.0) < ended_before:
+            ended.popleft()

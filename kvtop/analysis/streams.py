@@ -1,0 +1,115 @@
+"""The per-stream store: one record per request the analysis has seen, in arrival order, capped.
+
+Gap detection (``gaps.GapTracker``) and the analyzer keep each stream's state here; the stall index
+refers to the live ones. ``StreamStore.info`` is the read-only view of one stream that a request
+screen needs (spikes, their last cause, tokens, the longest gap): what the Core's request view can
+read instead of keeping its own copy of per-request state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: a stream refers to its spikes; gaps.py and attribution import this module
+    from kvtop.analysis.attribution.spike import Spike
+    from kvtop.analysis.gaps import Pending
+
+RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
+# stall-free ones, within the target: the pace before a slowdown began)
+
+
+@dataclass(slots=True)
+class ReqState:
+    """One stream (request): what the analysis knows of it so far."""
+
+    id: str
+    arrive_t: float | None = None
+    prompt_tokens: int | None = None
+    cls: str | None = None
+    first_t: float | None = None
+    last_t: float | None = None
+    tokens: int = 0
+    end_t: float | None = None
+    ended_by: str | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent_n: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # tokens of the events closing them
+    calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
+    max_gap: float = 0.0
+    spikes: int = 0
+    preempt_spikes: int = 0
+    last_cause: str | None = None
+    last_spike: Spike | None = None  # the stream's previous judged spike (its candidate and finding)
+    engine_preempts: list[float] = field(default_factory=list)  # t of request-level preempt events (engine/sim)
+    cancelled_after_preempt: bool = False
+    events: int = 0  # token events (tokens / events: the stream's usual chunk size)
+    watch: list[Pending] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
+    engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
+
+    def tokens_per_event(self) -> float:
+        return self.tokens / self.events if self.events else 1.0
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """One stream as a request view shows it (``StreamStore.info``)."""
+
+    id: str
+    arrive_t: float | None
+    first_t: float | None
+    last_t: float | None  # its latest token
+    end_t: float | None
+    ended_by: str | None  # "finish", "cancel" or "error"
+    tokens: int
+    max_gap: float  # its longest inter-token gap so far (0.0 before its second token)
+    spikes: int
+    preempt_spikes: int
+    last_cause: str | None  # the cause of its latest judged spike
+    engine: str | None
+
+
+class StreamStore:
+    """The streams by request id, in arrival order; at most ``max_requests`` (the oldest ended stream
+    is dropped first, else the oldest; ``on_drop`` hears which)."""
+
+    def __init__(self, max_requests: int | None = None, on_drop: Callable[[str], None] | None = None):
+        self.max_requests = max_requests
+        self.by_id: OrderedDict[str, ReqState] = OrderedDict()
+        self._on_drop = on_drop
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def __iter__(self) -> Iterator[ReqState]:
+        return iter(self.by_id.values())
+
+    def get(self, rid: str) -> ReqState | None:
+        return self.by_id.get(rid)
+
+    def req(self, rid: str) -> ReqState:
+        """Stream ``rid``, added if new."""
+        r = self.by_id.get(rid)
+        if r is None:
+            r = self.by_id[rid] = ReqState(rid)
+            if self.max_requests is not None and len(self.by_id) > self.max_requests:
+                self._evict()
+        return r
+
+    def _evict(self) -> None:
+        for k, v in self.by_id.items():
+            if v.end_t is not None:
+                del self.by_id[k]
+                break
+        else:
+            k, _ = self.by_id.popitem(last=False)
+        if self._on_drop is not None:
+            self._on_drop(k)
+
+    def info(self, rid: str) -> StreamInfo | None:
+        r = self.by_id.get(rid)
+        if r is None:
+            return None
+        return StreamInfo(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.max_gap, r.spikes,
+                          r.preempt_spikes, r.last_cause, r.engine)
