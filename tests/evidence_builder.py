@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtop.analysis.attribution.causes import Cause
+from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence, FirstToken
+from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.timeline import EngineTimeline
-from kvtop.analysis.gaps import Gap, GapTracker
+from kvtop.analysis.gaps import Gap
+from kvtop.analysis.stalls import StallIndex
 
 PACE = 0.02  # the stream's decode step (s)
 TARGET = 0.1
@@ -44,15 +46,16 @@ def engine(dur: float = 10.0, kv: float = 0.5, running: float = 8, pre_steps: di
 def gap(t_start: float = 4.0, length: float = 2.0, **kw: Any) -> Gap:
     """Stream r3's gap from ``t_start``; its pace before and after is PACE unless ``kw`` says otherwise."""
     fields: dict[str, Any] = {"stream_baseline": PACE, "fast_baseline": PACE, "calm_baseline": PACE,
-                              "after": [PACE] * 3, "tokens_before": 200, "step_n_max": 1, "burst_n": 1}
+                              "after": (PACE,) * 3, "tokens_before": 200, "step_n_max": 1, "burst_n": 1,
+                              "ended_by": "token", "chunk_n": 1, "tokens_per_event": 1.0, "engine": None}
     fields.update(kw)
+    fields["after"] = tuple(fields["after"])
     return Gap(request_id="r3", t_start=t_start, t_end=t_start + length, gap=length, **fields)
 
 
-def judged(g: Gap, cause: Cause, kind: str) -> Gap:
+def judged(g: Gap, cause: Cause, kind: str) -> Spike:
     """``g`` as an earlier spike of the stream that was judged ``cause`` (``kind``)."""
-    g.cause, g.kind = cause, kind
-    return g
+    return Spike(g, Finding(cause, 0.9, [], kind))
 
 
 def first_token(prompt: int = 3000, requests: int = 1) -> FirstToken:
@@ -71,7 +74,7 @@ def evidence(g: Gap | None = None, tl: EngineTimeline | None = None, **kw: Any) 
         "active_others": 7, "co_stalled": 0, "co_fresh": 0, "co_together": 0, "co_gap_median": None,
         "prev_spike": None, "first_token": None, "typical_prompt_delta": tl.typical_prompt_delta(),
         "prefill_rate": None, "scrape_interval": si, "target": TARGET, "has_counter": tl.has_counter,
-        "tol": 1.5 * si + 0.25, "gaps": GapTracker(itl_target_s=TARGET),
+        "tol": 1.5 * si + 0.25, "stalls": StallIndex(),
     }
     fields.update(kw)
     return Evidence(gap=g, timeline=tl, **fields)

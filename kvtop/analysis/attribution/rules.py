@@ -26,7 +26,8 @@ from kvtop.analysis.attribution.thresholds import (
     SHARED_FRESH,
     STEP_EARLY_S,
 )
-from kvtop.analysis.gaps import BURST_S, RECENT
+from kvtop.analysis.gaps import BURST_S
+from kvtop.analysis.streams import RECENT
 
 
 class Stall(Enum):
