@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvtop.analysis.advice.advisor import Num, Situation, advise
+from kvtop.analysis.advice.advisor import advise
 from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import (
     Geometry,
@@ -18,6 +18,7 @@ from kvtop.analysis.advice.kvbytes import (
     kv_size,
     lookup_model,
 )
+from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
 
