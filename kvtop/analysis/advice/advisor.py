@@ -23,7 +23,8 @@ from kvtop.analysis.advice.costmodel import (
 )
 from kvtop.analysis.advice.diagnosis import diagnose
 from kvtop.analysis.advice.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
-from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.analysis.advice.situation import Num as Num
+from kvtop.analysis.advice.situation import Situation as Situation
 from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
 from kvtop.model.analysis import DECIDED_BY, Decision, Verdict
 
