@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
+
+from kvtop.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvtop.agent import AgentOptions
 
 NAME = "agent"
 HELP = "headless node agent: live analysis served as Prometheus metrics (+ rotating trace segments)"
@@ -69,12 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every command module is imported to build the parser: the agent (aiohttp, the analysis) and
+    # the rest of a run load here.
     import asyncio
+    import dataclasses
 
     from kvtop.agent import DEFAULT_LISTEN, AgentOptions
     from kvtop.commands._options import require_capture, source_options
     from kvtop.config import load_config, parse_seconds
-    from kvtop.errors import UsageError
     from kvtop.sources.proxy import parse_listen
 
     cfg = load_config(getattr(args, "config", None))
@@ -108,18 +115,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot create --trace-dir {d}: {e.strerror or e}") from None
 
     opts = AgentOptions(
-        urls=list(src.urls), listen=listen, interval_s=src.interval_s, timeout_s=src.timeout_s,
-        itl_target_s=src.itl_target_s, token=src.token, adapter=src.adapter, gpu=src.gpu, host=src.host,
-        proxy_listen=proxy_listen, probe_rate=src.probe_rate, probe_max_tokens=args.probe_max_tokens,
-        capture_port=src.capture_port,
-        trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
+        sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,
+        probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
         trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
     )
     return asyncio.run(_main(opts, duration))
 
 
-async def _main(opts: Any, duration: float | None) -> int:
-    import asyncio
+async def _main(opts: AgentOptions, duration: float | None) -> int:
+    import asyncio  # loaded by run() already, or only a run needs them (see run)
     import signal
 
     from kvtop.agent import build_agent

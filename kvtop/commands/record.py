@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvtop.errors import UsageError
+from kvtop.model.sanitize import redact_url
 
 if TYPE_CHECKING:
-    from kvtop.pipeline import SourceOptions
+    import asyncio
 
-from kvtop.model.sanitize import redact_url
+    from kvtop.model.trace import TraceWriter
+    from kvtop.pipeline import SourceOptions
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
@@ -48,11 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every command module is imported to build the parser: what only a run needs loads here.
     import asyncio
+    import dataclasses
 
     from kvtop.commands._options import require_capture, source_options
     from kvtop.config import engine_bases, load_config, parse_seconds
-    from kvtop.errors import UsageError
 
     cfg = load_config(getattr(args, "config", None))
     opts = source_options(args, cfg)
@@ -72,27 +79,25 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--proxy-workers must be between 1 and 64")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
-    bases = engine_bases(list(opts.urls))
+    engine_bases(list(opts.urls))
     require_capture(opts)
-    listen = None
     if args.proxy_listen:
-        from kvtop.sources.proxy import parse_listen
+        from kvtop.sources.proxy import parse_listen  # aiohttp's server: only when there is a proxy
 
         try:
             listen = parse_listen(args.proxy_listen)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    return asyncio.run(_record(args, opts, base=bases[0], duration=duration, listen=listen))
+        opts = dataclasses.replace(opts, proxy_listen=listen, proxy_workers=args.proxy_workers)
+    return asyncio.run(_record(args, opts, duration=duration))
 
 
-async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, duration: float | None,
-                  listen: tuple[str, int] | None) -> int:
+async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
+    # loaded by run() already, or only a run needs them (see run)
     import asyncio
     import signal
-    import sys
-    import time
 
-    from kvtop.errors import UsageError
+    from kvtop.feeds.sources import ProxyRecorder
     from kvtop.model.trace import TraceWriter, make_header
     from kvtop.pipeline import live_feed
 
@@ -111,8 +116,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
     # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
-    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
-                             "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    extra: dict[str, object] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
+                                "clock_t0_unix": round(time.time() - runner.now(), 6)}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
@@ -129,40 +134,31 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     for rec in first:
         runner.emit(rec)
 
-    proxy = None
     try:
-        if listen is not None:
-            from kvtop.sources.proxy import make_proxy
-
-            host, port = listen
-            proxy = make_proxy(base, runner.emit, runner.now, host=host, port=port,
-                               workers=args.proxy_workers)
-            try:
-                await proxy.start()
-            except OSError as e:
-                proxy = None
-                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
+        try:
+            await runner.start()  # the proxy listens (or says why not) before the line says so
+        except OSError as e:
+            await runner.aclose()
+            assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
+            host, port = opts.proxy_listen
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        proxy = runner.source("proxy")
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         what = f"{len(opts.urls)} engine(s)"
-        if proxy is not None:
-            what += f", proxy {proxy.url} -> {redact_url(base)}"
+        if isinstance(proxy, ProxyRecorder):
+            what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
         if opts.probe_rate:
             what += f", probe {opts.probe_rate:g}/s"
         if opts.capture_port is not None:
             what += f", capture :{opts.capture_port}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
+            # the proxy stops with the run: in-flight streams are cut off and recorded as cancelled
             await runner.run(duration_s=duration, stop=stop)
         finally:
             stop.set()
-            if proxy is not None:
-                # In-flight streams are cut off now and recorded as cancelled (proxy_stopped).
-                await proxy.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        if proxy is not None:
-            await proxy.stop()
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
     cap = runner.core.capture
@@ -173,8 +169,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     return 0
 
 
-async def _flush_loop(writer: Any, stop: Any) -> None:
-    import asyncio
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+    import asyncio  # loaded by run() already (see run)
 
     while not stop.is_set():
         try:

@@ -20,12 +20,15 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
 from kvtop.plugin import detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
+
+if TYPE_CHECKING:
+    from kvtop.feeds.prometheus import PromFeed as PromFeed
 
 # Engines whose metric names carry a colon after the prefix (rewritten to "_" by some pipelines).
 _COLON_PREFIXES = ("vllm", "sglang", "llamacpp")
@@ -267,92 +270,6 @@ class PromFleet:
         return agents
 
 
-class PromFeed:
-    """The console's / snapshot's feed over Prometheus: polls a ``PromFleet`` into a Core.
-
-    Same shape as the live runner for the console (``run(stop=...)``, ``refresh_now``). Queries are
-    blocking HTTP, so each poll runs in a worker thread; records are ingested on the event loop.
-    """
-
-    def __init__(self, core: Any, url: str, selector: str | None = None, interval_s: float = 5.0,
-                 timeout_s: float = 5.0, window_s: float = 120.0, step_s: float | None = None,
-                 token: str | None = None):
-        import asyncio
-
-        self.core = core
-        self.url = url
-        self.interval_s = max(0.5, interval_s)
-        self.notice: str | None = None
-        self._t0 = time.monotonic()
-        self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token), selector=selector,
-                               step_s=step_s or max(1.0, min(self.interval_s, 15.0)), window_s=window_s,
-                               clock=self.now)
-        self.fleet.rate_window_s = float(getattr(core, "window_s", 60.0))
-        self._wake: asyncio.Event | None = None
-        self._loop: Any = None
-        self.polls = 0
-
-    def now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def poll_once(self) -> None:
-        """One blocking poll, ingested into the core (snapshot and tests use it directly)."""
-        try:
-            recs = self.fleet.poll()
-        except PromError as e:
-            self._failed(str(e))
-            return
-        except Exception as e:  # an answer this code did not expect: one line, never a traceback
-            self._failed(f"poll failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
-            return
-        self.fleet.error = None
-        for r in recs:
-            self.core.ingest(r)
-        self.core.now = max(self.core.now, self.now())
-        self.polls += 1
-
-    def _failed(self, why: str) -> None:
-        if why != self.fleet.error:
-            self.core.event(self.now(), "error", "source_error", f"Prometheus: {why}")
-        self.fleet.error = why
-        for tg in self.fleet.targets.values():
-            self.core.engine_down(tg.url, self.now(), why, tg.adapter)
-
-    def controls(self) -> None:
-        return None  # no trace clock: Prometheus is read live
-
-    async def run(self, *, stop: Any = None, duration_s: float | None = None) -> None:
-        import asyncio
-
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        end = None if duration_s is None else self.now() + duration_s
-        while not (stop is not None and stop.is_set()) and (end is None or self.now() < end):
-            try:
-                recs = await asyncio.to_thread(self.fleet.poll)
-            except PromError as e:
-                self._failed(str(e))
-            except Exception as e:  # an odd answer must not end the feed
-                self._failed(f"poll failed: {e}")
-            else:
-                self.fleet.error = None
-                for r in recs:
-                    self.core.ingest(r)
-                self.polls += 1
-            self.core.now = max(self.core.now, self.now())
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-        self.fleet.client.close()
-
-    def refresh_now(self) -> None:
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None:
-            loop.call_soon_threadsafe(wake.set)
-
-
 def parse_time(text: str, now: float | None = None) -> float:
     """Unix seconds from ``now``, ``-1h`` / ``-30m`` (relative to now), unix seconds or RFC 3339."""
     from datetime import datetime, timezone
@@ -446,3 +363,14 @@ def analyze_history(client: PromClient, start: float, end: float, step: float, s
         rep = an.report(max((r.t for r in recs), default=0.0)) if recs else None
         out.append(InstanceAnalysis(tg.job, tg.instance, tg.adapter, len(recs), tg.error, rep))
     return FleetAnalysis(client.url, start, end, step, AGENT_NOTE, tuple(out))
+
+
+def __getattr__(name: str) -> Any:
+    # PromFeed moved to kvtop.feeds.prometheus; kvtop.views.tui still imports it from here until
+    # it asks the feed's ``is_fleet`` instead. A dynamic import: kvtop.sources must not import
+    # kvtop.feeds (which imports it), and this is read only on that old path.
+    if name == "PromFeed":
+        import importlib
+
+        return importlib.import_module("kvtop.feeds.prometheus").PromFeed
+    raise AttributeError(name)
