@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_itl_option,
+    add_probe_option,
+    require_capture,
+    source_options,
+)
+from kvtop.config import load_config, parse_seconds
 from kvtop.errors import UsageError
 
 if TYPE_CHECKING:
@@ -41,14 +55,6 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_itl_option,
-        add_probe_option,
-    )
-
     add_engine_options(p)
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="where /metrics is served (default 127.0.0.1:9470, loopback only)")
@@ -74,14 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Every command module is imported to build the parser: the agent (aiohttp, the analysis) and
-    # the rest of a run load here.
-    import asyncio
-    import dataclasses
-
+    # the agent (aiohttp, the analysis) loads only when it runs: the parser imports every command module
     from kvtop.agent import DEFAULT_LISTEN, AgentOptions
-    from kvtop.commands._options import require_capture, source_options
-    from kvtop.config import load_config, parse_seconds
     from kvtop.sources.proxy import parse_listen
 
     cfg = load_config(getattr(args, "config", None))
@@ -104,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.trace_dir:
-        from pathlib import Path
-
         d = Path(args.trace_dir)
         if d.exists() and not d.is_dir():
             raise UsageError(f"--trace-dir {d} is not a directory")
@@ -123,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(opts: AgentOptions, duration: float | None) -> int:
-    import asyncio  # loaded by run() already, or only a run needs them (see run)
-    import signal
-
-    from kvtop.agent import build_agent
+    from kvtop.agent import build_agent  # see run
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

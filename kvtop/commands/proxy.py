@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from kvtop.errors import UsageError
 from kvtop.model.sanitize import redact_url
+from kvtop.pipeline import recording_proxy
 
 if TYPE_CHECKING:
     from kvtop.model.records import RequestRecord
@@ -38,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Every command module is imported to build the parser: the proxy (aiohttp, yarl) loads here.
+    # the proxy (aiohttp, yarl) loads only when the command runs: the parser imports every command module
     from yarl import URL
 
     from kvtop.sources.proxy import parse_listen
@@ -65,12 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
-    # loaded by run() already, or only a run needs them (see run)
-    import asyncio
-    import signal
-
-    from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.pipeline import recording_proxy
+    from kvtop.model.trace import TraceWriter, make_header  # see run
 
     t0 = time.monotonic()
 

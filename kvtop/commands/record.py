@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_probe_option,
+    require_capture,
+    source_options,
+)
+from kvtop.config import engine_bases, load_config, parse_seconds
 from kvtop.errors import UsageError
 from kvtop.model.sanitize import redact_url
+from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
-    import asyncio
-
     from kvtop.model.trace import TraceWriter
-    from kvtop.pipeline import SourceOptions
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
@@ -31,13 +41,6 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_probe_option,
-    )
-
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
     add_engine_options(p)
@@ -54,13 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Every command module is imported to build the parser: what only a run needs loads here.
-    import asyncio
-    import dataclasses
-
-    from kvtop.commands._options import require_capture, source_options
-    from kvtop.config import engine_bases, load_config, parse_seconds
-
     cfg = load_config(getattr(args, "config", None))
     opts = source_options(args, cfg)
     # Not from the config: its "duration" is the snapshot window, not how long to record.
@@ -93,13 +89,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
-    # loaded by run() already, or only a run needs them (see run)
-    import asyncio
-    import signal
-
+    # the feeds and the trace writer load only when the command runs: the parser imports every command module
     from kvtop.feeds.sources import ProxyRecorder
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.pipeline import live_feed
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
@@ -170,8 +162,6 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
 
 
 async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
-    import asyncio  # loaded by run() already (see run)
-
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)

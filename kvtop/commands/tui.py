@@ -11,12 +11,24 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_itl_option,
+    add_probe_option,
+    add_prometheus_options,
+    interval_s,
+    itl_target_s,
+    selector,
+    source_options,
+    timeout_s,
+)
+from kvtop.config import load_config, resolve, resolve_token
 from kvtop.errors import UsageError
-
-if TYPE_CHECKING:
-    from kvtop.pipeline import Feed
+from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
 
 NAME = "tui"
 HELP = "the interactive console (the default when no command is given)"
@@ -29,15 +41,6 @@ DESCRIPTION = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_itl_option,
-        add_probe_option,
-        add_prometheus_options,
-    )
-
     add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
@@ -61,9 +64,6 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.commands._options import interval_s, itl_target_s, source_options
-    from kvtop.config import load_config, resolve
-
     cfg = load_config(getattr(args, "config", None))
     theme = resolve(args, cfg, "theme")
 
@@ -82,9 +82,7 @@ def run(args: argparse.Namespace) -> int:
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))
     opts = source_options(args, cfg)
-    # only for a live console (see the module note)
-    from kvtop.pipeline import live_feed, probing_feed
-    from kvtop.sources.discover import discover
+    from kvtop.sources.discover import discover  # httpx: only when looking for engines
 
     feed: Feed
     if not opts.urls:
@@ -107,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         feed = live_feed(opts, label="live")
 
-    from kvtop.views.tui.app import run_console
+    from kvtop.views.tui.app import run_console  # loaded with known_themes above
 
     return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
@@ -115,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
                    itl_target_s: float | None = None) -> int:
     """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
+    # the trace reader and the console (Textual) load only when it runs (see the module note)
     from kvtop.model.trace import TraceError
-    from kvtop.pipeline import replay_feed
     from kvtop.views.tui.app import run_console
 
     try:
@@ -133,10 +131,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
 
 def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str | None) -> int:
     """The console over what a Prometheus server scrapes: the fleet screen first, enter opens one."""
-    from kvtop.commands._options import interval_s, itl_target_s, selector, timeout_s
-    from kvtop.config import resolve_token
-    from kvtop.pipeline import prometheus_feed
-    from kvtop.views.tui.app import run_console
+    from kvtop.views.tui.app import run_console  # Textual: see the module note
 
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
