@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from kvtop.core import Core
 
@@ -125,14 +125,26 @@ class StaticFeed:
         return None
 
 
+class HeaderAnalysis(TypedDict, total=False):
+    """What a trace header tells the analysis (``replay_feed``), each key only when the header has it."""
+
+    adapter: str
+    model: str
+    kv_bytes_per_token: float
+    itl_target_s: float
+
+
 def make_core(label: str, itl_target_s: float | None = None, window_s: float = 60.0, analysis: bool = True,
-              **analysis_kw: Any) -> Core:
-    """A Core with the live analysis attached (spikes, causes, verdict) unless ``analysis`` is False."""
+              adapter: str | None = None, model: str | None = None,
+              kv_bytes_per_token: float | None = None) -> Core:
+    """A Core with the live analysis attached (spikes, causes, verdict) unless ``analysis`` is False;
+    ``adapter``, ``model`` and ``kv_bytes_per_token`` tell the cost model what is known of the engine."""
     live = None
     if analysis:
         from kvtop.analysis.live import LiveAnalyzer  # see the note on imports above
 
-        live = LiveAnalyzer(itl_target_s=itl_target_s, **analysis_kw)
+        live = LiveAnalyzer(itl_target_s=itl_target_s, adapter=adapter, model=model,
+                            kv_bytes_per_token=kv_bytes_per_token)
     return Core(window_s=window_s, itl_target_s=itl_target_s, source_label=label, analysis=live)
 
 
@@ -248,20 +260,20 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
     label = label or f"replay {Path(path).name}"
     # opening the feed reads the header; its core is replaced before a record is fed
     feed = ReplayFeed(path, Core(source_label=label), speed=speed)
-    kw = _analysis_from_header(feed.header)
-    header_target = kw.pop("itl_target_s", None)
-    target = itl_target_s if itl_target_s is not None else header_target
+    known = _analysis_from_header(feed.header)
+    target = itl_target_s if itl_target_s is not None else known.get("itl_target_s")
 
     def factory() -> Core:
-        return make_core(label, target, **kw)
+        return make_core(label, target, adapter=known.get("adapter"), model=known.get("model"),
+                         kv_bytes_per_token=known.get("kv_bytes_per_token"))
 
     feed.core = factory()
     feed.core_factory = factory
     return feed
 
 
-def _analysis_from_header(header: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _analysis_from_header(header: dict[str, Any]) -> HeaderAnalysis:
+    out = HeaderAnalysis()
     engine = header.get("engine")
     if isinstance(engine, dict):
         if isinstance(engine.get("adapter"), str):

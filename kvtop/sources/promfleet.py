@@ -15,16 +15,18 @@ the adapter sees them.
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import detect_adapter, load_adapter
+from kvtop.plugin import EngineAdapter, detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
 
 if TYPE_CHECKING:
@@ -156,7 +158,7 @@ class PromFleet:
         return sorted(self.targets.values(), key=lambda t: (t.instance, t.job))
 
     # -- engine records -------------------------------------------------------------------------
-    def _adapter_for(self, tg: Target, names: set[str]) -> Any:
+    def _adapter_for(self, tg: Target, names: set[str]) -> EngineAdapter | None:
         if tg.adapter is None:
             cls = detect_adapter({canonical_name(n) for n in names})
             if cls is None:
@@ -272,8 +274,6 @@ class PromFleet:
 
 def parse_time(text: str, now: float | None = None) -> float:
     """Unix seconds from ``now``, ``-1h`` / ``-30m`` (relative to now), unix seconds or RFC 3339."""
-    from datetime import datetime, timezone
-
     now = time.time() if now is None else now
     s = text.strip()
     if s == "now":
@@ -346,6 +346,7 @@ class FleetAnalysis:
 def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,
                     itl_target_s: float | None = None) -> FleetAnalysis:
     """`kvtop analyze --prometheus`: the aggregate analysis of every engine instance over [start, end]."""
+    # the analysis (numpy) only for `kvtop analyze --prometheus`: the console's fleet feed never needs it
     from kvtop.analysis.live import LiveAnalyzer
 
     fleet = PromFleet(client, selector=selector, step_s=step, window_s=end - start)
@@ -370,7 +371,5 @@ def __getattr__(name: str) -> Any:
     # it asks the feed's ``is_fleet`` instead. A dynamic import: kvtop.sources must not import
     # kvtop.feeds (which imports it), and this is read only on that old path.
     if name == "PromFeed":
-        import importlib
-
         return importlib.import_module("kvtop.feeds.prometheus").PromFeed
     raise AttributeError(name)

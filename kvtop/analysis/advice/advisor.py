@@ -16,6 +16,7 @@ from kvtop.analysis.advice import capacity as cap
 from kvtop.analysis.advice import chunking, swapimpl
 from kvtop.analysis.advice.costmodel import (
     EPSILON_ASYNC,
+    EventCost,
     EventInputs,
     choose_victim,
     evaluate_event,
@@ -102,7 +103,7 @@ def _host_limit(s: Situation) -> tuple[float | None, str | None]:
     return min(cands)
 
 
-def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> Any:
+def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> tuple[EventInputs, EventCost]:
     impl = IMPLEMENTATIONS.get(s.swap_impl or "")
     kappa = s.v("kappa")
     if kappa is None:

@@ -73,7 +73,7 @@ def _non_finite(obj: Any, where: str = "$", depth: int = 0) -> str | None:
 
 
 def validate(doc: Any, where: str = "scenario") -> None:
-    import jsonschema
+    import jsonschema  # slow to import: only when a scenario file is checked (not for `kvtop analyze`)
 
     v = jsonschema.Draft202012Validator(schema())
     errs = sorted(v.iter_errors(doc), key=lambda e: list(e.absolute_path))
@@ -104,6 +104,7 @@ def situation(doc: dict[str, Any]) -> Situation:
     s = Situation(engine=doc.get("engine"), basis="given")
     n = s.n
     if s.engine:
+        # the adapter registry (entry points) only for a scenario that names its engine
         from kvtop.plugin import PluginError, load_adapter
 
         try:
