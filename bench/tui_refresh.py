@@ -114,12 +114,12 @@ async def cpu_use(seconds: float, requests: int, view: str) -> None:
 
 def _demo(core_window: float = 60.0):
     from kvtop.core import Core
-    from kvtop.feeds.demo import DemoFeed
+    from kvtop.pipeline import demo_feed
     from kvtop.sim.workload import load_preset
 
     wl = load_preset("preemption-storm")
     core = Core(window_s=core_window, itl_target_s=wl.engine.itl_target_s, source_label=f"demo {wl.name}")
-    return core, DemoFeed(core, wl, seed=1, speed=1.0, interval_s=1.0)
+    return core, demo_feed(wl, seed=1, speed=1.0, interval_s=1.0, core=core)
 
 
 async def demo_cpu(seconds: float) -> None:

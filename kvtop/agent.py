@@ -1,8 +1,8 @@
 """The node agent behind `kvtop agent`: live sources + analysis, published to Prometheus.
 
-``build_agent`` is the one place that wires Core, LiveRunner, request observation (proxy, probe,
-passive capture), the exporter and the rotating trace together, so a shared pipeline builder can
-take it over whole. ``Agent.run`` serves ``/metrics`` (prometheus-client exposition), ``/report``
+``build_agent`` takes the pipeline's live feed (Core, analysis and every source: engines, GPU, host,
+probe, passive capture, the recording proxy) and adds what only the agent has: the exporter and the
+rotating trace. ``Agent.run`` serves ``/metrics`` (prometheus-client exposition), ``/report``
 (the agent's own JSON summary: what the spike counters count) and ``/healthz`` with aiohttp on
 the same event loop that polls the sources.
 """
@@ -13,13 +13,18 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from kvtop.core import Core
+from kvtop.errors import UsageError
 from kvtop.feeds.live import LiveRunner
+from kvtop.feeds.sources import ProxyRecorder
+from kvtop.model.trace import _finite, make_header
+from kvtop.model.trace_rotate import RotatingTrace
+from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
 
 DEFAULT_PORT = 9470
@@ -28,37 +33,33 @@ DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 @dataclass
 class AgentOptions:
-    urls: list[str]
+    sources: SourceOptions  # what it watches: engines, GPU, host, --probe, --capture, --proxy-listen
     listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
-    interval_s: float = 1.0
-    timeout_s: float = 2.0
-    itl_target_s: float | None = None
-    token: str | None = None
-    adapter: str | None = None
-    gpu: bool = True
-    host: bool = True
-    proxy_listen: tuple[str, int] | None = None
-    probe_rate: float | None = None
     probe_max_tokens: int = 32
     trace_dir: str | None = None
     trace_max_bytes: int = 64 << 20
     trace_max_age_s: float = 600.0
     trace_keep_bytes: int = 1 << 30
     trace_keep_age_s: float = 86400.0
-    capture_port: int | None = None  # --capture: the engine port observed passively (the live runner runs it)
-    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self.sources.urls
+
+    @property
+    def interval_s(self) -> float:
+        return self.sources.interval_s
 
 
 class Agent:
     def __init__(self, opts: AgentOptions, core: Core, runner: LiveRunner, metrics: AgentMetrics,
-                 trace: Any = None):
+                 trace: RotatingTrace | None = None):
         self.opts = opts
         self.core = core
         self.runner = runner
         self.metrics = metrics
         self.trace = trace
         self.url: str | None = None
-        self.proxy: Any = None
         self._site: web.TCPSite | None = None
         self._app_runner: web.AppRunner | None = None
 
@@ -69,7 +70,7 @@ class Agent:
         snap = self.core.snapshot(now)
         if self.trace is not None:
             self.trace.flush_if_due()
-            self.metrics.dropped = self.trace.write_errors + int(self.runner._sink_failed)
+            self.metrics.dropped = self.trace.write_errors + int(self.runner.sink_failed)
         self.metrics.update(snap, self.core.analysis, stale_after_s=max(10.0, 5 * self.opts.interval_s),
                             analysis_lag_s=self.core.analysis.lag(now) if self.core.analysis else 0.0)
 
@@ -100,8 +101,6 @@ class Agent:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _report(self, request: web.Request) -> web.Response:
-        from kvtop.model.trace import _finite
-
         return web.Response(text=json.dumps(_finite(self.report()), allow_nan=False), content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -124,44 +123,38 @@ class Agent:
         self.url = f"http://{shown}:{bound}"
 
     async def run(self, stop: asyncio.Event, duration_s: float | None = None) -> None:
-        from kvtop.errors import UsageError
-
         try:
             await self.start_http()
         except OSError as e:
             await self.runner.aclose()
             host, port = self.opts.listen
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        tasks: list[asyncio.Task[Any]] = []
+        tasks: list[asyncio.Task[None]] = []
         try:
-            if self.opts.proxy_listen is not None:
-                from kvtop.sources.proxy import make_proxy
-
-                host, port = self.opts.proxy_listen
-                self.proxy = make_proxy(self.runner.scrapers[0].base_url, self.runner.emit, self.runner.now,
-                                        host=host, port=port)
-                try:
-                    await self.proxy.start()
-                except OSError as e:
-                    self.proxy = None
-                    raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            try:
+                await self.runner.start()  # the proxy listens (or says why not) before the line says so
+            except OSError as e:
+                await self.runner.aclose()
+                assert self.opts.sources.proxy_listen is not None  # only the proxy raises OSError
+                host, port = self.opts.sources.proxy_listen
+                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             tasks.append(asyncio.create_task(self._tick_loop(stop)))
             self.tick()
-            what = [f"metrics {self.url}/metrics", f"{len(self.opts.urls)} engine(s)"]
-            if self.proxy is not None:
-                what.append(f"proxy {self.proxy.url}")
-            if self.opts.probe_rate:
-                what.append(f"probe {self.opts.probe_rate:g}/s")
-            if self.opts.capture_port is not None:
-                what.append(f"capture port {self.opts.capture_port}")
+            src = self.opts.sources
+            what = [f"metrics {self.url}/metrics", f"{len(src.urls)} engine(s)"]
+            proxy = self.runner.source("proxy")
+            if isinstance(proxy, ProxyRecorder):
+                what.append(f"proxy {proxy.url}")
+            if src.probe_rate:
+                what.append(f"probe {src.probe_rate:g}/s")
+            if src.capture_port is not None:
+                what.append(f"capture port {src.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
             print(f"kvtop agent: {', '.join(what)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
-            await self.runner.run(duration_s=duration_s, stop=stop)
+            await self.runner.run(duration_s=duration_s, stop=stop)  # the proxy stops with the run
         finally:
             stop.set()
-            if self.proxy is not None:
-                await self.proxy.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
             if self._app_runner is not None:
                 await self._app_runner.cleanup()
@@ -182,23 +175,17 @@ class Agent:
 
 def build_agent(opts: AgentOptions) -> Agent:
     """The pipeline's live feed (Core + sources + analysis) plus the exporter and the rotating trace."""
-    from kvtop.pipeline import SourceOptions, live_feed
-
-    src = SourceOptions(urls=tuple(opts.urls), interval_s=opts.interval_s, timeout_s=opts.timeout_s, token=opts.token,
-                        adapter=opts.adapter, gpu=opts.gpu, host=opts.host, probe_rate=opts.probe_rate,
-                        itl_target_s=opts.itl_target_s, capture_port=opts.capture_port)
-    runner = live_feed(src, label="agent", probe_max_tokens=opts.probe_max_tokens)
+    runner = live_feed(opts.sources, label="agent", probe_max_tokens=opts.probe_max_tokens)
     core = runner.core
-    metrics = AgentMetrics(request_engine=engine_label(opts.urls[0]) if opts.urls else None)
+    urls = list(opts.urls)
+    metrics = AgentMetrics(request_engine=engine_label(urls[0]) if urls else None)
     runner.sinks.append(metrics.sink)
     trace = None
     if opts.trace_dir:
-        from kvtop.model.trace import make_header
-        from kvtop.model.trace_rotate import RotatingTrace
 
         def header() -> dict[str, Any]:
-            return make_header(engine={"url": opts.urls[0] if opts.urls else None}, recorder="kvtop agent",
-                               interval_s=opts.interval_s, urls=opts.urls, agent_wall_t0=time.time() - runner.now())
+            return make_header(engine={"url": urls[0] if urls else None}, recorder="kvtop agent",
+                               interval_s=opts.interval_s, urls=urls, agent_wall_t0=time.time() - runner.now())
 
         trace = RotatingTrace(opts.trace_dir, header, max_bytes=opts.trace_max_bytes, max_age_s=opts.trace_max_age_s,
                               keep_bytes=opts.trace_keep_bytes, keep_age_s=opts.trace_keep_age_s)

@@ -15,6 +15,7 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
+import kvtop.commands
 from kvtop import __version__
 from kvtop.errors import UsageError
 
@@ -26,8 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _commands() -> list[ModuleType]:
-    import kvtop.commands as pkg
-
+    pkg = kvtop.commands
     mods = []
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(_route_bare(list(argv if argv is not None else sys.argv[1:])))
     try:
         if args.plugin:
+            # the adapter registry (entry points) only when --plugin is given: start-up time
             from kvtop.plugin import PluginError, load_plugin_file
 
             try:

@@ -92,7 +92,7 @@ async def test_live_runner_without_privilege_keeps_running_and_says_why(monkeypa
     """The console's path: capture cannot open -> the snapshot's capture status and an event carry the
     one-line fix, and the other sources keep running."""
     import kvtop.sources.capture.source as source_mod
-    from kvtop.feeds.live import LiveRunner
+    from kvtop.pipeline import SourceOptions, live_feed
     from kvtop.sources.capture.packets import CaptureUnavailable
 
     def no_socket(port: int) -> None:
@@ -100,7 +100,7 @@ async def test_live_runner_without_privilege_keeps_running_and_says_why(monkeypa
 
     monkeypatch.setattr(source_mod, "PacketSocket", no_socket)
     core = Core()
-    runner = LiveRunner(core, [], gpu=False, host=False, capture_port=8000)
+    runner = live_feed(SourceOptions(gpu=False, host=False, capture_port=8000), core=core)
     await runner.run(duration_s=0.1)
     snap = core.snapshot()
     assert snap.capture == {"port": 8000, "status": "passive capture needs CAP_NET_RAW: run as root"}

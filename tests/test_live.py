@@ -12,8 +12,16 @@ from page_server import PageServer
 from kvtop.core import Core
 from kvtop.feeds.live import LiveRunner
 from kvtop.model.records import RequestRecord
+from kvtop.pipeline import SourceOptions, live_feed
 
 CAPTURE = fixture_text("vllm-0.32.0-cpu-live-idle.prom")
+
+
+def watch(core: Core, urls: list[str], interval_s: float, timeout_s: float = 2.0,
+          sinks: list | None = None) -> LiveRunner:
+    """The pipeline's live runner over ``urls`` alone (no GPU, no host) into ``core``."""
+    opts = SourceOptions(urls=tuple(urls), interval_s=interval_s, timeout_s=timeout_s, gpu=False, host=False)
+    return live_feed(opts, core=core, sinks=sinks)
 
 
 @pytest.fixture
@@ -26,7 +34,7 @@ async def test_slow_engine_does_not_slow_the_others(server):
     fast = server.route("/metrics", CAPTURE)
     slow = server.route("/slow/metrics", CAPTURE, delay_s=1.5)
     core = Core()
-    r = LiveRunner(core, [server.url, server.url + "/slow"], interval_s=0.2, gpu=False, host=False, timeout_s=3.0)
+    r = watch(core, [server.url, server.url + "/slow"], interval_s=0.2, timeout_s=3.0)
     await r.run(duration_s=1.2)
     # the slow engine answered at most once in 1.2 s; the fast one kept its 0.2 s cadence
     assert len(slow.hits) == 1
@@ -37,7 +45,7 @@ async def test_slow_engine_does_not_slow_the_others(server):
 
 async def test_refresh_now_polls_immediately(server):
     route = server.route("/metrics", CAPTURE)
-    r = LiveRunner(Core(), [server.url], interval_s=30.0, gpu=False, host=False)
+    r = watch(Core(), [server.url], interval_s=30.0)
     stop = asyncio.Event()
     task = asyncio.create_task(r.run(stop=stop))
     for _ in range(100):
@@ -61,7 +69,7 @@ async def test_sinks_emit_and_clock(server):
     server.route("/metrics", CAPTURE)
     seen = []
     core = Core()
-    r = LiveRunner(core, [server.url], interval_s=0.1, gpu=False, host=False, sinks=[seen.append])
+    r = watch(core, [server.url], interval_s=0.1, sinks=[seen.append])
     t_before = r.now()
     assert 0 <= t_before < 1.0
     # the proxy / probe hand their records to emit() with the runner's clock
@@ -83,7 +91,7 @@ async def test_failing_sink_does_not_stop_monitoring(server):
         raise OSError("disk full")
 
     core = Core()
-    r = LiveRunner(core, [server.url], interval_s=0.1, gpu=False, host=False, sinks=[broken])
+    r = watch(core, [server.url], interval_s=0.1, sinks=[broken])
     await r.run(duration_s=0.25)
     snap = core.snapshot()
     assert snap.engines[0].up
@@ -109,6 +117,6 @@ async def test_engine_capabilities_from_adapter(server, tmp_path):
     load_plugin_file(f)
     server.route("/metrics", "nopre_up 1\n")
     core = Core()
-    await LiveRunner(core, [server.url], interval_s=0.1, gpu=False, host=False).run(duration_s=0.15, final_poll=True)
+    await watch(core, [server.url], interval_s=0.1).run(duration_s=0.15, final_poll=True)
     (e,) = core.snapshot().engines
     assert e.adapter == "nopre" and e.preempts is False

@@ -29,11 +29,12 @@ from conftest import run_kvtop, wait_for_line
 from prom_support import PROMETHEUS, PROMTOOL, REPO, PrometheusServer  # noqa: E402
 
 from kvtop.core import Core
-from kvtop.feeds.live import LiveRunner
+from kvtop.feeds.prometheus import PromFeed
+from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.workload import load_preset
 from kvtop.sources.promapi import PromClient
-from kvtop.sources.promfleet import PromFeed, PromFleet
+from kvtop.sources.promfleet import PromFleet
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
@@ -84,7 +85,7 @@ def storm():
 
         async def drive() -> None:
             direct = Core(window_s=WINDOW_S, itl_target_s=0.1)
-            runner = LiveRunner(direct, [sim_url], interval_s=1.0, gpu=False, host=False)
+            runner = live_feed(SourceOptions(urls=(sim_url,), interval_s=1.0, gpu=False, host=False), core=direct)
             stop = asyncio.Event()
             watch = asyncio.create_task(runner.run(stop=stop))
             load = asyncio.create_task(run_load(proxy_url, load_preset("preemption-storm"), LOAD_S, seed=1))

@@ -15,11 +15,11 @@ import pytest
 from conftest import fixture_text, run_kvtop
 
 from kvtop.core import Core
+from kvtop.feeds.prometheus import PromFeed
 from kvtop.plugin import load_adapter
 from kvtop.sources.prom import parse_page
 from kvtop.sources.promapi import PromClient, PromError
 from kvtop.sources.promfleet import (
-    PromFeed,
     PromFleet,
     canonical_name,
     exposition,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvtop.core import Core
-from kvtop.feeds.demo import DemoFeed
+from kvtop.pipeline import demo_feed
 from kvtop.sim.workload import load_preset
 
 tui = pytest.importorskip("kvtop.views.tui.app")
@@ -16,7 +16,7 @@ tui = pytest.importorskip("kvtop.views.tui.app")
 async def test_console_runs_the_demo_feed_and_sees_the_simulated_engine():
     wl = load_preset("healthy")
     core = Core(window_s=30.0, itl_target_s=wl.engine.itl_target_s, source_label="demo healthy")
-    feed = DemoFeed(core, wl, seed=2, speed=1.0, interval_s=0.5)
+    feed = demo_feed(wl, seed=2, speed=1.0, interval_s=0.5, core=core)
     app = tui.KvtopApp(core, feed=feed, title="kvtop demo")
     async with app.run_test() as pilot:
         for _ in range(60):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import FIXTURES, REPO, run_kvtop
 
-from kvtop.commands.tui import discover, looks_like_metrics
+from kvtop.sources.discover import discover, looks_like_metrics
 
 
 def _closed_port() -> int:

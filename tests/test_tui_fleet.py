@@ -104,7 +104,7 @@ async def test_sort_and_open_an_instance():
 
 
 async def test_console_opens_the_fleet_screen_for_a_prometheus_feed():
-    from kvtop.sources.promfleet import PromFeed
+    from kvtop.feeds.prometheus import PromFeed
     from kvtop.views.tui.app import KvtopApp
 
     core, targets, agents = fleet_state()

@@ -7,15 +7,15 @@ import pytest
 pytest.importorskip("textual")
 
 from kvtop.core import Core  # noqa: E402
-from kvtop.feeds.live import LiveRunner  # noqa: E402
 from kvtop.feeds.sample import FIXED_TAKEN_AT, sample  # noqa: E402
+from kvtop.pipeline import SourceOptions, live_feed  # noqa: E402
 from kvtop.views.tui.app import HelpScreen, KvtopApp  # noqa: E402
 from kvtop.views.tui.table import RowTable  # noqa: E402
 
 
 async def test_plus_and_minus_change_the_poll_interval_of_the_feed():
     core = Core()
-    feed = LiveRunner(core, [], interval_s=1.0, gpu=False, host=False)
+    feed = live_feed(SourceOptions(interval_s=1.0, gpu=False, host=False), core=core)
     app = KvtopApp(core, feed=feed, interval=1.0, taken_at=FIXED_TAKEN_AT)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.press("plus")

@@ -98,7 +98,7 @@ async def test_live_runner_feed_then_the_engine_goes_away():
     import http.server
     import threading
 
-    from kvtop.feeds.live import LiveRunner
+    from kvtop.pipeline import SourceOptions, live_feed
 
     page = (FIXTURES / "vllm-0.32.0-cpu-live-idle.prom").read_bytes()
 
@@ -116,7 +116,7 @@ async def test_live_runner_feed_then_the_engine_goes_away():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{srv.server_address[1]}"
     core = Core(itl_target_s=0.1)
-    feed = LiveRunner(core, [url], interval_s=0.1, gpu=False, host=False, timeout_s=0.5)
+    feed = live_feed(SourceOptions(urls=(url,), interval_s=0.1, timeout_s=0.5, gpu=False, host=False), core=core)
     app = KvtopApp(core, feed=feed, interval=0.1, taken_at=FIXED_TAKEN_AT)
     async with app.run_test(size=(140, 30)) as pilot:
         for _ in range(50):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtop.analysis.advice.advisor import DEFAULT_RHO, Num, Situation
+from kvtop.analysis.advice.advisor import DEFAULT_RHO
 from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
+from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.attribution import Cause
 from kvtop.analysis.state import AnalysisState
 

@@ -70,8 +70,8 @@ def _lost_time(st: AnalysisState, counts: dict[str, int]) -> tuple[dict[str, flo
 def _size_link_host(st: AnalysisState, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
     """What the advisor needs beyond inputs.py's figures: the KV-size function, per-direction link
     rates from the engine's offload counters, and host-memory bounds for a recommended pool."""
-    from kvtop.analysis.advice.advisor import Num
     from kvtop.analysis.advice.kvbytes import BUILTIN, ModelConfigError, kv_size
+    from kvtop.analysis.advice.situation import Num
     from kvtop.analysis.inputs import _sum_delta
 
     geo_cfg = model_config
@@ -106,7 +106,8 @@ def _last_sum(st: AnalysisState, key: str) -> float | None:
 def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> AnalysisReport:
-    from kvtop.analysis.advice.advisor import Num, advise
+    from kvtop.analysis.advice.advisor import advise
+    from kvtop.analysis.advice.situation import Num
     from kvtop.analysis.inputs import build_situation
 
     st = an.state()

@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
 from kvtop.errors import UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
+from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
+
+# Every command's parser is built from these groups on each start: what only a check or a run
+# needs (aiohttp for the probe, the packet socket, Prometheus' client, the adapter registry) is
+# imported inside the function that needs it.
 
 
 def _probe_rate(text: str) -> float:
-    from kvtop.sources.probe import probe_rate
+    from kvtop.sources.probe import probe_rate  # aiohttp: only when --probe is given
 
     return probe_rate(text)
 
@@ -24,8 +30,6 @@ def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = Non
     p.add_argument("--url", action="append", default=None, metavar="URL",
                    help=url_help or "engine base URL or its /metrics URL (repeat for several engines)")
     p.add_argument("--interval", default=None, metavar="SECONDS", help="poll interval (default 1)")
-    from kvtop.config import add_token_options
-
     add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
@@ -46,8 +50,6 @@ def add_probe_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_capture_option(p: argparse.ArgumentParser) -> None:
-    from kvtop.sources.capture.options import add_capture_argument
-
     add_capture_argument(p)
 
 
@@ -58,7 +60,7 @@ def require_capture(opts: SourceOptions) -> None:
         return
     if opts.capture_port == 0:
         raise UsageError("--capture without a PORT needs the engine's --url")
-    from kvtop.sources.capture import CaptureUnavailable, check_capture
+    from kvtop.sources.capture import CaptureUnavailable, check_capture  # the packet socket: see above
 
     try:
         check_capture(opts.capture_port)
@@ -80,8 +82,6 @@ def add_itl_option(p: argparse.ArgumentParser) -> None:
 
 def itl_target_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float | None:
     """--itl-target-ms (or config) in seconds; None when unset."""
-    from kvtop.config import resolve
-
     itl_ms = resolve(args, cfg, "itl_target_ms")
     if itl_ms is None:
         return None
@@ -91,8 +91,6 @@ def itl_target_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float | None:
 
 
 def interval_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
-    from kvtop.config import parse_seconds, resolve
-
     v = parse_seconds(resolve(args, cfg, "interval", DEFAULT_INTERVAL_S), "--interval")
     if not 0.05 <= v <= 3600:
         raise UsageError(f"--interval must be between 0.05 and 3600 seconds, not {v:g}")
@@ -101,8 +99,6 @@ def interval_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float:
 
 def timeout_s(args: argparse.Namespace, cfg: dict[str, Any], default: float = DEFAULT_TIMEOUT_S) -> float:
     """--timeout (or config) in seconds, checked once for every command."""
-    from kvtop.config import parse_seconds, resolve
-
     v = parse_seconds(resolve(args, cfg, "timeout", default), "--timeout")
     if not 0 < v <= 600:
         raise UsageError(f"--timeout must be between 0 and 600 seconds, not {v:g}")
@@ -111,7 +107,7 @@ def timeout_s(args: argparse.Namespace, cfg: dict[str, Any], default: float = DE
 
 def selector(args: argparse.Namespace) -> str | None:
     """--selector, checked: one-line error for matchers Prometheus would refuse."""
-    from kvtop.sources.promfleet import parse_selector
+    from kvtop.sources.promfleet import parse_selector  # Prometheus' client: see above
 
     try:
         parse_selector(args.selector)
@@ -123,15 +119,13 @@ def selector(args: argparse.Namespace) -> str | None:
 
 def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptions:
     """Resolve and check every option the groups above declare (absent groups take defaults)."""
-    from kvtop.config import engine_bases, resolve, resolve_token
-
     # the same engine named twice would be scraped twice and counted once
     urls = tuple(dict.fromkeys(u.strip().rstrip("/") for u in resolve(args, cfg, "url", [])))
     engine_bases(list(urls))
     timeout = timeout_s(args, cfg)
     adapter = resolve(args, cfg, "adapter")
     if adapter is not None:
-        from kvtop.plugin import PluginError, load_adapter
+        from kvtop.plugin import PluginError, load_adapter  # the adapter registry: see above
 
         try:
             load_adapter(adapter)
@@ -142,8 +136,6 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         raise UsageError(f"--probe must be between 0 and 100 per second, not {probe:g}")
     capture = getattr(args, "capture", None)
     if capture == 0 and urls:  # 0: the first engine's port (the console may still discover one)
-        from kvtop.sources.capture.options import resolve_capture_port
-
         capture = resolve_capture_port(capture, engine_bases(list(urls))[0])
     return SourceOptions(
         urls=urls,

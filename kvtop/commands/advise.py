@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.advice import scenario
     from kvtop.analysis.advice.kvbytes import ModelConfigError
     from kvtop.analysis.report import render_verdict_text

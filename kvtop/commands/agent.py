@@ -3,7 +3,26 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import asyncio
+import dataclasses
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_itl_option,
+    add_probe_option,
+    require_capture,
+    source_options,
+)
+from kvtop.config import load_config, parse_seconds
+from kvtop.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvtop.agent import AgentOptions
 
 NAME = "agent"
 HELP = "headless node agent: live analysis served as Prometheus metrics (+ rotating trace segments)"
@@ -36,14 +55,6 @@ def _size(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_itl_option,
-        add_probe_option,
-    )
-
     add_engine_options(p)
     p.add_argument("--listen", default=None, metavar="HOST:PORT",
                    help="where /metrics is served (default 127.0.0.1:9470, loopback only)")
@@ -69,12 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
+    # the agent (aiohttp, the analysis) loads only when it runs: the parser imports every command module
     from kvtop.agent import DEFAULT_LISTEN, AgentOptions
-    from kvtop.commands._options import require_capture, source_options
-    from kvtop.config import load_config, parse_seconds
-    from kvtop.errors import UsageError
     from kvtop.sources.proxy import parse_listen
 
     cfg = load_config(getattr(args, "config", None))
@@ -97,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.trace_dir:
-        from pathlib import Path
-
         d = Path(args.trace_dir)
         if d.exists() and not d.is_dir():
             raise UsageError(f"--trace-dir {d} is not a directory")
@@ -108,21 +113,15 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot create --trace-dir {d}: {e.strerror or e}") from None
 
     opts = AgentOptions(
-        urls=list(src.urls), listen=listen, interval_s=src.interval_s, timeout_s=src.timeout_s,
-        itl_target_s=src.itl_target_s, token=src.token, adapter=src.adapter, gpu=src.gpu, host=src.host,
-        proxy_listen=proxy_listen, probe_rate=src.probe_rate, probe_max_tokens=args.probe_max_tokens,
-        capture_port=src.capture_port,
-        trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
+        sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,
+        probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
         trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
     )
     return asyncio.run(_main(opts, duration))
 
 
-async def _main(opts: Any, duration: float | None) -> int:
-    import asyncio
-    import signal
-
-    from kvtop.agent import build_agent
+async def _main(opts: AgentOptions, duration: float | None) -> int:
+    from kvtop.agent import build_agent  # see run
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._options import itl_target_s, timeout_s
+from kvtop.config import parse_seconds
 from kvtop.errors import UsageError
 
 if TYPE_CHECKING:
@@ -43,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.advice.kvbytes import ModelConfigError, load_config_file
     from kvtop.analysis.report import render_report_text
     from kvtop.analysis.scan import analyze_trace
-    from kvtop.commands._options import itl_target_s
     from kvtop.model.trace import TraceError
 
     target = itl_target_s(args, {})
@@ -81,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
-    from pathlib import Path
-
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.advice import scenario
     from kvtop.model.trace import TraceReader
 
@@ -100,11 +103,8 @@ def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
 
 
 def _prometheus(args: argparse.Namespace, target: float | None) -> int:
-    import time
-
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.report import render_report_text
-    from kvtop.commands._options import timeout_s
-    from kvtop.config import parse_seconds
     from kvtop.model.trace import _finite
     from kvtop.sources.promapi import PromClient, PromError
     from kvtop.sources.promfleet import analyze_history, parse_selector, parse_time

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+import sys
 from typing import TYPE_CHECKING
+
+from kvtop.errors import UsageError
+from kvtop.pipeline import demo_feed
 
 if TYPE_CHECKING:
     from kvtop.snapshot import Snapshot
@@ -26,17 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _render(snap: Snapshot) -> str:
-    from kvtop.views.text import render_text
+    from kvtop.views.text import render_text  # only for --headless (see run)
 
     return render_text(snap)
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import sys
-
-    from kvtop.errors import UsageError
-    from kvtop.pipeline import demo_feed
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.sim.workload import load_preset
 
     if args.headless and args.duration is None:
@@ -54,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.headless:
         async def headless() -> None:
-            import signal
-
             # Ctrl-C / SIGTERM end the run early, in order, and still print the report.
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -66,6 +66,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))
         return 0
-    from kvtop.views.tui.app import run_console
+    from kvtop.views.tui.app import run_console  # Textual: only the console, never headless
 
     return int(run_console(core=core, feed=feed, title=f"kvtop demo: {wl.name}") or 0)

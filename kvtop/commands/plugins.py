@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _describe(name: str) -> dict[str, Any]:
+    # the adapter registry (entry points) loads only when the command runs: the parser imports this module
     from kvtop.plugin import PluginError, load_adapter
 
     try:
@@ -50,7 +51,7 @@ def _print_description(d: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.plugin import list_adapters
+    from kvtop.plugin import list_adapters  # see _describe
 
     if args.describe:
         d = _describe(args.describe)

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from kvtop.errors import UsageError
 from kvtop.model.sanitize import redact_url
+from kvtop.pipeline import recording_proxy
 
 if TYPE_CHECKING:
     from kvtop.model.records import RequestRecord
@@ -35,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.errors import UsageError
+    # the proxy (aiohttp, yarl) loads only when the command runs: the parser imports every command module
+    from yarl import URL
+
     from kvtop.sources.proxy import parse_listen
     from kvtop.sources.proxy.eventloop import LoopUnavailable, resolve_loop
     from kvtop.sources.proxy.eventloop import run as run_loop
@@ -44,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.listen)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    from yarl import URL
 
     if "://" not in args.upstream:
         args.upstream = "http://" + args.upstream  # host:port, as the other commands take it
@@ -61,14 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
-    import asyncio
-    import signal
-    import sys
-    import time
-
-    from kvtop.errors import UsageError
-    from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.sources.proxy import make_proxy
+    from kvtop.model.trace import TraceWriter, make_header  # see run
 
     t0 = time.monotonic()
 
@@ -96,10 +96,9 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    proxy = make_proxy(args.upstream, emit, clock, host=host, port=port, cls=args.cls, workers=args.workers,
-                       loop=args.loop)
+    proxy = recording_proxy(args.upstream, (host, port), workers=args.workers, cls=args.cls, loop=args.loop)
     try:
-        await proxy.start()
+        await proxy.open(emit, clock)
     except OSError as e:
         if writer is not None:
             writer.close()

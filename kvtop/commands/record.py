@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_probe_option,
+    require_capture,
+    source_options,
+)
+from kvtop.config import engine_bases, load_config, parse_seconds
+from kvtop.errors import UsageError
+from kvtop.model.sanitize import redact_url
+from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
-    from kvtop.pipeline import SourceOptions
-
-from kvtop.model.sanitize import redact_url
+    from kvtop.model.trace import TraceWriter
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
@@ -25,13 +41,6 @@ FLUSH_INTERVAL_S = 0.5  # checked every 0.25 s, so a record is on disk within ~0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_probe_option,
-    )
-
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE if it already exists")
     add_engine_options(p)
@@ -48,12 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from kvtop.commands._options import require_capture, source_options
-    from kvtop.config import engine_bases, load_config, parse_seconds
-    from kvtop.errors import UsageError
-
     cfg = load_config(getattr(args, "config", None))
     opts = source_options(args, cfg)
     # Not from the config: its "duration" is the snapshot window, not how long to record.
@@ -72,29 +75,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--proxy-workers must be between 1 and 64")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
-    bases = engine_bases(list(opts.urls))
+    engine_bases(list(opts.urls))
     require_capture(opts)
-    listen = None
     if args.proxy_listen:
-        from kvtop.sources.proxy import parse_listen
+        from kvtop.sources.proxy import parse_listen  # aiohttp's server: only when there is a proxy
 
         try:
             listen = parse_listen(args.proxy_listen)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    return asyncio.run(_record(args, opts, base=bases[0], duration=duration, listen=listen))
+        opts = dataclasses.replace(opts, proxy_listen=listen, proxy_workers=args.proxy_workers)
+    return asyncio.run(_record(args, opts, duration=duration))
 
 
-async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, duration: float | None,
-                  listen: tuple[str, int] | None) -> int:
-    import asyncio
-    import signal
-    import sys
-    import time
-
-    from kvtop.errors import UsageError
+async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
+    # the feeds and the trace writer load only when the command runs: the parser imports every command module
+    from kvtop.feeds.sources import ProxyRecorder
     from kvtop.model.trace import TraceWriter, make_header
-    from kvtop.pipeline import live_feed
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
@@ -111,8 +108,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
           "capacity_tokens": up.kv_capacity_tokens if up else None}
     # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
-    extra: dict[str, Any] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
-                             "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    extra: dict[str, object] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
+                                "clock_t0_unix": round(time.time() - runner.now(), 6)}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
@@ -129,40 +126,31 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     for rec in first:
         runner.emit(rec)
 
-    proxy = None
     try:
-        if listen is not None:
-            from kvtop.sources.proxy import make_proxy
-
-            host, port = listen
-            proxy = make_proxy(base, runner.emit, runner.now, host=host, port=port,
-                               workers=args.proxy_workers)
-            try:
-                await proxy.start()
-            except OSError as e:
-                proxy = None
-                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
+        try:
+            await runner.start()  # the proxy listens (or says why not) before the line says so
+        except OSError as e:
+            await runner.aclose()
+            assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
+            host, port = opts.proxy_listen
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        proxy = runner.source("proxy")
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         what = f"{len(opts.urls)} engine(s)"
-        if proxy is not None:
-            what += f", proxy {proxy.url} -> {redact_url(base)}"
+        if isinstance(proxy, ProxyRecorder):
+            what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
         if opts.probe_rate:
             what += f", probe {opts.probe_rate:g}/s"
         if opts.capture_port is not None:
             what += f", capture :{opts.capture_port}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
+            # the proxy stops with the run: in-flight streams are cut off and recorded as cancelled
             await runner.run(duration_s=duration, stop=stop)
         finally:
             stop.set()
-            if proxy is not None:
-                # In-flight streams are cut off now and recorded as cancelled (proxy_stopped).
-                await proxy.stop()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
-        if proxy is not None:
-            await proxy.stop()
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
     cap = runner.core.capture
@@ -173,9 +161,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, base: str, dura
     return 0
 
 
-async def _flush_loop(writer: Any, stop: Any) -> None:
-    import asyncio
-
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import sys
+
+from kvtop.commands._options import add_itl_option, itl_target_s
+from kvtop.commands.tui import replay_console
+from kvtop.errors import UsageError
+from kvtop.pipeline import replay_feed, run_for
 
 NAME = "replay"
 HELP = "replay a trace file (recorded speed or faster) through the console / a headless summary"
@@ -15,8 +23,6 @@ ORDER = 35
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import add_itl_option
-
     p.add_argument("trace", metavar="TRACE", help="trace file written by `kvtop record` / `kvtop proxy --record`")
     p.add_argument("--speed", type=float, default=None,
                    help="1 = recorded speed, 10 = ten times faster, 0 = as fast as possible "
@@ -30,14 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-    import sys
-
-    from kvtop.commands._options import itl_target_s
-    from kvtop.errors import UsageError
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.model.trace import TraceError
-    from kvtop.pipeline import replay_feed, run_for
 
     if args.speed is not None and args.speed < 0:
         raise UsageError("--speed must be >= 0")
@@ -45,12 +45,7 @@ def run(args: argparse.Namespace) -> int:
     console = not args.headless and args.until is None and sys.stdout.isatty() and sys.stdin.isatty()
     speed = args.speed if args.speed is not None else (1.0 if console else 0.0)
     if console:
-        try:
-            from kvtop.commands.tui import replay_console
-        except ImportError:  # a build without the console: the headless report instead
-            speed = 0.0
-        else:
-            return replay_console(args.trace, speed=speed, itl_target_s=target)
+        return replay_console(args.trace, speed=speed, itl_target_s=target)
     try:
         feed = replay_feed(args.trace, speed=speed, itl_target_s=target, label="replay")
     except TraceError as e:
@@ -79,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
         return 0
-    from kvtop.views.text import render_text
+    from kvtop.views.text import render_text  # see the note at the top of run
 
     print(render_text(snap), end="")
     return 0

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+import sys
+
+from kvtop.errors import UsageError
 
 NAME = "sim-server"
 HELP = "serve the simulated engine over HTTP (OpenAI-compatible streaming, vLLM /metrics)"
@@ -22,10 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import sys
-
-    from kvtop.errors import UsageError
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.sim.server import SimServer
     from kvtop.sim.workload import load_preset, load_workload_file
 
@@ -37,8 +39,6 @@ def run(args: argparse.Namespace) -> int:
     wl = wl.with_policy(args.policy)
 
     async def main() -> None:
-        import signal
-
         # Ctrl-C and SIGTERM stop the server in order: streams hung up, port released, no traceback.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+from kvtop.errors import UsageError
 
 NAME = "simulate"
 HELP = "run the simulated paged-KV engine faster than real time and write a trace (with ground truth)"
@@ -25,10 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-    from pathlib import Path
-
-    from kvtop.errors import UsageError
+    # loaded only when the command runs: the parser imports every command module
     from kvtop.sim.simulate import simulate_to_trace
     from kvtop.sim.workload import load_preset, load_workload_file, requests_from_trace
 

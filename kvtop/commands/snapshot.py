@@ -7,9 +7,29 @@ arguments or when none of the engines could be read at all (unreachable, not a m
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import json
 from typing import Any
 
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_itl_option,
+    add_probe_option,
+    add_prometheus_options,
+    itl_target_s,
+    require_capture,
+    selector,
+    source_options,
+    timeout_s,
+)
+from kvtop.config import load_config, parse_seconds, resolve, resolve_token
+from kvtop.errors import UsageError
+from kvtop.model.records import EngineRecord, Record
 from kvtop.model.sanitize import redact_url
+from kvtop.pipeline import live_feed, prometheus_feed
 
 NAME = "snapshot"
 HELP = "sample GPU, host and engines for a while and print one report (json or text)"
@@ -24,15 +44,6 @@ DEFAULT_DURATION_S = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_itl_option,
-        add_probe_option,
-        add_prometheus_options,
-    )
-
     add_engine_options(p)
     p.add_argument("--duration", default=None, metavar="SECONDS", help="sampling duration (default 5; 10s, 2m ok)")
     p.add_argument("--format", choices=("json", "text"), default=None, help="output format (default text)")
@@ -44,14 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import dataclasses
-    import json
-
-    from kvtop.commands._options import require_capture, source_options
-    from kvtop.config import load_config, parse_seconds, resolve
-    from kvtop.errors import UsageError
-
     cfg = load_config(getattr(args, "config", None))
     if getattr(args, "prometheus", None):
         return _prometheus(args, cfg)
@@ -66,13 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("nothing to sample: give --url URL (or drop --no-gpu / --no-host)")
     require_capture(opts)
     urls = list(opts.urls)
-
-    from kvtop.pipeline import live_feed
-
     first_t: list[float] = []
 
-    def note_first(rec: Any) -> None:
-        if not first_t and getattr(rec, "kind", None) == "engine" and rec.up:
+    def note_first(rec: Record) -> None:
+        if not first_t and isinstance(rec, EngineRecord) and rec.up:
             first_t.append(rec.t)
 
     runner = live_feed(opts, label="live", window_s=duration, sinks=[note_first])
@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
+        # the text view loads only for a text report (the parser imports every command module)
         from kvtop.views.text import render_text
 
         print(render_text(snap), end="")
@@ -108,13 +109,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     """`snapshot --prometheus URL`: one report over the last --duration of what Prometheus holds."""
-    import json
-
-    from kvtop.commands._options import itl_target_s, selector, timeout_s
-    from kvtop.config import parse_seconds, resolve, resolve_token
-    from kvtop.errors import UsageError
-    from kvtop.pipeline import prometheus_feed
-
     if args.url:
         raise UsageError("give either --url or --prometheus, not both")
     window = parse_seconds(args.duration, "--duration") if args.duration is not None else 300.0
@@ -137,7 +131,7 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
-        from kvtop.views.text import render_text
+        from kvtop.views.text import render_text  # see run
 
         print(render_text(snap), end="")
     return 0

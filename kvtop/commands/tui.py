@@ -1,7 +1,8 @@
 """`kvtop tui` (and bare `kvtop`): the interactive console.
 
 With no ``--url`` it looks for local engines: the config's ``url``, then a /metrics page on the
-common serving ports of 127.0.0.1. Textual is imported only inside ``run``.
+common serving ports of 127.0.0.1 (``kvtop.sources.discover``). Textual is imported only inside
+``run``: every command module is imported to build the parser, and the headless paths never load it.
 """
 
 from __future__ import annotations
@@ -9,11 +10,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvtop.commands._options import (
+    add_capture_option,
+    add_engine_options,
+    add_host_options,
+    add_itl_option,
+    add_probe_option,
+    add_prometheus_options,
+    interval_s,
+    itl_target_s,
+    selector,
+    source_options,
+    timeout_s,
+)
+from kvtop.config import load_config, resolve, resolve_token
 from kvtop.errors import UsageError
+from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
 
 NAME = "tui"
 HELP = "the interactive console (the default when no command is given)"
@@ -24,20 +39,8 @@ DESCRIPTION = (
     "enter detail, ? or F1 help, q or F10 quit."
 )
 
-# vLLM / SGLang / TGI & llama.cpp / (common dev) / Triton metrics ports
-PROBE_PORTS = (8000, 30000, 8080, 3000, 8002)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvtop.commands._options import (
-        add_capture_option,
-        add_engine_options,
-        add_host_options,
-        add_itl_option,
-        add_probe_option,
-        add_prometheus_options,
-    )
-
     add_engine_options(p, url_help="engine base URL (repeatable); default: config, then probe local ports")
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
@@ -49,105 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_prometheus_options(p, "show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
 
 
-def looks_like_metrics(text: str) -> bool:
-    """A Prometheus exposition: comment lines with HELP/TYPE, or at least one `name value` sample."""
-    for line in text.splitlines()[:200]:
-        if line.startswith(("# HELP ", "# TYPE ")):
-            return True
-    return False
-
-
-def discover(ports: tuple[int, ...] | list[int] = PROBE_PORTS, host: str = "127.0.0.1",
-             timeout_s: float = 0.5) -> list[str]:
-    """Base URLs of local servers answering /metrics with a Prometheus page, in port order."""
-    import httpx
-
-    def probe(port: int) -> str | None:
-        url = f"http://{host}:{port}"
-        try:
-            r = httpx.get(url + "/metrics", timeout=timeout_s)
-        except httpx.HTTPError:
-            return None
-        return url if r.status_code == 200 and looks_like_metrics(r.text) else None
-
-    with ThreadPoolExecutor(max_workers=max(1, len(ports))) as ex:
-        found = list(ex.map(probe, ports))
-    return [u for u in found if u]
-
-
-class ProbingFeed:
-    """The console's feed when no engine answered at start: GPU and host polling run at once while
-    the local ports are probed every ``probe_every_s``; the first engines found are scraped from
-    then on (the same clock, so history carries on). ``notice`` is the banner while nothing is found."""
-
-    def __init__(self, make_runner: Any, ports: tuple[int, ...], probe_every_s: float = 5.0,
-                 host: str = "127.0.0.1"):
-        self.make_runner = make_runner  # urls -> LiveRunner
-        self.ports = ports
-        self.host = host
-        self.probe_every_s = probe_every_s
-        self.runner = make_runner([])
-        self.core = self.runner.core  # the Feed protocol's core: one for the whole run
-        self.urls: list[str] = []
-        self.notice: str | None = (
-            f"no engine found on {host} ports {', '.join(map(str, ports))} (still looking every "
-            f"{probe_every_s:g} s): point kvtop at one with --url http://HOST:PORT or `url` in config.toml, "
-            "or try `kvtop demo`")
-
-    @property
-    def interval_s(self) -> float:
-        return float(self.runner.interval_s)
-
-    @interval_s.setter
-    def interval_s(self, v: float) -> None:
-        self.runner.interval_s = v
-
-    def refresh_now(self) -> None:
-        self.runner.refresh_now()
-
-    def controls(self) -> None:
-        return None
-
-    async def run(self, stop: Any = None) -> None:
-        import asyncio
-
-        outer = stop or asyncio.Event()
-        inner = asyncio.Event()
-        task = asyncio.create_task(self.runner.run(stop=inner))
-        try:
-            while not outer.is_set() and not self.urls:
-                try:
-                    await asyncio.wait_for(outer.wait(), self.probe_every_s)
-                    break
-                except asyncio.TimeoutError:
-                    pass
-                found = await asyncio.to_thread(discover, self.ports, self.host)
-                if found and not outer.is_set():
-                    self.urls = found
-                    inner.set()
-                    await task
-                    old = self.runner
-                    self.runner = self.make_runner(found)
-                    self.runner._t0 = old._t0  # one run clock across the switch
-                    self.runner.interval_s = old.interval_s  # and the interval +/- may have changed
-                    self.notice = None
-                    self.core.event(self.runner.now(), "info", "engine_up", "engine found: " + ", ".join(found))
-                    inner = asyncio.Event()
-                    task = asyncio.create_task(self.runner.run(stop=inner))
-            if not task.done():
-                await outer.wait()
-        finally:
-            inner.set()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-def _capture_port(url: str) -> int | None:
-    from kvtop.sources.capture.options import resolve_capture_port
-
-    return resolve_capture_port(0, url)
-
-
 def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
+    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
+
     v = cfg.get("probe_ports")
     if v is None:
         return PROBE_PORTS
@@ -157,9 +64,6 @@ def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.commands._options import interval_s, itl_target_s, source_options
-    from kvtop.config import load_config, resolve
-
     cfg = load_config(getattr(args, "config", None))
     theme = resolve(args, cfg, "theme")
 
@@ -178,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))
     opts = source_options(args, cfg)
-    from kvtop.pipeline import live_feed, make_core
+    from kvtop.sources.discover import discover  # httpx: only when looking for engines
 
-    feed: Any
+    feed: Feed
     if not opts.urls:
         ports = _ports_from_config(cfg)
         found = discover(ports)
@@ -192,27 +96,16 @@ def run(args: argparse.Namespace) -> int:
                 "(or `url` in config.toml), or try `kvtop demo`\n"
             )
             return 2
-        if not found:
-            # No engine yet is not an error for the console: it shows the GPUs and the host and
-            # keeps looking (headless commands still exit 2).
-            core = make_core("live", opts.itl_target_s)
-
-            def make_runner(urls: list[str]) -> Any:
-                o = dataclasses.replace(opts, urls=tuple(urls))
-                if o.capture_port == 0:  # --capture without a port: the engine's, once there is one
-                    o = dataclasses.replace(o, capture_port=_capture_port(urls[0]) if urls else None)
-                return live_feed(o, label="live", core=core)
-
-            feed = ProbingFeed(make_runner, ports)
-        else:
-            opts = dataclasses.replace(opts, urls=tuple(found))
-    if opts.urls:
-        if opts.capture_port == 0:  # --capture without a port: the (discovered) engine's
-            opts = dataclasses.replace(opts, capture_port=_capture_port(opts.urls[0]))
-        # without the privilege the console still runs: its banner says how to grant it
+        # No engine yet is not an error for the console: it shows the GPUs and the host and
+        # keeps looking (headless commands still exit 2). --capture without a port takes the
+        # (discovered) engine's, once there is one; without the privilege the console still
+        # runs: its banner says how to grant it.
+        feed = live_feed(dataclasses.replace(opts, urls=tuple(found)), label="live") if found \
+            else probing_feed(opts, ports)
+    else:
         feed = live_feed(opts, label="live")
 
-    from kvtop.views.tui.app import run_console
+    from kvtop.views.tui.app import run_console  # loaded with known_themes above
 
     return run_console(feed.core, feed=feed, title="kvtop", theme=theme, interval=opts.interval_s)
 
@@ -220,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = None, interval: float = 1.0,
                    itl_target_s: float | None = None) -> int:
     """The console over a recorded trace: p pauses, [ ] step 10 s, g seeks (`kvtop replay` calls this)."""
+    # the trace reader and the console (Textual) load only when it runs (see the module note)
     from kvtop.model.trace import TraceError
-    from kvtop.pipeline import replay_feed
     from kvtop.views.tui.app import run_console
 
     try:
@@ -238,10 +131,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
 
 def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str | None) -> int:
     """The console over what a Prometheus server scrapes: the fleet screen first, enter opens one."""
-    from kvtop.commands._options import interval_s, itl_target_s, selector, timeout_s
-    from kvtop.config import resolve_token
-    from kvtop.pipeline import prometheus_feed
-    from kvtop.views.tui.app import run_console
+    from kvtop.views.tui.app import run_console  # Textual: see the module note
 
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")

@@ -9,6 +9,7 @@ client-side request records go into the core through the runner, exactly as the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from kvtop.core import Core
 from kvtop.feeds.live import LiveRunner
@@ -20,9 +21,14 @@ from kvtop.sim.workload import Workload
 class DemoFeed:
     """A console feed: simulated engine + load generator + live runner on one event loop."""
 
-    def __init__(self, core: Core, workload: Workload, seed: int = 1, speed: float = 1.0,
-                 interval_s: float = 1.0, host: str = "127.0.0.1"):
+    is_fleet = False
+
+    def __init__(self, core: Core, workload: Workload, make_runner: Callable[[str, float], LiveRunner],
+                 seed: int = 1, speed: float = 1.0, interval_s: float = 1.0, host: str = "127.0.0.1"):
+        """``make_runner(url, interval_s)`` (from ``kvtop.pipeline``): the live runner that watches
+        the simulated engine at ``url``, into ``core``."""
         self.core = core
+        self.make_runner = make_runner
         self.workload = workload
         self.seed = seed
         self.speed = speed
@@ -53,9 +59,7 @@ class DemoFeed:
     async def run(self, stop: asyncio.Event | None = None, duration_s: float | None = None) -> None:
         self.server = SimServer(self.workload, speed=self.speed, seed=self.seed, host=self.host)
         self.url = await self.server.start()
-        # No GPU behind a simulated engine (its row would describe this machine's GPUs, not the
-        # demo's); the host row is this machine's memory, real and useful as a live example.
-        self.runner = LiveRunner(self.core, [self.url], interval_s=self.interval_s, gpu=False, host=True)
+        self.runner = self.make_runner(self.url, self.interval_s)
         self.core.set_gpu_status("none: the engine is simulated")
         horizon = duration_s * self.speed + 60 if duration_s is not None else 10 * 365 * 86400.0
         load = asyncio.create_task(run_load(self.url, self.workload, horizon, self.seed, self.runner.emit,

@@ -55,6 +55,8 @@ def last_record_time(path: str | os.PathLike[str]) -> float | None:
 
 
 class ReplayFeed:
+    is_fleet = False
+
     def __init__(
         self,
         path: str | os.PathLike[str],

@@ -8,6 +8,7 @@ at most ``max_in_flight`` run at once: a stalled engine is never piled onto.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import uuid
@@ -24,8 +25,6 @@ PROBE_PROMPT = "Count from one to one hundred in words, separated by commas:"
 
 def probe_rate(text: str) -> float:
     """argparse type for ``--probe RATE``: canary streams per second, bounded so a probe never loads an engine."""
-    import argparse
-
     try:
         rate = float(text)
     except ValueError:

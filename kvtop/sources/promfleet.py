@@ -20,11 +20,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
-from kvtop.plugin import detect_adapter, load_adapter
+from kvtop.plugin import EngineAdapter, detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
 
 # Engines whose metric names carry a colon after the prefix (rewritten to "_" by some pipelines).
@@ -153,7 +154,7 @@ class PromFleet:
         return sorted(self.targets.values(), key=lambda t: (t.instance, t.job))
 
     # -- engine records -------------------------------------------------------------------------
-    def _adapter_for(self, tg: Target, names: set[str]) -> Any:
+    def _adapter_for(self, tg: Target, names: set[str]) -> EngineAdapter | None:
         if tg.adapter is None:
             cls = detect_adapter({canonical_name(n) for n in names})
             if cls is None:
@@ -267,96 +268,8 @@ class PromFleet:
         return agents
 
 
-class PromFeed:
-    """The console's / snapshot's feed over Prometheus: polls a ``PromFleet`` into a Core.
-
-    Same shape as the live runner for the console (``run(stop=...)``, ``refresh_now``). Queries are
-    blocking HTTP, so each poll runs in a worker thread; records are ingested on the event loop.
-    """
-
-    def __init__(self, core: Any, url: str, selector: str | None = None, interval_s: float = 5.0,
-                 timeout_s: float = 5.0, window_s: float = 120.0, step_s: float | None = None,
-                 token: str | None = None):
-        import asyncio
-
-        self.core = core
-        self.url = url
-        self.interval_s = max(0.5, interval_s)
-        self.notice: str | None = None
-        self._t0 = time.monotonic()
-        self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token), selector=selector,
-                               step_s=step_s or max(1.0, min(self.interval_s, 15.0)), window_s=window_s,
-                               clock=self.now)
-        self.fleet.rate_window_s = float(getattr(core, "window_s", 60.0))
-        self._wake: asyncio.Event | None = None
-        self._loop: Any = None
-        self.polls = 0
-
-    def now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def poll_once(self) -> None:
-        """One blocking poll, ingested into the core (snapshot and tests use it directly)."""
-        try:
-            recs = self.fleet.poll()
-        except PromError as e:
-            self._failed(str(e))
-            return
-        except Exception as e:  # an answer this code did not expect: one line, never a traceback
-            self._failed(f"poll failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}")
-            return
-        self.fleet.error = None
-        for r in recs:
-            self.core.ingest(r)
-        self.core.now = max(self.core.now, self.now())
-        self.polls += 1
-
-    def _failed(self, why: str) -> None:
-        if why != self.fleet.error:
-            self.core.event(self.now(), "error", "source_error", f"Prometheus: {why}")
-        self.fleet.error = why
-        for tg in self.fleet.targets.values():
-            self.core.engine_down(tg.url, self.now(), why, tg.adapter)
-
-    def controls(self) -> None:
-        return None  # no trace clock: Prometheus is read live
-
-    async def run(self, *, stop: Any = None, duration_s: float | None = None) -> None:
-        import asyncio
-
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        end = None if duration_s is None else self.now() + duration_s
-        while not (stop is not None and stop.is_set()) and (end is None or self.now() < end):
-            try:
-                recs = await asyncio.to_thread(self.fleet.poll)
-            except PromError as e:
-                self._failed(str(e))
-            except Exception as e:  # an odd answer must not end the feed
-                self._failed(f"poll failed: {e}")
-            else:
-                self.fleet.error = None
-                for r in recs:
-                    self.core.ingest(r)
-                self.polls += 1
-            self.core.now = max(self.core.now, self.now())
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-        self.fleet.client.close()
-
-    def refresh_now(self) -> None:
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None:
-            loop.call_soon_threadsafe(wake.set)
-
-
 def parse_time(text: str, now: float | None = None) -> float:
     """Unix seconds from ``now``, ``-1h`` / ``-30m`` (relative to now), unix seconds or RFC 3339."""
-    from datetime import datetime, timezone
-
     now = time.time() if now is None else now
     s = text.strip()
     if s == "now":
@@ -429,6 +342,7 @@ class FleetAnalysis:
 def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,
                     itl_target_s: float | None = None) -> FleetAnalysis:
     """`kvtop analyze --prometheus`: the aggregate analysis of every engine instance over [start, end]."""
+    # the analysis (numpy) only for `kvtop analyze --prometheus`: the console's fleet feed never needs it
     from kvtop.analysis.live import LiveAnalyzer
 
     fleet = PromFleet(client, selector=selector, step_s=step, window_s=end - start)

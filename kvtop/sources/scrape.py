@@ -84,7 +84,7 @@ class EngineScraper:
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._client = client
-        self._clock = clock
+        self.clock = clock  # the run clock (a feed sets it to its own)
         self._resp_t: float | None = None
         self._own_client = client is None
         self.adapter_cls: type[EngineAdapter] | None = None
@@ -161,8 +161,8 @@ class EngineScraper:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         async with self._http().stream("GET", url, headers=self._headers, timeout=self.timeout_s) as resp:
-            if self._clock is not None and url == self.metrics_url:
-                self._resp_t = self._clock()
+            if self.clock is not None and url == self.metrics_url:
+                self._resp_t = self.clock()
             if resp.status_code != 200:
                 hint = " (wrong or missing --token?)" if resp.status_code in (401, 403) else ""
                 raise ScrapeError(f"HTTP {resp.status_code} from {redact_url(url)}{hint}")

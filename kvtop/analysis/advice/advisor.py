@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.adapters.base import Setting
@@ -17,17 +16,17 @@ from kvtop.analysis.advice import capacity as cap
 from kvtop.analysis.advice import chunking, swapimpl
 from kvtop.analysis.advice.costmodel import (
     EPSILON_ASYNC,
+    EventCost,
     EventInputs,
-    Victim,
     choose_victim,
     evaluate_event,
     prefix_policy,
 )
 from kvtop.analysis.advice.diagnosis import diagnose
-from kvtop.analysis.advice.kvbytes import KVSize
 from kvtop.analysis.advice.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
+from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
-from kvtop.model.analysis import DECIDED_BY, Decision, Number, Verdict
+from kvtop.model.analysis import DECIDED_BY, Decision, Verdict
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
@@ -45,58 +44,6 @@ GENERIC_SETTINGS: dict[str, str] = {
     Setting.OFFLOAD_BACKEND: "host KV offload backend",
     Setting.MAX_TOKENS: "max_tokens (request)",
 }
-
-
-@dataclass
-class Num:
-    value: Any
-    unit: str
-    source: str  # measured | given | config | assumed | derived
-    note: str | None = None
-
-    def to_number(self) -> Number:
-        """The report's figure: floats to 6 significant digits (more is noise in a verdict)."""
-        v = self.value
-        if isinstance(v, float):
-            v = float(f"{v:.6g}")
-        return Number(v, self.unit, self.source, self.note)
-
-
-@dataclass
-class Situation:
-    """Everything the advisor needs; any field may be missing (None)."""
-
-    engine: str | None = None
-    preempts: bool = True
-    settings_names: dict[str, str] = field(default_factory=dict)
-    # diagnosis
-    cause: str | None = None  # dominant cause of ITL misses, None = no misses observed
-    cause_shares: dict[str, float] = field(default_factory=dict)
-    spikes: int | None = None
-    itl_miss: bool | None = None
-    attribution_confidence: float | None = None
-    basis: str = "given"  # given | requests | aggregate
-    cause_given: str | None = None  # a scenario's explicit cause (decides the diagnosis)
-    cause_counts: dict[str, float] = field(default_factory=dict)  # spikes per cause
-    cause_lost_s: dict[str, float] = field(default_factory=dict)  # seconds over target per cause
-    cause_streams: dict[str, int] = field(default_factory=dict)  # streams hit per cause
-    has_preemption_section: bool = False
-    decided_by: list[dict[str, str]] = field(default_factory=list)
-    size: KVSize | None = None  # the one KV-size function (windows, MLA, state, TP/PP)
-    swap_impl: str | None = None  # vllm_v0_swap | vllm_v1_offload | lmcache | sglang_hicache | none
-    evidence_hint: str | None = None
-    cause_confidence: dict[str, float] = field(default_factory=dict)  # mean attribution confidence per cause
-    confidence_scale: float = 1.0
-    # inputs (Num values)
-    n: dict[str, Num] = field(default_factory=dict)
-    victims: list[Victim] = field(default_factory=list)
-    deficit_bytes: float | None = None
-    prefix: dict[str, float] | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def v(self, key: str) -> Any:
-        x = self.n.get(key)
-        return None if x is None else x.value
 
 
 def _setting(s: Situation, key: Setting) -> str:
@@ -153,7 +100,7 @@ def _host_limit(s: Situation) -> tuple[float | None, str | None]:
     return min(cands)
 
 
-def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> Any:
+def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, bw: float) -> tuple[EventInputs, EventCost]:
     impl = IMPLEMENTATIONS.get(s.swap_impl or "")
     kappa = s.v("kappa")
     if kappa is None:

@@ -20,12 +20,8 @@ Gate order (docs/kv-science.md §11, then the README's "Analysis and verdicts"):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvtop.analysis.advice import chunking
-
-if TYPE_CHECKING:
-    from kvtop.analysis.advice.advisor import Situation
+from kvtop.analysis.advice.situation import Situation
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 MIN_SPIKES = 3

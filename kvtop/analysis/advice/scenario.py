@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvtop.analysis.advice.advisor import Num, Situation, advise
+from kvtop.analysis.advice.advisor import advise
 from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import (
     Geometry,
@@ -18,6 +18,7 @@ from kvtop.analysis.advice.kvbytes import (
     kv_size,
     lookup_model,
 )
+from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
 
@@ -72,7 +73,7 @@ def _non_finite(obj: Any, where: str = "$", depth: int = 0) -> str | None:
 
 
 def validate(doc: Any, where: str = "scenario") -> None:
-    import jsonschema
+    import jsonschema  # slow to import: only when a scenario file is checked (not for `kvtop analyze`)
 
     v = jsonschema.Draft202012Validator(schema())
     errs = sorted(v.iter_errors(doc), key=lambda e: list(e.absolute_path))
@@ -103,6 +104,7 @@ def situation(doc: dict[str, Any]) -> Situation:
     s = Situation(engine=doc.get("engine"), basis="given")
     n = s.n
     if s.engine:
+        # the adapter registry (entry points) only for a scenario that names its engine
         from kvtop.plugin import PluginError, load_adapter
 
         try:

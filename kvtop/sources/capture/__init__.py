@@ -13,6 +13,7 @@ For another command (``kvtop agent``)::
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -29,14 +30,12 @@ _WHERE = {"CaptureStats": "http", "CaptureUnavailable": "packets", "CaptureSourc
 
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
-        import importlib
-
         return getattr(importlib.import_module(f"kvtop.sources.capture.{_WHERE[name]}"), name)
     raise AttributeError(name)
 
 
 def check_capture(port: int) -> None:
     """Raise ``CaptureUnavailable`` (with the one-line fix) unless a capture on ``port`` can open here."""
-    from kvtop.sources.capture.packets import PacketSocket
+    from kvtop.sources.capture.packets import PacketSocket  # the parsers load on first use (see above)
 
     PacketSocket(port, rcvbuf=1 << 16, ring=False).close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvtop.errors import UsageError
+
 CAPTURE_HELP = ("observe the engine's HTTP traffic passively (Linux, root or CAP_NET_RAW): every request's "
                 "token timeline without a proxy; PORT defaults to the engine URL's port")
 
@@ -32,30 +34,12 @@ def resolve_capture_port(value: int | None, base_url: str | None) -> int | None:
     if value:
         return value
     if not base_url:
-        from kvtop.errors import UsageError
-
         raise UsageError("--capture without a PORT needs the engine's --url")
-    from yarl import URL
+    from yarl import URL  # every command's parser imports this module: yarl only when a port is needed
 
     u = URL(base_url)
     port = u.port
     if port is None:
-        from kvtop.errors import UsageError
-
         raise UsageError(f"cannot tell the port of {base_url}; give it: --capture PORT")
     return port
 
-
-def checked_capture_port(value: int | None, base_url: str | None) -> int | None:
-    """For headless commands: the port to capture, after checking a packet socket opens here
-    (else a one-line UsageError saying how to grant the privilege: exit 2)."""
-    from kvtop.errors import UsageError
-    from kvtop.sources.capture import CaptureUnavailable, check_capture
-
-    port = resolve_capture_port(value, base_url)
-    if port is not None:
-        try:
-            check_capture(port)
-        except CaptureUnavailable as e:
-            raise UsageError(str(e)) from None
-    return port

@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from kvtop.model.records import RequestRecord
+from kvtop.model.records import Record, RequestRecord
 from kvtop.sources.capture.http import CaptureStats
 from kvtop.sources.capture.packets import PacketSocket, decode
 from kvtop.sources.capture.tcp import Reassembler
@@ -157,17 +157,18 @@ class RequestOwners:
 
     CAP = 200_000
 
-    def __init__(self, emit: Emit):
+    def __init__(self, emit: Callable[[Record], None]):
         self._emit = emit
         self._owner: dict[str, str] = {}
         self.dropped = 0
 
-    def sink(self, source: str) -> Emit:
+    def sink(self, source: str) -> Callable[[Record], None]:
+        """What ``source`` emits through: its request records (others pass straight through)."""
         owner = self._owner
         emit = self._emit
 
-        def put(rec: RequestRecord) -> None:
-            if type(rec) is not RequestRecord:
+        def put(rec: Record) -> None:
+            if not isinstance(rec, RequestRecord):
                 emit(rec)
                 return
             o = owner.get(rec.id)

@@ -25,7 +25,7 @@ def resolve_loop(name: str) -> str:
     if name == "asyncio":
         return name
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401  (optional dependency: kvtop[fast])
     except ImportError:
         if name == "uvloop":
             raise LoopUnavailable("--loop uvloop: uvloop is not installed (pip install 'kvtop[fast]')") from None
@@ -35,7 +35,7 @@ def resolve_loop(name: str) -> str:
 
 def run(coro: Coroutine[Any, Any, T], loop: str = "asyncio") -> T:
     if loop == "uvloop":
-        import uvloop
+        import uvloop  # optional dependency (resolve_loop checked it is there)
 
         out: T = uvloop.run(coro)
         return out

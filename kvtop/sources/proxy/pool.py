@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any
+import os
+import signal
+import socket
+import sys
+import time
 
-from kvtop.model.records import RequestRecord
+import kvtop
+from kvtop.model.records import Record, RequestRecord, from_dict
 from kvtop.sources.proxy.server import RecordingProxy, upstream_url
 from kvtop.sources.sse import Clock, Emit
 
@@ -49,10 +54,6 @@ class ProxyPool:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        import os
-        import socket
-        import time
-
         offset = self.clock() - time.monotonic()
         reserve = None
         if self.port == 0:
@@ -90,8 +91,6 @@ class ProxyPool:
                 reserve.close()
 
     async def _read(self, i: int, proc: asyncio.subprocess.Process) -> None:
-        from kvtop.model.records import from_dict
-
         assert proc.stdout is not None
         loads = json.loads
         async for line in proc.stdout:
@@ -104,7 +103,7 @@ class ProxyPool:
                 self._pong_event.set()
                 continue
             if len(d) == 5 and "n" in d and d.get("kind") == "request":  # a token line: the hot path
-                rec: Any = RequestRecord(d["t"], d["id"], d["event"], n=d["n"])
+                rec: Record | None = RequestRecord(d["t"], d["id"], d["event"], n=d["n"])
             else:
                 rec = from_dict(d)
             if isinstance(rec, RequestRecord):
@@ -130,8 +129,6 @@ class ProxyPool:
                 await asyncio.wait_for(self._pong_event.wait(), left)
 
     async def stop(self, grace_s: float = 0.0) -> None:
-        import signal
-
         for proc in self._procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -173,11 +170,6 @@ def worker_command(module: str) -> list[str]:
     no user site) and gets this process's import path back minus the working directory, plus the
     folder kvtop itself was imported from.
     """
-    import os
-    import sys
-
-    import kvtop
-
     cwd = os.getcwd()
     root = os.path.dirname(os.path.dirname(os.path.abspath(kvtop.__file__)))
     paths = [root] + [p for p in sys.path if p and os.path.abspath(p) not in (cwd, root)]

@@ -6,20 +6,20 @@ Run as ``python -m kvtop.sources.proxy.worker`` by the pool, never by users.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import signal
+import sys
+import time
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.trace import TraceWriter, _encode, _request_dict, make_header
+from kvtop.sources.proxy.eventloop import run
 from kvtop.sources.proxy.server import RecordingProxy
 
 
 async def _worker(upstream: str, host: str, port: int, offset: float, cls: str | None,
                   trace: str | None = None) -> int:
-    import signal
-    import sys
-    import time
-
-    from kvtop.model.trace import _encode, _request_dict
-
     out = sys.stdout.buffer
     loop = asyncio.get_running_loop()
     pending: list[bytes] = []
@@ -42,8 +42,6 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
 
     writer = None
     if trace is not None:
-        from kvtop.model.trace import TraceWriter, make_header
-
         writer = TraceWriter(trace, make_header(engine={"adapter": None, "url": upstream},
                                                 recorder="kvtop proxy worker",
                                                 clock_t0_unix=round(time.time() - time.monotonic() - offset, 6)))
@@ -95,8 +93,6 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
 
 
 def _worker_main() -> int:
-    import argparse
-
     p = argparse.ArgumentParser(prog="kvtop.sources.proxy.worker")
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--upstream", required=True)
@@ -107,8 +103,6 @@ def _worker_main() -> int:
     p.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop"))
     p.add_argument("--trace")
     a = p.parse_args()
-    from kvtop.sources.proxy.eventloop import run
-
     return run(_worker(a.upstream, a.host, a.port, a.offset, a.cls, a.trace), a.loop)
 
 

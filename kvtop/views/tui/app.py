@@ -245,9 +245,7 @@ class KvtopApp(App[int]):
     def main_ready(self) -> None:
         self._main_ready = True
         self.tick(force=True)
-        from kvtop.sources.promfleet import PromFeed
-
-        if isinstance(self.feed, PromFeed):
+        if self.feed.is_fleet:
             self.action_fleet()  # pointed at Prometheus: the fleet is the first thing to see
         # Modules, widgets and styles live as long as the console: out of the collector's reach,
         # a full collection (every few seconds at 1,000+ requests) scans only the data. Fewer,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from rich.markup import escape
@@ -24,6 +24,9 @@ from textual.widgets import DataTable, Footer, Static
 
 from kvtop import units
 from kvtop.snapshot import EngineView, Snapshot
+
+if TYPE_CHECKING:
+    from kvtop.feeds.prometheus import PromFeed
 
 CAUSE_SHORT = (("preemption", "pre"), ("prefill_interference", "fill"), ("slow_decode", "slow"), ("unknown", "unk"))
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -261,12 +264,10 @@ class FleetScreen(Screen[None]):
 def open_fleet(app: Any, snapshot: Snapshot) -> None:
     """Push the fleet screen for a console whose feed reads Prometheus (no-op otherwise); the
     console hands it its snapshots from then on."""
-    from kvtop.sources.promfleet import PromFeed
-
-    feed = app.feed
-    if not isinstance(feed, PromFeed):
+    if not app.feed.is_fleet:
         app.notify("the fleet screen needs --prometheus URL", severity="warning")
         return
+    feed = cast("PromFeed", app.feed)  # the one fleet feed
     fleet = feed.fleet
 
     def rows(snap: Snapshot) -> list[FleetRow]:
