@@ -62,6 +62,8 @@ def vllm_adapter() -> Any:
 class TickFeed:
     """A live-like feed: advances a sample generator by ``dt`` of run time every ``period`` s."""
 
+    is_fleet = False
+
     def __init__(self, sample: Any, period: float = 0.02, dt: float = 1.0):
         self.sample = sample
         self.period = period
@@ -93,6 +95,8 @@ class TickFeed:
 class FakeReplay:
     """The replay feed's control surface (pause/resume/seek/step, t, duration) over a sample:
     seeking forward generates the sample up to the target time."""
+
+    is_fleet = False
 
     def __init__(self, sample: Any, duration: float = 300.0):
         self.sample = sample
