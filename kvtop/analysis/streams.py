@@ -1,17 +1,18 @@
 """The per-stream store: one record per request, in arrival order, capped.
 
 ``Streams`` is the store itself, over any record that says whether its stream has ended (the
-oldest ended stream is dropped first when the store is full). Two folds keep their streams in one:
-gap detection (``gaps.GapTracker``: ``StreamStore`` of ``ReqState``, which the stall index and the
-analyzer read) and the Core's request view (``kvtop.core.requests``: what the console lists per
-request and a request's timeline). ``StreamStore.info`` is the read-only view of one analysed
+oldest ended stream is dropped first when the store is full). Two folds keep their streams in one
+each: gap detection (``gaps.GapTracker``: a ``StreamStore`` of ``ReqState``, which the stall index
+and the analyzer read) and the Core's request view (``kvtop.core.requests``: what the console lists
+per request, and a request's timeline). ``StreamStore.info`` is the read-only view of one analysed
 stream; the Core's request view reads its spikes and their last cause from it.
 
-The two folds count differently on purpose, and their outputs depend on it: gap detection counts
-an event of ``n=0`` tokens as one, counts a token older than the stream's last, takes the silence
-before a cancel as a gap and the first end event as the end; the request view counts ``n`` as
-given, skips a reordered token, measures token to token and shows the latest end event
-(tests/test_stream_facts.py shows each). Merging them is a change of results, not of structure.
+The two folds count differently on purpose, and their outputs depend on it: gap detection counts an
+event of ``n=0`` tokens as one, counts a token older than the stream's last, takes the silence
+before a cancel as a gap, the first end event as the end and the arrive event as the arrival; the
+request view counts ``n`` as given, skips a reordered token, measures token to token, shows the
+latest end event and dates a request from its first record (tests/test_stream_facts.py shows each).
+Merging them is a change of results, not of structure.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 summaries of requests that left the screens, and the one request event (streams aborted
 together); derives the RequestViews and a request's timeline for the detail view.
 
-Its requests sit in the per-stream store (``kvtop.analysis.streams.Streams``) that gap detection
-keeps its streams in; the spikes of a request and their last cause are the analysis's, read from its
-store when the views are derived. Tokens, gaps and end times are this fold's own: they count what
-a client saw in order (see that module on why the analysis counts differently).
+Its requests sit in a per-stream store of the kind gap detection keeps its streams in
+(``kvtop.analysis.streams.Streams``: same order, cap and eviction). The spikes of a request and
+their last cause are the analysis's, read from its store when the views are derived; tokens, gaps
+and end times are this fold's own: they count what a client saw, in order (that module says why the
+analysis counts differently).
 """
 
 from __future__ import annotations
