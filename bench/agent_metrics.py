@@ -66,7 +66,7 @@ def build(requests: int, engines: int = 1, gpus: int = 1, seed: int = 1) -> tupl
 
 
 def tick(core: Core, m: AgentMetrics) -> None:
-    m.update(core.snapshot(core.now), core.analysis)
+    m.update(core.snapshot(core.now), core.analysis.counters() if core.analysis else None)
 
 
 def samples(m: AgentMetrics) -> int:

@@ -71,8 +71,9 @@ class Agent:
         if self.trace is not None:
             self.trace.flush_if_due()
             self.metrics.dropped = self.trace.write_errors + int(self.runner.sink_failed)
-        self.metrics.update(snap, self.core.analysis, stale_after_s=max(10.0, 5 * self.opts.interval_s),
-                            analysis_lag_s=self.core.analysis.lag(now) if self.core.analysis else 0.0)
+        analysis = self.core.analysis
+        self.metrics.update(snap, analysis.counters() if analysis is not None else None,
+                            stale_after_s=max(10.0, 5 * self.opts.interval_s), analysis_lag_s=analysis.lag(now) if analysis is not None else 0.0)
 
     def report(self) -> dict[str, Any]:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from kvtop.core import Core
+from kvtop.feeds.static import StaticFeed as StaticFeed  # re-exported (the console imports it from there)
+from kvtop.snapshot import SnapshotSource
 
 # Every command's parser imports this module (for SourceOptions): the feeds, the sources and the
 # analysis (httpx, numpy, the adapters) load inside the function that wires them, so `kvtop --help`
@@ -89,40 +91,16 @@ class Feed(Protocol):
         opens on its fleet screen."""
 
     @property
-    def core(self) -> Core: ...
+    def core(self) -> SnapshotSource:
+        """What it fills: a front end reads it through the Snapshot only (the runners that wire a
+        Core keep their own reference to it)."""
+        ...
 
     async def run(self, *, stop: asyncio.Event | None = None) -> None: ...
 
     def refresh_now(self) -> None: ...
 
     def controls(self) -> ReplayControls | None: ...
-
-
-class StaticFeed:
-    """A feed over a core that something else fills (tests, screenshots): nothing to run."""
-
-    def __init__(self, core: Core):
-        self._core = core
-        self.interval_s = 1.0
-        self.notice: str | None = None
-
-    @property
-    def core(self) -> Core:
-        return self._core
-
-    @property
-    def is_fleet(self) -> bool:
-        return False
-
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        if stop is not None:
-            await stop.wait()
-
-    def refresh_now(self) -> None:
-        pass
-
-    def controls(self) -> ReplayControls | None:
-        return None
 
 
 class HeaderAnalysis(TypedDict, total=False):

@@ -34,7 +34,7 @@ def _exported() -> set[str]:
                           pcie_rx_bytes_per_s=1.0, pcie_link_gen=4, pcie_link_gen_max=4, pcie_link_width=16,
                           pcie_link_width_max=16, pcie_replay_count=0))
     core.ingest(HostRecord(t=10.0, mem_available_bytes=1, pinned_signals={"Mlocked": 1}))
-    m.update(core.snapshot(), core.analysis)
+    m.update(core.snapshot(), core.analysis.counters() if core.analysis else None)
     names = set()
     for line in m.render().decode().splitlines():
         if line and not line.startswith("#"):

@@ -30,7 +30,7 @@ def _storm(seconds: float) -> tuple[Core, AgentMetrics, list]:
     Simulation(load_preset("preemption-storm"), 1, seconds, emit, scrape_interval_s=1.0).run()
     assert core.analysis is not None
     core.analysis.report(core.now + 30)  # let every spike's evidence window pass
-    m.update(core.snapshot(core.now + 30), core.analysis)
+    m.update(core.snapshot(core.now + 30), core.analysis.counters() if core.analysis else None)
     return core, m, recs
 
 

@@ -1,14 +1,22 @@
 """Request tracker: per-request state from RequestRecords (tokens, gaps, preempt/resume marks), the
 summaries of requests that left the screens, and the one request event (streams aborted
-together); derives the RequestViews and a request's timeline for the detail view."""
+together); derives the RequestViews and a request's timeline for the detail view.
+
+Its requests sit in a per-stream store of the kind gap detection keeps its streams in
+(``kvtop.analysis.streams.Streams``: same order, cap and eviction). The spikes of a request and
+their last cause are the analysis's, read from its store when the views are derived; tokens, gaps
+and end times are this fold's own: they count what a client saw, in order (that module says why the
+analysis counts differently).
+"""
 
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtop.analysis.streams import Streams
 from kvtop.core.events import EventLog
 from kvtop.model.records import RequestRecord
 from kvtop.model.sanitize import printable
@@ -99,7 +107,8 @@ class RequestTracker:
         self.itl_target_s = itl_target_s
         self.max_requests = max_requests
         self.finished_keep_s = finished_keep_s
-        self._requests: OrderedDict[str, _RequestState] = OrderedDict()
+        # at most max_requests: the oldest ended request is dropped first, else the oldest of all
+        self._requests: Streams[_RequestState] = Streams(max_requests)
         # Requests that ended, in end order; past finished_keep_s they leave the screens and
         # ``_requests`` and only their summary stays (bounded).
         self._ended: deque[tuple[float, str]] = deque()
@@ -122,9 +131,7 @@ class RequestTracker:
             rec.id = str(rec.id)  # older simulated traces numbered their requests
         r = self._requests.get(rec.id)
         if r is None:
-            r = _RequestState(rec.id, rec.t, rec.cls, rec.source)
-            self._requests[rec.id] = r
-            self._trim()
+            r = self._requests.add(rec.id, _RequestState(rec.id, rec.t, rec.cls, rec.source))
         ev = rec.event
         if ev in ("token", "first_token", "resync"):
             # resync: tokens after a capture hole; the time since the last token is not a gap
@@ -163,7 +170,7 @@ class RequestTracker:
             r = self._requests.get(rid)
             if r is None or r.end_t is None:
                 continue  # trimmed already, or an id that started again
-            del self._requests[rid]
+            self._requests.drop(rid)
             s = r.summary(target)
             self._finished.append(s)
             self.finished_total += 1
@@ -186,21 +193,11 @@ class RequestTracker:
                           f"{len(burst)}+ streams ended in error together ({', '.join(kinds)}): the engine aborted "
                           "its active requests")
 
-    def _trim(self) -> None:
-        while len(self._requests) > self.max_requests:
-            # drop the oldest ended request first; else the oldest of all
-            for k, v in self._requests.items():
-                if v.end_t is not None:
-                    del self._requests[k]
-                    break
-            else:
-                self._requests.popitem(last=False)
-
     def views(self, now: float, info: Callable[[str], tuple[int, int, str | None]] | None) -> tuple[RequestView, ...]:
         """The requests on the screens at ``now``; ``info`` gives a request's (spikes, spikes
         attributed to preemption, last cause) from the analysis."""
         out = []
-        for r in self._requests.values():
+        for r in self._requests:
             if r.end_t is not None and now - r.end_t > self.finished_keep_s:
                 continue
             spikes, pre, cause = info(r.id) if info is not None else (0, 0, None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -33,11 +33,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtop import __version__
+from kvtop.model.analysis import AnalysisCounters
 from kvtop.model.records import EngineRecord, Record, RequestRecord
 from kvtop.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from kvtop.core import LiveAnalysis
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
@@ -120,9 +118,10 @@ class AgentMetrics:
             self._open.popitem(last=False)
 
     # -- per tick -----------------------------------------------------------------------------
-    def update(self, snap: Snapshot, analysis: LiveAnalysis | None = None, stale_after_s: float = 10.0,
+    def update(self, snap: Snapshot, totals: AnalysisCounters | None = None, stale_after_s: float = 10.0,
                analysis_lag_s: float | None = None) -> None:
-        """Rebuild the derived families from one snapshot (and the live analyzer's counters)."""
+        """Rebuild the derived families from one snapshot and the live analysis's running totals
+        (``LiveAnalysis.counters()``: the snapshot's report covers a window, the counters all time)."""
         fams: list[Any] = []
 
         def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
@@ -168,7 +167,6 @@ class AgentMetrics:
                          ["engine", "cause"])
         stall = counter("kvtop_stall_seconds", "Seconds streams stalled in spikes, by attributed cause",
                         ["engine", "cause"])
-        totals = analysis.counters() if analysis is not None else None
         counts = totals.spikes_by_cause if totals else {}
         secs = totals.stall_s_by_cause if totals else {}
         for c in CAUSES:

@@ -30,7 +30,7 @@ from textual.theme import BUILTIN_THEMES, Theme
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
 from kvtop import units
-from kvtop.pipeline import Feed, ReplayControls, StaticFeed
+from kvtop.feeds.static import StaticFeed
 from kvtop.snapshot import Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
 from kvtop.views.tui.advisor import AdvisorView
@@ -42,8 +42,8 @@ from kvtop.views.tui.requests import RequestsView
 from kvtop.views.tui.table import RowTable
 from kvtop.views.tui.widgets import Cells
 
-if TYPE_CHECKING:  # the console reads a core only through SnapshotSource; a StaticFeed wants the type
-    from kvtop.core import Core
+if TYPE_CHECKING:  # protocols only: at run time kvtop.pipeline would load the core the views never touch
+    from kvtop.pipeline import Feed, ReplayControls
 
 VIEWS: tuple[tuple[str, str], ...] = (
     ("overview", "Overview"), ("requests", "Requests"), ("detail", "Request"),
@@ -196,7 +196,7 @@ class KvtopApp(App[int]):
     # stays on everywhere: the window it sets is there on the way back)
     _VIEW_ACTIONS = {"cycle_sort": ("requests",), "reverse_sort": ("requests",), "filter": ("requests", "events")}
 
-    def __init__(self, core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
+    def __init__(self, core: SnapshotSource, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                  interval: float = 1.0, taken_at: str | None = None, handle_signals: bool = False):
         super().__init__()
         # SIGTERM/SIGHUP end the console as q does (terminal restored, feed stopped); only for a
@@ -556,7 +556,7 @@ class KvtopApp(App[int]):
             yield SystemCommand("Filter", "filter the list (key /)", self.action_filter)
 
 
-def run_console(core: Core, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
+def run_console(core: SnapshotSource, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
                 interval: float = 1.0) -> int:
     """Run the console until the user quits; returns the process exit code."""
     app = KvtopApp(core, feed=feed, title=title, theme=theme, interval=interval, handle_signals=True)
