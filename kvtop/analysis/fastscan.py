@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.model.trace import open_binary
 from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
@@ -41,8 +42,6 @@ def available() -> bool:
 def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines."""
     skipped = 0
-    from kvtop.model.trace import open_binary
-
     with open_binary(path) as f:
         f.readline()
         carry = b""

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisCounters, AnalysisReport
 from kvtop.model.records import (
@@ -55,8 +56,6 @@ class LiveAnalyzer:
         return LiveAnalyzer(**self._settings_kw)
 
     def _set_adapter(self, name: str) -> None:
-        from kvtop.analysis.engines import engine_semantics
-
         self._adapter = name
         preempts, self._settings, counted_at, warn = engine_semantics(name)
         self.an.preempts = preempts

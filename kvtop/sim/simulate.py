@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
+from kvtop.model.trace import TraceWriter, make_header
+from kvtop.plugin import load_adapter
 from kvtop.sim.engine import Engine
 from kvtop.sim.metrics import MetricsPage
 from kvtop.sim.seq import Seq
@@ -103,8 +105,6 @@ class Simulation:
         self._adapter: Any = None
         self._page: MetricsPage | None = None
         if scrape_interval_s:
-            from kvtop.plugin import load_adapter
-
             self._adapter = load_adapter("vllm")()
             self._page = MetricsPage(self.engine, created=1.7e9)
 
@@ -180,8 +180,6 @@ class Simulation:
 
 
 def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: float) -> dict[str, Any]:
-    from kvtop.model.trace import make_header
-
     e = workload.engine
     return make_header(
         engine={"adapter": "vllm", "url": SIM_URL, "model": e.model, "version": "kvtop-sim"},
@@ -205,8 +203,6 @@ def _token_lines(t: float, seqs: list[Seq]) -> str:
 
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
                       scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None) -> SimResult:
-    from kvtop.model.trace import TraceWriter
-
     with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
         f = w._f  # same file, same buffering: token lines are appended in time order with the rest
 

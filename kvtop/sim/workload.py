@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 from kvtop.errors import UsageError
 from kvtop.model.records import trace_time
+from kvtop.model.trace import TraceError, TraceReader
 
 _T = TypeVar("_T")
 
@@ -334,8 +335,6 @@ def requests_from_trace(path: str | Path, workload: Workload, seed: int = 1,
     (a draw from their class's output distribution, or the first class's), so a replay under the same
     engine and policy reproduces the recorded run exactly. Times are the trace's run clock.
     """
-    from kvtop.model.trace import TraceError, TraceReader
-
     try:
         reader = TraceReader(path)
     except TraceError as e:
