@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.model.records import EngineKey
+
 MAX_PINNED = 5000
 
 
@@ -31,9 +33,9 @@ class RequestPreemptions:
     finished: float = 0.0  # finished requests the histogram counted
     preemptions: float = 0.0  # their preemptions
     pinned: dict[str, int] = field(default_factory=dict)  # request id -> the engine's count
-    _prev: dict[Any, _Prev] = field(default_factory=dict)
+    _prev: dict[EngineKey, _Prev] = field(default_factory=dict)
     _finishes: list[tuple[float, str, str | None]] = field(default_factory=list)  # observed finishes since the oldest scrape
-    _addr: dict[Any, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
+    _addr: dict[EngineKey, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
     _named: bool = False  # some finished stream named its engine
 
     def finish(self, t: float, rid: str, engine: str | None = None) -> None:
@@ -41,7 +43,7 @@ class RequestPreemptions:
         if engine is not None:
             self._named = True
 
-    def scrape(self, key: Any, t: float, count: float | None, total: float | None,
+    def scrape(self, key: EngineKey, t: float, count: float | None, total: float | None,
                address: str | None = None) -> None:
         if count is None or total is None:
             return

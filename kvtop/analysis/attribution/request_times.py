@@ -61,7 +61,7 @@ class RequestTimes:
     tail_gap: list[float] = field(default_factory=list)  # observed first..last token span - the engine's
     rate: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=1000))  # prompt tokens / engine TTFT
     by_engine: dict[str, LogHistogram] = field(default_factory=dict)
-    _cache: dict[Any, tuple[int, float | None]] = field(default_factory=dict)
+    _cache: dict[str | None, tuple[int, float | None]] = field(default_factory=dict)
 
     def finish(self, d: dict[str, Any], prompt_tokens: int | None, arrive_t: float | None, first_t: float | None,
                last_t: float | None, engine: str | None) -> None:
