@@ -12,13 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.adapters.base import EngineAdapter
 from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
 from kvtop.model.trace import TraceWriter, make_header
 from kvtop.plugin import load_adapter
 from kvtop.sim.engine import Engine
 from kvtop.sim.metrics import MetricsPage
 from kvtop.sim.seq import Seq
-from kvtop.sim.stats import Sink
+from kvtop.sim.stats import Sink, Stats
 from kvtop.sim.workload import RequestSpec, Workload
 
 SIM_URL = "sim://"
@@ -64,7 +65,7 @@ class SimResult:
     requests: int = 0
     steps: int = 0
     records: int = 0
-    stats: Any = None
+    stats: Stats = field(default_factory=Stats)
     engine: Engine | None = None
     truth_counts: dict[str, int] = field(default_factory=dict)
 
@@ -102,7 +103,7 @@ class Simulation:
         self._next_scrape = 0.0 if scrape_interval_s else float("inf")
         self.n_requests = 0
         self.n_records = 0
-        self._adapter: Any = None
+        self._adapter: EngineAdapter | None = None
         self._page: MetricsPage | None = None
         if scrape_interval_s:
             self._adapter = load_adapter("vllm")()
