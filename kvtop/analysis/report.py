@@ -16,8 +16,6 @@ from kvtop.analysis.state import AnalysisState
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
-    EngineRequestTimes,
-    PreemptionCheck,
     RequestRow,
     SpikeView,
     Verdict,
@@ -169,8 +167,6 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
                    for g in st.spikes)
     requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
                                 r.ended_by) for r in st.streams if r.first_t is not None)
-    check = st.request_preemptions
-    times = st.engine_request_times
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
@@ -183,8 +179,8 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         causes={c: CauseRow(counts[c], round(shares[c], 4), _round(conf[c], 3)) for c in counts},
         over_target_s={c: round(v, 3) for c, v in over.items()} or None,
         requests=requests,
-        request_preemptions=PreemptionCheck(**check) if check is not None else None,
-        engine_request_times=EngineRequestTimes.from_dict(times) if times is not None else None,
+        request_preemptions=st.request_preemptions,
+        engine_request_times=st.engine_request_times,
         verdict=verdict,
         warnings=tuple(warnings or ()),
     )

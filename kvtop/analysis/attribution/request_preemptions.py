@@ -12,8 +12,8 @@ Where streams name their engine, an engine's interval is matched with that engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvtop.model.analysis import PreemptionCheck
 from kvtop.model.records import EngineKey
 
 MAX_PINNED = 5000
@@ -68,12 +68,12 @@ class RequestPreemptions:
         oldest = min(p.t for p in self._prev.values())
         self._finishes = [f for f in self._finishes if f[0] > oldest]
 
-    def report(self, spikes_of: dict[str, int]) -> dict[str, Any] | None:
+    def report(self, spikes_of: dict[str, int]) -> PreemptionCheck | None:
         """The check as the report shows it; ``spikes_of`` = kvtop's preemption spikes per request id."""
         if not self._prev:
             return None
         agree = sum(1 for rid, n in self.pinned.items() if spikes_of.get(rid, 0) == n)
         more = sum(1 for rid, n in self.pinned.items() if spikes_of.get(rid, 0) > n)
-        return {"finished_requests": self.finished, "engine_preemptions": self.preemptions,
-                "pinned_requests": len(self.pinned), "pinned_agree": agree, "pinned_kvtop_more": more,
-                "pinned_kvtop_fewer": len(self.pinned) - agree - more}
+        return PreemptionCheck(finished_requests=self.finished, engine_preemptions=self.preemptions,
+                               pinned_requests=len(self.pinned), pinned_agree=agree, pinned_kvtop_more=more,
+                               pinned_kvtop_fewer=len(self.pinned) - agree - more)
