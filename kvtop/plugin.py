@@ -11,9 +11,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any
 
 from kvtop.adapters.base import NORMALIZED_FIELDS, EngineAdapter, Setting
 
@@ -40,10 +39,10 @@ class AdapterInfo:
 _file_plugins: dict[str, type[EngineAdapter]] = {}
 
 
-_eps_cache: tuple[tuple[str, ...], list[Any]] | None = None
+_eps_cache: tuple[tuple[str, ...], list[EntryPoint]] | None = None
 
 
-def _entry_points() -> list[Any]:
+def _entry_points() -> list[EntryPoint]:
     """The ``kvtop.engines`` entry points. Scanning every installed distribution costs ~20 ms, so the
     result is kept while the import path is unchanged (a new plugin needs a new process anyway)."""
     global _eps_cache

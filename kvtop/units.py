@@ -12,7 +12,6 @@ Headless: no Textual, so the text paths and the benches can use it.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 NA = "n/a"
 
@@ -128,12 +127,14 @@ def num(v: float | None, template: str = "{:.1f}") -> str:
 
 
 # -- the analysis' numbers (a value with a unit name, as the advisor reports them) ----------------
-def quantity(v: Any, unit: str) -> str:
+def quantity(v: object, unit: str) -> str:
     """``kvtop analyze``'s numbers table: seconds in ms below 10 s, sizes and rates in decimal
     GB/MB to three significant digits, other units after four. Non-numbers print as they are."""
-    if isinstance(v, bool) or isinstance(v, (str, list, dict)):
+    if v is None:
+        return NA
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
-    if v is None or unknown(v):
+    if unknown(v):
         return NA
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
@@ -146,7 +147,7 @@ def quantity(v: Any, unit: str) -> str:
     return f"{v}{(' ' + unit) if unit else ''}"
 
 
-def quantity_short(v: Any, unit: str = "", key: str = "") -> str:
+def quantity_short(v: object, unit: str = "", key: str = "") -> str:
     """The console's verdict panel: the same numbers in its short forms. Without a unit, a name
     ending in ``_s`` or ``_bytes_per_s`` says what it is."""
     if v is None:

@@ -46,7 +46,7 @@ NO_PREEMPT_NOTE = (
 )
 
 
-def _int(v: Any) -> int | None:
+def _int(v: object) -> int | None:
     # JSON numbers only: "12" in /slots is a shape error, not a count
     return as_int(v) if isinstance(v, (int, float)) else None
 

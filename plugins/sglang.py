@@ -9,10 +9,9 @@ TTFT/ITL) have no ``dp_rank``: they are server-wide and go on the lowest DP rank
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvtop.adapters import (
     EngineAdapter,
+    Keep,
     Labels,
     Page,
     Setting,
@@ -170,7 +169,7 @@ class SglangAdapter(EngineAdapter):
             out.append(rec)
         return out
 
-    def _one(self, page: Page, t: float, keep: Any) -> EngineRecord:
+    def _one(self, page: Page, t: float, keep: Keep) -> EngineRecord:
         rec = EngineRecord(t=t, adapter=self.name)
         notes: list[str] = []
         rec.running = page.value("sglang:num_running_reqs", keep)
@@ -225,7 +224,7 @@ class SglangAdapter(EngineAdapter):
         return rec
 
     @staticmethod
-    def _capacity(page: Page, keep: Any, rec: EngineRecord, notes: list[str]) -> None:
+    def _capacity(page: Page, keep: Keep, rec: EngineRecord, notes: list[str]) -> None:
         page_size = page.value("sglang:page_size", keep)
         cap = page.value("sglang:max_total_num_tokens", keep)
         source = "sglang:max_total_num_tokens"

@@ -10,9 +10,7 @@ are found per stream.
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvtop.adapters import EngineAdapter, Labels, Page, Setting, as_int, counter_names, read_page
+from kvtop.adapters import EngineAdapter, Keep, Labels, Page, Setting, as_int, counter_names, read_page
 from kvtop.adapters.detect import SURE
 from kvtop.model.records import EngineRecord
 
@@ -93,7 +91,7 @@ class TritonAdapter(EngineAdapter):
             out.append(rec)
         return out
 
-    def _one(self, page: Page, t: float, keep: Any) -> EngineRecord:
+    def _one(self, page: Page, t: float, keep: Keep) -> EngineRecord:
         rec = EngineRecord(t=t, adapter=self.name)
 
         def typed(family: str, label: str) -> dict[str, float]:

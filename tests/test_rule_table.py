@@ -68,33 +68,57 @@ def test_reported():
     assert ask("reported", evidence(engine_reported_preempt=True, preempts=False)) is None  # TGI, llama.cpp
 
 
-def test_outside_engine_host():
+def test_host():
     # no scrape between 3.5 s and 6.5 s: kvtop waited 2.0 s of the 2.0 s stall with the stream
-    f = ask("outside-engine", evidence(tl=engine(no_scrapes=(3.6, 6.4))))
-    assert f is not None and f.key == "unknown/host" and f.confidence == 0.6
-    assert f.lines[0] == "kvtop's own scrapes stalled 2.0s across it: the host or the engine's API server hung"
+    f = ask("host", evidence(tl=engine(no_scrapes=(3.6, 6.4))))
+    assert f is not None and f.key == "unknown/host" and f.kind == "host" and f.confidence == 0.6
+    assert f.lines == ["kvtop's own scrapes stalled 2.0s across it: the host or the engine's API server hung",
+                       "not an engine cause: no engine setting fixes it"]
     # the scrape due at 5.5 s, inside the stall, was answered at 6.5 s as the stream resumed at 6.55 s
-    f = ask("outside-engine", evidence(gap(t_start=4.55, length=2.0), engine(no_scrapes=(5.4, 5.6))))
+    f = ask("host", evidence(gap(t_start=4.55, length=2.0), engine(no_scrapes=(5.4, 5.6))))
     assert f is not None and f.key == "unknown/host"
     assert f.lines[0].startswith("kvtop's own scrape, due during the stall, was answered 1.00s late")
-    assert ask("outside-engine", evidence()) is None  # scrapes on their beat
-    assert ask("outside-engine", evidence(tl=engine(late={4.5: 0.2}))) is None  # 0.2 s late: scheduling jitter
+    # the scrape at 4.5 s, inside the stall, answered 1.2 s late (at 5.7 s, not where the stream
+    # resumed at 6.0 s): late by 1.2 s of a 2 s stall (>= half), kvtop waited as the stream did
+    f = ask("host", evidence(tl=engine(late={4.5: 1.2})))
+    assert f is not None and f.lines[0] == ("kvtop's own scrape came 1.20s late across it: the host or the engine's "
+                                            "API server hung")
+    assert ask("host", evidence()) is None  # scrapes on their beat
+    assert ask("host", evidence(tl=engine(late={4.5: 0.2}))) is None  # 0.2 s late: scheduling jitter
+    assert ask("host", evidence(gap(burst_n=40))) is None  # a buffered burst is the delivery row's
 
 
-def test_outside_engine_delivery():
-    # 40 tokens at once after the stall, at 20 ms each 0.8 s of the 2 s stall (>= 25 %): held back
-    f = ask("outside-engine", evidence(gap(burst_n=40)))
-    assert f is not None and f.key == "unknown/delivery" and f.kind == "delivery" and f.confidence == 0.6
-    assert ask("outside-engine", evidence(gap(burst_n=20))) is None  # 0.4 s of 2 s: too few to explain it
-    assert ask("outside-engine", evidence(gap(burst_n=3))) is None  # under 4 tokens
-    # one step's worth for a stream that already got 40-token events (API-server merging): no burst
-    assert ask("outside-engine", evidence(gap(burst_n=40, tokens_per_event=20.0, step_n_max=40))) is None
+def test_delivery_continued():
     # a spike starting 1 ms after the end of the stream's delivery stall is the same disruption
     prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")
-    f = ask("outside-engine", evidence(prev_spike=prev))
-    assert f is not None and f.key == "unknown/delivery-continued" and f.confidence == 0.5
+    f = ask("delivery-continued", evidence(prev_spike=prev))
+    assert f is not None and f.key == "unknown/delivery-continued" and f.kind == "delivery" and f.confidence == 0.5
+    assert f.lines == ["it began where the stream's delivery stall ended: the same disruption"]
     prev = judged(gap(t_start=3.0, length=0.99), Cause.UNKNOWN, "delivery")  # 10 ms before: no
-    assert ask("outside-engine", evidence(prev_spike=prev)) is None
+    assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    # the previous spike 1 ms before was a host hang, not a delivery stall
+    prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "host")
+    assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    assert ask("delivery-continued", evidence(gap(burst_n=40))) is None  # no previous spike
+
+
+def test_delivery():
+    # 40 tokens at once after the stall, at 20 ms each 0.8 s of the 2 s stall (>= 25 %): held back
+    f = ask("delivery", evidence(gap(burst_n=40)))
+    assert f is not None and f.key == "unknown/delivery" and f.kind == "delivery" and f.confidence == 0.6
+    assert f.lines == ["the stall ended with 40 tokens delivered at once (the stream usually gets 1.0 per event, "
+                       "at most 1 so far): a delivery stall (slow reader, API-server merging or network), not the engine"]
+    assert ask("delivery", evidence(gap(burst_n=20))) is None  # 0.4 s of 2 s: too few to explain it
+    assert ask("delivery", evidence(gap(burst_n=3))) is None  # under 4 tokens
+    # one step's worth for a stream that already got 40-token events (API-server merging): no burst
+    assert ask("delivery", evidence(gap(burst_n=40, tokens_per_event=20.0, step_n_max=40))) is None
+    # in a 100 ms stall of that stream (1 ms a token at its pace) 41 tokens are more than any one event
+    # it carried (> one engine step), though under 3x its 20 per event, and cover 41 % of the stall
+    merged = {"length": 0.1, "tokens_per_event": 20.0, "step_n_max": 40}
+    f = ask("delivery", evidence(gap(burst_n=41, **merged)))
+    assert f is not None and f.key == "unknown/delivery"
+    assert ask("delivery", evidence(gap(burst_n=40, **merged))) is None  # one step's worth
+    assert ask("delivery", evidence(gap(burst_n=40, ended_by="cancel"))) is None  # ended by a cancel, no tokens
 
 
 def test_lifted():
@@ -285,6 +309,8 @@ def test_classify_leads_with_the_context_and_the_signs_a_row_saw():
 CASES: dict[str, Callable[[], Evidence]] = {
     "reported over counter": lambda: evidence(tl=engine(pre_steps={6.5: 1}), engine_reported_preempt=True),
     "host over delivery": lambda: evidence(gap(burst_n=40), engine(no_scrapes=(3.6, 6.4))),
+    "continued delivery over delivery": lambda: evidence(
+        gap(burst_n=40), prev_spike=judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")),
     "checked prefill over counter (alone)": lambda: evidence(
         tl=engine(pre_steps={6.5: 1}), first_token=first_token(3000), prefill_rate=2000.0, **alone()),
     "counter over onset (lone)": lambda: evidence(gap(length=1.5, after=[0.9, 1.0, 1.1]), engine(pre_steps={6.5: 1})),
@@ -301,7 +327,8 @@ CASES: dict[str, Callable[[], Evidence]] = {
     "pace over unknown (lone)": lambda: evidence(gap(stream_baseline=0.12)),
     "unknown (shared)": lambda: evidence(**shared()),
 }
-FIRST = {"reported over counter": "reported", "host over delivery": "outside-engine",
+FIRST = {"reported over counter": "reported", "host over delivery": "host",
+         "continued delivery over delivery": "delivery-continued",
          "checked prefill over counter (alone)": "alone-prefill-checked", "counter over onset (lone)": "lone-preemption",
          "unchecked prefill over onset (alone)": "alone-prefill", "longer over prefill (shared)": "longer",
          "prefill over onset (shared)": "shared-prefill", "onset over recompute (shared)": "onset",

@@ -30,6 +30,7 @@ def test_the_generator_prints_one_row_per_rule_in_order():
     out = p.stdout
     assert out == markdown() and p.stderr == ""
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| order")]
-    assert [r.split(" | ")[0] for r in rows] == [f"| {i}" for i in range(1, 16)]
+    assert [r.split(" | ")[0] for r in rows] == [f"| {i}" for i in range(1, 18)]
     assert rows[0].startswith("| 1 | `reported` | preemption (`reported`) | any stall |")
+    assert [r.split(" | ")[1] for r in rows[1:4]] == ["`host`", "`delivery-continued`", "`delivery`"]
     assert rows[-1].endswith("| `unknown/shared` 0.350 |")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvtop.plugin import PluginError, load_adapter
+
 
 def engine_semantics(name: str | None) -> tuple[bool, dict[str, str], str | None, str | None]:
     """(preempts, setting names, when its preemption counter steps, warning) from the adapter named
@@ -9,8 +11,6 @@ def engine_semantics(name: str | None) -> tuple[bool, dict[str, str], str | None
     "retract" (SGLang) or None (not stated: any step near the stall counts)."""
     if not name:
         return True, {}, None, None
-    from kvtop.plugin import PluginError, load_adapter
-
     try:
         cls = load_adapter(name)
     except PluginError as e:

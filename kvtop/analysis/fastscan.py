@@ -13,15 +13,24 @@ path's (tested).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.model.trace import open_binary
 from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with the install; keep the slow path working
     np = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    Bytes = npt.NDArray[np.uint8]  # the chunk's bytes, or fixed-width rows of them
+    Index = npt.NDArray[np.intp]  # one position in the chunk per line
+    Mask = npt.NDArray[np.bool_]  # one flag per line
+    Strings = npt.NDArray[np.bytes_]  # fixed-width byte strings, one per line
 
 PREFIX = b'{"kind":"request","t":'
 ID_SEP = b',"id":"'
@@ -41,8 +50,6 @@ def available() -> bool:
 def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines."""
     skipped = 0
-    from kvtop.model.trace import open_binary
-
     with open_binary(path) as f:
         f.readline()
         carry = b""
@@ -81,12 +88,12 @@ PAD = 256  # zero bytes after each chunk: every fixed-width window below stays i
 DIGITS = 16  # timestamps up to 16 characters (15 digits) are parsed exactly as integers
 
 
-def _rows(arr: Any, pos: Any, width: int) -> Any:
+def _rows(arr: Bytes, pos: Index, width: int) -> Bytes:
     """The ``width`` bytes at each position, one row per position (a copy, no index matrix)."""
     return np.lib.stride_tricks.sliding_window_view(arr, width)[pos]
 
 
-def _match(arr: Any, pos: Any, pat: bytes, ok: Any) -> Any:
+def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask) -> Mask:
     """ok & (arr[pos:pos+len(pat)] == pat), evaluated only where ok still holds."""
     idx = np.flatnonzero(ok)
     if len(idx) == 0:
@@ -96,7 +103,7 @@ def _match(arr: Any, pos: Any, pat: bytes, ok: Any) -> Any:
     return ok
 
 
-def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
+def _find(arr: Bytes, start: Index, byte: int, width: int, ok: Mask) -> Index:
     """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared)."""
     out = np.full(len(start), -1, dtype=np.int64)
     idx = np.flatnonzero(ok)
@@ -114,7 +121,7 @@ def _find(arr: Any, start: Any, byte: int, width: int, ok: Any) -> Any:
     return out
 
 
-def _has(arr: Any, start: Any, end: Any, byte: int, width: int, ok: Any) -> Any:
+def _has(arr: Bytes, start: Index, end: Index, byte: int, width: int, ok: Mask) -> Mask:
     res = np.zeros(len(start), dtype=bool)
     idx = np.flatnonzero(ok)
     if len(idx) == 0:
@@ -124,7 +131,7 @@ def _has(arr: Any, start: Any, end: Any, byte: int, width: int, ok: Any) -> Any:
     return res
 
 
-def _field(arr: Any, start: Any, end: Any) -> Any:
+def _field(arr: Bytes, start: Index, end: Index) -> Bytes:
     """Each [start, end) as a row of the narrowest width that holds them all, zero-filled after its end."""
     lens = end - start
     width = int(lens.max())
@@ -134,11 +141,11 @@ def _field(arr: Any, start: Any, end: Any) -> Any:
     return m
 
 
-def _strings(m: Any) -> Any:
+def _strings(m: Bytes) -> Strings:
     return m.view(f"S{m.shape[1]}").ravel()
 
 
-def _times(m: Any, lens: Any) -> Any:
+def _times(m: Bytes, lens: Index) -> npt.NDArray[np.float64]:
     """Decimal timestamps (rows from ``_field``) as float64, equal to ``float(text)``.
 
     Up to 15 digits the digits form an exact int64 and one IEEE division by a power of ten rounds
@@ -160,7 +167,7 @@ def _times(m: Any, lens: Any) -> Any:
     frac = np.where(has_dot, lens - 1 - dpos, 0)
     r = s % 10 ** frac
     mant = np.where(has_dot, (s - r) // 10 + r, s)
-    out = mant / 10.0 ** frac
+    out: npt.NDArray[np.float64] = mant / 10.0 ** frac
     slow = np.flatnonzero(~fast)
     if len(slow):
         try:
@@ -275,7 +282,7 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     return skipped
 
 
-def _name_engines(an: Analyzer, buf: bytes, starts: Any, ends: Any, rows: list[int]) -> None:
+def _name_engines(an: Analyzer, buf: bytes, starts: Index, ends: Index, rows: list[int]) -> None:
     """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
     gaps are made before the chunk's other lines go through in file order, and a gap is compared
     with other streams of its own engine."""
@@ -288,7 +295,7 @@ def _name_engines(an: Analyzer, buf: bytes, starts: Any, ends: Any, rows: list[i
             an.name_engine(str(d["id"]), d.get("engine"))
 
 
-def _unique(ids: Any) -> tuple[Any, Any]:
+def _unique(ids: Strings) -> tuple[Strings, Index]:
     """``np.unique(ids, return_inverse=True)`` for fixed-width byte strings, through a 64-bit hash.
 
     Sorting many strings is the slow part of np.unique; the hashes sort as integers and only the

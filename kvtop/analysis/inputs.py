@@ -25,7 +25,7 @@ def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | Non
     return float(b - a if b >= a else b)
 
 
-def _sum_delta(st: AnalysisState, key: str) -> float | None:
+def sum_delta(st: AnalysisState, key: str) -> float | None:
     tot = None
     for k, first in st.tally.engine_first.items():
         d = _delta(first, st.tally.engine_last[k], key)
@@ -98,20 +98,20 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     # link bandwidth: the engine's offload byte/time counters, else GPU PCIe peaks during offload
     bw_parts = []
     for d in ("out", "in"):
-        b = _sum_delta(st, f"offload_{d}_bytes_total")
-        sec = _sum_delta(st, f"offload_{d}_seconds_total")
+        b = sum_delta(st, f"offload_{d}_bytes_total")
+        sec = sum_delta(st, f"offload_{d}_seconds_total")
         if b and sec and sec > 0:
             bw_parts.append(b / sec)
     if bw_parts:
         n["bw_eff"] = Num(min(bw_parts), "B/s", "measured", "engine offload bytes / offload seconds")
-    elif acc.gpu_pcie_max > 1e9 and (_sum_delta(st, "offload_out_bytes_total") or 0) > 0:
+    elif acc.gpu_pcie_max > 1e9 and (sum_delta(st, "offload_out_bytes_total") or 0) > 0:
         n["bw_eff"] = Num(acc.gpu_pcie_max, "B/s", "measured", "peak NVML PCIe throughput during offload traffic")
 
     # preemption statistics
     n_pre_spikes = st.cause_counts[Cause.PREEMPTION]
     preempted = len(acc.preempted_ids)
-    counter = _sum_delta(st, "preemptions_total")
-    finished = acc.finished or _sum_delta(st, "requests_finished_total") or 0
+    counter = sum_delta(st, "preemptions_total")
+    finished = acc.finished or sum_delta(st, "requests_finished_total") or 0
     duration = max(1e-9, st.now - (st.t0 or 0.0))
     if counter is not None:
         n["preemptions"] = Num(counter, "", "measured", "engine counter increase")
@@ -132,7 +132,7 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                               "mean prompt + generated tokens of preemption victims")
 
     # shared prefixes
-    hits, queries = _sum_delta(st, "prefix_hits_total"), _sum_delta(st, "prefix_queries_total")
+    hits, queries = sum_delta(st, "prefix_hits_total"), sum_delta(st, "prefix_queries_total")
     if hits is not None and queries:
         share = hits / queries
         n["prefix_hit_share"] = Num(share, "", "measured", "prefix cache hits / queries")

@@ -10,10 +10,13 @@ at most ``max_requests`` request states, ``keep_spikes`` listed spikes and ``hor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisCounters, AnalysisReport
 from kvtop.model.records import (
@@ -32,8 +35,9 @@ class LiveAnalyzer:
                  model_config: dict[str, Any] | None = None, kv_bytes_per_token: float | None = None,
                  kv_dtype: str = "bf16", tp: int = 1, max_requests: int = 5000, keep_spikes: int = 500,
                  horizon_s: float = 120.0, report_every_s: float = 1.0):
-        self._settings_kw: dict[str, Any] = dict(
-            itl_target_s=itl_target_s, adapter=adapter, model=model, model_config=model_config,
+        # a fresh analyzer with the same settings, for the core's reset (a replay seeking backwards)
+        self._fresh: Callable[[], LiveAnalyzer] = partial(
+            LiveAnalyzer, itl_target_s=itl_target_s, adapter=adapter, model=model, model_config=model_config,
             kv_bytes_per_token=kv_bytes_per_token, kv_dtype=kv_dtype, tp=tp, max_requests=max_requests,
             keep_spikes=keep_spikes, horizon_s=horizon_s, report_every_s=report_every_s)
         self.an = Analyzer(itl_target_s=itl_target_s, max_requests=max_requests, keep_spikes=keep_spikes,
@@ -52,11 +56,9 @@ class LiveAnalyzer:
             self._set_adapter(adapter)
 
     def fresh(self) -> LiveAnalyzer:
-        return LiveAnalyzer(**self._settings_kw)
+        return self._fresh()
 
     def _set_adapter(self, name: str) -> None:
-        from kvtop.analysis.engines import engine_semantics
-
         self._adapter = name
         preempts, self._settings, counted_at, warn = engine_semantics(name)
         self.an.preempts = preempts

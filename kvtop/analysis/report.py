@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvtop import units
+from kvtop.analysis.advice.advisor import advise
+from kvtop.analysis.advice.kvbytes import BUILTIN, ModelConfigError, kv_size
+from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
+from kvtop.analysis.inputs import build_situation, sum_delta
 from kvtop.analysis.state import AnalysisState
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
-    EngineRequestTimes,
-    PreemptionCheck,
     RequestRow,
     SpikeView,
     Verdict,
@@ -67,13 +69,9 @@ def _lost_time(st: AnalysisState, counts: dict[str, int]) -> tuple[dict[str, flo
     return lost, {c: len(v) for c, v in streams.items()}
 
 
-def _size_link_host(st: AnalysisState, s: Any, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
+def _size_link_host(st: AnalysisState, s: Situation, model_config: dict[str, Any] | None, dtype: str, tp: int) -> None:
     """What the advisor needs beyond inputs.py's figures: the KV-size function, per-direction link
     rates from the engine's offload counters, and host-memory bounds for a recommended pool."""
-    from kvtop.analysis.advice.kvbytes import BUILTIN, ModelConfigError, kv_size
-    from kvtop.analysis.advice.situation import Num
-    from kvtop.analysis.inputs import _sum_delta
-
     geo_cfg = model_config
     if geo_cfg is None and s.v("model_key") in BUILTIN:
         geo_cfg = BUILTIN[s.v("model_key")]
@@ -85,8 +83,8 @@ def _size_link_host(st: AnalysisState, s: Any, model_config: dict[str, Any] | No
     except ModelConfigError:
         s.size = None
     for d, key, what in (("out", "bw_d2h", "GPU->host"), ("in", "bw_h2d", "host->GPU")):
-        b = _sum_delta(st, f"offload_{d}_bytes_total")
-        sec = _sum_delta(st, f"offload_{d}_seconds_total")
+        b = sum_delta(st, f"offload_{d}_bytes_total")
+        sec = sum_delta(st, f"offload_{d}_seconds_total")
         if b and sec and sec > 0:
             s.n[key] = Num(b / sec, "B/s", "measured", f"engine offload {what} bytes / seconds")
     host = st.tally.host or {}
@@ -106,10 +104,6 @@ def _last_sum(st: AnalysisState, key: str) -> float | None:
 def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                  dtype: str = "bf16", tp: int = 1, settings_names: dict[str, str] | None = None,
                  engine: str | None = None, warnings: list[str] | None = None) -> AnalysisReport:
-    from kvtop.analysis.advice.advisor import advise
-    from kvtop.analysis.advice.situation import Num
-    from kvtop.analysis.inputs import build_situation
-
     st = an.state()
     s = build_situation(st, model_config, kv_bytes, dtype, tp)
     _size_link_host(st, s, model_config, dtype, tp)
@@ -173,8 +167,6 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
                    for g in st.spikes)
     requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
                                 r.ended_by) for r in st.streams if r.first_t is not None)
-    check = st.request_preemptions
-    times = st.engine_request_times
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
@@ -187,8 +179,8 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         causes={c: CauseRow(counts[c], round(shares[c], 4), _round(conf[c], 3)) for c in counts},
         over_target_s={c: round(v, 3) for c, v in over.items()} or None,
         requests=requests,
-        request_preemptions=PreemptionCheck(**check) if check is not None else None,
-        engine_request_times=EngineRequestTimes.from_dict(times) if times is not None else None,
+        request_preemptions=st.request_preemptions,
+        engine_request_times=st.engine_request_times,
         verdict=verdict,
         warnings=tuple(warnings or ()),
     )

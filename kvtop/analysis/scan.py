@@ -23,6 +23,7 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     an.set_header(header)
     warnings = [warn] if warn else []
     if fast:
+        # numpy takes a tenth of a second or more to import: only the fast path loads it
         from kvtop.analysis import fastscan
 
         if fastscan.available():

@@ -16,6 +16,7 @@ from kvtop.analysis.attribution.causes import Cause
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
+from kvtop.model.analysis import EngineRequestTimes, PreemptionCheck
 
 
 @dataclass(frozen=True)
@@ -41,5 +42,5 @@ class AnalysisState:
     streams: tuple[ReqState, ...]  # every stream still held, in arrival order
     tally: Tally  # the measured inputs' running totals
     scrapes: tuple[Scrape, ...]  # engine scrapes with an ITL histogram (kept only without token timings)
-    request_preemptions: dict[str, Any] | None  # the engine's per-request preemptions vs kvtop's spikes
-    engine_request_times: dict[str, Any] | None  # the engine's own per-request times vs observation
+    request_preemptions: PreemptionCheck | None  # the engine's per-request preemptions vs kvtop's spikes
+    engine_request_times: EngineRequestTimes | None  # the engine's own per-request times vs observation

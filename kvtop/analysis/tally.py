@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.analysis.gaps import LogHistogram
-
-EngineKey = tuple[Any, Any]  # (url, engine instance)
+from kvtop.model.records import EngineKey
 
 
 @dataclass

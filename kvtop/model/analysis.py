@@ -71,7 +71,7 @@ class Verdict:
     mechanism: str | None = None
     also: tuple[str, ...] = ()
     numbers: Mapping[str, Number] = field(default_factory=dict)
-    settings: Mapping[str, Any] = field(default_factory=dict)
+    settings: Mapping[str, str | int | float] = field(default_factory=dict)  # engine flag -> its value
     confidence: float = 0.0
     marginal: bool = False
     reasons: tuple[str, ...] = ()

@@ -91,6 +91,10 @@ class HostRecord:
     notes: list[str] = field(default_factory=list)
 
 
+# One engine instance as its records name it: (the URL kvtop scraped, the engine's own instance label).
+EngineKey = tuple[str | None, str | None]
+
+
 @dataclass(slots=True)
 class EngineRecord:
     """One engine (one DP rank / ``engine`` label) as read from one scrape, normalised."""

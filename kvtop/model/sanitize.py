@@ -32,7 +32,7 @@ _INTS = ("kv_capacity_tokens", "block_size", "offload_capacity_bytes")
 _INT_MAX = float(1 << 53)
 
 
-def finite_or_none(v: Any) -> float | None:
+def finite_or_none(v: object) -> float | None:
     """``v`` as a finite float, else None (bools, strings, NaN and infinities are not numbers here)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
@@ -40,7 +40,7 @@ def finite_or_none(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def as_int(v: Any) -> int | None:
+def as_int(v: object) -> int | None:
     """``int(v)`` for a finite, non-negative number within 2**53; None otherwise (never raises)."""
     if isinstance(v, str):
         try:
@@ -111,7 +111,7 @@ def sanitize_record(rec: EngineRecord) -> EngineRecord:
     return rec
 
 
-def _show(v: Any) -> str:
+def _show(v: object) -> str:
     return printable(repr(v), 24)
 
 
@@ -143,7 +143,7 @@ def dumps(obj: Any, **kw: Any) -> str:
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
-def printable(s: Any, limit: int | None = None) -> str:
+def printable(s: object, limit: int | None = None) -> str:
     """``s`` as text safe to show on a terminal: control characters (ESC, BEL, CR, ...) become
     U+FFFD, and with ``limit`` the text is cut to that many characters."""
     text = s if isinstance(s, str) else str(s)

@@ -9,7 +9,6 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from kvtop.model.records import Histogram
 
@@ -157,7 +156,7 @@ class HistogramSeries:
 
     def __init__(self, maxlen: int = 3600):
         self._items: deque[tuple[float, Histogram]] = deque(maxlen=maxlen)
-        self._cache: tuple[tuple[Any, ...], Histogram | None] | None = None
+        self._cache: tuple[tuple[int, int, float, float], Histogram | None] | None = None  # (key, delta)
 
     def append(self, t: float, h: Histogram | None) -> None:
         if h is not None:

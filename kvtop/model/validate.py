@@ -19,7 +19,7 @@ from kvtop.model.sanitize import printable
 # One line of a trace may be at most this long; a longer one is skipped, never read whole.
 MAX_LINE_BYTES = 1 << 20
 
-Check = Callable[[Any], bool]
+Check = Callable[[object], bool]
 _INT_MAX = 1 << 53
 # Record times are seconds since the start of the run: a time outside this range is corruption,
 # and one such value would make every gap and per-second bin downstream absurd (or huge).
@@ -27,41 +27,41 @@ T_MIN = -1.0
 T_MAX = 1e9
 
 
-def _num(v: Any) -> bool:
+def _num(v: object) -> bool:
     return (type(v) is float or type(v) is int) and math.isfinite(v)
 
 
-def _time(v: Any) -> bool:
+def _time(v: object) -> bool:
     return (type(v) is float or type(v) is int) and T_MIN <= v <= T_MAX
 
 
-def _num_or_nan(v: Any) -> bool:
+def _num_or_nan(v: object) -> bool:
     # kvtop's writer turns NaN/Infinity into null: a non-finite number in a trace is corruption
     return (type(v) is float or type(v) is int) and math.isfinite(v)
 
 
-def _int(v: Any) -> bool:
+def _int(v: object) -> bool:
     # every integer a record holds is a count, size, index or status: never negative
     return (type(v) is int or (type(v) is float and v.is_integer())) and 0 <= v <= _INT_MAX
 
 
-def _str(v: Any) -> bool:
+def _str(v: object) -> bool:
     return type(v) is str
 
 
-def _bool(v: Any) -> bool:
+def _bool(v: object) -> bool:
     return type(v) is bool
 
 
-def _list(v: Any) -> bool:
+def _list(v: object) -> bool:
     return type(v) is list
 
 
-def _dict(v: Any) -> bool:
+def _dict(v: object) -> bool:
     return type(v) is dict
 
 
-def _hist(v: Any) -> bool:
+def _hist(v: object) -> bool:
     # counts must be real numbers; the sum may be unknown (written as null)
     if type(v) is not dict or not _num(v.get("count")) or not (v.get("sum") is None or _num(v["sum"])):
         return False
@@ -103,7 +103,7 @@ def _check_for(annotation: str) -> Check | None:
 
 
 def _optional(check: Check) -> Check:
-    def ok(v: Any) -> bool:
+    def ok(v: object) -> bool:
         return v is None or check(v)
 
     return ok
@@ -130,7 +130,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
-def record_ok(d: Any) -> bool:
+def record_ok(d: object) -> bool:
     """True when ``d`` is a record dict whose known fields have the types the reader expects."""
     if type(d) is not dict:
         return False

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from bisect import insort
 from collections import deque
-from typing import Any
+from collections.abc import Callable
 
 from kvtop.sim.blocks import BlockPool, Prefix
 from kvtop.sim.preemption import Preemptor
@@ -67,7 +67,7 @@ class Engine:
         """
         self.pool.set_reservations(by_priority)
 
-    def add(self, spec: RequestSpec, t: float | None = None, user: Any = None) -> Seq:
+    def add(self, spec: RequestSpec, t: float | None = None, user: object = None) -> Seq:
         t = self.t if t is None else t
         s = Seq(spec, self._order, t)
         s.user = user
@@ -178,7 +178,7 @@ class Engine:
 
     # --- one engine step -----------------------------------------------------------------------
 
-    def step(self, hook: Any = None) -> bool:
+    def step(self, hook: Callable[[float], None] | None = None) -> bool:
         """Schedule and run one step starting at ``self.t``. ``hook(t_end)`` runs before outputs
         are committed (the caller delivers arrivals, cancels and scrapes that fall inside the step).
         Returns False when there was nothing to run (time does not move)."""

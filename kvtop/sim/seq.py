@@ -58,7 +58,7 @@ class Seq:
         self.ready_t = 0.0  # an overlapped swap-in's copy ends
         self.resume_info: dict[str, Any] | None = None
         self.cancelled = False
-        self.user: Any = None  # owner's per-request data (the HTTP server's stream queue)
+        self.user: object = None  # owner's per-request data (the HTTP server's stream queue)
 
 
 def order_key(s: Seq) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -31,6 +31,9 @@ from kvtop.sim.workload import RequestSpec, Workload
 
 MAX_BODY = 8 << 20  # 8 MiB of JSON is plenty for a 100K-word prompt
 
+# what the engine tells a request's handler: ("token", t), ("finish", reason) or ("shutdown", None)
+Stream = asyncio.Queue[tuple[str, float | str | None]]
+
 
 class _ServerSink(Sink):
     def __init__(self, record: Callable[[Record], None] | None):
@@ -39,7 +42,7 @@ class _ServerSink(Sink):
     def on_tokens(self, t: float, seqs: list[Seq]) -> None:
         for s in seqs:
             q = s.user
-            if q is not None:
+            if isinstance(q, asyncio.Queue):
                 q.put_nowait(("token", t))
         if self.record is not None:
             for s in seqs:
@@ -47,7 +50,7 @@ class _ServerSink(Sink):
                                           source="sim"))
 
     def on_finish(self, t: float, seq: Seq, reason: str) -> None:
-        if seq.user is not None:
+        if isinstance(seq.user, asyncio.Queue):
             seq.user.put_nowait(("finish", reason))
         if self.record is not None:
             self.record(RequestRecord(t, seq.id, "finish" if reason != "error" else "error", source="sim",
@@ -82,7 +85,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
-        self._streams: set[asyncio.Queue[tuple[str, Any]]] = set()
+        self._streams: set[Stream] = set()
         self._n = 0
         self.url = ""
 
@@ -177,7 +180,7 @@ class SimServer:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def _spec(self, body: dict[str, Any], prompt_words: int, headers: Any) -> RequestSpec:
+    def _spec(self, body: dict[str, Any], prompt_words: int, headers: Mapping[str, str]) -> RequestSpec:
         raw = body.get("kvtop")
         ext: dict[str, Any] = raw if isinstance(raw, dict) else {}
         cls_name = str(ext.get("class") or headers.get("X-Kvtop-Class") or self.workload.classes[0].name)
@@ -238,7 +241,7 @@ class SimServer:
             raise web.HTTPBadRequest(text=_err(
                 f"prompt has {spec.prompt_tokens} tokens, more than max_model_len {self.workload.engine.max_model_len}"),
                 content_type="application/json")
-        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        q: Stream = asyncio.Queue()
         t_arrive = self.sim_now()
         if self.record is not None:
             self.record(RequestRecord(t_arrive, spec.id, "arrive", prompt_tokens=spec.prompt_tokens, cls=spec.cls,
@@ -286,7 +289,7 @@ class SimServer:
                         return resp
                     raise web.HTTPServiceUnavailable(text=_err("server shutting down"),
                                                      content_type="application/json")
-                reason = val
+                reason = str(val)
                 break
             done = True
             usage = {"prompt_tokens": spec.prompt_tokens, "completion_tokens": n,
@@ -341,7 +344,7 @@ class SimServer:
             "root": e.model, "max_model_len": e.max_model_len}]})
 
 
-def _count(p: Any) -> int:
+def _count(p: object) -> int:
     return len(p.split()) if isinstance(p, str) else (len(p) if isinstance(p, list) else 0)
 
 

@@ -12,11 +12,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.adapters.base import EngineAdapter
 from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
+from kvtop.model.trace import TraceWriter, make_header
+from kvtop.plugin import load_adapter
 from kvtop.sim.engine import Engine
 from kvtop.sim.metrics import MetricsPage
 from kvtop.sim.seq import Seq
-from kvtop.sim.stats import Sink
+from kvtop.sim.stats import Sink, Stats
 from kvtop.sim.workload import RequestSpec, Workload
 
 SIM_URL = "sim://"
@@ -62,7 +65,7 @@ class SimResult:
     requests: int = 0
     steps: int = 0
     records: int = 0
-    stats: Any = None
+    stats: Stats = field(default_factory=Stats)
     engine: Engine | None = None
     truth_counts: dict[str, int] = field(default_factory=dict)
 
@@ -100,11 +103,9 @@ class Simulation:
         self._next_scrape = 0.0 if scrape_interval_s else float("inf")
         self.n_requests = 0
         self.n_records = 0
-        self._adapter: Any = None
+        self._adapter: EngineAdapter | None = None
         self._page: MetricsPage | None = None
         if scrape_interval_s:
-            from kvtop.plugin import load_adapter
-
             self._adapter = load_adapter("vllm")()
             self._page = MetricsPage(self.engine, created=1.7e9)
 
@@ -180,8 +181,6 @@ class Simulation:
 
 
 def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: float) -> dict[str, Any]:
-    from kvtop.model.trace import make_header
-
     e = workload.engine
     return make_header(
         engine={"adapter": "vllm", "url": SIM_URL, "model": e.model, "version": "kvtop-sim"},
@@ -205,8 +204,6 @@ def _token_lines(t: float, seqs: list[Seq]) -> str:
 
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
                       scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None) -> SimResult:
-    from kvtop.model.trace import TraceWriter
-
     with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
         f = w._f  # same file, same buffering: token lines are appended in time order with the rest
 

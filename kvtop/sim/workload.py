@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtop.errors import UsageError
 from kvtop.model.records import trace_time
+from kvtop.model.trace import TraceError, TraceReader
 
-_T = TypeVar("_T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")
 
 
 class WorkloadError(UsageError):
@@ -199,7 +203,7 @@ def _engine_to_dict(e: EngineConfig) -> dict[str, Any]:
 def _build(cls: type[_T], d: Any, where: str) -> _T:
     if not isinstance(d, dict):
         raise WorkloadError(f"{where}: expected an object")
-    names = {f.name: f for f in fields(cast(Any, cls))}
+    names = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(names))
     if unknown:
         raise WorkloadError(f"{where}: unknown field(s) {', '.join(unknown)}")
@@ -334,8 +338,6 @@ def requests_from_trace(path: str | Path, workload: Workload, seed: int = 1,
     (a draw from their class's output distribution, or the first class's), so a replay under the same
     engine and policy reproduces the recorded run exactly. Times are the trace's run clock.
     """
-    from kvtop.model.trace import TraceError, TraceReader
-
     try:
         reader = TraceReader(path)
     except TraceError as e:

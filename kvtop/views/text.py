@@ -6,6 +6,7 @@ Plain text, no colour, no Textual: numbers carry their units, unknown values pri
 from __future__ import annotations
 
 from kvtop import units
+from kvtop.analysis.report import render_report_text
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import HostRecord
 from kvtop.model.sanitize import printable
@@ -83,8 +84,6 @@ def _engine_lines(e: EngineView) -> list[str]:
 
 def _analysis_lines(a: AnalysisReport) -> list[str]:
     """The analysis report as `kvtop analyze` prints it: causes, worst streams, verdict, numbers."""
-    from kvtop.analysis.report import render_report_text
-
     return ["", *render_report_text(a).splitlines()]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvtop.analysis.attribution.causes import ALL, Cause
 from kvtop.analysis.attribution.thresholds import KV_HIGH, PROMPT_JUMP_MIN, PROMPT_JUMP_REL
+from kvtop.model.records import EngineKey
 
 
 @dataclass
@@ -20,7 +21,7 @@ class Scrape:
     """One engine scrape as the fallback needs it (kept only while no token timings exist)."""
 
     t: float
-    key: tuple[Any, Any]  # (url, engine instance)
+    key: EngineKey
     itl: dict[str, Any]  # {"buckets": [[le, cumulative count], ...], "count": n}
     preemptions: float | None
     prompt_tokens: float | None
@@ -38,7 +39,7 @@ def aggregate_causes(scrapes: list[Scrape], target: float | None, k: float, pree
     counts = dict.fromkeys(ALL, 0)
     if len(scrapes) < 2:
         return counts, None, None
-    by_key: dict[Any, list[Scrape]] = {}
+    by_key: dict[EngineKey, list[Scrape]] = {}
     for s in scrapes:
         by_key.setdefault(s.key, []).append(s)
     src = target_source

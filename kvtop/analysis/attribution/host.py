@@ -51,15 +51,27 @@ def line(ev: Evidence) -> str:
             "engine's API server hung")
 
 
-def judge(ev: Evidence) -> Finding | None:
-    if scrapes_stalled(ev):
-        return ev.found(Cause.UNKNOWN, "unknown/host", [line(ev), "not an engine cause: no engine setting fixes it"],
-                        "host", weighed=False)
+def hung(ev: Evidence) -> Finding | None:
+    """The host or the engine's API server hung: kvtop's own scrapes stalled with the stream."""
+    if not scrapes_stalled(ev):
+        return None
+    return ev.found(Cause.UNKNOWN, "unknown/host", [line(ev), "not an engine cause: no engine setting fixes it"],
+                    "host", weighed=False)
+
+
+def continued(ev: Evidence) -> Finding | None:
+    """A spike starting where the stream's delivery stall ended is the same disruption."""
     g = ev.gap
     p = ev.prev_spike
-    if p is not None and p.kind == "delivery" and g.t_start - p.t_end <= BURST_S:
-        return ev.found(Cause.UNKNOWN, "unknown/delivery-continued",
-                        ["it began where the stream's delivery stall ended: the same disruption"], "delivery", weighed=False)
+    if p is None or p.kind != "delivery" or g.t_start - p.t_end > BURST_S:
+        return None
+    return ev.found(Cause.UNKNOWN, "unknown/delivery-continued",
+                    ["it began where the stream's delivery stall ended: the same disruption"], "delivery", weighed=False)
+
+
+def delivery(ev: Evidence) -> Finding | None:
+    """The stall ended with what was buffered during it: a delivery stall, not the engine."""
+    g = ev.gap
     usual = max(1.0, g.tokens_per_event)
     # more tokens than any one event of the stream carried so far is more than one engine step's
     # worth (a resumed victim emits one step, up to k + 1 tokens with speculative decoding): they

@@ -12,7 +12,9 @@ Where streams name their engine, an engine's interval is matched with that engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from kvtop.model.analysis import PreemptionCheck
+from kvtop.model.records import EngineKey
 
 MAX_PINNED = 5000
 
@@ -31,9 +33,9 @@ class RequestPreemptions:
     finished: float = 0.0  # finished requests the histogram counted
     preemptions: float = 0.0  # their preemptions
     pinned: dict[str, int] = field(default_factory=dict)  # request id -> the engine's count
-    _prev: dict[Any, _Prev] = field(default_factory=dict)
+    _prev: dict[EngineKey, _Prev] = field(default_factory=dict)
     _finishes: list[tuple[float, str, str | None]] = field(default_factory=list)  # observed finishes since the oldest scrape
-    _addr: dict[Any, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
+    _addr: dict[EngineKey, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
     _named: bool = False  # some finished stream named its engine
 
     def finish(self, t: float, rid: str, engine: str | None = None) -> None:
@@ -41,7 +43,7 @@ class RequestPreemptions:
         if engine is not None:
             self._named = True
 
-    def scrape(self, key: Any, t: float, count: float | None, total: float | None,
+    def scrape(self, key: EngineKey, t: float, count: float | None, total: float | None,
                address: str | None = None) -> None:
         if count is None or total is None:
             return
@@ -66,12 +68,12 @@ class RequestPreemptions:
         oldest = min(p.t for p in self._prev.values())
         self._finishes = [f for f in self._finishes if f[0] > oldest]
 
-    def report(self, spikes_of: dict[str, int]) -> dict[str, Any] | None:
+    def report(self, spikes_of: dict[str, int]) -> PreemptionCheck | None:
         """The check as the report shows it; ``spikes_of`` = kvtop's preemption spikes per request id."""
         if not self._prev:
             return None
         agree = sum(1 for rid, n in self.pinned.items() if spikes_of.get(rid, 0) == n)
         more = sum(1 for rid, n in self.pinned.items() if spikes_of.get(rid, 0) > n)
-        return {"finished_requests": self.finished, "engine_preemptions": self.preemptions,
-                "pinned_requests": len(self.pinned), "pinned_agree": agree, "pinned_kvtop_more": more,
-                "pinned_kvtop_fewer": len(self.pinned) - agree - more}
+        return PreemptionCheck(finished_requests=self.finished, engine_preemptions=self.preemptions,
+                               pinned_requests=len(self.pinned), pinned_agree=agree, pinned_kvtop_more=more,
+                               pinned_kvtop_fewer=len(self.pinned) - agree - more)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.analysis.gaps import LogHistogram
+from kvtop.model.analysis import EngineRequestTimes
 
 MAX_SAMPLES = 5000
 QUEUED_S = 0.1  # a request that waited this long before it was first scheduled queued (not just a step)
@@ -61,7 +62,7 @@ class RequestTimes:
     tail_gap: list[float] = field(default_factory=list)  # observed first..last token span - the engine's
     rate: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=1000))  # prompt tokens / engine TTFT
     by_engine: dict[str, LogHistogram] = field(default_factory=dict)
-    _cache: dict[Any, tuple[int, float | None]] = field(default_factory=dict)
+    _cache: dict[str | None, tuple[int, float | None]] = field(default_factory=dict)
 
     def finish(self, d: dict[str, Any], prompt_tokens: int | None, arrive_t: float | None, first_t: float | None,
                last_t: float | None, engine: str | None) -> None:
@@ -98,14 +99,15 @@ class RequestTimes:
             c = self._cache[engine] = (h.n, h.quantile(0.5))
         return c[1]
 
-    def report(self) -> dict[str, Any] | None:
+    def report(self) -> EngineRequestTimes | None:
         if not self.requests:
             return None
         rate = self.prefill_rate()
-        return {"requests": self.requests, "queued_requests": self.queued,
-                "queue_s_median": _r6(_median(self.queue)), "queue_s_p90": _r6(_q(self.queue, 0.9)),
-                "queue_s_max": _r6(max(self.queue)) if self.queue else None,
-                "engine_prefill_tokens_per_s": None if rate is None else round(rate, 1),
-                "outside_engine_ttft_s_median": _r6(_median(self.outside_ttft)),
-                "tail_delivery_s_median": _r6(_median(self.tail_gap)),
-                "tail_delivery_s_max": _r6(max(self.tail_gap)) if self.tail_gap else None}
+        return EngineRequestTimes(
+            requests=self.requests, queued_requests=self.queued,
+            queue_s_median=_r6(_median(self.queue)), queue_s_p90=_r6(_q(self.queue, 0.9)),
+            queue_s_max=_r6(max(self.queue)) if self.queue else None,
+            engine_prefill_tokens_per_s=None if rate is None else round(rate, 1),
+            outside_engine_ttft_s_median=_r6(_median(self.outside_ttft)),
+            tail_delivery_s_median=_r6(_median(self.tail_gap)),
+            tail_delivery_s_max=_r6(max(self.tail_gap)) if self.tail_gap else None)

@@ -91,20 +91,24 @@ def _pct(x: float) -> str:
 RULES: tuple[Rule, ...] = (
     Rule("reported", Cause.PREEMPTION, ("reported",), ANY, preemption.reported, ("preemption/reported",),
          "the engine or adapter reported a `preempt` event for this request inside the gap", context=False),
-    Rule("outside-engine", Cause.UNKNOWN, ("host", "delivery"), ANY, host.judge,
-         ("unknown/host", "unknown/delivery", "unknown/delivery-continued"),
-         "`host`: kvtop's own scrapes paused across the stall (≥ half of it and ≥ 2 scrape intervals), or the "
-         f"scrape interval covering it came late by ≥ half the stall (and ≥ {host.HOST_LATE_MIN_S:g} s), or a "
-         f"scrape that fell due inside the stall was answered ≥ {host.HOST_LATE_MIN_S:g} s late within "
-         f"{host.HELD_REPLY_S:g} s of the stall's end (however little of the stall was left when it fell due, the "
-         "reply waited for the same hang): the host or the engine's API server hung. `delivery`: the stall ended "
-         f"with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within {BURST_S * 1e3:g} ms of its "
-         f"end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or more than any one of its "
-         f"recent {RECENT} events carried (more than one engine step: k + 1 tokens with speculative decoding), "
-         f"covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a slow reader, "
-         "API-server merging, the network); a resumed preemption victim emits one step's worth. A spike "
-         "starting where such a burst ended is the same disruption (`unknown/delivery-continued`). Asked before "
-         "any engine cause"),
+    # the host and delivery rows come before any engine cause: a hung host or a held-back burst
+    # leaves the same silence as an engine stall, and no engine setting fixes it
+    Rule("host", Cause.UNKNOWN, ("host",), ANY, host.hung, ("unknown/host",),
+         "kvtop's own scrapes paused across the stall (≥ half of it and ≥ 2 scrape intervals), or the scrape "
+         f"interval covering it came late by ≥ half the stall (and ≥ {host.HOST_LATE_MIN_S:g} s), or a scrape that "
+         f"fell due inside the stall was answered ≥ {host.HOST_LATE_MIN_S:g} s late within {host.HELD_REPLY_S:g} s "
+         "of the stall's end (however little of the stall was left when it fell due, the reply waited for the same "
+         "hang): the host or the engine's API server hung. Asked before any engine cause"),
+    Rule("delivery-continued", Cause.UNKNOWN, ("delivery",), ANY, host.continued, ("unknown/delivery-continued",),
+         f"the spike starts within {BURST_S * 1e3:g} ms of where the stream's previous spike, a `delivery` stall, "
+         "ended: the same disruption"),
+    Rule("delivery", Cause.UNKNOWN, ("delivery",), ANY, host.delivery, ("unknown/delivery",),
+         f"the stall ended with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within "
+         f"{BURST_S * 1e3:g} ms of its end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or "
+         f"more than any one of its recent {RECENT} events carried (more than one engine step: k + 1 tokens with "
+         f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a "
+         "slow reader, API-server merging, the network); a resumed preemption victim emits one step's worth. Asked "
+         "before any engine cause"),
     Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
          f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
          f"(look-ahead, below) are < 1/{REL_SLOW:g} of it. `slow/lifted-run`: the stream has no gaps of its own "

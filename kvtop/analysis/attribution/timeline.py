@@ -10,9 +10,9 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
+from kvtop.model.records import EngineKey
 
 
 @dataclass
@@ -57,14 +57,14 @@ class EngineTimeline:
 
     def __init__(self, horizon_s: float = 600.0):
         self.horizon_s = horizon_s
-        self.keys: dict[tuple[Any, Any], _Key] = {}
+        self.keys: dict[EngineKey, _Key] = {}
         # (t_prev, t, units left, units) per scrape where the counter rose, time-ordered
         self.steps: deque[list[float]] = deque()
         self.intervals: deque[float] = deque(maxlen=64)
         self.prompt_deltas: deque[float] = deque(maxlen=256)
         self.has_counter = False
 
-    def add(self, t: float, key: tuple[Any, Any], running: float | None, waiting: float | None,
+    def add(self, t: float, key: EngineKey, running: float | None, waiting: float | None,
             kv: float | None, pre: float | None, prompt: float | None) -> None:
         k = self.keys.get(key)
         if k is None:

@@ -57,7 +57,13 @@ def _per_s(v: float | None) -> str:
     return units.num(v, "{:.2f}/s")
 
 
-_MARKS: dict[str, Any] = {"key": None, "marks": {}}
+@dataclass
+class _MarksCache:
+    key: tuple[int, int | None, int | None] | None = None  # the spike list it was made from
+    marks: plot.Marks = field(default_factory=dict)
+
+
+_MARKS = _MarksCache()
 
 
 def spike_marks(s: Snapshot) -> plot.Marks:
@@ -65,7 +71,7 @@ def spike_marks(s: Snapshot) -> plot.Marks:
     live analysis rebuilds its report at most once a second, and it can list hundreds of spikes)."""
     spikes = s.analysis.spikes if s.analysis is not None else ()
     key = (len(spikes), id(spikes[0]) if spikes else None, id(spikes[-1]) if spikes else None)
-    if _MARKS["key"] != key:
+    if _MARKS.key != key:
         by: dict[str, list[float]] = {}
         for sp in spikes:
             t = sp.t_end or sp.t_start
@@ -73,9 +79,8 @@ def spike_marks(s: Snapshot) -> plot.Marks:
                 by.setdefault(str(sp.cause or "unknown"), []).append(float(t))
         for ts in by.values():
             ts.sort()
-        _MARKS["marks"], _MARKS["key"] = by, key
-    marks: plot.Marks = _MARKS["marks"]
-    return marks
+        _MARKS.marks, _MARKS.key = by, key
+    return _MARKS.marks
 
 
 def chart_specs(s: Snapshot) -> list[ChartSpec]:
@@ -205,12 +210,12 @@ class Chart(Widget):
     def _styles(self) -> dict[str, Style]:
         tv = self.app.theme_variables
 
-        def st(var: str, **kw: Any) -> Style:
+        def st(var: str, bold: bool | None = None) -> Style:
             c = tv.get(var, "default").removeprefix("ansi_")
             try:
-                return Style(color=c, **kw)
+                return Style(color=c, bold=bold)
             except Exception:
-                return Style(**kw)
+                return Style(bold=bold)
 
         return {
             plot.BAR: st("primary"), plot.OVER: st("warning"), plot.LINE: st("accent", bold=True),

@@ -3,8 +3,7 @@ and up, restarts, source errors, verdict changes); the console's filter box narr
 
 from __future__ import annotations
 
-from typing import Any
-
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.markup import escape
@@ -20,10 +19,10 @@ class EventsView(Vertical):
         super().__init__(id="events")
         self._cells = cells
         self.filter_text = ""
-        self._shown: tuple[Any, ...] | None = None  # what the table holds: rebuilt only on change
+        self._shown: tuple[int, EventView | None, str] | None = None  # what the table holds: rebuilt only on change
 
     def compose(self) -> ComposeResult:
-        ev: DataTable[Any] = DataTable(id="ev-table", cursor_type="row", zebra_stripes=True)
+        ev: DataTable[Text] = DataTable(id="ev-table", cursor_type="row", zebra_stripes=True)
         ev.add_column("t", key="t")
         ev.add_column("severity", key="severity")
         ev.add_column("kind", key="kind")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 from rich.markup import escape
@@ -24,9 +24,12 @@ from textual.widgets import DataTable, Footer, Static
 
 from kvtop import units
 from kvtop.snapshot import EngineView, Snapshot
+from kvtop.views.tui import fmt
 
 if TYPE_CHECKING:
     from kvtop.feeds.prometheus import PromFeed
+    from kvtop.sources.promfleet import AgentView, Target
+    from kvtop.views.tui.app import KvtopApp
 
 CAUSE_SHORT = (("preemption", "pre"), ("prefill_interference", "fill"), ("slow_decode", "slow"), ("unknown", "unk"))
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -61,7 +64,7 @@ def _host_port(addr: str) -> tuple[str, str]:
     return (p.hostname or "", str(p.port or ""))
 
 
-def agent_for(instance: str, agents: dict[str, Any]) -> Any:
+def agent_for(instance: str, agents: dict[str, AgentView]) -> AgentView | None:
     """The agent view for an engine instance: by the exact address, else an agent that watches
     the engine on its own host through loopback (``127.0.0.1:8000`` on the agent's node)."""
     a = agents.get(instance)
@@ -70,12 +73,12 @@ def agent_for(instance: str, agents: dict[str, Any]) -> Any:
     host, port = _host_port(instance)
     for label, view in agents.items():
         lh, lp = _host_port(label.split("/")[0])
-        if lp == port and lh in LOOPBACK and _host_port(getattr(view, "instance", ""))[0] == host:
+        if lp == port and lh in LOOPBACK and _host_port(view.instance)[0] == host:
             return view
     return None
 
 
-def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict[str, Any],
+def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Target], agents: dict[str, AgentView],
                computed: dict[str, tuple[float | None, float | None]] | None = None) -> list[FleetRow]:
     jobs = {tg.instance: tg for tg in targets.values()}
     rows = []
@@ -85,13 +88,13 @@ def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Any], agents: dict
         a = agent_for(e.url, agents)
         pp, pq = (computed or {}).get(e.url, (None, None))
         rows.append(FleetRow(
-            instance=inst, job=getattr(tg, "job", None), adapter=e.adapter, up=e.up,
-            error=e.error or getattr(tg, "error", None), kv_usage=e.kv_usage, running=e.running, waiting=e.waiting,
+            instance=inst, job=tg.job if tg else None, adapter=e.adapter, up=e.up,
+            error=e.error or (tg.error if tg else None), kv_usage=e.kv_usage, running=e.running, waiting=e.waiting,
             preemptions_per_s=e.preemptions_per_s, itl_p99_s=e.itl_p99_s,
-            itl_target_s=getattr(a, "itl_target_s", None) or snap.itl_target_s,
-            agent=getattr(a, "instance", None), action=getattr(a, "action", None),
-            mechanism=getattr(a, "mechanism", None), confidence=getattr(a, "confidence", None),
-            spikes=dict(getattr(a, "spikes", {}) or {}), engine=e, prom_preemptions_per_s=pp, prom_itl_p99_s=pq,
+            itl_target_s=(a.itl_target_s if a else None) or snap.itl_target_s,
+            agent=a.instance if a else None, action=a.action if a else None,
+            mechanism=a.mechanism if a else None, confidence=a.confidence if a else None,
+            spikes=dict(a.spikes) if a else {}, engine=e, prom_preemptions_per_s=pp, prom_itl_p99_s=pq,
         ))
     return rows
 
@@ -100,7 +103,9 @@ def _num(v: float | None, spec: str, scale: float = 1.0) -> str:
     return units.num(None if v is None else v * scale, "{:" + spec + "}")
 
 
-COLUMNS: tuple[tuple[str, str, Callable[[FleetRow], Any]], ...] = (
+SortKey = str | float  # a column sorts by text or by number (missing numbers as -1)
+
+COLUMNS: tuple[tuple[str, str, Callable[[FleetRow], SortKey]], ...] = (
     ("instance", "instance", lambda r: r.instance),
     ("job", "job", lambda r: r.job or ""),
     ("engine", "engine", lambda r: r.adapter or ""),
@@ -155,8 +160,6 @@ def instance_text(r: FleetRow) -> str:
         lines.append(f"tokens/s prompt {_num(e.prompt_tokens_per_s, '.0f')}   generation "
                      f"{_num(e.generation_tokens_per_s, '.0f')}")
         if e.kv_usage_history:
-            from kvtop.views.tui import fmt
-
             lines.append("KV history " + fmt.spark(list(e.kv_usage_history), 60, top=1.0))
     lines.append("")
     if r.agent is None:
@@ -261,7 +264,7 @@ class FleetScreen(Screen[None]):
         self.action_open()
 
 
-def open_fleet(app: Any, snapshot: Snapshot) -> None:
+def open_fleet(app: KvtopApp, snapshot: Snapshot) -> None:
     """Push the fleet screen for a console whose feed reads Prometheus (no-op otherwise); the
     console hands it its snapshots from then on."""
     if not app.feed.is_fleet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import ClassVar
 
 from textual.app import ComposeResult
@@ -72,7 +73,7 @@ class OverviewView(Vertical):
             why = "no GPU data yet" if s.gpu_status == "ok" else f"GPU: {s.gpu_status}"
             self._gpu_panels[0].show(lambda w: render.muted(escape(why)))
         for p, g in zip(self._gpu_panels, s.gpus, strict=False):
-            p.show(lambda w, g=g: render.gpu_line(g, w))
+            p.show(partial(render.gpu_line, g))
         self.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
         self._engine_panels = self._panels(self.query_one("#engines", Vertical), self._engine_panels,
                                            len(s.engines), "engine")
@@ -80,7 +81,7 @@ class OverviewView(Vertical):
             self._engine_panels[0].show(lambda w: render.muted("no engine data yet"))
         for p, e in zip(self._engine_panels, s.engines, strict=False):
             p.set_class(not e.up, "-down")
-            p.show(lambda w, e=e: render.engine_lines(e, s.itl_target_s, w, self.interval))
+            p.show(partial(render.engine_lines, e, s.itl_target_s, interval=self.interval))
         done, over = s.finished_total, s.gaps_over_target_total
         retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
         self.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)

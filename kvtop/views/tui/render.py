@@ -3,9 +3,8 @@ $error, ...) so every theme, the low-colour one included, decides what severity 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any
 
 from textual.markup import escape
 
@@ -188,7 +187,7 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
     )
 
 
-SORT_KEYS: dict[str, Any] = {
+SORT_KEYS: dict[str, Callable[[RequestView], str | float]] = {
     "id": attrgetter("id"), "state": attrgetter("state"), "cls": lambda r: r.cls or "",
     "tokens": attrgetter("tokens"), "age": attrgetter("age_s"),
     "gap": lambda r: r.current_gap_s if r.current_gap_s is not None else -1.0,

@@ -25,6 +25,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 Cells = Sequence[Text]
+LineShape = tuple[bool, int, int, int]  # on the cursor, odd row, horizontal scroll, width
 PAD = 1  # blank cells each side of a value, as DataTable
 
 
@@ -108,8 +109,9 @@ class RowTable(ScrollView, can_focus=True):
         self._index: dict[str, int] = {}
         self._widths = [cell_len(t.plain) for t in self._labels]
         self.cursor_row = 0
-        self._lines: dict[str, tuple[Any, Strip]] = {}  # key -> (what the line was made from, line)
-        self._style_set: tuple[Any, ...] | None = None
+        self._lines: dict[str, tuple[tuple[Cells, LineShape], Strip]] = {}  # key -> (what it was made from, line)
+        self._style_key: tuple[Style, bool, str] | None = None  # what the styles below were read for
+        self._styles: tuple[Style, Style, Style, Style] | None = None  # base, header, even row, cursor
 
     # -- the owner's side ------------------------------------------------------------------------
     def set_labels(self, labels: Sequence[str]) -> None:
@@ -241,19 +243,19 @@ class RowTable(ScrollView, can_focus=True):
         self._load_styles()  # once per paint, not per line: rich_style walks the ancestors each time
         return super().render_lines(crop)
 
-    def _load_styles(self) -> None:
+    def _load_styles(self) -> tuple[Style, Style, Style, Style]:
         base = self.rich_style
         key = (base, self.has_focus, self.app.theme)
-        if self._style_set is None or self._style_set[0] != key:
+        if self._styles is None or self._style_key != key:
             get = self.get_component_rich_style
-            self._style_set = (key, base, get("rowtable--header"), get("rowtable--even-row"),
-                               get("rowtable--cursor"))
+            self._style_key = key
+            self._styles = (base, get("rowtable--header"), get("rowtable--even-row"), get("rowtable--cursor"))
             self._lines = {}
+        return self._styles
 
     def _row_styles(self) -> tuple[Style, Style, Style, Style]:
-        if self._style_set is None:  # a line asked for outside a paint (tests)
-            self._load_styles()
-        return self._style_set[1:]  # type: ignore[index]
+        # a line asked for outside a paint (tests) reads them now
+        return self._styles if self._styles is not None else self._load_styles()
 
     def _line(self, cells: Cells, row_style: Style, post: Style | None) -> list[Segment]:
         segs: list[Segment] = []

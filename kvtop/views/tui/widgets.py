@@ -16,12 +16,12 @@ _THEME_VAR = re.compile(r"\$([a-z][a-z0-9-]*)")
 class Panel(Static):
     """A Static whose markup depends on its own width; re-rendered on resize."""
 
-    def __init__(self, builder: Any = None, **kw: Any):
+    def __init__(self, builder: Callable[[int], str] | None = None, **kw: Any):
         super().__init__("", **kw)
         self.builder = builder
         self._shown: str | None = None
 
-    def show(self, builder: Any) -> None:
+    def show(self, builder: Callable[[int], str]) -> None:
         self.builder = builder
         self._redraw()
 
