@@ -187,8 +187,8 @@ def _compare(args: argparse.Namespace, work: Path, base: Tree, this: Tree) -> in
             (f"{k}: replay json", ["replay", "--headless", "--format", "json", str(tr)], "kvtop+wall"),
         ]
     for sc in sorted((REPO / "tests" / "scenarios").glob("*.json")):
-        cmds += [(f"advise {sc.stem}", ["advise", str(sc)], "kvtop"),
-                 (f"advise {sc.stem} json", ["advise", str(sc), "--format", "json"], "kvtop")]
+        cmds += [(f"advise {sc.stem}", ["advise", "--scenario", str(sc)], "kvtop"),
+                 (f"advise {sc.stem} json", ["advise", "--scenario", str(sc), "--format", "json"], "kvtop")]
 
     def one(tree: Tree, key: str, argv: list[str], kind: str) -> None:
         tmp = Path(tempfile.mkdtemp(dir=work))
@@ -226,6 +226,10 @@ def _compare(args: argparse.Namespace, work: Path, base: Tree, this: Tree) -> in
                 p = Path(args.keep) / name / re.sub(r"[^A-Za-z0-9._-]+", "_", key)
                 p.parent.mkdir(parents=True, exist_ok=True)
                 p.write_bytes(data)
+    # an output that is an error on both sides proves nothing: say so
+    failed = [k for k, v in out["base"].items() if not v.startswith(b"rc=0\n")]
+    for k in failed:
+        print(f"FAILED ON BASE  {k}: {out['base'][k].splitlines()[-1][:120]!r}")
     differ = [k for k in out["base"] if out["base"][k] != out["this"].get(k)]
     for k in differ:
         print(f"DIFFERS  {k}: {_first_diff(out['base'][k], out['this'].get(k, b''))}")
@@ -233,7 +237,7 @@ def _compare(args: argparse.Namespace, work: Path, base: Tree, this: Tree) -> in
     print(f"{total - len(differ)} of {total} outputs byte-identical against {args.base}"
           f" ({len(presets)} presets, {len(situations)} tracegen situations, "
           f"{len(list((REPO / 'tests' / 'scenarios').glob('*.json')))} scenarios, {len(list(pages.iterdir()))} engine pages)")
-    return 1 if differ else 0
+    return 1 if differ or failed else 0
 
 
 if __name__ == "__main__":
