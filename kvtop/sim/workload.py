@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from kvtop.errors import UsageError
+from kvtop.model import jsonio
 from kvtop.model.records import trace_time
 
 _T = TypeVar("_T")
@@ -217,6 +218,8 @@ def _num(v: Any, where: str, lo: float | None = None, integer: bool = False) -> 
 
 
 def _engine_from(d: dict[str, Any], where: str) -> EngineConfig:
+    if not isinstance(d, dict):
+        raise WorkloadError(f"{where}: 'engine' must be an object")
     d = dict(d)
     kv_bytes = d.pop("kv_cache_bytes", None)
     step = _build(StepCost, d.pop("step", {}) or {}, f"{where}: engine.step")
@@ -314,14 +317,7 @@ def load_preset(name: str) -> Workload:
 
 def load_workload_file(path: str | Path) -> Workload:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise WorkloadError(f"cannot read workload {p}: {e.strerror or e}") from None
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise WorkloadError(f"workload {p} is not valid JSON: {e}") from None
+    obj = jsonio.read_json(p, "workload", WorkloadError)
     return parse_workload(obj, f"workload {p.name}")
 
 

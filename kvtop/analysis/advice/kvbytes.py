@@ -7,11 +7,12 @@ layers, which cap the bytes to *move* (never the tokens to *recompute*).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvtop.model import jsonio
 
 # bytes per element by KV dtype name as engines spell it
 _DTYPE_BYTES = {
@@ -187,15 +188,18 @@ def lookup_model(name: str | None) -> tuple[str, dict[str, Any]] | None:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ModelConfigError(f"cannot read model config {path}: {e.strerror or e}") from None
-    except ValueError:
-        raise ModelConfigError(f"model config {path} is not JSON") from None
+    # NaN/Infinity kept: transformers writes its configs with json.dumps, which emits them
+    d = jsonio.read_json(path, "model config", ModelConfigError, allow_nan=True)
     if not isinstance(d, dict):
         raise ModelConfigError(f"model config {path} is not a JSON object")
-    geometry_from_config(d)  # validate now so the error names the file
+    try:
+        g = geometry_from_config(d)  # validate now so the error names the file
+        if min(g.layers, g.heads_q, g.kv_heads, g.head_dim) < 1:  # every KV byte count divides by them
+            raise ModelConfigError("layers, attention heads, KV heads and head_dim must be at least 1")
+    except ModelConfigError as e:
+        raise ModelConfigError(f"model config {path}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:  # a field of the wrong type, Infinity layers, 0 heads
+        raise ModelConfigError(f"model config {path}: a geometry field has the wrong type or value ({e})") from None
     return d
 
 

@@ -19,6 +19,7 @@ from kvtop.analysis.advice.kvbytes import (
     lookup_model,
 )
 from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.model import jsonio
 from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
 
@@ -33,12 +34,7 @@ def schema() -> dict[str, Any]:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except OSError as e:
-        raise ScenarioError(f"cannot read scenario {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ScenarioError(f"scenario {path} is not JSON: {e}") from None
+    doc = jsonio.read_json(path, "scenario", ScenarioError)
     bad = _non_finite(doc)
     if bad:
         raise ScenarioError(f"scenario {path}: {bad} is not a finite number of at most {MAX_NUMBER:g} in magnitude")
@@ -46,10 +42,6 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict):  # validate() already refused anything but an object
         raise ScenarioError(f"scenario {path} is not a JSON object")
     return doc
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 # Larger than any byte count, rate or token count a scenario describes (1 PB); a 1e300-token prompt
