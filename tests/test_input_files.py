@@ -171,3 +171,27 @@ def test_trace_header_with_huge_numbers_or_deep_nesting(tmp_path, capsys):
         f.write_bytes(b'{"kind": "header", "format": "kvtop-trace", "version": 1, ' + extra + b"}\n" + good)
         rc, lines = _run(["analyze", str(f), "--format", "json"], capsys)
         assert rc in (0, 2) and len(lines) <= 1, lines
+
+
+def test_fuzz_findings_are_one_line_refusals(tmp_path, capsys):
+    """What the 20k-case fuzz run found past the reader: a string number in a scenario's model_config,
+    a model config with a 10**30-wide hidden size, a workload sigma whose draw overflows a float."""
+    s = json.loads(SCENARIO)
+    s.pop("model", None)
+    s["model_config"] = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": "1e3",
+                         "hidden_size": 4096}
+    cases = []
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(s))
+    cases.append(["advise", "--scenario", str(f)])
+    m = tmp_path / "config.json"
+    m.write_text('{"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 1' + "0" * 30 + "}")
+    cases.append(["analyze", str(tmp_path / "none.jsonl"), "--model-config", str(m)])
+    w = json.loads(WORKLOAD)
+    w["classes"][0]["prompt"] = {"median": 100, "sigma": 1e6}
+    wf = tmp_path / "w.json"
+    wf.write_text(json.dumps(w))
+    cases.append(["simulate", "--workload", str(wf), "--duration", "1", "-o", str(tmp_path / "o.jsonl")])
+    for argv in cases:
+        rc, lines = _run(argv, capsys)
+        assert rc == 2 and len(lines) == 1, (argv[0], lines)

@@ -244,12 +244,19 @@ def _engine_from(d: dict[str, Any], where: str) -> EngineConfig:
     return eng
 
 
+_MAX_MEDIAN = 1e9  # tokens
+_MAX_SIGMA = 10.0
+
+
 def _dist(d: Any, where: str) -> Dist:
     if isinstance(d, (int, float)) and not isinstance(d, bool):
         d = {"median": d}
     dist = _build(Dist, d, where)
     _num(dist.median, f"{where}.median", 1)
     _num(dist.sigma, f"{where}.sigma", 0)
+    # a lognormal draw is exp(log(median) + sigma·z): past these it overflows a float (a traceback)
+    if dist.median > _MAX_MEDIAN or dist.sigma > _MAX_SIGMA:
+        raise WorkloadError(f"{where}: median must be <= {_MAX_MEDIAN:g} and sigma <= {_MAX_SIGMA:g}")
     _num(dist.min, f"{where}.min", 1, integer=True)
     if dist.max is not None:
         _num(dist.max, f"{where}.max", dist.min, integer=True)

@@ -14,6 +14,7 @@ from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import (
     Geometry,
     ModelConfigError,
+    checked_geometry,
     geometry_from_config,
     kv_size,
     lookup_model,
@@ -41,6 +42,11 @@ def load(path: str | Path) -> dict[str, Any]:
     validate(doc, str(path))
     if not isinstance(doc, dict):  # validate() already refused anything but an object
         raise ScenarioError(f"scenario {path} is not a JSON object")
+    if isinstance(doc.get("model_config"), dict):  # the schema leaves a Hugging Face config's fields open
+        try:
+            checked_geometry(doc["model_config"])
+        except ModelConfigError as e:
+            raise ScenarioError(f"scenario {path}: model_config: {e}") from None
     return doc
 
 
