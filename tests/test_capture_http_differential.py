@@ -87,7 +87,7 @@ def _split(rnd: random.Random, data: bytes) -> list[bytes]:
     if rnd.random() < 0.6:
         return [data]
     cuts = sorted(rnd.sample(range(1, len(data)), min(len(data) - 1, rnd.randint(1, 6))))
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
 def _event(rnd: random.Random, k: int, chat: bool) -> bytes:
@@ -289,7 +289,7 @@ class Observed(HttpConnection):
 
 def segments(data: bytes, cuts: list[int]) -> list[bytes]:
     cuts = sorted({c for c in cuts if 0 < c < len(data)})
-    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
 
 
 def run_kvtop(conv: list[Exchange], client_cuts: list[int], server_cuts: list[int], interleave: bool) -> Observed:
@@ -321,10 +321,10 @@ def check_agrees(conv: list[Exchange], c: Observed, seen: Seen, ref=None) -> Non
     assert c.dead is None, c.dead
     # requests: the same ids in the same order; a recorded request's body byte for byte
     assert [rid for rid, _ in c.requests] == [rid for rid, _ in ref_req]
-    for (rid, body), (_, ref_body), ex in zip(c.requests, ref_req, conv):
+    for (rid, body), (_, ref_body), ex in zip(c.requests, ref_req, conv, strict=True):
         assert body == (ref_body if ex.recorded else None), rid
     # responses: every recorded one with h11's status and decoded body, finished, in order
-    recorded = [(rid, status, body) for (rid, status, body), ex in zip(ref_resp, conv) if ex.recorded]
+    recorded = [(rid, status, body) for (rid, status, body), ex in zip(ref_resp, conv, strict=True) if ex.recorded]
     assert seen.order == [rid for rid, _, _ in recorded]
     for rid, status, body in recorded:
         assert seen.responses[rid] == [status, bytearray(body), "finish"], rid
@@ -374,11 +374,11 @@ def reference_records(conv: list[Exchange]) -> list[RequestRecord]:
     client = b"".join(ex.req_wire for ex in conv)
     server = b"".join(ex.resp_wire for ex in conv)
     out: list[RequestRecord] = []
-    for (rid, body), ex in zip(h11_requests(client), conv):
+    for (rid, body), ex in zip(h11_requests(client), conv, strict=True):
         if ex.recorded:
             out.append(RequestRecord(T, rid, "arrive", prompt_tokens=prompt_tokens_from_request(json.loads(body)),
                                      source="capture"))
-    for (rid, status, body), ex in zip(h11_responses(conv, server), conv):
+    for (rid, status, body), ex in zip(h11_responses(conv, server), conv, strict=True):
         if ex.recorded:
             headers = ex.resp_wire.split(b"\r\n\r\n", 2)
             sse = b"text/event-stream" in (headers[1] if ex.resp_wire.startswith(b"HTTP/1.1 100") else headers[0])
