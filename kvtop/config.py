@@ -171,8 +171,8 @@ def resolve_token(args: Any, config: Mapping[str, Any]) -> str | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(TOKEN_FILE_MAX_BYTES + 1)
-    except OSError as e:
-        raise UsageError(f"cannot read token file {path}: {e.strerror or e}") from None
+    except (OSError, ValueError, TypeError) as e:  # ValueError: a NUL in the path; TypeError: not a path
+        raise UsageError(f"cannot read token file {_shown(path)}: {getattr(e, 'strerror', None) or e}") from None
     if len(raw) > TOKEN_FILE_MAX_BYTES:
         raise UsageError(f"token file {path} is larger than {TOKEN_FILE_MAX_BYTES // 1024} KiB: not a token")
     try:

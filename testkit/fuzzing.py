@@ -490,7 +490,7 @@ listen = "127.0.0.1:9000"
 
 def config_case(rnd: random.Random, stats: Stats, path: Path) -> None:
     """A mutated config.toml (and KVTOP_* variables) through ``load_config``: a dict or a one-line UsageError."""
-    from kvtop.config import KEYS, load_config, resolve
+    from kvtop.config import KEYS, load_config, resolve, resolve_token
     from kvtop.errors import UsageError
 
     lines = BASE_CONFIG.splitlines()
@@ -515,8 +515,19 @@ def config_case(rnd: random.Random, stats: Stats, path: Path) -> None:
         if "\n" in msg or len(msg) > 1000:
             stats.fail(f"config: refusal is not one short line: {msg[:200]!r}")
         stats["refused_configs"] += 1
+        return
     except Exception as e:
         stats.fail(f"config: {type(e).__name__}: {str(e)[:200]}")
+        return
+    try:
+        resolve_token(None, cfg)  # reads token_file (a path from the file: missing, a NUL in it, ...)
+    except UsageError as e:
+        msg = str(e)
+        if "\n" in msg or len(msg) > 1000:
+            stats.fail(f"token file: refusal is not one short line: {msg[:200]!r}")
+        stats["refused_tokens"] += 1
+    except Exception as e:
+        stats.fail(f"token file: {type(e).__name__}: {str(e)[:200]}")
 
 
 KINDS = ("page", "trace", "scenario", "workload", "model_config", "config")

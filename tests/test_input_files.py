@@ -195,3 +195,13 @@ def test_fuzz_findings_are_one_line_refusals(tmp_path, capsys):
     for argv in cases:
         rc, lines = _run(argv, capsys)
         assert rc == 2 and len(lines) == 1, (argv[0], lines)
+
+
+def test_a_token_file_path_with_a_nul_byte_is_a_usage_error(tmp_path):
+    from kvtop.config import resolve_token
+
+    f = tmp_path / "config.toml"
+    f.write_text('token_file = "/run/secrets/a\\u0000b"\n')
+    cfg = load_config(str(f), env={})
+    with pytest.raises(UsageError, match="cannot read token file"):
+        resolve_token(None, cfg)  # open() raises ValueError for a NUL in a path

@@ -57,8 +57,8 @@ def read_bytes(path: str | Path, what: str, error: ErrorType = InputError, max_b
     try:
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise error(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
     if len(data) > max_bytes:
         raise error(f"{what} {path} is larger than {max_bytes >> 20} MiB: not a {what}")
     return data
@@ -153,8 +153,8 @@ def read_toml(path: str | Path, what: str, error: ErrorType = InputError, max_de
             data = f.read(max_bytes + 1)
     except FileNotFoundError:
         raise
-    except OSError as e:
-        raise error(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise error(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
     if len(data) > max_bytes:
         raise error(f"{what} {path} is larger than {max_bytes >> 20} MiB: not a {what}")
     text = decode(data, what, path, error)
