@@ -7,18 +7,14 @@ Bad values anywhere are a one-line ``UsageError`` (exit 2), never a traceback.
 
 from __future__ import annotations
 
+import math
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvtop.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from kvtop.model import jsonio
 
 # key -> (type, environment variable). "urls" is a list; the rest are scalars.
 KEYS: dict[str, tuple[str, str]] = {
@@ -41,6 +37,12 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def _shown(value: Any) -> str:
+    """A wrong value as the error shows it: its repr, cut short (a config value may be megabytes)."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def default_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "kvtop" / "config.toml"
@@ -49,9 +51,12 @@ def default_path() -> Path:
 def parse_seconds(value: Any, what: str) -> float:
     """Seconds from a number or a string like ``30``, ``30s``, ``500ms``, ``2m``."""
     if isinstance(value, bool):
-        raise UsageError(f"{what} must be a number of seconds, not {value!r}")
+        raise UsageError(f"{what} must be a number of seconds, not {_shown(value)}")
     if isinstance(value, (int, float)):
-        v = float(value)
+        try:
+            v = float(value)
+        except OverflowError:  # an integer past a double's range
+            raise UsageError(f"{what} must be a finite number of seconds") from None
     elif isinstance(value, str):
         s = value.strip().lower()
         mult = 1.0
@@ -61,12 +66,12 @@ def parse_seconds(value: Any, what: str) -> float:
                 break
         try:
             v = float(s) * mult
-        except ValueError:
-            raise UsageError(f"{what} must be a number of seconds (e.g. 10, 10s, 500ms, 2m), not {value!r}") from None
+        except (ValueError, OverflowError):
+            raise UsageError(f"{what} must be a number of seconds (e.g. 10, 10s, 500ms, 2m), not {_shown(value)}") from None
     else:
-        raise UsageError(f"{what} must be a number of seconds, not {value!r}")
+        raise UsageError(f"{what} must be a number of seconds, not {_shown(value)}")
     if not (v == v) or v in (float("inf"), float("-inf")):
-        raise UsageError(f"{what} must be a finite number of seconds, not {value!r}")
+        raise UsageError(f"{what} must be a finite number of seconds, not {_shown(value)}")
     return v
 
 
@@ -88,10 +93,10 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             raise UsageError(f"{what} must be a number of milliseconds")
         try:
             v = float(value)
-        except (TypeError, ValueError):
-            raise UsageError(f"{what} must be a number of milliseconds, not {value!r}") from None
-        if not v > 0:
-            raise UsageError(f"{what} must be positive, not {value!r}")
+        except (TypeError, ValueError, OverflowError):
+            raise UsageError(f"{what} must be a number of milliseconds, not {_shown(value)}") from None
+        if not v > 0 or v == math.inf:
+            raise UsageError(f"{what} must be positive and finite, not {_shown(value)}")
         return v
     if kind == "bool":
         if isinstance(value, bool):
@@ -101,7 +106,7 @@ def _coerce(key: str, value: Any, origin: str) -> Any:
             return True
         if s in _FALSE:
             return False
-        raise UsageError(f"{what} must be true or false, not {value!r}")
+        raise UsageError(f"{what} must be true or false, not {_shown(value)}")
     if not isinstance(value, str):
         # a secret's value is never echoed, even a wrong-typed one
         shown = type(value).__name__ if key in _SECRET else repr(value)
@@ -121,15 +126,10 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
     out: dict[str, Any] = {}
     data: dict[str, Any] = {}
     try:
-        with open(p, "rb") as f:
-            data = tomllib.load(f)
+        data = jsonio.read_toml(p, "config file", UsageError)
     except FileNotFoundError:
         if explicit:
             raise UsageError(f"config file not found: {p}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"invalid TOML in {p}: {str(e).splitlines()[0]}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read config file {p}: {e.strerror or e}") from None
     for k, v in data.items():
         out[k] = _coerce(k, v, str(p)) if k in KEYS else v
     for key, (_, var) in KEYS.items():
@@ -171,8 +171,8 @@ def resolve_token(args: Any, config: Mapping[str, Any]) -> str | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(TOKEN_FILE_MAX_BYTES + 1)
-    except OSError as e:
-        raise UsageError(f"cannot read token file {path}: {e.strerror or e}") from None
+    except (OSError, ValueError, TypeError) as e:  # ValueError: a NUL in the path; TypeError: not a path
+        raise UsageError(f"cannot read token file {_shown(path)}: {getattr(e, 'strerror', None) or e}") from None
     if len(raw) > TOKEN_FILE_MAX_BYTES:
         raise UsageError(f"token file {path} is larger than {TOKEN_FILE_MAX_BYTES // 1024} KiB: not a token")
     try:

@@ -11,6 +11,7 @@ non-negative.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import random
@@ -274,7 +275,7 @@ def base_trace(path: Path, rnd: random.Random) -> None:
 
 
 EVIL_JSON = ("NaN", "Infinity", "-Infinity", "-1", "1e400", '"x"', "null", "{}", "[]", "true", '"\\u001b]0;t\\u0007"',
-             "[" * 5000 + "]" * 5000, "-1e308")
+             "[" * 5000 + "]" * 5000, "-1e308", "1" + "0" * 400, "9" * 5000, "[" * 900 + "]" * 900)
 
 
 def mutate_trace(rnd: random.Random, text: str) -> str:
@@ -307,7 +308,17 @@ def mutate_trace(rnd: random.Random, text: str) -> str:
 
 
 def trace_case(rnd: random.Random, stats: Stats, base: str, path: Path) -> None:
-    path.write_text(mutate_trace(rnd, base), encoding="utf-8")
+    text = mutate_trace(rnd, base)
+    if rnd.random() < 0.2:  # an agent segment (.jsonl.gz), sometimes cut or with a flipped byte
+        data = bytearray(gzip.compress(text.encode("utf-8")))
+        if rnd.random() < 0.5 and data:
+            if rnd.random() < 0.5:
+                del data[rnd.randrange(len(data)):]
+            else:
+                data[rnd.randrange(len(data))] ^= 1 << rnd.randrange(8)
+        path.write_bytes(bytes(data))
+    else:
+        path.write_text(text, encoding="utf-8")
     stats["traces"] += 1
     for fast in (True, False):
         try:
@@ -344,11 +355,72 @@ def _mutate_doc(rnd: random.Random, obj: Any) -> Any:
     return rnd.choice((float("nan"), float("inf"), -1, -1e300, 0, 1e300, "x", None, [], {}, True, 10**30))
 
 
+# ---- file-level mutations (scenarios, workloads, model configs, the TOML config) -------------------
+# What reaches the reader before any field is looked at: nesting past the reader's depth (and past
+# the interpreter's recursion limit), integers past Python's int-from-text limit and past a double,
+# numbers JSON does not allow, bytes that are not UTF-8, a file cut short.
+EVIL_JSON_VALUES = ("[" * 100_000 + "]" * 100_000, '{"a":' * 3000 + "1" + "}" * 3000, "[" * 65 + "]" * 65,
+                    "9" * 5000, "1" + "0" * 400, "-1e999", "1e999", "NaN", "-Infinity", '"\u0000"', '"\ud800"',
+                    '"' + "x" * 100_000 + '"', "[]", "{}", "null", "true", "-0", "1.5", '"1e3"')
+EVIL_TOML_VALUES = ("[" * 100_000 + "]" * 100_000, "{a=" * 3000 + "1" + "}" * 3000, "9" * 5000, "1" + "0" * 400,
+                    "9223372036854775808", "-9223372036854775809", "inf", "-inf", "nan", "1979-05-27",
+                    "07:32:00", '"' + "x" * 100_000 + '"', "[1, 2]", "{}", "true", '"\u0000"', "-1", "0", '""')
+
+
+def _json_values(text: str) -> list[tuple[int, int]]:
+    """Spans of the scalar values after a key (``"key": VALUE``) in compact or indented JSON."""
+    return [m.span(1) for m in re.finditer(r'":\s*("(?:[^"\\]|\\.)*"|-?[\d.eE+-]+|true|false|null)', text)]
+
+
+def mutate_bytes(rnd: random.Random, data: bytes) -> bytes:
+    """Encoding and framing damage: latin-1 bytes, UTF-16, BOMs, NUL bytes, flipped bytes, a cut."""
+    r = rnd.random()
+    if r < 0.15:
+        return data.decode("utf-8", "replace").encode(rnd.choice(("utf-16", "utf-16-be", "utf-32")))
+    if r < 0.25:
+        return rnd.choice((b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")) + data
+    b = bytearray(data)
+    for _ in range(rnd.randint(1, 6)):
+        if not b:
+            break
+        i = rnd.randrange(len(b))
+        op = rnd.random()
+        if op < 0.3:
+            b[i] = rnd.choice((0x00, 0xE9, 0xFF, 0xC3, 0x80, 0x1B))  # NUL, latin-1 é, lone UTF-8 lead/continuation
+        elif op < 0.6:
+            b[i] = rnd.randrange(256)
+        elif op < 0.8:
+            b.insert(i, rnd.choice(b"[{]}\",:\x00\n"))
+        else:
+            del b[i:]
+    return bytes(b)
+
+
+def mutate_json_text(rnd: random.Random, text: str) -> bytes:
+    spans = _json_values(text)
+    for _ in range(rnd.randint(1, 3)):
+        if spans and rnd.random() < 0.8:
+            a, z = spans.pop(rnd.randrange(len(spans)))
+            text = text[:a] + rnd.choice(EVIL_JSON_VALUES) + text[z:]
+            spans = _json_values(text) if len(text) < 200_000 else []
+    data = text.encode("utf-8", "surrogatepass")
+    return mutate_bytes(rnd, data) if rnd.random() < 0.35 else data
+
+
+def write_mutated_json(rnd: random.Random, doc: Any, path: Path) -> None:
+    """A document mutated at one of three levels: values of the wrong type (``_mutate_doc``, written
+    with NaN/Infinity as the bare words a careless tool emits), evil text spliced over a value, or bytes."""
+    r = rnd.random()
+    if r < 0.4:
+        for _ in range(rnd.randint(1, 4)):
+            doc = _mutate_doc(rnd, doc)
+        path.write_text(json.dumps(doc))
+    else:
+        path.write_bytes(mutate_json_text(rnd, json.dumps(doc, indent=rnd.choice((None, 2)))))
+
+
 def scenario_case(rnd: random.Random, stats: Stats, path: Path) -> None:
-    doc = json.loads(rnd.choice(SCENARIOS).read_text())
-    for _ in range(rnd.randint(1, 4)):
-        doc = _mutate_doc(rnd, doc)
-    path.write_text(json.dumps(doc))  # NaN/Infinity written as the bare words a careless tool emits
+    write_mutated_json(rnd, json.loads(rnd.choice(SCENARIOS).read_text()), path)
     stats["scenarios"] += 1
     try:
         out = scenario_mod.evaluate(scenario_mod.load(path))
@@ -360,21 +432,133 @@ def scenario_case(rnd: random.Random, stats: Stats, path: Path) -> None:
         stats.fail(f"advise: {type(e).__name__}: {e}")
 
 
-def run(cases: int, seed: int, tmp: Path, all_adapters: bool = False) -> Stats:
-    """``cases`` fuzz cases: half pages (detection, adapters, scraper, Core, snapshot JSON), a third
-    traces (analyze on both paths, replay), the rest scenarios (advise)."""
+# ---- workload, model config and TOML config cases ---------------------------------------------------
+WORKLOADS = sorted((REPO / "kvtop" / "sim" / "presets").glob("*.json"))
+
+
+def workload_case(rnd: random.Random, stats: Stats, path: Path) -> None:
+    """A mutated preset through ``kvtop simulate --workload``'s loader: a Workload or WorkloadError."""
+    from kvtop.sim.workload import WorkloadError, load_workload_file
+
+    write_mutated_json(rnd, json.loads(rnd.choice(WORKLOADS).read_text()), path)
+    stats["workloads"] += 1
+    try:
+        wl = load_workload_file(path)
+        for tc in wl.classes:  # the loader promised finite, typed numbers: the draws must work
+            tc.prompt.sample(rnd)
+            tc.output.sample(rnd)
+        stats["loaded_workloads"] += 1
+    except WorkloadError:
+        stats["refused_workloads"] += 1
+    except Exception as e:
+        stats.fail(f"workload: {type(e).__name__}: {str(e)[:200]}")
+
+
+def model_config_case(rnd: random.Random, stats: Stats, path: Path) -> None:
+    """A mutated Hugging Face config through ``--model-config``'s loader, then the KV size it implies."""
+    from kvtop.analysis.advice.kvbytes import BUILTIN, geometry_from_config, kv_size, load_config_file
+
+    write_mutated_json(rnd, dict(BUILTIN[rnd.choice(sorted(BUILTIN))]), path)
+    stats["model_configs"] += 1
+    try:
+        cfg = load_config_file(path)
+        kv_size(geometry_from_config(cfg), "bf16", 1)
+        stats["loaded_model_configs"] += 1
+    except ModelConfigError:
+        stats["refused_model_configs"] += 1
+    except Exception as e:
+        stats.fail(f"model config: {type(e).__name__}: {str(e)[:200]}")
+
+
+BASE_CONFIG = """# kvtop config
+url = ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+interval = "2s"
+duration = 10
+timeout = 1.5
+token_file = "/run/secrets/kvtop"
+adapter = "vllm"
+itl_target_ms = 80
+theme = "dark"
+format = "json"
+gpu = true
+host = false
+
+[proxy]
+listen = "127.0.0.1:9000"
+"""
+
+
+def config_case(rnd: random.Random, stats: Stats, path: Path) -> None:
+    """A mutated config.toml (and KVTOP_* variables) through ``load_config``: a dict or a one-line UsageError."""
+    from kvtop.config import KEYS, load_config, resolve, resolve_token
+    from kvtop.errors import UsageError
+
+    lines = BASE_CONFIG.splitlines()
+    for _ in range(rnd.randint(1, 3)):
+        i = rnd.randrange(len(lines))
+        if " = " in lines[i]:
+            lines[i] = lines[i].split(" = ")[0] + " = " + rnd.choice(EVIL_TOML_VALUES)
+    data = ("\n".join(lines) + "\n").encode()
+    path.write_bytes(mutate_bytes(rnd, data) if rnd.random() < 0.35 else data)
+    env = {}
+    if rnd.random() < 0.3:
+        key = rnd.choice(sorted(KEYS))
+        env[KEYS[key][1]] = rnd.choice(("", "1e999", "nan", "-5", "9" * 400, "x" * 10_000, "0", "true", "5ms", "\x1b[2J"))
+    stats["configs"] += 1
+    try:
+        cfg = load_config(str(path), env=env)
+        for key in KEYS:
+            resolve(None, cfg, key)
+        stats["loaded_configs"] += 1
+    except UsageError as e:
+        msg = str(e)
+        if "\n" in msg or len(msg) > 1000:
+            stats.fail(f"config: refusal is not one short line: {msg[:200]!r}")
+        stats["refused_configs"] += 1
+        return
+    except Exception as e:
+        stats.fail(f"config: {type(e).__name__}: {str(e)[:200]}")
+        return
+    try:
+        resolve_token(None, cfg)  # reads token_file (a path from the file: missing, a NUL in it, ...)
+    except UsageError as e:
+        msg = str(e)
+        if "\n" in msg or len(msg) > 1000:
+            stats.fail(f"token file: refusal is not one short line: {msg[:200]!r}")
+        stats["refused_tokens"] += 1
+    except Exception as e:
+        stats.fail(f"token file: {type(e).__name__}: {str(e)[:200]}")
+
+
+KINDS = ("page", "trace", "scenario", "workload", "model_config", "config")
+
+
+def run(cases: int, seed: int, tmp: Path, all_adapters: bool = False, kinds: tuple[str, ...] | None = None) -> Stats:
+    """``cases`` fuzz cases: by default a third pages (detection, adapters, scraper, Core, snapshot
+    JSON), a quarter traces (analyze on both paths, replay), the rest files a user writes (scenarios
+    through advise, workloads, model configs, config.toml); ``kinds`` runs only those."""
     rnd = random.Random(seed)
     stats = Stats()
     base_path = tmp / "base.jsonl"
     base_trace(base_path, random.Random(seed))
     base = base_path.read_text()
+    cycle = list(kinds) if kinds else ["page"] * 4 + ["trace"] * 3 + ["scenario", "scenario", "workload",
+                                                                        "model_config", "config"]
     for i in range(cases):
-        r = i % 6
-        if r < 3:
+        kind = cycle[i % len(cycle)]
+        if kind == "page":
             page_case(rnd, stats, all_adapters)
-        elif r < 5:
+        elif kind == "trace":
             trace_case(rnd, stats, base, tmp / "case.jsonl")
-        else:
+        elif kind == "scenario":
             scenario_case(rnd, stats, tmp / "case.json")
+        elif kind == "workload":
+            workload_case(rnd, stats, tmp / "workload.json")
+        elif kind == "model_config":
+            model_config_case(rnd, stats, tmp / "config.json")
+        elif kind == "config":
+            config_case(rnd, stats, tmp / "config.toml")
+        else:
+            raise ValueError(f"unknown fuzz kind {kind!r} (known: {', '.join(KINDS)})")
         stats["cases"] += 1
     return stats

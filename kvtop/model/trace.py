@@ -14,11 +14,13 @@ import math
 import os
 import socket
 import time
+import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, cast
 
+from kvtop.model import jsonio
 from kvtop.model.records import (
     TRACE_FORMAT,
     TRACE_VERSION,
@@ -58,8 +60,53 @@ def open_binary(path: str | os.PathLike[str]) -> IO[bytes]:
             raise FileNotFoundError(f"no kvtop trace segments in {path}")
         return cast(IO[bytes], io.BufferedReader(_Joined(segs), 1 << 20))
     if is_gzip(path):
-        return cast(IO[bytes], gzip.open(path, "rb"))
+        return _gunzip(path)
     return open(path, "rb")
+
+
+def _gunzip(path: str | os.PathLike[str]) -> IO[bytes]:
+    return cast(IO[bytes], io.BufferedReader(_Damaged(cast(IO[bytes], gzip.open(path, "rb"))), 1 << 20))
+
+
+class _Damaged(io.RawIOBase):
+    """A gzip stream that ends where its data stops decompressing, instead of raising.
+
+    An agent killed while compressing leaves a cut segment (EOFError); a flipped bit gives zlib.error
+    or a CRC mismatch (BadGzipFile). Every reader (the streaming reader and the fast path alike) keeps
+    what was read before that point: the stream ends with a line no parser accepts, so each counts
+    one malformed line and says so, as for a torn last line."""
+
+    DAMAGED = b"\n\x00damaged gzip data\n"
+
+    def __init__(self, raw: IO[bytes]):
+        self._raw = raw
+        self._tail = b""
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if not self._tail and not self._done:
+            try:
+                n = self._raw.readinto(b)  # type: ignore[attr-defined]
+                if n:
+                    return int(n)
+                self._done = True
+                return 0
+            except (OSError, EOFError, zlib.error):
+                self._done = True
+                self._tail = self.DAMAGED
+        if not self._tail:
+            return 0
+        n = min(len(b), len(self._tail))
+        b[:n] = self._tail[:n]
+        self._tail = self._tail[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class _Joined(io.RawIOBase):
@@ -80,7 +127,7 @@ class _Joined(io.RawIOBase):
         if not self._paths:
             return False
         p = self._paths.pop(0)
-        self._cur = cast(IO[bytes], gzip.open(p, "rb")) if is_gzip(p) else open(p, "rb")
+        self._cur = _gunzip(p) if is_gzip(p) else open(p, "rb")
         if not self._first:
             self._cur.readline()
         self._first = False
@@ -248,8 +295,9 @@ class TraceReader:
             self._f.close()
             raise TraceError(f"{self.path} is not a kvtop trace (first line longer than {MAX_LINE_BYTES} bytes)")
         try:
-            header = json.loads(first)
-        except (ValueError, RecursionError):
+            # NaN kept (header_problems drops a non-finite field); depth and integer size bounded
+            header = jsonio.loads(first, "trace", self.path, allow_nan=True)
+        except jsonio.InputError:
             self._f.close()
             raise TraceError(f"{self.path} is not a kvtop trace (first line is not a JSON header)") from None
         if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,12 @@ _INT_MAX = 1 << 53
 # and one such value would make every gap and per-second bin downstream absurd (or huge).
 T_MIN = -1.0
 T_MAX = 1e9
+_FLOAT_MAX = sys.float_info.max
 
 
 def _num(v: object) -> bool:
-    return (type(v) is float or type(v) is int) and math.isfinite(v)
+    # an int is compared, not converted: math.isfinite(10**400) raises OverflowError
+    return (type(v) is float and math.isfinite(v)) or (type(v) is int and -_FLOAT_MAX <= v <= _FLOAT_MAX)
 
 
 def _time(v: object) -> bool:
@@ -37,7 +40,7 @@ def _time(v: object) -> bool:
 
 def _num_or_nan(v: object) -> bool:
     # kvtop's writer turns NaN/Infinity into null: a non-finite number in a trace is corruption
-    return (type(v) is float or type(v) is int) and math.isfinite(v)
+    return _num(v)
 
 
 def _int(v: object) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtop.errors import UsageError
+from kvtop.model import jsonio
 from kvtop.model.records import trace_time
 from kvtop.model.trace import TraceError, TraceReader
 
@@ -221,6 +222,8 @@ def _num(v: Any, where: str, lo: float | None = None, integer: bool = False) -> 
 
 
 def _engine_from(d: dict[str, Any], where: str) -> EngineConfig:
+    if not isinstance(d, dict):
+        raise WorkloadError(f"{where}: 'engine' must be an object")
     d = dict(d)
     kv_bytes = d.pop("kv_cache_bytes", None)
     step = _build(StepCost, d.pop("step", {}) or {}, f"{where}: engine.step")
@@ -245,12 +248,19 @@ def _engine_from(d: dict[str, Any], where: str) -> EngineConfig:
     return eng
 
 
+_MAX_MEDIAN = 1e9  # tokens
+_MAX_SIGMA = 10.0
+
+
 def _dist(d: Any, where: str) -> Dist:
     if isinstance(d, (int, float)) and not isinstance(d, bool):
         d = {"median": d}
     dist = _build(Dist, d, where)
     _num(dist.median, f"{where}.median", 1)
     _num(dist.sigma, f"{where}.sigma", 0)
+    # a lognormal draw is exp(log(median) + sigma·z): past these it overflows a float (a traceback)
+    if dist.median > _MAX_MEDIAN or dist.sigma > _MAX_SIGMA:
+        raise WorkloadError(f"{where}: median must be <= {_MAX_MEDIAN:g} and sigma <= {_MAX_SIGMA:g}")
     _num(dist.min, f"{where}.min", 1, integer=True)
     if dist.max is not None:
         _num(dist.max, f"{where}.max", dist.min, integer=True)
@@ -318,14 +328,7 @@ def load_preset(name: str) -> Workload:
 
 def load_workload_file(path: str | Path) -> Workload:
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise WorkloadError(f"cannot read workload {p}: {e.strerror or e}") from None
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise WorkloadError(f"workload {p} is not valid JSON: {e}") from None
+    obj = jsonio.read_json(p, "workload", WorkloadError)
     return parse_workload(obj, f"workload {p.name}")
 
 

@@ -7,11 +7,12 @@ layers, which cap the bytes to *move* (never the tokens to *recompute*).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvtop.model import jsonio
 
 # bytes per element by KV dtype name as engines spell it
 _DTYPE_BYTES = {
@@ -187,16 +188,38 @@ def lookup_model(name: str | None) -> tuple[str, dict[str, Any]] | None:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    try:
-        d = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ModelConfigError(f"cannot read model config {path}: {e.strerror or e}") from None
-    except ValueError:
-        raise ModelConfigError(f"model config {path} is not JSON") from None
+    # NaN/Infinity kept: transformers writes its configs with json.dumps, which emits them
+    d = jsonio.read_json(path, "model config", ModelConfigError, allow_nan=True)
     if not isinstance(d, dict):
         raise ModelConfigError(f"model config {path} is not a JSON object")
-    geometry_from_config(d)  # validate now so the error names the file
+    try:
+        checked_geometry(d)  # validate now so the error names the file
+    except ModelConfigError as e:
+        raise ModelConfigError(f"model config {path}: {e}") from None
     return d
+
+
+# Far past any real model (layers, heads, head_dim, latent rank, window): bigger is a broken file,
+# and byte counts built from such numbers overflow a float.
+_GEOMETRY_MAX = 1 << 24
+
+
+def checked_geometry(cfg: dict[str, Any]) -> Geometry:
+    """``geometry_from_config`` for a config from a user's file: any field of the wrong type or an
+    absurd value is a ModelConfigError (one line), never a TypeError, ZeroDivisionError or OverflowError."""
+    try:
+        g = geometry_from_config(cfg)
+    except ModelConfigError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as e:  # "1e3" heads, Infinity layers
+        raise ModelConfigError(f"a geometry field has the wrong type or value ({str(e)[:100]})") from None
+    sizes = (g.layers, g.heads_q, g.kv_heads, g.head_dim)
+    if min(sizes) < 1:  # every KV byte count divides by them
+        raise ModelConfigError("layers, attention heads, KV heads and head_dim must be at least 1")
+    extra = (g.kv_lora_rank or 0, g.qk_rope_head_dim or 0, g.sliding_window or 0, g.swa_layers)
+    if max(*sizes, *extra) > _GEOMETRY_MAX or min(extra) < 0:
+        raise ModelConfigError(f"a geometry field is outside 0..{_GEOMETRY_MAX:,}")
+    return g
 
 
 # ---- the one size function every byte count goes through ------------------------------------

@@ -14,11 +14,13 @@ from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import (
     Geometry,
     ModelConfigError,
+    checked_geometry,
     geometry_from_config,
     kv_size,
     lookup_model,
 )
 from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.model import jsonio
 from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
 
@@ -33,23 +35,19 @@ def schema() -> dict[str, Any]:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=_no_constant)
-    except OSError as e:
-        raise ScenarioError(f"cannot read scenario {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise ScenarioError(f"scenario {path} is not JSON: {e}") from None
+    doc = jsonio.read_json(path, "scenario", ScenarioError)
     bad = _non_finite(doc)
     if bad:
         raise ScenarioError(f"scenario {path}: {bad} is not a finite number of at most {MAX_NUMBER:g} in magnitude")
     validate(doc, str(path))
     if not isinstance(doc, dict):  # validate() already refused anything but an object
         raise ScenarioError(f"scenario {path} is not a JSON object")
+    if isinstance(doc.get("model_config"), dict):  # the schema leaves a Hugging Face config's fields open
+        try:
+            checked_geometry(doc["model_config"])
+        except ModelConfigError as e:
+            raise ScenarioError(f"scenario {path}: model_config: {e}") from None
     return doc
-
-
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 # Larger than any byte count, rate or token count a scenario describes (1 PB); a 1e300-token prompt

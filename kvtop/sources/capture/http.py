@@ -21,11 +21,21 @@ from kvtop.sources.sse import RECORDED_PATHS, Emit, StreamRecorder, prompt_token
 HEAD_CAP = 64 << 10  # a request or response head larger than this is not an API call we parse
 PROMPT_BODY_CAP = 1 << 20  # request bodies up to this size are parsed for a token-id prompt length
 RESYNC_CAP = 64 << 10  # bytes searched for the next chunk boundary after a hole in chunked framing
+LINE_CAP = 1024  # a chunk-size line longer than this is not chunked framing; trailer lines are cut to it
+# Requests waiting for their response on one connection. API clients do not pipeline deeply; a
+# client whose requests are never answered (or whose answers we lost) must not grow this queue.
+MAX_PENDING = 1024
 
 _METHODS = (b"POST ", b"GET ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH ")
+_METHOD_MAX = max(len(m) for m in _METHODS)
+_STATUS_PREFIX = b"HTTP/1."
 _SAFE_ID = re.compile(rb"^[A-Za-z0-9_.:\-]{1,128}$")
 # After a hole that lost a chunk-size line: the next chunk that starts an SSE event (or the last chunk).
-_CHUNK_START = re.compile(rb"\r\n([0-9a-fA-F]{1,8})\r\n(?=data:|\r\n)")
+# A chunk extension (";name=value", which the size-line reader skips) must not hide a boundary, and
+# the last chunk may carry trailers (a "Name:" line) or an event start with another field ("event:").
+_CHUNK_START = re.compile(rb"\r\n([0-9a-fA-F]{1,8})(?:;[^\r\n]{0,256})?\r\n(?=data:|\r\n|[A-Za-z0-9-]{1,64}:)")
+# chunk-size = 1*HEXDIG (RFC 9112 §7.1): int(x, 16) alone also takes "-5", "+5", "0x5" and "5_0"
+_CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")
 
 
 @dataclass
@@ -83,9 +93,12 @@ class _Chunked:
         consumed (less than ``len(data)`` only once the last chunk and trailers are done)."""
         if self.resync is not None:
             buf = self.resync + data
-            m = _CHUNK_START.search(buf)
+            m = _boundary(buf)
             if m is None:
                 self.resync = buf[-RESYNC_CAP:]
+                return len(data)
+            if isinstance(m, int):  # a candidate whose chunk end is not here yet: hold from it on
+                self.resync = buf[m:]
                 return len(data)
             self.resync = None
             self.state = self.SIZE
@@ -111,13 +124,17 @@ class _Chunked:
                 j = data.find(b"\n", i)
                 if j < 0:
                     self.line += data[i:]
-                    if len(self.line) > 1024:
+                    if len(self.line) > LINE_CAP:
+                        self.line = b""
                         raise ValueError("chunk-size line too long")
                     return n
                 line = self.line + data[i:j]
                 self.line = b""
                 i = j + 1
-                size = int(line.split(b";", 1)[0].strip() or b"x", 16)
+                digits = line.split(b";", 1)[0].strip()
+                if not _CHUNK_SIZE.fullmatch(digits):
+                    raise ValueError("not a chunk-size line")
+                size = int(digits, 16)
                 if size == 0:
                     self.state = self.TRAILER
                 else:
@@ -126,15 +143,15 @@ class _Chunked:
             elif st == self.DATA_END:
                 j = data.find(b"\n", i)
                 if j < 0:
-                    self.line += data[i:]
-                    return n
+                    return n  # nothing of the line after a chunk's data is needed: keep none of it
                 self.line = b""
                 i = j + 1
                 self.state = self.SIZE
             elif st == self.TRAILER:
                 j = data.find(b"\n", i)
                 if j < 0:
-                    self.line += data[i:]
+                    # only whether the line is blank matters: its first bytes tell
+                    self.line = (self.line + data[i:])[:LINE_CAP]
                     return n
                 line = self.line + data[i:j]
                 self.line = b""
@@ -158,6 +175,28 @@ class _Chunked:
     @property
     def done(self) -> bool:
         return self.state == self.DONE
+
+
+def _boundary(buf: bytes) -> re.Match[bytes] | int | None:
+    """The first chunk boundary in ``buf`` whose chunk really ends where its size says (a CRLF there);
+    the offset of a candidate whose end is not in ``buf`` yet; None when there is none.
+
+    A hole that ends inside a size line leaves its tail ("6b" cut to "b"), which reads as a size line
+    of the wrong size: checked against where that chunk must end, it is passed over."""
+    pos = 0
+    while True:
+        m = _CHUNK_START.search(buf, pos)
+        if m is None:
+            return None
+        size = int(m.group(1), 16)
+        end = m.end() + size
+        if size == 0 or size > RESYNC_CAP // 2:  # the last chunk, or one too long to wait for
+            return m
+        if len(buf) < end + 2:
+            return m.start()
+        if buf[end:end + 2] == b"\r\n":
+            return m
+        pos = m.start() + 1
 
 
 class _Body:
@@ -250,13 +289,22 @@ class HttpConnection:
 
     def _client_head(self, data: bytes, t: float) -> bytes:
         if not self._c_head:
-            if not data.startswith(_METHODS) and not data.lstrip(b"\r\n").startswith(_METHODS):
+            data = data.lstrip(b"\r\n")  # empty lines before a request line are ignored (RFC 9112 §2.2)
+            if not data:
+                return b""
+        if len(self._c_head) < _METHOD_MAX:
+            lead = self._c_head + data
+            if not lead.startswith(_METHODS):
+                # a segment boundary may cut the method itself ("PO" | "ST /v1/..."): wait for the rest
+                if len(lead) < _METHOD_MAX and any(m.startswith(lead) for m in _METHODS):
+                    self._c_head = lead
+                    return b""
                 self._die("not_http")
                 return b""
         head, rest, self._c_head = self._split_head(self._c_head, data)
         if head is None:
             return b""
-        start, h = _head_fields(head.lstrip(b"\r\n"))
+        start, h = _head_fields(head)
         parts = start.split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             self._die("http2" if start.startswith(b"PRI") else "not_http")
@@ -272,6 +320,9 @@ class HttpConnection:
         body = _framing(h)
         if body is None:
             self._die("not_http")
+            return b""
+        if len(self.pending) >= MAX_PENDING:
+            self.lose(t)
             return b""
         self.pending.append(ex)
         self._c_ex = ex
@@ -354,7 +405,12 @@ class HttpConnection:
                 data = self._server_body(data, t)
 
     def _server_head(self, data: bytes, t: float) -> bytes:
-        if not self._s_head and not data.startswith(b"HTTP/1."):
+        if len(self._s_head) < len(_STATUS_PREFIX) and not (self._s_head + data).startswith(_STATUS_PREFIX):
+            lead = self._s_head + data
+            if _STATUS_PREFIX.startswith(lead):  # a segment boundary inside "HTTP/1.": wait for the rest
+                self._s_head = lead
+                return b""
+            data = lead
             if data[:1] == b"\x16":
                 self._die("tls")
             elif data.startswith(b"\x00\x00") or data[3:4] == b"\x04":  # an HTTP/2 SETTINGS frame
