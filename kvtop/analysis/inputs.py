@@ -34,6 +34,17 @@ def _sum_delta(st: AnalysisState, key: str) -> float | None:
     return tot
 
 
+def _peak_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (a sweep over starts and ends; an end at t closes
+    before a start at t opens)."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    peak = cur = 0
+    for _, d in edges:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
 def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                     dtype: str = "bf16", tp: int = 1) -> Situation:
     s = Situation(preempts=st.preempts, basis="requests")
@@ -127,6 +138,9 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                f"{acc.preempted_cancelled} of {preempted} preempted requests cancelled before resuming")
     elif preempted:
         n["cancel_prob"] = Num(0.0, "", "assumed", f"only {preempted} preempted requests seen")
+    peak = _peak_overlap(acc.preempt_stalls)
+    if peak:
+        n["preempted_peak"] = Num(peak, "sequences", "measured", "most preemption stalls open at once")
     if acc.seq_pre_n:
         n["seq_tokens"] = Num(acc.seq_pre_sum / acc.seq_pre_n, "tokens", "measured",
                               "mean prompt + generated tokens of preemption victims")
@@ -164,6 +178,12 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["output_mean"] = Num(acc.output_sum / acc.output_n, "tokens", "measured")
         n["output_p90"] = Num(acc.output_hist.quantile(0.9), "tokens", "measured")
         n["output_p99"] = Num(acc.output_hist.quantile(0.99), "tokens", "measured")
+    if acc.request_max:
+        n["request_tokens_p90"] = Num(acc.request_hist.quantile(0.9), "tokens", "measured",
+                                      "prompt + output of the same finished requests")
+        n["request_tokens_p99"] = Num(acc.request_hist.quantile(0.99), "tokens", "measured",
+                                      "prompt + output of the same finished requests")
+        n["request_tokens_max"] = Num(acc.request_max, "tokens", "measured", "longest finished request")
     cap = (hdr.get("kv") or {}).get("capacity_tokens")
     if not cap:
         for last in acc.engine_last.values():
