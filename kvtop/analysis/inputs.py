@@ -191,6 +191,14 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                 cap = (cap or 0) + last["kv_capacity_tokens"]
     if cap:
         n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
+    # the engine's current limits, where the trace says them (the simulator's header does): a
+    # recommendation equal to one of them is no change
+    sim = hdr.get("sim") or {}
+    for key, dst, unit in (("max_num_seqs", "max_seqs_current", "sequences"),
+                           ("max_num_batched_tokens", "batched_tokens_current", "tokens"),
+                           ("max_model_len", "max_model_len_current", "tokens")):
+        if isinstance(sim.get(key), int) and not isinstance(sim.get(key), bool):
+            n[dst] = Num(sim[key], unit, "measured", "trace header")
     if acc.running_n:
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
     if acc.kv_max is not None:

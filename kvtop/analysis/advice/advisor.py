@@ -625,8 +625,8 @@ def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:
         return
     bound = int(math.ceil(max(float(longest), float(p99 or 0.0)) / LENGTH_ROUND) * LENGTH_ROUND)
     cur = s.v("max_model_len_current")
-    if cur is not None and bound >= float(cur):
-        return  # not a tightening: the current bound already admits the traffic
+    if cur is not None and bound > float(cur):
+        return  # the engine served this traffic under its current bound: a larger one changes nothing
     settings.set(Setting.CTX, bound,
                  f"bounds prompt + output of one request: the longest request served had {float(longest):,.0f} "
                  + (f"(p99 {float(p99):,.0f}) " if p99 is not None else "")

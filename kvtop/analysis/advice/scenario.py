@@ -328,8 +328,12 @@ _FROM_REPORT = (
     ("streams_hit", "observed", "streams_hit", 1.0),
     ("window", "observed", "window_s", 1.0),
     ("kv_capacity_tokens", "capacity", "kv_capacity_tokens", 1.0),
+    ("max_seqs_current", "engine_settings", "max_num_seqs", 1.0),
+    ("batched_tokens_current", "engine_settings", "max_num_batched_tokens", 1.0),
+    ("max_model_len_current", "engine_settings", "max_model_len", 1.0),
 )
-_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes"}
+_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes", "max_num_seqs",
+                   "max_num_batched_tokens", "max_model_len"}
 
 
 def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
