@@ -179,9 +179,11 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["output_p90"] = Num(acc.output_hist.quantile(0.9), "tokens", "measured")
         n["output_p99"] = Num(acc.output_hist.quantile(0.99), "tokens", "measured")
     if acc.request_max:
-        n["request_tokens_p90"] = Num(acc.request_hist.quantile(0.9), "tokens", "measured",
+        # a histogram bin's value can lie above the longest request: the exact maximum caps it
+        top = float(acc.request_max)
+        n["request_tokens_p90"] = Num(min(top, acc.request_hist.quantile(0.9) or top), "tokens", "measured",
                                       "prompt + output of the same finished requests")
-        n["request_tokens_p99"] = Num(acc.request_hist.quantile(0.99), "tokens", "measured",
+        n["request_tokens_p99"] = Num(min(top, acc.request_hist.quantile(0.99) or top), "tokens", "measured",
                                       "prompt + output of the same finished requests")
         n["request_tokens_max"] = Num(acc.request_max, "tokens", "measured", "longest finished request")
     cap = (hdr.get("kv") or {}).get("capacity_tokens")

@@ -623,7 +623,9 @@ def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:
         reasons.append(f"no {name} bound: the run has no per-request prompt + output sizes, and a bound below the "
                        "longest request rejects it")
         return
-    bound = int(math.ceil(max(float(longest), float(p99 or 0.0)) / LENGTH_ROUND) * LENGTH_ROUND)
+    if p99 is not None:
+        p99 = min(float(p99), float(longest))
+    bound = int(math.ceil(float(longest) / LENGTH_ROUND) * LENGTH_ROUND)
     cur = s.v("max_model_len_current")
     if cur is not None and bound > float(cur):
         return  # the engine served this traffic under its current bound: a larger one changes nothing
