@@ -195,7 +195,8 @@ def test_storm_preset_flags_admit_its_traffic(tmp_path, kvtop_cli):
     trace = tmp_path / "t.jsonl"
     assert kvtop_cli("simulate", "--preset", "preemption-storm", "--seed", "1", "--duration", "20",
                      "-o", str(trace)).returncode == 0
-    v = json.loads(kvtop_cli("analyze", str(trace), "--format", "json").stdout)["verdict"]
+    rep = json.loads(kvtop_cli("analyze", str(trace), "--format", "json").stdout)
+    v = rep["verdict"]
     nums = v["numbers"]
     f = flags(v)
     assert v["action"] == "admission" and v["mechanism"] == "swap"
@@ -203,3 +204,14 @@ def test_storm_preset_flags_admit_its_traffic(tmp_path, kvtop_cli):
     assert f["--max-num-seqs"] < nums["max_seqs_current"]["value"] == 64
     assert {"--kv-offloading-size", "--kv-offloading-backend"} <= set(f)
     assert nums["preempted_peak"]["source"] == "measured" and nums["preempted_peak"]["value"] >= 1
+    # the snapshot schema's analysis object describes this report's settings
+    from importlib import resources
+
+    import jsonschema
+
+    schema = json.loads(resources.files("kvtop.schemas").joinpath("snapshot.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(rep)
+    bad = copy.deepcopy(rep)
+    bad["verdict"]["settings"] = {"--max-num-seqs": 8}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(bad)
