@@ -215,3 +215,13 @@ def test_storm_preset_flags_admit_its_traffic(tmp_path, kvtop_cli):
     bad["verdict"]["settings"] = {"--max-num-seqs": 8}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(bad)
+
+
+def test_reduce_batch_starts_from_what_actually_runs():
+    doc = {"name": "slow decode", "engine": "vllm", "model": "llama-3.1-70b", "tp": 4, "cause": "slow_decode",
+           "engine_settings": {"max_num_seqs": 512}, "observed": {"running": 151}}
+    v = judge(doc)
+    # a limit of 512 with 151 running: 3/4 of 512 (384) would bind nothing; 3/4 of 151 does
+    assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 113}
+    del doc["observed"]
+    assert flags(judge(doc)) == {"--max-num-seqs": 384}

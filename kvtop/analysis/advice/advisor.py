@@ -44,7 +44,7 @@ LENGTH_ROUND = 256
 DEFAULT_POOL_SEQS = 4
 
 # The engine's current value of a setting, where the trace or scenario says it.
-_CURRENT = {Setting.MAX_SEQS: "max_seqs_current", Setting.BATCHED_TOKENS: "batched_tokens_current",
+_CURRENT: dict[str, str] = {Setting.MAX_SEQS: "max_seqs_current", Setting.BATCHED_TOKENS: "batched_tokens_current",
             Setting.CTX: "max_model_len_current"}
 
 
@@ -62,7 +62,7 @@ class _Flags:
 
     def put(self, key: str, flag: str | None, value: Any, why: str) -> bool:
         name = key.value if isinstance(key, Setting) else key
-        cur_key = _CURRENT.get(Setting(name)) if name in _CURRENT else None
+        cur_key = _CURRENT.get(name)  # Setting is a str enum: its plain name finds it
         cur = self.s.v(cur_key) if cur_key else None
         if cur is not None and value == cur:
             self.reasons.append(f"{flag or name} {value} is the engine's current setting: not a change, not emitted")
@@ -221,9 +221,10 @@ def advise(s: Situation) -> Verdict:
                        "(batch too large or context too long); lower the concurrent sequence limit or scale out")
         ms = s.v("max_seqs_current")
         running = s.v("running_mean")
-        base = ms or running
+        # 3/4 of what actually runs: a limit far above the running batch binds nothing at 3/4 of itself
+        base = min(ms, running) if ms and running else ms or running
         if base:
-            what = "limit" if ms else "mean running batch"
+            what = "limit" if ms and base == ms else "mean running batch"
             n = max(1, int(base * 0.75))
             settings.set(Setting.MAX_SEQS, n, f"3/4 of the current {what} ({base:.0f}) ≈ {n}: a smaller batch "
                          "takes a shorter decode step; re-measure the ITL p99")
