@@ -91,7 +91,7 @@ class SglangAdapter(EngineAdapter):
         Setting.OFFLOAD_ENABLE: "--enable-hierarchical-cache",
         Setting.OFFLOAD_SIZE: "--hicache-size",
         Setting.OFFLOAD_RATIO: "--hicache-ratio",
-        Setting.MAX_TOKENS: "max_new_tokens (request) / --context-length",
+        Setting.CTX: "--context-length",  # bounds prompt + output of one request
     }
 
     @classmethod

@@ -48,7 +48,7 @@ class TgiAdapter(EngineAdapter):
         Setting.BATCHED_TOKENS: "--max-batch-prefill-tokens",
         Setting.CHUNKED_PREFILL: "--max-batch-prefill-tokens",
         Setting.WAITING_TOKENS: "--max-waiting-tokens",
-        Setting.MAX_TOKENS: "max_new_tokens (request) / --max-total-tokens",
+        Setting.CTX: "--max-total-tokens",  # bounds prompt + output of one request
         Setting.MAX_INPUT_TOKENS: "--max-input-tokens",
         Setting.GPU_MEMORY: "--cuda-memory-fraction",
     }

@@ -71,7 +71,7 @@ class VllmAdapter(EngineAdapter):
         Setting.OFFLOAD_SIZE: "--kv-offloading-size",
         Setting.OFFLOAD_BACKEND: "--kv-offloading-backend",
         Setting.GPU_MEMORY: "--gpu-memory-utilization",
-        Setting.MAX_TOKENS: "max_tokens (request) / --max-model-len",
+        Setting.CTX: "--max-model-len",  # bounds prompt + output of one request
     }
 
     @classmethod

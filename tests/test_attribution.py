@@ -318,7 +318,7 @@ def test_analyze_cli_on_a_trace(tmp_path, kvtop_cli):
     assert out["causes"]["preemption"] == {"count": 1, "share": 1.0, "mean_confidence": out["spikes"][0]["confidence"]}
     r3 = next(x for x in out["requests"] if x["request_id"] == "r3")
     assert r3["spikes"] == 1 and r3["preemption_spikes"] == 1 and r3["max_gap_s"] == pytest.approx(2.0, abs=0.03)
-    assert set(out["verdict"]) == {"action", "mechanism", "also", "numbers", "settings", "confidence", "marginal",
+    assert set(out["verdict"]) == {"action", "mechanism", "also", "numbers", "settings", "confidence", "tentative", "marginal",
                                    "reasons"}
     assert any("malformed" in w for w in out["warnings"])
     r = kvtop_cli("analyze", str(p))

@@ -48,7 +48,7 @@ def test_prefill_interference_precision_recall(traces, seed):
     assert s["preemption"]["predicted"] == 0  # zero preemptions in this preset
     v = rep.verdict
     assert v.action == "chunked_prefill" and v.mechanism is None
-    assert v.settings["--max-num-batched-tokens"] <= 2048
+    assert v.flags()["--max-num-batched-tokens"] <= 2048
 
 
 def test_healthy_has_no_spikes(traces):

@@ -212,6 +212,9 @@ class Analyzer:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
                         acc.output_n += 1
+                        if r.prompt_tokens is not None:
+                            acc.request_hist.add(float(r.prompt_tokens + out))
+                            acc.request_max = max(acc.request_max, int(r.prompt_tokens + out))
                 elif ev == "cancel":
                     acc.cancelled += 1
                 else:
@@ -365,6 +368,8 @@ class Analyzer:
                 if r.prompt_tokens is not None:
                     acc.seq_pre_sum += r.prompt_tokens + g.tokens_before
                     acc.seq_pre_n += 1
+                if len(acc.preempt_stalls) < 100_000:
+                    acc.preempt_stalls.append((g.t_start, g.t_end))
         ft = ev.first_token
         if f.cause is Cause.PREFILL and ft is not None and ft.prompt_tokens:
             base = ev.baseline or 0.0

@@ -34,6 +34,17 @@ def sum_delta(st: AnalysisState, key: str) -> float | None:
     return tot
 
 
+def _peak_overlap(spans: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (a sweep over starts and ends; an end at t closes
+    before a start at t opens)."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    peak = cur = 0
+    for _, d in edges:
+        cur += d
+        peak = max(peak, cur)
+    return peak
+
+
 def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
                     dtype: str = "bf16", tp: int = 1) -> Situation:
     s = Situation(preempts=st.preempts, basis="requests")
@@ -127,6 +138,9 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                f"{acc.preempted_cancelled} of {preempted} preempted requests cancelled before resuming")
     elif preempted:
         n["cancel_prob"] = Num(0.0, "", "assumed", f"only {preempted} preempted requests seen")
+    peak = _peak_overlap(acc.preempt_stalls)
+    if peak:
+        n["preempted_peak"] = Num(peak, "sequences", "measured", "most preemption stalls open at once")
     if acc.seq_pre_n:
         n["seq_tokens"] = Num(acc.seq_pre_sum / acc.seq_pre_n, "tokens", "measured",
                               "mean prompt + generated tokens of preemption victims")
@@ -164,6 +178,14 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["output_mean"] = Num(acc.output_sum / acc.output_n, "tokens", "measured")
         n["output_p90"] = Num(acc.output_hist.quantile(0.9), "tokens", "measured")
         n["output_p99"] = Num(acc.output_hist.quantile(0.99), "tokens", "measured")
+    if acc.request_max:
+        # a histogram bin's value can lie above the longest request: the exact maximum caps it
+        top = float(acc.request_max)
+        n["request_tokens_p90"] = Num(min(top, acc.request_hist.quantile(0.9) or top), "tokens", "measured",
+                                      "prompt + output of the same finished requests")
+        n["request_tokens_p99"] = Num(min(top, acc.request_hist.quantile(0.99) or top), "tokens", "measured",
+                                      "prompt + output of the same finished requests")
+        n["request_tokens_max"] = Num(acc.request_max, "tokens", "measured", "longest finished request")
     cap = (hdr.get("kv") or {}).get("capacity_tokens")
     if not cap:
         for last in acc.engine_last.values():
@@ -171,6 +193,14 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                 cap = (cap or 0) + last["kv_capacity_tokens"]
     if cap:
         n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
+    # the engine's current limits, where the trace says them (the simulator's header does): a
+    # recommendation equal to one of them is no change
+    sim = hdr.get("sim") or {}
+    for key, dst, unit in (("max_num_seqs", "max_seqs_current", "sequences"),
+                           ("max_num_batched_tokens", "batched_tokens_current", "tokens"),
+                           ("max_model_len", "max_model_len_current", "tokens")):
+        if isinstance(sim.get(key), int) and not isinstance(sim.get(key), bool):
+            n[dst] = Num(sim[key], unit, "measured", "trace header")
     if acc.running_n:
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
     if acc.kv_max is not None:

@@ -7,7 +7,7 @@ from typing import Any
 from kvtop import units
 from kvtop.analysis.advice.advisor import advise
 from kvtop.analysis.advice.kvbytes import BUILTIN, ModelConfigError, kv_size
-from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.analysis.advice.situation import AGGREGATE_CONFIDENCE_SCALE, Num, Situation
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
@@ -34,13 +34,17 @@ def render_verdict_text(v: Verdict) -> str:
         head += f"  (eviction mechanism: {v.mechanism})"
     if v.also:
         head += "  also: " + ", ".join(a.replace("_", " ") for a in v.also)
-    lines.append(f"verdict: {head}   confidence {v.confidence:.2f}" + ("   MARGINAL" if v.marginal else ""))
+    lines.append(f"verdict: {head}   confidence {v.confidence:.2f}" + ("   TENTATIVE" if v.tentative else "")
+                 + ("   MARGINAL" if v.marginal else ""))
     for d in v.decided_by:
         lines.append(f"  decided by: {d.gate} — {d.detail}")
     for r in v.reasons:
         lines.append(f"  - {r}")
     if v.settings:
-        lines.append("settings: " + "  ".join(f"{k} {val}" for k, val in v.settings.items()))
+        lines.append("settings: " + "  ".join(f"{k} {val}" for k, val in v.flags().items()))
+        for f in v.settings:
+            if f.why:
+                lines.append(f"  {f.label} {f.value}: {f.why}")
     nums = v.numbers
     shown = [k for k in _KEY_NUMBERS if k in nums and nums[k].value is not None]
     if shown:
@@ -157,10 +161,13 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
             s.n["waiting"] = Num(waiting, "requests", "measured", "last scrape, all engines")
     if basis == "requests" and total:
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
+    if basis == "requests" and gaps:
+        # the same itl_target_met gate `kvtop advise` applies: at most 1 % of gaps over the target is a met p99
+        s.n["miss_rate"] = Num(total / gaps, "", "measured", "gaps over the target / inter-token gaps")
     # advise() runs the diagnosis; the verdict's confidence is the chosen cause's mean attribution
     # confidence, lowered when only aggregates were seen
     s.cause_confidence = {c: v for c, v in conf.items() if v is not None}
-    s.confidence_scale = 1.0 if basis == "requests" else 0.6
+    s.confidence_scale = 1.0 if basis == "requests" else AGGREGATE_CONFIDENCE_SCALE
     verdict = advise(s)
     spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.candidate.gap, 6),
                              str(g.cause), g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence))

@@ -25,6 +25,11 @@ class Tally:
     preempted_cancelled: int = 0  # preempted requests whose client gave up before they resumed
     seq_pre_sum: float = 0.0  # prompt + generated tokens of preemption victims (the S of the cost model)
     seq_pre_n: int = 0
+    # prompt + output of each finished request whose prompt is known (a length bound must admit them all)
+    request_hist: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=800))
+    request_max: int = 0
+    # preemption stalls (start, end), to find the peak of sequences preempted at once (a host pool's size)
+    preempt_stalls: list[tuple[float, float]] = field(default_factory=list)
     prefill_a: list[float] = field(default_factory=list)  # stall seconds per prompt token of prefill stalls
     engine_first: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     engine_last: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)

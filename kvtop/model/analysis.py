@@ -63,6 +63,39 @@ class Number:
 
 
 @dataclass(frozen=True, slots=True)
+class FlagSetting:
+    """One engine setting to change: ``flag`` as the engine spells it (``--max-num-seqs``; None when
+    the engine is unknown and only the generic ``setting`` name is known), the value to give it and
+    why (the arithmetic behind the value). Automation reads ``flag``/``value``; people read ``why``."""
+
+    setting: str
+    flag: str | None
+    value: Any
+    why: str = ""
+
+    @property
+    def label(self) -> str:
+        """What a person types or looks for: the flag, else the generic setting name."""
+        return self.flag or self.setting
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setting": self.setting, "flag": self.flag, "value": self.value, "why": self.why}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> FlagSetting:
+        return FlagSetting(str(d.get("setting") or d.get("flag") or ""), d.get("flag"), d.get("value"),
+                           str(d.get("why") or ""))
+
+
+def _settings_from(raw: Any) -> tuple[FlagSetting, ...]:
+    """Settings as a list of ``{"setting", "flag", "value", "why"}``; a report saved before that shape
+    (``{"--max-num-seqs": 8}``) reads as flags without a reason."""
+    if isinstance(raw, Mapping):
+        return tuple(FlagSetting(str(k), str(k), v) for k, v in raw.items())
+    return tuple(FlagSetting.from_dict(x) for x in raw or ())
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """The advisor's answer: an action, the eviction mechanism behind it, the settings to change,
     the reasons and every number it used (``kvtop.analysis.advice.advisor.advise``)."""
@@ -71,10 +104,15 @@ class Verdict:
     mechanism: str | None = None
     also: tuple[str, ...] = ()
     numbers: Mapping[str, Number] = field(default_factory=dict)
-    settings: Mapping[str, str | int | float] = field(default_factory=dict)  # engine flag -> its value
+    settings: tuple[FlagSetting, ...] = ()
     confidence: float = 0.0
     marginal: bool = False
     reasons: tuple[str, ...] = ()
+    tentative: bool = False  # confidence under the floor: the reasons say what would confirm it
+
+    def flags(self) -> dict[str, Any]:
+        """The settings as ``{flag or setting name: value}`` (the human ``settings:`` line)."""
+        return {f.label: f.value for f in self.settings}
 
     def value(self, key: str) -> Any:
         """A number's value, None when the verdict does not carry it."""
@@ -92,8 +130,9 @@ class Verdict:
             "mechanism": self.mechanism,
             "also": list(self.also),
             "numbers": {k: n.to_dict() for k, n in self.numbers.items()},
-            "settings": dict(self.settings),
+            "settings": [f.to_dict() for f in self.settings],
             "confidence": self.confidence,
+            "tentative": self.tentative,
             "marginal": self.marginal,
             "reasons": list(self.reasons),
         }
@@ -105,10 +144,11 @@ class Verdict:
             mechanism=d.get("mechanism"),
             also=tuple(d.get("also") or ()),
             numbers={k: Number.from_dict(k, n) for k, n in (d.get("numbers") or {}).items()},
-            settings=dict(d.get("settings") or {}),
+            settings=_settings_from(d.get("settings")),
             confidence=d.get("confidence", 0.0),
             marginal=bool(d.get("marginal", False)),
             reasons=tuple(d.get("reasons") or ()),
+            tentative=bool(d.get("tentative", False)),
         )
 
     def finite(self) -> Verdict:

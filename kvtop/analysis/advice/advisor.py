@@ -26,7 +26,7 @@ from kvtop.analysis.advice.diagnosis import diagnose
 from kvtop.analysis.advice.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
 from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
-from kvtop.model.analysis import DECIDED_BY, Decision, Verdict
+from kvtop.model.analysis import DECIDED_BY, Decision, FlagSetting, Verdict
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
@@ -36,18 +36,44 @@ DEFAULT_RHO = {"llama-3.1-8b": 25_000.0, "llama-3.1-70b": 10_000.0, "qwen2.5-7b"
 GENERIC_RHO = 25_000.0
 GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unknown (assumed)
 
-# Generic names for settings when the engine's adapter does not name them.
-GENERIC_SETTINGS: dict[str, str] = {
-    Setting.MAX_SEQS: "max concurrent sequences",
-    Setting.BATCHED_TOKENS: "prefill token budget per step",
-    Setting.OFFLOAD_SIZE: "host KV offload pool (GiB)",
-    Setting.OFFLOAD_BACKEND: "host KV offload backend",
-    Setting.MAX_TOKENS: "max_tokens (request)",
-}
+# Below this confidence a verdict is tentative: it says so and what would confirm it.
+CONFIDENCE_FLOOR = 0.5
+# A recommended length bound is rounded up to this many tokens (a round figure an operator types).
+LENGTH_ROUND = 256
+# Concurrently preempted sequences a host pool holds when the trace never measured the peak.
+DEFAULT_POOL_SEQS = 4
+
+# The engine's current value of a setting, where the trace or scenario says it.
+_CURRENT: dict[str, str] = {Setting.MAX_SEQS: "max_seqs_current", Setting.BATCHED_TOKENS: "batched_tokens_current",
+            Setting.CTX: "max_model_len_current"}
 
 
-def _setting(s: Situation, key: Setting) -> str:
-    return s.settings_names.get(key) or GENERIC_SETTINGS.get(key, key)
+class _Flags:
+    """The settings a verdict emits, in order; each with its flag as the engine spells it and why.
+
+    A value equal to the engine's current setting is never emitted (the reasons say so instead):
+    "change X to what it already is" is not a prescription.
+    """
+
+    def __init__(self, s: Situation, reasons: list[str]):
+        self.s = s
+        self.reasons = reasons
+        self.items: list[FlagSetting] = []
+
+    def put(self, key: str, flag: str | None, value: Any, why: str) -> bool:
+        name = key.value if isinstance(key, Setting) else key
+        cur_key = _CURRENT.get(name)  # Setting is a str enum: its plain name finds it
+        cur = self.s.v(cur_key) if cur_key else None
+        if cur is not None and value == cur:
+            self.reasons.append(f"{flag or name} {value} is the engine's current setting: not a change, not emitted")
+            return False
+        self.items = [f for f in self.items if f.setting != name]
+        self.items.append(FlagSetting(name, flag, value, why))
+        return True
+
+    def set(self, key: Setting, value: Any, why: str) -> bool:
+        """A generic setting, spelled by the engine's adapter (no flag when the engine is unknown)."""
+        return self.put(key, self.s.settings_names.get(key), value, why)
 
 
 def _link(s: Situation, beta_rank: float) -> float:
@@ -137,7 +163,7 @@ def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, 
 def advise(s: Situation) -> Verdict:
     reasons: list[str] = []
     also: list[str] = []
-    settings: dict[str, Any] = {}
+    settings = _Flags(s, reasons)
     action: str
     mechanism: str | None = None
     marginal = False
@@ -157,7 +183,7 @@ def advise(s: Situation) -> Verdict:
 
     diagnose(s)
     cause = s.cause
-    if s.attribution_confidence is None and s.basis != "given" and cause is not None:
+    if s.attribution_confidence is None and (s.basis != "given" or s.cause_confidence) and cause is not None:
         conf = s.cause_confidence.get(cause, 0.3) * s.confidence_scale
     if cause == "preemption" and not s.preempts:
         cause = "unknown"
@@ -195,10 +221,14 @@ def advise(s: Situation) -> Verdict:
                        "(batch too large or context too long); lower the concurrent sequence limit or scale out")
         ms = s.v("max_seqs_current")
         running = s.v("running_mean")
-        base = ms or running
+        # 3/4 of what actually runs: a limit far above the running batch binds nothing at 3/4 of itself
+        base = min(ms, running) if ms and running else ms or running
         if base:
-            settings[_setting(s, Setting.MAX_SEQS)] = max(1, int(base * 0.75))
-            reasons.append(f"start at 3/4 of the current {'limit' if ms else 'mean running batch'} ({base:.0f}) "
+            what = "limit" if ms and base == ms else "mean running batch"
+            n = max(1, int(base * 0.75))
+            settings.set(Setting.MAX_SEQS, n, f"3/4 of the current {what} ({base:.0f}) ≈ {n}: a smaller batch "
+                         "takes a shorter decode step; re-measure the ITL p99")
+            reasons.append(f"start at 3/4 of the current {what} ({base:.0f}) "
                            "and re-measure the ITL p99")
     else:  # preemption
         action, mechanism, marginal, conf = _preemption(s, beta, beta_rank, a, k_att, reasons, also, settings, conf)
@@ -214,6 +244,9 @@ def advise(s: Situation) -> Verdict:
             reasons.append(f"{share:.0%} of the weighed spikes are {c2.replace('_', ' ')}: "
                            f"also consider {extra.replace('_', ' ')}")
 
+    tentative = action not in ("no_action", "insufficient_data") and conf < CONFIDENCE_FLOOR
+    if tentative:
+        reasons.insert(0, f"tentative: confidence {conf:.2f} < {CONFIDENCE_FLOOR:g}; " + _confirm(s, action))
     if s.evidence_hint:
         reasons.insert(0, s.evidence_hint)
     if action in ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch"):
@@ -227,11 +260,26 @@ def advise(s: Situation) -> Verdict:
         mechanism=mechanism,
         also=tuple(also),
         numbers={k: v.to_number() for k, v in s.n.items()},
-        settings=settings,
+        settings=tuple(settings.items),
         confidence=round(max(0.0, min(1.0, conf)), 3),
         marginal=marginal,
         reasons=tuple(reasons),
+        tentative=tentative,
     )
+
+
+def _confirm(s: Situation, action: str) -> str:
+    """What would confirm a low-confidence verdict before anyone changes a flag on it."""
+    if s.basis == "aggregate":
+        return ("confirm with per-request timings (--probe RATE, --capture or --proxy-listen): each stall then "
+                "gets its own cause")
+    if action == "chunked_prefill":
+        return ("confirm that the stalls hit every running stream at once when a long prompt arrives "
+                "(more traffic with long prompts, or the engine's step times)")
+    if action in ("admission", "swap", "recompute"):
+        return ("confirm that the stalls line up with preemption counter steps (a longer window, or vLLM's "
+                "per-request preemption histogram)")
+    return "confirm over a longer window with per-request timings before changing a flag"
 
 
 def _decided(s: Situation, gate: str, detail: str) -> None:
@@ -268,7 +316,7 @@ def _aggregate_churn(s: Situation, reasons: list[str]) -> float | None:
 
 
 def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: list[str],
-             settings: dict[str, Any], conf: float) -> tuple[str, float]:
+             settings: _Flags, conf: float) -> tuple[str, float]:
     action = "chunked_prefill"
     reasons.append("spikes hit every running stream at once when a long prompt is prefilled: prefill interference, "
                    "not an eviction problem (eviction policy: no change)")
@@ -296,7 +344,10 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             s.n["chunk_worst_step"] = Num(row.worst_step_s, "s", "derived")
             s.n["chunk_steps"] = Num(row.steps, "", "derived")
             s.n["chunked_prefill_phase"] = Num(row.prefill_s, "s", "derived", "TTFT prefill phase with chunking")
-            settings[_setting(s, Setting.BATCHED_TOKENS)] = plan.budget
+            settings.set(Setting.BATCHED_TOKENS, plan.budget,
+                         f"a {int(P)}-token prompt in steps of {plan.budget} tokens: worst step "
+                         f"{row.worst_step_s * 1e3:.1f} ms <= {1 - chunking.DEFAULT_MARGIN:.0%} of the "
+                         f"{slo * 1e3:.0f} ms ITL target (unchunked {plan.unchunked_step_s * 1e3:.0f} ms)")
             reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
                            f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
                            f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
@@ -310,18 +361,20 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
     else:
         reasons.append("lower the per-step prefill token budget (e.g. 2048 or less) and re-measure")
         if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
-            settings[_setting(s, Setting.BATCHED_TOKENS)] = 2048
+            settings.set(Setting.BATCHED_TOKENS, 2048, "a common chunk size (long prompt length, decode step or "
+                         "ITL target unknown: not derived); re-measure the ITL p99")
         conf = min(conf, 0.6)
     return action, conf
 
 
 def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float, reasons: list[str],
-                also: list[str], settings: dict[str, Any], conf: float) -> tuple[str, str | None, bool, float]:
+                also: list[str], settings: _Flags, conf: float) -> tuple[str, str | None, bool, float]:
     mechanism = None
     marginal = False
     gates_fail = False
     cost = None
-    swap_settings: dict[str, Any] = {}
+    swap_settings: list[tuple[str, str | None, Any]] = []
+    pool_why = ""
     if beta is None:
         reasons.append("KV bytes per token unknown (give --model-config or --kv-bytes-per-token): "
                        "swap vs recompute not evaluated")
@@ -407,20 +460,34 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
                      f"resume {cost.t_pf * 1e3:.0f} ms vs swap-in {cost.t_in * 1e3:.0f} ms")
         if mechanism == "swap":
             per_seq = float(cost.bytes_total or cost.bytes_per_rank * x.ranks)
-            want = 4 * per_seq
+            peak_v = s.v("preempted_peak")
+            if peak_v:
+                peak = max(1, int(math.ceil(float(peak_v))))
+                peak_what = f"the measured peak of {peak} concurrently preempted sequence(s)"
+            else:
+                peak = DEFAULT_POOL_SEQS
+                s.n["preempted_peak"] = Num(peak, "sequences", "assumed",
+                                            "concurrently preempted sequences (peak not measured)")
+                peak_what = f"{peak} concurrently preempted sequences (assumed: the peak was not measured)"
+            want = peak * per_seq
             limit, what = _host_limit(s)
             pool = want
-            note = "room for 4 preempted sequences of this size (all ranks)"
+            note = f"room for {peak} preempted sequence(s) of this size (all ranks)"
+            pool_why = (f"{peak_what} × {per_seq / 1e9:.3g} GB per sequence (all ranks) = {want / 1e9:.3g} GB")
             if limit is not None and want > limit:
                 # never recommend a pool the host cannot pin: as many whole sequences as fit
                 fit = math.floor(limit / per_seq) if per_seq > 0 else 0
                 pool = fit * per_seq
                 note = f"{fit} sequence(s): the {what} ({limit / 1e9:.3g} GB) bounds the pool"
-                reasons.append(f"host memory: 4 sequences need {want / 1e9:.3g} GB but only {limit / 1e9:.3g} GB "
-                               f"({what}) is free; the pool holds {fit}")
-                if fit < 4:
+                pool_why = (f"{fit} whole sequence(s) of {per_seq / 1e9:.3g} GB: the {what} ({limit / 1e9:.3g} GB) "
+                            f"bounds the pool below {peak_what}")
+                reasons.append(f"host memory: {peak} sequences need {want / 1e9:.3g} GB but only "
+                               f"{limit / 1e9:.3g} GB ({what}) is free; the pool holds {fit}")
+                if fit < peak:
                     marginal = True
-            swap_settings.update(swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names))
+            swap_settings = swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names)
+            if _is_v1_connector(s):
+                reasons.append(V1_CONNECTOR)
             s.n["offload_pool"] = Num(pool, "B", "derived", note)
             if limit is not None:
                 s.n["host_limit"] = Num(limit, "B", s.n["host_free_bytes"].source if what == "free pinned" and
@@ -464,9 +531,11 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
         c_kv = s.v("kv_pool_bytes") / beta
         s.n["kv_capacity_tokens"] = Num(c_kv, "tokens", "derived", "KV pool bytes / β")
     if c_kv and s.v("prompt_mean") is not None and s.v("output_mean") is not None and s.v("output_p90") is not None:
+        req90 = s.v("request_tokens_p90")
         plan = cap.capacity_plan(float(c_kv), float(s.v("prompt_mean")), float(s.v("output_mean")),
-                                 float(s.v("output_p90")))
-        s.n["n_floor"] = Num(plan.n_floor, "sequences", "derived", "C_KV/(P̄ + O_p90): almost no preemption")
+                                 float(s.v("output_p90")), None if req90 is None else float(req90))
+        s.n["n_floor"] = Num(plan.n_floor, "sequences", "derived",
+                             f"C_KV/({plan.seq_what}): almost no preemption")
         s.n["n_ceiling"] = Num(plan.n_ceiling, "sequences", "derived", "C_KV/(P̄ + Ō/2): mean occupancy")
     if admission:
         action = "admission"
@@ -485,20 +554,84 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.insert(0, f"abandonment: {ch.p:.0%} of preempted requests are cancelled before resuming"
                            + (f" (≈{ch.lost_share:.1%} of requests lost after consuming work)" if ch.lost_share else ""))
         if plan is not None:
-            settings[_setting(s, Setting.MAX_SEQS)] = plan.recommended_max_seqs
-            reasons.append(f"capacity: N_floor {plan.n_floor:.0f}, N_ceiling {plan.n_ceiling:.0f} sequences; start "
-                           f"at {plan.recommended_max_seqs} and steer to KV usage p99 <= 0.9 and <= 0.01 "
-                           "preemptions per request")
+            _admission_limit(s, plan, settings, reasons)
         else:
-            cur = s.v("max_seqs_current") or s.v("running_mean")
-            if cur:
-                settings[_setting(s, Setting.MAX_SEQS)] = max(1, int(cur * 0.75))
-        if s.v("output_p99") is not None:
-            settings[_setting(s, Setting.MAX_TOKENS)] = int(s.v("output_p99"))
-        reasons.append("cap max_tokens near the real p99 output and reserve KV for interactive traffic")
+            missing = [w for k, w in (("kv_capacity_tokens", "the KV capacity in tokens"),
+                                      ("prompt_mean", "the mean prompt length"),
+                                      ("output_mean", "the mean output length"),
+                                      ("output_p90", "the output p90")) if s.v(k) is None and not
+                       (k == "kv_capacity_tokens" and c_kv)]
+            reasons.append("no concurrency limit computed: it is sized from the KV capacity and the measured "
+                           "sequence sizes, and this run lacks " + ", ".join(missing))
+        _length_bound(s, settings, reasons)
+        out99 = s.v("output_p99")
+        reasons.append("cap max_tokens (a request parameter) near the real p99 output"
+                       + (f" ({float(out99):.0f} tokens)" if out99 is not None else "")
+                       + " and reserve KV for interactive traffic")
         if mechanism:
             also.append(mechanism)
     else:
         action = mechanism or "recompute"
-        settings.update(swap_settings)
+    if mechanism == "swap":
+        # the mechanism's settings go out with the verdict whether it leads or follows admission
+        for key, flag, value in swap_settings:
+            settings.put(key, flag, value, pool_why if "size" in key or key == "swap_space" else
+                         "enables the host KV tier that holds the preempted sequences")
     return action, mechanism, marginal, conf
+
+
+V1_CONNECTOR = ("on vLLM V1 \"swap\" is the KV offloading connector, not live-sequence swapping (V1 preempts by "
+                "recompute): it stores computed KV blocks in the host pool, and a preempted request reloads them "
+                "on resume instead of recomputing only if prefix caching is on, the blocks were full (partial "
+                "blocks are recomputed) and they are still resident in the pool when it resumes")
+
+
+def _is_v1_connector(s: Situation) -> bool:
+    if s.swap_impl is not None:
+        return s.swap_impl in ("vllm_v1_offload", "lmcache")
+    return s.engine == "vllm"
+
+
+def _admission_limit(s: Situation, plan: cap.Capacity, settings: _Flags, reasons: list[str]) -> None:
+    """The concurrency limit from the KV capacity and the measured sequence sizes, with the arithmetic."""
+    n = plan.recommended_max_seqs
+    arith = (f"{plan.c_kv_tokens:,.0f} KV tokens / ~{plan.seq_tokens:,.0f} tokens per sequence "
+             f"({plan.seq_what}) ≈ {plan.n_floor:.1f} sequences without preemption; at mean occupancy "
+             f"(~{plan.mean_tokens:,.0f} tokens) ≈ {plan.n_ceiling:.1f}")
+    cur = s.v("max_seqs_current")
+    if cur is not None and n > float(cur):
+        reasons.append(f"capacity: {arith}; the current limit {float(cur):.0f} is already lower, so the limit is "
+                       "not what lets too many sequences in: look at the output lengths (a few very long outputs "
+                       "outgrow any limit) and reserve KV")
+        return
+    reasons.append(f"capacity: {arith}; start at {n} and steer to KV usage p99 <= 0.9 and <= 0.01 "
+                   "preemptions per request")
+    settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
+
+
+def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:
+    """A per-request length bound only where it admits every request the trace served.
+
+    vLLM's --max-model-len (SGLang --context-length, TGI --max-total-tokens) bounds prompt + output of
+    one request; it must not fall below the longest request observed, else it rejects the traffic.
+    """
+    if Setting.CTX not in s.settings_names and s.engine is not None:
+        return
+    longest = s.v("request_tokens_max")
+    p99 = s.v("request_tokens_p99")
+    name = s.settings_names.get(Setting.CTX) or "the per-request length bound"
+    if longest is None:
+        reasons.append(f"no {name} bound: the run has no per-request prompt + output sizes, and a bound below the "
+                       "longest request rejects it")
+        return
+    if p99 is not None:
+        p99 = min(float(p99), float(longest))
+    bound = int(math.ceil(float(longest) / LENGTH_ROUND) * LENGTH_ROUND)
+    cur = s.v("max_model_len_current")
+    if cur is not None and bound > float(cur):
+        return  # the engine served this traffic under its current bound: a larger one changes nothing
+    settings.set(Setting.CTX, bound,
+                 f"bounds prompt + output of one request: the longest request served had {float(longest):,.0f} "
+                 + (f"(p99 {float(p99):,.0f}) " if p99 is not None else "")
+                 + f"tokens, rounded up to {LENGTH_ROUND}; the engine checks prompt + requested max_tokens, so "
+                 "clients that ask for more than they received need that much more")

@@ -20,20 +20,34 @@ class Capacity:
     n_floor: float
     n_ceiling: float
     recommended_max_seqs: int
+    seq_tokens: float = 0.0  # the sequence size behind N_floor
+    seq_what: str = ""  # where that size comes from
+    mean_tokens: float = 0.0  # mean occupancy per sequence (N_ceiling)
 
 
-def capacity_plan(c_kv_tokens: float, prompt_mean: float, output_mean: float, output_p90: float) -> Capacity:
-    """N_floor = C/(P̄ + O_p90) (almost no preemption); N_ceiling = C/(P̄ + Ō/2) (mean occupancy)."""
-    n_floor = c_kv_tokens / max(1.0, prompt_mean + output_p90)
-    n_ceiling = c_kv_tokens / max(1.0, prompt_mean + output_mean / 2)
-    return Capacity(c_kv_tokens, n_floor, n_ceiling, recommend_max_seqs(n_floor, n_ceiling))
+def capacity_plan(c_kv_tokens: float, prompt_mean: float, output_mean: float, output_p90: float,
+                  request_p90: float | None = None) -> Capacity:
+    """N_floor = C/S_p90 (almost no preemption); N_ceiling = C/(P̄ + Ō/2) (mean occupancy).
+
+    S_p90 is the p90 of prompt + output of the same requests where the trace measured it, else
+    P̄ + O_p90 (a long prompt and a long output need not come together, so that sum overstates).
+    """
+    if request_p90 is not None and request_p90 > 0:
+        seq, what = request_p90, "p90 of prompt + output per request"
+    else:
+        seq, what = prompt_mean + output_p90, "mean prompt + output p90"
+    mean = prompt_mean + output_mean / 2
+    n_floor = c_kv_tokens / max(1.0, seq)
+    n_ceiling = c_kv_tokens / max(1.0, mean)
+    return Capacity(c_kv_tokens, n_floor, n_ceiling, recommend_max_seqs(n_floor, n_ceiling), seq, what, mean)
 
 
 def recommend_max_seqs(n_floor: float, n_ceiling: float) -> int:
     """A round starting point between floor and ceiling, on the floor side of the midpoint.
 
     The largest power of two not above the midpoint if it is still >= the floor (99..198 -> 128),
-    else the floor rounded up. Then steer by measurement
+    else the floor rounded down (rounding up admits a sequence the KV cannot hold at the p90
+    size: 22,880 tokens / 2,400 per sequence = 9.5 -> 9). Then steer by measurement
     (kv usage p99 <= 0.9, preemptions/completed <= 0.01).
     """
     lo = max(1.0, n_floor)
@@ -43,7 +57,7 @@ def recommend_max_seqs(n_floor: float, n_ceiling: float) -> int:
         p2 *= 2
     if p2 >= lo:
         return p2
-    return max(1, math.ceil(lo))
+    return max(1, math.floor(lo))
 
 
 @dataclass

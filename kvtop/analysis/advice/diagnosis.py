@@ -7,7 +7,8 @@ order of gates, whether the ITL contract is broken and by what. Each gate that d
 
 Gate order (docs/kv-science.md §11, then the README's "Analysis and verdicts"):
 1. ``cause_given`` — the scenario names the cause.
-2. ``itl_target_met`` — observed p99 ITL within the target, or at most 1 % of gaps over it: no action.
+2. ``itl_target_met`` — observed p99 ITL within the target, or at most 1 % of gaps over it: no action
+   (only where spikes over known gaps or streams are not counted: counts decide through gate 3).
 3. ``spike_pattern`` — >= 3 spikes and (>= 0.05 % of gaps or >= 1 % of streams hit); isolated
    stalls do not break a p99 contract: no action.
 4. ``cause_weight`` — causes weighed by the seconds over the target they cost (spike counts only when
@@ -65,8 +66,13 @@ def diagnose(s: Situation) -> None:
         _decide(s, "cause_given", f"the scenario names the cause: {s.cause_given}")
         return
     slo = s.v("itl_slo")
-    p99 = s.v("itl_p99")
-    miss = s.v("miss_rate")
+    # Counted spikes over known gaps or streams decide through the spike-pattern gate (what `kvtop
+    # analyze` measures, and what a saved scenario carries): a p99 or miss rate beside them is
+    # informational, so the same figures give the same verdict in `analyze` and `advise`. The p99 /
+    # miss-rate gate decides a what-if that gives no such counts.
+    counted = s.spikes is not None and bool(s.v("gaps") or s.v("streams"))
+    p99 = None if counted else s.v("itl_p99")
+    miss = None if counted else s.v("miss_rate")
     if slo and p99 is not None and p99 <= slo:
         _no_action(s, "itl_target_met", f"observed p99 ITL {p99 * 1e3:.0f} ms <= target {slo * 1e3:.0f} ms")
         return

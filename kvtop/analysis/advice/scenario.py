@@ -19,7 +19,7 @@ from kvtop.analysis.advice.kvbytes import (
     kv_size,
     lookup_model,
 )
-from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.analysis.advice.situation import AGGREGATE_CONFIDENCE_SCALE, Num, Situation
 from kvtop.model import jsonio
 from kvtop.model.analysis import AnalysisReport, Number, Verdict
 
@@ -179,6 +179,9 @@ def situation(doc: dict[str, Any]) -> Situation:
                            ("per_preempted", "preemptions_per_preempted", "")):
         if src in pre:
             n[dst] = Num(float(pre[src]), unit, "given")
+    if "peak_preempted" in pre:
+        n["preempted_peak"] = Num(float(pre["peak_preempted"]), "sequences", "given",
+                                  "most sequences preempted at once")
     if "per_minute" in pre:
         n["preemption_rate"] = Num(float(pre["per_minute"]) / 60.0, "1/s", "given")
     if pre.get("gates_fail_persistently"):
@@ -196,7 +199,10 @@ def situation(doc: dict[str, Any]) -> Situation:
     for src, dst, unit in (("prompt_mean", "prompt_mean", "tokens"), ("output_mean", "output_mean", "tokens"),
                            ("output_p90", "output_p90", "tokens"), ("output_p99", "output_p99", "tokens"),
                            ("long_prompt_tokens", "long_prompt_tokens", "tokens"),
-                           ("long_prompts_per_s", "long_prompt_rate", "1/s")):
+                           ("long_prompts_per_s", "long_prompt_rate", "1/s"),
+                           ("request_tokens_p90", "request_tokens_p90", "tokens"),
+                           ("request_tokens_p99", "request_tokens_p99", "tokens"),
+                           ("request_tokens_max", "request_tokens_max", "tokens")):
         if src in tr:
             n[dst] = Num(float(tr[src]) if dst != "long_prompt_tokens" else int(tr[src]), unit, "given")
     slo = doc.get("slo", {})
@@ -227,6 +233,12 @@ def situation(doc: dict[str, Any]) -> Situation:
             s.cause_lost_s[c] = float(v["lost_s"])
         if "streams" in v:
             s.cause_streams[c] = int(v["streams"])
+        if "confidence" in v:
+            # the saving analysis' attribution confidence (already scaled for its basis)
+            s.cause_confidence[c] = float(v["confidence"])
+    if ob.get("basis") in ("requests", "aggregate"):
+        # saved by `kvtop analyze`: the diagnosis takes the same path it took there
+        s.basis = ob["basis"]
     if s.spikes is None and s.cause_counts:
         s.spikes = int(sum(s.cause_counts.values()))
     if "preemptions" in ob and "completed" in ob and ob["completed"] and "preemptions_per_completed" not in n:
@@ -247,6 +259,8 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["batched_tokens_current"] = Num(es["max_num_batched_tokens"], "tokens", "given")
     if "max_tokens" in es:
         n["max_tokens_current"] = Num(es["max_tokens"], "tokens", "given")
+    if "max_model_len" in es:
+        n["max_model_len_current"] = Num(es["max_model_len"], "tokens", "given")
 
     s.cause_given = doc.get("cause")
     s.has_preemption_section = "preemption" in doc or "victims" in doc
@@ -295,8 +309,14 @@ _FROM_REPORT = (
     ("output_p99", "traffic", "output_p99", 1.0),
     ("long_prompt_tokens", "traffic", "long_prompt_tokens", 1.0),
     ("long_prompt_rate", "traffic", "long_prompts_per_s", 1.0),
+    ("request_tokens_p90", "traffic", "request_tokens_p90", 1.0),
+    ("request_tokens_p99", "traffic", "request_tokens_p99", 1.0),
+    ("request_tokens_max", "traffic", "request_tokens_max", 1.0),
+    ("preempted_peak", "preemption", "peak_preempted", 1.0),
     ("itl_target", "slo", "itl_ms", 1e3),
     ("decode_step", "observed", "decode_step_ms", 1e3),
+    ("itl_p99", "observed", "itl_p99_ms", 1e3),
+    ("miss_rate", "observed", "miss_rate", 1.0),
     ("kv_usage_max", "observed", "kv_usage", 1.0),
     ("running_mean", "observed", "running", 1.0),
     ("preemptions", "observed", "preemptions", 1.0),
@@ -306,8 +326,12 @@ _FROM_REPORT = (
     ("streams_hit", "observed", "streams_hit", 1.0),
     ("window", "observed", "window_s", 1.0),
     ("kv_capacity_tokens", "capacity", "kv_capacity_tokens", 1.0),
+    ("max_seqs_current", "engine_settings", "max_num_seqs", 1.0),
+    ("batched_tokens_current", "engine_settings", "max_num_batched_tokens", 1.0),
+    ("max_model_len_current", "engine_settings", "max_model_len", 1.0),
 )
-_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes"}
+_INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes", "max_num_seqs",
+                   "max_num_batched_tokens", "max_model_len"}
 
 
 def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
@@ -347,13 +371,18 @@ def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: i
     if "seq_tokens" in doc.get("preemption", {}) and doc["preemption"]["seq_tokens"] < 1:
         doc["preemption"].pop("seq_tokens")
     ob = doc.setdefault("observed", {})
-    if rep.basis == "requests":
+    # the basis and each cause's confidence: `advise` then takes analyze's path and gives its confidence
+    ob["basis"] = rep.basis
+    scale = 1.0 if rep.basis == "requests" else AGGREGATE_CONFIDENCE_SCALE
+    if rep.basis == "requests" or rep.itl_target_s is not None:
         ob["spikes"] = int(rep.spikes_total)
         causes: dict[str, Any] = {}
         for c, info in rep.causes.items():
             if not info.count:
                 continue
             entry: dict[str, Any] = {"spikes": int(info.count)}
+            if info.mean_confidence is not None:
+                entry["confidence"] = min(1.0, float(info.mean_confidence) * scale)
             lost = nums.get(f"lost_s_{c}")
             if lost and lost.value is not None:
                 entry["lost_s"] = float(lost.value)

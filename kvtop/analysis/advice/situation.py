@@ -14,6 +14,10 @@ from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import KVSize
 from kvtop.model.analysis import Number
 
+# `kvtop analyze` scales an aggregate-only attribution's confidence by this; a saved scenario
+# carries the scaled figure so that `kvtop advise` gives the same confidence
+AGGREGATE_CONFIDENCE_SCALE = 0.6
+
 
 @dataclass
 class Num:

@@ -55,28 +55,32 @@ def copy_bytes(impl: Impl, token_bytes_rank: float, layers_rank: float) -> float
 
 
 def settings_for(impl_name: str | None, engine: str | None, pool_total_bytes: float, ranks: int,
-                 names: dict[str, str]) -> dict[str, Any]:
-    """The settings that give a host pool of ``pool_total_bytes`` (all ranks) for this implementation."""
+                 names: dict[str, str]) -> list[tuple[str, str | None, Any]]:
+    """The settings that give a host pool of ``pool_total_bytes`` (all ranks) for this implementation,
+    as ``(generic setting, flag as the engine spells it or None, value)``."""
     gib_total = max(1, math.ceil(pool_total_bytes / GIB))
     per_rank_gb = pool_total_bytes / max(1, ranks) / 1e9
     if impl_name == "vllm_v0_swap":
         # --swap-space is per GPU
-        return {"--preemption-mode": "swap", "--swap-space": max(1, math.ceil(pool_total_bytes / max(1, ranks) / GIB))}
+        return [("preemption_mode", "--preemption-mode", "swap"),
+                ("swap_space", "--swap-space", max(1, math.ceil(pool_total_bytes / max(1, ranks) / GIB)))]
     if impl_name == "vllm_v1_offload":
-        return {"--kv-offloading-backend": "native", "--kv-offloading-size": gib_total}
+        return [("offload_backend", "--kv-offloading-backend", "native"),
+                ("offload_size", "--kv-offloading-size", gib_total)]
     if impl_name == "lmcache":
-        return {"--kv-offloading-backend": "lmcache", "--kv-offloading-size": gib_total,
-                "LMCache local_cpu": True, "LMCache max_local_cpu_size": round(max(0.1, per_rank_gb), 1)}
+        return [("offload_backend", "--kv-offloading-backend", "lmcache"),
+                ("offload_size", "--kv-offloading-size", gib_total),
+                ("lmcache_local_cpu", "LMCache local_cpu", True),
+                ("lmcache_max_local_cpu_size", "LMCache max_local_cpu_size", round(max(0.1, per_rank_gb), 1))]
     if impl_name == "sglang_hicache":
-        return {"--enable-hierarchical-cache": True, "--hicache-size": max(1, math.ceil(per_rank_gb))}
+        return [("offload_enable", "--enable-hierarchical-cache", True),
+                ("offload_size", "--hicache-size", max(1, math.ceil(per_rank_gb)))]
     if impl_name == "none":
-        return {}
+        return []
     # implementation not stated: the engine adapter's names (vLLM: the V1 connector)
-    out: dict[str, Any] = {}
-    size_key = names.get("offload_size") or "host KV offload pool (GiB)"
-    out[size_key] = gib_total
+    out: list[tuple[str, str | None, Any]] = [("offload_size", names.get("offload_size"), gib_total)]
     if "offload_backend" in names:
-        out[names["offload_backend"]] = "native"
+        out.append(("offload_backend", names["offload_backend"], "native"))
     if "offload_enable" in names:
-        out[names["offload_enable"]] = True
+        out.append(("offload_enable", names["offload_enable"], True))
     return out

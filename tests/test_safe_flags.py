@@ -1,0 +1,227 @@
+"""Prescriptions that are safe to apply (issue 24, deliverable 0): every flag a verdict emits admits the
+observed traffic, comes with its arithmetic, includes the eviction mechanism's flags under admission,
+is never the engine's current value, and `analyze --save-scenario` + `advise` reach the same verdict."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from kvtop.analysis.advice import scenario
+
+GIB = 1 << 30
+
+# The issue's report: 16 streams with prompts of 300-1,500 words (~400-2,000 tokens) and max_tokens 1,800,
+# preempting each other on a 22,880-token KV cache (llama-3.1-8b, vLLM).
+STORM = {
+    "name": "16 long streams on a small KV cache",
+    "engine": "vllm",
+    "model": "llama-3.1-8b",
+    "prefill": {"tokens_per_s": 25000},
+    "link": {"bw_eff_gbps": 25},
+    "host": {"pinned_free_bytes": 200e9},
+    "preemption": {"seq_tokens": 2600, "cancel_prob": 0.0, "per_minute": 30, "per_completed": 0.8,
+                   "per_preempted": 2.5},
+    "traffic": {"prompt_mean": 1000, "output_mean": 1400, "output_p90": 1799, "output_p99": 1799,
+                "request_tokens_p90": 2400, "request_tokens_p99": 3700, "request_tokens_max": 3800},
+    "capacity": {"kv_capacity_tokens": 22880},
+}
+
+
+def judge(doc):
+    scenario.validate(doc)
+    return scenario.evaluate(doc)["verdict"]
+
+
+def flags(v):
+    return {f["flag"] or f["setting"]: f["value"] for f in v["settings"]}
+
+
+def test_settings_are_machine_readable_flags_with_reasons():
+    v = judge(STORM)
+    assert v["action"] == "admission"
+    for f in v["settings"]:
+        assert set(f) == {"setting", "flag", "value", "why"}
+        assert f["flag"].startswith("--") and f["why"]
+    assert not any("(request)" in (f["flag"] or "") for f in v["settings"])
+
+
+def test_length_bound_admits_the_longest_request_served():
+    v = judge(STORM)
+    bound = flags(v)["--max-model-len"]
+    # prompt + output of the longest request (3,800), rounded up to 256; the output p99 (1,799) would
+    # reject every one of these requests
+    assert bound == 3840 and bound >= STORM["traffic"]["request_tokens_max"]
+    why = next(f["why"] for f in v["settings"] if f["flag"] == "--max-model-len")
+    assert "3,800" in why and "prompt + output" in why
+    assert any("max_tokens (a request parameter) near the real p99 output (1799 tokens)" in r for r in v["reasons"])
+
+
+def test_no_length_bound_without_per_request_sizes():
+    doc = copy.deepcopy(STORM)
+    for k in ("request_tokens_p90", "request_tokens_p99", "request_tokens_max"):
+        del doc["traffic"][k]
+    v = judge(doc)
+    assert "--max-model-len" not in flags(v)
+    assert any(r.startswith("no --max-model-len bound: the run has no per-request prompt + output sizes")
+               for r in v["reasons"])
+
+
+def test_no_length_bound_equal_to_the_current_one():
+    doc = copy.deepcopy(STORM)
+    doc["engine_settings"] = {"max_model_len": 3840}
+    v = judge(doc)
+    assert "--max-model-len" not in flags(v)
+    assert "--max-model-len 3840 is the engine's current setting: not a change, not emitted" in v["reasons"]
+    doc["engine_settings"] = {"max_model_len": 32768}
+    assert flags(judge(doc))["--max-model-len"] == 3840
+
+
+def test_admission_limit_from_kv_capacity_with_its_arithmetic():
+    v = judge(STORM)
+    # 22,880 / 2,400 = 9.5 sequences fit at the p90 size; at mean occupancy (1,000 + 700) 13.5; no power
+    # of two lies between 9.5 and the midpoint 11.5, so the floor rounded down: 9 (not 0.75 x a batch)
+    assert flags(v)["--max-num-seqs"] == 9
+    why = next(f["why"] for f in v["settings"] if f["flag"] == "--max-num-seqs")
+    assert why.startswith("22,880 KV tokens / ~2,400 tokens per sequence (p90 of prompt + output per request) "
+                          "≈ 9.5 sequences")
+    assert v["numbers"]["n_floor"]["value"] == pytest.approx(22880 / 2400, rel=1e-4)
+
+
+def test_a_limit_equal_to_the_current_setting_is_not_emitted():
+    doc = copy.deepcopy(STORM)
+    doc["engine_settings"] = {"max_num_seqs": 9}
+    v = judge(doc)
+    assert "--max-num-seqs" not in flags(v)
+    assert "--max-num-seqs 9 is the engine's current setting: not a change, not emitted" in v["reasons"]
+    # a current limit already below the capacity figure: raising it is no admission control
+    doc["engine_settings"] = {"max_num_seqs": 6}
+    v = judge(doc)
+    assert "--max-num-seqs" not in flags(v)
+    assert any("the current limit 6 is already lower" in r for r in v["reasons"])
+
+
+def test_chunk_budget_equal_to_the_current_one_is_not_emitted():
+    doc = {"name": "long prompts, budget unknown", "engine": "vllm", "model": "llama-3.1-8b",
+           "cause": "prefill_interference", "engine_settings": {"max_num_batched_tokens": 2048}}
+    v = judge(doc)
+    assert v["action"] == "chunked_prefill" and "--max-num-batched-tokens" not in flags(v)
+    doc["engine_settings"] = {"max_num_batched_tokens": 16384}
+    assert flags(judge(doc))["--max-num-batched-tokens"] == 2048
+
+
+def test_admission_emits_the_swap_mechanisms_flags_too():
+    v = judge(STORM)
+    assert v["action"] == "admission" and v["mechanism"] == "swap" and "swap" in v["also"]
+    f = flags(v)
+    assert "--max-num-seqs" in f
+    assert f["--kv-offloading-backend"] == "native"
+    # no measured peak: 4 sequences (assumed) of 2,600 tokens x 131,072 B = 1.36 GB -> 2 GiB
+    assert f["--kv-offloading-size"] == math.ceil(4 * 2600 * 131072 / GIB) == 2
+    assert v["numbers"]["preempted_peak"]["source"] == "assumed"
+
+
+@pytest.mark.parametrize("peak, gib", [(2, 20), (4, 40), (8, 79)])
+def test_swap_pool_is_sized_from_the_measured_peak(peak, gib):
+    with open("tests/scenarios/S1.json") as fh:
+        doc = json.load(fh)
+    doc.pop("expect")
+    doc["preemption"]["peak_preempted"] = peak
+    v = judge(doc)
+    assert v["action"] == "swap"
+    # llama-3.1-70b: 327,680 B/token over 4 ranks x 32,000 tokens = 10.49 GB per preempted sequence
+    assert flags(v)["--kv-offloading-size"] == gib == math.ceil(peak * 32000 * 327680 / GIB)
+    why = next(f["why"] for f in v["settings"] if f["flag"] == "--kv-offloading-size")
+    assert why.startswith(f"the measured peak of {peak} concurrently preempted sequence(s) × 10.5 GB")
+
+
+def test_v1_swap_is_named_the_offloading_connector_with_its_preconditions():
+    with open("tests/scenarios/S1.json") as fh:
+        doc = json.load(fh)
+    doc.pop("expect")
+    reasons = " ".join(judge(doc)["reasons"])
+    assert "KV offloading connector, not live-sequence swapping" in reasons
+    for pre in ("prefix caching is on", "blocks were full", "still resident in the pool"):
+        assert pre in reasons
+    doc["swap"] = {"implementation": "vllm_v0_swap"}
+    assert "KV offloading connector" not in " ".join(judge(doc)["reasons"])
+
+
+def test_low_confidence_verdict_is_tentative_and_says_what_confirms_it():
+    doc = copy.deepcopy(STORM)
+    doc["slo"] = {"itl_ms": 100}
+    doc["observed"] = {"basis": "aggregate", "spikes": 40,
+                       "causes": {"preemption": {"spikes": 40, "confidence": 0.21}}}
+    v = judge(doc)
+    assert v["action"] == "admission" and v["confidence"] == 0.21 and v["tentative"] is True
+    assert any(r.startswith("tentative: confidence 0.21 < 0.5; confirm with per-request timings") for r in v["reasons"])
+    doc["observed"]["causes"]["preemption"]["confidence"] = 0.9
+    v = judge(doc)
+    assert v["tentative"] is False and not any(r.startswith("tentative") for r in v["reasons"])
+
+
+PRESETS = ["preemption-storm", "prefill-interference", "healthy", "cancel-heavy", "shared-prefix", "slow-decode",
+           "swap-vs-recompute"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_saved_scenario_gives_analyzes_verdict(preset, tmp_path, kvtop_cli):
+    """`analyze --save-scenario` then `advise` on the unedited file: same action, mechanism, confidence,
+    tentative flag and settings, with per-request timings and on engine aggregates alone."""
+    trace = tmp_path / "t.jsonl"
+    r = kvtop_cli("simulate", "--preset", preset, "--seed", "1", "--duration", "20", "-o", str(trace))
+    assert r.returncode == 0, r.stderr
+    agg = tmp_path / "agg.jsonl"
+    agg.write_text("".join(x for x in trace.read_text().splitlines(keepends=True) if '"kind":"request"' not in x))
+    for path, extra in ((trace, []), (trace, ["--itl-target-ms", "25"]), (agg, [])):
+        saved = tmp_path / "s.json"
+        r = kvtop_cli("analyze", str(path), *extra, "--format", "json", "--save-scenario", str(saved))
+        assert r.returncode == 0, r.stderr
+        a = json.loads(r.stdout)["verdict"]
+        r = kvtop_cli("advise", "--scenario", str(saved), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        b = json.loads(r.stdout)["verdict"]
+
+        def key(v):
+            return v["action"], v["mechanism"], v["confidence"], v["tentative"], flags(v)
+
+        assert key(b) == key(a), (path.name, extra)
+
+
+def test_storm_preset_flags_admit_its_traffic(tmp_path, kvtop_cli):
+    trace = tmp_path / "t.jsonl"
+    assert kvtop_cli("simulate", "--preset", "preemption-storm", "--seed", "1", "--duration", "20",
+                     "-o", str(trace)).returncode == 0
+    rep = json.loads(kvtop_cli("analyze", str(trace), "--format", "json").stdout)
+    v = rep["verdict"]
+    nums = v["numbers"]
+    f = flags(v)
+    assert v["action"] == "admission" and v["mechanism"] == "swap"
+    assert f["--max-model-len"] >= nums["request_tokens_max"]["value"] > nums["output_p99"]["value"]
+    assert f["--max-num-seqs"] < nums["max_seqs_current"]["value"] == 64
+    assert {"--kv-offloading-size", "--kv-offloading-backend"} <= set(f)
+    assert nums["preempted_peak"]["source"] == "measured" and nums["preempted_peak"]["value"] >= 1
+    # the snapshot schema's analysis object describes this report's settings
+    from importlib import resources
+
+    import jsonschema
+
+    schema = json.loads(resources.files("kvtop.schemas").joinpath("snapshot.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(rep)
+    bad = copy.deepcopy(rep)
+    bad["verdict"]["settings"] = {"--max-num-seqs": 8}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(bad)
+
+
+def test_reduce_batch_starts_from_what_actually_runs():
+    doc = {"name": "slow decode", "engine": "vllm", "model": "llama-3.1-70b", "tp": 4, "cause": "slow_decode",
+           "engine_settings": {"max_num_seqs": 512}, "observed": {"running": 151}}
+    v = judge(doc)
+    # a limit of 512 with 151 running: 3/4 of 512 (384) would bind nothing; 3/4 of 151 does
+    assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 113}
+    del doc["observed"]
+    assert flags(judge(doc)) == {"--max-num-seqs": 384}
