@@ -103,3 +103,20 @@ async def test_overview_advisor_and_events_views_render_one_snapshot():
         view.filter_text = "link"
         view.update(snap)
         assert view.query_one("#ev-table").row_count == 1  # the sample's one down-trained link
+
+
+def test_a_tentative_verdict_says_so_on_the_overview_and_the_advisor() -> None:
+    from kvtop.views.tui.render import advisor, summary_line
+
+    snap = _snap()
+    assert snap.analysis is not None and snap.analysis.verdict is not None
+    firm = snap.analysis.verdict
+    assert "TENTATIVE" not in advisor(snap, 120) and "tentative" not in summary_line(snap)
+    low = dataclasses.replace(firm, confidence=0.42, tentative=True,
+                              reasons=("tentative: confidence 0.42 < 0.5; a longer recording would confirm it",
+                                       *firm.reasons))
+    snap = dataclasses.replace(snap, analysis=dataclasses.replace(snap.analysis, verdict=low))
+    head = advisor(snap, 120).splitlines()[0]
+    assert "confidence 42%" in head and "TENTATIVE" in head
+    assert "tentative" in summary_line(snap) and "42%" in summary_line(snap)
+    assert "a longer recording would confirm it" in advisor(snap, 120)

@@ -156,6 +156,8 @@ def summary_line(s: Snapshot) -> str:
         return muted("advisor: no analysis yet (press 4 for the advisor)")
     conf = v.confidence
     marg = " " + sev("marginal", "warn") if v.marginal else ""
+    if v.tentative:
+        marg += " " + sev("tentative", "warn")
     spikes = len(a.spikes)
     return (f"[b]advisor:[/b] {sev(escape(str(v.action)), 'warn' if v.action not in ('no_action', None) else 'ok')}"
             f" {muted('confidence')} {units.num(conf, '{:.0%}') if conf is not None else units.NA}{marg}"
@@ -327,6 +329,9 @@ def advisor(s: Snapshot, width: int) -> str:
     head += f"   confidence {conf:.0%}" if isinstance(conf, (int, float)) else "   confidence n/a"
     if v is not None and v.marginal:
         head += "   " + sev("MARGINAL (within ±30% of break-even)", "warn")
+    if v is not None and v.tentative:
+        # the first reason says what would confirm it (the advisor puts it there)
+        head += "   " + sev("TENTATIVE", "warn")
     lines = [head]
     if v is not None and v.also:
         lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v.also))}")
