@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from kvtop.core import Core
-from kvtop.feeds.static import StaticFeed as StaticFeed  # re-exported (the console imports it from there)
 from kvtop.snapshot import SnapshotSource
 
 # Every command's parser imports this module (for SourceOptions): the feeds, the sources and the

@@ -15,8 +15,9 @@ from kvtop.feeds.sources import (
     ProxyRecorder,
     SourceContext,
 )
+from kvtop.feeds.static import StaticFeed
 from kvtop.model.records import EngineRecord, RequestRecord
-from kvtop.pipeline import SourceOptions, StaticFeed, live_feed, live_sources, replay_feed
+from kvtop.pipeline import SourceOptions, live_feed, live_sources, replay_feed
 
 
 def test_live_sources_wires_each_option_once_in_start_order():

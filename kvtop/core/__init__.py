@@ -9,10 +9,7 @@ log, and the verdict changes); kvtop/history.py keeps the console's chart series
 them into ``Core``.
 """
 
-from kvtop.core.core import Core, LiveAnalysis
-from kvtop.core.gpus import pcie_capacity_bytes_per_s
-from kvtop.core.requests import ERROR_BURST_S, MAX_MARKS, TIMELINE_MAX_CHUNKS, FinishedRequest
-from kvtop.snapshot import RequestTimeline
+from kvtop.core.core import Core
+from kvtop.core.requests import TIMELINE_MAX_CHUNKS
 
-__all__ = ["ERROR_BURST_S", "MAX_MARKS", "TIMELINE_MAX_CHUNKS", "Core", "FinishedRequest", "LiveAnalysis",
-           "RequestTimeline", "pcie_capacity_bytes_per_s"]
+__all__ = ["TIMELINE_MAX_CHUNKS", "Core"]
