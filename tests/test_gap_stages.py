@@ -45,7 +45,7 @@ def test_store_drops_the_oldest_ended_stream_first_and_says_which() -> None:
     assert [r.id for r in s] == ["a", "c"] and dropped == ["b"]
     s.req("d")
     assert [r.id for r in s] == ["c", "d"] and dropped == ["b", "a"]
-    assert s.info("zz") is None
+    assert s.get("zz") is None
 
 
 def test_one_stream_through_the_tracker_feeds_the_store_and_the_stall_index() -> None:
@@ -61,7 +61,7 @@ def test_one_stream_through_the_tracker_feeds_the_store_and_the_stall_index() ->
     gt.token("x", 0.5, 3)  # 0.4 s silence: a spike
     gt.token("z", 0.5)  # z fell silent with x and came back with it
     gt.end(gt.req("y"), 0.55, "finish")
-    info = gt.streams.info("x")
+    info = gt.streams.get("x")
     assert info is not None and (info.tokens, round(info.max_gap, 6), info.first_t) == (8, 0.4, 0.0)
     (sx, sz) = gt.take_all()
     assert (sx.request_id, round(sx.gap, 6), sx.chunk_n, round(sx.stream_baseline or 0, 6)) == ("x", 0.4, 3, 0.02)

@@ -423,7 +423,7 @@ class Analyzer:
         return self.gaps.median_gap()
 
     def request_info(self, rid: str) -> tuple[int, int, str | None]:
-        i = self.gaps.streams.info(rid)
-        if i is None:
+        r = self.gaps.streams.get(rid)
+        if r is None:
             return (0, 0, None)
-        return (i.spikes, i.preempt_spikes, i.last_cause)
+        return (r.spikes, r.preempt_spikes, r.last_cause)

@@ -61,24 +61,6 @@ class ReqState:
         return self.tokens / self.events if self.events else 1.0
 
 
-@dataclass(frozen=True)
-class StreamInfo:
-    """One stream as a request view shows it (``StreamStore.info``)."""
-
-    id: str
-    arrive_t: float | None
-    first_t: float | None
-    last_t: float | None  # its latest token
-    end_t: float | None
-    ended_by: str | None  # "finish", "cancel" or "error"
-    tokens: int
-    max_gap: float  # its longest inter-token gap so far (0.0 before its second token)
-    spikes: int
-    preempt_spikes: int
-    last_cause: str | None  # the cause of its latest judged spike
-    engine: str | None
-
-
 class _Stream(Protocol):
     """What the store asks of a record: whether its stream has ended."""
 
@@ -138,10 +120,3 @@ class StreamStore(Streams[ReqState]):
         if r is None:
             r = self.add(rid, ReqState(rid))
         return r
-
-    def info(self, rid: str) -> StreamInfo | None:
-        r = self.by_id.get(rid)
-        if r is None:
-            return None
-        return StreamInfo(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.max_gap, r.spikes,
-                          r.preempt_spikes, r.last_cause, r.engine)
