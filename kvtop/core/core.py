@@ -13,7 +13,15 @@ from kvtop.core.gpus import GpuTracker
 from kvtop.core.requests import FinishedRequest, RequestTracker
 from kvtop.history import History
 from kvtop.model.analysis import AnalysisCounters, AnalysisReport
-from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, StepRecord, TruthRecord
+from kvtop.model.records import (
+    EngineRecord,
+    GpuRecord,
+    HostRecord,
+    Record,
+    RequestRecord,
+    StepRecord,
+    TruthRecord,
+)
 from kvtop.model.sanitize import printable
 from kvtop.snapshot import RequestTimeline, Snapshot
 
