@@ -81,7 +81,7 @@ class StepLog:
         self._size = os.fstat(fd).st_size
         self._write({**self._header, "t": round(time.time(), 6)})
 
-    def _write(self, obj: dict[str, object]) -> None:
+    def _write(self, obj: dict[str, object], flush: bool = False) -> None:
         assert self._f is not None
         line = json.dumps(obj, separators=(",", ":")) + "\n"
         self._f.write(line)
@@ -89,13 +89,14 @@ class StepLog:
         self.lines += 1
         now = time.monotonic()
         # a reader tails the file: flush often enough for a live console, not on every step
-        if now - self._last_flush >= FLUSH_EVERY_S:
+        if flush or now - self._last_flush >= FLUSH_EVERY_S:
             self._f.flush()
             self._last_flush = now
 
     def step(self, t0: float, t1: float, reqs: list[tuple[str, int, int, int, int]], preempted: list[str],
-             resumed: list[str], finished: list[tuple[str, str]], aborted: list[str]) -> None:
-        """One step: wall-clock start/end, per request [id, scheduled, prefill, recompute, tokens out]."""
+             resumed: list[str], finished: list[tuple[str, str]], aborted: list[str], idle: bool = False) -> None:
+        """One step: wall-clock start/end, per request [id, scheduled, prefill, recompute, tokens out].
+        ``idle``: no step follows soon (nothing left to run), so the reader gets it now."""
         rec: dict[str, object] = {"t0": round(t0, 6), "t1": round(t1, 6), "r": reqs}
         if preempted:
             rec["pre"] = preempted
@@ -105,7 +106,7 @@ class StepLog:
             rec["fin"] = finished
         if aborted:
             rec["ab"] = aborted
-        self._write(rec)
+        self._write(rec, flush=idle)
         if self._size >= self.max_bytes:
             self._roll()
 

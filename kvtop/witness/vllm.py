@@ -111,7 +111,9 @@ class _Witness:
         t0 = max(t_sched, self._kvw_last_end)
         self._kvw_last_end = t_out
         aborted, self._kvw_aborted = self._kvw_aborted, []
-        self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted)
+        # the engine going idle writes no further step that would push this one out
+        idle = not getattr(self, "running", True) and not getattr(self, "waiting", True)
+        self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted, idle=idle)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         done = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
