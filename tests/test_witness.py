@@ -19,22 +19,21 @@ from kvtop.witness.steplog import StepBook, StepLog
 def test_step_book_splits_prompt_decode_and_recompute():
     book = StepBook()
     # a 100-token prompt in two chunks, then decode
-    assert (book.plan("a", 0, 64, 100).prefill, book.plan("a", 64, 36, 100).prefill) == (64, 36)
-    d = book.plan("a", 100, 1, 100)
-    assert (d.prefill, d.recompute) == (0, 0)
+    # (id, scheduled, prefill, recompute)
+    assert book.plan("a", 0, 64, 100) == ("a", 64, 64, 0)
+    assert book.plan("a", 64, 36, 100) == ("a", 36, 36, 0)
+    assert book.plan("a", 100, 1, 100) == ("a", 1, 0, 0)
     book.plan("a", 101, 1, 100)  # high-water 102
     # preempted: vLLM resets computed tokens to 0 and schedules everything known again
-    r = book.plan("a", 0, 103, 100)
-    assert (r.prefill, r.recompute) == (0, 102)
+    assert book.plan("a", 0, 103, 100) == ("a", 103, 0, 102)
     # resumed after a prefix-cache hit of 64 tokens: only the rest is recomputed
     book2 = StepBook()
     book2.plan("b", 0, 200, 200)
-    assert book2.plan("b", 64, 137, 200).recompute == 136
+    assert book2.plan("b", 64, 137, 200) == ("b", 137, 0, 136)
     # preempted in the middle of its prompt: what was never computed is still prefill
     book3 = StepBook()
     book3.plan("c", 0, 50, 300)
-    mid = book3.plan("c", 0, 120, 300)
-    assert (mid.recompute, mid.prefill) == (50, 70)
+    assert book3.plan("c", 0, 120, 300) == ("c", 120, 70, 50)
 
 
 def _write_steps(path: Path, t0: float, steps: list[dict]) -> None:
@@ -44,13 +43,40 @@ def _write_steps(path: Path, t0: float, steps: list[dict]) -> None:
     log.close()
 
 
+def test_a_step_line_is_json_with_requests_by_number_and_odd_ids_escaped(tmp_path):
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0")
+    log.step(10.0, 10.25, [('we"ird\\id', 1, 0, 0, 1), ("b", 64, 64, 0, 1), ("c", 1, 0, 0, 0)], ["x"], [],
+             [("b", "length")], [])
+    log.step(10.25, 10.5, [('we"ird\\id', 1, 0, 0, 1), ("c", 1, 0, 0, 1)], [], [], [], [])
+    log.step(11.5, 11.6, [("c", 1, 0, 0, 1)], [], [], [], [])
+    log.close()
+    first, second, third = (json.loads(x) for x in p.read_text().splitlines()[1:])
+    names = {1: 'we"ird\\id', 2: "b", 3: "c", 4: "x"}
+    assert {int(k): v for k, v in first["n"].items()} == names
+    assert first["d"] == [1] and first["r"] == [[2, 64, 64, 0, 1], [3, 1, 0, 0, 0]]
+    assert first["pre"] == [4] and first["fin"] == [[2, "length"]]
+    assert second == {"t0": 10.25, "t1": 10.5, "d": [1, 3]}  # known requests: numbers only
+    # a second later the map of the running requests is repeated (b finished and left it)
+    assert {int(k): v for k, v in third["m"].items()} == {1: 'we"ird\\id', 3: "c", 4: "x"}
+    recs = WitnessReader(str(p), 0.0, from_start=True).read()
+    assert recs[0].reqs == [['we"ird\\id', 1, 0, 0, 1], ["b", 64, 64, 0, 1], ["c", 1, 0, 0, 0]]
+    assert recs[0].preempted == ["x"] and recs[0].finished == [["b", "length"]]
+    # a reader that starts after the first line learns the numbers from the repeated map
+    late = WitnessReader(str(p), 0.0, from_start=True)
+    got = [late.parse(x.encode()) for x in p.read_text().splitlines()[2:]]
+    assert got[0] is not None and got[0].reqs == [] and late.unnamed == 2
+    assert got[1] is not None and got[1].reqs == [["c", 1, 0, 0, 1]]
+
+
 def test_reader_maps_ids_and_clock_and_follows_rollover(tmp_path):
     p = tmp_path / "w.jsonl"
-    log = StepLog(str(p), "vllm", "0.32.0", max_bytes=400)
+    log = StepLog(str(p), "vllm", "0.32.0", max_bytes=700)
     for i in range(8):
-        log.step(1000.0 + i, 1000.5 + i, [[f"cmpl-abc{i}-0-0123abcd", 1, 0, 0, 1]], [], [], [], [])
+        rid = f"cmpl-abc{i}-0-0123abcd"
+        log.step(1000.0 + i, 1000.5 + i, [(rid, 1, 0, 0, 1)], [], [], [(rid, "stop")], [])
     log.close()
-    assert (tmp_path / "w.jsonl.1").exists()  # rolled over at 400 bytes
+    assert (tmp_path / "w.jsonl.1").exists()  # rolled over at 700 bytes
     r = WitnessReader(str(p), wall_zero=990.0, engine="http://127.0.0.1:8000", from_start=True)
     recs = r.read()
     assert recs and all(rec.reqs[0][0].startswith("abc") for rec in recs)

@@ -5,62 +5,23 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 
-
-class _FakeScheduler:
-    """What the witness relies on: ``requests``, ``_update_after_schedule`` advancing computed tokens,
-    ``update_from_output`` returning EngineCoreOutputs per client, ``finish_requests``, ``shutdown``."""
-
-    def __init__(self, **kw):
-        self.kw = kw
-        self.requests: dict[str, SimpleNamespace] = {}
-
-    def _update_after_schedule(self, so):
-        for rid, n in so.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
-
-    def update_from_output(self, so, mro):
-        outs = [SimpleNamespace(request_id=rid, new_token_ids=[7] * k, finish_reason=mro.get("fin", {}).get(rid))
-                for rid, k in mro["made"].items()]
-        return {0: SimpleNamespace(outputs=outs)}
-
-    def finish_requests(self, ids, status):
-        return [self.requests[i] for i in ids]
-
-    def shutdown(self):
-        self.shut = True
-
-
-class _FakeAsync(_FakeScheduler):
-    pass
+from testkit import fake_vllm as fake
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch):
-    mods = {}
-    for name in ("vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.sched", "vllm.v1.core.sched.scheduler",
-                 "vllm.v1.core.sched.async_scheduler"):
-        mods[name] = types.ModuleType(name)
-        monkeypatch.setitem(sys.modules, name, mods[name])
-    mods["vllm"].__version__ = "0.32.0"
-    mods["vllm.v1.core.sched.scheduler"].Scheduler = _FakeScheduler
-    mods["vllm.v1.core.sched.async_scheduler"].AsyncScheduler = _FakeAsync
-    return mods["vllm"]
+def fake_vllm():
+    with fake.installed() as mod:
+        yield mod
 
 
-def _cfg(async_on: bool):
-    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_on),
-                           cache_config=SimpleNamespace(block_size=16))
-
-
-def _so(sched: dict[str, int], preempted=(), resumed=()):
-    return SimpleNamespace(num_scheduled_tokens=sched, preempted_req_ids=set(preempted),
-                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
+_cfg = fake.config
+_so = fake.scheduler_output
+_FakeScheduler = fake.FakeScheduler
+_FakeAsync = fake.FakeAsyncScheduler
 
 
 def test_witnessed_scheduler_logs_each_step_without_changing_it(fake_vllm, tmp_path, monkeypatch):
@@ -90,10 +51,11 @@ def test_witnessed_scheduler_logs_each_step_without_changing_it(fake_vllm, tmp_p
     assert lines[0]["format"] == "kvtop-witness" and lines[0]["engine_version"] == "0.32.0"
     assert lines[0]["block_size"] == 16
     steps = lines[1:]
-    assert steps[0]["r"] == [["a", 30, 30, 0, 1], ["b", 5, 5, 0, 1]]
-    assert steps[1]["r"] == [["a", 1, 0, 0, 1]] and steps[1]["pre"] == ["b"]
-    assert steps[2]["r"] == [["a", 1, 0, 0, 1], ["b", 6, 0, 5, 1]] and steps[2]["res"] == ["b"]
-    assert steps[2]["fin"] == [["a", "length"]]
+    assert steps[0]["n"] == {"1": "a", "2": "b"}  # requests by number in the file
+    assert steps[0]["r"] == [[1, 30, 30, 0, 1], [2, 5, 5, 0, 1]]
+    assert steps[1]["d"] == [1] and "r" not in steps[1] and steps[1]["pre"] == [2]
+    assert steps[2]["d"] == [1] and steps[2]["r"] == [[2, 6, 0, 5, 1]] and steps[2]["res"] == [2]
+    assert steps[2]["fin"] == [[1, "length"]]
     assert all(st["t0"] <= st["t1"] for st in steps)
     assert steps[1]["t0"] >= steps[0]["t1"]  # a step starts when the one before it ended, at the earliest
 

@@ -41,6 +41,8 @@ class WitnessReader:
         self.header: dict[str, Any] | None = None
         self.skipped = 0
         self.steps = 0
+        self.names: dict[int, str] = {}  # request numbers of the file being read -> client ids
+        self.unnamed = 0  # entries of requests whose number was not yet mapped (a reader starting mid-file)
         self._f: Any = None
         self._ino: int | None = None
         self._buf = b""
@@ -100,24 +102,42 @@ class WitnessReader:
     def parse(self, line: bytes) -> StepRecord | None:
         try:
             d = json.loads(line)
-            if "format" in d:  # a header line (the engine restarted and appended)
+            if "format" in d:  # a header line: a new file, or the engine restarted and appended
+                self.names.clear()
                 return None
+            names = self.names
+            for key in ("m", "n"):  # numbers of the requests in this file (kvtop.witness.steplog)
+                for h, rid in (d.get(key) or {}).items():
+                    names[int(h)] = client_id(str(rid))
             t0 = float(d["t0"]) - self.wall_zero
             t1 = float(d["t1"]) - self.wall_zero
-            reqs = [[client_id(str(r[0])), int(r[1]), int(r[2]), int(r[3]), int(r[4])] for r in d["r"]]
+            name = self._name
+            # plain decodes (one token in, one out) come as bare numbers in "d", the rest in full in "r"
+            reqs = [[n, 1, 0, 0, 1] for n in map(name, d.get("d", ())) if n is not None]
+            reqs += [[n, int(r[1]), int(r[2]), int(r[3]), int(r[4])] for r in d.get("r", ())
+                     if (n := name(r[0])) is not None]
             rec = StepRecord(
                 round(max(t0, 0.0), 6), round(max(t1, 0.0), 6), self.engine, reqs,
-                [client_id(str(x)) for x in d.get("pre", ())],
-                [client_id(str(x)) for x in d.get("res", ())],
-                [[client_id(str(x[0])), str(x[1])] for x in d.get("fin", ())],
-                [client_id(str(x)) for x in d.get("ab", ())],
+                [n for n in map(name, d.get("pre", ())) if n is not None],
+                [n for n in map(name, d.get("res", ())) if n is not None],
+                [[n, str(x[1])] for x in d.get("fin", ()) if (n := name(x[0])) is not None],
+                [n for n in map(name, d.get("ab", ())) if n is not None],
             )
-        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
             if line.strip():
                 self.skipped += 1
             return None
         self.steps += 1
         return rec
+
+    def _name(self, h: object) -> str | None:
+        """A request's id from its number; None (counted) before the file has said which it is."""
+        if isinstance(h, str):
+            return client_id(h)
+        rid = self.names.get(h) if isinstance(h, int) else None
+        if rid is None:
+            self.unnamed += 1
+        return rid
 
     def close(self) -> None:
         if self._f is not None:

@@ -22,21 +22,17 @@ VERSION = 1
 # A production engine runs for days: the file rolls over at this size (one previous file kept).
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 FLUSH_EVERY_S = 0.05
+MAP_EVERY_S = 1.0
+_encode = json.encoder.encode_basestring_ascii  # C-accelerated; quotes and escapes any id
 
 
-@dataclass
-class Scheduled:
-    """One request's share of one step, as the scheduler planned it."""
-
-    rid: str
-    scheduled: int
-    prefill: int
-    recompute: int
+# One request's share of one step: (id, tokens scheduled, of them prefill, of them recompute).
+Scheduled = tuple[str, int, int, int]
 
 
 @dataclass
 class StepBook:
-    """Per-request high-water marks, and the steps planned but not yet answered by the model."""
+    """Per-request high-water marks: the positions each request has had computed."""
 
     high: dict[str, int] = field(default_factory=dict)
 
@@ -44,12 +40,14 @@ class StepBook:
         """Split ``scheduled`` positions from ``computed`` into recompute / prefill / decode."""
         hw = self.high.get(rid, 0)
         end = computed + scheduled
-        recompute = max(0, min(end, hw) - computed)
-        fresh_from = max(computed, hw)
-        prefill = max(0, min(end, prompt_len) - fresh_from)
         if end > hw:
             self.high[rid] = end
-        return Scheduled(rid, scheduled, prefill, recompute)
+        if computed >= hw:  # the common case, a decode step: nothing lost, nothing of the prompt left
+            return rid, scheduled, (min(end, prompt_len) - computed if computed < prompt_len else 0), 0
+        recompute = min(end, hw) - computed
+        fresh_from = hw if hw > computed else computed
+        prefill = max(0, min(end, prompt_len) - fresh_from)
+        return rid, scheduled, prefill, recompute
 
     def forget(self, rid: str) -> None:
         self.high.pop(rid, None)
@@ -66,6 +64,10 @@ class StepLog:
         self._header = {"format": FORMAT, "version": VERSION, "engine": engine, "engine_version": engine_version,
                         "pid": os.getpid(), **(extra or {})}
         self._f: IO[str] | None = None
+        self._handles: dict[str, str] = {}  # running request id -> its number in the file, as text
+        self._next = 1
+        self._new: list[str] = []  # '"number":"id"' of numbers first used in the line being written
+        self._last_map = 0.0
         self._size = 0
         self._last_flush = 0.0
         self.lines = 0
@@ -79,11 +81,14 @@ class StepLog:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._f = os.fdopen(fd, "a", buffering=1 << 16)
         self._size = os.fstat(fd).st_size
+        self._last_map = 0.0  # a new file starts with the whole map
         self._write({**self._header, "t": round(time.time(), 6)})
 
-    def _write(self, obj: dict[str, object], flush: bool = False) -> None:
+    def _write(self, obj: dict[str, object]) -> None:
+        self._put(json.dumps(obj, separators=(",", ":")) + "\n")
+
+    def _put(self, line: str, flush: bool = False) -> None:
         assert self._f is not None
-        line = json.dumps(obj, separators=(",", ":")) + "\n"
         self._f.write(line)
         self._size += len(line)
         self.lines += 1
@@ -93,20 +98,63 @@ class StepLog:
             self._f.flush()
             self._last_flush = now
 
+    def handle(self, rid: str) -> str:
+        """The request's number in this file (as text); its first use puts the id in the line's ``n``."""
+        h = self._handles.get(rid)
+        if h is None:
+            h = self._handles[rid] = str(self._next)
+            self._next += 1
+            self._new.append(f'"{h}":{_encode(rid)}')
+        return h
+
+    def forget(self, rid: str) -> None:
+        """The request ended: its number is not used again."""
+        self._handles.pop(rid, None)
+
     def step(self, t0: float, t1: float, reqs: list[tuple[str, int, int, int, int]], preempted: list[str],
              resumed: list[str], finished: list[tuple[str, str]], aborted: list[str], idle: bool = False) -> None:
-        """One step: wall-clock start/end, per request [id, scheduled, prefill, recompute, tokens out].
-        ``idle``: no step follows soon (nothing left to run), so the reader gets it now."""
-        rec: dict[str, object] = {"t0": round(t0, 6), "t1": round(t1, 6), "r": reqs}
+        """One step: wall-clock start/end, per request (id, scheduled, prefill, recompute, tokens out).
+        ``idle``: no step follows soon (nothing left to run), so the reader gets it now.
+
+        Written by hand rather than by ``json.dumps``: it runs on every engine step, at a batch of
+        hundreds. Requests go by number (``handle``): ``n`` maps the numbers first used in this line to
+        request ids, and once a second ``m`` repeats the map of every request still running, so a
+        reader that starts in the middle of the file knows them all within a second. Most requests in
+        a step are plain decodes (one token in, one out): ``d`` lists their numbers; the rest go in
+        ``r`` as ``[number, scheduled, prefill, recompute, out]``."""
+        handle, known = self.handle, self._handles
+        dec: list[str] = []
+        other: list[str] = []
+        for rid, n, pf, rc, out in reqs:
+            h = known.get(rid) or handle(rid)
+            if n == 1 and out == 1 and not pf and not rc:
+                dec.append(h)
+            else:
+                other.append(f"[{h},{n},{pf},{rc},{out}]")
+        line = f'{{"t0":{t0:.6f},"t1":{t1:.6f}'
+        if dec:
+            line += ',"d":[' + ",".join(dec) + "]"
+        if other:
+            line += ',"r":[' + ",".join(other) + "]"
         if preempted:
-            rec["pre"] = preempted
+            line += ',"pre":[' + ",".join(handle(x) for x in preempted) + "]"
         if resumed:
-            rec["res"] = resumed
+            line += ',"res":[' + ",".join(handle(x) for x in resumed) + "]"
         if finished:
-            rec["fin"] = finished
+            line += ',"fin":[' + ",".join(f"[{handle(x)},{_encode(why)}]" for x, why in finished) + "]"
         if aborted:
-            rec["ab"] = aborted
-        self._write(rec, flush=idle)
+            line += ',"ab":[' + ",".join(handle(x) for x in aborted) + "]"
+        if self._new:
+            line += ',"n":{' + ",".join(self._new) + "}"
+            self._new.clear()
+        if t1 - self._last_map >= MAP_EVERY_S:
+            self._last_map = t1
+            line += ',"m":{' + ",".join(f'"{h}":{_encode(r)}' for r, h in self._handles.items()) + "}"
+        self._put(line + "}\n", flush=idle)
+        for x, _why in finished:
+            self.forget(x)
+        for x in aborted:
+            self.forget(x)
         if self._size >= self.max_bytes:
             self._roll()
 

@@ -73,11 +73,12 @@ class _Witness:
 
     def _kvw_plan(self, so: Any) -> None:
         # before vLLM advances num_computed_tokens: these are the positions this step computes
-        book = self._kvw_book
+        plan = self._kvw_book.plan
+        reqs = self.requests
         plans = []
         for rid, n in so.num_scheduled_tokens.items():
-            req = self.requests[rid]
-            plans.append(book.plan(rid, req.num_computed_tokens, n, req.num_prompt_tokens))
+            req = reqs[rid]
+            plans.append(plan(rid, req.num_computed_tokens, n, req.num_prompt_tokens))
         cached = so.scheduled_cached_reqs
         resumed = sorted(getattr(cached, "resumed_req_ids", ()) or ())
         preempted = sorted(so.preempted_req_ids or ())
@@ -102,11 +103,12 @@ class _Witness:
         finished: list[tuple[str, str]] = []
         for eco in outputs.values():
             for o in eco.outputs:
-                made[o.request_id] = made.get(o.request_id, 0) + len(o.new_token_ids)
+                made[o.request_id] = len(o.new_token_ids)  # one output per request per step
                 if o.finish_reason is not None:
                     finished.append((o.request_id, str(o.finish_reason)))
                     self._kvw_book.forget(o.request_id)
-        reqs = [(p.rid, p.scheduled, p.prefill, p.recompute, made.get(p.rid, 0)) for p in plans]
+        get = made.get
+        reqs = [(rid, n, pf, rc, get(rid, 0)) for rid, n, pf, rc in plans]
         # async scheduling plans step N+1 while N runs: N+1 starts when N's output is in
         t0 = max(t_sched, self._kvw_last_end)
         self._kvw_last_end = t_out
@@ -121,7 +123,7 @@ class _Witness:
             try:
                 for r in done:
                     self._kvw_aborted.append(r.request_id)
-                    self._kvw_book.forget(r.request_id)
+                    self._kvw_book.forget(r.request_id)  # its number goes once the abort is written
             except Exception as e:  # noqa: BLE001 - never into the engine
                 self._kvw_fail(e)
         return done
