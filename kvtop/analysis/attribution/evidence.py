@@ -70,6 +70,8 @@ class Evidence:
     timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
     stalls: StallIndex  # the other streams
     witness: Account | None = None  # the engine's own step log for this stall (a witness ran)
+    # another request's prefill, engine-timed, covering at least half the stall: (start, end, prompt, id)
+    prefill_span: tuple[float, float, int, str] | None = None
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -287,7 +289,7 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> flo
 def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | None, timeline: EngineTimeline,
            preempts: bool, settle: float, engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Spike | None = None,
-           witness: Account | None = None) -> Evidence:
+           witness: Account | None = None, prefill_span: tuple[float, float, int, str] | None = None) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
 
     ``median`` is the run's median gap, ``target`` the ITL target. ``timeline`` holds the engine
@@ -312,4 +314,5 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
-        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, witness=witness)
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, witness=witness,
+        prefill_span=prefill_span)

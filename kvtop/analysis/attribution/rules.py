@@ -21,6 +21,7 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
     KV_HIGH,
+    PREFILL_HOLD_S,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,
@@ -119,6 +120,16 @@ RULES: tuple[Rule, ...] = (
          f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a "
          "slow reader, API-server merging, the network); a resumed preemption victim emits one step's worth. Asked "
          "before any engine cause"),
+    # a chunked prefill slows every step it rides in: the stream's slower pace is the prefill's doing,
+    # so the engine's own timing of another request's prefill is asked before the pace rules
+    # (any stall: the streams riding in the same chunk steps get their tokens a few ms apart, so one
+    # stream's stall can look as if the others flowed through it)
+    Rule("prefill-span", Cause.PREFILL, ("span",), ANY, prefill.span, ("prefill/span",),
+         "another request's prefill, as the engine timed it (vLLM `--enable-per-request-metrics`: its first "
+         "token less its engine TTFT), covers ≥ half the stall; no preemption counted around the stall; its "
+         f"prompt at the measured rate covers ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the "
+         f"stream's pace. Spikes that may lie in a prefill not yet reported wait up to {PREFILL_HOLD_S:g} s past "
+         "their end for it (vLLM reports a request's times on its final chunk)"),
     Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
          f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
          f"(look-ahead, below) are < 1/{REL_SLOW:g} of it. `slow/lifted-run`: the stream has no gaps of its own "
