@@ -32,9 +32,9 @@ from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
 from kvtop.analysis.witness import Account, StepIndex
+from kvtop.model.engine_id import engine_address
 
 HOLD_REFRESH_S = 0.1  # the prefill hold line is recomputed at most this often (trace seconds)
-from kvtop.model.engine_id import engine_address
 
 CAUSES = tuple(c.value for c in ALL)
 
