@@ -6,7 +6,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 from kvtop.analysis.live import LiveAnalyzer
@@ -90,16 +95,58 @@ def _agent_args(cmdline: str) -> list[str]:
     return argv[argv.index("agent"):]
 
 
-def test_the_systemd_unit_and_kubernetes_args_are_valid_agent_command_lines():
-    unit = (DEPLOY / "systemd" / "kvtop-agent.service").read_text()
-    [exec_start] = [ln.split("=", 1)[1] for ln in unit.splitlines() if ln.startswith("ExecStart=")]
-    k8s = (DEPLOY / "kubernetes" / "kvtop-agent.yaml").read_text()
-    block = k8s[k8s.index("args:"):k8s.index("env:")]
-    k8s_args = [ln.strip()[2:] for ln in block.splitlines()[1:] if ln.strip().startswith("- ")]
-    for argv in (_agent_args(exec_start.replace("%H", "gpu-node-1")), k8s_args):
-        args = build_parser().parse_args(argv)
-        assert args.command == "agent" and args.url and args.listen == "0.0.0.0:9470"
+def _unit(name: str) -> dict[str, list[str]]:
+    """key -> values (systemd keys may repeat) of a unit file's [Service] and [Unit] sections."""
+    out: dict[str, list[str]] = {}
+    for ln in (DEPLOY / "systemd" / name).read_text().splitlines():
+        if ln and not ln.startswith(("#", ";", "[")):
+            k, _, v = ln.partition("=")
+            out.setdefault(k.strip(), []).append(v.strip())
+    return out
+
+
+UNITS = ("kvtop-agent.service", "kvtop-agent-capture.service")
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_systemd_units_run_an_agent_that_sees_streams_with_the_least_privilege(name: str) -> None:
+    u = _unit(name)
+    [exec_start] = u["ExecStart"]
+    args = build_parser().parse_args(_agent_args(exec_start))
+    assert args.command == "agent" and args.url == ["http://127.0.0.1:8000"] and args.listen == "0.0.0.0:9470"
+    assert u["NoNewPrivileges"] == ["yes"] and u["DynamicUser"] == ["yes"] and u["ProtectSystem"] == ["strict"]
+    families = u["RestrictAddressFamilies"][0].split()
+    if name == "kvtop-agent-capture.service":
+        assert args.capture == 8000 and not args.probe
+        assert u["AmbientCapabilities"] == ["CAP_NET_RAW"] and u["CapabilityBoundingSet"] == ["CAP_NET_RAW"]
+        assert families == ["AF_INET", "AF_INET6", "AF_UNIX", "AF_PACKET", "AF_NETLINK"]
+    else:
+        assert args.probe > 0 and args.capture is None
+        assert u["CapabilityBoundingSet"] == [""] and "AmbientCapabilities" not in u and "AF_PACKET" not in families
+    # the unit says how to read the engine's /proc, and never advises setcap on the interpreter
+    text = (DEPLOY / "systemd" / name).read_text()
+    assert "RssShmem" in text and "User=" in text and "setcap cap_net_raw" not in text
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_analyze_verify_accepts_the_units(tmp_path: Path) -> None:
+    """systemd's own parser: an unknown key or a misspelt address family is a warning it prints."""
+    kvtop = Path(sys.executable).with_name("kvtop")
+    for name in UNITS:
+        text = (DEPLOY / "systemd" / name).read_text().replace("/opt/kvtop/bin/kvtop", str(kvtop))
+        (tmp_path / name).write_text(text)
+    bad = (tmp_path / UNITS[1]).read_text().replace("AF_PACKET", "AF_PAKET")
+    (tmp_path / "kvtop-broken.service").write_text(bad)
+    out = subprocess.run(["systemd-analyze", "verify", *(str(tmp_path / n) for n in UNITS)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout + out.stderr == ""
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kvtop-broken.service")],
+                         capture_output=True, text=True, timeout=60)
+    assert "AF_PAKET" in out.stderr  # the check above would have seen a mistake
+
+
+def test_both_ways_of_scraping_the_agent_give_job_kvtop() -> None:
     # the stale-agent alert keys on job="kvtop": both ways of scraping the agent produce it
-    assert "replacement: kvtop" in k8s
+    assert "replacement: kvtop" in (DEPLOY / "kubernetes" / "kvtop-podmonitor.yaml").read_text()
     assert "job_name: kvtop" in (DEPLOY / "prometheus" / "prometheus.yml").read_text()
     assert 'up{job="kvtop"}' in (DEPLOY / "prometheus" / "kvtop-alerts.yml").read_text()
