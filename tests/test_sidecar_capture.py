@@ -1,0 +1,146 @@
+"""The capture sidecar's privileges, reproduced on this host: the agent runs as in
+deploy/kubernetes/kvtop-sidecar.yaml (its own arguments, uid 10001's stand-in 65534, no_new_privs,
+a bounding set of NET_RAW alone, exec'ing a copy of the interpreter that carries cap_net_raw as a file
+capability, as the Containerfile's kvtop-capture-python does) and captures a simulated vLLM on
+loopback, which is the pod's shared network namespace here. A preemption storm must come out as
+non-zero spike counters. Needs root (to set the file capability and drop to another user)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import REPO, wait_for_line
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtop.sim.loadgen import run_load
+from kvtop.sim.workload import load_preset
+
+SETPRIV = shutil.which("setpriv")
+SETCAP = shutil.which("setcap") or ("/usr/sbin/setcap" if Path("/usr/sbin/setcap").exists() else None)
+# an interpreter of this Python's version that other users may run (the image copies its own)
+SYSTEM_PY = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or os.geteuid() != 0 or SETPRIV is None or SETCAP is None or not SYSTEM_PY.exists(),
+    reason="needs Linux, root, setpriv, setcap and a system python of this version")
+
+
+def _sidecar_args() -> list[str]:
+    [dep] = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "kvtop-sidecar.yaml").read_text()) if d]
+    [c] = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "kvtop-agent"]
+    return list(c["args"])
+
+
+def _as_sidecar(bounding: str) -> list[str]:
+    assert SETPRIV is not None
+    return [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+            f"--bounding-set={bounding}", "--no-new-privs"]
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path, str]]:
+    """(capture interpreter, plain interpreter, PYTHONPATH), all readable by uid 65534."""
+    root = Path(tempfile.mkdtemp(prefix="kvtop-sidecar-"))
+    try:
+        os.chmod(root, 0o755)
+        app = root / "app"
+        shutil.copytree(REPO / "kvtop", app / "kvtop", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "plugins", app / "kvtop_plugins", ignore=shutil.ignore_patterns("__pycache__"))
+        for d, _, files in os.walk(app):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        cap = root / "kvtop-capture-python"
+        shutil.copy2(SYSTEM_PY, cap)
+        os.chmod(cap, 0o755)
+        assert SETCAP is not None
+        subprocess.run([SETCAP, "cap_net_raw+ep", str(cap)], check=True)
+        path = os.pathsep.join([str(app), sysconfig.get_paths()["purelib"]])
+        probe = subprocess.run([*_as_sidecar("-all,+net_raw"), str(cap), "-c", "import aiohttp, kvtop.cli"],
+                               env={"PYTHONPATH": path}, capture_output=True, text=True, timeout=60)
+        if probe.returncode != 0:
+            pytest.skip(f"uid {NOBODY} cannot import kvtop's dependencies from {path}: {probe.stderr[-300:]}")
+        yield cap, SYSTEM_PY, path
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_capture_interpreter_needs_net_raw_in_the_bounding_set(image: tuple[Path, Path, str]) -> None:
+    """Why it is not the image's entrypoint: where the pod does not add NET_RAW the kernel refuses
+    to run it at all (the probing DaemonSet uses the plain interpreter)."""
+    cap, _, path = image
+    r = subprocess.run([*_as_sidecar("-all"), str(cap), "-c", "print('ran')"], env={"PYTHONPATH": path},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "ran" not in r.stdout and "Operation not permitted" in r.stderr
+
+
+def test_without_the_file_capability_the_sidecar_cannot_capture(image: tuple[Path, Path, str], tmp_path: Path) -> None:
+    _, plain, path = image
+    args = [a for a in _sidecar_args() if not a.startswith(("--trace-dir", "--listen"))]
+    r = subprocess.run([*_as_sidecar("-all,+net_raw"), str(plain), "-m", "kvtop", *args, "--listen=127.0.0.1:0",
+                        "--duration=1"], env={"PYTHONPATH": path, "XDG_CONFIG_HOME": "/nonexistent"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "CAP_NET_RAW" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_the_sidecar_counts_spikes_in_the_streams_it_captures(image: tuple[Path, Path, str]) -> None:
+    cap, _, path = image
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim-server", "--preset", "preemption-storm", "--port", "0",
+                            "--seed", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    agent = None
+    try:
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:(\d+))")
+        url, port = sim_url.group(1), sim_url.group(2)
+        args = []
+        for a in _sidecar_args():
+            if a.startswith("--trace-dir"):
+                continue  # the pod's emptyDir; nothing to keep here
+            a = a.replace("http://127.0.0.1:8000", url).replace("--capture=8000", f"--capture={port}")
+            args.append(a.replace("--listen=0.0.0.0:9470", "--listen=127.0.0.1:0"))
+        assert f"--capture={port}" in args and f"--url={url}" in args  # the manifest's shape, this engine's port
+        agent = subprocess.Popen([*_as_sidecar("-all,+net_raw"), str(cap), "-m", "kvtop", *args, "--no-host",
+                                  "--interval=0.5"],
+                                 env={"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CONFIG_HOME": "/nonexistent",
+                                      "POD_NAME": "vllm-0", "POD_NAMESPACE": "inference"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        metrics = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+/metrics).*capture port", 60).group(1)
+        load = asyncio.run(run_load(url, load_preset("preemption-storm"), 12.0, seed=3))
+        fams: dict[str, list] = {}
+        for _ in range(40):  # spikes wait for their evidence window before they are counted
+            asyncio.run(asyncio.sleep(0.5))
+            text = httpx.get(metrics, timeout=5).text
+            fams = {f.name: f.samples for f in text_string_to_metric_families(text)}
+            if any(s.value > 0 and s.labels["cause"] == "preemption" for s in fams["kvtop_token_gap_spikes"]
+                   if s.name.endswith("_total")):
+                break
+    finally:
+        for p in (agent, sim):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    captured = sum(s.value for s in fams["kvtop_streams_observed"]
+                   if s.name.endswith("_total") and s.labels["observer"] == "capture")
+    spikes = {s.labels["cause"]: s.value for s in fams["kvtop_token_gap_spikes"] if s.name.endswith("_total")}
+    # every request the load sent went past the capture, none twice
+    assert load.sent >= 10 and captured == load.sent, (captured, load.sent)
+    assert sum(spikes.values()) > 0 and spikes["preemption"] > 0, spikes
+    [info] = fams["kvtop_agent_info"]
+    assert (info.labels["pod"], info.labels["namespace"]) == ("vllm-0", "inference")
