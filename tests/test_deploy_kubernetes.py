@@ -10,7 +10,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from cloudcoil.models.prometheus_operator.v1 import PodMonitor
+from cloudcoil.models.prometheus_operator.v1 import PodMonitor, PrometheusRule
 from conftest import REPO
 
 from kvtop.cli import build_parser
@@ -28,8 +28,8 @@ def _all() -> list[tuple[str, dict[str, Any]]]:
 
 
 def _validate(doc: dict[str, Any]) -> None:
-    if doc["kind"] == "PodMonitor":
-        model = PodMonitor.model_validate(doc)
+    if doc["kind"] in ("PodMonitor", "PrometheusRule"):
+        model = (PodMonitor if doc["kind"] == "PodMonitor" else PrometheusRule).model_validate(doc)
         # the models ignore unknown fields: what they keep must be all there was
         assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == doc
     else:
@@ -137,3 +137,10 @@ def test_the_image_placeholder_names_the_right_distribution() -> None:
             assert "pip install kvtop-console" in text, p.name
             assert "`pip install kvtop`" not in text.replace("`pip install kvtop` is another project", ""), p.name
 
+
+
+def test_the_prometheusrule_carries_exactly_the_tested_alert_rules() -> None:
+    """promtool tests deploy/prometheus/kvtop-alerts.yml; the operator's copy must be the same rules."""
+    [rule] = _docs("kvtop-prometheusrule.yaml")
+    alerts = yaml.safe_load((REPO / "deploy" / "prometheus" / "kvtop-alerts.yml").read_text())
+    assert rule["spec"] == alerts
