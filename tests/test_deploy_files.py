@@ -201,6 +201,8 @@ def test_systemd_units_run_an_agent_that_sees_streams_with_the_least_privilege(n
     else:
         assert args.probe > 0 and args.capture is None
         assert u["CapabilityBoundingSet"] == [""] and "AmbientCapabilities" not in u and "AF_PACKET" not in families
+    # NVML opens /dev/nvidia*: nothing may turn on systemd's device allow-list (ProtectClock= implies one)
+    assert not {"PrivateDevices", "DevicePolicy", "DeviceAllow", "ProtectClock"} & set(u)
     # the unit says how to read the engine's /proc, and never advises setcap on the interpreter
     text = (DEPLOY / "systemd" / name).read_text()
     assert "RssShmem" in text and "User=" in text and "setcap cap_net_raw" not in text
