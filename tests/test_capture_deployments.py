@@ -1,14 +1,18 @@
-"""The capture sidecar's privileges, reproduced on this host: the agent runs as in
-deploy/kubernetes/kvtop-sidecar.yaml (its own arguments, uid 10001's stand-in 65534, no_new_privs,
-a bounding set of NET_RAW alone, exec'ing a copy of the interpreter that carries cap_net_raw as a file
-capability, as the Containerfile's kvtop-capture-python does) and captures a simulated vLLM on
-loopback, which is the pod's shared network namespace here. A preemption storm must come out as
-non-zero spike counters. Needs root (to set the file capability and drop to another user)."""
+"""The capture deployments' privileges, reproduced on this host. The sidecar
+(deploy/kubernetes/kvtop-sidecar.yaml): its own arguments, uid 10001's stand-in 65534, no_new_privs,
+a bounding set of NET_RAW alone, exec'ing a copy of the interpreter that carries cap_net_raw as a
+file capability (the Containerfile's kvtop-capture-python). The systemd capture unit
+(deploy/systemd/kvtop-agent-capture.service): its ExecStart arguments, a dynamic user's stand-in
+65534, no_new_privs, NET_RAW as the ambient and only bounding capability, the plain interpreter.
+Each captures a simulated vLLM on loopback (the pod's shared network namespace, or the host's), and
+a preemption storm must come out as non-zero spike counters. Needs root (to set the file capability
+and drop to another user)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,6 +45,34 @@ def _sidecar_args() -> list[str]:
     [dep] = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "kvtop-sidecar.yaml").read_text()) if d]
     [c] = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "kvtop-agent"]
     return list(c["args"])
+
+
+def _unit_args() -> list[str]:
+    unit = (REPO / "deploy" / "systemd" / "kvtop-agent-capture.service").read_text()
+    [line] = [ln for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    argv = shlex.split(line.split("=", 1)[1])
+    return argv[argv.index("agent"):]
+
+
+def _here(args: list[str], url: str, port: str) -> list[str]:
+    """A deployment's agent arguments pointed at this test's engine: its URL and port for the
+    engine's 8000, loopback port 0 for /metrics, no trace directory (the pod's emptyDir, the unit's
+    StateDirectory)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--trace-dir":
+            skip = True
+            continue
+        if a.startswith("--trace-dir="):
+            continue
+        a = a.replace("http://127.0.0.1:8000", url).replace("0.0.0.0:9470", "127.0.0.1:0")
+        out.append(port if a == "8000" else a.replace("--capture=8000", f"--capture={port}"))
+    assert url in " ".join(out) and port in [x.split("=")[-1] for x in out]  # the deployment's shape, this engine
+    return out
 
 
 def _as_sidecar(bounding: str) -> list[str]:
@@ -96,8 +128,10 @@ def test_without_the_file_capability_the_sidecar_cannot_capture(image: tuple[Pat
 
 
 @pytest.mark.slow
-def test_the_sidecar_counts_spikes_in_the_streams_it_captures(image: tuple[Path, Path, str]) -> None:
-    cap, _, path = image
+@pytest.mark.parametrize("deployment", ["kubernetes-sidecar", "systemd-capture-unit"])
+def test_the_capture_deployments_count_spikes_in_the_streams_they_capture(image: tuple[Path, Path, str],
+                                                                          deployment: str) -> None:
+    cap, plain, path = image
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim-server", "--preset", "preemption-storm", "--port", "0",
                             "--seed", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -105,15 +139,14 @@ def test_the_sidecar_counts_spikes_in_the_streams_it_captures(image: tuple[Path,
     try:
         sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:(\d+))")
         url, port = sim_url.group(1), sim_url.group(2)
-        args = []
-        for a in _sidecar_args():
-            if a.startswith("--trace-dir"):
-                continue  # the pod's emptyDir; nothing to keep here
-            a = a.replace("http://127.0.0.1:8000", url).replace("--capture=8000", f"--capture={port}")
-            args.append(a.replace("--listen=0.0.0.0:9470", "--listen=127.0.0.1:0"))
-        assert f"--capture={port}" in args and f"--url={url}" in args  # the manifest's shape, this engine's port
-        agent = subprocess.Popen([*_as_sidecar("-all,+net_raw"), str(cap), "-m", "kvtop", *args, "--no-host",
-                                  "--interval=0.5"],
+        if deployment == "kubernetes-sidecar":
+            run = [*_as_sidecar("-all,+net_raw"), str(cap), "-m", "kvtop", *_here(_sidecar_args(), url, port)]
+        else:  # AmbientCapabilities=CAP_NET_RAW, CapabilityBoundingSet=CAP_NET_RAW, NoNewPrivileges=yes
+            assert SETPRIV is not None
+            run = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all,+net_raw",
+                   "--ambient-caps=-all,+net_raw", "--bounding-set=-all,+net_raw", "--no-new-privs",
+                   str(plain), "-m", "kvtop", *_here(_unit_args(), url, port), "--no-gpu"]
+        agent = subprocess.Popen([*run, "--no-host", "--interval=0.5"],
                                  env={"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CONFIG_HOME": "/nonexistent",
                                       "POD_NAME": "vllm-0", "POD_NAMESPACE": "inference"},
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
