@@ -5,8 +5,9 @@ file capability (the Containerfile's kvtop-capture-python). The systemd capture 
 (deploy/systemd/kvtop-agent-capture.service): its ExecStart arguments, a dynamic user's stand-in
 65534, no_new_privs, NET_RAW as the ambient and only bounding capability, the plain interpreter.
 Each captures a simulated vLLM on loopback (the pod's shared network namespace, or the host's), and
-a preemption storm must come out as non-zero spike counters. Needs root (to set the file capability
-and drop to another user)."""
+a preemption storm must come out as non-zero spike counters. The probing DaemonSet runs with no
+capability at all and must observe its canaries. Needs root (to set the file capability and drop to
+another user)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,56 @@ def test_the_capture_deployments_count_spikes_in_the_streams_they_capture(image:
     assert sum(spikes.values()) > 0 and spikes["preemption"] > 0, spikes
     [info] = fams["kvtop_agent_info"]
     assert (info.labels["pod"], info.labels["namespace"]) == ("vllm-0", "inference")
+
+
+def _daemonset_args() -> list[str]:
+    docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "kvtop-daemonset.yaml").read_text()) if d]
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    [c] = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "kvtop-agent"]
+    return list(c["args"])
+
+
+@pytest.mark.slow
+def test_the_probing_daemonset_observes_its_canaries_without_any_capability(image: tuple[Path, Path, str]) -> None:
+    """The DaemonSet's arguments (the node-local Service replaced by this engine's address) with no
+    capability at all, as uid 65534: its canary streams are observed and timed."""
+    _, plain, path = image
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim-server", "--port", "0", "--seed", "4"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    agent = None
+    try:
+        url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        args = []
+        for a in _daemonset_args():
+            if a.startswith("--trace-dir"):
+                continue
+            if a.startswith("--url="):
+                a = f"--url={url}"
+            args.append(a.replace("0.0.0.0:9470", "127.0.0.1:0"))
+        assert any(a.startswith("--probe=") for a in args)
+        agent = subprocess.Popen([*_as_sidecar("-all"), str(plain), "-m", "kvtop", *args, "--no-host", "--no-gpu",
+                                  "--interval=0.5"],
+                                 env={"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CONFIG_HOME": "/nonexistent"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        metrics = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+/metrics).*probe", 60).group(1)
+        probed = 0.0
+        gaps = 0.0
+        for _ in range(60):  # --probe=0.2: one canary every 5 s
+            asyncio.run(asyncio.sleep(0.5))
+            fams = {f.name: f.samples for f in text_string_to_metric_families(httpx.get(metrics, timeout=5).text)}
+            probed = sum(x.value for x in fams.get("kvtop_streams_observed", [])
+                         if x.name.endswith("_total") and x.labels["observer"] == "probe")
+            gaps = sum(x.value for x in fams["kvtop_stream_inter_token_gap_seconds"] if x.name.endswith("_count"))
+            if probed >= 2 and gaps > 0:
+                break
+    finally:
+        for p in (agent, sim):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    assert probed >= 2 and gaps > 0, (probed, gaps)
