@@ -95,7 +95,10 @@ def test_the_build_stage_copies_enough_to_build_the_wheel(tmp_path: Path) -> Non
     for ins in build:
         if ins["instruction"] != "COPY":
             continue
-        *sources, dest = shlex.split(ins["value"])
+        *patterns, dest = shlex.split(ins["value"])
+        # a wildcard may match nothing (LICENSE* before a licence file exists), as in a real build
+        sources = [p.relative_to(REPO).as_posix() for pat in patterns for p in sorted(REPO.glob(pat))]
+        assert all((REPO / pat).exists() for pat in patterns if "*" not in pat), patterns
         for s in sources:
             src = REPO / s
             target = ctx / (s if dest.endswith("/") else dest.removeprefix("./"))
@@ -111,3 +114,15 @@ def test_the_build_stage_copies_enough_to_build_the_wheel(tmp_path: Path) -> Non
     names = zipfile.ZipFile(whl).namelist()
     assert "kvtop/cli.py" in names and "kvtop_plugins/vllm.py" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+
+
+def test_the_build_context_holds_what_the_build_stage_copies() -> None:
+    """.dockerignore keeps .venv and traces out of the context, but never a file the COPYs need."""
+    build, _ = _stages()
+    rules = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    assert rules[0] == "*"  # everything out, then what is needed back in
+    allowed = {r[1:] for r in rules if r.startswith("!")}
+    for ins in build:
+        if ins["instruction"] == "COPY":
+            *patterns, _ = shlex.split(ins["value"])
+            assert set(patterns) <= allowed, patterns
