@@ -30,6 +30,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "format": ("str", "KVTOP_FORMAT"),  # snapshot output format: text or json
     "gpu": ("bool", "KVTOP_GPU"),  # read the GPU through NVML
     "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
+    "witness": ("str", "KVTOP_WITNESS"),  # the engine's witness file (kvtop.witness)
     # reaching a Prometheus API behind a gateway (--prometheus; its bearer token is token / token_file)
     "prometheus_user": ("str", "KVTOP_PROMETHEUS_USER"),  # basic-auth user
     "prometheus_password": ("str", "KVTOP_PROMETHEUS_PASSWORD"),  # basic-auth password (prefer the file)
