@@ -31,9 +31,15 @@ KEYS: dict[str, tuple[str, str]] = {
     "gpu": ("bool", "KVTOP_GPU"),  # read the GPU through NVML
     "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
     "witness": ("str", "KVTOP_WITNESS"),  # the engine's witness file (kvtop.witness)
+    # reaching a Prometheus API behind a gateway (--prometheus; its bearer token is token / token_file)
+    "prometheus_user": ("str", "KVTOP_PROMETHEUS_USER"),  # basic-auth user
+    "prometheus_password": ("str", "KVTOP_PROMETHEUS_PASSWORD"),  # basic-auth password (prefer the file)
+    "prometheus_password_file": ("str", "KVTOP_PROMETHEUS_PASSWORD_FILE"),  # file holding that password
+    "prometheus_ca_file": ("str", "KVTOP_PROMETHEUS_CA_FILE"),  # PEM CA bundle for its TLS certificate
+    "prometheus_headers": ("list", "KVTOP_PROMETHEUS_HEADERS"),  # "Name: value" each; env: comma-separated
 }
 
-_SECRET = frozenset({"token"})
+_SECRET = frozenset({"token", "prometheus_password"})
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -79,13 +85,13 @@ def parse_seconds(value: Any, what: str) -> float:
 def _coerce(key: str, value: Any, origin: str) -> Any:
     kind = KEYS[key][0]
     what = f"{key} ({origin})"
-    if kind == "urls":
+    if kind in ("urls", "list"):
         if isinstance(value, str):
             urls = [u.strip() for u in value.split(",") if u.strip()]
         elif isinstance(value, list) and all(isinstance(u, str) for u in value):
             urls = [u.strip() for u in value if u.strip()]
         else:
-            raise UsageError(f"{what} must be a URL or a list of URLs")
+            raise UsageError(f"{what} must be " + ("a URL or a list of URLs" if kind == "urls" else "a list of strings"))
         return urls
     if kind == "seconds":
         return parse_seconds(value, what)

@@ -139,7 +139,7 @@ def test_agent_counts_captured_and_proxied_streams_once_each():
         deadline = time.monotonic() + 20
         while True:
             fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)}
-            seen = {s.labels["source"]: s.value for s in fams["kvtop_streams_observed"].samples
+            seen = {s.labels["observer"]: s.value for s in fams["kvtop_streams_observed"].samples
                     if s.name.endswith("_total")}
             if seen == {"proxy": 3.0, "capture": 2.0} or time.monotonic() > deadline:
                 break

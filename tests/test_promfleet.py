@@ -213,8 +213,11 @@ def test_prometheus_going_away_marks_its_engines_down_with_one_event(api):
 
 def test_fleet_reads_agent_verdicts_and_spikes(api):
     url, routes = api
-    routes["kvtop_verdict_info"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
-                                                    "action": "admission", "mechanism": "recompute"}, 1)])
+    # the mechanism's route first: "kvtop_verdict" is a prefix of its query
+    routes["kvtop_verdict_mechanism{} == 1"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
+                                                               "mechanism": "recompute"}, 1)])
+    routes["kvtop_verdict{} == 1"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
+                                                     "action": "admission"}, 1)])
     routes["kvtop_verdict_confidence"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470"}, 0.7)])
     routes["kvtop_token_gap_spikes_total"] = lambda q: _vec([
         ({"engine": "10.0.0.5:8000", "instance": "n1:9470", "cause": "preemption"}, 42),

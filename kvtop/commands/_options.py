@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+import re
+from typing import TYPE_CHECKING, Any
 
 from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
 from kvtop.errors import UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
 from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
+
+if TYPE_CHECKING:
+    from kvtop.sources.promapi import PromAuth
 
 # Every command's parser is built from these groups on each start: what only a check or a run
 # needs (aiohttp for the probe, the packet socket, Prometheus' client, the adapter registry) is
@@ -74,10 +78,84 @@ def require_capture(opts: SourceOptions) -> None:
 
 
 def add_prometheus_options(p: argparse.ArgumentParser, what: str) -> None:
-    """--prometheus URL (``what`` says what the command does with it) and --selector."""
+    """--prometheus URL (``what`` says what the command does with it), --selector and how to reach it."""
     p.add_argument("--prometheus", default=None, metavar="URL", help=what)
     p.add_argument("--selector", default=None, metavar="MATCHERS",
                    help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+    add_prometheus_auth_options(p)
+
+
+def add_prometheus_auth_options(p: argparse.ArgumentParser) -> None:
+    """How to reach a Prometheus API behind a gateway (its bearer token is --token / --token-file)."""
+    p.add_argument("--prometheus-user", default=None, metavar="USER",
+                   help="with --prometheus: basic-auth user; the password from --prometheus-password-file or "
+                        "KVTOP_PROMETHEUS_PASSWORD (also prometheus_user)")
+    p.add_argument("--prometheus-password-file", default=None, metavar="FILE",
+                   help="with --prometheus: read the basic-auth password from FILE (also prometheus_password_file)")
+    p.add_argument("--prometheus-ca-file", default=None, metavar="FILE",
+                   help="with --prometheus: PEM CA bundle that signs its TLS certificate (also prometheus_ca_file)")
+    p.add_argument("--prometheus-header", action="append", default=None, metavar="'NAME: VALUE'",
+                   help="with --prometheus: an extra request header, e.g. 'X-Scope-OrgID: team-a' (repeat; "
+                        "also prometheus_headers)")
+
+
+_SECRET_FILE_MAX_BYTES = 64 << 10
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+
+
+def _secret_file(path: str, what: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_SECRET_FILE_MAX_BYTES + 1)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path} is not UTF-8 text") from None
+    if len(raw) > _SECRET_FILE_MAX_BYTES or not text or "\n" in text or not text.isprintable():
+        raise UsageError(f"{what} {path} must hold one line")  # never the content: it is a secret
+    return text
+
+
+def prometheus_auth(args: argparse.Namespace, cfg: dict[str, Any]) -> PromAuth:
+    """--token/--token-file, --prometheus-user + password, --prometheus-ca-file, --prometheus-header
+    (flag > environment > config), checked: one-line UsageError, never echoing a secret."""
+    from kvtop.sources.promapi import PromAuth  # httpx: only for --prometheus
+
+    token = resolve_token(args, cfg)
+    user = resolve(args, cfg, "prometheus_user")
+    password = None
+    pw_file = resolve(args, cfg, "prometheus_password_file")
+    if pw_file is not None:
+        password = _secret_file(str(pw_file), "password file")
+    elif cfg.get("prometheus_password") is not None:
+        password = str(cfg["prometheus_password"])
+    if password is not None and user is None:
+        raise UsageError("a Prometheus password needs --prometheus-user")
+    if user is not None and token is not None:
+        raise UsageError("give either a bearer token (--token) or basic auth (--prometheus-user) for Prometheus, not both")
+    if user is not None and (":" in str(user) or not str(user).isprintable()):
+        raise UsageError(f"--prometheus-user {user!r}: no ':' and no control characters")
+    ca = resolve(args, cfg, "prometheus_ca_file")
+    if ca is not None:
+        try:
+            with open(str(ca), "rb"):
+                pass
+        except OSError as e:
+            raise UsageError(f"cannot read --prometheus-ca-file {ca}: {e.strerror or e}") from None
+    headers: list[tuple[str, str]] = []
+    for h in resolve(args, cfg, "prometheus_headers", [], attr="prometheus_header"):
+        name, sep, value = str(h).partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not _HEADER_NAME.fullmatch(name) or not value or not value.isprintable():
+            raise UsageError(f"--prometheus-header wants 'NAME: VALUE' on one line, e.g. 'X-Scope-OrgID: team-a', "
+                             f"not {name[:40]!r}")  # the name only: a header value may be a credential
+        if name.lower() in ("authorization", "host", "content-length"):
+            raise UsageError(f"--prometheus-header cannot set {name}: use --token or --prometheus-user")
+        headers.append((name, value))
+    return PromAuth(token=token, username=None if user is None else str(user), password=password,
+                    ca_file=None if ca is None else str(ca), headers=tuple(headers))
 
 
 def add_itl_option(p: argparse.ArgumentParser) -> None:

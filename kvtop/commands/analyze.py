@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtop.commands._options import itl_target_s, timeout_s
-from kvtop.config import parse_seconds
+from kvtop.commands._options import add_prometheus_auth_options, itl_target_s, prometheus_auth, timeout_s
+from kvtop.config import load_config, parse_seconds
 from kvtop.errors import UsageError
 
 if TYPE_CHECKING:
@@ -35,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selector", default=None, metavar="MATCHERS",
                    help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
     p.add_argument("--timeout", default="30s", metavar="SECONDS", help="with --prometheus: per-query timeout")
+    p.add_argument("--token", default=None, help="with --prometheus: bearer token (visible in the process list: "
+                   "prefer --token-file or KVTOP_TOKEN)")
+    p.add_argument("--token-file", default=None, metavar="FILE", help="with --prometheus: read the bearer token from FILE")
+    add_prometheus_auth_options(p)
     p.add_argument("--itl-target-ms", type=float, metavar="N",
                    help="ITL target; default: the trace header's, else 4 x the median of the first 2000 gaps")
     p.add_argument("--model-config", metavar="FILE", help="Hugging Face config.json of the served model")
@@ -125,7 +129,7 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
         raise UsageError("--step must be between 0 and 3600 seconds")
     if (end - start) / step > 11000:
         raise UsageError(f"{(end - start) / step:.0f} steps: Prometheus answers at most 11000 per query; raise --step")
-    client = PromClient(args.prometheus, timeout_s=timeout)
+    client = PromClient(args.prometheus, timeout_s=timeout, auth=prometheus_auth(args, load_config(getattr(args, "config", None))))
     try:
         rep = analyze_history(client, start, end, step, args.selector, target)
     except PromError as e:

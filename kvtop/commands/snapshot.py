@@ -20,12 +20,13 @@ from kvtop.commands._options import (
     add_probe_option,
     add_prometheus_options,
     itl_target_s,
+    prometheus_auth,
     require_capture,
     selector,
     source_options,
     timeout_s,
 )
-from kvtop.config import load_config, parse_seconds, resolve, resolve_token
+from kvtop.config import load_config, parse_seconds, resolve
 from kvtop.errors import UsageError
 from kvtop.model.records import EngineRecord, Record
 from kvtop.model.sanitize import redact_url
@@ -117,7 +118,7 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
         raise UsageError(f"--duration (the look-back) must be between 1 s and 7 days, not {window:g}")
     feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
                            window_s=window, step_s=max(1.0, min(15.0, window / 30)),
-                           timeout_s=timeout_s(args, cfg, 10.0), token=resolve_token(args, cfg))
+                           timeout_s=timeout_s(args, cfg, 10.0), auth=prometheus_auth(args, cfg))
     try:
         feed.poll_once()
     finally:

@@ -22,11 +22,12 @@ from kvtop.commands._options import (
     add_prometheus_options,
     interval_s,
     itl_target_s,
+    prometheus_auth,
     selector,
     source_options,
     timeout_s,
 )
-from kvtop.config import load_config, resolve, resolve_token
+from kvtop.config import load_config, resolve
 from kvtop.errors import UsageError
 from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
 
@@ -138,5 +139,5 @@ def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str
     interval = interval_s(args, cfg)
     feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
                            interval_s=max(interval, 2.0), timeout_s=timeout_s(args, cfg, 5.0),
-                           token=resolve_token(args, cfg), window_s=120.0, core_window_s=60.0)
+                           auth=prometheus_auth(args, cfg), window_s=120.0, core_window_s=60.0)
     return run_console(feed.core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)

@@ -60,6 +60,10 @@ class GpuRecord:
     pcie_rx_bytes_per_s: float | None = None
     # "field_counters" (cumulative NVML counters, true interval average) or "throughput_20ms".
     pcie_source: str | None = None
+    # NVML's cumulative PCIe byte counters as read (field_counters mode only): what the agent exports
+    # as kvtop_gpu_pcie_{tx,rx}_bytes_total, exact at any scrape interval.
+    pcie_tx_bytes_total: int | None = None
+    pcie_rx_bytes_total: int | None = None
     pcie_link_gen: int | None = None
     pcie_link_width: int | None = None
     pcie_link_gen_max: int | None = None

@@ -249,9 +249,11 @@ class PromFleet:
         agents: dict[str, AgentView] = {}
         w = f"{max(int(self.window_s), 60)}s"
         try:
-            for lb, _, _ in self.client.query(f"kvtop_verdict_info{self._sel()}"):
-                a = agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", "")))
-                a.action, a.mechanism = lb.get("action"), lb.get("mechanism")
+            # state-sets: every action (mechanism) is a series, the current one has the value 1
+            for lb, _, _ in self.client.query(f"kvtop_verdict{self._sel()} == 1"):
+                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).action = lb.get("action")
+            for lb, _, _ in self.client.query(f"kvtop_verdict_mechanism{self._sel()} == 1"):
+                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).mechanism = lb.get("mechanism")
             for lb, _, v in self.client.query(f"kvtop_verdict_confidence{self._sel()}"):
                 agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).confidence = v
             for lb, _, v in self.client.query(f"kvtop_itl_target_seconds{self._sel()}"):
