@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="forward in N processes sharing the port (one process tops out near 25K chunks/s)")
     p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
-                   help="event loop: uvloop when installed (pip install 'kvtop[fast]'), else asyncio (default auto)")
+                   help="event loop: uvloop when installed (pip install 'kvtop-console[fast]'), else asyncio (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
