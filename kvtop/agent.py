@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtop.core import Core
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
 from kvtop.model.trace import _finite, make_header
@@ -129,7 +129,7 @@ class Agent:
         except OSError as e:
             await self.runner.aclose()
             host, port = self.opts.listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         tasks: list[asyncio.Task[None]] = []
         try:
             try:
@@ -138,7 +138,7 @@ class Agent:
                 await self.runner.aclose()
                 assert self.opts.sources.proxy_listen is not None  # only the proxy raises OSError
                 host, port = self.opts.sources.proxy_listen
-                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+                raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             tasks.append(asyncio.create_task(self._tick_loop(stop)))
             self.tick()
             src = self.opts.sources

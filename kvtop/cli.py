@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import kvtop.commands
 from kvtop import __version__
-from kvtop.errors import UsageError
+from kvtop.errors import EXIT_FAILURE, EXIT_USAGE, RunFailure, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(run(args) or 0)
     except UsageError as e:
         sys.stderr.write(f"kvtop: error: {e}\n")
-        return 2
+        return EXIT_USAGE
+    except RunFailure as e:
+        sys.stderr.write(f"kvtop: error: {e}\n")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -7,12 +7,18 @@ groups it needs and gets one typed ``SourceOptions`` back, resolved flag > envir
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import asyncio
+import sys
+from typing import TYPE_CHECKING, Any
 
 from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
 from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
+
+if TYPE_CHECKING:
+    from kvtop.feeds.live import LiveRunner
+    from kvtop.model.records import EngineRecord
 
 # Every command's parser is built from these groups on each start: what only a check or a run
 # needs (aiohttp for the probe, the packet socket, Prometheus' client, the adapter registry) is
@@ -35,6 +41,14 @@ def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = Non
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
 
 
+def require_terminal(headless: str) -> None:
+    """The full-screen console needs a terminal on stdin and stdout: without one (a script, CI, a
+    pipe) it would draw escape codes nobody reads and never end. One line, exit 2, naming the
+    headless way to get the same answer."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError(f"the console needs a terminal (stdin and stdout are not both one); {headless}")
+
+
 def add_host_options(p: argparse.ArgumentParser) -> None:
     """--no-gpu, --no-host: skip the local GPU (NVML) or host-memory sources."""
     p.add_argument("--no-gpu", dest="gpu", action="store_const", const=False, default=None,
@@ -54,7 +68,7 @@ def add_capture_option(p: argparse.ArgumentParser) -> None:
 
 
 def require_capture(opts: SourceOptions) -> None:
-    """Headless commands: a capture that cannot open here is a one-line UsageError (exit 2) saying
+    """Headless commands: a capture that cannot open here is a one-line RunFailure (exit 1) saying
     how to grant the privilege. (The console runs on and shows the line in its banner instead.)"""
     if opts.capture_port is None:
         return
@@ -65,7 +79,7 @@ def require_capture(opts: SourceOptions) -> None:
     try:
         check_capture(opts.capture_port)
     except CaptureUnavailable as e:
-        raise UsageError(str(e)) from None
+        raise RunFailure(str(e)) from None
 
 
 def add_prometheus_options(p: argparse.ArgumentParser, what: str) -> None:
@@ -149,3 +163,32 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         itl_target_s=itl_target_s(args, cfg),
         capture_port=capture,
     )
+
+
+async def first_scrape(runner: LiveRunner) -> list[EngineRecord]:
+    """Scrape every engine once, before the run: a wrong URL fails in one timeout, not after the
+    whole --duration. None answering is a RunFailure (exit 1) naming the URL and why (the runner's
+    scrapers are closed first); the records come back for the caller to emit."""
+    t = runner.now()
+    results = await asyncio.gather(*(s.scrape(t) for s in runner.scrapers))
+    recs = [r for rs in results for r in rs]
+    if recs and not any(r.up for r in recs):
+        await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+        down = [f"{r.url}: {r.warnings[0] if r.warnings else 'no answer'}" for r in recs]
+        what = "the engine at" if len(down) == 1 else f"any of {len(down)} engines:"
+        raise RunFailure(f"could not read {what} {'; '.join(down[:3])}")
+    return recs
+
+
+def check_engines_now(runner: LiveRunner) -> None:
+    """``first_scrape`` for a run whose loop starts later (the console): the answers go into the
+    core and the scrapers' HTTP clients are closed again, since they belong to this event loop."""
+
+    async def check() -> None:
+        try:
+            for rec in await first_scrape(runner):
+                runner.emit(rec)
+        finally:
+            await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+
+    asyncio.run(check())

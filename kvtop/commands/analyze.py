@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvtop.commands._options import itl_target_s, timeout_s
 from kvtop.config import parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 
 if TYPE_CHECKING:
     from kvtop.model.analysis import AnalysisReport
@@ -129,11 +129,11 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
     try:
         rep = analyze_history(client, start, end, step, args.selector, target)
     except PromError as e:
-        raise UsageError(str(e)) from None
+        raise RunFailure(str(e)) from None
     finally:
         client.close()
     if not rep.instances:
-        raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
+        raise RunFailure(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
         print(json.dumps(_finite(rep.to_dict()), indent=1, allow_nan=False, default=str))

@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvtop.commands._options import require_terminal
 from kvtop.errors import UsageError
 from kvtop.pipeline import demo_feed
 
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise UsageError("--interval must be > 0")
     wl = load_preset(args.preset).with_policy(args.policy)
+    if not args.headless:
+        require_terminal("for a report without one: kvtop demo --headless --duration 10")
     window = max(10.0, args.duration) if args.duration else 60.0
     feed = demo_feed(wl, seed=args.seed, speed=args.speed, interval_s=args.interval, window_s=window)
     core = feed.core

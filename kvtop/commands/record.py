@@ -16,11 +16,12 @@ from kvtop.commands._options import (
     add_engine_options,
     add_host_options,
     add_probe_option,
+    first_scrape,
     require_capture,
     source_options,
 )
 from kvtop.config import engine_bases, load_config, parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
@@ -100,9 +101,15 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         loop.add_signal_handler(sig, stop.set)
     # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
     runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
-    # One scrape before the header is written, so the header names the adapter and model.
-    first = await runner.scrapers[0].scrape(runner.now())
-    up = next((r for r in first if r.up), None)
+    # One scrape of every engine before the header is written, so the header names the adapter and
+    # model, and a dead URL fails now (exit 1, no trace) instead of recording nothing for --duration.
+    first = await first_scrape(runner)
+    for rec in first:
+        if not rec.up:
+            print(f"kvtop record: warning: {rec.url}: {rec.warnings[0] if rec.warnings else 'no answer'}",
+                  file=sys.stderr)
+    # the header describes the first --url's engine (as its "url" says)
+    up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
     engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
@@ -133,7 +140,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             await runner.aclose()
             assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
             host, port = opts.proxy_listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         proxy = runner.source("proxy")
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         what = f"{len(opts.urls)} engine(s)"

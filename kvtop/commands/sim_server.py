@@ -7,7 +7,7 @@ import asyncio
 import signal
 import sys
 
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 
 NAME = "sim-server"
 HELP = "serve the simulated engine over HTTP (OpenAI-compatible streaming, vLLM /metrics)"
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             url = await srv.start()
         except OSError as e:
-            raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         sys.stdout.write(f"kvtop sim-server: {wl.name} ({wl.engine.model}, {wl.engine.preemption_mode}) "
                          f"at {url} (speed {args.speed:g}x); metrics at {url}/metrics\n")
         sys.stdout.flush()

@@ -1,7 +1,8 @@
 """`kvtop snapshot`: sample GPU, host and engines for a while, print one report, exit.
 
 Headless: never imports Textual. Exit 0 when it reported; 2 with one line on stderr for bad
-arguments or when none of the engines could be read at all (unreachable, not a metrics endpoint).
+arguments; 1 when none of the engines could be read at all (unreachable, not a metrics endpoint):
+at the first scrape, so a wrong URL fails in one --timeout rather than after --duration.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    first_scrape,
     itl_target_s,
     require_capture,
     selector,
@@ -26,7 +28,7 @@ from kvtop.commands._options import (
     timeout_s,
 )
 from kvtop.config import load_config, parse_seconds, resolve, resolve_token
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.records import EngineRecord, Record
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import live_feed, prometheus_feed
@@ -35,8 +37,8 @@ NAME = "snapshot"
 HELP = "sample GPU, host and engines for a while and print one report (json or text)"
 DESCRIPTION = (
     "Polls every source for --duration seconds at --interval, then prints one report: rates and "
-    "latency quantiles cover the sampling window. Exit 0 when it reported; 2 on bad arguments or "
-    "when no engine could be read."
+    "latency quantiles cover the sampling window. Exit 0 when it reported; 2 on bad arguments; 1 "
+    "when no engine could be read (checked at the first scrape)."
 )
 ORDER = 20
 
@@ -77,7 +79,13 @@ def run(args: argparse.Namespace) -> int:
 
     runner = live_feed(opts, label="live", window_s=duration, sinks=[note_first])
     core = runner.core
-    asyncio.run(runner.run(duration_s=duration, final_poll=True))
+
+    async def sample() -> None:
+        for rec in await first_scrape(runner):  # a wrong URL fails now, not after --duration
+            runner.emit(rec)
+        await runner.run(duration_s=duration, final_poll=True)
+
+    asyncio.run(sample())
     # The window is what was actually sampled: from the first good engine sample to the final
     # poll, so rates and quantiles cover exactly the data they were computed from.
     start = first_t[0] if first_t else 0.0
@@ -93,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
         down = next((e for e in snap.engines if e.error), None)
         why = f"{down.url}: {down.error}" if down else "no engine answered"
         many = "" if len(urls) == 1 else f" (none of {len(urls)} engines)"
-        raise UsageError(f"could not read any engine{many}: {why}")
+        raise RunFailure(f"could not read any engine{many}: {why}")
     if not urls and snap.gpu_status != "ok" and snap.host is None:
-        raise UsageError(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
+        raise RunFailure(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
 
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
@@ -123,9 +131,9 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
     finally:
         feed.fleet.client.close()
     if feed.fleet.error and not feed.fleet.targets:
-        raise UsageError(feed.fleet.error)
+        raise RunFailure(feed.fleet.error)
     if not feed.fleet.targets:
-        raise UsageError(f"Prometheus at {feed.fleet.client.url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, "
+        raise RunFailure(f"Prometheus at {feed.fleet.client.url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, "
                          "Triton metric names)" + (f" matching {args.selector}" if args.selector else ""))
     snap = feed.core.snapshot()
     if fmt == "json":

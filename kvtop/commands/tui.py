@@ -20,8 +20,10 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    check_engines_now,
     interval_s,
     itl_target_s,
+    require_terminal,
     selector,
     source_options,
     timeout_s,
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 "(or `url` in config.toml), or try `kvtop demo`\n"
             )
             return 2
+        require_terminal("for a report without one: kvtop snapshot (it looks on the same ports)")
         # No engine yet is not an error for the console: it shows the GPUs and the host and
         # keeps looking (headless commands still exit 2). --capture without a port takes the
         # (discovered) engine's, once there is one; without the privilege the console still
@@ -103,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
         feed = live_feed(dataclasses.replace(opts, urls=tuple(found)), label="live") if found \
             else probing_feed(opts, ports)
     else:
+        require_terminal("for a report without one: kvtop snapshot --url URL")
         feed = live_feed(opts, label="live")
+        check_engines_now(feed)  # a wrong --url: one line, exit 1, instead of a console of errors
 
     from kvtop.views.tui.app import run_console  # loaded with known_themes above
 
@@ -124,6 +129,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
     except OSError as e:
         raise UsageError(f"cannot read trace {path}: {e.strerror or e}") from None
     try:
+        require_terminal(f"for a report without one: kvtop replay --headless {path}")
         return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
     finally:
         feed.close()
@@ -136,7 +142,9 @@ def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
     interval = interval_s(args, cfg)
-    feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
+    sel = selector(args)
+    require_terminal(f"for a report without one: kvtop snapshot --prometheus {args.prometheus}")
+    feed = prometheus_feed(args.prometheus, selector=sel, itl_target_s=itl_target_s(args, cfg),
                            interval_s=max(interval, 2.0), timeout_s=timeout_s(args, cfg, 5.0),
                            token=resolve_token(args, cfg), window_s=120.0, core_window_s=60.0)
     return run_console(feed.core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)
