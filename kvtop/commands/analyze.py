@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
 from kvtop.commands._options import itl_target_s, timeout_s
 from kvtop.config import parse_seconds
 from kvtop.errors import RunFailure, UsageError
@@ -68,12 +70,25 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config_file(args.model_config)
         except ModelConfigError as e:
             raise UsageError(str(e)) from None
-    try:
-        rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
-    except TraceError as e:
-        raise UsageError(str(e)) from None
-    except ModelConfigError as e:
-        raise UsageError(str(e)) from None
+    size = _size(args.trace)
+    progress = Progress(f"kvtop analyze: {args.trace}")
+
+    with Interrupt() as stop:
+        def tick(done: int | None) -> bool:
+            if done is not None:
+                progress.update(done, size, f"{done / 1e6:.0f} MB" + (f" of {size / 1e6:.0f} MB" if size else ""))
+            return stop.requested
+
+        try:
+            rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp, tick=tick)
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+        except ModelConfigError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            progress.close()
+    if stop.requested:
+        interrupted_note("analyze", "the report below covers the part of the trace read so far")
     rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
@@ -82,6 +97,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_report_text(rep))
     return 0
+
+
+def _size(path: str) -> int | None:
+    """The bytes a scan will read, for its progress; None for a compressed segment (or no file)."""
+    if path.endswith(".gz"):
+        return None
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:

@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import interrupted_note
 from kvtop.commands._options import require_terminal
 from kvtop.errors import UsageError
 from kvtop.pipeline import demo_feed
@@ -65,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await feed.run(stop=stop, duration_s=args.duration)
+            if stop.is_set():
+                interrupted_note("demo", "the report below covers the run until now")
 
         asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))

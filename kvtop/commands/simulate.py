@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
 from kvtop.errors import UsageError
 
 NAME = "simulate"
@@ -47,12 +48,25 @@ def run(args: argparse.Namespace) -> int:
     specs = None
     if args.arrivals_from:
         specs = requests_from_trace(args.arrivals_from, wl, args.seed, args.duration)
-    res = simulate_to_trace(wl, args.seed, args.duration, str(out), policy=args.policy,
-                            scrape_interval_s=args.scrape_interval, requests=specs)
+    progress = Progress(f"kvtop simulate: {out}")
+
+    with Interrupt() as stop:
+        def tick(t: float) -> bool:
+            progress.update(t, args.duration, f"{t:.0f} of {args.duration:g} simulated s")
+            return stop.requested
+
+        try:
+            res = simulate_to_trace(wl, args.seed, args.duration, str(out), policy=args.policy,
+                                    scrape_interval_s=args.scrape_interval, requests=specs, tick=tick)
+        finally:
+            progress.close()
+    if stop.requested:
+        interrupted_note("simulate", f"stopped at {res.duration_s:g} of {args.duration:g} simulated s; {out} is a "
+                                     "complete trace up to there")
     st = res.stats
     truth = ", ".join(f"{k} {v}" for k, v in sorted(res.truth_counts.items())) or "none"
     sys.stdout.write(
-        f"{out}: {res.records} records, {res.requests} requests over {args.duration:g} simulated s "
+        f"{out}: {res.records} records, {res.requests} requests over {res.duration_s:g} simulated s "
         f"({wl.name}, {wl.engine.preemption_mode}, seed {args.seed}); preemptions {st.preempt_events}, "
         f"finished {st.finished['stop'] + st.finished['length']}, aborted {st.finished['abort']}; truth: {truth}\n")
     return 0

@@ -11,8 +11,11 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
+from collections.abc import Callable
 from typing import Any
 
+from kvtop.commands._longrun import Progress, interrupted_note
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -80,10 +83,22 @@ def run(args: argparse.Namespace) -> int:
     runner = live_feed(opts, label="live", window_s=duration, sinks=[note_first])
     core = runner.core
 
+    stop = asyncio.Event()
+
     async def sample() -> None:
+        # Ctrl-C / SIGTERM end the window early: the report covers what was sampled until then
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         for rec in await first_scrape(runner):  # a wrong URL fails now, not after --duration
             runner.emit(rec)
-        await runner.run(duration_s=duration, final_poll=True)
+        progress = Progress("kvtop snapshot: sampling")
+        ticker = asyncio.create_task(_tick(progress, runner.now, duration))
+        try:
+            await runner.run(duration_s=duration, stop=stop, final_poll=True)
+        finally:
+            ticker.cancel()
+            progress.close()
 
     asyncio.run(sample())
     # The window is what was actually sampled: from the first good engine sample to the final
@@ -105,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if not urls and snap.gpu_status != "ok" and snap.host is None:
         raise RunFailure(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
 
+    if stop.is_set():
+        interrupted_note("snapshot", f"the report covers the {core.window_s:.1f} s sampled (of --duration {duration:g} s)")
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
@@ -113,6 +130,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(render_text(snap), end="")
     return 0
+
+
+async def _tick(progress: Progress, now: Callable[[], float], duration: float) -> None:
+    start = now()
+    while True:
+        t = now() - start
+        progress.update(t, duration, f"{t:.0f} of {duration:g} s")
+        await asyncio.sleep(0.25)
 
 
 def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
