@@ -136,3 +136,43 @@ def test_console_with_a_dead_url_says_so_and_exits_1_on_a_terminal() -> None:
     assert rc == 1, out[-2000:]
     assert f"could not read the engine at http://127.0.0.1:{port}" in out
     assert "\x1b[?1049h" not in out  # the full-screen app never opened
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (("snapsht",), "unknown command 'snapsht'; did you mean 'snapshot'?"),
+    (("--config", "{cfg}", "anlyze", "t.jsonl"), "unknown command 'anlyze'; did you mean 'analyze'?"),
+    (("snapshot", "--duraton", "3"), "unrecognized arguments: --duraton 3; did you mean '--duration'?"),
+    (("record", "-o", "x", "--url", "http://h", "--proxy-listn=127.0.0.1:1"), "did you mean '--proxy-listen'?"),
+    (("analyze", "t.jsonl", "--format", "jsn"), "invalid choice: 'jsn' (choose from 'json', 'text'); did you mean 'json'?"),
+])
+def test_a_mistyped_command_flag_or_choice_names_the_closest(args: tuple[str, ...], expect: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    r = run_kvtop(*(a.replace("{cfg}", str(cfg)) for a in args), timeout=60)
+    assert r.returncode == 2
+    assert expect in _one_line(r)
+
+
+def test_a_word_nothing_like_a_command_lists_the_commands() -> None:
+    r = run_kvtop("zzz", timeout=60)
+    line = _one_line(r)
+    assert r.returncode == 2 and "unknown command 'zzz'" in line and "did you mean" not in line
+    assert "snapshot" in line and "analyze" in line
+
+
+def test_config_works_anywhere_on_the_line_and_typos_in_it_are_named(tmp_path: Path) -> None:
+    port = _closed_port()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'url = "http://127.0.0.1:{port}"\nintervl = 2\ngpu = false\n')
+    for args in (("--config", str(cfg), "snapshot"), ("snapshot", "--config", str(cfg)),
+                 ("snapshot", f"--config={cfg}", "--no-host")):
+        r = run_kvtop(*args, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        # the file was read (its URL is the one that failed), and the typo named with the key it meant
+        assert r.returncode == 1, (args, r.stderr)
+        assert lines[0] == f"kvtop: warning: {cfg}: unknown key 'intervl'; did you mean 'interval'?", lines
+        assert f"could not read the engine at http://127.0.0.1:{port}" in lines[1]
+    # keys kvtop reads itself draw no warning
+    cfg.write_text(f'url = "http://127.0.0.1:{port}"\nprobe_ports = [8000]\ninterval = 0.5\n')
+    r = run_kvtop("snapshot", "--no-gpu", "--config", str(cfg), timeout=60)
+    assert "warning" not in r.stderr and r.returncode == 1

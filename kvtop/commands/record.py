@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.is_dir():
         raise UsageError(f"{args.output} is a directory")
+    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
+        raise UsageError(f"cannot write {args.output}: directory {out.parent} does not exist")
     if out.exists() and out.stat().st_size > 0 and not args.force:
         # Appending would restart the trace clock mid-file under the old header.
         raise UsageError(f"{args.output} already exists (use --force to overwrite)")
