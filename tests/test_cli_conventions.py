@@ -4,6 +4,7 @@ console without a terminal, a dead engine found at the first scrape."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import socket
@@ -176,3 +177,43 @@ def test_config_works_anywhere_on_the_line_and_typos_in_it_are_named(tmp_path: P
     cfg.write_text(f'url = "http://127.0.0.1:{port}"\nprobe_ports = [8000]\ninterval = 0.5\n')
     r = run_kvtop("snapshot", "--no-gpu", "--config", str(cfg), timeout=60)
     assert "warning" not in r.stderr and r.returncode == 1
+
+
+def test_one_duration_syntax_for_every_command(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    r = run_kvtop("simulate", "--preset", "preemption-storm", "--duration", "3s", "--scrape-interval", "500ms",
+                  "-o", str(trace), timeout=60)
+    assert r.returncode == 0 and "over 3 simulated s" in r.stdout, r.stderr
+    engine_times = [line for line in trace.read_text().splitlines() if '"kind":"engine"' in line]
+    assert len(engine_times) >= 6  # a scrape every 0.5 simulated s
+    r = run_kvtop("replay", str(trace), "--headless", "--until", "2s", "--format", "json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = run_kvtop("demo", "--headless", "--duration", "1.5s", "--interval", "500ms", "--speed", "10", timeout=60)
+    assert r.returncode == 0 and "engine" in r.stdout.lower(), r.stderr
+    r = run_kvtop("sim-server", "--duration", "500ms", timeout=60)
+    assert r.returncode == 0, r.stderr
+    for args in (("demo", "--headless", "--duration", "10x"), ("simulate", "--preset", "x", "-o", "t", "--duration", "soon")):
+        r = run_kvtop(*args, timeout=60)
+        assert r.returncode == 2 and "must be a number of seconds (e.g. 10, 10s, 500ms, 2m)" in _one_line(r)
+
+
+def test_snapshot_without_a_url_looks_on_the_usual_ports_like_the_console(tmp_path: Path) -> None:
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=4))
+        port = s.url.rsplit(":", 1)[1]
+        (tmp_path / "kvtop").mkdir()
+        cfg = tmp_path / "kvtop" / "config.toml"
+        cfg.write_text(f"probe_ports = [{_closed_port()}, {port}]\n")
+        r = run_kvtop("snapshot", "--duration", "0.3", "--interval", "0.1", "--no-gpu", "--format", "json",
+                      env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(e["url"], e["running"]) for e in doc["engines"]] == [(s.url, 4)]
+    # nothing on those ports: it says where it looked, and still reports the host
+    closed = _closed_port()
+    cfg.write_text(f"probe_ports = [{closed}]\n")
+    r = run_kvtop("snapshot", "--duration", "0.2", "--no-gpu", env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"kvtop snapshot: no engine found on 127.0.0.1 ports {closed}; GPU and host only "
+                        "(point it at one with --url http://HOST:PORT)\n")
+    assert "host" in r.stdout.lower()

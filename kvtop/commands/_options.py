@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,18 @@ def _probe_rate(text: str) -> float:
     return probe_rate(text)
 
 
+DURATION_HINT = "10, 10s, 500ms, 2m, 1h"
+
+
+def seconds_arg(text: str) -> float:
+    """argparse ``type=`` for every duration and interval option: the one syntax (``10``, ``10s``,
+    ``500ms``, ``2m``, ``1h``) that config.parse_seconds reads, so each command accepts the same."""
+    try:
+        return parse_seconds(text, "a duration")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = None) -> None:
     """--url, --token, --adapter, --timeout, --interval: which engines, and how to scrape them."""
     p.add_argument("--url", action="append", default=None, metavar="URL",
@@ -47,6 +60,37 @@ def require_terminal(headless: str) -> None:
     headless way to get the same answer."""
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise UsageError(f"the console needs a terminal (stdin and stdout are not both one); {headless}")
+
+
+def probe_ports(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The local ports to look for an engine on when no --url is given (config ``probe_ports``)."""
+    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
+
+    v = cfg.get("probe_ports")
+    if v is None:
+        return PROBE_PORTS
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 65536 for x in v):
+        raise UsageError("config: probe_ports must be a list of port numbers")
+    return tuple(v)
+
+
+def discovered(opts: SourceOptions, cfg: dict[str, Any]) -> tuple[SourceOptions, str | None]:
+    """Headless commands without --url look where the console looks: the engines answering /metrics
+    on 127.0.0.1's usual serving ports. Returns the options with those URLs, and a note to print
+    when none answered (None when some did)."""
+    if opts.urls:
+        return opts, None
+    from kvtop.sources.discover import discover  # httpx: only when looking for engines
+
+    ports = probe_ports(cfg)
+    found = tuple(discover(ports))
+    if not found:
+        return opts, (f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}; GPU and host only "
+                      "(point it at one with --url http://HOST:PORT)")
+    capture = opts.capture_port
+    if capture == 0:  # --capture without a port: the discovered engine's
+        capture = resolve_capture_port(capture, engine_bases(list(found))[0])
+    return dataclasses.replace(opts, urls=found, capture_port=capture), None
 
 
 def add_host_options(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from kvtop.commands._longrun import interrupted_note
-from kvtop.commands._options import require_terminal
+from kvtop.commands._options import require_terminal, seconds_arg
 from kvtop.errors import UsageError
 from kvtop.pipeline import demo_feed
 
@@ -27,9 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
     p.add_argument("--seed", type=int, default=1, help="traffic seed")
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between scrapes")
+    p.add_argument("--interval", type=seconds_arg, default=1.0, metavar="DURATION",
+                   help="time between scrapes (default 1s; 500ms, 2s ok)")
     p.add_argument("--headless", action="store_true", help="no console: print a text snapshot after --duration")
-    p.add_argument("--duration", type=float, default=None, metavar="S",
+    p.add_argument("--duration", type=seconds_arg, default=None, metavar="DURATION",
                    help="seconds to run (required with --headless)")
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
+from kvtop.commands._options import seconds_arg
 from kvtop.errors import UsageError
 
 NAME = "simulate"
@@ -20,9 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--workload", metavar="FILE", help="workload JSON file (same schema as the presets)")
     p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
     p.add_argument("--seed", type=int, default=1, help="random seed (same seed -> identical trace)")
-    p.add_argument("--duration", type=float, required=True, metavar="S", help="simulated seconds")
+    p.add_argument("--duration", type=seconds_arg, required=True, metavar="DURATION",
+                   help="simulated time (600, 600s, 10m)")
     p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (JSON Lines)")
-    p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+    p.add_argument("--scrape-interval", type=seconds_arg, default=1.0, metavar="DURATION",
                    help="simulated seconds between /metrics scrapes (default 1)")
     p.add_argument("--arrivals-from", metavar="TRACE",
                    help="what-if: replay the request arrivals (times, prompt and output lengths) of a recorded "

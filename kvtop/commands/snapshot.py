@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    discovered,
     first_scrape,
     itl_target_s,
     require_capture,
@@ -70,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be between 0 and 86400 seconds, not {duration:g}")
     if fmt not in ("json", "text"):
         raise UsageError(f"format must be json or text, not {fmt!r}")
+    opts, none_found = discovered(opts, cfg)
     if not opts.urls and not opts.gpu and not opts.host:
-        raise UsageError("nothing to sample: give --url URL (or drop --no-gpu / --no-host)")
+        raise RunFailure(none_found or "nothing to sample")  # --no-gpu --no-host and no engine answers
+    if none_found:
+        print(f"kvtop snapshot: {none_found}", file=sys.stderr)
     require_capture(opts)
     urls = list(opts.urls)
     first_t: list[float] = []

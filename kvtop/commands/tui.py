@@ -23,6 +23,7 @@ from kvtop.commands._options import (
     check_engines_now,
     interval_s,
     itl_target_s,
+    probe_ports,
     require_terminal,
     selector,
     source_options,
@@ -54,17 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_prometheus_options(p, "show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
 
 
-def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
-    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
-
-    v = cfg.get("probe_ports")
-    if v is None:
-        return PROBE_PORTS
-    if not isinstance(v, list) or not all(isinstance(x, int) and 0 < x < 65536 for x in v):
-        raise UsageError("config: probe_ports must be a list of port numbers")
-    return tuple(v)
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(getattr(args, "config", None))
     theme = resolve(args, cfg, "theme")
@@ -88,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     feed: Feed
     if not opts.urls:
-        ports = _ports_from_config(cfg)
+        ports = probe_ports(cfg)
         found = discover(ports)
         if not found and not (sys.stdin.isatty() and sys.stdout.isatty()):
             # no terminal to show the console in (a script, CI): say so and fail as headless commands do
