@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,8 @@ from kvtop.model.trace import _finite, make_header
 from kvtop.model.trace_rotate import RotatingTrace
 from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
+
+log = logging.getLogger("kvtop.agent")
 
 DEFAULT_PORT = 9470
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -152,7 +154,7 @@ class Agent:
                 what.append(f"capture port {src.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
-            print(f"kvtop agent: {', '.join(what)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            log.info(f"{', '.join(what)} (Ctrl-C to stop)", extra={"fields": {"event": "started", "url": self.url}})
             await self.runner.run(duration_s=duration_s, stop=stop)  # the proxy stops with the run
         finally:
             stop.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import pkgutil
 import re
@@ -19,6 +20,7 @@ from typing import NoReturn
 import kvtop.commands
 from kvtop import __version__
 from kvtop.errors import EXIT_FAILURE, EXIT_USAGE, RunFailure, UsageError, did_you_mean
+from kvtop.log import FORMATS, LEVELS, level_from, setup
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin", metavar="PATH", action="append", default=[],
                    help="load an engine adapter from a .py file; the file is EXECUTED as Python with your "
                         "rights (even when it then defines no adapter): pass only files you trust")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more detail on stderr (-vv: debug); the agent logs info by default")
+    p.add_argument("-q", "--quiet", action="store_true", help="errors only on stderr")
+    p.add_argument("--log-level", choices=LEVELS, default=None, help="log level (overrides -v/-q)")
+    p.add_argument("--log-format", choices=FORMATS, default="text",
+                   help="text (default) or json: one JSON object per line (for log pipelines; mostly the agent)")
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     for mod in _commands():
         sp = sub.add_parser(mod.NAME, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP))
@@ -62,12 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-GLOBAL_OPTIONS = ("--config", "--plugin")
+GLOBAL_OPTIONS = ("--config", "--plugin", "--log-level", "--log-format")  # each takes a value
+# -v/-q take none; `--quiet` is not moved: `kvtop proxy --quiet` is the proxy's own option
+GLOBAL_FLAGS = ("-v", "-vv", "-vvv", "--verbose", "-q")
 
 
 def _hoist_globals(raw: list[str]) -> list[str]:
-    """`--config FILE` and `--plugin PATH` anywhere on the line (`kvtop snapshot --config F`): moved
-    in front of the sub-command, where argparse reads them. Nothing after `--` moves."""
+    """The global options anywhere on the line (`kvtop snapshot --config F -v`): moved in front of
+    the sub-command, where argparse reads them. Nothing after `--` moves."""
     front: list[str] = []
     rest: list[str] = []
     i = 0
@@ -80,7 +90,7 @@ def _hoist_globals(raw: list[str]) -> list[str]:
             front += raw[i:i + 2]
             i += 2
             continue
-        if t.startswith(tuple(f"{o}=" for o in GLOBAL_OPTIONS)):
+        if t in GLOBAL_FLAGS or t.startswith(tuple(f"{o}=" for o in GLOBAL_OPTIONS)):
             front.append(t)
         else:
             rest.append(t)
@@ -99,7 +109,7 @@ def _route_bare(raw: list[str]) -> list[str]:
     while i < len(raw):
         if raw[i] in GLOBAL_OPTIONS:
             i += 2
-        elif raw[i].startswith(tuple(f"{o}=" for o in GLOBAL_OPTIONS)):
+        elif raw[i] in (*GLOBAL_FLAGS, "--quiet") or raw[i].startswith(tuple(f"{o}=" for o in GLOBAL_OPTIONS)):
             i += 1
         else:
             break
@@ -130,6 +140,14 @@ def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.Ar
     return None
 
 
+def _error(message: str, log_format: str) -> None:
+    """The one error line: text, or with --log-format json a JSON line like every other log line."""
+    if log_format == "json":
+        logging.getLogger("kvtop").error(message, extra={"fields": {"event": "error"}})
+    else:
+        sys.stderr.write(f"kvtop: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -137,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         sys.stderr.write(f"kvtop: error: {e}\n")
         return EXIT_USAGE
+    setup(level_from(args.verbose, args.quiet, args.log_level,
+                     default="info" if getattr(args, "command", None) == "agent" else "warning"), args.log_format)
     try:
         if args.plugin:
             # the adapter registry (entry points) only when --plugin is given: start-up time
@@ -158,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         return int(run(args) or 0)
     except UsageError as e:
-        sys.stderr.write(f"kvtop: error: {e}\n")
+        _error(str(e), args.log_format)
         return EXIT_USAGE
     except RunFailure as e:
-        sys.stderr.write(f"kvtop: error: {e}\n")
+        _error(str(e), args.log_format)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130

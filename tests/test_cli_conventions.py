@@ -56,7 +56,7 @@ def test_record_with_one_engine_down_records_the_other_and_warns(tmp_path: Path)
         r = run_kvtop("record", "-o", str(out), "--url", s.url, "--url", f"http://127.0.0.1:{port}",
                       "--duration", "0.5", "--interval", "0.2", "--no-gpu", "--no-host", timeout=60)
     assert r.returncode == 0, r.stderr
-    assert f"warning: http://127.0.0.1:{port}: cannot connect" in r.stderr
+    assert f"kvtop record: warning: engine http://127.0.0.1:{port} does not answer: cannot connect" in r.stderr
     assert out.stat().st_size > 0 and '"running":3' in out.read_text()
 
 

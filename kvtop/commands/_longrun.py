@@ -7,11 +7,14 @@ stderr, only when stderr is a terminal, on one line it rewrites; a pipe or a log
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
 from types import FrameType, TracebackType
 from typing import Any, TextIO
+
+from kvtop.model.records import EngineRecord, Record
 
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
@@ -88,3 +91,51 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stream
         return False
+
+
+class EngineWatch:
+    """Logs each engine's changes of state, not every scrape: when it stops answering (warning, with
+    why), again at most once a minute while it stays down, and when it answers again (info, with how
+    long it was down). Fed by the run's records (a sink)."""
+
+    REPEAT_S = 60.0
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.waiting = False
+        self._down_since: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+        self._said: dict[str, float] = {}
+        self._seen: set[str] = set()
+
+    def sink(self, rec: Record) -> None:
+        if not isinstance(rec, EngineRecord) or rec.url is None:
+            return
+        url = rec.url
+        first = url not in self._seen
+        self._seen.add(url)
+        if rec.up:
+            since = self._down_since.pop(url, None)
+            failed = self._failures.pop(url, 0)
+            if since is not None:
+                self.log.info(f"engine {url} answers again after {rec.t - since:.0f} s ({failed} failed scrape(s))",
+                         extra={"fields": {"event": "engine_up", "url": url, "down_s": round(rec.t - since, 3),
+                                           "failed_scrapes": failed}})
+            elif first:
+                self.log.info(f"engine {url}: {rec.adapter or 'unknown adapter'}, model {rec.model or 'unknown'}",
+                         extra={"fields": {"event": "engine_up", "url": url, "adapter": rec.adapter,
+                                           "model": rec.model}})
+            return
+        reason = rec.warnings[0] if rec.warnings else "no answer"
+        self._failures[url] = self._failures.get(url, 0) + 1
+        if url not in self._down_since:
+            self._down_since[url] = rec.t
+            self._said[url] = rec.t
+            self.log.warning(f"engine {url} does not answer: {reason}",
+                        extra={"fields": {"event": "engine_down", "url": url, "error": reason}})
+        elif rec.t - self._said[url] >= self.REPEAT_S:
+            self._said[url] = rec.t
+            down = rec.t - self._down_since[url]
+            self.log.warning(f"engine {url} still does not answer after {down:.0f} s ({self._failures[url]} failed "
+                        f"scrape(s)): {reason}", extra={"fields": {"event": "engine_down", "url": url, "error": reason,
+                                                                   "down_s": round(down, 3)}})

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import EngineWatch
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -21,6 +23,8 @@ from kvtop.commands._options import (
 )
 from kvtop.config import load_config, parse_seconds
 from kvtop.errors import RunFailure, UsageError
+
+log = logging.getLogger("kvtop.agent")
 
 if TYPE_CHECKING:
     from kvtop.agent import AgentOptions
@@ -138,18 +142,25 @@ async def _main(opts: AgentOptions, duration: float | None, wait_s: float = 0.0)
     # A wrong --url fails now, in one line (exit 1), rather than serving zeros for ever; with
     # --wait-for-engine the agent keeps trying for that long first (an engine still loading its model).
     deadline = loop.time() + wait_s
+    watch = EngineWatch(log)
+    agent.runner.sinks.append(watch.sink)
     while True:
         try:
             first = await first_scrape(agent.runner)
             break
-        except RunFailure:
+        except RunFailure as e:
             if stop.is_set() or loop.time() + opts.sources.interval_s > deadline:
                 raise
+            if not watch.waiting:
+                watch.waiting = True
+                log.warning(f"waiting up to {wait_s:g} s for the engine: {e}", extra={"fields": {"event": "waiting"}})
             try:
                 await asyncio.wait_for(stop.wait(), opts.sources.interval_s)
             except asyncio.TimeoutError:
                 pass
     for rec in first:
         agent.runner.emit(rec)
+    started = loop.time()
     await agent.run(stop, duration_s=duration)
+    log.info(f"stopped after {loop.time() - started:.0f} s", extra={"fields": {"event": "stopped"}})
     return 0

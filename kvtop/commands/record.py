@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import EngineWatch
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -106,10 +108,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     # One scrape of every engine before the header is written, so the header names the adapter and
     # model, and a dead URL fails now (exit 1, no trace) instead of recording nothing for --duration.
     first = await first_scrape(runner)
-    for rec in first:
-        if not rec.up:
-            print(f"kvtop record: warning: {rec.url}: {rec.warnings[0] if rec.warnings else 'no answer'}",
-                  file=sys.stderr)
+    # an engine that stops answering mid-recording (or never did, of several) is said on stderr
+    runner.sinks.append(EngineWatch(logging.getLogger("kvtop.record")).sink)
     # the header describes the first --url's engine (as its "url" says)
     up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
     engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
