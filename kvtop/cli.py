@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     load_plugin_file(path)
             except PluginError as e:
                 raise UsageError(str(e)) from None
+        args._parser = parser  # `kvtop completion` generates its script from this very parser
         run = getattr(args, "_run", None)
         if run is None:
             # bare `kvtop`: the console (commands/tui.py decides how to find engines)
