@@ -29,6 +29,13 @@ class _Text(logging.Formatter):
         return f"{who}: {level}{record.getMessage()}"
 
 
+class _TextOnTerminal(_Text):
+    """On a terminal, a log line first clears the progress line a long command may be drawing."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\r\x1b[K" + super().format(record)
+
+
 class _Json(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
@@ -59,9 +66,17 @@ def setup(level: int, fmt: str = "text", stream: TextIO | None = None) -> loggin
     log = logging.getLogger(ROOT)
     for h in list(log.handlers):
         log.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(_Json() if fmt == "json" else _Text())
+    out = stream or sys.stderr
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(_Json() if fmt == "json" else _TextOnTerminal() if _isatty(out) else _Text())
     log.addHandler(handler)
     log.setLevel(level)
     log.propagate = False  # a library user's root handlers do not print kvtop's lines twice
     return log
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -120,3 +120,58 @@ def test_headless_demo_stops_on_ctrl_c_and_still_reports() -> None:
     assert p.returncode == 0, stderr
     assert "kvtop demo: interrupted" in stderr
     assert "engine" in stdout.lower()
+
+
+def _stderr_on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """Run kvtop with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, stderr)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}
+    p = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE, stderr=slave,
+                         stdin=subprocess.DEVNULL, text=True, env=env)
+    os.close(slave)
+    err = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            err.extend(chunk)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    t.join(timeout=5)
+    os.close(master)
+    return p.returncode, out, err.decode("utf-8", "replace")
+
+
+def test_progress_shows_on_a_terminal_and_stays_out_of_pipes(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rc, out, err = _stderr_on_a_terminal("simulate", "--preset", "preemption-storm", "--duration", "20", "-o", str(trace))
+    assert rc == 0 and "over 20 simulated s" in out  # the result on stdout, as without a terminal
+    assert f"kvtop simulate: {trace}: " in err and "% (" in err and "of 20 simulated s)" in err
+    assert err.endswith("\r\x1b[K")  # the line is cleared when done: no half line left on the terminal
+    rc, out, err = _stderr_on_a_terminal("analyze", str(trace), "--format", "json")
+    assert rc == 0 and json.loads(out)["verdict"]
+    assert f"kvtop analyze: {trace}: " in err and " MB of " in err
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=1))
+        rc, out, err = _stderr_on_a_terminal("record", "-o", str(tmp_path / "r.jsonl"), "--url", s.url, "--duration", "1.5",
+                                             "--interval", "0.2", "--no-gpu", "--no-host")
+    assert rc == 0 and " records, " in err and "of 1.5 s" in err
+    # without a terminal (a pipe): no progress, no carriage returns
+    sim = subprocess.run([sys.executable, "-m", "kvtop", "simulate", "--preset", "preemption-storm", "--duration", "5",
+                          "-o", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert sim.returncode == 0 and sim.stderr == ""

@@ -9,10 +9,11 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtop.commands._longrun import EngineWatch
+from kvtop.commands._longrun import EngineWatch, Progress
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -144,7 +145,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             host, port = opts.proxy_listen
             raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         proxy = runner.source("proxy")
-        tasks = [asyncio.create_task(_flush_loop(writer, stop))]
+        progress = Progress(f"kvtop record: {args.output}")
+        tasks = [asyncio.create_task(_flush_loop(writer, stop, progress, runner.now, duration))]
         what = f"{len(opts.urls)} engine(s)"
         if isinstance(proxy, ProxyRecorder):
             what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
@@ -159,6 +161,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            progress.close()
     finally:
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
@@ -170,10 +173,14 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     return 0
 
 
-async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],
+                      duration: float | None) -> None:
+    start = now()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)
         except asyncio.TimeoutError:
             pass
         writer.flush_if_due()
+        t = now() - start
+        progress.update(t, duration, f"{writer.count} records, {t:.0f} s" + (f" of {duration:g} s" if duration else ""))
