@@ -16,7 +16,8 @@ def test_the_agent_logs_an_engine_going_down_and_coming_back_as_json_lines() -> 
         route = s.route("/metrics", vllm_page(running=2))
 
         def flap() -> None:
-            time.sleep(1.5)
+            while len(route.hits) < 3:  # the agent is up and scraping
+                time.sleep(0.05)
             route.status = 500  # the engine fails for a while, then answers again
             time.sleep(1.5)
             route.status = 200
@@ -66,7 +67,8 @@ def test_record_says_when_its_engine_stops_answering_and_verbose_says_more(tmp_p
         route = s.route("/metrics", vllm_page(running=2))
 
         def fail_later() -> None:
-            time.sleep(1.5)
+            while len(route.hits) < 3:  # recording
+                time.sleep(0.05)
             route.status = 503
 
         t = threading.Thread(target=fail_later, daemon=True)
