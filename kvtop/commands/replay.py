@@ -7,6 +7,7 @@ import asyncio
 import json
 import sys
 
+from kvtop.commands._longrun import interrupted_note
 from kvtop.commands._options import add_itl_option, itl_target_s, seconds_arg
 from kvtop.commands.tui import replay_console
 from kvtop.errors import UsageError
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(go())
     except KeyboardInterrupt:
-        pass
+        interrupted_note("replay", f"the report below is as it stood at trace time {feed.t:.1f} s")
     finally:
         feed.close()
     warning = feed.warning()
