@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvtop",
         description="Console for GPU hosts serving LLMs: KV-cache pressure, preemptions, token gaps, verdicts.",
+        epilog="exit status: 0 done; 1 the run failed (engine unreachable, capture refused, port taken); "
+               "2 usage (bad option or input file). Shell completion: kvtop completion bash|zsh|fish.",
     )
     p.add_argument("--version", action="version", version=f"kvtop {__version__}")
     p.add_argument("--config", metavar="FILE", help="config file (default: $XDG_CONFIG_HOME/kvtop/config.toml)")
