@@ -31,6 +31,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "format": ("str", "KVTOP_FORMAT"),  # snapshot output format: text or json
     "gpu": ("bool", "KVTOP_GPU"),  # read the GPU through NVML
     "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
+    "witness": ("str", "KVTOP_WITNESS"),  # the engine's witness file (kvtop.witness)
 }
 
 # Keys one command reads itself (not flags): known, so they draw no "unknown key" warning.

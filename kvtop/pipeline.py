@@ -58,6 +58,7 @@ class SourceOptions:
     capture_port: int | None = None  # --capture: the engine port observed passively (0: the first engine's)
     proxy_listen: tuple[str, int] | None = None  # --proxy-listen: the recording proxy, before the first URL
     proxy_workers: int = 1
+    witness: str | None = None  # --witness: the first engine's step log (kvtop.witness)
 
 
 class ReplayControls(Protocol):
@@ -135,6 +136,7 @@ def live_sources(opts: SourceOptions, probe_max_tokens: int = 32) -> list[Source
         PassiveCapture,
         ProbeStreams,
         ProxyRecorder,
+        WitnessTail,
     )
     from kvtop.sources.capture.options import resolve_capture_port
     from kvtop.sources.scrape import EngineScraper
@@ -155,6 +157,8 @@ def live_sources(opts: SourceOptions, probe_max_tokens: int = 32) -> list[Source
         capture = resolve_capture_port(0, scrapers[0].base_url)
     if capture:
         sources.append(PassiveCapture(capture))
+    if opts.witness is not None:
+        sources.append(WitnessTail(opts.witness, scrapers[0].base_url if scrapers else None))
     if opts.proxy_listen is not None and scrapers:
         host, port = opts.proxy_listen
         sources.append(ProxyRecorder(scrapers[0].base_url, host=host, port=port, workers=opts.proxy_workers))

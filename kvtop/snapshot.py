@@ -107,6 +107,9 @@ class RequestTimeline:
     tokens: tuple[tuple[float, int], ...]  # (t, tokens in chunk); only the newest chunks are kept
     marks: tuple[tuple[float, str], ...]  # request-level preempt / resume events
     engine_marks: tuple[tuple[float, str, float], ...]  # (t, "preemption" | "prompt_burst", amount)
+    # the engine's own steps for this request where a witness runs (newest kept): (start, end, kind),
+    # kind "p" prompt (prefill), "r" recompute after a preemption, "d" decode
+    steps: tuple[tuple[float, float, str], ...] = ()
 
 
 class Samples:

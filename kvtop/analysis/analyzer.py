@@ -30,6 +30,7 @@ from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
+from kvtop.analysis.witness import Account, StepIndex
 from kvtop.model.engine_id import engine_address
 
 CAUSES = tuple(c.value for c in ALL)
@@ -61,6 +62,9 @@ class Analyzer:
         # stream that names its engine is judged on that engine's records only
         self.timelines: dict[str, EngineTimeline] = {}
         self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
+        # the engines' own step logs (``step`` records from a witness), one per engine address
+        self.witness: dict[str | None, StepIndex] = {}
+        self.witnessed_spikes = 0
         self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
@@ -141,6 +145,8 @@ class Analyzer:
                     self.engine_times(d)
         elif kind == "engine":
             self.engine(d)
+        elif kind == "step":
+            self.step(d)
         elif kind == "host":
             self.acc.host = d
             self._advance(t)
@@ -275,6 +281,26 @@ class Analyzer:
                                        d.get("running"), kv))
         self._advance(t)
 
+    def step(self, d: dict[str, Any]) -> None:
+        """One engine step from the engine's witness."""
+        url = d.get("engine")
+        addr = engine_address(url) if isinstance(url, str) else None
+        idx = self.witness.get(addr)
+        if idx is None:
+            idx = self.witness[addr] = StepIndex()
+        idx.add(d)
+        self._advance(d["t"])
+
+    def witness_account(self, g: Gap) -> Account | None:
+        """The engine's own account of spike ``g``, where a witness logged its request."""
+        if not self.witness:
+            return None
+        first = self.witness.get(g.engine)
+        for idx in ([first] if first is not None else []) + [i for i in self.witness.values() if i is not first]:
+            if g.request_id in idx.by_req:
+                return idx.account(g.request_id, g.t_start, g.t_end, self.gaps.itl_target_s)
+        return None
+
     # ---- the fast path's batch API ----------------------------------------------------------
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -321,6 +347,8 @@ class Analyzer:
         self.timeline.prune(keep_from - 60.0)
         for tl in self.timelines.values():
             tl.prune(keep_from - 60.0)
+        for idx in self.witness.values():
+            idx.prune(keep_from - 60.0)
 
     def timeline_for(self, engine: str | None) -> EngineTimeline:
         """The engine records that speak for a stream of ``engine`` (its address, or None).
@@ -342,8 +370,11 @@ class Analyzer:
         r = self.gaps.reqs.get(g.request_id)
         gt = self.gaps
         ev = gather(g, gt.stalls, gt.median_gap(), gt.itl_target_s, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
-                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
+                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None,
+                    witness=self.witness_account(g))
         f = classify(ev)
+        if f.kind == "witness":
+            self.witnessed_spikes += 1
         spike = Spike(g, f)
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -108,7 +109,11 @@ def add_probe_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_capture_option(p: argparse.ArgumentParser) -> None:
+    """--capture [PORT] and --witness FILE: what kvtop sees of each request beyond the scrapes."""
     add_capture_argument(p)
+    p.add_argument("--witness", default=None, metavar="FILE",
+                   help="the engine's own step log, written by kvtop's witness inside the engine "
+                        "(vLLM: --scheduler-cls kvtop.witness.vllm.WitnessScheduler); exact causes per stall")
 
 
 def require_capture(opts: SourceOptions) -> None:
@@ -206,6 +211,7 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         probe_rate=probe,
         itl_target_s=itl_target_s(args, cfg),
         capture_port=capture,
+        witness=_witness_path(args, cfg),
     )
 
 
@@ -236,3 +242,27 @@ def check_engines_now(runner: LiveRunner) -> None:
             await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
 
     asyncio.run(check())
+
+
+def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
+    """--witness FILE: a file that exists must be a witness file; a missing one is waited for (the
+    engine creates it when it starts), but its folder must exist."""
+    path = resolve(args, cfg, "witness")
+    if path is None:
+        return None
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--witness {path}: is a folder; give the witness file (KVTOP_WITNESS_FILE of the engine)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--witness {path}: no such folder {folder}")
+    if os.path.exists(path):
+        from kvtop.sources.witness import WitnessError, WitnessReader
+
+        try:
+            WitnessReader(path, 0.0).read()
+        except WitnessError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:
+            raise UsageError(f"--witness {path}: {e.strerror}") from None
+    return path

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvtop.analysis.streams import Streams
 from kvtop.core.events import EventLog
-from kvtop.model.records import RequestRecord
+from kvtop.model.records import RequestRecord, StepRecord
 from kvtop.model.sanitize import printable
 from kvtop.snapshot import RequestTimeline, RequestView
 
@@ -83,6 +83,7 @@ class _RequestState:
     # (t, n) per token chunk plus preempt/resume marks, bounded, for the request detail view.
     token_times: _Chunks = field(default_factory=_Chunks)
     marks: list[tuple[float, str]] = field(default_factory=list)
+    steps: deque[tuple[float, float, str]] = field(default_factory=lambda: deque(maxlen=TIMELINE_MAX_CHUNKS))
 
     def mark(self, t: float, ev: str) -> None:
         if len(self.marks) >= MAX_MARKS:
@@ -162,6 +163,21 @@ class RequestTracker:
         if ended and rec.t - ended[0][0] > self.finished_keep_s:
             self.retire(rec.t)
 
+    def engine_step(self, rec: StepRecord) -> None:
+        """A witness step: each held request's part in it, and its preemptions and resumptions as marks."""
+        for r in rec.reqs:
+            st = self._requests.get(str(r[0]))
+            if st is not None:
+                st.steps.append((rec.t, rec.end, "r" if r[3] else ("p" if r[2] else "d")))
+        for rid in rec.preempted:
+            st = self._requests.get(rid)
+            if st is not None:
+                st.mark(rec.t, "preempt")
+        for rid in rec.resumed:
+            st = self._requests.get(rid)
+            if st is not None:
+                st.mark(rec.t, "resume")
+
     def retire(self, now: float) -> None:
         """Requests that ended more than finished_keep_s ago leave the screens: keep their summary."""
         ended, target = self._ended, self.itl_target_s
@@ -225,4 +241,5 @@ class RequestTracker:
         return RequestTimeline(
             id=r.id, arrive_t=r.arrive_t, end_t=r.end_t, state=r.state,
             tokens=r.token_times.items(), marks=tuple(r.marks), engine_marks=engine_marks(t0, t1),
+            steps=tuple(r.steps),
         )

@@ -70,7 +70,7 @@ class Rule:
     """One row of the table."""
 
     key: str
-    cause: Cause
+    cause: Cause | None  # None: whichever cause the engine's log shows (the witness)
     kinds: tuple[str, ...]  # the ``rule`` names its findings report (Finding.kind)
     when: When
     explain: Explain
@@ -88,7 +88,17 @@ def _pct(x: float) -> str:
     return f"{x * 100:g} %"
 
 
+def _witness(ev: Evidence) -> Finding | None:
+    return ev.witness.finding() if ev.witness is not None else None
+
+
 RULES: tuple[Rule, ...] = (
+    Rule("witness", None, ("witness",), ANY, _witness, (),
+         "the engine's own step log (a witness: `--witness`) covers the stall: preempted or recomputed between "
+         "its two tokens → preemption; else the part of the gap without which it met the target — other requests' "
+         "prompt/recompute steps → prefill_interference, time outside the engine → unknown; else the largest part "
+         "(decode steps → slow_decode). Exact: confidence 1.0. See [The engine as witness](witness.md)",
+         context=False),
     Rule("reported", Cause.PREEMPTION, ("reported",), ANY, preemption.reported, ("preemption/reported",),
          "the engine or adapter reported a `preempt` event for this request inside the gap", context=False),
     # the host and delivery rows come before any engine cause: a hung host or a held-back burst
@@ -199,6 +209,6 @@ def markdown(rules: tuple[Rule, ...] = RULES, confidence: dict[str, float] | Non
            "|---|---|---|---|---|---|"]
     for i, r in enumerate(rules, 1):
         kinds = ", ".join(f"`{k}`" for k in r.kinds)
-        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence)
-        out.append(f"| {i} | `{r.key}` | {r.cause} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
+        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence) or "1.000 (read, not inferred)"
+        out.append(f"| {i} | `{r.key}` | {r.cause or 'as logged'} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
     return "\n".join(out) + "\n\n" + LEGEND + "\n"

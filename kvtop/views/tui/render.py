@@ -258,10 +258,23 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
                 axis[c + j] = ch
     legend = ("  ▅ tokens  ━ gap over target (colour = cause)  P preemption counter rose  B prompt burst"
               if width >= 120 else "  ━ gap over target  P preemption  B prompt burst")
+    if tl.steps:
+        legend += "  steps (witness): · decode  p prompt  R recompute"
     lines.append(muted(f"timeline {units.duration_short(t1 - t0)}, 1 column = {units.duration_short(cols.dt)}:{legend}"))
     lines.append("tokens │" + "".join(tok_row))
     lines.append("spikes │" + "".join(mark_row))
     lines.append("engine │" + "".join(eng_row))
+    if tl.steps:
+        # the engine's own steps for this request (a witness runs): what each column's steps did
+        step_row = [" "] * w
+        rank = {"d": 1, "p": 2, "r": 3}
+        for a, _b, kind in tl.steps:
+            if t0 <= a <= t1:
+                c = min(w - 1, max(0, int((a - t0) / cols.dt)))
+                if rank.get(kind, 0) > rank.get(step_row[c], 0):
+                    step_row[c] = kind
+        glyph = {"d": muted("·"), "p": "[$warning]p[/]", "r": "[$error]R[/]", " ": " "}
+        lines.append("steps  │" + "".join(glyph[k] for k in step_row))
     lines.append("       └" + "".join(axis))
     # gap per token, to scale against the largest gap: short steady gaps read as a flat floor
     gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
