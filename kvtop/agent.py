@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +19,15 @@ from typing import Any
 from aiohttp import web
 
 from kvtop.core import Core
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
 from kvtop.model.trace import _finite, make_header
 from kvtop.model.trace_rotate import RotatingTrace
 from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
+
+log = logging.getLogger("kvtop.agent")
 
 DEFAULT_PORT = 9470
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -129,7 +131,7 @@ class Agent:
         except OSError as e:
             await self.runner.aclose()
             host, port = self.opts.listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         tasks: list[asyncio.Task[None]] = []
         try:
             try:
@@ -138,7 +140,7 @@ class Agent:
                 await self.runner.aclose()
                 assert self.opts.sources.proxy_listen is not None  # only the proxy raises OSError
                 host, port = self.opts.sources.proxy_listen
-                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+                raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             tasks.append(asyncio.create_task(self._tick_loop(stop)))
             self.tick()
             src = self.opts.sources
@@ -152,7 +154,7 @@ class Agent:
                 what.append(f"capture port {src.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
-            print(f"kvtop agent: {', '.join(what)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            log.info(f"{', '.join(what)} (Ctrl-C to stop)", extra={"fields": {"event": "started", "url": self.url}})
             await self.runner.run(duration_s=duration_s, stop=stop)  # the proxy stops with the run
         finally:
             stop.set()

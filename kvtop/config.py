@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtop.errors import UsageError
+from kvtop.errors import UsageError, did_you_mean
 from kvtop.model import jsonio
 
 # key -> (type, environment variable). "urls" is a list; the rest are scalars.
@@ -38,6 +39,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "prometheus_ca_file": ("str", "KVTOP_PROMETHEUS_CA_FILE"),  # PEM CA bundle for its TLS certificate
     "prometheus_headers": ("list", "KVTOP_PROMETHEUS_HEADERS"),  # "Name: value" each; env: comma-separated
 }
+
+# Keys one command reads itself (not flags): known, so they draw no "unknown key" warning.
+OTHER_KEYS: frozenset[str] = frozenset({"probe_ports"})  # the console's discovery ports (commands/tui.py)
 
 _SECRET = frozenset({"token", "prometheus_password"})
 _TRUE = {"1", "true", "yes", "on"}
@@ -125,7 +129,8 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
     """Config from the TOML file (``path`` or the XDG default) overlaid with ``KVTOP_*`` variables.
 
     A missing default file is fine (empty config); a missing file named explicitly is an error.
-    Unknown keys in the file are kept (other commands may read their own sections).
+    An unknown key is kept but warned about on stderr, with the closest valid name (a typo would
+    otherwise be ignored without a word).
     """
     env = os.environ if env is None else env
     explicit = path is not None
@@ -139,6 +144,8 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
             raise UsageError(f"config file not found: {p}") from None
     for k, v in data.items():
         out[k] = _coerce(k, v, str(p)) if k in KEYS else v
+        if k not in KEYS and k not in OTHER_KEYS:
+            sys.stderr.write(f"kvtop: warning: {p}: unknown key {_shown(k)}{did_you_mean(k, [*KEYS, *OTHER_KEYS])}\n")
     for key, (_, var) in KEYS.items():
         raw = env.get(var)
         if raw is not None and raw.strip() != "":

@@ -7,16 +7,21 @@ groups it needs and gets one typed ``SourceOptions`` back, resolved flag > envir
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import os
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
 from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
 
 if TYPE_CHECKING:
+    from kvtop.feeds.live import LiveRunner
+    from kvtop.model.records import EngineRecord
     from kvtop.sources.promapi import PromAuth
 
 # Every command's parser is built from these groups on each start: what only a check or a run
@@ -30,6 +35,18 @@ def _probe_rate(text: str) -> float:
     return probe_rate(text)
 
 
+DURATION_HINT = "10, 10s, 500ms, 2m, 1h"
+
+
+def seconds_arg(text: str) -> float:
+    """argparse ``type=`` for every duration and interval option: the one syntax (``10``, ``10s``,
+    ``500ms``, ``2m``, ``1h``) that config.parse_seconds reads, so each command accepts the same."""
+    try:
+        return parse_seconds(text, "a duration")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = None) -> None:
     """--url, --token, --adapter, --timeout, --interval: which engines, and how to scrape them."""
     p.add_argument("--url", action="append", default=None, metavar="URL",
@@ -38,6 +55,45 @@ def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = Non
     add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
+
+
+def require_terminal(headless: str) -> None:
+    """The full-screen console needs a terminal on stdin and stdout: without one (a script, CI, a
+    pipe) it would draw escape codes nobody reads and never end. One line, exit 2, naming the
+    headless way to get the same answer."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError(f"the console needs a terminal (stdin and stdout are not both one); {headless}")
+
+
+def probe_ports(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The local ports to look for an engine on when no --url is given (config ``probe_ports``)."""
+    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
+
+    v = cfg.get("probe_ports")
+    if v is None:
+        return PROBE_PORTS
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 65536 for x in v):
+        raise UsageError("config: probe_ports must be a list of port numbers")
+    return tuple(v)
+
+
+def discovered(opts: SourceOptions, cfg: dict[str, Any]) -> tuple[SourceOptions, str | None]:
+    """Headless commands without --url look where the console looks: the engines answering /metrics
+    on 127.0.0.1's usual serving ports. Returns the options with those URLs, and a note to print
+    when none answered (None when some did)."""
+    if opts.urls:
+        return opts, None
+    from kvtop.sources.discover import discover  # httpx: only when looking for engines
+
+    ports = probe_ports(cfg)
+    found = tuple(discover(ports))
+    if not found:
+        return opts, (f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}; GPU and host only "
+                      "(point it at one with --url http://HOST:PORT)")
+    capture = opts.capture_port
+    if capture == 0:  # --capture without a port: the discovered engine's
+        capture = resolve_capture_port(capture, engine_bases(list(found))[0])
+    return dataclasses.replace(opts, urls=found, capture_port=capture), None
 
 
 def add_host_options(p: argparse.ArgumentParser) -> None:
@@ -63,7 +119,7 @@ def add_capture_option(p: argparse.ArgumentParser) -> None:
 
 
 def require_capture(opts: SourceOptions) -> None:
-    """Headless commands: a capture that cannot open here is a one-line UsageError (exit 2) saying
+    """Headless commands: a capture that cannot open here is a one-line RunFailure (exit 1) saying
     how to grant the privilege. (The console runs on and shows the line in its banner instead.)"""
     if opts.capture_port is None:
         return
@@ -74,7 +130,7 @@ def require_capture(opts: SourceOptions) -> None:
     try:
         check_capture(opts.capture_port)
     except CaptureUnavailable as e:
-        raise UsageError(str(e)) from None
+        raise RunFailure(str(e)) from None
 
 
 def add_prometheus_options(p: argparse.ArgumentParser, what: str) -> None:
@@ -233,6 +289,35 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         capture_port=capture,
         witness=_witness_path(args, cfg),
     )
+
+
+async def first_scrape(runner: LiveRunner) -> list[EngineRecord]:
+    """Scrape every engine once, before the run: a wrong URL fails in one timeout, not after the
+    whole --duration. None answering is a RunFailure (exit 1) naming the URL and why (the runner's
+    scrapers are closed first); the records come back for the caller to emit."""
+    t = runner.now()
+    results = await asyncio.gather(*(s.scrape(t) for s in runner.scrapers))
+    recs = [r for rs in results for r in rs]
+    if recs and not any(r.up for r in recs):
+        await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+        down = [f"{r.url}: {r.warnings[0] if r.warnings else 'no answer'}" for r in recs]
+        what = "the engine at" if len(down) == 1 else f"any of {len(down)} engines:"
+        raise RunFailure(f"could not read {what} {'; '.join(down[:3])}")
+    return recs
+
+
+def check_engines_now(runner: LiveRunner) -> None:
+    """``first_scrape`` for a run whose loop starts later (the console): the answers go into the
+    core and the scrapers' HTTP clients are closed again, since they belong to this event loop."""
+
+    async def check() -> None:
+        try:
+            for rec in await first_scrape(runner):
+                runner.emit(rec)
+        finally:
+            await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+
+    asyncio.run(check())
 
 
 def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
 from kvtop.commands._options import add_prometheus_auth_options, itl_target_s, prometheus_auth, timeout_s
 from kvtop.config import load_config, parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 
 if TYPE_CHECKING:
     from kvtop.model.analysis import AnalysisReport
@@ -72,12 +74,25 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config_file(args.model_config)
         except ModelConfigError as e:
             raise UsageError(str(e)) from None
-    try:
-        rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
-    except TraceError as e:
-        raise UsageError(str(e)) from None
-    except ModelConfigError as e:
-        raise UsageError(str(e)) from None
+    size = _size(args.trace)
+    progress = Progress(f"kvtop analyze: {args.trace}")
+
+    with Interrupt() as stop:
+        def tick(done: int | None) -> bool:
+            if done is not None:
+                progress.update(done, size, f"{done / 1e6:.0f} MB" + (f" of {size / 1e6:.0f} MB" if size else ""))
+            return stop.requested
+
+        try:
+            rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp, tick=tick)
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+        except ModelConfigError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            progress.close()
+    if stop.requested:
+        interrupted_note("analyze", "the report below covers the part of the trace read so far")
     rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
@@ -86,6 +101,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_report_text(rep))
     return 0
+
+
+def _size(path: str) -> int | None:
+    """The bytes a scan will read, for its progress; None for a compressed segment (or no file)."""
+    if path.endswith(".gz"):
+        return None
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
@@ -133,11 +158,11 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
     try:
         rep = analyze_history(client, start, end, step, args.selector, target)
     except PromError as e:
-        raise UsageError(str(e)) from None
+        raise RunFailure(str(e)) from None
     finally:
         client.close()
     if not rep.instances:
-        raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
+        raise RunFailure(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
         print(json.dumps(_finite(rep.to_dict()), indent=1, allow_nan=False, default=str))

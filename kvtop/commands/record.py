@@ -5,22 +5,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import EngineWatch, Progress
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
     add_host_options,
     add_probe_option,
+    first_scrape,
     require_capture,
     source_options,
 )
 from kvtop.config import engine_bases, load_config, parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
@@ -66,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.is_dir():
         raise UsageError(f"{args.output} is a directory")
+    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
+        raise UsageError(f"cannot write {args.output}: directory {out.parent} does not exist")
     if out.exists() and out.stat().st_size > 0 and not args.force:
         # Appending would restart the trace clock mid-file under the old header.
         raise UsageError(f"{args.output} already exists (use --force to overwrite)")
@@ -100,9 +106,13 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         loop.add_signal_handler(sig, stop.set)
     # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
     runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
-    # One scrape before the header is written, so the header names the adapter and model.
-    first = await runner.scrapers[0].scrape(runner.now())
-    up = next((r for r in first if r.up), None)
+    # One scrape of every engine before the header is written, so the header names the adapter and
+    # model, and a dead URL fails now (exit 1, no trace) instead of recording nothing for --duration.
+    first = await first_scrape(runner)
+    # an engine that stops answering mid-recording (or never did, of several) is said on stderr
+    runner.sinks.append(EngineWatch(logging.getLogger("kvtop.record")).sink)
+    # the header describes the first --url's engine (as its "url" says)
+    up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
     engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
@@ -133,9 +143,10 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             await runner.aclose()
             assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
             host, port = opts.proxy_listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         proxy = runner.source("proxy")
-        tasks = [asyncio.create_task(_flush_loop(writer, stop))]
+        progress = Progress(f"kvtop record: {args.output}")
+        tasks = [asyncio.create_task(_flush_loop(writer, stop, progress, runner.now, duration))]
         what = f"{len(opts.urls)} engine(s)"
         if isinstance(proxy, ProxyRecorder):
             what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
@@ -150,6 +161,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            progress.close()
     finally:
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
@@ -161,10 +173,14 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     return 0
 
 
-async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],
+                      duration: float | None) -> None:
+    start = now()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)
         except asyncio.TimeoutError:
             pass
         writer.flush_if_due()
+        t = now() - start
+        progress.update(t, duration, f"{writer.count} records, {t:.0f} s" + (f" of {duration:g} s" if duration else ""))
