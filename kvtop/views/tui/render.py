@@ -3,13 +3,13 @@ $error, ...) so every theme, the low-colour one included, decides what severity 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 
 from textual.markup import escape
 
 from kvtop import units
-from kvtop.model.analysis import SpikeView
+from kvtop.model.analysis import Number, SpikeView
 from kvtop.model.records import HostRecord
 from kvtop.snapshot import EngineView, GpuView, RequestTimeline, RequestView, Snapshot
 from kvtop.views.tui import fmt
@@ -298,12 +298,22 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
 _WOULD_CHANGE = {
     "swap": "shorter preempted requests (recompute gets cheaper) or a slower usable link",
     "recompute": "longer preempted requests or a faster usable link (the transfer gets cheaper)",
-    "admission": "fewer cancellations of preempted requests or more KV headroom",
+    "admission": "fewer preemptions per request (more KV headroom or fewer concurrent sequences)",
     "chunked_prefill": "spikes stop lining up with prompt bursts",
     "reduce_batch": "KV usage staying below 0.90 at the current batch",
     "no_action": "preemptions or spikes appearing in the window",
     "insufficient_data": "per-request token timings (run the proxy or --probe) and a few preemptions",
 }
+
+
+def would_change(action: str, numbers: Mapping[str, Number]) -> str:
+    """What would change the verdict; for admission, cancellations are named only when the run saw
+    preempted requests cancelled (cancel_prob > 0)."""
+    text = _WOULD_CHANGE.get(action, "more data")
+    cancel = numbers.get("cancel_prob")
+    if action == "admission" and cancel is not None and isinstance(cancel.value, (int, float)) and cancel.value > 0:
+        text = f"fewer cancellations of preempted requests ({cancel.value:.0%} now) or " + text
+    return text
 
 
 # The numbers an operator reads first (the cost model's inputs and outputs); the rest follow.
@@ -352,8 +362,8 @@ def advisor(s: Snapshot, width: int) -> str:
         lines.extend(f"  • {escape(str(x))}" for x in reasons)
     lines.append("")
     lines.append("[b]what would change the verdict[/b]")
-    lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
     nums = v.numbers if v is not None else {}
+    lines.append(f"  • {escape(would_change(action, nums))}")
     rows = []
     for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
         num = nums[k]
