@@ -40,8 +40,6 @@ def test_ten_preemptions_in_ten_seconds_is_an_error_one_a_second_or_all_at_once(
 
 @pytest.mark.parametrize(("cancel_prob", "named"), [(0.0, False), (None, False), (0.25, True)])
 def test_the_advisor_names_cancellations_only_when_preempted_requests_were_cancelled(cancel_prob, named):
-    import dataclasses
-
     from kvtop.model.analysis import AnalysisReport, Number, Verdict
     from kvtop.snapshot import Snapshot
     from kvtop.views.tui.render import advisor
