@@ -53,3 +53,91 @@ def test_the_advisor_names_cancellations_only_when_preempted_requests_were_cance
     would = text.split("what would change the verdict")[1].splitlines()[1]
     assert ("fewer cancellations of preempted requests (25% now)" in would) is named
     assert "fewer preemptions per request" in would
+
+
+async def _screen_80x24(core, press=(), feed=None, title="kvtop"):
+    pytest.importorskip("textual")
+    from tui_support import screen_text
+
+    from kvtop.feeds.sample import FIXED_TAKEN_AT
+    from kvtop.views.tui.app import KvtopApp
+
+    app = KvtopApp(core, feed=feed, title=title, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        for key in press:
+            await pilot.press(key)
+            await pilot.pause()
+        await pilot.pause()
+        return screen_text(app).splitlines()
+
+
+async def test_at_80x24_no_gpu_is_one_line_and_header_and_chart_titles_are_whole():
+    from kvtop.feeds.sample import sample
+
+    s = sample(gpus=0, requests=30, seconds=120)
+    s.core.set_gpu_status("none: the engine is simulated")
+    lines = await _screen_80x24(s.core, title="kvtop demo: sample")
+    assert sum("none: the engine is simulated" in ln for ln in lines) == 1  # no banner repeating it
+    # the title, the state, the run clock and the wall clock; the counts went to make room
+    assert lines[0].split() == ["kvtop", "demo:", "sample", "●", "live", "t=120s", "00:00:00Z"]
+    gpu = next(i for i, ln in enumerate(lines) if "GPUs" in ln)
+    assert lines[gpu].strip() == "GPUs none: the engine is simulated" and "host" in lines[gpu + 1]
+    legend = next(ln for ln in lines if ln.startswith(" History"))
+    assert legend.rstrip().endswith("P preemption F prefill S slow decode ? unknown")
+    titles = next(ln for ln in lines if "KV cache usage" in ln)
+    # two charts a row: the ITL chart's target shortened to its figure, not cut
+    assert titles.rstrip().endswith("┈ 100ms") and "target" not in titles
+    assert all(len(ln) <= 80 for ln in lines)
+
+
+async def test_at_80x24_the_requests_table_keeps_preempt_and_last_cause():
+    from kvtop.feeds.sample import sample
+
+    s = sample(gpus=1, requests=30, seconds=120)
+    lines = await _screen_80x24(s.core, press=("2",))
+    head = next(ln for ln in lines if ln.lstrip().startswith("request"))
+    # age and class go first (docs/console.md); the preemption columns stay, whole
+    assert head.split()[:2] == ["request", "state"] and head.rstrip().endswith("preempt  last cause")
+    assert "age" not in head.split() and "class" not in head.split() and "max gap ▼" in head
+    worst = lines[lines.index(head) + 1]
+    assert worst.split()[-1] in ("preemption", "prefill_interference", "slow_decode", "unknown", "-")
+
+
+async def test_the_engine_card_and_the_preemption_chart_quote_the_same_rate():
+    # 6 preemptions in the last minute, the last one alone in a 1 s scrape: per scrape that step is
+    # 1.00/s, over the minute 0.10/s; the card and the chart title both quote the minute's
+    core = Core()
+    total = 0.0
+    for t in range(0, 121):
+        if t > 60 and t % 10 == 0:
+            total += 1.0
+        core.ingest(EngineRecord(t=float(t), url=URL, adapter="vllm", kv_usage=0.9, preemptions_total=total))
+    assert core.snapshot().engines[0].preemptions_per_s == pytest.approx(0.1, abs=0.005)
+    lines = await _screen_80x24(core)
+    card = next(ln for ln in lines if "preempt " in ln)
+    chart = next(ln for ln in lines if "preemptions/s" in ln)
+    assert "preempt 0.10/s over 1m" in card and "preemptions/s  0.10/s over 1m" in chart
+    assert "1.00/s" not in "\n".join(lines)
+
+
+async def test_spike_markers_are_letters_that_read_without_colour(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    pytest.importorskip("textual")
+    from tui_support import screen_text
+
+    from kvtop.feeds.sample import FIXED_TAKEN_AT, sample
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.charts import Chart
+
+    s = sample(gpus=0, requests=30, seconds=120)
+    causes = {sp.cause for sp in s.core.snapshot().analysis.spikes}
+    assert {"preemption", "prefill_interference"} <= causes
+    app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause()
+        assert app.no_color  # Textual drops the colours under NO_COLOR: the letters must carry it
+        itl = next(c for c in app.query(Chart) if c.spec is not None and c.spec.key == "e0itl")
+        axis = itl.render_line(itl.size.height - 1).text
+        assert "P" in axis and "F" in axis
+        assert "P preemption F prefill S slow decode ? unknown" in screen_text(app)

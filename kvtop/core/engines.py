@@ -12,6 +12,7 @@ from kvtop.core.events import EventLog
 from kvtop.model.records import EngineRecord
 from kvtop.model.sanitize import sanitize_record
 from kvtop.model.series import HistogramSeries, Series, counter_increase_over, counter_rate
+from kvtop.snapshot import EngineView
 
 # A preemption burst is an error when the engine preempted at least BURST_ERROR_COUNT times in the
 # trailing BURST_WINDOW_S seconds (a sustained 1/s), else a warning. A count over a fixed window,
@@ -19,7 +20,6 @@ from kvtop.model.series import HistogramSeries, Series, counter_increase_over, c
 # between a warning and an error.
 BURST_WINDOW_S = 10.0
 BURST_ERROR_COUNT = 10
-from kvtop.snapshot import EngineView
 
 
 @dataclass

@@ -311,22 +311,33 @@ class KvtopApp(App[int]):
 
     def _render_topbar(self, s: Snapshot) -> None:
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
-        state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
+        replay = self.replay
+        ended = replay is not None and replay.duration > 0 and replay.t >= replay.duration
+        if self.paused:
+            state = "[$warning b]⏸ PAUSED[/]"
+        elif ended:
+            state = "[$text-muted]■ end of trace[/]"  # nothing more will come: not "live"
+        else:
+            state = "[$success]● live[/]"
         # "kvtop demo: preemption-storm" already names its source
         src = "" if s.source_label.split(" ")[-1] in self.title else escape(s.source_label)
-        pos = ""
-        replay = self.replay
+        pos = bar = ""
         if replay is not None:
             t, d = replay.t, replay.duration
-            pos = f"  replay {units.duration_short(t)}" + (f"/{units.duration_short(d)}" if d else "")
+            pos = f"replay {units.duration_short(t)}" + (f"/{units.duration_short(d)}" if d else "")
             if d:
                 n = 20
                 k = min(n, round(t / d * n)) if d > 0 else 0
-                pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
+                bar = f"[$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
+        # what an 80-column terminal drops first: the counts, the clock, the source, the bar
+        width = max(20, (self.main.size.width or self.size.width) - 2)
         self.main.query_one("#topbar", Static).update(
-            f"[b]{escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
-            f"t={units.duration_short(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
+            render.fit_line([
+                (f"[b]{escape(self.title)}[/b]", 0), (render.muted(src), 4), (state, 0), (pos, 1), (bar, 3),
+                (f"t={units.duration_short(s.t)}", 2), (clock, 5),
+                (render.muted(f"{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests"), 6),
+            ], width),
             layout=False,  # one line, always: a new text needs no layout pass
         )
         banner = self.main.query_one("#banner", Static)
@@ -334,8 +345,7 @@ class KvtopApp(App[int]):
         notice = self.feed.notice
         if notice:
             msgs.append(escape(notice))
-        if s.gpu_status != "ok":
-            msgs.append(f"GPU: {escape(s.gpu_status)}")
+        # no GPU is not an alarm: the Overview's GPUs line says why (and the Events screen logs it)
         cap = s.capture
         if cap is not None:
             if cap.get("status") != "ok":
