@@ -141,3 +141,57 @@ async def test_spike_markers_are_letters_that_read_without_colour(monkeypatch):
         axis = itl.render_line(itl.size.height - 1).text
         assert "P" in axis and "F" in axis
         assert "P preemption F prefill S slow decode ? unknown" in screen_text(app)
+
+
+def _trace(path, seconds: float):
+    from kvtop.model.trace import TraceWriter, make_header
+
+    with TraceWriter(path, make_header(engine={"adapter": "vllm", "url": URL, "model": "m"})) as w:
+        for i in range(int(seconds / 5) + 1):
+            w.write(EngineRecord(i * 5.0, "vllm", url=URL, engine="0", model="m", kv_usage=0.5, running=1, waiting=0,
+                                 preemptions_total=float(i // 4)))
+    return path
+
+
+@pytest.mark.parametrize(("seconds", "header"), [
+    (30, "trace 30.0 s  rates over the last 30.0 s"),
+    (600, "trace 600.0 s  rates over the last 60.0 s"),
+])
+def test_headless_replay_says_how_long_the_trace_is(tmp_path, seconds, header):
+    from conftest import run_kvtop
+
+    r = run_kvtop("replay", str(_trace(tmp_path / "t.jsonl", seconds)), "--headless")
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert header in first and "window 60.0 s" not in first
+
+
+def test_headless_replay_until_says_where_it_stopped(tmp_path):
+    from conftest import run_kvtop
+
+    r = run_kvtop("replay", str(_trace(tmp_path / "t.jsonl", 600)), "--headless", "--until", "45")
+    assert r.returncode == 0, r.stderr
+    assert "trace 600.0 s, replayed to 45.0 s  rates over the last 45.0 s" in r.stdout.splitlines()[0]
+
+
+async def test_the_replay_title_stops_saying_live_at_the_end_of_the_trace(tmp_path):
+    pytest.importorskip("textual")
+    from tui_support import screen_text
+
+    from kvtop.pipeline import replay_feed
+    from kvtop.views.tui.app import KvtopApp
+
+    feed = replay_feed(_trace(tmp_path / "t.jsonl", 30), speed=0.0)
+    app = KvtopApp(feed.core, feed=feed, interval=0.05, taken_at="2026-01-01T00:00:00Z")
+    async with app.run_test(size=(120, 30)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if feed.done:
+                break
+        await pilot.pause(0.2)
+        top = screen_text(app).splitlines()[0]
+        assert feed.done and "■ end of trace" in top and "live" not in top
+        await pilot.press("g")
+        await pilot.press(*"10", "enter")
+        await pilot.pause(0.2)
+        assert "● live" in screen_text(app).splitlines()[0]  # back inside the trace
