@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop import __version__
 from kvtop.commands._options import itl_target_s, timeout_s
 from kvtop.config import parse_seconds
 from kvtop.errors import UsageError
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_scenario:
         _save_scenario(args, rep)
     if args.format == "json":
-        print(json.dumps(rep.to_dict(), indent=1, allow_nan=False))
+        print(json.dumps(rep.to_json(__version__), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
     return 0
