@@ -91,6 +91,8 @@ class RequestView:
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
+    # ended more than finished_keep_s ago and still listed: one of the worst stalls of the last hour
+    kept: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,3 +195,81 @@ async def test_the_replay_title_stops_saying_live_at_the_end_of_the_trace(tmp_pa
         await pilot.press(*"10", "enter")
         await pilot.pause(0.2)
         assert "● live" in screen_text(app).splitlines()[0]  # back inside the trace
+
+
+def _incident(core: Core, n: int = 33) -> None:
+    """``n`` requests of 10 tokens at 20 ms, each ended by t=60; request k stalls k*0.1 s once."""
+    from kvtop.model.records import RequestRecord
+
+    for k in range(n):
+        rid = f"r{k:02d}"
+        t = float(k)
+        core.ingest(RequestRecord(t, rid, "arrive"))
+        core.ingest(RequestRecord(t + 0.1, rid, "first_token"))
+        for i in range(1, 10):
+            stall = k * 0.1 if i > 5 else 0.0  # before the 6th token
+            core.ingest(RequestRecord(t + 0.1 + 0.02 * i + stall, rid, "token"))
+        core.ingest(RequestRecord(t + 0.3 + k * 0.1, rid, "finish"))
+
+
+def test_the_worst_stalls_stay_listed_after_they_end():
+    from kvtop.core.requests import KEEP_WORST
+
+    core = Core(itl_target_s=0.1, finished_keep_s=30.0)
+    _incident(core)
+    # two minutes on: every request ended more than finished_keep_s ago
+    core.ingest(EngineRecord(t=150.0, url=URL, adapter="vllm", kv_usage=0.1))
+    snap = core.snapshot()
+    listed = sorted(snap.requests, key=lambda r: -(r.max_gap_s or 0))
+    assert len(listed) == KEEP_WORST == 20 and all(r.kept and r.state == "finished" for r in listed)
+    # the 20 largest stalls, r32 (3.2 s) down to r13 (1.3 s); none under the 0.1 s target
+    assert [r.id for r in listed] == [f"r{k:02d}" for k in range(32, 12, -1)]
+    assert listed[0].max_gap_s == pytest.approx(3.2 + 0.02)
+    assert snap.finished_total == 33
+    # the timeline is still there for the detail screen
+    tl = core.request_timeline("r32")
+    assert tl is not None and len(tl.tokens) == 10
+    # an hour after they ended they go
+    core.ingest(EngineRecord(t=60.0 + 3601.0, url=URL, adapter="vllm", kv_usage=0.1))
+    assert core.snapshot().requests == ()
+
+
+async def test_after_an_incident_the_requests_screen_lists_the_worst_stalls():
+    core = Core(itl_target_s=0.1, finished_keep_s=30.0)
+    _incident(core)
+    core.ingest(EngineRecord(t=150.0, url=URL, adapter="vllm", kv_usage=0.1))
+    lines = await _screen_80x24(core, press=("2",))
+    status = next(ln for ln in lines if "requests" in ln and " of " in ln)
+    assert status.lstrip().startswith("20 of 20 requests")
+    head = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("request"))
+    assert lines[head + 1].split()[:2] == ["r32", "finished*"]
+
+
+async def test_a_click_on_a_spike_marker_opens_the_worst_request_there():
+    pytest.importorskip("textual")
+    from tui_support import screen_text
+
+    from kvtop.pipeline import make_core
+    from kvtop.views.tui.app import KvtopApp
+    from kvtop.views.tui.charts import GUTTER, Chart
+
+    core = make_core("incident", 0.1)
+    for t in range(0, 151, 1):  # the engine, scraped every second through the incident
+        core.ingest(EngineRecord(t=float(t) - 0.5, url=URL, adapter="vllm", kv_usage=0.5, preemptions_total=0.0))
+    _incident(core)
+    core.ingest(EngineRecord(t=150.0, url=URL, adapter="vllm", kv_usage=0.5, preemptions_total=0.0))
+    spikes = core.snapshot().analysis.spikes
+    worst = max(spikes, key=lambda sp: sp.gap_s)
+    assert worst.request_id == "r32"
+    app = KvtopApp(core, interval=3600, taken_at="2026-01-01T00:00:00Z")
+    async with app.run_test(size=(160, 45)) as pilot:
+        await pilot.pause()
+        itl = next(c for c in app.query(Chart) if c.spec is not None and c.spec.key == "e0itl")
+        n = itl.size.width - GUTTER - 1
+        x = GUTTER + int((worst.t_end - itl.t0) / ((itl.t1 - itl.t0) / n))
+        assert itl.render_line(itl.size.height - 1).text[x] in "PFS?"  # a marker under the column
+        await pilot.click(itl, offset=(x, itl.size.height - 1))
+        await pilot.pause()
+        assert app.view_name == "detail"
+        text = screen_text(app)
+        assert "r32" in text and "finished" in text and "tokens │" in text  # its timeline, two minutes after it ended

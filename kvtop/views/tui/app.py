@@ -34,6 +34,7 @@ from kvtop.feeds.static import StaticFeed
 from kvtop.snapshot import Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
 from kvtop.views.tui.advisor import AdvisorView
+from kvtop.views.tui.charts import Chart
 from kvtop.views.tui.detail import DetailView
 from kvtop.views.tui.events import EventsView
 from kvtop.views.tui.fleet import FleetScreen, open_fleet
@@ -401,6 +402,19 @@ class KvtopApp(App[int]):
     @on(RowTable.RowSelected, "#req-table")
     def _open_detail(self, ev: RowTable.RowSelected) -> None:
         self.views.detail.request_id = ev.key
+        self.action_view("detail")
+
+    @on(Chart.SpikesPicked)
+    def _open_spike(self, ev: Chart.SpikesPicked) -> None:
+        """A click on a chart's spike marks opens the request with the largest gap there (kept on the
+        Requests screen for the last hour when it was among the worst)."""
+        s = self.snap
+        spikes = s.analysis.spikes if s is not None and s.analysis is not None else ()
+        hit = [sp for sp in spikes if ev.t0 <= (sp.t_end or sp.t_start) <= ev.t1]
+        if not hit:
+            return
+        worst = max(hit, key=lambda sp: (sp.gap_s, sp.request_id))
+        self.views.detail.request_id = worst.request_id
         self.action_view("detail")
 
     def action_cycle_sort(self) -> None:

@@ -20,6 +20,7 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.geometry import Region
+from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -334,9 +335,30 @@ class Chart(Widget):
             return self._kv_strips[y]
         return Strip.blank(self.size.width)
 
-    # -- hover ----------------------------------------------------------------------------------
+    # -- hover and click -------------------------------------------------------------------------
+    class SpikesPicked(Message):
+        """A click on a chart column that holds spike marks: the span [t0, t1] of that column."""
+
+        def __init__(self, t0: float, t1: float):
+            super().__init__()
+            self.t0, self.t1 = t0, t1
+
     def on_mouse_move(self, ev: events.MouseMove) -> None:
         self.tooltip = self.readout(ev.x)
+
+    def column_span(self, x: int) -> tuple[float, float] | None:
+        """The time span column ``x`` covers, None off the plot."""
+        n = self._kv_cols or max(4, self.size.width - GUTTER - 1)
+        c = x - GUTTER
+        if c < 0 or c >= n or self.t1 <= self.t0:
+            return None
+        dt = (self.t1 - self.t0) / n
+        return self.t0 + c * dt, self.t0 + (c + 1) * dt
+
+    def on_click(self, ev: events.Click) -> None:
+        span = self.column_span(ev.x)
+        if span is not None and self.spec is not None and plot.marks_between(self.spec.marks, *span):
+            self.post_message(self.SpikesPicked(*span))
 
     def readout(self, x: int) -> str | None:
         """What the mouse over column ``x`` shows: the time and the nearest sample of each series."""
@@ -355,5 +377,6 @@ class Chart(Widget):
         lo, hi = t - (self.t1 - self.t0) / n / 2, t + (self.t1 - self.t0) / n / 2
         causes = plot.marks_between(spec.marks, lo, hi)
         if causes:
-            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items())))
+            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items()))
+                         + " (click: the worst one's request)")
         return "\n".join(parts)

@@ -202,6 +202,8 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
     mg_sev = fmt.sev_latency(r.max_gap_s, target) if r.max_gap_s is not None else "ok"
     state = {"preempted": sev("preempted", "crit"), "error": sev("error", "crit"),
              "cancelled": muted("cancelled"), "finished": muted("finished")}.get(r.state, escape(r.state))
+    if r.kept:
+        state += muted("*")  # ended a while ago, kept for its stall (the status line says so)
     return (
         escape(r.id), state, escape(r.cls or "-"), str(r.tokens), units.duration_short(r.age_s),
         sev(units.duration_short(r.current_gap_s), gap_sev) if r.current_gap_s is not None else "-",

@@ -73,13 +73,16 @@ class RequestsView(Vertical):
         self.update_headers()
         self._hide_columns()
         shown, total = len(rows), len(s.requests)
+        kept = sum(1 for r in s.requests if r.kept)
         flt = f"  filter: [b]{escape(self.filter_text)}[/b]" if self.filter_text else ""
         label = dict(render.COLUMNS)[self.sort_col]
         width = (self.size.width or self.app.size.width) - 2
         self.query_one("#req-status", Static).update(
             render.fit_line([(f"{shown} of {total} requests{flt}", 0),
                              (render.muted("sort: " + label + (" ▼" if self.sort_reverse else " ▲")), 1),
-                             (render.muted("enter: detail · s: sort · r: reverse · /: filter"), 2)], width),
+                             (render.muted(f"* {kept} ended earlier, kept: the worst stalls of the last hour")
+                              if kept else "", 2),
+                             (render.muted("enter: detail · s: sort · r: reverse · /: filter"), 3)], width),
             layout=False,
         )
 
