@@ -87,7 +87,9 @@ class OverviewView(Vertical):
             p.set_class(not e.up, "-down")
             p.show(partial(render.engine_lines, e, s.itl_target_s, interval=self.interval, window_s=s.window_s))
         done, over = s.finished_total, s.gaps_over_target_total
-        retired = render.muted(f"· {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
+        kept = sum(1 for r in s.requests if r.kept)  # ended too, but still listed for their stall
+        off = f"{done - kept} ended request(s) off screen" + (f" ({kept} worst stalls kept)" if kept else "")
+        retired = render.muted(f"· {off}, {over} gap(s) over target") if done else ""
         # one line: the ended-request count goes first on a narrow terminal
         self.query_one("#summary", Panel).show(
             lambda w: render.fit_line([(render.summary_line(s, narrow=w < 100), 0), (retired, 1)], w - 2))
