@@ -80,10 +80,35 @@ def test_replay_json_is_a_versioned_snapshot_whose_analysis_is_typed(storm_trace
         _validate(doc, "snapshot.schema.json")
 
 
-def test_the_snapshot_schema_carries_the_analysis_schema_unchanged():
-    analysis, snapshot = _schema("analysis.schema.json"), _schema("snapshot.schema.json")
-    for name, definition in analysis["$defs"].items():
-        assert snapshot["$defs"][name] == definition, name
+def test_the_snapshot_and_fleet_schemas_carry_the_analysis_schema_unchanged():
+    analysis = _schema("analysis.schema.json")
+    for other in ("snapshot.schema.json", "fleet-analysis.schema.json"):
+        defs = _schema(other)["$defs"]
+        for name, definition in analysis["$defs"].items():
+            assert defs[name] == definition, (other, name)
+
+
+def test_the_fleet_analysis_is_versioned_and_valid(storm_trace, tmp_path):
+    """`analyze --prometheus`'s JSON: each instance's report is the aggregate analysis (here of the
+    storm without its request records, as Prometheus would hold it); tests/test_prometheus_real.py
+    validates the command's output against a real Prometheus."""
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.sources.promfleet import AGENT_NOTE, FleetAnalysis, InstanceAnalysis
+
+    agg = tmp_path / "aggregate.jsonl"
+    agg.write_text("".join(line for line in storm_trace.read_text().splitlines(keepends=True)
+                           if json.loads(line).get("kind") != "request"))
+    rep = analyze_trace(str(agg)).finite()
+    assert rep.basis == "aggregate"
+    fleet = FleetAnalysis("http://127.0.0.1:9090", 1.0e9, 1.0e9 + 40, 1.0, AGENT_NOTE, (
+        InstanceAnalysis("vllm", "10.0.0.7:8000", "vllm", 40, None, rep),
+        InstanceAnalysis("vllm", "10.0.0.8:8000", None, 0, "no engine metrics", None)))
+    doc = json.loads(json.dumps(fleet.to_json(__version__)))
+    assert doc["kvtop_version"] == __version__ and doc["schema"] == "kvtop-fleet-analysis/1"
+    _validate(doc, "fleet-analysis.schema.json")
+    doc["instances"][0]["report"]["causes"]["preemption"]["share"] = 2.0
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(doc, "fleet-analysis.schema.json")
 
 
 def test_the_agent_report_is_versioned_and_valid(storm_trace):

@@ -106,7 +106,6 @@ def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
 def _prometheus(args: argparse.Namespace, target: float | None) -> int:
     # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.report import render_report_text
-    from kvtop.model.trace import _finite
     from kvtop.sources.promapi import PromClient, PromError
     from kvtop.sources.promfleet import analyze_history, parse_selector, parse_time
 
@@ -137,7 +136,7 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
         raise UsageError(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
-        print(json.dumps(_finite(rep.to_dict()), indent=1, allow_nan=False, default=str))
+        print(json.dumps(rep.to_json(__version__), indent=1, allow_nan=False, default=str))
         return 0
     print(f"note: {rep.note}")
     for inst in rep.instances:
