@@ -79,9 +79,8 @@ class RequestsView(Vertical):
         width = (self.size.width or self.app.size.width) - 2
         self.query_one("#req-status", Static).update(
             render.fit_line([(f"{shown} of {total} requests{flt}", 0),
-                             (render.muted("sort: " + label + (" ▼" if self.sort_reverse else " ▲")), 1),
-                             (render.muted(f"* {kept} ended earlier, kept: the worst stalls of the last hour")
-                              if kept else "", 2),
+                             (render.muted(f"* {kept} ended, kept as the hour's worst stalls") if kept else "", 1),
+                             (render.muted("sort: " + label + (" ▼" if self.sort_reverse else " ▲")), 2),
                              (render.muted("enter: detail · s: sort · r: reverse · /: filter"), 3)], width),
             layout=False,
         )
