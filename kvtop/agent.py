@@ -18,11 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
+from kvtop import __version__
 from kvtop.core import Core
 from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
-from kvtop.model.trace import _finite, make_header
+from kvtop.model.sanitize import output_json
+from kvtop.model.trace import make_header
 from kvtop.model.trace_rotate import RotatingTrace
 from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
@@ -30,6 +32,9 @@ from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
 log = logging.getLogger("kvtop.agent")
 
 DEFAULT_PORT = 9470
+# The shape of GET /report (kvtop/schemas/agent-report.schema.json); the number changes when a field
+# changes meaning or goes away, not when one is added.
+REPORT_SCHEMA = "kvtop-agent-report/1"
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 
@@ -84,6 +89,8 @@ class Agent:
         rep = analysis.report(self.core.now) if analysis is not None else None
         v = rep.verdict if rep is not None else None
         return {
+            "kvtop_version": __version__,
+            "schema": REPORT_SCHEMA,
             "engine": self.metrics.request_engine,
             "spikes_by_cause": dict(totals.spikes_by_cause) if totals else {},
             "stall_seconds_by_cause": {k: round(v, 6) for k, v in totals.stall_s_by_cause.items()} if totals else {},
@@ -104,7 +111,7 @@ class Agent:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _report(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(_finite(self.report()), allow_nan=False), content_type="application/json")
+        return web.Response(text=json.dumps(output_json(self.report()), allow_nan=False), content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")

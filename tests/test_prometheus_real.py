@@ -215,6 +215,9 @@ def test_snapshot_and_analyze_over_prometheus_from_the_command_line(storm):
                   "--itl-target-ms", "100", timeout=60)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
+    import jsonschema
+
+    jsonschema.validate(rep, json.loads((REPO / "kvtop" / "schemas" / "fleet-analysis.schema.json").read_text()))
     [inst] = rep["instances"]
     assert inst["report"]["basis"] == "aggregate" and "agent" in rep["note"]
     assert inst["report"]["causes"]["preemption"]["count"] > 0

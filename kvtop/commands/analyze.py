@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop import __version__
 from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
 from kvtop.commands._options import add_prometheus_auth_options, itl_target_s, prometheus_auth, timeout_s
 from kvtop.config import load_config, parse_seconds
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save_scenario:
         _save_scenario(args, rep)
     if args.format == "json":
-        print(json.dumps(rep.to_dict(), indent=1, allow_nan=False))
+        print(json.dumps(rep.to_json(__version__), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
     return 0
@@ -134,7 +135,6 @@ def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
 def _prometheus(args: argparse.Namespace, target: float | None) -> int:
     # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.report import render_report_text
-    from kvtop.model.trace import _finite
     from kvtop.sources.promapi import PromClient, PromError
     from kvtop.sources.promfleet import analyze_history, parse_selector, parse_time
 
@@ -165,7 +165,7 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
         raise RunFailure(f"Prometheus at {client.url} holds no engine metrics between --start and --end"
                          + (f" matching {args.selector}" if args.selector else ""))
     if args.format == "json":
-        print(json.dumps(_finite(rep.to_dict()), indent=1, allow_nan=False, default=str))
+        print(json.dumps(rep.to_json(__version__), indent=1, allow_nan=False, default=str))
         return 0
     print(f"note: {rep.note}")
     for inst in rep.instances:

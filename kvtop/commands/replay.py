@@ -77,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kvtop.views.text import render_text  # see the note at the top of run
 
-    print(render_text(snap), end="")
+    print(render_text(snap, trace=(feed.t, feed.duration)), end="")
     return 0

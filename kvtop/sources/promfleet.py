@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
+from kvtop.model.sanitize import output_json
 from kvtop.plugin import EngineAdapter, detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
 
@@ -327,6 +328,11 @@ class InstanceAnalysis:
                 "error": self.error, "report": self.report.to_dict() if self.report is not None else None}
 
 
+# The shape `kvtop analyze --prometheus --format json` prints; the number changes when a field
+# changes meaning or goes away, not when one is added.
+FLEET_ANALYSIS_SCHEMA = "kvtop-fleet-analysis/1"
+
+
 @dataclass(frozen=True, slots=True)
 class FleetAnalysis:
     prometheus: str
@@ -339,6 +345,11 @@ class FleetAnalysis:
     def to_dict(self) -> dict[str, Any]:
         return {"prometheus": self.prometheus, "start": self.start, "end": self.end, "step_s": self.step_s,
                 "note": self.note, "instances": [i.to_dict() for i in self.instances]}
+
+    def to_json(self, version: str) -> dict[str, Any]:
+        """What `kvtop analyze --prometheus --format json` prints (schemas/fleet-analysis.schema.json)."""
+        out: dict[str, Any] = output_json({"kvtop_version": version, "schema": FLEET_ANALYSIS_SCHEMA, **self.to_dict()})
+        return out
 
 
 def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,
