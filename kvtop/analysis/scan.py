@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.engines import engine_semantics
@@ -10,10 +12,15 @@ from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.trace import TraceReader
 
+if TYPE_CHECKING:
+    from kvtop.picture import Picture
 
-def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
-                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
-                  use_request_preempts: bool = True) -> AnalysisReport:
+# samples per chart series the HTML report keeps: 12 hours of 1 s scrapes (~1.5 MB a series)
+PICTURE_MAX_POINTS = 43_200
+
+
+def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempts: bool,
+          observe: Callable[[dict[str, Any]], None] | None) -> tuple[Analyzer, list[str], dict[str, str], str | None]:
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")
@@ -21,6 +28,7 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     an = Analyzer(itl_target_s=itl_target_s, preempts=preempts, use_request_preempts=use_request_preempts)
     an.counted_at = counted_at
     an.set_header(header)
+    an.observe = observe
     warnings = [warn] if warn else []
     if fast:
         # numpy takes a tenth of a second or more to import: only the fast path loads it
@@ -32,7 +40,7 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
             an.finish()
             if skipped:
                 warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
-            return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
+            return an, warnings, settings, eng
     feed = an.feed_dict
     for d in reader.dicts():
         feed(d)
@@ -40,4 +48,40 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     w = reader.warning()
     if w:
         warnings.append(w)
+    return an, warnings, settings, eng
+
+
+def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
+                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
+                  use_request_preempts: bool = True) -> AnalysisReport:
+    an, warnings, settings, eng = _scan(path, itl_target_s, fast, use_request_preempts, None)
     return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
+
+
+def picture_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
+                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1) -> Picture:
+    """The report of ``analyze_trace`` and, from the same pass, what the HTML report draws beside
+    it (``kvtop.picture.Picture``): the console's history series over the trace and every stream's span."""
+    # the history store and the picture only when a picture is asked for: `analyze` alone stays lean
+    from kvtop.history import History
+    from kvtop.model.records import from_dict
+    from kvtop.picture import Picture, StreamSpan
+
+    hist = History(max_points=PICTURE_MAX_POINTS)
+
+    def observe(d: dict[str, Any]) -> None:
+        try:
+            rec = from_dict(d)
+            if rec is not None:
+                hist.ingest(rec)
+        except (TypeError, ValueError):
+            pass  # a line the analysis read but a chart cannot (a field of the wrong type): no sample
+
+    an, warnings, settings, eng = _scan(path, itl_target_s, True, True, observe)
+    rep = build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings).finite()
+    st = an.state()
+    streams = tuple(StreamSpan(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.prompt_tokens)
+                    for r in st.streams)
+    window = hist.window(float("-inf"))
+    capped = any(len(s) >= PICTURE_MAX_POINTS for e in window.engines.values() for s in e.values())
+    return Picture(Path(path).name, rep, window, streams, st.t0, st.now, dict(st.header), capped)

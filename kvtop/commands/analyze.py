@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +15,7 @@ from kvtop.errors import UsageError
 
 if TYPE_CHECKING:
     from kvtop.model.analysis import AnalysisReport
+    from kvtop.picture import Picture
 
 NAME = "analyze"
 HELP = "attribute token-gap spikes in a trace and give the swap/recompute/admission verdict"
@@ -42,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype for --model-config (bf16, fp8, ...)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for --model-config")
     p.add_argument("--format", choices=("json", "text"), default="text")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained HTML report (verdict, history charts, per-request timelines; "
+                        "no network needed to view it)")
     p.add_argument("--save-scenario", metavar="FILE",
                    help="also write the measured inputs as a `kvtop advise` scenario (a what-if from this trace)")
 
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.advice.kvbytes import ModelConfigError, load_config_file
     from kvtop.analysis.report import render_report_text
-    from kvtop.analysis.scan import analyze_trace
+    from kvtop.analysis.scan import analyze_trace, picture_trace
     from kvtop.model.trace import TraceError
 
     target = itl_target_s(args, {})
@@ -59,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
     if args.prometheus:
+        if args.html:
+            raise UsageError("--html draws a trace file (per-request timelines); with --prometheus there is none")
         return _prometheus(args, target)
     if args.trace is None:
         raise UsageError("give a trace file, or --prometheus URL to analyze what Prometheus holds")
@@ -68,8 +75,14 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_config_file(args.model_config)
         except ModelConfigError as e:
             raise UsageError(str(e)) from None
+    pic = None
     try:
-        rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
+        if args.html:
+            # one pass gives the report and what the page draws beside it
+            pic = picture_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
+            rep = pic.report
+        else:
+            rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
     except TraceError as e:
         raise UsageError(str(e)) from None
     except ModelConfigError as e:
@@ -77,11 +90,23 @@ def run(args: argparse.Namespace) -> int:
     rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
+    if pic is not None:
+        _write_html(args.html, pic)
     if args.format == "json":
         print(json.dumps(rep.to_dict(), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
     return 0
+
+
+def _write_html(path: str, pic: Picture) -> None:
+    from kvtop.views.html import render_html
+
+    try:
+        Path(path).write_text(render_html(pic), encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+    sys.stderr.write(f"kvtop: wrote {path}\n")
 
 
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:
