@@ -152,10 +152,9 @@ def test_timelines_are_bounded_and_keep_the_worst_requests() -> None:
 
 def test_a_trace_without_engine_scrapes_says_so() -> None:
     pic = _picture(3)
-    page = render_html(Picture(pic.source, pic.report, HistoryWindow(), pic.streams, 0.0, 10.0,
-                               {"missing": ["engine scrapes (KV usage, preemptions)"]}))
-    assert "What this trace lacks" in page
-    assert "engine scrapes (KV usage, preemptions)" in page
+    page = render_html(Picture(pic.source, pic.report, HistoryWindow(), pic.streams, 0.0, 10.0))
+    assert "What this analysis could not see" in page
+    assert "no engine scrapes: the KV usage, queue and preemption charts are empty" in page
     assert "no engine scrapes in this trace (no KV usage to draw)" in page
 
 

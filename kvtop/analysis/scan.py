@@ -30,6 +30,11 @@ def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempt
     an.set_header(header)
     an.observe = observe
     warnings = [warn] if warn else []
+    # what the recorder (or an importer) knew the trace could not hold: the report repeats it
+    # rather than let an absent signal read as a quiet one
+    missing = header.get("missing")
+    if isinstance(missing, list):
+        warnings.extend(f"this trace lacks {m}" for m in missing if isinstance(m, str))
     if fast:
         # numpy takes a tenth of a second or more to import: only the fast path loads it
         from kvtop.analysis import fastscan

@@ -467,19 +467,16 @@ def _legend(causes: Iterable[str]) -> str:
 
 
 def _missing(pic: Picture) -> str:
-    gaps = pic.header.get("missing")
-    items = []
-    if isinstance(gaps, list):
-        items = [str(x) for x in gaps]
-    if not pic.history.engines:
-        items.append("no engine scrapes: KV usage, queue and preemption charts are empty and no cause can lean on "
-                     "engine evidence")
+    """The report's warnings (a trace header's "missing" list among them), and what the charts lack."""
+    items = list(pic.report.warnings)
+    if not pic.history.engines and not any("engine scrapes" in w for w in items):
+        items.append("no engine scrapes: the KV usage, queue and preemption charts are empty and no cause "
+                     "could lean on engine evidence")
     if pic.history_capped:
         items.append("the trace is longer than the charts keep: they show its end")
-    items += list(pic.report.warnings)
     if not items:
         return ""
-    return ('<section class="warn-box"><h2>What this trace lacks</h2><ul>'
+    return ('<section class="warn-box" id="warnings"><h2>What this analysis could not see</h2><ul>'
             + "".join(f"<li>{_e(x)}</li>" for x in dict.fromkeys(items)) + "</ul></section>")
 
 
