@@ -27,6 +27,7 @@ class StreamSpan:
     ended_by: str | None
     tokens: int
     prompt_tokens: int | None = None
+    engine: str | None = None  # host:port of the engine that served it, when its records name one
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,8 @@ def picture_trace(path: str, itl_target_s: float | None = None, model_config: di
     an, warnings, settings, eng = _scan(path, itl_target_s, True, True, observe)
     rep = build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings).finite()
     st = an.state()
-    streams = tuple(StreamSpan(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.prompt_tokens)
+    streams = tuple(StreamSpan(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.prompt_tokens,
+                               r.engine)
                     for r in st.streams)
     window = hist.window(float("-inf"))
     capped = any(len(s) >= PICTURE_MAX_POINTS for e in window.engines.values() for s in e.values())

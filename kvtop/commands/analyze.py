@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtop.commands._options import itl_target_s, timeout_s
 from kvtop.config import parse_seconds
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--html", metavar="FILE",
                    help="also write a self-contained HTML report (verdict, history charts, per-request timelines; "
                         "no network needed to view it)")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="also export one OpenTelemetry span per request, a stall event per spike, over OTLP/HTTP "
+                        "(e.g. http://127.0.0.1:4318; needs the otlp extra)")
     p.add_argument("--save-scenario", metavar="FILE",
                    help="also write the measured inputs as a `kvtop advise` scenario (a what-if from this trace)")
 
@@ -63,7 +67,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--kv-bytes-per-token must be positive")
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            args.otlp_endpoint = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.prometheus:
+        if args.otlp_endpoint:
+            raise UsageError("--otlp-endpoint exports a trace file's requests; with --prometheus there are none")
         if args.html:
             raise UsageError("--html draws a trace file (per-request timelines); with --prometheus there is none")
         return _prometheus(args, target)
@@ -77,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     pic = None
     try:
-        if args.html:
-            # one pass gives the report and what the page draws beside it
+        if args.html or args.otlp_endpoint:
+            # one pass gives the report and what the page and the spans draw beside it
             pic = picture_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp)
             rep = pic.report
         else:
@@ -90,12 +104,63 @@ def run(args: argparse.Namespace) -> int:
     rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
-    if pic is not None:
+    if pic is not None and args.html:
         _write_html(args.html, pic)
     if args.format == "json":
         print(json.dumps(rep.to_dict(), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
+    if pic is not None and args.otlp_endpoint:
+        return _export(args.otlp_endpoint, pic)
+    return 0
+
+
+def _clock0(header: dict[str, Any]) -> float | None:
+    """The trace clock's origin in Unix seconds: the header's clock_t0_unix, else its started_at."""
+    c = header.get("clock_t0_unix")
+    if isinstance(c, (int, float)) and not isinstance(c, bool) and c == c:
+        return float(c)
+    started = header.get("started_at")
+    if isinstance(started, str):
+        try:
+            return datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def _export(url: str, pic: Picture) -> int:
+    """The trace's requests as spans (their stalls as events) to an OTLP/HTTP receiver; 1 when it fails."""
+    from kvtop import otlp
+
+    stalls: dict[str, list[otlp.Stall]] = {}
+    for sp in pic.report.spikes:
+        stalls.setdefault(sp.request_id, []).append(otlp.stall_of(sp))
+    spans = []
+    for s in pic.streams:
+        end = s.end_t if s.end_t is not None else s.last_t
+        start = s.arrive_t if s.arrive_t is not None else s.first_t
+        if start is None or end is None:
+            continue
+        mine = stalls.get(s.id, [])
+        spans.append(otlp.RequestSpan(s.id, start, end, s.first_t, s.tokens, s.prompt_tokens, s.ended_by, s.engine,
+                                      tuple(mine[:otlp.MAX_EVENTS]), max(0, len(mine) - otlp.MAX_EVENTS)))
+    clock0 = _clock0(pic.header)
+    if clock0 is None:
+        raise UsageError("the trace header has neither clock_t0_unix nor a readable started_at: "
+                         "its times cannot be placed on the wall clock")
+    h_eng = pic.header.get("engine")
+    eng: dict[str, Any] = h_eng if isinstance(h_eng, dict) else {}
+    try:
+        for part in otlp.batches(spans):
+            otlp.post(url, otlp.encode(part, clock0, eng.get("model"), eng.get("adapter")))
+    except otlp.OtlpError as e:
+        sys.stderr.write(f"kvtop: error: {e}\n")
+        return 1
+    left = pic.report.spikes_total - len(pic.report.spikes)
+    sys.stderr.write(f"kvtop: exported {len(spans)} span(s) with {len(pic.report.spikes)} stall event(s) to {url}"
+                     + (f" (the {left} oldest spikes are not listed in the report, so not exported)" if left else "")
+                     + "\n")
     return 0
 
 
