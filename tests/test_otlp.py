@@ -4,12 +4,18 @@ received by a real OTLP/HTTP endpoint that decodes the body with opentelemetry-p
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import REPO, wait_for_line
 
 pytest.importorskip("opentelemetry.proto", reason="the otlp extra (opentelemetry-proto) is not installed")
 
@@ -222,3 +228,43 @@ def test_a_dead_receiver_is_one_warning(storm, capsys) -> None:
     live.close()
     assert live.sender.failures == 1 and live.sender.sent == 0
     assert capsys.readouterr().err.count("kvtop: warning: OTLP export to http://127.0.0.1:9/v1/traces failed") == 1
+
+
+@pytest.mark.slow
+def test_the_agent_exports_its_probe_streams_as_they_end(receiver) -> None:
+    """`kvtop agent --probe --otlp-endpoint`: each probe stream arrives as a span while the agent runs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}
+
+    def spawn(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    started = time.time()
+    sim = spawn("sim-server", "--preset", "healthy", "--port", "0", "--duration", "90")
+    agent = None
+    try:
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        agent = spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--probe", "4", "--no-gpu",
+                      "--interval", "0.5", "--otlp-endpoint", receiver.url)
+        line = wait_for_line(agent.stderr, r"OTLP spans to (\S+)\)?")
+        assert line.group(1).startswith(receiver.url + "/v1/traces")
+        deadline = time.monotonic() + 60
+        while len(receiver.spans()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        during = len(receiver.spans())
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert during >= 5  # spans arrived while the agent ran, not only at its stop
+    spans = receiver.spans()
+    ids = [_attrs(s.attributes)["kvtop.request.id"] for s in spans]
+    assert len(ids) == len(set(ids)) and all(str(i).startswith("probe-") for i in ids)
+    for s in spans:
+        a = _attrs(s.attributes)
+        assert a["gen_ai.usage.output_tokens"] > 0 and a["kvtop.request.ended_by"] == "finish"
+        assert started - 1 <= s.start_time_unix_nano / 1e9 <= s.end_time_unix_nano / 1e9 <= time.time() + 1
