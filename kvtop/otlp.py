@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,6 +28,7 @@ from kvtop import __version__
 
 if TYPE_CHECKING:
     from kvtop.analysis.analyzer import Analyzer
+    from kvtop.picture import Picture
 
 INSTALL_HINT = "pip install 'kvtop-console[otlp]'"
 CONTENT_TYPE = "application/x-protobuf"
@@ -185,6 +187,52 @@ def stall_of(sp: Any) -> Stall:
         return Stall(sp.t_start, sp.t_end, round(sp.candidate.gap, 6), str(sp.cause), sp.finding.kind,
                      round(sp.finding.confidence, 3), sp.ended_by)
     return Stall(sp.t_start, sp.t_end, sp.gap_s, sp.cause, sp.rule, sp.confidence, sp.ended_by)
+
+
+def clock0(header: dict[str, Any]) -> float | None:
+    """A trace clock's origin in Unix seconds: the header's clock_t0_unix, else its started_at."""
+    c = header.get("clock_t0_unix")
+    if isinstance(c, (int, float)) and not isinstance(c, bool) and c == c:
+        return float(c)
+    started = header.get("started_at")
+    if isinstance(started, str):
+        try:
+            return datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
+
+
+def picture_spans(pic: Picture) -> list[RequestSpan]:
+    """Every stream of an analysed trace as a span, its listed spikes as its stalls."""
+    stalls: dict[str, list[Stall]] = {}
+    for sp in pic.report.spikes:
+        stalls.setdefault(sp.request_id, []).append(stall_of(sp))
+    spans = []
+    for s in pic.streams:
+        end = s.end_t if s.end_t is not None else s.last_t
+        start = s.arrive_t if s.arrive_t is not None else s.first_t
+        if start is None or end is None:
+            continue  # arrived and never streamed nor ended: nothing to time
+        mine = stalls.get(s.id, [])
+        spans.append(RequestSpan(s.id, start, end, s.first_t, s.tokens, s.prompt_tokens, s.ended_by, s.engine,
+                                 tuple(mine[:MAX_EVENTS]), max(0, len(mine) - MAX_EVENTS)))
+    return spans
+
+
+def export_picture(url: str, pic: Picture) -> tuple[int, int]:
+    """``kvtop analyze --otlp-endpoint``: (spans, stall events) sent. ValueError when the trace's
+    times cannot be placed on the wall clock; OtlpError when the receiver fails."""
+    c0 = clock0(pic.header)
+    if c0 is None:
+        raise ValueError("the trace header has neither clock_t0_unix nor a readable started_at: "
+                         "its times cannot be placed on the wall clock")
+    spans = picture_spans(pic)
+    h_eng = pic.header.get("engine")
+    eng: dict[str, Any] = h_eng if isinstance(h_eng, dict) else {}
+    for part in batches(spans):
+        post(url, encode(part, c0, eng.get("model"), eng.get("adapter")))
+    return len(spans), sum(len(s.stalls) for s in spans)
 
 
 class LiveSpans:

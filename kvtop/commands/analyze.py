@@ -6,9 +6,8 @@ import argparse
 import json
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtop.commands._options import itl_target_s, timeout_s
 from kvtop.config import parse_seconds
@@ -115,50 +114,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _clock0(header: dict[str, Any]) -> float | None:
-    """The trace clock's origin in Unix seconds: the header's clock_t0_unix, else its started_at."""
-    c = header.get("clock_t0_unix")
-    if isinstance(c, (int, float)) and not isinstance(c, bool) and c == c:
-        return float(c)
-    started = header.get("started_at")
-    if isinstance(started, str):
-        try:
-            return datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return None
-    return None
-
-
 def _export(url: str, pic: Picture) -> int:
     """The trace's requests as spans (their stalls as events) to an OTLP/HTTP receiver; 1 when it fails."""
     from kvtop import otlp
 
-    stalls: dict[str, list[otlp.Stall]] = {}
-    for sp in pic.report.spikes:
-        stalls.setdefault(sp.request_id, []).append(otlp.stall_of(sp))
-    spans = []
-    for s in pic.streams:
-        end = s.end_t if s.end_t is not None else s.last_t
-        start = s.arrive_t if s.arrive_t is not None else s.first_t
-        if start is None or end is None:
-            continue
-        mine = stalls.get(s.id, [])
-        spans.append(otlp.RequestSpan(s.id, start, end, s.first_t, s.tokens, s.prompt_tokens, s.ended_by, s.engine,
-                                      tuple(mine[:otlp.MAX_EVENTS]), max(0, len(mine) - otlp.MAX_EVENTS)))
-    clock0 = _clock0(pic.header)
-    if clock0 is None:
-        raise UsageError("the trace header has neither clock_t0_unix nor a readable started_at: "
-                         "its times cannot be placed on the wall clock")
-    h_eng = pic.header.get("engine")
-    eng: dict[str, Any] = h_eng if isinstance(h_eng, dict) else {}
     try:
-        for part in otlp.batches(spans):
-            otlp.post(url, otlp.encode(part, clock0, eng.get("model"), eng.get("adapter")))
+        n_spans, n_events = otlp.export_picture(url, pic)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     except otlp.OtlpError as e:
         sys.stderr.write(f"kvtop: error: {e}\n")
         return 1
     left = pic.report.spikes_total - len(pic.report.spikes)
-    sys.stderr.write(f"kvtop: exported {len(spans)} span(s) with {len(pic.report.spikes)} stall event(s) to {url}"
+    sys.stderr.write(f"kvtop: exported {n_spans} span(s) with {n_events} stall event(s) to {url}"
                      + (f" (the {left} oldest spikes are not listed in the report, so not exported)" if left else "")
                      + "\n")
     return 0
