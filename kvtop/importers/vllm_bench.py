@@ -45,7 +45,9 @@ def _num(v: Any) -> bool:
 
 def read(path: str | Path) -> dict[str, Any]:
     """The result, checked: every per-request list there and of one length, every number finite."""
-    doc = jsonio.read_json(path, "vllm bench result", BenchFileError, max_bytes=MAX_BYTES)
+    # NaN/Infinity are kept (a summary figure of a run with a failed request can be one); every number
+    # used below is checked finite on its own
+    doc = jsonio.read_json(path, "vllm bench result", BenchFileError, allow_nan=True, max_bytes=MAX_BYTES)
     if not isinstance(doc, dict):
         raise BenchFileError(f"{path} is not a vllm bench serve result (expected one JSON object)")
     need = ("ttfts", "itls", "start_times")
@@ -98,7 +100,7 @@ def _started_at(doc: dict[str, Any]) -> str | None:
 def header(doc: dict[str, Any], source: str) -> dict[str, Any]:
     model = doc.get("model_id")
     settings = {k: doc[k] for k in ("backend", "request_rate", "burstiness", "max_concurrency", "num_prompts")
-                if isinstance(doc.get(k), (int, float, str)) and not isinstance(doc.get(k), bool)}
+                if isinstance(doc.get(k), str) or _num(doc.get(k))}
     started = _started_at(doc)
     clock = MISSING_CLOCK if started is not None else ("wall-clock start: the result has no date; started_at "
                                                        "is when it was imported")
