@@ -96,12 +96,15 @@ def _style(cause: str | None) -> CauseStyle:
     return CAUSE_STYLE.get(cause or "", _OTHER)
 
 
-def glyph(cause: str | None, x: float, y: float, r: float = 5.0, title: str | None = None) -> str:
-    """The cause's marker centred on (x, y): its colour and its shape."""
+def glyph(cause: str | None, x: float, y: float, r: float = 5.0, title: str | None = None,
+          hollow: bool = False) -> str:
+    """The cause's marker centred on (x, y): its colour and its shape (``hollow``: white inside a
+    cause-coloured outline, to stand out on a block of the same colour)."""
     st = _style(cause)
     c = st.colour
     tip = f"<title>{_e(title)}</title>" if title else ""
-    attrs = f'fill="{c}" stroke="#fff" stroke-width="0.8" data-cause="{_e(cause or "other")}"'
+    paint = f'fill="#fff" stroke="{c}" stroke-width="1.4"' if hollow else f'fill="{c}" stroke="#fff" stroke-width="0.8"'
+    attrs = f'{paint} data-cause="{_e(cause or "other")}"'
     if st.shape == "triangle":
         pts = f"{x:.1f},{y - r:.1f} {x + r:.1f},{y + r * 0.8:.1f} {x - r:.1f},{y + r * 0.8:.1f}"
         return f'<polygon points="{pts}" {attrs}>{tip}</polygon>'
@@ -365,7 +368,7 @@ def _timelines(pic: Picture, ax: Axis) -> str:
             x0, x1 = ax.x(sp.t_start), ax.x(sp.t_end)
             parts.append(f'<rect x="{x0:.1f}" y="{yc - 6:.1f}" width="{max(2.5, x1 - x0):.1f}" height="12" '
                          f'fill="{st.colour}" rx="1.5"/>')
-            parts.append(glyph(sp.cause, (x0 + max(x1, x0 + 2.5)) / 2, yc, 4.0, _spike_title(sp)))
+            parts.append(glyph(sp.cause, (x0 + max(x1, x0 + 2.5)) / 2, yc, 4.0, _spike_title(sp), hollow=True))
         parts.append("</g>")
     parts.append("</svg>")
     note = (f"{len(chosen)} of {total} requests shown: the longest gaps first, in arrival order. "
