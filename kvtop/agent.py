@@ -173,6 +173,10 @@ class Agent:
             if self.trace is not None:
                 await asyncio.to_thread(self.trace.close)
             if self.otlp is not None:
+                analysis = self.core.analysis
+                if isinstance(analysis, LiveAnalyzer):
+                    eng = next(iter(self.core.snapshot(self.runner.now()).engines), None)
+                    self.otlp.final(analysis.an, eng.model if eng else None, eng.adapter if eng else None)
                 await asyncio.to_thread(self.otlp.close)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:

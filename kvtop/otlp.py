@@ -336,5 +336,11 @@ class LiveExport:
             self.sender.submit(encode(part, self.clock0_unix, model, adapter))
         self.exported += len(ready)
 
+    def final(self, an: Analyzer, model: str | None, adapter: str | None) -> None:
+        """At the end of a run: judge what is pending (as ``kvtop analyze`` does at a trace's end)
+        and send every request that ended; one still streaming has no end to report."""
+        an.finish()
+        self.tick(an, float("inf"), model, adapter)
+
     def close(self) -> None:
         self.sender.close()

@@ -264,7 +264,34 @@ def test_the_agent_exports_its_probe_streams_as_they_end(receiver) -> None:
     spans = receiver.spans()
     ids = [_attrs(s.attributes)["kvtop.request.id"] for s in spans]
     assert len(ids) == len(set(ids)) and all(str(i).startswith("probe-") for i in ids)
+    ended = {str(_attrs(s.attributes)["kvtop.request.ended_by"]) for s in spans}
+    assert "finish" in ended and ended <= {"finish", "cancel"}  # probes cut off at the stop: cancelled
     for s in spans:
         a = _attrs(s.attributes)
-        assert a["gen_ai.usage.output_tokens"] > 0 and a["kvtop.request.ended_by"] == "finish"
+        assert a["gen_ai.usage.output_tokens"] > 0 or a["kvtop.request.ended_by"] == "cancel"
         assert started - 1 <= s.start_time_unix_nano / 1e9 <= s.end_time_unix_nano / 1e9 <= time.time() + 1
+
+
+@pytest.mark.slow
+def test_record_exports_spans_beside_its_trace(receiver, tmp_path) -> None:
+    """`kvtop record --probe --otlp-endpoint`: the spans are the trace's finished requests."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}
+    sim = subprocess.Popen([sys.executable, "-m", "kvtop", "sim-server", "--preset", "healthy", "--port", "0",
+                            "--duration", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    trace = tmp_path / "t.jsonl"
+    try:
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        r = subprocess.run([sys.executable, "-m", "kvtop", "record", "-o", str(trace), "--url", sim_url, "--probe", "4",
+                            "--no-gpu", "--interval", "0.5", "--duration", "6", "--otlp-endpoint", receiver.url],
+                           capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        sim.kill()
+        sim.wait()
+    assert r.returncode == 0, r.stderr
+    assert f"OTLP spans to {receiver.url}/v1/traces" in r.stderr
+    # every request of the trace that ended (the probes still streaming at the stop end as cancelled)
+    ended = {d["id"] for d in TraceReader(str(trace)).dicts() if d.get("event") in ("finish", "cancel", "error")}
+    ids = [_attrs(s.attributes)["kvtop.request.id"] for s in receiver.spans()]
+    assert len(ended) >= 5
+    assert len(ids) == len(set(ids)) and set(ids) == ended
