@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtop import __version__
+from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
 from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
@@ -26,6 +27,7 @@ from kvtop.feeds.sources import ProxyRecorder
 from kvtop.model.sanitize import output_json
 from kvtop.model.trace import make_header
 from kvtop.model.trace_rotate import RotatingTrace
+from kvtop.otlp import LiveExport
 from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
 
@@ -48,6 +50,7 @@ class AgentOptions:
     trace_max_age_s: float = 600.0
     trace_keep_bytes: int = 1 << 30
     trace_keep_age_s: float = 86400.0
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces URL: one span per ended request (kvtop.otlp)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -69,6 +72,9 @@ class Agent:
         self.url: str | None = None
         self._site: web.TCPSite | None = None
         self._app_runner: web.AppRunner | None = None
+        self.otlp: LiveExport | None = None
+        if opts.otlp_endpoint:
+            self.otlp = LiveExport(opts.otlp_endpoint, time.time() - runner.now())
 
     # -- one tick: refresh the exported state ---------------------------------------------------
     def tick(self) -> None:
@@ -81,6 +87,9 @@ class Agent:
         analysis = self.core.analysis
         self.metrics.update(snap, analysis.counters() if analysis is not None else None,
                             stale_after_s=max(10.0, 5 * self.opts.interval_s), analysis_lag_s=analysis.lag(now) if analysis is not None else 0.0)
+        if self.otlp is not None and isinstance(analysis, LiveAnalyzer):
+            eng = snap.engines[0] if snap.engines else None
+            self.otlp.tick(analysis.an, now, eng.model if eng else None, eng.adapter if eng else None)
 
     def report(self) -> dict[str, Any]:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""
@@ -161,6 +170,8 @@ class Agent:
                 what.append(f"capture port {src.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
+            if self.otlp is not None:
+                what.append(f"OTLP spans to {self.otlp.sender.url}")
             log.info(f"{', '.join(what)} (Ctrl-C to stop)", extra={"fields": {"event": "started", "url": self.url}})
             await self.runner.run(duration_s=duration_s, stop=stop)  # the proxy stops with the run
         finally:
@@ -170,6 +181,12 @@ class Agent:
                 await self._app_runner.cleanup()
             if self.trace is not None:
                 await asyncio.to_thread(self.trace.close)
+            if self.otlp is not None:
+                analysis = self.core.analysis
+                if isinstance(analysis, LiveAnalyzer):
+                    eng = next(iter(self.core.snapshot(self.runner.now()).engines), None)
+                    self.otlp.final(analysis.an, eng.model if eng else None, eng.adapter if eng else None)
+                await asyncio.to_thread(self.otlp.close)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

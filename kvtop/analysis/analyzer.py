@@ -15,7 +15,7 @@ the evidence for one spike is gathered by ``attribution.gather`` and judged by `
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,6 +92,9 @@ class Analyzer:
         self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
         self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
+        # hears every engine, GPU and host line as it goes in (the HTML report's history charts),
+        # so a picture of a trace costs no second pass over it
+        self.observe: Callable[[dict[str, Any]], None] | None = None
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -151,13 +154,19 @@ class Analyzer:
                 if ev == "finish" and ("engine_ttft_s" in d or "engine_queue_s" in d or "engine_decode_s" in d):
                     self.engine_times(d)
         elif kind == "engine":
+            if self.observe is not None:
+                self.observe(d)
             self.engine(d)
         elif kind == "step":
             self.step(d)
         elif kind == "host":
+            if self.observe is not None:
+                self.observe(d)
             self.acc.host = d
             self._advance(t)
         elif kind == "gpu":
+            if self.observe is not None:
+                self.observe(d)
             tx = (d.get("pcie_tx_bytes_per_s") or 0) + (d.get("pcie_rx_bytes_per_s") or 0)
             self.acc.gpu_pcie_max = max(self.acc.gpu_pcie_max, tx)
             self._advance(t)

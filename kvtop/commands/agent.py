@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="delete the oldest segments beyond this total (default 1G)")
     p.add_argument("--trace-keep-age", dest="trace_keep_age", default="24h", metavar="SECONDS",
                    help="delete segments older than this (default 24h)")
+    p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per finished request, a stall event per spike, over OTLP/HTTP "
+                        "(e.g. http://127.0.0.1:4318; needs the otlp extra)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: run until stopped)")
     p.add_argument("--wait-for-engine", dest="wait_for_engine", default="0", metavar="SECONDS",
                    help="at start, retry an engine that does not answer for this long before giving up with "
@@ -114,6 +117,15 @@ def run(args: argparse.Namespace) -> int:
         proxy_listen = parse_listen(args.proxy_listen) if args.proxy_listen else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    otlp_url = None
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            otlp_url = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.trace_dir:
         d = Path(args.trace_dir)
         if d.exists() and not d.is_dir():
@@ -126,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     opts = AgentOptions(
         sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,
         probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
-        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
+        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age, otlp_endpoint=otlp_url,
     )
     return asyncio.run(_main(opts, duration, wait))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from kvtop.errors import RunFailure, UsageError
 
 if TYPE_CHECKING:
     from kvtop.model.analysis import AnalysisReport
+    from kvtop.picture import Picture
 
 NAME = "analyze"
 HELP = "attribute token-gap spikes in a trace and give the swap/recompute/admission verdict"
@@ -49,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype for --model-config (bf16, fp8, ...)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks for --model-config")
     p.add_argument("--format", choices=("json", "text"), default="text")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write a self-contained HTML report (verdict, history charts, per-request timelines; "
+                        "no network needed to view it)")
+    p.add_argument("--otlp-endpoint", metavar="URL",
+                   help="also export one OpenTelemetry span per request, a stall event per spike, over OTLP/HTTP "
+                        "(e.g. http://127.0.0.1:4318; needs the otlp extra)")
     p.add_argument("--save-scenario", metavar="FILE",
                    help="also write the measured inputs as a `kvtop advise` scenario (a what-if from this trace)")
 
@@ -57,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     # loaded only when the command runs: the parser imports every command module
     from kvtop.analysis.advice.kvbytes import ModelConfigError, load_config_file
     from kvtop.analysis.report import render_report_text
-    from kvtop.analysis.scan import analyze_trace
+    from kvtop.analysis.scan import analyze_trace, picture_trace
     from kvtop.model.trace import TraceError
 
     target = itl_target_s(args, {})
@@ -65,7 +73,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--kv-bytes-per-token must be positive")
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            args.otlp_endpoint = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.prometheus:
+        if args.otlp_endpoint:
+            raise UsageError("--otlp-endpoint exports a trace file's requests; with --prometheus there are none")
+        if args.html:
+            raise UsageError("--html draws a trace file (per-request timelines); with --prometheus there is none")
         return _prometheus(args, target)
     if args.trace is None:
         raise UsageError("give a trace file, or --prometheus URL to analyze what Prometheus holds")
@@ -77,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     size = _size(args.trace)
     progress = Progress(f"kvtop analyze: {args.trace}")
+    pic = None
 
     with Interrupt() as stop:
         def tick(done: int | None) -> bool:
@@ -85,7 +106,14 @@ def run(args: argparse.Namespace) -> int:
             return stop.requested
 
         try:
-            rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp, tick=tick)
+            if args.html or args.otlp_endpoint:
+                # one pass gives the report and what the page and the spans draw beside it
+                pic = picture_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp,
+                                    tick=tick)
+                rep = pic.report
+            else:
+                rep = analyze_trace(args.trace, target, cfg, args.kv_bytes_per_token, args.kv_dtype, args.tp,
+                                    tick=tick)
         except TraceError as e:
             raise UsageError(str(e)) from None
         except ModelConfigError as e:
@@ -97,10 +125,14 @@ def run(args: argparse.Namespace) -> int:
     rep = rep.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
     if args.save_scenario:
         _save_scenario(args, rep)
+    if pic is not None and args.html:
+        _write_html(args.html, pic)
     if args.format == "json":
         print(json.dumps(rep.to_json(__version__), indent=1, allow_nan=False))
     else:
         print(render_report_text(rep))
+    if pic is not None and args.otlp_endpoint:
+        return _export(args.otlp_endpoint, pic)
     return 0
 
 
@@ -112,6 +144,34 @@ def _size(path: str) -> int | None:
         return os.path.getsize(path)
     except OSError:
         return None
+
+
+def _export(url: str, pic: Picture) -> int:
+    """The trace's requests as spans (their stalls as events) to an OTLP/HTTP receiver; 1 when it fails."""
+    from kvtop import otlp
+
+    try:
+        n_spans, n_events = otlp.export_picture(url, pic)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    except otlp.OtlpError as e:
+        sys.stderr.write(f"kvtop: error: {e}\n")
+        return 1
+    left = pic.report.spikes_total - len(pic.report.spikes)
+    sys.stderr.write(f"kvtop: exported {n_spans} span(s) with {n_events} stall event(s) to {url}"
+                     + (f" (the {left} oldest spikes are not listed in the report, so not exported)" if left else "")
+                     + "\n")
+    return 0
+
+
+def _write_html(path: str, pic: Picture) -> None:
+    from kvtop.views.html import render_html
+
+    try:
+        Path(path).write_text(render_html(pic), encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+    sys.stderr.write(f"kvtop: wrote {path}\n")
 
 
 def _save_scenario(args: argparse.Namespace, rep: AnalysisReport) -> None:

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtop.commands._longrun import EngineWatch, Progress
 from kvtop.commands._options import (
@@ -29,7 +29,10 @@ from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
+    from kvtop.analysis.analyzer import Analyzer
+    from kvtop.feeds.live import LiveRunner
     from kvtop.model.trace import TraceWriter
+    from kvtop.otlp import LiveExport
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
@@ -57,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
+    p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
+                   help="also analyse live and export one OpenTelemetry span per finished request, a stall event per "
+                        "spike, over OTLP/HTTP (e.g. http://127.0.0.1:4318; needs the otlp extra)")
     add_host_options(p)
 
 
@@ -83,6 +89,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     engine_bases(list(opts.urls))
     require_capture(opts)
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            args.otlp_endpoint = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.proxy_listen:
         from kvtop.sources.proxy import parse_listen  # aiohttp's server: only when there is a proxy
 
@@ -104,8 +118,9 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
-    runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
+    # the recorder keeps no analysis (the trace is for `kvtop analyze` / `kvtop replay`) unless its
+    # spans are exported as it goes
+    runner = live_feed(opts, label="record", analysis=bool(args.otlp_endpoint), probe_max_tokens=args.probe_max_tokens)
     # One scrape of every engine before the header is written, so the header names the adapter and
     # model, and a dead URL fails now (exit 1, no trace) instead of recording nothing for --duration.
     first = await first_scrape(runner)
@@ -147,6 +162,12 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         proxy = runner.source("proxy")
         progress = Progress(f"kvtop record: {args.output}")
         tasks = [asyncio.create_task(_flush_loop(writer, stop, progress, runner.now, duration))]
+        spans = None
+        if args.otlp_endpoint:
+            from kvtop.otlp import LiveExport
+
+            spans = LiveExport(args.otlp_endpoint, time.time() - runner.now())
+            tasks.append(asyncio.create_task(_otlp_loop(runner, spans, engine, opts.interval_s, stop)))
         what = f"{len(opts.urls)} engine(s)"
         if isinstance(proxy, ProxyRecorder):
             what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
@@ -154,6 +175,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             what += f", probe {opts.probe_rate:g}/s"
         if opts.capture_port is not None:
             what += f", capture :{opts.capture_port}"
+        if spans is not None:
+            what += f", OTLP spans to {spans.sender.url}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
             # the proxy stops with the run: in-flight streams are cut off and recorded as cancelled
@@ -162,6 +185,9 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             progress.close()
+            if spans is not None:
+                _otlp_final(runner, spans, engine)
+                await asyncio.to_thread(spans.close)
     finally:
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
@@ -184,3 +210,30 @@ async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progre
         writer.flush_if_due()
         t = now() - start
         progress.update(t, duration, f"{writer.count} records, {t:.0f} s" + (f" of {duration:g} s" if duration else ""))
+
+
+def _live_analyzer(runner: LiveRunner) -> Analyzer | None:
+    from kvtop.analysis.live import LiveAnalyzer
+
+    analysis = runner.core.analysis
+    return analysis.an if isinstance(analysis, LiveAnalyzer) else None
+
+
+async def _otlp_loop(runner: LiveRunner, spans: LiveExport, engine: dict[str, Any], interval_s: float,
+                     stop: asyncio.Event) -> None:
+    """Each interval, the requests that ended and settled go out as spans (``kvtop.otlp``)."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except asyncio.TimeoutError:
+            pass
+        an = _live_analyzer(runner)
+        if an is not None:
+            an.tick(runner.now())
+            spans.tick(an, runner.now(), engine.get("model"), engine.get("adapter"))
+
+
+def _otlp_final(runner: LiveRunner, spans: LiveExport, engine: dict[str, Any]) -> None:
+    an = _live_analyzer(runner)
+    if an is not None:
+        spans.final(an, engine.get("model"), engine.get("adapter"))
