@@ -94,3 +94,14 @@ def test_an_intervals_prompt_tokens_explain_a_finite_amount_of_stall():
     assert not tl.prefill_room(1.99, (1.75, 1.99), budget, 0.3)
     # the next interval's tokens are its own
     assert tl.prefill_room(2.5, (2.2, 2.5), budget, 0.3)
+
+
+def test_a_crowded_target_is_said_and_the_witness_lifts_it(tmp_path):
+    """At 100 ms with 1 s scrapes the chunk steps put six stalls in each scrape interval that holds any:
+    the report says the scrapes cannot separate their causes; at a looser target it does not."""
+    _write(tmp_path / "t.jsonl", engine_times=True)
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1)
+    crowded = [w for w in rep.warnings if "stalls fall in each 1 s scrape interval" in w]
+    assert len(crowded) == 1 and "docs/witness.md" in crowded[0]
+    loose = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.3)
+    assert not any("stalls fall in each" in w for w in loose.warnings)

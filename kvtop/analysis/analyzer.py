@@ -500,7 +500,9 @@ class Analyzer:
             tally=self.acc, scrapes=tuple(self.scrapes),
             request_preemptions=self.request_preemptions.report(
                 {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
-            engine_request_times=self.request_times.report())
+            engine_request_times=self.request_times.report(),
+            scrape_interval=self.timeline.scrape_interval if self.timeline.last_scrape is not None else None,
+            witnessed_spikes=self.witnessed_spikes)
 
     def median_gap(self) -> float | None:
         return self.gaps.median_gap()

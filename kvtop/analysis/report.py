@@ -174,6 +174,10 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
                    for g in st.spikes)
     requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
                                 r.ended_by) for r in st.streams if r.first_t is not None)
+    warnings = list(warnings or ())
+    crowded = _crowded_target(st, total) if basis == "requests" else None
+    if crowded:
+        warnings.append(crowded)
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
@@ -189,8 +193,32 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         request_preemptions=st.request_preemptions,
         engine_request_times=st.engine_request_times,
         verdict=verdict,
-        warnings=tuple(warnings or ()),
+        warnings=tuple(warnings),
     )
+
+
+# a target this far below the scrape interval puts several stalls in each interval
+CROWDED_TARGET_REL = 0.25
+
+
+def _crowded_target(st: AnalysisState, spikes: int) -> str | None:
+    """At a tight target many stalls share each scrape interval, and an interval's counters cannot say
+    which stall a prompt or a preemption caused: say so where it happens (without a witness)."""
+    si, tgt = st.scrape_interval, st.itl_target_s
+    if not spikes or si is None or tgt is None or st.t0 is None or st.now <= st.t0 or st.witnessed_spikes:
+        return None
+    if tgt >= CROWDED_TARGET_REL * si or not st.spikes:
+        return None
+    # the intervals that hold stalls (a quiet hour does not thin out a crowded minute)
+    t0 = st.t0
+    intervals = len({int((g.t_end - t0) // si) for g in st.spikes})
+    per_interval = len(st.spikes) / max(1, intervals)
+    if per_interval < 2:
+        return None
+    return (f"at a {tgt * 1e3:.0f} ms target {per_interval:.0f} stalls fall in each {si:.3g} s scrape interval that "
+            "holds any, on average: the scrapes cannot tell which of them a prompt or a preemption caused, so those causes rest on "
+            "first tokens, the engine's own per-request times and the streams' pace (less certain than at a looser "
+            "target); kvtop's witness inside vLLM reads every stall exactly (docs/witness.md)")
 
 
 def _round(v: float | None, nd: int) -> float | None:

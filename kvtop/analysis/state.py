@@ -44,3 +44,5 @@ class AnalysisState:
     scrapes: tuple[Scrape, ...]  # engine scrapes with an ITL histogram (kept only without token timings)
     request_preemptions: PreemptionCheck | None  # the engine's per-request preemptions vs kvtop's spikes
     engine_request_times: EngineRequestTimes | None  # the engine's own per-request times vs observation
+    scrape_interval: float | None = None  # the engine scrapes' usual interval (None: no scrapes)
+    witnessed_spikes: int = 0  # spikes whose cause was read from the engine's own step log

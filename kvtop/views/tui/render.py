@@ -432,4 +432,6 @@ def advisor(s: Snapshot, width: int) -> str:
         conf_txt = muted(f"  mean confidence {mc:.0%}") if isinstance(mc, (int, float)) else ""
         lines.append(f"  {escape(cause):<22} [{col}]{'█' * n}[/]{muted('░' * (bw - n))} {share:>4.0%}  "
                      f"({c.count}){conf_txt}")
+    for w in a.warnings:  # what the analysis could not tell (a crowded target, a truncated trace)
+        lines.append(sev(escape(f"  ! {w}"), "warn"))
     return "\n".join(lines)
