@@ -352,21 +352,25 @@ class Analyzer:
         self._prune(now)
 
     def _hold_line(self, now: float) -> float | None:
-        """Spikes that end after this wait (up to ``PREFILL_HOLD_S``) for the engine's report of a
-        prefill they may lie in: once the run has engine-timed prefills, the earliest arrival of a
-        stream whose prefill may still be reported (no first token yet, or one within the hold and
+        """Spikes that end after this wait (up to ``PREFILL_HOLD_S``) for evidence still to come: the
+        engine's step log, where a witness runs, until it reaches them (its steps reach a trace a
+        poll or two late); and once the run has engine-timed prefills, the report of a prefill they may
+        lie in (the earliest arrival of a stream with no first token yet, or one within the hold and
         not finished). None: nothing to wait for."""
-        if not self.prefill_spans:
+        if not self.prefill_spans and not self.witness:
             return None
         asked, line = self._hold_cache
         if 0.0 <= now - asked < HOLD_REFRESH_S:
             return line
         line = None
-        for r in self.gaps.reqs.values():
-            if r.end_t is not None or r.arrive_t is None:
-                continue
-            if r.first_t is None or now - r.first_t <= PREFILL_HOLD_S:
-                line = r.arrive_t if line is None else min(line, r.arrive_t)
+        if self.witness:
+            line = min(idx.latest for idx in self.witness.values())
+        if self.prefill_spans:
+            for r in self.gaps.reqs.values():
+                if r.end_t is not None or r.arrive_t is None:
+                    continue
+                if r.first_t is None or now - r.first_t <= PREFILL_HOLD_S:
+                    line = r.arrive_t if line is None else min(line, r.arrive_t)
         self._hold_cache = (now, line)
         return line
 

@@ -60,10 +60,13 @@ def hung(ev: Evidence) -> Finding | None:
 
 
 def continued(ev: Evidence) -> Finding | None:
-    """A spike starting where the stream's delivery stall ended is the same disruption."""
+    """A spike starting where the stream's delivery stall ended is the same disruption, unless it
+    outlasts that stall: what held the stream back then was released by the burst that ended it, and a
+    longer silence after it is a stall of its own (a preemption victim's tokens flushed just before
+    it was preempted)."""
     g = ev.gap
     p = ev.prev_spike
-    if p is None or p.kind != "delivery" or g.t_start - p.t_end > BURST_S:
+    if p is None or p.kind != "delivery" or g.t_start - p.t_end > BURST_S or g.gap > p.candidate.gap:
         return None
     return ev.found(Cause.UNKNOWN, "unknown/delivery-continued",
                     ["it began where the stream's delivery stall ended: the same disruption"], "delivery", weighed=False)

@@ -112,7 +112,7 @@ RULES: tuple[Rule, ...] = (
          "hang): the host or the engine's API server hung. Asked before any engine cause"),
     Rule("delivery-continued", Cause.UNKNOWN, ("delivery",), ANY, host.continued, ("unknown/delivery-continued",),
          f"the spike starts within {BURST_S * 1e3:g} ms of where the stream's previous spike, a `delivery` stall, "
-         "ended: the same disruption"),
+         "ended, and is no longer than it: the same disruption (a longer silence after the burst is a stall of its own)"),
     Rule("delivery", Cause.UNKNOWN, ("delivery",), ANY, host.delivery, ("unknown/delivery",),
          f"the stall ended with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within "
          f"{BURST_S * 1e3:g} ms of its end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or "
