@@ -90,14 +90,18 @@ def test_host():
 
 def test_delivery_continued():
     # a spike starting 1 ms after the end of the stream's delivery stall is the same disruption
-    prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")
+    prev = judged(gap(t_start=1.0, length=2.999), Cause.UNKNOWN, "delivery")
     f = ask("delivery-continued", evidence(prev_spike=prev))
     assert f is not None and f.key == "unknown/delivery-continued" and f.kind == "delivery" and f.confidence == 0.5
     assert f.lines == ["it began where the stream's delivery stall ended: the same disruption"]
-    prev = judged(gap(t_start=3.0, length=0.99), Cause.UNKNOWN, "delivery")  # 10 ms before: no
+    prev = judged(gap(t_start=1.0, length=2.99), Cause.UNKNOWN, "delivery")  # 10 ms before: no
     assert ask("delivery-continued", evidence(prev_spike=prev)) is None
     # the previous spike 1 ms before was a host hang, not a delivery stall
-    prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "host")
+    prev = judged(gap(t_start=1.0, length=2.999), Cause.UNKNOWN, "host")
+    assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    # a 2 s silence right after a 1 s delivery stall outlasts it: a stall of its own (a preemption
+    # victim whose held-back tokens were flushed just before it was preempted), not the same one
+    prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")
     assert ask("delivery-continued", evidence(prev_spike=prev)) is None
     assert ask("delivery-continued", evidence(gap(burst_n=40))) is None  # no previous spike
 
@@ -310,7 +314,7 @@ CASES: dict[str, Callable[[], Evidence]] = {
     "reported over counter": lambda: evidence(tl=engine(pre_steps={6.5: 1}), engine_reported_preempt=True),
     "host over delivery": lambda: evidence(gap(burst_n=40), engine(no_scrapes=(3.6, 6.4))),
     "continued delivery over delivery": lambda: evidence(
-        gap(burst_n=40), prev_spike=judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")),
+        gap(burst_n=40), prev_spike=judged(gap(t_start=1.0, length=2.999), Cause.UNKNOWN, "delivery")),
     "checked prefill over counter (alone)": lambda: evidence(
         tl=engine(pre_steps={6.5: 1}), first_token=first_token(3000), prefill_rate=2000.0, **alone()),
     "counter over onset (lone)": lambda: evidence(gap(length=1.5, after=[0.9, 1.0, 1.1]), engine(pre_steps={6.5: 1})),
