@@ -25,6 +25,7 @@ from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
+    from kvtop.feeds.live import LiveRunner
     from kvtop.model.trace import TraceWriter
 
 NAME = "record"
@@ -63,12 +64,7 @@ def run(args: argparse.Namespace) -> int:
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
     if not opts.urls:
         raise UsageError("give the engine to record: --url URL")
-    out = Path(args.output)
-    if out.is_dir():
-        raise UsageError(f"{args.output} is a directory")
-    if out.exists() and out.stat().st_size > 0 and not args.force:
-        # Appending would restart the trace clock mid-file under the old header.
-        raise UsageError(f"{args.output} already exists (use --force to overwrite)")
+    check_output(args.output, args.force)
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
@@ -91,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
 async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
     # the feeds and the trace writer load only when the command runs: the parser imports every command module
     from kvtop.feeds.sources import ProxyRecorder
-    from kvtop.model.trace import TraceWriter, make_header
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
@@ -100,31 +95,12 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         loop.add_signal_handler(sig, stop.set)
     # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
     runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
-    # One scrape before the header is written, so the header names the adapter and model.
-    first = await runner.scrapers[0].scrape(runner.now())
-    up = next((r for r in first if r.up), None)
-    engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
-              "version": up.version if up else None}
-    kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
-          "capacity_tokens": up.kv_capacity_tokens if up else None}
-    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
-    extra: dict[str, object] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
-                                "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    extra: dict[str, object] = {}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
         extra["urls"] = [redact_url(u) for u in opts.urls]
-    try:
-        if args.force:
-            Path(args.output).unlink(missing_ok=True)
-        writer = TraceWriter(args.output, make_header(engine=engine, kv=kv, **extra),
-                             flush_interval_s=FLUSH_INTERVAL_S)
-    except OSError as e:
-        await runner.aclose()
-        raise UsageError(f"cannot write {args.output}: {e.strerror or e}") from None
-    runner.sinks.append(writer.write)
-    for rec in first:
-        runner.emit(rec)
+    writer = await open_trace(runner, opts, args.output, args.force, "kvtop record", **extra)
 
     try:
         try:
@@ -135,7 +111,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             host, port = opts.proxy_listen
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         proxy = runner.source("proxy")
-        tasks = [asyncio.create_task(_flush_loop(writer, stop))]
+        tasks = [asyncio.create_task(flush_loop(writer, stop))]
         what = f"{len(opts.urls)} engine(s)"
         if isinstance(proxy, ProxyRecorder):
             what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
@@ -161,7 +137,45 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     return 0
 
 
-async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,
+                     **extra: object) -> TraceWriter:
+    """The trace a live run writes: one scrape first (so the header names the adapter and model),
+    the header (``recorder``, the poll interval, the run clock's origin, ``extra``), then every record
+    the runner emits. ``kvtop record`` and ``kvtop load`` both record through this."""
+    from kvtop.model.trace import TraceWriter, make_header
+
+    first = await runner.scrapers[0].scrape(runner.now())
+    up = next((r for r in first if r.up), None)
+    engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
+              "version": up.version if up else None}
+    kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
+          "capacity_tokens": up.kv_capacity_tokens if up else None}
+    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
+    head: dict[str, object] = {"recorder": recorder, "interval_s": opts.interval_s,
+                               "clock_t0_unix": round(time.time() - runner.now(), 6), **extra}
+    try:
+        if force:
+            Path(output).unlink(missing_ok=True)
+        writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S)
+    except OSError as e:
+        await runner.aclose()
+        raise UsageError(f"cannot write {output}: {e.strerror or e}") from None
+    runner.sinks.append(writer.write)
+    for rec in first:
+        runner.emit(rec)
+    return writer
+
+
+def check_output(output: str, force: bool) -> None:
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"{output} is a directory")
+    if out.exists() and out.stat().st_size > 0 and not force:
+        # Appending would restart the trace clock mid-file under the old header.
+        raise UsageError(f"{output} already exists (use --force to overwrite)")
+
+
+async def flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)
