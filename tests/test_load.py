@@ -69,12 +69,13 @@ def test_plan_reproduces_lengths_cancels_and_readers():
     assert by["fin"].t == 0.0 and by["cut"].t == 0.5 and by["text"].t == 2.0
     assert (by["fin"].prompt_tokens, by["fin"].max_tokens, by["fin"].cls) == (200, 30, "chat")
     assert by["fin"].cancel_after_tokens is None and by["fin"].cancel_after_s is None
-    assert by["cut"].cancel_after_tokens == 5 and by["cut"].max_tokens > 5
+    assert by["cut"].cancel_after_tokens == 5
     assert by["gaveup"].cancel_after_tokens is None and abs(by["gaveup"].cancel_after_s - 1.9) < 1e-9
     # kvtop's own stop was no client's cancel: replayed to the median output of its class's finished requests
     assert by["stopped"].cancel_after_tokens is None and by["stopped"].cancel_after_s is None
     assert by["stopped"].max_tokens == 30
-    assert by["gaveup"].max_tokens == 4  # no class: the median of the class-less finished ones (22, 4, 2)
+    # a cancelled stream must outlast its cancel point: 2k + 16 tokens, or its class's median when longer
+    assert by["gaveup"].max_tokens == 16 and by["cut"].max_tokens == 26
     assert by["text"].prompt_tokens == 77
     (k, pause), = by["slow"].pauses
     assert k == 10 and abs(pause - 0.5) < 1e-6
@@ -122,7 +123,9 @@ def _requests(path: Path) -> dict[str, list[dict[str, Any]]]:
 async def test_load_replays_a_trace_on_the_simulated_server(tmp_path: Path):
     src, out = tmp_path / "src.jsonl", tmp_path / "out.jsonl"
     _write(src, _source_records())
-    async with SimServer(load_preset("healthy"), speed=10.0) as srv:
+    # real time: a token every few milliseconds, as an engine streams them (the proxy sees a hang-up
+    # only at its next write, so a much faster stream would overshoot the cancel point)
+    async with SimServer(load_preset("healthy"), speed=1.0) as srv:
         proc = await _kvtop("load", "--from", str(src), "--url", srv.url, "-o", str(out), "--rate-scale", "2",
                             "--no-gpu", "--no-host", "--interval", "0.5")
         _, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -151,7 +154,7 @@ async def test_load_replays_a_trace_on_the_simulated_server(tmp_path: Path):
     # the cancel after 5 tokens happened after 5 tokens
     assert ends["cut"]["event"] == "cancel"
     got = sum(d.get("n") or 1 for d in reqs["cut"] if d["event"] in ("first_token", "token"))
-    assert 5 <= got <= 6  # the sixth may already be on its way when the client hangs up
+    assert 5 <= got <= 8, got  # a few more may be on their way when the client hangs up
     # the healthy engine answers well within 0.95 s (1.9 s halved), so the client that gave up waiting does not
     assert ends["gaveup"]["event"] == "finish"
 

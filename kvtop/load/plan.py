@@ -34,7 +34,8 @@ from kvtop.sim.workload import Workload
 BURST_TOKENS = 4  # tokens in one chunk that a stream delivering one token per event did not produce in one step
 BURST_GAP_X = 4.0  # the silence before such a burst, against the stream's mean gap, that reads as a stalled reader
 KVTOP_STOPPED = frozenset({"proxy_stopped", "probe_stopped"})  # cancels kvtop made, not the client
-DEFAULT_OUTPUT = 128  # output length when a trace has no finished request to take a median from
+DEFAULT_OUTPUT = 128
+CANCEL_MARGIN = 16  # output length when a trace has no finished request to take a median from
 
 
 class PlanError(ValueError):
@@ -180,7 +181,9 @@ def plan_from_records(records: Iterable[Mapping[str, Any]], source: str) -> Plan
                 cancel_tokens = r.tokens
             else:
                 cancel_s = max(0.0, (r.end_t or r.t) - r.t)
-            out = max(r.tokens + 1, typical)
+            # the client left before the end, so the stream must outlast the cancel point by more than
+            # the tokens one read can bring: a stream that ends first would record a finish instead
+            out = max(2 * r.tokens + CANCEL_MARGIN, typical)
         else:  # error, cut off by kvtop, or still open when the trace ended
             out = max(r.tokens + 1, typical)
         pauses = tuple(r.bursts) if r.end != "error" else ()
