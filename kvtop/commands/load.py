@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the engine's first /v1/models)")
     p.add_argument("--prompt", dest="prompt_mode", choices=("ids", "text"), default="ids",
                    help="token-id prompts (exact lengths; vLLM, SGLang) or filler words (about one token a word)")
+    p.add_argument("--proxy-workers", type=int, default=2, metavar="N",
+                   help="run the recording proxy as N processes, off the client's event loop (default 2; "
+                        "1: in-process, arrival times then carry the client's event-loop lag)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for engines that refuse it; outputs may then end early)")
     add_host_options(p)
@@ -89,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
+    if not 1 <= args.proxy_workers <= 64:
+        raise UsageError("--proxy-workers must be between 1 and 64")
     check_output(args.output, args.force)
     try:
         if args.source:
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     plan = plan.limited(args.max_requests).scaled(args.rate_scale)
     # the recording proxy on an ephemeral loopback port in front of the target: the load goes through it
-    opts = dataclasses.replace(opts, proxy_listen=("127.0.0.1", 0))
+    opts = dataclasses.replace(opts, proxy_listen=("127.0.0.1", 0), proxy_workers=args.proxy_workers)
     return asyncio.run(_load(args, opts, plan, duration))
 
 
@@ -163,9 +168,12 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
                 tasks.append(asyncio.create_task(_progress(client, stop, duration)))
             # the run's --duration (or Ctrl-C) sets nothing on the client: the runner ending does
             run_task.add_done_callback(lambda _t: stop.set())
-            await client.run(session, stop)
-        stop.set()
-        await run_task  # the proxy stops: anything still streaming is recorded as cut off (proxy_stopped)
+            try:
+                await client.run(session, stop)
+                stop.set()
+                await run_task  # the proxy stops first: what still streams is recorded as cut off (proxy_stopped)
+            finally:
+                await client.close()
         await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         stop.set()
@@ -175,9 +183,10 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     st = client.stats if client else None
     if st is not None:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(st.error_kinds.items()))
+        cut = f", cut off by the stop {st.cut_off}" if st.cut_off else ""
         print(f"kvtop load: sent {st.sent}/{st.planned}, finished {st.finished}, cancelled as recorded {st.cancelled}, "
-              f"errors {st.errors}{f' ({kinds})' if kinds else ''}; {writer.count} record(s) written to {args.output}",
-              file=sys.stderr)
+              f"errors {st.errors}{f' ({kinds})' if kinds else ''}{cut}; {writer.count} record(s) written to "
+              f"{args.output}", file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,7 @@ word per token instead, for engines that refuse token ids (a tokenizer may count
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ class LoadStats:
     finished: int = 0
     cancelled: int = 0  # hung up as planned (the trace's client cancelled there)
     errors: int = 0
-    tokens: int = 0
+    cut_off: int = 0  # still streaming when the run stopped (--duration, Ctrl-C)
     in_flight: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -90,16 +91,22 @@ class LoadClient:
         self.max_concurrency = max_concurrency
         self.stats = LoadStats(planned=len(plan.requests))
         self.t0 = time.monotonic()
+        self.stopped = False  # the run was stopped: streams that end now were cut off, not finished
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        """Send the plan until it is done or ``stop`` is set; streams still open then stay open until
+        ``close`` (the recorder stops first, so it records them as cut off by kvtop, not by a client)."""
         self.t0 = time.monotonic()
         sem = asyncio.Semaphore(self.max_concurrency)
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = self._tasks
         try:
             for req in self.plan.requests:
+                # the body is built before the wait: encoding a long token-id prompt must not delay the send
+                payload = json.dumps(self._body(req), separators=(",", ":")).encode()
                 delay = self.t0 + req.t - time.monotonic()
                 if delay > 0:
                     try:
@@ -109,7 +116,7 @@ class LoadClient:
                 if stop.is_set():
                     break
                 await sem.acquire()
-                task = asyncio.create_task(self._one(session, req))
+                task = asyncio.create_task(self._one(session, req, payload))
                 task.add_done_callback(lambda _t: sem.release())
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -118,10 +125,17 @@ class LoadClient:
                 await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
         finally:
-            for t in list(tasks):
-                t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            self.stopped = stop.is_set()
+
+    async def close(self, wait_s: float = 5.0) -> None:
+        """Let the streams cut off by the stop end, then hang up on any still open."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _body(self, req: LoadRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -134,21 +148,24 @@ class LoadClient:
             body["ignore_eos"] = True
         return body
 
-    async def _one(self, session: aiohttp.ClientSession, req: LoadRequest) -> None:
+    async def _one(self, session: aiohttp.ClientSession, req: LoadRequest, payload: bytes) -> None:
         st = self.stats
         st.sent += 1
         st.in_flight += 1
-        headers = {"X-Request-Id": req.id}
+        headers = {"X-Request-Id": req.id, "Content-Type": "application/json"}
         if req.cls:
             headers["X-Kvtop-Class"] = req.cls  # the simulated server's class; real engines ignore it
         counter = StreamRecorder(req.id, lambda _r: None, 200, sse=True)
         pauses = list(req.pauses)
         try:
-            async with session.post(f"{self.url}/v1/completions", json=self._body(req), headers=headers) as resp:
+            async with session.post(f"{self.url}/v1/completions", data=payload, headers=headers) as resp:
                 if resp.status != 200:
                     st.error(f"http_{resp.status}")
                     return
                 t_sent = time.monotonic()
+                if req.cancel_after_tokens is None and req.cancel_after_s is None and not pauses:
+                    await self._drain(resp, req, st)
+                    return
                 while True:
                     wait = req.patience_s
                     if req.cancel_after_s is not None and counter.tokens == 0:
@@ -171,15 +188,37 @@ class LoadClient:
                         break
                     while pauses and counter.tokens >= pauses[0][0]:
                         await asyncio.sleep(pauses.pop(0)[1])  # a slow reader: the stream waits in the buffers
-                st.tokens += counter.tokens
-                if counter.ended or counter.tokens:
-                    st.finished += 1
-                else:
-                    st.error("empty_stream")
+                self._ended(st, counter.ended or counter.tokens > 0)
         except (aiohttp.ClientError, OSError) as e:
-            st.error(type(e).__name__)
+            if self.stopped:
+                st.cut_off += 1
+            else:
+                st.error(type(e).__name__)
         finally:
             st.in_flight -= 1
+
+    def _ended(self, st: LoadStats, got: bool) -> None:
+        if self.stopped:
+            st.cut_off += 1
+        elif got:
+            st.finished += 1
+        else:
+            st.error("empty_stream")
+
+    async def _drain(self, resp: aiohttp.ClientResponse, req: LoadRequest, st: LoadStats) -> None:
+        """A stream nobody cancels or pauses: read it to the end without parsing it (the recorder does)."""
+        got = 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.content.readany(), req.patience_s)
+            except asyncio.TimeoutError:
+                st.cancelled += 1  # the workload's patience ran out: the client hangs up
+                resp.close()
+                return
+            if not chunk:
+                break
+            got += len(chunk)
+        self._ended(st, bool(got))
 
 
 def progress_line(st: LoadStats, elapsed: float, duration: float | None) -> str:
