@@ -52,7 +52,7 @@ def test_fewer_stalls_at_equal_load_is_improved(tmp_path: Path):
     c = compare(str(a), str(b), itl_target_s=0.1)
     assert c.outcome == "improved", c.to_dict()
     assert (c.a.offered, c.b.offered, c.a.completed, c.b.completed) == (40, 40, 40, 40)
-    assert (c.a.goodput, c.b.goodput) == (28, 39)  # a stalled request's slowest gap (its p99 under 100 gaps) misses 100 ms
+    assert (c.a.goodput, c.b.goodput) == (28, 39)  # a 0.5 s stall is 0.4 s over the 100 ms target: more than one target
     assert abs(c.a.preemptions_per_completed - 12 / 40) < 1e-9 and abs(c.b.preemptions_per_completed - 1 / 40) < 1e-9
     assert 0.45 < c.a.itl_p99_s < 0.55 and 0.018 < c.b.itl_p99_s < 0.022
     assert any(x.startswith("goodput 28 -> 39") for x in c.better)
