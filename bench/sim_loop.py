@@ -39,6 +39,11 @@ def main() -> int:
         for preset in args.preset or PRESETS:
             t0 = time.monotonic()
             r = asyncio.run(run_loop(preset, Path(td), speed=args.speed, duration_s=args.duration))
+            if not r.flags:
+                print(f"{preset}: verdict {r.verdict} with no flags: nothing to try (a longer run may "
+                      f"measure what the verdict needs)  [{time.monotonic() - t0:.0f} s]")
+                failed += 1
+                continue
             a, b = r.compare["a"], r.compare["b"]
             print(f"{preset}: verdict {r.verdict}; flags: {r.flags or '(none)'}  [{time.monotonic() - t0:.0f} s]")
             print(f"  offered {a['offered']} / {b['offered']}, completed {a['completed']} -> {b['completed']}, "
