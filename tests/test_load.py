@@ -216,3 +216,14 @@ def test_load_unreachable_engine_exits_1(tmp_path: Path):
     r = run_kvtop("load", "--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl"),
                   "--no-gpu", "--no-host", "--timeout", "0.5")
     assert r.returncode == 1 and "Traceback" not in r.stderr and "/v1/models" in r.stderr
+
+
+def test_load_every_request_failing_exits_1(tmp_path: Path):
+    src = tmp_path / "src.jsonl"
+    _write(src, _source_records())
+    r = run_kvtop("load", "--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl"),
+                  "--model", "m", "--rate-scale", "20", "--no-gpu", "--no-host", "--timeout", "0.5")
+    assert r.returncode == 1 and "every request failed" in r.stderr and "Traceback" not in r.stderr
+    # the trace records each failure (the proxy answers 502 for an unreachable upstream)
+    errors = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines() if '"error"' in x]
+    assert len([e for e in errors if e.get("event") == "error"]) == 6

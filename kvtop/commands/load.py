@@ -187,6 +187,9 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
         print(f"kvtop load: sent {st.sent}/{st.planned}, finished {st.finished}, cancelled as recorded {st.cancelled}, "
               f"errors {st.errors}{f' ({kinds})' if kinds else ''}{cut}; {writer.count} record(s) written to "
               f"{args.output}", file=sys.stderr)
+        if st.sent and st.errors == st.sent:
+            print(f"kvtop load: every request failed: is {redact_url(opts.urls[0])} serving?", file=sys.stderr)
+            return 1
     return 0
 
 
