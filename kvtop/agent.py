@@ -11,23 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from kvtop import __version__
+from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
-from kvtop.model.trace import _finite, make_header
+from kvtop.model.sanitize import output_json
+from kvtop.model.trace import make_header
 from kvtop.model.trace_rotate import RotatingTrace
+from kvtop.otlp import LiveExport
 from kvtop.pipeline import SourceOptions, live_feed
 from kvtop.views.exporter import CONTENT_TYPE, AgentMetrics, engine_label
 
+log = logging.getLogger("kvtop.agent")
+
 DEFAULT_PORT = 9470
+# The shape of GET /report (kvtop/schemas/agent-report.schema.json); the number changes when a field
+# changes meaning or goes away, not when one is added.
+REPORT_SCHEMA = "kvtop-agent-report/1"
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 
@@ -41,6 +50,7 @@ class AgentOptions:
     trace_max_age_s: float = 600.0
     trace_keep_bytes: int = 1 << 30
     trace_keep_age_s: float = 86400.0
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces URL: one span per ended request (kvtop.otlp)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -62,6 +72,9 @@ class Agent:
         self.url: str | None = None
         self._site: web.TCPSite | None = None
         self._app_runner: web.AppRunner | None = None
+        self.otlp: LiveExport | None = None
+        if opts.otlp_endpoint:
+            self.otlp = LiveExport(opts.otlp_endpoint, time.time() - runner.now())
 
     # -- one tick: refresh the exported state ---------------------------------------------------
     def tick(self) -> None:
@@ -74,6 +87,9 @@ class Agent:
         analysis = self.core.analysis
         self.metrics.update(snap, analysis.counters() if analysis is not None else None,
                             stale_after_s=max(10.0, 5 * self.opts.interval_s), analysis_lag_s=analysis.lag(now) if analysis is not None else 0.0)
+        if self.otlp is not None and isinstance(analysis, LiveAnalyzer):
+            eng = snap.engines[0] if snap.engines else None
+            self.otlp.tick(analysis.an, now, eng.model if eng else None, eng.adapter if eng else None)
 
     def report(self) -> dict[str, Any]:
         """What the agent's spike counters hold, as JSON (the same numbers /metrics carries)."""
@@ -82,6 +98,8 @@ class Agent:
         rep = analysis.report(self.core.now) if analysis is not None else None
         v = rep.verdict if rep is not None else None
         return {
+            "kvtop_version": __version__,
+            "schema": REPORT_SCHEMA,
             "engine": self.metrics.request_engine,
             "spikes_by_cause": dict(totals.spikes_by_cause) if totals else {},
             "stall_seconds_by_cause": {k: round(v, 6) for k, v in totals.stall_s_by_cause.items()} if totals else {},
@@ -102,7 +120,7 @@ class Agent:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _report(self, request: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(_finite(self.report()), allow_nan=False), content_type="application/json")
+        return web.Response(text=json.dumps(output_json(self.report()), allow_nan=False), content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -129,7 +147,7 @@ class Agent:
         except OSError as e:
             await self.runner.aclose()
             host, port = self.opts.listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         tasks: list[asyncio.Task[None]] = []
         try:
             try:
@@ -138,7 +156,7 @@ class Agent:
                 await self.runner.aclose()
                 assert self.opts.sources.proxy_listen is not None  # only the proxy raises OSError
                 host, port = self.opts.sources.proxy_listen
-                raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+                raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             tasks.append(asyncio.create_task(self._tick_loop(stop)))
             self.tick()
             src = self.opts.sources
@@ -152,7 +170,9 @@ class Agent:
                 what.append(f"capture port {src.capture_port}")
             if self.trace is not None:
                 what.append(f"trace segments in {self.trace.dir}")
-            print(f"kvtop agent: {', '.join(what)} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+            if self.otlp is not None:
+                what.append(f"OTLP spans to {self.otlp.sender.url}")
+            log.info(f"{', '.join(what)} (Ctrl-C to stop)", extra={"fields": {"event": "started", "url": self.url}})
             await self.runner.run(duration_s=duration_s, stop=stop)  # the proxy stops with the run
         finally:
             stop.set()
@@ -161,6 +181,12 @@ class Agent:
                 await self._app_runner.cleanup()
             if self.trace is not None:
                 await asyncio.to_thread(self.trace.close)
+            if self.otlp is not None:
+                analysis = self.core.analysis
+                if isinstance(analysis, LiveAnalyzer):
+                    eng = next(iter(self.core.snapshot(self.runner.now()).engines), None)
+                    self.otlp.final(analysis.an, eng.model if eng else None, eng.adapter if eng else None)
+                await asyncio.to_thread(self.otlp.close)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtop.errors import UsageError
+from kvtop.errors import UsageError, did_you_mean
 from kvtop.model import jsonio
 
 # key -> (type, environment variable). "urls" is a list; the rest are scalars.
@@ -30,9 +31,19 @@ KEYS: dict[str, tuple[str, str]] = {
     "format": ("str", "KVTOP_FORMAT"),  # snapshot output format: text or json
     "gpu": ("bool", "KVTOP_GPU"),  # read the GPU through NVML
     "host": ("bool", "KVTOP_HOST"),  # read host memory / pinned-memory signals
+    "witness": ("str", "KVTOP_WITNESS"),  # the engine's witness file (kvtop.witness)
+    # reaching a Prometheus API behind a gateway (--prometheus; its bearer token is token / token_file)
+    "prometheus_user": ("str", "KVTOP_PROMETHEUS_USER"),  # basic-auth user
+    "prometheus_password": ("str", "KVTOP_PROMETHEUS_PASSWORD"),  # basic-auth password (prefer the file)
+    "prometheus_password_file": ("str", "KVTOP_PROMETHEUS_PASSWORD_FILE"),  # file holding that password
+    "prometheus_ca_file": ("str", "KVTOP_PROMETHEUS_CA_FILE"),  # PEM CA bundle for its TLS certificate
+    "prometheus_headers": ("list", "KVTOP_PROMETHEUS_HEADERS"),  # "Name: value" each; env: comma-separated
 }
 
-_SECRET = frozenset({"token"})
+# Keys one command reads itself (not flags): known, so they draw no "unknown key" warning.
+OTHER_KEYS: frozenset[str] = frozenset({"probe_ports"})  # the console's discovery ports (commands/tui.py)
+
+_SECRET = frozenset({"token", "prometheus_password"})
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -78,13 +89,13 @@ def parse_seconds(value: Any, what: str) -> float:
 def _coerce(key: str, value: Any, origin: str) -> Any:
     kind = KEYS[key][0]
     what = f"{key} ({origin})"
-    if kind == "urls":
+    if kind in ("urls", "list"):
         if isinstance(value, str):
             urls = [u.strip() for u in value.split(",") if u.strip()]
         elif isinstance(value, list) and all(isinstance(u, str) for u in value):
             urls = [u.strip() for u in value if u.strip()]
         else:
-            raise UsageError(f"{what} must be a URL or a list of URLs")
+            raise UsageError(f"{what} must be " + ("a URL or a list of URLs" if kind == "urls" else "a list of strings"))
         return urls
     if kind == "seconds":
         return parse_seconds(value, what)
@@ -118,7 +129,8 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
     """Config from the TOML file (``path`` or the XDG default) overlaid with ``KVTOP_*`` variables.
 
     A missing default file is fine (empty config); a missing file named explicitly is an error.
-    Unknown keys in the file are kept (other commands may read their own sections).
+    An unknown key is kept but warned about on stderr, with the closest valid name (a typo would
+    otherwise be ignored without a word).
     """
     env = os.environ if env is None else env
     explicit = path is not None
@@ -132,6 +144,8 @@ def load_config(path: str | None, env: Mapping[str, str] | None = None) -> dict[
             raise UsageError(f"config file not found: {p}") from None
     for k, v in data.items():
         out[k] = _coerce(k, v, str(p)) if k in KEYS else v
+        if k not in KEYS and k not in OTHER_KEYS:
+            sys.stderr.write(f"kvtop: warning: {p}: unknown key {_shown(k)}{did_you_mean(k, [*KEYS, *OTHER_KEYS])}\n")
     for key, (_, var) in KEYS.items():
         raw = env.get(var)
         if raw is not None and raw.strip() != "":

@@ -61,7 +61,7 @@ HOST_SERIES = ("pinned_bytes", "mem_used_bytes")
 
 @dataclass
 class _EngineHist:
-    series: dict[str, Ring] = field(default_factory=lambda: {k: Ring() for k in ENGINE_SERIES})
+    series: dict[str, Ring]
     prev: EngineRecord | None = None
     itl: deque[tuple[float, Histogram]] = field(default_factory=deque)
     ttft: deque[tuple[float, Histogram]] = field(default_factory=deque)
@@ -92,12 +92,17 @@ def _windowed_quantiles(hist: deque[tuple[float, Histogram]], t: float, h: Histo
 
 
 class History:
-    """Per engine / GPU / host chart series, fed record by record."""
+    """Per engine / GPU / host chart series, fed record by record; each keeps its last
+    ``max_points`` samples (the console's hour; the HTML report asks for a whole trace)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_points: int = MAX_POINTS) -> None:
+        self.max_points = max_points
         self.engines: dict[tuple[str, str | None], _EngineHist] = {}
         self.gpus: dict[int, dict[str, Ring]] = {}
-        self.host: dict[str, Ring] = {k: Ring() for k in HOST_SERIES}
+        self.host: dict[str, Ring] = self._rings(HOST_SERIES)
+
+    def _rings(self, names: tuple[str, ...]) -> dict[str, Ring]:
+        return {k: Ring(self.max_points) for k in names}
 
     def ingest(self, rec: Record) -> None:
         if isinstance(rec, EngineRecord):
@@ -106,7 +111,7 @@ class History:
         elif isinstance(rec, GpuRecord):
             g = self.gpus.get(rec.index)
             if g is None:
-                g = self.gpus[rec.index] = {k: Ring() for k in GPU_SERIES}
+                g = self.gpus[rec.index] = self._rings(GPU_SERIES)
             for k in GPU_SERIES:
                 g[k].append(rec.t, None if rec.lost else getattr(rec, k))
         elif isinstance(rec, HostRecord):
@@ -120,7 +125,7 @@ class History:
         key = (rec.url or "?", rec.engine)
         e = self.engines.get(key)
         if e is None:
-            e = self.engines[key] = _EngineHist()
+            e = self.engines[key] = _EngineHist(self._rings(ENGINE_SERIES))
         s, prev, t = e.series, e.prev, rec.t
         dt = t - prev.t if prev is not None else 0.0
         s["kv_usage"].append(t, rec.kv_usage)

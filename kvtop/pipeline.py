@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvtop.feeds.replay import ReplayFeed  # see the note on imports above
     from kvtop.feeds.sources import ProxyRecorder, Source
     from kvtop.sim.workload import Workload
+    from kvtop.sources.promapi import PromAuth
 
 
 DEFAULT_INTERVAL_S = 1.0
@@ -58,6 +59,7 @@ class SourceOptions:
     capture_port: int | None = None  # --capture: the engine port observed passively (0: the first engine's)
     proxy_listen: tuple[str, int] | None = None  # --proxy-listen: the recording proxy, before the first URL
     proxy_workers: int = 1
+    witness: str | None = None  # --witness: the first engine's step log (kvtop.witness)
 
 
 class ReplayControls(Protocol):
@@ -135,6 +137,7 @@ def live_sources(opts: SourceOptions, probe_max_tokens: int = 32) -> list[Source
         PassiveCapture,
         ProbeStreams,
         ProxyRecorder,
+        WitnessTail,
     )
     from kvtop.sources.capture.options import resolve_capture_port
     from kvtop.sources.scrape import EngineScraper
@@ -155,6 +158,8 @@ def live_sources(opts: SourceOptions, probe_max_tokens: int = 32) -> list[Source
         capture = resolve_capture_port(0, scrapers[0].base_url)
     if capture:
         sources.append(PassiveCapture(capture))
+    if opts.witness is not None:
+        sources.append(WitnessTail(opts.witness, scrapers[0].base_url if scrapers else None))
     if opts.proxy_listen is not None and scrapers:
         host, port = opts.proxy_listen
         sources.append(ProxyRecorder(scrapers[0].base_url, host=host, port=port, workers=opts.proxy_workers))
@@ -307,7 +312,8 @@ async def run_for(feed: Feed, until: Callable[[], bool]) -> None:
 
 def prometheus_feed(url: str, selector: str | None = None, itl_target_s: float | None = None,
                     window_s: float = 120.0, interval_s: float = 5.0, step_s: float | None = None,
-                    timeout_s: float = 5.0, token: str | None = None, core_window_s: float | None = None) -> PromFeed:
+                    timeout_s: float = 5.0, token: str | None = None, core_window_s: float | None = None,
+                    auth: PromAuth | None = None) -> PromFeed:
     """Every engine instance a Prometheus server scrapes, read back into an analysed Core
     (`--prometheus URL`); the engines' history over ``window_s`` is there from the first poll, and
     rates and quantiles cover ``core_window_s`` (default: the whole window)."""
@@ -316,4 +322,4 @@ def prometheus_feed(url: str, selector: str | None = None, itl_target_s: float |
     core = make_core(f"prometheus {url}", itl_target_s, window_s=core_window_s or window_s)
     core.gpu_status = "not read (engines come from Prometheus)"
     return PromFeed(core, url, selector=selector, interval_s=interval_s, timeout_s=timeout_s, window_s=window_s,
-                    step_s=step_s, token=token)
+                    step_s=step_s, token=token, auth=auth)

@@ -16,6 +16,11 @@ from typing import Any, Protocol
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import GpuRecord, HostRecord
+from kvtop.model.sanitize import output_json
+
+# The shape `snapshot`/`replay --format json` print (kvtop/schemas/snapshot.schema.json); the number
+# changes when a field changes meaning or goes away, not when one is added.
+SNAPSHOT_SCHEMA = "kvtop-snapshot/1"
 
 # Severity thresholds (docs/host-and-gpu.md §6; vLLM kv-cache dashboard).
 KV_WARN = 0.90
@@ -86,6 +91,8 @@ class RequestView:
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
+    # ended more than finished_keep_s ago and still listed: one of the worst stalls of the last hour
+    kept: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,9 @@ class RequestTimeline:
     tokens: tuple[tuple[float, int], ...]  # (t, tokens in chunk); only the newest chunks are kept
     marks: tuple[tuple[float, str], ...]  # request-level preempt / resume events
     engine_marks: tuple[tuple[float, str, float], ...]  # (t, "preemption" | "prompt_burst", amount)
+    # the engine's own steps for this request where a witness runs (newest kept): (start, end, kind),
+    # kind "p" prompt (prefill), "r" recompute after a preemption, "d" decode
+    steps: tuple[tuple[float, float, str], ...] = ()
 
 
 class Samples:
@@ -235,6 +245,7 @@ class Snapshot:
 
         out: dict[str, Any] = {
             "kvtop_version": self.kvtop_version,
+            "schema": SNAPSHOT_SCHEMA,
             "taken_at": self.taken_at,
             "window_s": self.window_s,
             "gpu_status": self.gpu_status,
@@ -252,7 +263,7 @@ class Snapshot:
             out["analysis"] = self.analysis.to_dict()
         if self.capture is not None:
             out["capture"] = dict(self.capture)
-        cleaned: dict[str, Any] = finite(out)
+        cleaned: dict[str, Any] = output_json(out)
         return cleaned
 
 

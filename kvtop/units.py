@@ -127,9 +127,35 @@ def num(v: float | None, template: str = "{:.1f}") -> str:
 
 
 # -- the analysis' numbers (a value with a unit name, as the advisor reports them) ----------------
-def quantity(v: object, unit: str) -> str:
-    """``kvtop analyze``'s numbers table: seconds in ms below 10 s, sizes and rates in decimal
-    GB/MB to three significant digits, other units after four. Non-numbers print as they are."""
+def _sig(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits, never an exponent, no trailing zeros: ``0.29``, ``85``, ``12.5``."""
+    if x == 0:
+        return "0"
+    d = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    text = f"{x:.{d}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _plain(v: float) -> str:
+    """A number of any other unit: four significant digits below 10,000, whole with separators above
+    (``131,072``, never ``1.311e+05``)."""
+    if isinstance(v, int) or abs(v) >= 1e4:
+        return f"{v:,.0f}" if abs(v) >= 1e4 else f"{v}"
+    return f"{v:.4g}"
+
+
+def _unit_after(unit: str, key: str) -> str:
+    """`` tokens`` after the number, or nothing when the number's name already ends in its unit
+    (``break_even_tokens 1``, not ``1 tokens``)."""
+    if not unit or key.endswith("_" + unit):
+        return ""
+    return " " + unit
+
+
+def quantity(v: object, unit: str, key: str = "") -> str:
+    """``kvtop analyze``'s numbers table: seconds in ms below 10 s (three significant digits),
+    sizes and rates in decimal GB/MB to three significant digits, bytes per something in IEC units,
+    other units after four significant digits. Non-numbers print as they are."""
     if v is None:
         return NA
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -137,14 +163,14 @@ def quantity(v: object, unit: str) -> str:
     if unknown(v):
         return NA
     if unit == "s":
-        return f"{v * 1e3:.1f} ms" if abs(v) < 10 else f"{v:.1f} s"
+        return f"{_sig(v * 1e3)} ms" if abs(v) < 10 else f"{v:.1f} s"
     if unit == "B":
         return f"{v / 1e9:.3g} GB" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB"
     if unit == "B/s":
         return f"{v / 1e9:.3g} GB/s" if abs(v) >= 1e8 else f"{v / 1e6:.3g} MB/s"
-    if isinstance(v, float):
-        return f"{v:.4g}{(' ' + unit) if unit else ''}"
-    return f"{v}{(' ' + unit) if unit else ''}"
+    if unit.startswith("B/"):  # B/token: a size per something
+        return f"{bytes_iec(v)}/{unit[2:]}"
+    return _plain(v) + _unit_after(unit, key)
 
 
 def quantity_short(v: object, unit: str = "", key: str = "") -> str:
@@ -160,8 +186,11 @@ def quantity_short(v: object, unit: str = "", key: str = "") -> str:
     if unit == "B/s" or (not unit and key.endswith("_bytes_per_s")):
         return byte_rate_short(v)
     if unit == "s" or (not unit and key.endswith("_s")):
-        return duration_short(v)
+        # below a second three significant digits, as the verdict's reasons quote them (0.29 ms, not 0ms)
+        return f"{_sig(v * 1e3)}ms" if abs(v) < 0.9995 else duration_short(v)
     if unit == "B":
         return bytes_short(v)
-    text = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}"
-    return f"{text} {unit}" if unit else text
+    if unit.startswith("B/"):
+        return f"{bytes_short(v)}/{unit[2:]}"
+    text = f"{v:,.0f}" if float(v).is_integer() else f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return text + _unit_after(unit, key)

@@ -51,6 +51,8 @@ SCENES: tuple[Scene, ...] = (
     Scene("events", "5 Events: preemption bursts, verdict changes", press=("5",)),
     Scene("help", "? Help: generated from the key bindings", press=("question_mark",)),
     Scene("overview-80x24", "80x24: panels collapse to one line each, charts below", size=(80, 24)),
+    Scene("requests-80x24", "80x24 Requests: age, class and tokens give way to preempt and last cause",
+          press=("2",), size=(80, 24)),
     Scene("overview-low", "--theme kvtop-low: the terminal's own 16 colours (SSH, tmux)", size=(120, 36),
           theme="kvtop-low"),
 )

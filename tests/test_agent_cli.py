@@ -13,7 +13,9 @@ from collections import defaultdict
 import httpx
 import pytest
 from conftest import REPO, run_kvtop, wait_for_line
+from page_server import PageServer
 from prometheus_client.parser import text_string_to_metric_families
+from vllm_pages import vllm_page
 
 from kvtop.model.trace import TraceReader
 from kvtop.model.trace_rotate import segments
@@ -98,14 +100,17 @@ def test_a_trace_dir_that_is_a_file_and_a_busy_port_are_one_line_errors(tmp_path
     assert r.returncode == 2 and r.stderr.strip() == f"kvtop: error: --trace-dir {f} is not a directory"
     import socket
 
-    with socket.socket() as s:
+    with socket.socket() as s, PageServer() as engine:
+        engine.route("/metrics", vllm_page(running=1))
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = run_kvtop("agent", "--url", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}", "--no-gpu",
+        r = run_kvtop("agent", "--url", engine.url, "--listen", f"127.0.0.1:{port}", "--no-gpu",
                       "--duration", "5", timeout=60)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.startswith(f"kvtop: error: cannot listen on 127.0.0.1:{port}") and r.stderr.count("\n") == 1
+    assert r.returncode == 1, r.stderr  # the port is taken: the run fails (1), the command line was fine
+    # the agent logs (info) the engine it found, then the one error line
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith(f"kvtop: error: cannot listen on 127.0.0.1:{port}") and r.stderr.count("kvtop: error:") == 1
 
 
 def _can_capture() -> bool:
@@ -139,7 +144,7 @@ def test_agent_counts_captured_and_proxied_streams_once_each():
         deadline = time.monotonic() + 20
         while True:
             fams = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)}
-            seen = {s.labels["source"]: s.value for s in fams["kvtop_streams_observed"].samples
+            seen = {s.labels["observer"]: s.value for s in fams["kvtop_streams_observed"].samples
                     if s.name.endswith("_total")}
             if seen == {"proxy": 3.0, "capture": 2.0} or time.monotonic() > deadline:
                 break
@@ -150,3 +155,20 @@ def test_agent_counts_captured_and_proxied_streams_once_each():
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_an_engine_that_does_not_answer_ends_the_agent_at_once_with_exit_1():
+    import socket
+
+    with socket.socket() as s:  # a real closed loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run_kvtop("agent", "--url", f"http://127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--no-gpu", "--no-host",
+                  timeout=60)  # no --duration: without the check it would serve zeros until killed
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvtop: error: could not read the engine at http://127.0.0.1:{port}")
+    # --wait-for-engine retries for that long first, then fails the same way
+    r = run_kvtop("agent", "--url", f"http://127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--no-gpu", "--no-host",
+                  "--interval", "0.2", "--wait-for-engine", "1s", timeout=60)
+    assert r.returncode == 1 and "could not read the engine" in r.stderr, r.stderr

@@ -108,7 +108,7 @@ def test_snapshot_uses_file_env_and_flags(tmp_path):
                                                    "interval = 0.1\ngpu = false\n")
         env = {"XDG_CONFIG_HOME": str(xdg)}
         p = run_kvtop("snapshot", env=env)
-        assert p.returncode == 2 and "127.0.0.1:1" in p.stderr  # file URL used
+        assert p.returncode == 1 and "127.0.0.1:1" in p.stderr  # file URL used (unreachable: exit 1)
         env["KVTOP_URL"] = s.url  # env beats the file
         p = run_kvtop("snapshot", env=env)
         assert p.returncode == 0, p.stderr
@@ -118,4 +118,4 @@ def test_snapshot_uses_file_env_and_flags(tmp_path):
         p = run_kvtop("snapshot", "--format", "text", env=env)  # flag beats the file
         assert p.returncode == 0 and p.stdout.startswith("kvtop ")
         p = run_kvtop("snapshot", "--url", "http://127.0.0.1:1", env=env)  # flag beats env
-        assert p.returncode == 2
+        assert p.returncode == 1

@@ -19,7 +19,7 @@ def _stream(core: Core, rid: str, t0: float, gaps: list[float], end: str = "fini
 
 def test_a_finished_request_keeps_its_timeline_while_on_screen_then_only_a_summary():
     core = Core(itl_target_s=0.1, finished_keep_s=30.0)
-    gaps = [0.02] * 50 + [0.5, 0.3] + [0.02] * 47
+    gaps = [0.02] * 50 + [0.08, 0.05] + [0.02] * 47  # never over the 0.1 s target
     end = _stream(core, "r1", 0.0, gaps)
     # on screen: the detail view can still draw it
     assert [r.id for r in core.snapshot().requests] == ["r1"]
@@ -31,8 +31,21 @@ def test_a_finished_request_keeps_its_timeline_while_on_screen_then_only_a_summa
     assert core.request_timeline("r1") is None
     (s,) = core.finished_requests()
     assert (s.id, s.cls, s.state, s.tokens) == ("r1", "chat", "finished", 100)
-    assert s.gaps_over_target == 2 and s.max_gap_s == 0.5
-    assert abs(s.gap_p50_s - 0.02) < 1e-9 and s.gap_p99_s == 0.5
+    assert s.gaps_over_target == 0 and abs(s.max_gap_s - 0.08) < 1e-9
+    assert abs(s.gap_p50_s - 0.02) < 1e-9 and abs(s.gap_p99_s - 0.08) < 1e-9
+    assert core.finished_total == 1 and core.gaps_over_target_total == 0
+
+
+def test_a_finished_request_that_stalled_stays_listed_with_its_timeline():
+    core = Core(itl_target_s=0.1, finished_keep_s=30.0)
+    end = _stream(core, "r1", 0.0, [0.02] * 50 + [0.5, 0.3] + [0.02] * 47)
+    _stream(core, "r2", end + 31.0, [0.02] * 3)
+    # one of the worst stalls of the last hour: still listed (kept), the detail view can draw it
+    assert [(r.id, r.kept) for r in core.snapshot().requests] == [("r2", False), ("r1", True)]
+    tl = core.request_timeline("r1")
+    assert tl is not None and len(tl.tokens) == 100
+    (s,) = core.finished_requests()  # and summarised like any ended request
+    assert s.id == "r1" and s.gaps_over_target == 2 and s.max_gap_s == 0.5
     assert core.finished_total == 1 and core.gaps_over_target_total == 2
 
 

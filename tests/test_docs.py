@@ -160,7 +160,7 @@ def test_the_readme_is_a_manual_that_links_its_reference():
     for doc in sorted((REPO / "docs").glob("*.md")):
         assert f"docs/{doc.name}" in linked, f"README does not link docs/{doc.name}"
     # CI installs exactly as the README says and runs the README's test command (.ci/run).
-    assert "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest -q" in text
+    assert "python3 -m venv .venv && .venv/bin/pip install -e '.[test,dev]' && .venv/bin/python -m pytest -q" in text
 
 
 def test_the_rules_table_sits_between_its_markers():

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtop.analysis.advice.advisor import ACTIONS
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.core import Core
-from kvtop.model.records import EngineRecord, GpuRecord, RequestRecord
+from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, RequestRecord
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
+from kvtop.sources.host import SIG_CGROUP_SHMEM, SIG_ENGINE_SHMEM, SIG_GUP, SIG_MLOCKED
 from kvtop.views.exporter import AgentMetrics, engine_label
 
 
@@ -105,13 +108,73 @@ def test_series_count_stays_bounded_as_the_run_grows():
     assert short == long  # no series per request, per stream or per spike
 
 
-def test_verdict_is_one_info_series_with_its_confidence(storm):
-    _, m, _ = storm
+def test_verdict_is_a_state_set_over_every_action(storm):
+    core, m, _ = storm
     s = _samples(m)
-    [(lb, v)] = s["kvtop_verdict_info"]
-    assert v == 1 and lb["engine"] == "10.0.0.5:8000" and lb["action"] not in ("", "none")
+    acts = {lb["action"]: v for lb, v in s["kvtop_verdict"]}
+    assert set(acts) == set(ACTIONS)  # the label set never changes with the verdict
+    current = core.snapshot(core.now + 30).analysis.verdict
+    assert [a for a, v in acts.items() if v == 1] == [current.action]
+    assert sum(acts.values()) == 1
+    assert all(lb["engine"] == "10.0.0.5:8000" for lb, _ in s["kvtop_verdict"])
+    mech = {lb["mechanism"]: v for lb, v in s["kvtop_verdict_mechanism"]}
+    assert set(mech) == {"swap", "recompute"}
+    assert [k for k, v in mech.items() if v == 1] == ([current.mechanism] if current.mechanism else [])
     [(_, conf)] = s["kvtop_verdict_confidence"]
     assert 0 <= conf <= 1
+
+
+def test_without_an_analysis_every_action_is_0_and_the_series_still_exist():
+    core = Core()
+    m = AgentMetrics(request_engine="10.0.0.5:8000")
+    m.update(core.snapshot())
+    s = _samples(m)
+    assert {lb["action"]: v for lb, v in s["kvtop_verdict"]} == {a: 0.0 for a in ACTIONS}
+
+
+def test_label_values_are_tokens_and_each_label_means_one_thing():
+    core = Core()
+    m = AgentMetrics(request_engine="10.0.0.5:8000")
+    host = HostRecord(t=1.0, mem_available_bytes=1 << 30,
+                      pinned_signals={SIG_MLOCKED: 4096, SIG_GUP: 0, SIG_ENGINE_SHMEM: 3 << 30, SIG_CGROUP_SHMEM: None},
+                      pinned_signal=SIG_ENGINE_SHMEM, pinned_bytes=3 << 30)
+    core.ingest(host)
+    for r in (RequestRecord(t=1.0, id="a", event="arrive", source="capture"),
+              RequestRecord(t=1.1, id="b", event="arrive", source="probe")):
+        core.ingest(r)
+        m.sink(r)
+    m.update(core.snapshot())
+    s = _samples(m)
+    sig = {lb["signal"]: v for lb, v in s["kvtop_host_memory_signal_bytes"]}
+    assert sig == {"mlocked": 4096.0, "gup_pinned": 0.0, "engine_shmem": float(3 << 30)}
+    # the pinned name holds the pinned estimate only (one series: nothing to sum), never Mlocked
+    assert s["kvtop_host_pinned_memory_bytes"] == [({"signal": "engine_shmem"}, float(3 << 30))]
+    assert {lb["observer"]: v for lb, v in s["kvtop_streams_observed_total"]} == {"capture": 1.0, "probe": 1.0}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for smp in fam.samples:
+            assert "source" not in smp.labels, smp
+            for k, v in smp.labels.items():
+                if k not in ("engine", "model_name", "UUID", "version", "le", "pod", "namespace", "node"):
+                    assert re.fullmatch(r"[a-z0-9_.+]*|\+Inf", v), (smp.name, k, v)
+
+
+def test_model_name_comes_from_the_engine_and_pod_labels_from_the_downward_api():
+    core = Core(itl_target_s=0.1, analysis=LiveAnalyzer(itl_target_s=0.1))
+    env = {"POD_NAME": "vllm-7d9f-x2", "POD_NAMESPACE": "inference", "NODE_NAME": "gpu-node-1"}
+    m = AgentMetrics(request_engine="10.0.0.5:8000", env=env)
+    core.ingest(EngineRecord(t=1.0, adapter="vllm", url="http://10.0.0.5:8000", up=True, model="Qwen/Qwen2.5-7B",
+                             kv_usage=0.5))
+    m.update(core.snapshot(), core.analysis.counters() if core.analysis else None)
+    s = _samples(m)
+    [(lb, _)] = s["kvtop_engine_kv_cache_usage_ratio"]
+    assert lb == {"engine": "10.0.0.5:8000", "model_name": "Qwen/Qwen2.5-7B"}
+    assert {lb["model_name"] for lb, _ in s["kvtop_token_gap_spikes_total"]} == {"Qwen/Qwen2.5-7B"}
+    [(lb, v)] = s["kvtop_agent_info"]
+    assert v == 1 and (lb["pod"], lb["namespace"], lb["node"]) == ("vllm-7d9f-x2", "inference", "gpu-node-1")
+    m2 = AgentMetrics(env={})
+    m2.update(Core().snapshot())
+    [(lb, _)] = _samples(m2)["kvtop_agent_info"]
+    assert (lb["pod"], lb["namespace"]) == ("", "")
 
 
 def test_gpu_series_use_dcgm_quantities_and_flag_a_downtrained_link():
@@ -130,7 +193,35 @@ def test_gpu_series_use_dcgm_quantities_and_flag_a_downtrained_link():
     down = {lb["gpu"]: v for lb, v in s["kvtop_gpu_pcie_link_downtrained"]}
     assert down == {"0": 1.0, "1": 0.0}
     assert dict((lb["gpu"], v) for lb, v in s["kvtop_gpu_pcie_replay_total"]) == {"0": 7.0}
-    assert dict((lb["gpu"], v) for lb, v in s["kvtop_gpu_pcie_tx_bytes_per_second"]) == {"0": 6e9}
+    # GPU 0 has no NVML byte counters: its 20 ms sample is a gauge; no counter pretends otherwise
+    assert dict((lb["gpu"], v) for lb, v in s["kvtop_gpu_pcie_tx_sampled_bytes_per_second"]) == {"0": 6e9}
+    assert "kvtop_gpu_pcie_tx_bytes_total" not in s
+
+
+def test_pcie_bytes_are_nvml_counters_exact_at_any_scrape_interval():
+    """The exported series is the driver's cumulative counter: a scrape every 7 s sees every byte
+    moved in between, bursts included, where a 1 s rate gauge sampled every 7 s would see 1 of 7."""
+    core = Core()
+    m = AgentMetrics()
+    tx = 0
+    moved: list[int] = []
+    seen: list[float] = []
+    for t in range(1, 16):
+        step = (5 << 30) if t % 3 == 0 else (1 << 20)  # bursty traffic
+        tx += step
+        moved.append(step)
+        core.ingest(GpuRecord(t=float(t), index=0, uuid="GPU-abc", pcie_source="field_counters",
+                              pcie_tx_bytes_per_s=float(step), pcie_rx_bytes_per_s=1.0,
+                              pcie_tx_bytes_total=tx, pcie_rx_bytes_total=7 * t))
+        m.update(core.snapshot())
+        [(lb, v)] = _samples(m)["kvtop_gpu_pcie_tx_bytes_total"]
+        seen.append(v)
+    assert lb == {"gpu": "0", "UUID": "GPU-abc"} and seen[-1] == float(tx)
+    for a, b in ((0, 7), (7, 14)):  # scrapes at t=1, 8, 15
+        assert seen[b] - seen[a] == float(sum(moved[a + 1:b + 1]))
+    sampled_every_7s = [moved[a] for a in (0, 7, 14)]
+    assert sum(sampled_every_7s) * 7 != sum(moved[1:])  # what a 1 s gauge would have said
+    assert "kvtop_gpu_pcie_tx_sampled_bytes_per_second" not in _samples(m)
 
 
 def test_a_failed_scrape_counts_as_a_scrape_error_and_marks_the_source_stale():
@@ -142,9 +233,10 @@ def test_a_failed_scrape_counts_as_a_scrape_error_and_marks_the_source_stale():
         m.sink(rec)
     m.update(core.snapshot(), stale_after_s=10.0)
     s = _samples(m)
-    assert s["kvtop_scrape_errors_total"] == [({"source": "10.0.0.7:8000"}, 3.0)]
-    assert ({"source": "10.0.0.7:8000"}, 1.0) in s["kvtop_source_stale"]
-    assert ({"adapter": "vllm", "engine": "10.0.0.7:8000"}, 0.0) in s["kvtop_engine_up"]
+    assert s["kvtop_engine_scrape_errors_total"] == [({"engine": "10.0.0.7:8000"}, 3.0)]
+    assert s["kvtop_engine_stale"] == [({"engine": "10.0.0.7:8000", "model_name": ""}, 1.0)]
+    assert ({"adapter": "vllm", "engine": "10.0.0.7:8000", "model_name": ""}, 0.0) in s["kvtop_engine_up"]
+    assert s["kvtop_gpu_stale"] == [({}, 0.0)]  # not read here: not stale
 
 
 @pytest.mark.parametrize(("url", "engine", "want"), [

@@ -232,6 +232,8 @@ def test_field_counters_rate_from_two_polls():
     g.tx_bytes, g.rx_bytes = 1_000_000_000, 500_000_000
     r0, _ = src.poll(10.0)
     assert r0.pcie_source == "field_counters" and r0.pcie_tx_bytes_per_s is None
+    # the raw counters from the first poll on (the agent exports them as _bytes_total counters)
+    assert (r0.pcie_tx_bytes_total, r0.pcie_rx_bytes_total) == (1_000_000_000, 500_000_000)
     g.tx_bytes += 6_000_000_000  # 6 GB over 2 s = 3 GB/s
     g.rx_bytes += 1_000_000_000  # 1 GB over 2 s = 0.5 GB/s
     r0, r1 = src.poll(12.0)
@@ -246,10 +248,11 @@ def test_field_counters_rate_from_two_polls():
     g.tx_kbps, g.rx_kbps = 55_000_000, 1_000  # 55 GB/s and 1 MB/s in NVML's KB/s
     r0, r1 = src.poll(13.0)
     assert r0.pcie_tx_bytes_per_s is None and r0.pcie_rx_bytes_per_s is None
+    assert r0.pcie_tx_bytes_total is None  # not a counter any more: nothing is exported as one
     assert any("went backwards" in n for n in r0.notes)
     assert r1.pcie_source == "field_counters"  # the other GPU keeps its counters
     r0, _ = src.poll(15.0)
-    assert r0.pcie_source == "throughput_20ms"
+    assert r0.pcie_source == "throughput_20ms" and r0.pcie_tx_bytes_total is None
     assert r0.pcie_tx_bytes_per_s == pytest.approx(55e9) and r0.pcie_rx_bytes_per_s == pytest.approx(1e6)
     assert any("not monotonic" in n for n in r0.notes)
 

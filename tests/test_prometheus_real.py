@@ -18,6 +18,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -135,7 +136,7 @@ def test_spike_counters_in_prometheus_match_the_agents_report(storm):
         # every spike is a gap above the 100 ms target, so its stall time is at least that long
         assert secs[c] >= 0.1 * n - 1e-6
         assert math.isclose(secs[c], rep["stall_seconds_by_cause"][c], rel_tol=1e-6, abs_tol=1e-6)
-    streams = sum(float(s["value"][1]) for s in _query(prom, 'kvtop_streams_observed_total{source="proxy"}'))
+    streams = sum(float(s["value"][1]) for s in _query(prom, 'kvtop_streams_observed_total{observer="proxy"}'))
     assert streams == storm["load"].sent
 
 
@@ -188,10 +189,19 @@ def test_every_dashboard_query_runs_and_returns_data(storm):
     assert len(exprs) >= 15
     empty = []
     for e in exprs:
-        q = e.replace("$__rate_interval", "1m").replace("$__range", "5m").replace("$engine", ".*")
-        if not _query(storm["prom"], q):
+        q = e.replace("$__rate_interval", "1m").replace("$__range", "5m")
+        for var in ("$job", "$instance", "$model_name", "$engine"):
+            q = q.replace(var, ".*")
+        # this agent runs --no-gpu (no GPU here), and a verdict may name no eviction mechanism
+        if not _query(storm["prom"], q) and "kvtop_gpu_" not in q and "kvtop_verdict_mechanism" not in q:
             empty.append(q)
     assert not empty, f"dashboard queries without data: {empty}"
+    # the variables' own queries answer too
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            q = v["definition"].replace("$job", ".*").replace("$instance", ".*").replace("$model_name", ".*")
+            metric, label = re.fullmatch(r"label_values\((.+), (\w+)\)", q).groups()  # type: ignore[union-attr]
+            assert {r["metric"].get(label, "") for r in _query(storm["prom"], metric)} - {""} or label == "model_name", q
 
 
 def test_snapshot_and_analyze_over_prometheus_from_the_command_line(storm):
@@ -205,6 +215,9 @@ def test_snapshot_and_analyze_over_prometheus_from_the_command_line(storm):
                   "--itl-target-ms", "100", timeout=60)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
+    import jsonschema
+
+    jsonschema.validate(rep, json.loads((REPO / "kvtop" / "schemas" / "fleet-analysis.schema.json").read_text()))
     [inst] = rep["instances"]
     assert inst["report"]["basis"] == "aggregate" and "agent" in rep["note"]
     assert inst["report"]["causes"]["preemption"]["count"] > 0

@@ -213,8 +213,11 @@ def test_prometheus_going_away_marks_its_engines_down_with_one_event(api):
 
 def test_fleet_reads_agent_verdicts_and_spikes(api):
     url, routes = api
-    routes["kvtop_verdict_info"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
-                                                    "action": "admission", "mechanism": "recompute"}, 1)])
+    # the mechanism's route first: "kvtop_verdict" is a prefix of its query
+    routes["kvtop_verdict_mechanism{} == 1"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
+                                                               "mechanism": "recompute"}, 1)])
+    routes["kvtop_verdict{} == 1"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470",
+                                                     "action": "admission"}, 1)])
     routes["kvtop_verdict_confidence"] = lambda q: _vec([({"engine": "10.0.0.5:8000", "instance": "n1:9470"}, 0.7)])
     routes["kvtop_token_gap_spikes_total"] = lambda q: _vec([
         ({"engine": "10.0.0.5:8000", "instance": "n1:9470", "cause": "preemption"}, 42),
@@ -230,8 +233,6 @@ def test_command_line_bad_input_exits_2_with_one_line():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cases = [
-        ("snapshot", "--prometheus", f"http://127.0.0.1:{port}", "--timeout", "1"),
-        ("analyze", "--prometheus", f"http://127.0.0.1:{port}", "--timeout", "1"),
         ("analyze", "--prometheus", "http://127.0.0.1:9", "--start", "yesterday"),
         ("analyze", "--prometheus", "http://127.0.0.1:9", "--start", "now-1h", "--end", "now-2h"),
         ("analyze", "--prometheus", "http://127.0.0.1:9", "--selector", "vllm"),
@@ -243,12 +244,18 @@ def test_command_line_bad_input_exits_2_with_one_line():
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("kvtop: error: "), (args, r.stderr)
         assert "Traceback" not in r.stderr
+    # a Prometheus that does not answer (a closed loopback port) is a run failure: exit 1
+    for args in (("snapshot", "--prometheus", f"http://127.0.0.1:{port}", "--timeout", "1"),
+                 ("analyze", "--prometheus", f"http://127.0.0.1:{port}", "--timeout", "1")):
+        r = run_kvtop(*args, timeout=60)
+        assert r.returncode == 1, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and f"127.0.0.1:{port}" in r.stderr, (args, r.stderr)
 
 
 def test_snapshot_says_when_prometheus_scrapes_no_engine(api):
     url, routes = api
     r = run_kvtop("snapshot", "--prometheus", url, timeout=60)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.strip() == f"kvtop: error: Prometheus at {url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, Triton metric names)"
 
 
@@ -275,5 +282,5 @@ def test_prometheus_reads_send_the_token_from_token_file(tmp_path):
         srv.shutdown()
         srv.server_close()
     assert seen and all(a == "Bearer s3cret-from-file" for a in seen), seen
-    assert r.returncode == 2  # this server scrapes no engine: a one-line answer
+    assert r.returncode == 1  # this server scrapes no engine: a one-line answer
     assert "s3cret" not in r.stdout + r.stderr

@@ -16,12 +16,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from kvtop import __version__
 from kvtop.analysis.live import LiveAnalyzer
 from kvtop.analysis.report import render_report_text
 from kvtop.analysis.scan import analyze_trace
 from kvtop.core import Core
 from kvtop.model.analysis import AnalysisReport, Decision, Number, SpikeView, Verdict
 from kvtop.model.records import from_dict
+from kvtop.model.sanitize import output_json
 from kvtop.model.trace import TraceReader
 from kvtop.sim import simulate as sim
 from kvtop.sim import workload
@@ -51,13 +53,14 @@ def test_printed_json_reads_back_into_the_same_report(traces, name, kvtop_cli):
     assert r.returncode == 0, r.stderr
     rep = AnalysisReport.from_dict(json.loads(r.stdout))
     # the typed report writes out exactly what `kvtop analyze` printed
-    assert json.dumps(rep.to_dict(), indent=1, allow_nan=False) + "\n" == r.stdout
-    # and the command's report is the one the library builds
-    assert rep == analyze_trace(str(traces[name])).finite()
+    assert json.dumps(rep.to_json(__version__), indent=1, allow_nan=False) + "\n" == r.stdout
+    # and the command's report is the one the library builds, its floats rounded for output
+    built = analyze_trace(str(traces[name])).finite()
+    assert rep == AnalysisReport.from_dict(output_json(built.to_dict()))
     assert rep.basis == ("aggregate" if name.endswith("-aggregate") else "requests")
     # text rendered from the typed report is what `kvtop analyze` prints
     text = kvtop_cli("analyze", str(traces[name])).stdout
-    assert text == render_report_text(rep) + "\n"
+    assert text == render_report_text(built) + "\n"
 
 
 def test_typed_fields_say_what_the_json_says(traces):
@@ -90,7 +93,7 @@ def test_live_snapshot_carries_the_typed_report_and_validates(traces):
     assert snap.analysis.pending_spikes == 0 and snap.analysis.spikes_total > 0
     doc = snap.to_json()
     jsonschema.validate(doc, SCHEMA)
-    assert doc["analysis"] == snap.analysis.to_dict()
+    assert doc["analysis"] == output_json(snap.analysis.to_dict())
     assert doc["analysis"]["pending_spikes"] == 0  # the live report says how many still wait
     assert "pending_spikes" not in analyze_trace(str(traces["preemption-storm"])).to_dict()  # a batch one does not
 

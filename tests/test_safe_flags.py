@@ -204,17 +204,17 @@ def test_storm_preset_flags_admit_its_traffic(tmp_path, kvtop_cli):
     assert f["--max-num-seqs"] < nums["max_seqs_current"]["value"] == 64
     assert {"--kv-offloading-size", "--kv-offloading-backend"} <= set(f)
     assert nums["preempted_peak"]["source"] == "measured" and nums["preempted_peak"]["value"] >= 1
-    # the snapshot schema's analysis object describes this report's settings
+    # the analysis schema describes this report's settings
     from importlib import resources
 
     import jsonschema
 
-    schema = json.loads(resources.files("kvtop.schemas").joinpath("snapshot.schema.json").read_text())
-    jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(rep)
+    schema = json.loads(resources.files("kvtop.schemas").joinpath("analysis.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(rep)
     bad = copy.deepcopy(rep)
     bad["verdict"]["settings"] = {"--max-num-seqs": 8}
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft202012Validator(schema["properties"]["analysis"]).validate(bad)
+        jsonschema.Draft202012Validator(schema).validate(bad)
 
 
 def test_reduce_batch_starts_from_what_actually_runs():

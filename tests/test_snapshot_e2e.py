@@ -24,8 +24,8 @@ PAGE2 = vllm_page(preemptions=11 + N_PREEMPT, prompt=50_000 + P_PROMPT, generati
                   running=10, waiting=4, itl={"0.025": 590, "0.05": 20, "1.0": 10})
 
 
-def one_line_error(p) -> str:
-    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+def one_line_error(p, rc: int = 2) -> str:
+    assert p.returncode == rc, (p.returncode, p.stdout, p.stderr)
     assert p.stdout == ""
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvtop: error: "), p.stderr
@@ -104,16 +104,17 @@ def test_snapshot_json_reports_gpu_status_and_down_engine(server):
     assert down["kv_usage"] is None and down["preemptions_per_s"] is None
 
 
-def test_exit_2_unreachable():
-    p = run_kvtop("snapshot", "--url", "http://127.0.0.1:1", "--duration", "0.2", "--no-gpu", timeout=60)
-    err = one_line_error(p)
-    assert "could not read any engine" in err and "cannot connect" in err and "127.0.0.1:1" in err
+def test_exit_1_unreachable_at_the_first_scrape():
+    # an hour's --duration: the dead engine must end the run at the first scrape, not after it
+    p = run_kvtop("snapshot", "--url", "http://127.0.0.1:1", "--duration", "1h", "--no-gpu", timeout=60)
+    err = one_line_error(p, rc=1)
+    assert "could not read the engine at http://127.0.0.1:1" in err and "cannot connect" in err
 
 
-def test_exit_2_html_page(server):
+def test_exit_1_html_page(server):
     server.route("/metrics", "<!doctype html><html><body>Grafana</body></html>", content_type="text/html")
-    p = run_kvtop("snapshot", "--url", server.url, "--duration", "0.2", "--no-gpu", timeout=60)
-    assert "not a metrics endpoint" in one_line_error(p)
+    p = run_kvtop("snapshot", "--url", server.url, "--duration", "1h", "--no-gpu", timeout=60)
+    assert "not a metrics endpoint" in one_line_error(p, rc=1)
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ async def test_nvml_absent_shows_the_reason():
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         text = screen_text(app)
-        assert "GPU: NVML library not found (libnvidia-ml.so.1)" in text
+        assert "GPUs NVML library not found (libnvidia-ml.so.1)" in text  # one line, no banner
         assert "no engine data yet" in text and "no host data yet" in text
         await pilot.press("4")
         assert "No analysis yet" in screen_text(app)
@@ -124,7 +124,7 @@ async def test_live_runner_feed_then_the_engine_goes_away():
             if "● vllm " + url in screen_text(app):
                 break
         text = screen_text(app)
-        assert "● vllm " + url in text and "GPU: disabled (--no-gpu)" in text
+        assert "● vllm " + url in text and "GPUs disabled (--no-gpu)" in text
         srv.shutdown()
         srv.server_close()
         for _ in range(50):

@@ -51,8 +51,9 @@ def test_durations_in_each_views_form():
     # console: whole ms, two decimals to 100 s, whole seconds after
     assert units.duration_short(0.0734) == "73ms" and units.duration_short(1.65) == "1.65s"
     assert units.duration_short(300) == "300s" and units.duration_short(99.5) == "99.50s"
-    # kvtop analyze's numbers table stays in ms up to 10 s
-    assert units.quantity(0.0029, "s") == "2.9 ms" and units.quantity(9.9, "s") == "9900.0 ms"
+    # kvtop analyze's numbers table stays in ms up to 10 s, three significant digits
+    assert units.quantity(0.0029, "s") == "2.9 ms" and units.quantity(9.9, "s") == "9900 ms"
+    assert units.quantity(0.00029, "s") == "0.29 ms" and units.quantity(0.41, "s") == "410 ms"
     assert units.quantity(12.5, "s") == "12.5 s"
 
 
@@ -68,13 +69,20 @@ def test_counts_rates_and_shares():
 
 
 def test_analysis_numbers_with_other_units_and_non_numbers():
-    # KV bytes per token of an 8B model at bf16: 131,072 B/token, four significant digits
-    assert units.quantity(131072.0, "B/token") == "1.311e+05 B/token"
+    # KV bytes per token of an 8B model at bf16: 131,072 B, in the memory views' IEC units
+    assert units.quantity(131072.0, "B/token") == "128.0 KiB/token"
+    assert units.quantity_short(131072, "B/token") == "128.0K/token"
+    # never an exponent; a name that ends in its unit does not repeat it
+    assert units.quantity(123456.7, "tokens") == "123,457 tokens"
+    assert units.quantity(1, "tokens", "break_even_tokens") == "1"
+    assert units.quantity_short(1, "tokens", "break_even_tokens") == "1"
     assert units.quantity(982.3, "tokens") == "982.3 tokens" and units.quantity(7, "") == "7"
     assert units.quantity(0.0002406, "") == "0.0002406"
     assert units.quantity(True, "") == "True" and units.quantity("swap", "") == "swap"
     # the console's verdict panel: the unit, or else the number's name, picks the short form
-    assert units.quantity_short(0.0029, "s") == "3ms" and units.quantity_short(0.0029, "", "t_out_s") == "3ms"
+    # below a second three significant digits, as the verdict's reasons quote them
+    assert units.quantity_short(0.0029, "s") == "2.9ms" and units.quantity_short(0.0029, "", "t_out_s") == "2.9ms"
+    assert units.quantity_short(0.00029, "s", "swap_gpu_s") == "0.29ms" and units.quantity_short(0.085, "s") == "85ms"
     assert units.quantity_short(4.37e10, "", "bw_bytes_per_s") == "43.7 GB/s"
     assert units.quantity_short(24 * GIB, "B") == "24.0G"
     assert units.quantity_short(1234.0, "tokens") == "1,234 tokens" and units.quantity_short(0.2406, "") == "0.2406"

@@ -15,7 +15,7 @@ the evidence for one spike is gathered by ``attribution.gather`` and judged by `
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,12 +25,16 @@ from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes
 from kvtop.analysis.attribution.spike import Spike
+from kvtop.analysis.attribution.thresholds import PREFILL_HOLD_S
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
+from kvtop.analysis.witness import Account, StepIndex
 from kvtop.model.engine_id import engine_address
+
+HOLD_REFRESH_S = 0.1  # the prefill hold line is recomputed at most this often (trace seconds)
 
 CAUSES = tuple(c.value for c in ALL)
 
@@ -61,6 +65,13 @@ class Analyzer:
         # stream that names its engine is judged on that engine's records only
         self.timelines: dict[str, EngineTimeline] = {}
         self._no_engine = EngineTimeline(horizon_s=1.0)  # for streams of an engine kvtop does not scrape
+        # the engines' own step logs (``step`` records from a witness), one per engine address
+        self.witness: dict[str | None, StepIndex] = {}
+        self.witnessed_spikes = 0
+        # other requests' prefills as the engine timed them (vLLM per-request metrics: first scheduled
+        # to first token): (start, end, prompt tokens, request id, engine), by end
+        self.prefill_spans: deque[tuple[float, float, int, str, str | None]] = deque()
+        self._hold_cache: tuple[float, float | None] = (float("-inf"), None)  # (asked at, hold line)
         self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
         self.cause_conf: dict[Cause, float] = dict.fromkeys(ALL, 0.0)
@@ -81,6 +92,9 @@ class Analyzer:
         self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
         self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
+        # hears every engine, GPU and host line as it goes in (the HTML report's history charts),
+        # so a picture of a trace costs no second pass over it
+        self.observe: Callable[[dict[str, Any]], None] | None = None
 
     # ---- the gap tracker's settings, as callers know them ------------------------------------
     @property
@@ -140,11 +154,19 @@ class Analyzer:
                 if ev == "finish" and ("engine_ttft_s" in d or "engine_queue_s" in d or "engine_decode_s" in d):
                     self.engine_times(d)
         elif kind == "engine":
+            if self.observe is not None:
+                self.observe(d)
             self.engine(d)
+        elif kind == "step":
+            self.step(d)
         elif kind == "host":
+            if self.observe is not None:
+                self.observe(d)
             self.acc.host = d
             self._advance(t)
         elif kind == "gpu":
+            if self.observe is not None:
+                self.observe(d)
             tx = (d.get("pcie_tx_bytes_per_s") or 0) + (d.get("pcie_rx_bytes_per_s") or 0)
             self.acc.gpu_pcie_max = max(self.acc.gpu_pcie_max, tx)
             self._advance(t)
@@ -232,6 +254,11 @@ class Analyzer:
         p = d.get("prompt_tokens")
         prompt = p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else r.prompt_tokens
         self.request_times.finish(d, prompt, r.arrive_t, r.first_t, r.last_t, r.engine)
+        ttft = d.get("engine_ttft_s")
+        if isinstance(ttft, (int, float)) and ttft > 0 and r.first_t is not None and prompt:
+            # the engine worked on this prompt from first scheduled to its first token (which the
+            # client saw at first_t, a little after the engine made it)
+            self.prefill_spans.append((r.first_t - float(ttft), r.first_t, int(prompt), r.id, r.engine))
 
     def name_engine(self, rid: str, engine: Any) -> None:
         """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""
@@ -275,6 +302,26 @@ class Analyzer:
                                        d.get("running"), kv))
         self._advance(t)
 
+    def step(self, d: dict[str, Any]) -> None:
+        """One engine step from the engine's witness."""
+        url = d.get("engine")
+        addr = engine_address(url) if isinstance(url, str) else None
+        idx = self.witness.get(addr)
+        if idx is None:
+            idx = self.witness[addr] = StepIndex()
+        idx.add(d)
+        self._advance(d["t"])
+
+    def witness_account(self, g: Gap) -> Account | None:
+        """The engine's own account of spike ``g``, where a witness logged its request."""
+        if not self.witness:
+            return None
+        first = self.witness.get(g.engine)
+        for idx in ([first] if first is not None else []) + [i for i in self.witness.values() if i is not first]:
+            if g.request_id in idx.by_req:
+                return idx.account(g.request_id, g.t_start, g.t_end, self.gaps.itl_target_s)
+        return None
+
     # ---- the fast path's batch API ----------------------------------------------------------
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -300,9 +347,38 @@ class Analyzer:
     def tick(self, now: float | None = None) -> None:
         """Attribute every pending spike whose evidence window has passed."""
         now = self.now if now is None else now
-        for g in self.gaps.take_ready(now, self.settle):
+        for g in self.gaps.take_ready(now, self.settle, self._hold_line(now), PREFILL_HOLD_S):
             self._attribute(g)
         self._prune(now)
+
+    def _hold_line(self, now: float) -> float | None:
+        """Spikes that end after this wait (up to ``PREFILL_HOLD_S``) for the engine's report of a
+        prefill they may lie in: once the run has engine-timed prefills, the earliest arrival of a
+        stream whose prefill may still be reported (no first token yet, or one within the hold and
+        not finished). None: nothing to wait for."""
+        if not self.prefill_spans:
+            return None
+        asked, line = self._hold_cache
+        if 0.0 <= now - asked < HOLD_REFRESH_S:
+            return line
+        line = None
+        for r in self.gaps.reqs.values():
+            if r.end_t is not None or r.arrive_t is None:
+                continue
+            if r.first_t is None or now - r.first_t <= PREFILL_HOLD_S:
+                line = r.arrive_t if line is None else min(line, r.arrive_t)
+        self._hold_cache = (now, line)
+        return line
+
+    def prefill_span(self, g: Gap) -> tuple[float, float, int, str] | None:
+        """Another request's engine-timed prefill covering at least half of stall ``g`` (the longest prompt)."""
+        best = None
+        for a, b, prompt, rid, eng in self.prefill_spans:
+            if rid == g.request_id or (g.engine is not None and eng is not None and eng != g.engine):
+                continue
+            if min(b, g.t_end) - max(a, g.t_start) >= 0.5 * g.gap and (best is None or prompt > best[2]):
+                best = (a, b, prompt, rid)
+        return best
 
     def finish(self) -> None:
         gt = self.gaps
@@ -321,6 +397,10 @@ class Analyzer:
         self.timeline.prune(keep_from - 60.0)
         for tl in self.timelines.values():
             tl.prune(keep_from - 60.0)
+        for idx in self.witness.values():
+            idx.prune(keep_from - 60.0)
+        while self.prefill_spans and self.prefill_spans[0][1] < keep_from - 60.0:
+            self.prefill_spans.popleft()
 
     def timeline_for(self, engine: str | None) -> EngineTimeline:
         """The engine records that speak for a stream of ``engine`` (its address, or None).
@@ -342,8 +422,11 @@ class Analyzer:
         r = self.gaps.reqs.get(g.request_id)
         gt = self.gaps
         ev = gather(g, gt.stalls, gt.median_gap(), gt.itl_target_s, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
-                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None)
+                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None,
+                    witness=self.witness_account(g), prefill_span=self.prefill_span(g) if self.prefill_spans else None)
         f = classify(ev)
+        if f.kind == "witness":
+            self.witnessed_spikes += 1
         spike = Spike(g, f)
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1

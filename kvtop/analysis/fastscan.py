@@ -13,6 +13,7 @@ path's (tested).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvtop.analysis.analyzer import Analyzer
@@ -47,14 +48,20 @@ def available() -> bool:
     return np is not None
 
 
-def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK) -> int:
-    """Feed every record after the header line into ``an``; returns the count of malformed lines."""
+def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None) -> int:
+    """Feed every record after the header line into ``an``; returns the count of malformed lines.
+    ``tick(bytes read)`` after each chunk: True stops there (the records of whole lines read so far
+    are in ``an``)."""
     skipped = 0
+    done = 0
     with open_binary(path) as f:
-        f.readline()
+        done += len(f.readline())
         carry = b""
         while True:
+            if tick is not None and tick(done):
+                break
             block = f.read(chunk_bytes)
+            done += len(block)
             if not block:
                 if carry.strip():
                     skipped += _chunk(an, carry + b"\n")

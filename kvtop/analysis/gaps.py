@@ -444,12 +444,16 @@ class GapTracker:
             return vals[len(vals) // 2]
         return None
 
-    def take_ready(self, now: float, settle: float) -> list[Gap]:
+    def take_ready(self, now: float, settle: float, hold_after: float | None = None, hold_s: float = 0.0) -> list[Gap]:
         """Pending spikes whose evidence window (``settle`` after their end) has passed, in a fixed
         order (t_end, request id) so counter units are claimed the same way whichever path
-        produced them."""
+        produced them. ``hold_after``: spikes ending after it wait up to ``hold_s`` past their end
+        for evidence still to come (a prefill the engine reports when its request finishes)."""
         ready = []
         while self.pending and self.pending[0].gap.t_end + settle <= now:
+            t_end = self.pending[0].gap.t_end
+            if hold_after is not None and t_end > hold_after and now < t_end + hold_s:
+                break
             ready.append(self.pending.popleft().settled())
         ready.sort(key=lambda g: (g.t_end, g.request_id))
         return ready

@@ -130,7 +130,10 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if pre_count:
         n["preemption_rate"] = Num(pre_count / duration, "1/s", "measured")
     if finished:
-        n["preemptions_per_completed"] = Num(pre_count / finished, "", "measured", f"{pre_count:.0f} / {finished:.0f}")
+        # without the engine's counter the count is kvtop's preemption spikes: say so (a trace with no
+        # engine scrapes cannot show a preemption that left no stall, nor tell one from another stall)
+        what = f"{pre_count:.0f}" if counter is not None else f"{pre_count:.0f} preemption spikes (no engine counter)"
+        n["preemptions_per_completed"] = Num(pre_count / finished, "", "measured", f"{what} / {finished:.0f}")
     if preempted:
         n["preemptions_per_preempted"] = Num(n_pre_spikes / preempted, "", "measured")
     if preempted >= MIN_SAMPLES:

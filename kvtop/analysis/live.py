@@ -25,6 +25,7 @@ from kvtop.model.records import (
     HostRecord,
     Record,
     RequestRecord,
+    StepRecord,
     TruthRecord,
     to_dict,
 )
@@ -83,7 +84,7 @@ class LiveAnalyzer:
             if rec.model and not (an.header.get("engine") or {}).get("model"):
                 an.header["engine"]["model"] = rec.model
             an.feed_dict(to_dict(rec))
-        elif isinstance(rec, (GpuRecord, HostRecord)):
+        elif isinstance(rec, (GpuRecord, HostRecord, StepRecord)):
             an.feed_dict(to_dict(rec))
         elif isinstance(rec, TruthRecord):
             return  # ground truth is never analysis input

@@ -51,7 +51,7 @@ def render_verdict_text(v: Verdict) -> str:
         lines.append("numbers:")
         for k in shown:
             n = nums[k]
-            lines.append(f"  {k:<26} {units.quantity(n.value, n.unit):>14}  [{n.source}]")
+            lines.append(f"  {k:<26} {units.quantity(n.value, n.unit, k):>14}  [{n.source}]")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.engines import engine_semantics
@@ -10,10 +12,18 @@ from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.trace import TraceReader
 
+if TYPE_CHECKING:
+    from kvtop.picture import Picture
 
-def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
-                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
-                  use_request_preempts: bool = True) -> AnalysisReport:
+# samples per chart series the HTML report keeps: 12 hours of 1 s scrapes (~1.5 MB a series)
+PICTURE_MAX_POINTS = 43_200
+
+
+def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempts: bool,
+          observe: Callable[[dict[str, Any]], None] | None,
+          tick: Callable[[int | None], bool] | None = None) -> tuple[Analyzer, list[str], dict[str, str], str | None]:
+    """``tick(bytes read, or None on the streaming path)`` is called as the scan goes (progress);
+    True stops it there: the report covers the records read so far and says so in its warnings."""
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")
@@ -21,23 +31,80 @@ def analyze_trace(path: str, itl_target_s: float | None = None, model_config: di
     an = Analyzer(itl_target_s=itl_target_s, preempts=preempts, use_request_preempts=use_request_preempts)
     an.counted_at = counted_at
     an.set_header(header)
+    an.observe = observe
     warnings = [warn] if warn else []
+    # what the recorder (or an importer) knew the trace could not hold: the report repeats it
+    # rather than let an absent signal read as a quiet one
+    missing = header.get("missing")
+    if isinstance(missing, list):
+        warnings.extend(f"this trace lacks {m}" for m in missing if isinstance(m, str))
     if fast:
         # numpy takes a tenth of a second or more to import: only the fast path loads it
         from kvtop.analysis import fastscan
 
         if fastscan.available():
             reader.close()
-            skipped = fastscan.scan(path, an)
+            stopped_at: list[int] = []
+
+            def chunk_tick(done: int) -> bool:
+                if tick is not None and tick(done):
+                    stopped_at.append(done)
+                    return True
+                return False
+
+            skipped = fastscan.scan(path, an, tick=chunk_tick if tick is not None else None)
             an.finish()
             if skipped:
                 warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
-            return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
+            if stopped_at:
+                warnings.append(f"interrupted: the analysis covers the first {stopped_at[0] / 1e6:.1f} MB of {path}")
+            return an, warnings, settings, eng
     feed = an.feed_dict
-    for d in reader.dicts():
+    for n, d in enumerate(reader.dicts()):
         feed(d)
+        if tick is not None and n % 4096 == 4095 and tick(None):
+            warnings.append(f"interrupted: the analysis covers the first {n + 1} records of {path}")
+            break
     an.finish()
     w = reader.warning()
     if w:
         warnings.append(w)
+    return an, warnings, settings, eng
+
+
+def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
+                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
+                  use_request_preempts: bool = True, tick: Callable[[int | None], bool] | None = None) -> AnalysisReport:
+    an, warnings, settings, eng = _scan(path, itl_target_s, fast, use_request_preempts, None, tick)
     return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
+
+
+def picture_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
+                  kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1,
+                  tick: Callable[[int | None], bool] | None = None) -> Picture:
+    """The report of ``analyze_trace`` and, from the same pass, what the HTML report draws beside
+    it (``kvtop.picture.Picture``): the console's history series over the trace and every stream's span."""
+    # the history store and the picture only when a picture is asked for: `analyze` alone stays lean
+    from kvtop.history import History
+    from kvtop.model.records import from_dict
+    from kvtop.picture import Picture, StreamSpan
+
+    hist = History(max_points=PICTURE_MAX_POINTS)
+
+    def observe(d: dict[str, Any]) -> None:
+        try:
+            rec = from_dict(d)
+            if rec is not None:
+                hist.ingest(rec)
+        except (TypeError, ValueError):
+            pass  # a line the analysis read but a chart cannot (a field of the wrong type): no sample
+
+    an, warnings, settings, eng = _scan(path, itl_target_s, True, True, observe, tick)
+    rep = build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings).finite()
+    st = an.state()
+    streams = tuple(StreamSpan(r.id, r.arrive_t, r.first_t, r.last_t, r.end_t, r.ended_by, r.tokens, r.prompt_tokens,
+                               r.engine)
+                    for r in st.streams)
+    window = hist.window(float("-inf"))
+    capped = any(len(s) >= PICTURE_MAX_POINTS for e in window.engines.values() for s in e.values())
+    return Picture(Path(path).name, rep, window, streams, st.t0, st.now, dict(st.header), capped)

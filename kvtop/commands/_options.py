@@ -7,12 +7,22 @@ groups it needs and gets one typed ``SourceOptions`` back, resolved flag > envir
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import asyncio
+import dataclasses
+import os
+import re
+import sys
+from typing import TYPE_CHECKING, Any
 
 from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
 from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
+
+if TYPE_CHECKING:
+    from kvtop.feeds.live import LiveRunner
+    from kvtop.model.records import EngineRecord
+    from kvtop.sources.promapi import PromAuth
 
 # Every command's parser is built from these groups on each start: what only a check or a run
 # needs (aiohttp for the probe, the packet socket, Prometheus' client, the adapter registry) is
@@ -25,6 +35,18 @@ def _probe_rate(text: str) -> float:
     return probe_rate(text)
 
 
+DURATION_HINT = "10, 10s, 500ms, 2m, 1h"
+
+
+def seconds_arg(text: str) -> float:
+    """argparse ``type=`` for every duration and interval option: the one syntax (``10``, ``10s``,
+    ``500ms``, ``2m``, ``1h``) that config.parse_seconds reads, so each command accepts the same."""
+    try:
+        return parse_seconds(text, "a duration")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = None) -> None:
     """--url, --token, --adapter, --timeout, --interval: which engines, and how to scrape them."""
     p.add_argument("--url", action="append", default=None, metavar="URL",
@@ -33,6 +55,45 @@ def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = Non
     add_token_options(p)
     p.add_argument("--adapter", default=None, metavar="NAME", help="engine adapter (default: auto-detect)")
     p.add_argument("--timeout", default=None, metavar="SECONDS", help="HTTP timeout per scrape (default 2)")
+
+
+def require_terminal(headless: str) -> None:
+    """The full-screen console needs a terminal on stdin and stdout: without one (a script, CI, a
+    pipe) it would draw escape codes nobody reads and never end. One line, exit 2, naming the
+    headless way to get the same answer."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError(f"the console needs a terminal (stdin and stdout are not both one); {headless}")
+
+
+def probe_ports(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """The local ports to look for an engine on when no --url is given (config ``probe_ports``)."""
+    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
+
+    v = cfg.get("probe_ports")
+    if v is None:
+        return PROBE_PORTS
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and 0 < x < 65536 for x in v):
+        raise UsageError("config: probe_ports must be a list of port numbers")
+    return tuple(v)
+
+
+def discovered(opts: SourceOptions, cfg: dict[str, Any]) -> tuple[SourceOptions, str | None]:
+    """Headless commands without --url look where the console looks: the engines answering /metrics
+    on 127.0.0.1's usual serving ports. Returns the options with those URLs, and a note to print
+    when none answered (None when some did)."""
+    if opts.urls:
+        return opts, None
+    from kvtop.sources.discover import discover  # httpx: only when looking for engines
+
+    ports = probe_ports(cfg)
+    found = tuple(discover(ports))
+    if not found:
+        return opts, (f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}; GPU and host only "
+                      "(point it at one with --url http://HOST:PORT)")
+    capture = opts.capture_port
+    if capture == 0:  # --capture without a port: the discovered engine's
+        capture = resolve_capture_port(capture, engine_bases(list(found))[0])
+    return dataclasses.replace(opts, urls=found, capture_port=capture), None
 
 
 def add_host_options(p: argparse.ArgumentParser) -> None:
@@ -50,11 +111,15 @@ def add_probe_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_capture_option(p: argparse.ArgumentParser) -> None:
+    """--capture [PORT] and --witness FILE: what kvtop sees of each request beyond the scrapes."""
     add_capture_argument(p)
+    p.add_argument("--witness", default=None, metavar="FILE",
+                   help="the engine's own step log, written by kvtop's witness inside the engine "
+                        "(vLLM: --scheduler-cls kvtop.witness.vllm.WitnessScheduler); exact causes per stall")
 
 
 def require_capture(opts: SourceOptions) -> None:
-    """Headless commands: a capture that cannot open here is a one-line UsageError (exit 2) saying
+    """Headless commands: a capture that cannot open here is a one-line RunFailure (exit 1) saying
     how to grant the privilege. (The console runs on and shows the line in its banner instead.)"""
     if opts.capture_port is None:
         return
@@ -65,14 +130,88 @@ def require_capture(opts: SourceOptions) -> None:
     try:
         check_capture(opts.capture_port)
     except CaptureUnavailable as e:
-        raise UsageError(str(e)) from None
+        raise RunFailure(str(e)) from None
 
 
 def add_prometheus_options(p: argparse.ArgumentParser, what: str) -> None:
-    """--prometheus URL (``what`` says what the command does with it) and --selector."""
+    """--prometheus URL (``what`` says what the command does with it), --selector and how to reach it."""
     p.add_argument("--prometheus", default=None, metavar="URL", help=what)
     p.add_argument("--selector", default=None, metavar="MATCHERS",
                    help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
+    add_prometheus_auth_options(p)
+
+
+def add_prometheus_auth_options(p: argparse.ArgumentParser) -> None:
+    """How to reach a Prometheus API behind a gateway (its bearer token is --token / --token-file)."""
+    p.add_argument("--prometheus-user", default=None, metavar="USER",
+                   help="with --prometheus: basic-auth user; the password from --prometheus-password-file or "
+                        "KVTOP_PROMETHEUS_PASSWORD (also prometheus_user)")
+    p.add_argument("--prometheus-password-file", default=None, metavar="FILE",
+                   help="with --prometheus: read the basic-auth password from FILE (also prometheus_password_file)")
+    p.add_argument("--prometheus-ca-file", default=None, metavar="FILE",
+                   help="with --prometheus: PEM CA bundle that signs its TLS certificate (also prometheus_ca_file)")
+    p.add_argument("--prometheus-header", action="append", default=None, metavar="'NAME: VALUE'",
+                   help="with --prometheus: an extra request header, e.g. 'X-Scope-OrgID: team-a' (repeat; "
+                        "also prometheus_headers)")
+
+
+_SECRET_FILE_MAX_BYTES = 64 << 10
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+
+
+def _secret_file(path: str, what: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_SECRET_FILE_MAX_BYTES + 1)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {what} {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path} is not UTF-8 text") from None
+    if len(raw) > _SECRET_FILE_MAX_BYTES or not text or "\n" in text or not text.isprintable():
+        raise UsageError(f"{what} {path} must hold one line")  # never the content: it is a secret
+    return text
+
+
+def prometheus_auth(args: argparse.Namespace, cfg: dict[str, Any]) -> PromAuth:
+    """--token/--token-file, --prometheus-user + password, --prometheus-ca-file, --prometheus-header
+    (flag > environment > config), checked: one-line UsageError, never echoing a secret."""
+    from kvtop.sources.promapi import PromAuth  # httpx: only for --prometheus
+
+    token = resolve_token(args, cfg)
+    user = resolve(args, cfg, "prometheus_user")
+    password = None
+    pw_file = resolve(args, cfg, "prometheus_password_file")
+    if pw_file is not None:
+        password = _secret_file(str(pw_file), "password file")
+    elif cfg.get("prometheus_password") is not None:
+        password = str(cfg["prometheus_password"])
+    if password is not None and user is None:
+        raise UsageError("a Prometheus password needs --prometheus-user")
+    if user is not None and token is not None:
+        raise UsageError("give either a bearer token (--token) or basic auth (--prometheus-user) for Prometheus, not both")
+    if user is not None and (":" in str(user) or not str(user).isprintable()):
+        raise UsageError(f"--prometheus-user {user!r}: no ':' and no control characters")
+    ca = resolve(args, cfg, "prometheus_ca_file")
+    if ca is not None:
+        try:
+            with open(str(ca), "rb"):
+                pass
+        except OSError as e:
+            raise UsageError(f"cannot read --prometheus-ca-file {ca}: {e.strerror or e}") from None
+    headers: list[tuple[str, str]] = []
+    for h in resolve(args, cfg, "prometheus_headers", [], attr="prometheus_header"):
+        name, sep, value = str(h).partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not _HEADER_NAME.fullmatch(name) or not value or not value.isprintable():
+            raise UsageError(f"--prometheus-header wants 'NAME: VALUE' on one line, e.g. 'X-Scope-OrgID: team-a', "
+                             f"not {name[:40]!r}")  # the name only: a header value may be a credential
+        if name.lower() in ("authorization", "host", "content-length"):
+            raise UsageError(f"--prometheus-header cannot set {name}: use --token or --prometheus-user")
+        headers.append((name, value))
+    return PromAuth(token=token, username=None if user is None else str(user), password=password,
+                    ca_file=None if ca is None else str(ca), headers=tuple(headers))
 
 
 def add_itl_option(p: argparse.ArgumentParser) -> None:
@@ -148,4 +287,58 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
         probe_rate=probe,
         itl_target_s=itl_target_s(args, cfg),
         capture_port=capture,
+        witness=_witness_path(args, cfg),
     )
+
+
+async def first_scrape(runner: LiveRunner) -> list[EngineRecord]:
+    """Scrape every engine once, before the run: a wrong URL fails in one timeout, not after the
+    whole --duration. None answering is a RunFailure (exit 1) naming the URL and why (the runner's
+    scrapers are closed first); the records come back for the caller to emit."""
+    t = runner.now()
+    results = await asyncio.gather(*(s.scrape(t) for s in runner.scrapers))
+    recs = [r for rs in results for r in rs]
+    if recs and not any(r.up for r in recs):
+        await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+        down = [f"{r.url}: {r.warnings[0] if r.warnings else 'no answer'}" for r in recs]
+        what = "the engine at" if len(down) == 1 else f"any of {len(down)} engines:"
+        raise RunFailure(f"could not read {what} {'; '.join(down[:3])}")
+    return recs
+
+
+def check_engines_now(runner: LiveRunner) -> None:
+    """``first_scrape`` for a run whose loop starts later (the console): the answers go into the
+    core and the scrapers' HTTP clients are closed again, since they belong to this event loop."""
+
+    async def check() -> None:
+        try:
+            for rec in await first_scrape(runner):
+                runner.emit(rec)
+        finally:
+            await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)
+
+    asyncio.run(check())
+
+
+def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
+    """--witness FILE: a file that exists must be a witness file; a missing one is waited for (the
+    engine creates it when it starts), but its folder must exist."""
+    path = resolve(args, cfg, "witness")
+    if path is None:
+        return None
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--witness {path}: is a folder; give the witness file (KVTOP_WITNESS_FILE of the engine)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"--witness {path}: no such folder {folder}")
+    if os.path.exists(path):
+        from kvtop.sources.witness import WitnessError, WitnessReader
+
+        try:
+            WitnessReader(path, 0.0).read()
+        except WitnessError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:
+            raise UsageError(f"--witness {path}: {e.strerror}") from None
+    return path

@@ -5,21 +5,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import EngineWatch
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
     add_host_options,
     add_itl_option,
     add_probe_option,
+    first_scrape,
     require_capture,
     source_options,
 )
 from kvtop.config import load_config, parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
+
+log = logging.getLogger("kvtop.agent")
 
 if TYPE_CHECKING:
     from kvtop.agent import AgentOptions
@@ -74,7 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="delete the oldest segments beyond this total (default 1G)")
     p.add_argument("--trace-keep-age", dest="trace_keep_age", default="24h", metavar="SECONDS",
                    help="delete segments older than this (default 24h)")
+    p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per finished request, a stall event per spike, over OTLP/HTTP "
+                        "(e.g. http://127.0.0.1:4318; needs the otlp extra)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: run until stopped)")
+    p.add_argument("--wait-for-engine", dest="wait_for_engine", default="0", metavar="SECONDS",
+                   help="at start, retry an engine that does not answer for this long before giving up with "
+                        "exit 1 (default 0: fail at the first scrape; a sidecar beside a loading engine: 10m)")
     add_itl_option(p)
     add_host_options(p)
 
@@ -94,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
+    wait = parse_seconds(args.wait_for_engine, "--wait-for-engine")
+    if not 0 <= wait <= 86400:
+        raise UsageError(f"--wait-for-engine must be between 0 and 86400 seconds, not {wait:g}")
     max_age = parse_seconds(args.trace_max_age, "--trace-max-age")
     keep_age = parse_seconds(args.trace_keep_age, "--trace-keep-age")
     if not max_age > 0 or not keep_age > 0:
@@ -103,6 +117,15 @@ def run(args: argparse.Namespace) -> int:
         proxy_listen = parse_listen(args.proxy_listen) if args.proxy_listen else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    otlp_url = None
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            otlp_url = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.trace_dir:
         d = Path(args.trace_dir)
         if d.exists() and not d.is_dir():
@@ -115,12 +138,12 @@ def run(args: argparse.Namespace) -> int:
     opts = AgentOptions(
         sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,
         probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
-        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age,
+        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age, otlp_endpoint=otlp_url,
     )
-    return asyncio.run(_main(opts, duration))
+    return asyncio.run(_main(opts, duration, wait))
 
 
-async def _main(opts: AgentOptions, duration: float | None) -> int:
+async def _main(opts: AgentOptions, duration: float | None, wait_s: float = 0.0) -> int:
     from kvtop.agent import build_agent  # see run
 
     stop = asyncio.Event()
@@ -128,5 +151,28 @@ async def _main(opts: AgentOptions, duration: float | None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     agent = build_agent(opts)
+    # A wrong --url fails now, in one line (exit 1), rather than serving zeros for ever; with
+    # --wait-for-engine the agent keeps trying for that long first (an engine still loading its model).
+    deadline = loop.time() + wait_s
+    watch = EngineWatch(log)
+    agent.runner.sinks.append(watch.sink)
+    while True:
+        try:
+            first = await first_scrape(agent.runner)
+            break
+        except RunFailure as e:
+            if stop.is_set() or loop.time() + opts.sources.interval_s > deadline:
+                raise
+            if not watch.waiting:
+                watch.waiting = True
+                log.warning(f"waiting up to {wait_s:g} s for the engine: {e}", extra={"fields": {"event": "waiting"}})
+            try:
+                await asyncio.wait_for(stop.wait(), opts.sources.interval_s)
+            except asyncio.TimeoutError:
+                pass
+    for rec in first:
+        agent.runner.emit(rec)
+    started = loop.time()
     await agent.run(stop, duration_s=duration)
+    log.info(f"stopped after {loop.time() - started:.0f} s", extra={"fields": {"event": "stopped"}})
     return 0

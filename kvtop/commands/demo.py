@@ -8,6 +8,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import interrupted_note
+from kvtop.commands._options import require_terminal, seconds_arg
 from kvtop.errors import UsageError
 from kvtop.pipeline import demo_feed
 
@@ -25,9 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
     p.add_argument("--seed", type=int, default=1, help="traffic seed")
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between scrapes")
+    p.add_argument("--interval", type=seconds_arg, default=1.0, metavar="DURATION",
+                   help="time between scrapes (default 1s; 500ms, 2s ok)")
     p.add_argument("--headless", action="store_true", help="no console: print a text snapshot after --duration")
-    p.add_argument("--duration", type=float, default=None, metavar="S",
+    p.add_argument("--duration", type=seconds_arg, default=None, metavar="DURATION",
                    help="seconds to run (required with --headless)")
 
 
@@ -50,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise UsageError("--interval must be > 0")
     wl = load_preset(args.preset).with_policy(args.policy)
+    if not args.headless:
+        require_terminal("for a report without one: kvtop demo --headless --duration 10")
     window = max(10.0, args.duration) if args.duration else 60.0
     feed = demo_feed(wl, seed=args.seed, speed=args.speed, interval_s=args.interval, window_s=window)
     core = feed.core
@@ -62,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
             await feed.run(stop=stop, duration_s=args.duration)
+            if stop.is_set():
+                interrupted_note("demo", "the report below covers the run until now")
 
         asyncio.run(headless())
         sys.stdout.write(_render(core.snapshot()))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvtop.load.client import LoadClient
     from kvtop.load.plan import Plan
     from kvtop.model.records import Record
+    from kvtop.model.trace import TraceWriter
 
 NAME = "load"
 HELP = "replay a trace's arrivals, lengths, cancels and slow readers (or a workload) against an engine, recording it"
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, duration: float | None) -> int:
     import aiohttp
 
-    from kvtop.commands.record import flush_loop, open_trace
+    from kvtop.commands.record import open_trace
     from kvtop.feeds.sources import ProxyRecorder
     from kvtop.load.client import LoadClient, model_name
     from kvtop.model.records import RequestRecord
@@ -133,7 +134,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     header_load = {"source": plan.source, "source_kind": plan.kind, "target": redact_url(opts.urls[0]),
                    "rate_scale": args.rate_scale, "requests_planned": len(plan.requests), "seed": args.seed,
                    "prompt": args.prompt_mode}
-    writer = await open_trace(runner, opts, args.output, args.force, "kvtop load", load=header_load)
+    writer, _ = await open_trace(runner, opts, args.output, args.force, "kvtop load", load=header_load)
     tty = sys.stderr.isatty()
     client: LoadClient | None = None
     try:
@@ -145,12 +146,16 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
         proxy = runner.source("proxy")
         assert isinstance(proxy, ProxyRecorder) and proxy.url is not None
         run_task = asyncio.create_task(runner.run(duration_s=duration, stop=stop))
-        tasks = [asyncio.create_task(flush_loop(writer, stop))]
+        tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
         async with aiohttp.ClientSession(timeout=timeout, headers=headers,
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
             model = args.model or await model_name(session, proxy.url)
+            if model is None and stop.is_set():  # Ctrl-C while starting: nothing sent, the trace is whole
+                await run_task
+                print("kvtop load: stopped before sending any request", file=sys.stderr)
+                return 0
             if model is None:
                 stop.set()
                 await run_task
@@ -191,6 +196,15 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
             print(f"kvtop load: every request failed: is {redact_url(opts.urls[0])} serving?", file=sys.stderr)
             return 1
     return 0
+
+
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+    while not stop.is_set():  # an idle stretch of the plan still gets its records onto disk
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.25)
+        except asyncio.TimeoutError:
+            pass
+        writer.flush_if_due()
 
 
 async def _progress(client: LoadClient, stop: asyncio.Event, duration: float | None) -> None:

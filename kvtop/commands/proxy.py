@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import recording_proxy
 
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="forward in N processes sharing the port (one process tops out near 25K chunks/s)")
     p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
-                   help="event loop: uvloop when installed (pip install 'kvtop[fast]'), else asyncio (default auto)")
+                   help="event loop: uvloop when installed (pip install 'kvtop-console[fast]'), else asyncio (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +102,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     except OSError as e:
         if writer is not None:
             writer.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     where = f", recording to {args.record}" if args.record else ""
     print(f"kvtop proxy: {proxy.url} -> {redact_url(args.upstream)}{where} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     try:

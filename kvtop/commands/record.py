@@ -5,28 +5,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvtop.commands._longrun import EngineWatch, Progress
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
     add_host_options,
     add_probe_option,
+    first_scrape,
     require_capture,
     source_options,
 )
 from kvtop.config import engine_bases, load_config, parse_seconds
-from kvtop.errors import UsageError
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
+    from kvtop.analysis.analyzer import Analyzer
     from kvtop.feeds.live import LiveRunner
     from kvtop.model.trace import TraceWriter
+    from kvtop.otlp import LiveExport
 
 NAME = "record"
 HELP = "record engine, GPU, host and (with --capture / --proxy-listen / --probe) per-request timings to a trace file"
@@ -54,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-max-tokens", dest="probe_max_tokens", type=int, default=32, metavar="N",
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: until Ctrl-C)")
+    p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
+                   help="also analyse live and export one OpenTelemetry span per finished request, a stall event per "
+                        "spike, over OTLP/HTTP (e.g. http://127.0.0.1:4318; needs the otlp extra)")
     add_host_options(p)
 
 
@@ -73,6 +82,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     engine_bases(list(opts.urls))
     require_capture(opts)
+    if args.otlp_endpoint:
+        from kvtop import otlp
+
+        try:
+            args.otlp_endpoint = otlp.endpoint(args.otlp_endpoint)
+            otlp.require_proto()
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.proxy_listen:
         from kvtop.sources.proxy import parse_listen  # aiohttp's server: only when there is a proxy
 
@@ -93,14 +110,15 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # the recorder keeps no analysis: the trace is for `kvtop analyze` / `kvtop replay`
-    runner = live_feed(opts, label="record", analysis=False, probe_max_tokens=args.probe_max_tokens)
+    # the recorder keeps no analysis (the trace is for `kvtop analyze` / `kvtop replay`) unless its
+    # spans are exported as it goes
+    runner = live_feed(opts, label="record", analysis=bool(args.otlp_endpoint), probe_max_tokens=args.probe_max_tokens)
     extra: dict[str, object] = {}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
         extra["urls"] = [redact_url(u) for u in opts.urls]
-    writer = await open_trace(runner, opts, args.output, args.force, "kvtop record", **extra)
+    writer, engine = await open_trace(runner, opts, args.output, args.force, "kvtop record", **extra)
 
     try:
         try:
@@ -109,9 +127,16 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             await runner.aclose()
             assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
             host, port = opts.proxy_listen
-            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         proxy = runner.source("proxy")
-        tasks = [asyncio.create_task(flush_loop(writer, stop))]
+        progress = Progress(f"kvtop record: {args.output}")
+        tasks = [asyncio.create_task(_flush_loop(writer, stop, progress, runner.now, duration))]
+        spans = None
+        if args.otlp_endpoint:
+            from kvtop.otlp import LiveExport
+
+            spans = LiveExport(args.otlp_endpoint, time.time() - runner.now())
+            tasks.append(asyncio.create_task(_otlp_loop(runner, spans, engine, opts.interval_s, stop)))
         what = f"{len(opts.urls)} engine(s)"
         if isinstance(proxy, ProxyRecorder):
             what += f", proxy {proxy.url} -> {redact_url(proxy.upstream)}"
@@ -119,6 +144,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             what += f", probe {opts.probe_rate:g}/s"
         if opts.capture_port is not None:
             what += f", capture :{opts.capture_port}"
+        if spans is not None:
+            what += f", OTLP spans to {spans.sender.url}"
         print(f"kvtop record: {what} -> {args.output} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         try:
             # the proxy stops with the run: in-flight streams are cut off and recorded as cancelled
@@ -126,6 +153,10 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            progress.close()
+            if spans is not None:
+                _otlp_final(runner, spans, engine)
+                await asyncio.to_thread(spans.close)
     finally:
         writer.close()
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
@@ -138,14 +169,18 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
 
 
 async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,
-                     **extra: object) -> TraceWriter:
-    """The trace a live run writes: one scrape first (so the header names the adapter and model),
-    the header (``recorder``, the poll interval, the run clock's origin, ``extra``), then every record
-    the runner emits. ``kvtop record`` and ``kvtop load`` both record through this."""
+                     **extra: object) -> tuple[TraceWriter, dict[str, Any]]:
+    """The trace a live run writes, and the header's engine: one scrape of every engine first (the header
+    names the adapter and model; a dead URL fails now, exit 1, no trace), the header (``recorder``, the
+    poll interval, the run clock's origin, ``extra``), then every record the runner emits. ``kvtop
+    record`` and ``kvtop load`` both record through this."""
     from kvtop.model.trace import TraceWriter, make_header
 
-    first = await runner.scrapers[0].scrape(runner.now())
-    up = next((r for r in first if r.up), None)
+    first = await first_scrape(runner)
+    # an engine that stops answering mid-recording (or never did, of several) is said on stderr
+    runner.sinks.append(EngineWatch(logging.getLogger(recorder.replace(" ", "."))).sink)
+    # the header describes the first --url's engine (as its "url" says)
+    up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
     engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
               "version": up.version if up else None}
     kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
@@ -163,22 +198,55 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     runner.sinks.append(writer.write)
     for rec in first:
         runner.emit(rec)
-    return writer
+    return writer, engine
 
 
 def check_output(output: str, force: bool) -> None:
     out = Path(output)
     if out.is_dir():
         raise UsageError(f"{output} is a directory")
+    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
+        raise UsageError(f"cannot write {output}: directory {out.parent} does not exist")
     if out.exists() and out.stat().st_size > 0 and not force:
         # Appending would restart the trace clock mid-file under the old header.
         raise UsageError(f"{output} already exists (use --force to overwrite)")
 
 
-async def flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],
+                      duration: float | None) -> None:
+    start = now()
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)
         except asyncio.TimeoutError:
             pass
         writer.flush_if_due()
+        t = now() - start
+        progress.update(t, duration, f"{writer.count} records, {t:.0f} s" + (f" of {duration:g} s" if duration else ""))
+
+
+def _live_analyzer(runner: LiveRunner) -> Analyzer | None:
+    from kvtop.analysis.live import LiveAnalyzer
+
+    analysis = runner.core.analysis
+    return analysis.an if isinstance(analysis, LiveAnalyzer) else None
+
+
+async def _otlp_loop(runner: LiveRunner, spans: LiveExport, engine: dict[str, Any], interval_s: float,
+                     stop: asyncio.Event) -> None:
+    """Each interval, the requests that ended and settled go out as spans (``kvtop.otlp``)."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except asyncio.TimeoutError:
+            pass
+        an = _live_analyzer(runner)
+        if an is not None:
+            an.tick(runner.now())
+            spans.tick(an, runner.now(), engine.get("model"), engine.get("adapter"))
+
+
+def _otlp_final(runner: LiveRunner, spans: LiveExport, engine: dict[str, Any]) -> None:
+    an = _live_analyzer(runner)
+    if an is not None:
+        spans.final(an, engine.get("model"), engine.get("adapter"))

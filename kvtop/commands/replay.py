@@ -7,7 +7,8 @@ import asyncio
 import json
 import sys
 
-from kvtop.commands._options import add_itl_option, itl_target_s
+from kvtop.commands._longrun import interrupted_note
+from kvtop.commands._options import add_itl_option, itl_target_s, seconds_arg
 from kvtop.commands.tui import replay_console
 from kvtop.errors import UsageError
 from kvtop.pipeline import replay_feed, run_for
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: 1 in the console, 0 headless)")
     p.add_argument("--headless", action="store_true",
                    help="no console: print the report at the end (the default when output is not a terminal)")
-    p.add_argument("--until", type=float, default=None, metavar="S",
+    p.add_argument("--until", type=seconds_arg, default=None, metavar="DURATION",
                    help="stop at this trace time (seconds from the start of the recording)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="headless output format")
     add_itl_option(p)
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(go())
     except KeyboardInterrupt:
-        pass
+        interrupted_note("replay", f"the report below is as it stood at trace time {feed.t:.1f} s")
     finally:
         feed.close()
     warning = feed.warning()
@@ -76,5 +77,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kvtop.views.text import render_text  # see the note at the top of run
 
-    print(render_text(snap), end="")
+    print(render_text(snap, trace=(feed.t, feed.duration)), end="")
     return 0

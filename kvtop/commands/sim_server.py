@@ -7,7 +7,8 @@ import asyncio
 import signal
 import sys
 
-from kvtop.errors import UsageError
+from kvtop.commands._options import seconds_arg
+from kvtop.errors import RunFailure, UsageError
 
 NAME = "sim-server"
 HELP = "serve the simulated engine over HTTP (OpenAI-compatible streaming, vLLM /metrics)"
@@ -25,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="port (default 0: an ephemeral port, printed at start)")
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
     p.add_argument("--seed", type=int, default=1, help="seed for output lengths the client does not fix")
-    p.add_argument("--duration", type=float, default=None, metavar="S", help="stop after S wall seconds")
+    p.add_argument("--duration", type=seconds_arg, default=None, metavar="DURATION",
+                   help="stop after this long (wall clock; 30, 30s, 2m)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             url = await srv.start()
         except OSError as e:
-            raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+            raise RunFailure(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
         sys.stdout.write(f"kvtop sim-server: {wl.name} ({wl.engine.model}, {wl.engine.preemption_mode}) "
                          f"at {url} (speed {args.speed:g}x); metrics at {url}/metrics\n")
         sys.stdout.flush()

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
+from kvtop.commands._options import seconds_arg
 from kvtop.errors import UsageError
 
 NAME = "simulate"
@@ -21,9 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-flags", metavar="FLAGS", default=None,
                    help="vLLM flags to apply to the simulated engine, e.g. \"$(kvtop advise --trace T --emit-flags)\"")
     p.add_argument("--seed", type=int, default=1, help="random seed (same seed -> identical trace)")
-    p.add_argument("--duration", type=float, required=True, metavar="S", help="simulated seconds")
+    p.add_argument("--duration", type=seconds_arg, required=True, metavar="DURATION",
+                   help="simulated time (600, 600s, 10m)")
     p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (JSON Lines)")
-    p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S",
+    p.add_argument("--scrape-interval", type=seconds_arg, default=1.0, metavar="DURATION",
                    help="simulated seconds between /metrics scrapes (default 1)")
     p.add_argument("--arrivals-from", metavar="TRACE",
                    help="what-if: replay the request arrivals (times, prompt and output lengths) of a recorded "
@@ -53,12 +56,25 @@ def run(args: argparse.Namespace) -> int:
     specs = None
     if args.arrivals_from:
         specs = requests_from_trace(args.arrivals_from, wl, args.seed, args.duration)
-    res = simulate_to_trace(wl, args.seed, args.duration, str(out), policy=args.policy,
-                            scrape_interval_s=args.scrape_interval, requests=specs)
+    progress = Progress(f"kvtop simulate: {out}")
+
+    with Interrupt() as stop:
+        def tick(t: float) -> bool:
+            progress.update(t, args.duration, f"{t:.0f} of {args.duration:g} simulated s")
+            return stop.requested
+
+        try:
+            res = simulate_to_trace(wl, args.seed, args.duration, str(out), policy=args.policy,
+                                    scrape_interval_s=args.scrape_interval, requests=specs, tick=tick)
+        finally:
+            progress.close()
+    if stop.requested:
+        interrupted_note("simulate", f"stopped at {res.duration_s:g} of {args.duration:g} simulated s; {out} is a "
+                                     "complete trace up to there")
     st = res.stats
     truth = ", ".join(f"{k} {v}" for k, v in sorted(res.truth_counts.items())) or "none"
     sys.stdout.write(
-        f"{out}: {res.records} records, {res.requests} requests over {args.duration:g} simulated s "
+        f"{out}: {res.records} records, {res.requests} requests over {res.duration_s:g} simulated s "
         f"({wl.name}, {wl.engine.preemption_mode}, seed {args.seed}); preemptions {st.preempt_events}, "
         f"finished {st.finished['stop'] + st.finished['length']}, aborted {st.finished['abort']}; truth: {truth}\n")
     return 0

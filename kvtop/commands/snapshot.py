@@ -1,7 +1,8 @@
 """`kvtop snapshot`: sample GPU, host and engines for a while, print one report, exit.
 
 Headless: never imports Textual. Exit 0 when it reported; 2 with one line on stderr for bad
-arguments or when none of the engines could be read at all (unreachable, not a metrics endpoint).
+arguments; 1 when none of the engines could be read at all (unreachable, not a metrics endpoint):
+at the first scrape, so a wrong URL fails in one --timeout rather than after --duration.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
+import sys
+from collections.abc import Callable
 from typing import Any
 
+from kvtop.commands._longrun import Progress, interrupted_note
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -19,14 +24,17 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    discovered,
+    first_scrape,
     itl_target_s,
+    prometheus_auth,
     require_capture,
     selector,
     source_options,
     timeout_s,
 )
-from kvtop.config import load_config, parse_seconds, resolve, resolve_token
-from kvtop.errors import UsageError
+from kvtop.config import load_config, parse_seconds, resolve
+from kvtop.errors import RunFailure, UsageError
 from kvtop.model.records import EngineRecord, Record
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import live_feed, prometheus_feed
@@ -35,8 +43,8 @@ NAME = "snapshot"
 HELP = "sample GPU, host and engines for a while and print one report (json or text)"
 DESCRIPTION = (
     "Polls every source for --duration seconds at --interval, then prints one report: rates and "
-    "latency quantiles cover the sampling window. Exit 0 when it reported; 2 on bad arguments or "
-    "when no engine could be read."
+    "latency quantiles cover the sampling window. Exit 0 when it reported; 2 on bad arguments; 1 "
+    "when no engine could be read (checked at the first scrape)."
 )
 ORDER = 20
 
@@ -65,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be between 0 and 86400 seconds, not {duration:g}")
     if fmt not in ("json", "text"):
         raise UsageError(f"format must be json or text, not {fmt!r}")
+    opts, none_found = discovered(opts, cfg)
     if not opts.urls and not opts.gpu and not opts.host:
-        raise UsageError("nothing to sample: give --url URL (or drop --no-gpu / --no-host)")
+        raise RunFailure(none_found or "nothing to sample")  # --no-gpu --no-host and no engine answers
+    if none_found:
+        print(f"kvtop snapshot: {none_found}", file=sys.stderr)
     require_capture(opts)
     urls = list(opts.urls)
     first_t: list[float] = []
@@ -77,7 +88,25 @@ def run(args: argparse.Namespace) -> int:
 
     runner = live_feed(opts, label="live", window_s=duration, sinks=[note_first])
     core = runner.core
-    asyncio.run(runner.run(duration_s=duration, final_poll=True))
+
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        # Ctrl-C / SIGTERM end the window early: the report covers what was sampled until then
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        for rec in await first_scrape(runner):  # a wrong URL fails now, not after --duration
+            runner.emit(rec)
+        progress = Progress("kvtop snapshot: sampling")
+        ticker = asyncio.create_task(_tick(progress, runner.now, duration))
+        try:
+            await runner.run(duration_s=duration, stop=stop, final_poll=True)
+        finally:
+            ticker.cancel()
+            progress.close()
+
+    asyncio.run(sample())
     # The window is what was actually sampled: from the first good engine sample to the final
     # poll, so rates and quantiles cover exactly the data they were computed from.
     start = first_t[0] if first_t else 0.0
@@ -93,10 +122,12 @@ def run(args: argparse.Namespace) -> int:
         down = next((e for e in snap.engines if e.error), None)
         why = f"{down.url}: {down.error}" if down else "no engine answered"
         many = "" if len(urls) == 1 else f" (none of {len(urls)} engines)"
-        raise UsageError(f"could not read any engine{many}: {why}")
+        raise RunFailure(f"could not read any engine{many}: {why}")
     if not urls and snap.gpu_status != "ok" and snap.host is None:
-        raise UsageError(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
+        raise RunFailure(f"no source could be read (GPU: {snap.gpu_status}; host: unavailable)")
 
+    if stop.is_set():
+        interrupted_note("snapshot", f"the report covers the {core.window_s:.1f} s sampled (of --duration {duration:g} s)")
     if fmt == "json":
         print(json.dumps(snap.to_json(), indent=2, allow_nan=False))
     else:
@@ -105,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(render_text(snap), end="")
     return 0
+
+
+async def _tick(progress: Progress, now: Callable[[], float], duration: float) -> None:
+    start = now()
+    while True:
+        t = now() - start
+        progress.update(t, duration, f"{t:.0f} of {duration:g} s")
+        await asyncio.sleep(0.25)
 
 
 def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
@@ -117,15 +156,15 @@ def _prometheus(args: argparse.Namespace, cfg: dict[str, Any]) -> int:
         raise UsageError(f"--duration (the look-back) must be between 1 s and 7 days, not {window:g}")
     feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
                            window_s=window, step_s=max(1.0, min(15.0, window / 30)),
-                           timeout_s=timeout_s(args, cfg, 10.0), token=resolve_token(args, cfg))
+                           timeout_s=timeout_s(args, cfg, 10.0), auth=prometheus_auth(args, cfg))
     try:
         feed.poll_once()
     finally:
         feed.fleet.client.close()
     if feed.fleet.error and not feed.fleet.targets:
-        raise UsageError(feed.fleet.error)
+        raise RunFailure(feed.fleet.error)
     if not feed.fleet.targets:
-        raise UsageError(f"Prometheus at {feed.fleet.client.url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, "
+        raise RunFailure(f"Prometheus at {feed.fleet.client.url} scrapes no engine (vLLM, SGLang, TGI, llama.cpp, "
                          "Triton metric names)" + (f" matching {args.selector}" if args.selector else ""))
     snap = feed.core.snapshot()
     if fmt == "json":

@@ -20,13 +20,17 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    check_engines_now,
     interval_s,
     itl_target_s,
+    probe_ports,
+    prometheus_auth,
+    require_terminal,
     selector,
     source_options,
     timeout_s,
 )
-from kvtop.config import load_config, resolve, resolve_token
+from kvtop.config import load_config, resolve
 from kvtop.errors import UsageError
 from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
 
@@ -52,17 +56,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_prometheus_options(p, "show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
 
 
-def _ports_from_config(cfg: dict[str, Any]) -> tuple[int, ...]:
-    from kvtop.sources.discover import PROBE_PORTS  # httpx with it: only when looking for engines
-
-    v = cfg.get("probe_ports")
-    if v is None:
-        return PROBE_PORTS
-    if not isinstance(v, list) or not all(isinstance(x, int) and 0 < x < 65536 for x in v):
-        raise UsageError("config: probe_ports must be a list of port numbers")
-    return tuple(v)
-
-
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(getattr(args, "config", None))
     theme = resolve(args, cfg, "theme")
@@ -86,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     feed: Feed
     if not opts.urls:
-        ports = _ports_from_config(cfg)
+        ports = probe_ports(cfg)
         found = discover(ports)
         if not found and not (sys.stdin.isatty() and sys.stdout.isatty()):
             # no terminal to show the console in (a script, CI): say so and fail as headless commands do
@@ -96,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                 "(or `url` in config.toml), or try `kvtop demo`\n"
             )
             return 2
+        require_terminal("for a report without one: kvtop snapshot (it looks on the same ports)")
         # No engine yet is not an error for the console: it shows the GPUs and the host and
         # keeps looking (headless commands still exit 2). --capture without a port takes the
         # (discovered) engine's, once there is one; without the privilege the console still
@@ -103,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
         feed = live_feed(dataclasses.replace(opts, urls=tuple(found)), label="live") if found \
             else probing_feed(opts, ports)
     else:
+        require_terminal("for a report without one: kvtop snapshot --url URL")
         feed = live_feed(opts, label="live")
+        check_engines_now(feed)  # a wrong --url: one line, exit 1, instead of a console of errors
 
     from kvtop.views.tui.app import run_console  # loaded with known_themes above
 
@@ -124,6 +120,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
     except OSError as e:
         raise UsageError(f"cannot read trace {path}: {e.strerror or e}") from None
     try:
+        require_terminal(f"for a report without one: kvtop replay --headless {path}")
         return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
     finally:
         feed.close()
@@ -136,7 +133,9 @@ def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str
     if args.url or args.replay:
         raise UsageError("--prometheus reads engines from Prometheus: drop --url / --replay")
     interval = interval_s(args, cfg)
-    feed = prometheus_feed(args.prometheus, selector=selector(args), itl_target_s=itl_target_s(args, cfg),
+    sel = selector(args)
+    require_terminal(f"for a report without one: kvtop snapshot --prometheus {args.prometheus}")
+    feed = prometheus_feed(args.prometheus, selector=sel, itl_target_s=itl_target_s(args, cfg),
                            interval_s=max(interval, 2.0), timeout_s=timeout_s(args, cfg, 5.0),
-                           token=resolve_token(args, cfg), window_s=120.0, core_window_s=60.0)
+                           auth=prometheus_auth(args, cfg), window_s=120.0, core_window_s=60.0)
     return run_console(feed.core, feed=feed, title="kvtop fleet", theme=theme, interval=interval)

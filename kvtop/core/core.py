@@ -13,7 +13,15 @@ from kvtop.core.gpus import GpuTracker
 from kvtop.core.requests import FinishedRequest, RequestTracker
 from kvtop.history import History
 from kvtop.model.analysis import AnalysisCounters, AnalysisReport
-from kvtop.model.records import EngineRecord, GpuRecord, HostRecord, Record, RequestRecord, TruthRecord
+from kvtop.model.records import (
+    EngineRecord,
+    GpuRecord,
+    HostRecord,
+    Record,
+    RequestRecord,
+    StepRecord,
+    TruthRecord,
+)
 from kvtop.model.sanitize import printable
 from kvtop.snapshot import RequestTimeline, Snapshot
 
@@ -92,6 +100,8 @@ class Core:
         elif isinstance(rec, HostRecord):
             self._host = rec
             self.history.ingest(rec)
+        elif isinstance(rec, StepRecord):
+            self.requests.engine_step(rec)
         elif isinstance(rec, TruthRecord):
             return  # ground truth is for scoring the analysis, never for views
         if self.analysis is not None:

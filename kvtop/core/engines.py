@@ -11,8 +11,15 @@ from dataclasses import dataclass, field
 from kvtop.core.events import EventLog
 from kvtop.model.records import EngineRecord
 from kvtop.model.sanitize import sanitize_record
-from kvtop.model.series import HistogramSeries, Series, counter_rate
+from kvtop.model.series import HistogramSeries, Series, counter_increase_over, counter_rate
 from kvtop.snapshot import EngineView
+
+# A preemption burst is an error when the engine preempted at least BURST_ERROR_COUNT times in the
+# trailing BURST_WINDOW_S seconds (a sustained 1/s), else a warning. A count over a fixed window,
+# not the rate over one scrape step: a step of 0.99 s or 1.01 s must not flip one preemption
+# between a warning and an error.
+BURST_WINDOW_S = 10.0
+BURST_ERROR_COUNT = 10
 
 
 @dataclass
@@ -117,7 +124,9 @@ class EngineTracker:
             rate = d / dt if dt > 0 else 0.0
             st.preempt_rate_hist.append(rate)
             if d >= 1:
-                self._log.add(rec.t, "warning" if rate < 1 else "error", "preemption_burst",
+                recent = counter_increase_over(st.preemptions, BURST_WINDOW_S, rec.t)
+                severity = "error" if max(d, recent) >= BURST_ERROR_COUNT else "warning"
+                self._log.add(rec.t, severity, "preemption_burst",
                               f"{url}: {int(d)} preemption(s) in {dt:.1f}s")
 
     def views(self, now: float, w: float) -> tuple[EngineView, ...]:

@@ -18,11 +18,16 @@ from dataclasses import dataclass, field
 
 from kvtop.analysis.streams import Streams
 from kvtop.core.events import EventLog
-from kvtop.model.records import RequestRecord
+from kvtop.model.records import RequestRecord, StepRecord
 from kvtop.model.sanitize import printable
 from kvtop.snapshot import RequestTimeline, RequestView
 
 TIMELINE_MAX_CHUNKS = 1024
+# After an incident the worst stalls must stay findable while the charts still show them: of the
+# requests that ended and left the screens, the KEEP_WORST with the largest gap stay listed, with
+# their timelines, until KEEP_WORST_S (the console's longest chart window) after they ended.
+KEEP_WORST = 20
+KEEP_WORST_S = 3600.0
 MAX_MARKS = 256
 ERROR_BURST_S = 1.0
 
@@ -83,6 +88,7 @@ class _RequestState:
     # (t, n) per token chunk plus preempt/resume marks, bounded, for the request detail view.
     token_times: _Chunks = field(default_factory=_Chunks)
     marks: list[tuple[float, str]] = field(default_factory=list)
+    steps: deque[tuple[float, float, str]] = field(default_factory=lambda: deque(maxlen=TIMELINE_MAX_CHUNKS))
 
     def mark(self, t: float, ev: str) -> None:
         if len(self.marks) >= MAX_MARKS:
@@ -113,6 +119,8 @@ class RequestTracker:
         # ``_requests`` and only their summary stays (bounded).
         self._ended: deque[tuple[float, str]] = deque()
         self._finished: deque[FinishedRequest] = deque(maxlen=max_requests)
+        self._worst: dict[str, _RequestState] = {}  # retired, kept for their stall (KEEP_WORST)
+        self._kept_info: dict[str, tuple[int, int, str | None]] = {}  # their spikes, as the analysis last said
         self.finished_total = 0
         self.gaps_over_target_total = 0
         # Streams ending in error within ERROR_BURST_S of each other: an engine aborting its active
@@ -162,6 +170,21 @@ class RequestTracker:
         if ended and rec.t - ended[0][0] > self.finished_keep_s:
             self.retire(rec.t)
 
+    def engine_step(self, rec: StepRecord) -> None:
+        """A witness step: each held request's part in it, and its preemptions and resumptions as marks."""
+        for r in rec.reqs:
+            st = self._requests.get(str(r[0]))
+            if st is not None:
+                st.steps.append((rec.t, rec.end, "r" if r[3] else ("p" if r[2] else "d")))
+        for rid in rec.preempted:
+            st = self._requests.get(rid)
+            if st is not None:
+                st.mark(rec.t, "preempt")
+        for rid in rec.resumed:
+            st = self._requests.get(rid)
+            if st is not None:
+                st.mark(rec.t, "resume")
+
     def retire(self, now: float) -> None:
         """Requests that ended more than finished_keep_s ago leave the screens: keep their summary."""
         ended, target = self._ended, self.itl_target_s
@@ -175,6 +198,25 @@ class RequestTracker:
             self._finished.append(s)
             self.finished_total += 1
             self.gaps_over_target_total += s.gaps_over_target
+            self._keep_if_worst(r, now)
+
+    def _keep_if_worst(self, r: _RequestState, now: float) -> None:
+        """Keep a retired request while it is among the KEEP_WORST largest gaps of the last
+        KEEP_WORST_S; a request with a gap over the target only, when there is a target."""
+        worst = self._worst
+        for rid in [k for k, w in worst.items() if now - (w.end_t or 0.0) > KEEP_WORST_S]:
+            del worst[rid]
+            self._kept_info.pop(rid, None)
+        gap = r.max_gap_s
+        if gap is None or (self.itl_target_s is not None and gap <= self.itl_target_s):
+            return
+        if len(worst) >= KEEP_WORST:
+            least = min(worst.values(), key=lambda w: (w.max_gap_s or 0.0, w.id))
+            if (least.max_gap_s or 0.0) >= gap:
+                return
+            del worst[least.id]
+            self._kept_info.pop(least.id, None)
+        worst[r.id] = r
 
     def finished(self) -> tuple[FinishedRequest, ...]:
         """Summaries of the requests that left the screens, oldest first (the last max_requests)."""
@@ -197,10 +239,19 @@ class RequestTracker:
         """The requests on the screens at ``now``; ``info`` gives a request's (spikes, spikes
         attributed to preemption, last cause) from the analysis."""
         out = []
-        for r in self._requests:
-            if r.end_t is not None and now - r.end_t > self.finished_keep_s:
+        kept = [w for w in self._worst.values() if self._requests.get(w.id) is None and now - (w.end_t or 0.0) <= KEEP_WORST_S]
+        for r in [*self._requests, *kept]:
+            is_kept = r.end_t is not None and now - r.end_t > self.finished_keep_s
+            if is_kept and r.id not in self._worst:
                 continue
-            spikes, pre, cause = info(r.id) if info is not None else (0, 0, None)
+            got = info(r.id) if info is not None else (0, 0, None)
+            if is_kept:
+                # the analysis may forget an ended stream before this list does: its last answer stays
+                if got == (0, 0, None):
+                    got = self._kept_info.get(r.id, got)
+                else:
+                    self._kept_info[r.id] = got
+            spikes, pre, cause = got
             cur_gap = None
             if r.end_t is None and r.last_token_t is not None:
                 cur_gap = max(0.0, now - r.last_token_t)
@@ -210,7 +261,7 @@ class RequestTracker:
                     # max(0): a reordered trace can end a request before its first record
                     age_s=round(max(0.0, (r.end_t if r.end_t is not None else now) - r.arrive_t), 3),
                     current_gap_s=cur_gap, max_gap_s=r.max_gap_s, spikes=spikes, preempt_spikes=pre,
-                    last_cause=cause,
+                    last_cause=cause, kept=is_kept,
                 )
             )
         return tuple(out)
@@ -218,11 +269,12 @@ class RequestTracker:
     def timeline(self, request_id: str, now: float,
                  engine_marks: Callable[[float, float], tuple[tuple[float, str, float], ...]]) -> RequestTimeline | None:
         """Token times of one request plus the engine marks in its span (up to ``now`` while it runs)."""
-        r = self._requests.get(request_id)
+        r = self._requests.get(request_id) or self._worst.get(request_id)
         if r is None:
             return None
         t0, t1 = r.arrive_t, (r.end_t if r.end_t is not None else now)
         return RequestTimeline(
             id=r.id, arrive_t=r.arrive_t, end_t=r.end_t, state=r.state,
             tokens=r.token_times.items(), marks=tuple(r.marks), engine_marks=engine_marks(t0, t1),
+            steps=tuple(r.steps),
         )

@@ -11,7 +11,7 @@ import time
 
 from kvtop.core import Core
 from kvtop.feeds.sources import PrometheusPoll, SourceContext
-from kvtop.sources.promapi import PromClient
+from kvtop.sources.promapi import PromAuth, PromClient
 from kvtop.sources.promfleet import PromFleet
 
 
@@ -24,13 +24,13 @@ class PromFeed:
 
     def __init__(self, core: Core, url: str, selector: str | None = None, interval_s: float = 5.0,
                  timeout_s: float = 5.0, window_s: float = 120.0, step_s: float | None = None,
-                 token: str | None = None):
+                 token: str | None = None, auth: PromAuth | None = None):
         self.core = core
         self.url = url
         self.interval_s = max(0.5, interval_s)
         self.notice: str | None = None
         self._t0 = time.monotonic()
-        self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token), selector=selector,
+        self.fleet = PromFleet(PromClient(url, timeout_s=timeout_s, token=token, auth=auth), selector=selector,
                                step_s=step_s or max(1.0, min(self.interval_s, 15.0)), window_s=window_s,
                                clock=self.now)
         self.fleet.rate_window_s = float(core.window_s)

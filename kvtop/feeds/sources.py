@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,6 +24,7 @@ from kvtop.sources.gpu import GpuSource  # NVML itself loads when a GpuSource is
 from kvtop.sources.host import HostSource
 from kvtop.sources.promapi import PromError
 from kvtop.sources.scrape import EngineScraper
+from kvtop.sources.witness import WitnessError, WitnessReader
 
 if TYPE_CHECKING:
     from kvtop.sources.capture.http import CaptureStats
@@ -264,6 +266,46 @@ class PrometheusPoll:
 
     async def stop(self) -> None:
         self.fleet.client.close()
+
+
+class WitnessTail:
+    """An engine's witness file (``kvtop.witness``), read as it grows: its steps join the run as
+    ``step`` records on the run's clock. A file that is not there yet is waited for; one that is not a
+    witness file stops this source with one line on the core, never the run."""
+
+    polled = True
+
+    def __init__(self, path: str, engine_url: str | None):
+        self.path = path
+        self.engine_url = engine_url
+        self.name = f"witness {path}"
+        self._ctx: SourceContext | None = None
+        self._reader: WitnessReader | None = None
+        self._failed = False
+
+    async def start(self, ctx: SourceContext) -> None:
+        self._ctx = ctx
+        if self._reader is None:
+            # the engine writes wall-clock seconds; the run's clock starts at now() == 0
+            self._reader = WitnessReader(self.path, time.time() - ctx.now(), self.engine_url)
+
+    async def poll(self, t: float) -> None:
+        ctx, reader = self._ctx, self._reader
+        if ctx is None or reader is None or self._failed:
+            return
+        try:
+            recs = await asyncio.to_thread(reader.read)
+        except (WitnessError, OSError) as e:
+            self._failed = True
+            ctx.core.event(ctx.now(), "error", "source_error", f"witness: {e}")
+            return
+        for rec in recs:
+            ctx.emit(rec)
+
+    async def stop(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
 
 
 # -- pushing -----------------------------------------------------------------------------------

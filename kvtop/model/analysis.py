@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtop.model.sanitize import finite_json
+from kvtop.model.sanitize import finite_json, output_json
 
 DECIDED_BY = "decided_by"  # the verdict number that lists the gates which decided, in order
 
@@ -272,6 +272,11 @@ class EngineRequestTimes:
                                   *(d.get(k) for k in _TIMES_KEYS[2:]))
 
 
+# The shape `kvtop analyze --format json` prints (kvtop/schemas/analysis.schema.json); the number
+# changes when a field changes meaning or goes away, not when one is added.
+ANALYSIS_SCHEMA = "kvtop-analysis/1"
+
+
 @dataclass(frozen=True, slots=True)
 class AnalysisReport:
     """Spikes, their causes and the verdict over one trace or the live run so far.
@@ -350,6 +355,12 @@ class AnalysisReport:
     def finite(self) -> AnalysisReport:
         """This report with every NaN/Infinity as None (what JSON and text show)."""
         return AnalysisReport.from_dict(finite_json(self.to_dict()))
+
+    def to_json(self, version: str) -> dict[str, Any]:
+        """What `kvtop analyze --format json` prints: the report under its version and schema
+        name, floats rounded for output (``output_json``)."""
+        out: dict[str, Any] = output_json({"kvtop_version": version, "schema": ANALYSIS_SCHEMA, **self.to_dict()})
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,10 @@ class GpuRecord:
     pcie_rx_bytes_per_s: float | None = None
     # "field_counters" (cumulative NVML counters, true interval average) or "throughput_20ms".
     pcie_source: str | None = None
+    # NVML's cumulative PCIe byte counters as read (field_counters mode only): what the agent exports
+    # as kvtop_gpu_pcie_{tx,rx}_bytes_total, exact at any scrape interval.
+    pcie_tx_bytes_total: int | None = None
+    pcie_rx_bytes_total: int | None = None
     pcie_link_gen: int | None = None
     pcie_link_width: int | None = None
     pcie_link_gen_max: int | None = None
@@ -173,10 +177,28 @@ class TruthRecord:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-Record = GpuRecord | HostRecord | EngineRecord | RequestRecord | TruthRecord
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step as the engine itself logged it (the witness, ``kvtop.witness``): exact, where
+    everything else in a trace is observed from outside."""
+
+    kind: ClassVar[str] = "step"
+    t: float  # the step's start
+    end: float
+    engine: str | None = None  # the engine (its URL as kvtop reaches it) whose witness wrote it
+    # per request: [request id, tokens scheduled, of them prompt (prefill), of them recomputed after
+    # a preemption, tokens produced]; ids are the trace's request ids where the request carried one
+    reqs: list[list[Any]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # preempted while this step was planned
+    resumed: list[str] = field(default_factory=list)  # scheduled again after a preemption
+    finished: list[list[str]] = field(default_factory=list)  # [id, finish reason]
+    aborted: list[str] = field(default_factory=list)  # aborted (the client went away) since the last step
+
+
+Record = GpuRecord | HostRecord | EngineRecord | RequestRecord | TruthRecord | StepRecord
 
 _BY_KIND: dict[str, type] = {
-    c.kind: c for c in (GpuRecord, HostRecord, EngineRecord, RequestRecord, TruthRecord)
+    c.kind: c for c in (GpuRecord, HostRecord, EngineRecord, RequestRecord, TruthRecord, StepRecord)
 }
 _FIELDS: dict[type, frozenset[str]] = {c: frozenset(f.name for f in dataclasses.fields(c)) for c in _BY_KIND.values()}
 
@@ -194,7 +216,8 @@ def to_dict(rec: Record) -> dict[str, Any]:
             if f.name == "cls":
                 out["class"] = v
                 continue
-        if f.name in ("warnings", "notes", "extra", "pinned_signals") and not v:
+        if f.name in ("warnings", "notes", "extra", "pinned_signals", "preempted", "resumed", "finished",
+                      "aborted") and not v:
             continue
         out[f.name] = v
     return out

@@ -166,3 +166,21 @@ def redact_url(url: str) -> str:
     host = parts.netloc.rsplit("@", 1)[1]
     out = urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
     return out if "://" in url else out.split("://", 1)[1]
+
+
+# What kvtop writes as JSON for people and scripts (analyze, replay, snapshot, the agent's /report):
+# floats to 12 significant digits. That drops float arithmetic noise (0.009899999999999999 ->
+# 0.0099) and keeps microseconds on a run clock up to 11 days; traces keep full precision.
+JSON_DIGITS = 12
+
+
+def output_json(obj: Any) -> Any:
+    """A copy of ``obj`` for JSON output: NaN/Infinity as ``None``, floats rounded to JSON_DIGITS
+    significant digits, tuples as lists."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{JSON_DIGITS}g}") if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: output_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [output_json(v) for v in obj]
+    return obj

@@ -83,6 +83,16 @@ def counter_increase(values: Iterable[float]) -> float:
     return total
 
 
+def counter_increase_over(series: Series, window_s: float, now: float | None = None) -> float:
+    """The counter's increase since the last sample at or before ``now - window_s`` (0 with fewer
+    than two samples)."""
+    if len(series) < 2:
+        return 0.0
+    ts, vs = series._t, series._v
+    i = max(0, bisect_right(ts, (ts[-1] if now is None else now) - window_s) - 1)
+    return counter_increase(vs[k] for k in range(i, len(vs)))
+
+
 def counter_rate(series: Series, window_s: float, now: float | None = None) -> float | None:
     """Per-second increase over the window; ``None`` with fewer than two samples in it.
 

@@ -78,6 +78,9 @@ def make_engine(workload: Workload, sink: Sink | None = None) -> Engine:
     return eng
 
 
+TICK_STEPS = 256  # engine steps between two calls of run's tick (Ctrl-C answers within a fraction of a second)
+
+
 class Simulation:
     """Drives an ``Engine`` through a workload in simulated time.
 
@@ -154,13 +157,22 @@ class Simulation:
                                        source="sim"))
             eng.add(spec, spec.t)
 
-    def run(self) -> SimResult:
+    def run(self, tick: Callable[[float], bool] | None = None) -> SimResult:
+        """Simulate to ``duration_s``. ``tick(t)``, when given, is called every few hundred engine
+        steps with the simulated time (progress); returning True ends the run there, cleanly:
+        everything up to ``t`` is emitted, as if ``duration_s`` had been ``t``."""
         eng = self.engine
         end = self.duration_s
         hook = self._hook
+        n = 0
         while True:
             if eng.t >= end:
                 break
+            if tick is not None:
+                n += 1
+                if n % TICK_STEPS == 0 and tick(eng.t):
+                    end = eng.t
+                    break
             self._advance_to(eng.t, inclusive=True)
             if eng.step(hook):
                 continue
@@ -203,7 +215,8 @@ def _token_lines(t: float, seqs: list[Seq]) -> str:
 
 
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
-                      scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None) -> SimResult:
+                      scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None,
+                      tick: Callable[[float], bool] | None = None) -> SimResult:
     with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
         f = w._f  # same file, same buffering: token lines are appended in time order with the rest
 
@@ -215,4 +228,4 @@ def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: st
 
         sim = Simulation(workload, seed, duration_s, w.write, scrape_interval_s=scrape_interval_s, emit_tokens=tokens,
                          requests=iter(requests) if requests is not None else None)
-        return sim.run()
+        return sim.run(tick)

@@ -336,6 +336,7 @@ class GpuSource:
         if sample is None:
             return
         tx, rx, ts = sample
+        rec.pcie_tx_bytes_total, rec.pcie_rx_bytes_total = tx, rx
         prev, g.prev = g.prev, (tx, rx, t, ts)
         if prev is None:
             return  # first sample: a rate needs two
@@ -354,6 +355,7 @@ class GpuSource:
             # H200 (driver 580, virtualised) they did while 55 GB/s flowed and moved < 1 % of the
             # bytes copied: such counters say nothing, so measure with the 20 ms sampler instead.
             rec.notes.append("pcie counters went backwards: unreliable on this system, no rate for this interval")
+            rec.pcie_tx_bytes_total = rec.pcie_rx_bytes_total = None  # not a counter: export none
             self._fallback(g, "not monotonic on this system")
             return
         # a genuine wrap of the unsigned 64-bit counter

@@ -4,12 +4,18 @@ Every failure is one line in a ``PromError``: unreachable server, timeout, HTTP 
 the server's own error text), a body that is not the API's JSON, or a result larger than the
 caller allowed (a selector that matches a whole fleet's worth of series must not eat memory).
 The body is streamed and cut at ``max_bytes`` before it is parsed.
+
+``PromAuth`` is what a Prometheus-compatible API behind a gateway asks for: a bearer token or basic
+auth, a CA bundle for its TLS certificate, and extra headers (``X-Scope-OrgID`` for a multi-tenant
+Mimir / Cortex / Thanos). None of it ever appears in an error, a log line or a record.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import ssl
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -19,6 +25,29 @@ Labels = dict[str, str]
 
 class PromError(Exception):
     """One-line reason a Prometheus query gave nothing usable."""
+
+
+@dataclass(frozen=True)
+class PromAuth:
+    token: str | None = None  # Authorization: Bearer
+    username: str | None = None  # basic auth (with password); never together with token
+    password: str | None = None
+    ca_file: str | None = None  # PEM bundle that signs the server's certificate (else the system's)
+    headers: tuple[tuple[str, str], ...] = ()  # sent with every query, e.g. ("X-Scope-OrgID", "team-a")
+
+    def __repr__(self) -> str:  # a traceback or a debug print must not show the secrets
+        return (f"PromAuth(token={'***' if self.token else None}, username={self.username!r}, "
+                f"password={'***' if self.password else None}, ca_file={self.ca_file!r}, "
+                f"headers={[k for k, _ in self.headers]})")
+
+
+def _tls(ca_file: str | None) -> ssl.SSLContext | bool:
+    if ca_file is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise PromError(f"cannot use CA file {ca_file}: {getattr(e, 'strerror', None) or _one_line(e)}") from None
 
 
 def _one_line(e: BaseException) -> str:
@@ -35,7 +64,7 @@ def _value(v: Any) -> float:
 
 class PromClient:
     def __init__(self, url: str, timeout_s: float = 5.0, max_bytes: int = 32 << 20, max_series: int = 20_000,
-                 token: str | None = None, client: httpx.Client | None = None):
+                 token: str | None = None, client: httpx.Client | None = None, auth: PromAuth | None = None):
         u = url.strip().rstrip("/")
         if "://" not in u:
             u = "http://" + u
@@ -43,10 +72,15 @@ class PromClient:
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self.max_series = max_series
-        self._headers = {"Accept": "application/json"}
+        auth = auth or PromAuth()
+        self._headers = {"Accept": "application/json", **dict(auth.headers)}
+        token = token or auth.token
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._client = client or httpx.Client(timeout=timeout_s, follow_redirects=True)
+        basic = httpx.BasicAuth(auth.username, auth.password or "") if auth.username is not None else None
+        # redirects stay on: a query frontend may redirect; httpx drops Authorization on a cross-origin hop
+        self._client = client or httpx.Client(timeout=timeout_s, follow_redirects=True, verify=_tls(auth.ca_file),
+                                              auth=basic)
         self.queries = 0
 
     def close(self) -> None:
@@ -68,7 +102,8 @@ class PromClient:
                                         f"{params.get('query', path)!r}: narrow it with --selector")
                 status = resp.status_code
         except httpx.ConnectError as e:
-            raise PromError(f"cannot connect to Prometheus at {self.url}: {_one_line(e)}") from None
+            hint = " (--prometheus-ca-file?)" if "CERTIFICATE_VERIFY_FAILED" in str(e) else ""
+            raise PromError(f"cannot connect to Prometheus at {self.url}: {_one_line(e)}{hint}") from None
         except httpx.TimeoutException:
             raise PromError(f"Prometheus at {self.url} timed out after {self.timeout_s:g}s") from None
         except httpx.HTTPError as e:
@@ -80,7 +115,8 @@ class PromClient:
             doc = None
         if status != 200:
             why = doc.get("error") if isinstance(doc, dict) else None
-            hint = " (wrong or missing token?)" if status in (401, 403) else ""
+            hint = (" (wrong or missing credentials: --token, --prometheus-user or --prometheus-header?)"
+                    if status in (401, 403) else "")
             raise PromError(f"Prometheus HTTP {status} for {params.get('query', path)!r}"
                             + (f": {str(why).splitlines()[0][:160]}" if why else "") + hint)
         if not isinstance(doc, dict) or doc.get("status") != "success" or not isinstance(doc.get("data"), dict):

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.records import EngineRecord
+from kvtop.model.sanitize import output_json
 from kvtop.plugin import EngineAdapter, detect_adapter, load_adapter
 from kvtop.sources.promapi import Labels, PromClient, PromError
 
@@ -249,9 +250,11 @@ class PromFleet:
         agents: dict[str, AgentView] = {}
         w = f"{max(int(self.window_s), 60)}s"
         try:
-            for lb, _, _ in self.client.query(f"kvtop_verdict_info{self._sel()}"):
-                a = agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", "")))
-                a.action, a.mechanism = lb.get("action"), lb.get("mechanism")
+            # state-sets: every action (mechanism) is a series, the current one has the value 1
+            for lb, _, _ in self.client.query(f"kvtop_verdict{self._sel()} == 1"):
+                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).action = lb.get("action")
+            for lb, _, _ in self.client.query(f"kvtop_verdict_mechanism{self._sel()} == 1"):
+                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).mechanism = lb.get("mechanism")
             for lb, _, v in self.client.query(f"kvtop_verdict_confidence{self._sel()}"):
                 agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).confidence = v
             for lb, _, v in self.client.query(f"kvtop_itl_target_seconds{self._sel()}"):
@@ -325,6 +328,11 @@ class InstanceAnalysis:
                 "error": self.error, "report": self.report.to_dict() if self.report is not None else None}
 
 
+# The shape `kvtop analyze --prometheus --format json` prints; the number changes when a field
+# changes meaning or goes away, not when one is added.
+FLEET_ANALYSIS_SCHEMA = "kvtop-fleet-analysis/1"
+
+
 @dataclass(frozen=True, slots=True)
 class FleetAnalysis:
     prometheus: str
@@ -337,6 +345,11 @@ class FleetAnalysis:
     def to_dict(self) -> dict[str, Any]:
         return {"prometheus": self.prometheus, "start": self.start, "end": self.end, "step_s": self.step_s,
                 "note": self.note, "instances": [i.to_dict() for i in self.instances]}
+
+    def to_json(self, version: str) -> dict[str, Any]:
+        """What `kvtop analyze --prometheus --format json` prints (schemas/fleet-analysis.schema.json)."""
+        out: dict[str, Any] = output_json({"kvtop_version": version, "schema": FLEET_ANALYSIS_SCHEMA, **self.to_dict()})
+        return out
 
 
 def analyze_history(client: PromClient, start: float, end: float, step: float, selector: str | None = None,

@@ -4,14 +4,17 @@ Naming follows Prometheus conventions: prefix ``kvtop_``, base units (seconds, b
 ``_total`` for counters, no colons. GPU series reuse the DCGM exporter's quantities and label names
 (``gpu``, ``UUID``) so they sit next to ``DCGM_FI_DEV_FB_USED`` & co. in the same queries.
 
-Cardinality is bounded by construction and never includes a request id:
-  engine  one per engine instance the agent scrapes (``host:port``, ``/rank`` for DP ranks)
-  cause   preemption, prefill_interference, slow_decode, unknown
-  gpu     one per GPU on the node; signal: the host's pinned-memory signals (a handful)
-  source  proxy, probe, capture (how a stream was observed); action/mechanism: the advisor's enums
+Cardinality is bounded by construction and never includes a request id. Every label means one
+thing and its values are tokens (docs/fleet.md "Series"):
+  engine      one per engine instance the agent scrapes (``host:port``, ``/rank`` for DP ranks)
+  model_name  the model the engine reports serving (vLLM's label of the same name), "" if none
+  cause       preemption, prefill_interference, slow_decode, unknown
+  gpu, UUID   one per GPU on the node; signal: gup_pinned, engine_shmem, cgroup_shmem, mlocked
+  observer    proxy, probe, capture (how a stream was observed)
+  action, mechanism  the advisor's enums, as state-sets: every value present, the current one 1
 Spike, stall, verdict and client-side histogram series exist for the engine the streams are observed
 in front of (the proxy's / probe's); every other engine adds its state only. bench/agent_metrics.py:
-61 series for one engine (no GPU), +7 per further engine, +10 per GPU, the same at 50 or 1,000
+69 series for one engine (no GPU), +7 per further engine, +10 per GPU, the same at 50 or 1,000
 live requests (docs/fleet.md "Series").
 
 Two paths keep ``/metrics`` cheap whatever the load: per-token work (client-side gap and TTFT
@@ -22,9 +25,10 @@ that a scrape only formats.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtop import __version__
+from kvtop.analysis.advice.advisor import ACTIONS
 from kvtop.model.analysis import AnalysisCounters
 from kvtop.model.records import EngineRecord, Record, RequestRecord
 from kvtop.snapshot import Snapshot
@@ -42,6 +47,19 @@ GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _MAX_STREAMS = 20_000  # open streams remembered for gap / TTFT (oldest forgotten first)
+MECHANISMS = ("swap", "recompute")
+# the host source's signal names are prose for the console; label values are tokens
+SIGNAL_TOKENS = {"pinned (all GUP)": "gup_pinned", "engine RssShmem (incl. CUDA pinned)": "engine_shmem",
+                 "cgroup shmem": "cgroup_shmem", "Mlocked (excludes CUDA pinned)": "mlocked"}
+# downward-API variables (deploy/kubernetes/): which pod, namespace and node the agent runs in
+POD_ENV = (("pod", "POD_NAME"), ("namespace", "POD_NAMESPACE"), ("node", "NODE_NAME"))
+
+
+def signal_token(name: str) -> str:
+    tok = SIGNAL_TOKENS.get(name)
+    if tok is None:  # a signal added later: still a token, never prose
+        tok = "_".join("".join(c if c.isalnum() else " " for c in name.lower()).split())
+    return tok
 
 
 def engine_label(url: str | None, engine: str | None = None) -> str:
@@ -67,9 +85,11 @@ class _Cached(Collector):
 class AgentMetrics:
     """Registry + record sink + per-tick update. Touch it from the agent's event loop only."""
 
-    def __init__(self, request_engine: str | None = None):
+    def __init__(self, request_engine: str | None = None, env: Mapping[str, str] | None = None):
         # requests are observed in front of one engine (the proxy's / probe's upstream)
         self.request_engine = request_engine or "?"
+        env = os.environ if env is None else env
+        self.placement = [env.get(var, "") for _, var in POD_ENV]
         self.registry = CollectorRegistry(auto_describe=False)
         self._cached = _Cached()
         self.registry.register(self._cached)
@@ -80,8 +100,8 @@ class AgentMetrics:
                               "Client-side time from request to first streamed token",
                               ["engine"], buckets=TTFT_BUCKETS, registry=self.registry)
         self.streams = Counter("kvtop_streams_observed", "Streams kvtop observed, by how it saw them",
-                               ["engine", "source"], registry=self.registry)
-        self.scrape_errors = Counter("kvtop_scrape_errors", "Failed scrapes of a source", ["source"],
+                               ["engine", "observer"], registry=self.registry)
+        self.scrape_errors = Counter("kvtop_engine_scrape_errors", "Failed scrapes of an engine", ["engine"],
                                      registry=self.registry)
         self._gap_child = self.gap.labels(self.request_engine)
         self._ttft_child = self.ttft.labels(self.request_engine)
@@ -134,75 +154,101 @@ class AgentMetrics:
             fams.append(c)
             return c
 
-        info = gauge("kvtop_agent_info", "kvtop agent build information", ["version"])
-        info.add_metric([__version__], 1)
+        info = gauge("kvtop_agent_info", "kvtop agent version, and the pod, namespace and node it runs in "
+                     "(Kubernetes downward API; empty elsewhere)", ["version", *(k for k, _ in POD_ENV)])
+        info.add_metric([__version__, *self.placement], 1)
         gauge("kvtop_agent_last_update_timestamp_seconds",
               "Unix time of the agent's last analysis tick (a stale agent stops moving it)").add_metric([], time.time())
 
-        e_up = gauge("kvtop_engine_up", "1 if the engine's last scrape succeeded", ["engine", "adapter"])
-        e_kv = gauge("kvtop_engine_kv_cache_usage_ratio", "KV cache usage of the engine (0..1)", ["engine"])
-        e_run = gauge("kvtop_engine_running_requests", "Requests in the engine's running batch", ["engine"])
-        e_wait = gauge("kvtop_engine_waiting_requests", "Requests waiting in the engine's queue", ["engine"])
-        e_pre = counter("kvtop_engine_preemptions", "The engine's own preemption counter, as scraped", ["engine"])
-        e_age = gauge("kvtop_source_last_success_age_seconds", "Seconds since the source last answered", ["source"])
-        stale = gauge("kvtop_source_stale", "1 if a source has not answered for a while", ["source"])
+        el = ["engine", "model_name"]
+        e_up = gauge("kvtop_engine_up", "1 if the engine's last scrape succeeded", [*el, "adapter"])
+        e_kv = gauge("kvtop_engine_kv_cache_usage_ratio", "KV cache usage of the engine (0..1)", el)
+        e_run = gauge("kvtop_engine_running_requests", "Requests in the engine's running batch", el)
+        e_wait = gauge("kvtop_engine_waiting_requests", "Requests waiting in the engine's queue", el)
+        e_pre = counter("kvtop_engine_preemptions", "The engine's own preemption counter, as scraped", el)
+        e_age = gauge("kvtop_engine_last_success_age_seconds", "Seconds since the engine's /metrics last answered", el)
+        stale = gauge("kvtop_engine_stale", "1 if the engine's /metrics has not answered for a while", el)
+        models: dict[str, str] = {}
         for e in snap.engines:
             lab = engine_label(e.url, e.engine)
-            e_up.add_metric([lab, e.adapter or "unknown"], 1.0 if e.up else 0.0)
+            k = [lab, e.model or ""]
+            models.setdefault(lab, e.model or "")
+            e_up.add_metric([*k, e.adapter or "unknown"], 1.0 if e.up else 0.0)
             if e.kv_usage is not None:
-                e_kv.add_metric([lab], e.kv_usage)
+                e_kv.add_metric(k, e.kv_usage)
             if e.running is not None:
-                e_run.add_metric([lab], e.running)
+                e_run.add_metric(k, e.running)
             if e.waiting is not None:
-                e_wait.add_metric([lab], e.waiting)
+                e_wait.add_metric(k, e.waiting)
             if e.preemptions_total is not None:
-                e_pre.add_metric([lab], e.preemptions_total)
+                e_pre.add_metric(k, e.preemptions_total)
             if e.stale_s is not None:
-                e_age.add_metric([lab], e.stale_s)
-            stale.add_metric([lab], 1.0 if (not e.up or e.stale_s is None or e.stale_s > stale_after_s) else 0.0)
-        stale.add_metric(["gpu"], 0.0 if snap.gpu_status == "ok" or snap.gpu_status.startswith("disabled") else 1.0)
+                e_age.add_metric(k, e.stale_s)
+            stale.add_metric(k, 1.0 if (not e.up or e.stale_s is None or e.stale_s > stale_after_s) else 0.0)
+        gauge("kvtop_gpu_stale", "1 if NVML stopped answering (0 when the GPU is not read: --no-gpu)").add_metric(
+            [], 0.0 if snap.gpu_status == "ok" or snap.gpu_status.startswith("disabled") else 1.0)
 
         lab = self.request_engine
+        k = [lab, models.get(lab, "")]
         spikes = counter("kvtop_token_gap_spikes", "Inter-token gaps above the ITL target, by attributed cause",
-                         ["engine", "cause"])
+                         [*el, "cause"])
         stall = counter("kvtop_stall_seconds", "Seconds streams stalled in spikes, by attributed cause",
-                        ["engine", "cause"])
+                        [*el, "cause"])
         counts = totals.spikes_by_cause if totals else {}
         secs = totals.stall_s_by_cause if totals else {}
         for c in CAUSES:
-            spikes.add_metric([lab, c], float(counts.get(c, 0)))
-            stall.add_metric([lab, c], float(secs.get(c, 0.0)))
+            spikes.add_metric([*k, c], float(counts.get(c, 0)))
+            stall.add_metric([*k, c], float(secs.get(c, 0.0)))
         attributed = counter("kvtop_preemptions_attributed",
                              "Streams whose stall kvtop attributed to preemption (compare kvtop_engine_preemptions_total)",
-                             ["engine"])
-        attributed.add_metric([lab], float(totals.preemptions_attributed if totals else 0))
+                             el)
+        attributed.add_metric(k, float(totals.preemptions_attributed if totals else 0))
         rep = snap.analysis
         verdict = rep.verdict if rep is not None else None
-        v_info = gauge("kvtop_verdict_info", "The advisor's current verdict (value 1)", ["engine", "action", "mechanism"])
-        v_conf = gauge("kvtop_verdict_confidence", "Confidence of the current verdict (0..1)", ["engine"])
-        if verdict is not None:
-            v_info.add_metric([lab, str(verdict.action or "none"), str(verdict.mechanism or "none")], 1)
-            if verdict.confidence is not None:
-                v_conf.add_metric([lab], float(verdict.confidence))
+        # state-sets: the label set never changes, so changes() and alerts see a verdict change as a value
+        v_act = gauge("kvtop_verdict", "The advisor's current action (1) among every possible one (0)", [*el, "action"])
+        action = verdict.action if verdict is not None else None
+        for a in ACTIONS:
+            v_act.add_metric([*k, a], 1.0 if a == action else 0.0)
+        v_mech = gauge("kvtop_verdict_mechanism", "The eviction mechanism the verdict names (1; all 0 when none)",
+                       [*el, "mechanism"])
+        mech = verdict.mechanism if verdict is not None else None
+        for mm in MECHANISMS:
+            v_mech.add_metric([*k, mm], 1.0 if mm == mech else 0.0)
+        v_conf = gauge("kvtop_verdict_confidence", "Confidence of the current verdict (0..1)", el)
+        if verdict is not None and verdict.confidence is not None:
+            v_conf.add_metric(k, float(verdict.confidence))
         tgt = rep.itl_target_s if rep is not None else snap.itl_target_s
         if tgt:
-            gauge("kvtop_itl_target_seconds", "ITL target the spikes are measured against", ["engine"]).add_metric(
-                [lab], float(tgt))
+            gauge("kvtop_itl_target_seconds", "ITL target the spikes are measured against", el).add_metric(
+                k, float(tgt))
 
         if snap.host is not None:
             h = snap.host
-            pin = gauge("kvtop_host_pinned_memory_bytes", "Host pinned (page-locked) memory by signal", ["signal"])
+            sig_g = gauge("kvtop_host_memory_signal_bytes", "Host memory signals kvtop weighs for pinned memory, side "
+                          "by side (none exact, never sum them; docs/host-and-gpu.md)", ["signal"])
             for sig, v in sorted(h.pinned_signals.items()):
                 if v is not None:
-                    pin.add_metric([sig], float(v))
+                    sig_g.add_metric([signal_token(sig)], float(v))
+            if h.pinned_bytes is not None and h.pinned_signal is not None:
+                gauge("kvtop_host_pinned_memory_bytes", "Best estimate of host pinned (page-locked) memory, and the "
+                      "signal it comes from", ["signal"]).add_metric([signal_token(h.pinned_signal)], float(h.pinned_bytes))
             if h.mem_available_bytes is not None:
                 gauge("kvtop_host_memory_available_bytes", "Host MemAvailable").add_metric([], h.mem_available_bytes)
 
         gl = ["gpu", "UUID"]
         g_used = gauge("kvtop_gpu_fb_used_bytes", "GPU framebuffer memory used (DCGM_FI_DEV_FB_USED, in bytes)", gl)
         g_tot = gauge("kvtop_gpu_fb_total_bytes", "GPU framebuffer memory total", gl)
-        g_tx = gauge("kvtop_gpu_pcie_tx_bytes_per_second", "PCIe transmit rate (DCGM_FI_PROF_PCIE_TX_BYTES)", gl)
-        g_rx = gauge("kvtop_gpu_pcie_rx_bytes_per_second", "PCIe receive rate (DCGM_FI_PROF_PCIE_RX_BYTES)", gl)
+        # NVML's cumulative counters where the driver has them (exact at any scrape interval: rate() them);
+        # the 20 ms throughput sample otherwise, as a gauge (one of the two per GPU, never both)
+        c_tx = counter("kvtop_gpu_pcie_tx_bytes", "PCIe bytes sent by the GPU since the driver loaded "
+                       "(NVML_FI_DEV_PCIE_COUNT_TX_BYTES)", gl)
+        c_rx = counter("kvtop_gpu_pcie_rx_bytes", "PCIe bytes received by the GPU since the driver loaded "
+                       "(NVML_FI_DEV_PCIE_COUNT_RX_BYTES)", gl)
+        g_tx = gauge("kvtop_gpu_pcie_tx_sampled_bytes_per_second", "PCIe transmit rate, NVML's 20 ms sample (only "
+                     "where the driver has no byte counters)", gl)
+        g_rx = gauge("kvtop_gpu_pcie_rx_sampled_bytes_per_second", "PCIe receive rate, NVML's 20 ms sample (only "
+                     "where the driver has no byte counters)", gl)
         g_gen = gauge("kvtop_gpu_pcie_link_gen", "Current PCIe link generation (DCGM_FI_DEV_PCIE_LINK_GEN)", gl)
         g_genm = gauge("kvtop_gpu_pcie_link_gen_max", "Maximum PCIe link generation", gl)
         g_w = gauge("kvtop_gpu_pcie_link_width", "Current PCIe link width in lanes (DCGM_FI_DEV_PCIE_LINK_WIDTH)", gl)
@@ -212,9 +258,12 @@ class AgentMetrics:
         for view in snap.gpus:
             g = view.record
             k = [str(g.index), g.uuid or ""]
+            sampled = g.pcie_source != "field_counters"
             vals: tuple[tuple[Any, float | int | None], ...] = (
-                (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes), (g_tx, g.pcie_tx_bytes_per_s),
-                (g_rx, g.pcie_rx_bytes_per_s), (g_gen, g.pcie_link_gen), (g_genm, g.pcie_link_gen_max),
+                (g_used, g.mem_used_bytes), (g_tot, g.mem_total_bytes),
+                (c_tx, g.pcie_tx_bytes_total), (c_rx, g.pcie_rx_bytes_total),
+                (g_tx, g.pcie_tx_bytes_per_s if sampled else None), (g_rx, g.pcie_rx_bytes_per_s if sampled else None),
+                (g_gen, g.pcie_link_gen), (g_genm, g.pcie_link_gen_max),
                 (g_w, g.pcie_link_width), (g_wm, g.pcie_link_width_max), (g_rp, g.pcie_replay_count))
             for fam, val in vals:
                 if val is not None:

@@ -87,9 +87,17 @@ def _analysis_lines(a: AnalysisReport) -> list[str]:
     return ["", *render_report_text(a).splitlines()]
 
 
-def render_text(snapshot: Snapshot) -> str:
+def render_text(snapshot: Snapshot, trace: tuple[float, float] | None = None) -> str:
+    """``trace``: (position, duration) of a replayed trace, in seconds from its start; the header
+    then says how much of which trace this is, and the rates' window is at most the part replayed."""
     s = snapshot
-    out = [f"kvtop {s.kvtop_version}  {s.taken_at}  window {s.window_s:.1f} s  ({s.source_label})"]
+    if trace is None:
+        span = f"window {s.window_s:.1f} s"
+    else:
+        at, duration = trace
+        span = (f"trace {duration:.1f} s" + (f", replayed to {at:.1f} s" if at < duration else "")
+                + f"  rates over the last {min(s.window_s, at):.1f} s")
+    out = [f"kvtop {s.kvtop_version}  {s.taken_at}  {span}  ({s.source_label})"]
     if s.itl_target_s is not None:
         out[0] += f"  ITL target {units.duration(s.itl_target_s)}"
     if s.gpu_status != "ok":

@@ -173,7 +173,11 @@ def private_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
-def vllm_server(python: Path, model_dir: Path, port: int | None = None, workdir: Path | None = None) -> Server:
+def vllm_server(python: Path, model_dir: Path, port: int | None = None, workdir: Path | None = None,
+                witness: Path | None = None, extra: tuple[str, ...] = (), kv_bytes: int = VLLM_KV_BYTES,
+                max_model_len: int = VLLM_MAX_MODEL_LEN) -> Server:
+    """The tiny-model vLLM; ``witness``: with kvtop's witness writing its steps there (``kvtop.witness``
+    imported from this checkout, as an operator's ``pip install --no-deps kvtop-console`` would)."""
     port = port or free_port()
     wd = workdir or private_dir("vllm-")
     tmp = wd / "tmp"
@@ -194,11 +198,15 @@ def vllm_server(python: Path, model_dir: Path, port: int | None = None, workdir:
         "--model", str(model_dir), "--served-model-name", VLLM_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager",
-        "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--block-size", str(VLLM_BLOCK_SIZE),
-        "--max-num-seqs", str(VLLM_MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(VLLM_KV_BYTES),
+        "--max-model-len", str(max_model_len), "--block-size", str(VLLM_BLOCK_SIZE),
+        "--max-num-seqs", str(VLLM_MAX_NUM_SEQS), "--kv-cache-memory-bytes", str(kv_bytes),
         # each response's final usage chunk carries the engine's own queue/TTFT/decode times
-        "--enable-per-request-metrics",
+        "--enable-per-request-metrics", *extra,
     ]
+    if witness is not None:
+        cmd += ["--scheduler-cls", "kvtop.witness.vllm.WitnessScheduler"]
+        env["PYTHONPATH"] = str(HERE.parent.parent)
+        env["KVTOP_WITNESS_FILE"] = str(witness)
     return Server("vllm", cmd, env, port, "/health", wd)
 
 

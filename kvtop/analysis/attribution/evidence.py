@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.spike import Spike
@@ -30,6 +31,9 @@ from kvtop.analysis.attribution.thresholds import (
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
 from kvtop.analysis.gaps import Gap
 from kvtop.analysis.stalls import StallIndex
+
+if TYPE_CHECKING:
+    from kvtop.analysis.witness import Account
 
 
 @dataclass
@@ -65,6 +69,9 @@ class Evidence:
     tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
     timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
     stalls: StallIndex  # the other streams
+    witness: Account | None = None  # the engine's own step log for this stall (a witness ran)
+    # another request's prefill, engine-timed, covering at least half the stall: (start, end, prompt, id)
+    prefill_span: tuple[float, float, int, str] | None = None
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -281,7 +288,8 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> flo
 
 def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | None, timeline: EngineTimeline,
            preempts: bool, settle: float, engine_preempts: list[float] | None = None, counted_at: str | None = None,
-           prefill_rate: float | None = None, prev_spike: Spike | None = None) -> Evidence:
+           prefill_rate: float | None = None, prev_spike: Spike | None = None,
+           witness: Account | None = None, prefill_span: tuple[float, float, int, str] | None = None) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
 
     ``median`` is the run's median gap, ``target`` the ITL target. ``timeline`` holds the engine
@@ -306,4 +314,5 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
-        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls)
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, witness=witness,
+        prefill_span=prefill_span)

@@ -11,6 +11,8 @@ victim's re-prefill: a recompute stall (prefill work caused by preemption).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence
 
@@ -40,15 +42,38 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
     return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
 
 
-def signals(ev: Evidence) -> tuple[list[str], bool]:
-    """The prefill signals that can explain the stall, in words, and whether one was checked
-    against the measured prefill rate. None where the stream's own pace already missed the target:
-    that spike would have been one without the prefill (slow decode)."""
+class Signals(NamedTuple):
+    lines: list[str]  # the signals, in words
+    checked: bool  # one was checked against the measured prefill rate
+    claim: tuple[float, float] | None  # the stall span an interval's prompt tokens would explain
+
+
+def _budget(ev: Evidence, tokens: float) -> tuple[float, float] | None:
+    """The span of the stall that ``tokens`` of the scrape interval it ended in would explain, where
+    they can still explain it: an interval's prompt tokens are a finite prefill time (tokens /
+    measured rate), which the stalls it explains share, each claiming its excess over the stream's
+    pace (streams stalled in the same step claim the same span once). None: spent on other stalls."""
+    if not ev.prefill_rate:
+        return (0.0, 0.0)  # unchecked signals stay unchecked: no rate, no budget to spend
+    g = ev.gap
+    excess = max(0.0, g.gap - (ev.decode_pace or 0.0))
+    span = (g.t_end - excess, g.t_end)
+    if ev.timeline.prefill_room(g.t_end, span, tokens / ev.prefill_rate, PREFILL_SHARE):
+        return span
+    return None
+
+
+def signals(ev: Evidence) -> Signals:
+    """The prefill signals that can explain the stall, in words, whether one was checked against
+    the measured prefill rate, and the span a finding on an interval's prompt tokens claims. None
+    where the stream's own pace already missed the target: that spike would have been one without
+    the prefill (slow decode)."""
     out: list[str] = []
     checked = False
+    claim: tuple[float, float] | None = None
     pace = ev.decode_pace
     if ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target:
-        return out, checked
+        return Signals(out, checked, None)
     ft = ev.first_token
     if ft is not None:
         ok = _explains(ev, ft.total_prompt_tokens)
@@ -60,39 +85,63 @@ def signals(ev: Evidence) -> tuple[list[str], bool]:
                           if ft.requests > 1 else ""))
     if ev.prompt_jump:
         ok = _explains(ev, ev.prompt_excess)
-        if ok is not False:
+        span = _budget(ev, ev.prompt_excess) if ok is not False else None
+        if span is not None:
             checked |= ok is True
+            claim = claim if out else span  # a first token at its end needs no interval's budget
             out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
     if not out and ev.prefill_rate:
         # no first token seen (its request may be unobserved) and no jump over the whole window:
         # the interval in which the stall ended still added more prompt tokens than usual, enough
         # at the measured rate to explain it
         extra = ev.end_prompt_excess
-        if extra and _explains(ev, extra):
+        span = _budget(ev, extra) if extra and _explains(ev, extra) else None
+        if span is not None:
             checked = True
+            claim = span
             out.append(f"the scrape interval in which it ended added {extra:.0f} prompt tokens more than usual")
     if checked and ev.prefill_rate:
         out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
-    return out, checked
+    return Signals(out, checked, claim)
+
+
+def _found(ev: Evidence, sig: Signals, key: str, kind: str) -> Finding:
+    if sig.claim is not None and sig.claim[1] > sig.claim[0]:
+        ev.timeline.claim_prefill(ev.gap.t_end, sig.claim)
+    return ev.found(Cause.PREFILL, key, sig.lines, kind, sparse_matters=False)
 
 
 def lone(ev: Evidence, checked_only: bool = False) -> Finding | None:
     """The only decoding stream stalled, with a prefill signal (nobody else to compare with);
     ``checked_only``: only a signal the measured prefill rate confirms."""
-    sig, checked = signals(ev)
-    if not sig or (checked_only and not checked):
+    sig = signals(ev)
+    if not sig.lines or (checked_only and not sig.checked):
         return None
-    return ev.found(Cause.PREFILL, "prefill/lone-checked" if checked else "prefill/lone", sig, "lone",
-                    sparse_matters=False)
+    return _found(ev, sig, "prefill/lone-checked" if sig.checked else "prefill/lone", "lone")
 
 
 def shared(ev: Evidence) -> Finding | None:
     """Every stream stalled together and a prefill signal ends the stall."""
-    sig, checked = signals(ev)
-    if not sig:
+    sig = signals(ev)
+    if not sig.lines:
         return None
-    return ev.found(Cause.PREFILL, "prefill/shared-checked" if checked else "prefill/shared", sig, "shared",
-                    sparse_matters=False)
+    return _found(ev, sig, "prefill/shared-checked" if sig.checked else "prefill/shared", "shared")
+
+
+def span(ev: Evidence) -> Finding | None:
+    """The stall lies inside another request's prefill as the engine itself timed it (vLLM's
+    per-request metrics: from first scheduled to first token), and no preemption was counted around
+    it. A chunked prefill slows every step it shares, so the stream's own pace is no alibi here."""
+    sp = ev.prefill_span
+    if sp is None or (ev.has_counter and ev.counter_delta() > 0):
+        return None
+    a, b, prompt, rid = sp
+    excess = ev.gap.gap - (ev.decode_pace or 0.0)
+    if ev.prefill_rate and prompt / ev.prefill_rate < PREFILL_SHARE * excess:
+        return None  # too short a prompt for this stall
+    return ev.found(Cause.PREFILL, "prefill/span", [
+        f"request {rid}'s prompt ({prompt} tokens) was being prefilled from t={a:.2f}s to {b:.2f}s (the engine's "
+        "own times for it): the stall lies inside that prefill"], "span", sparse_matters=False)
 
 
 def recompute(ev: Evidence) -> Finding | None:

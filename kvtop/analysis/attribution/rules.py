@@ -21,6 +21,7 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
     KV_HIGH,
+    PREFILL_HOLD_S,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,
@@ -70,7 +71,7 @@ class Rule:
     """One row of the table."""
 
     key: str
-    cause: Cause
+    cause: Cause | None  # None: whichever cause the engine's log shows (the witness)
     kinds: tuple[str, ...]  # the ``rule`` names its findings report (Finding.kind)
     when: When
     explain: Explain
@@ -88,7 +89,17 @@ def _pct(x: float) -> str:
     return f"{x * 100:g} %"
 
 
+def _witness(ev: Evidence) -> Finding | None:
+    return ev.witness.finding() if ev.witness is not None else None
+
+
 RULES: tuple[Rule, ...] = (
+    Rule("witness", None, ("witness",), ANY, _witness, (),
+         "the engine's own step log (a witness: `--witness`) covers the stall: preempted or recomputed between "
+         "its two tokens → preemption; else the part of the gap without which it met the target — other requests' "
+         "prompt/recompute steps → prefill_interference, time outside the engine → unknown; else the largest part "
+         "(decode steps → slow_decode). Exact: confidence 1.0. See [The engine as witness](witness.md)",
+         context=False),
     Rule("reported", Cause.PREEMPTION, ("reported",), ANY, preemption.reported, ("preemption/reported",),
          "the engine or adapter reported a `preempt` event for this request inside the gap", context=False),
     # the host and delivery rows come before any engine cause: a hung host or a held-back burst
@@ -109,6 +120,16 @@ RULES: tuple[Rule, ...] = (
          f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a "
          "slow reader, API-server merging, the network); a resumed preemption victim emits one step's worth. Asked "
          "before any engine cause"),
+    # a chunked prefill slows every step it rides in: the stream's slower pace is the prefill's doing,
+    # so the engine's own timing of another request's prefill is asked before the pace rules
+    # (any stall: the streams riding in the same chunk steps get their tokens a few ms apart, so one
+    # stream's stall can look as if the others flowed through it)
+    Rule("prefill-span", Cause.PREFILL, ("span",), ANY, prefill.span, ("prefill/span",),
+         "another request's prefill, as the engine timed it (vLLM `--enable-per-request-metrics`: its first "
+         "token less its engine TTFT), covers ≥ half the stall; no preemption counted around the stall; its "
+         f"prompt at the measured rate covers ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the "
+         f"stream's pace. Spikes that may lie in a prefill not yet reported wait up to {PREFILL_HOLD_S:g} s past "
+         "their end for it (vLLM reports a request's times on its final chunk)"),
     Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
          f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
          f"(look-ahead, below) are < 1/{REL_SLOW:g} of it. `slow/lifted-run`: the stream has no gaps of its own "
@@ -199,6 +220,6 @@ def markdown(rules: tuple[Rule, ...] = RULES, confidence: dict[str, float] | Non
            "|---|---|---|---|---|---|"]
     for i, r in enumerate(rules, 1):
         kinds = ", ".join(f"`{k}`" for k in r.kinds)
-        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence)
-        out.append(f"| {i} | `{r.key}` | {r.cause} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
+        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence) or "1.000 (read, not inferred)"
+        out.append(f"| {i} | `{r.key}` | {r.cause or 'as logged'} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
     return "\n".join(out) + "\n\n" + LEGEND + "\n"

@@ -63,6 +63,9 @@ class EngineTimeline:
         self.intervals: deque[float] = deque(maxlen=64)
         self.prompt_deltas: deque[float] = deque(maxlen=256)
         self.has_counter = False
+        # stall spans already explained by the prompt tokens of one scrape interval (keyed by the
+        # scrape that closes it): those tokens are a finite amount of prefill time, not a licence
+        self.prefill_claims: dict[float, list[tuple[float, float]]] = {}
 
     def add(self, t: float, key: EngineKey, running: float | None, waiting: float | None,
             kv: float | None, pre: float | None, prompt: float | None) -> None:
@@ -106,6 +109,40 @@ class EngineTimeline:
     def prune(self, before: float) -> None:
         while self.steps and self.steps[0][1] < before:
             self.steps.popleft()
+        for key in [k for k in self.prefill_claims if k < before]:
+            del self.prefill_claims[key]
+
+    def _closing_scrape(self, t: float) -> float | None:
+        """The first scrape at or after ``t`` (any instance): the one that closes t's interval."""
+        best = None
+        for k in self.keys.values():
+            i = bisect_left(k.t, t, k.head)
+            if i < len(k.t) and (best is None or k.t[i] < best):
+                best = k.t[i]
+        return best
+
+    def prefill_room(self, t: float, span: tuple[float, float], budget_s: float, share: float) -> bool:
+        """Whether the prompt tokens of the scrape interval around ``t`` (``budget_s`` of prefill at
+        the measured rate) still cover ``share`` of every stall span they would explain with ``span``
+        added. Spans of streams stalled in the same step overlap, and count once."""
+        key = self._closing_scrape(t)
+        if key is None:
+            return True
+        spans = sorted([*self.prefill_claims.get(key, []), span])
+        total, cur_a, cur_b = 0.0, spans[0][0], spans[0][1]
+        for a, b in spans[1:]:
+            if a > cur_b:
+                total += cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        total += cur_b - cur_a
+        return share * total <= budget_s + 1e-9
+
+    def claim_prefill(self, t: float, span: tuple[float, float]) -> None:
+        key = self._closing_scrape(t)
+        if key is not None:
+            self.prefill_claims.setdefault(key, []).append(span)
 
     @property
     def last_scrape(self) -> float | None:

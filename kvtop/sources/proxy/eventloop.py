@@ -1,4 +1,4 @@
-"""Which event loop the proxy runs on: uvloop when installed (``pip install 'kvtop[fast]'``), else asyncio.
+"""Which event loop the proxy runs on: uvloop when installed (``pip install 'kvtop-console[fast]'``), else asyncio.
 
 uvloop cuts the proxy's CPU per forwarded chunk by about a quarter (bench/proxy_overhead.py
 --compare); the proxy behaves the same on either.
@@ -25,10 +25,10 @@ def resolve_loop(name: str) -> str:
     if name == "asyncio":
         return name
     try:
-        import uvloop  # noqa: F401  (optional dependency: kvtop[fast])
+        import uvloop  # noqa: F401  (optional dependency: kvtop-console[fast])
     except ImportError:
         if name == "uvloop":
-            raise LoopUnavailable("--loop uvloop: uvloop is not installed (pip install 'kvtop[fast]')") from None
+            raise LoopUnavailable("--loop uvloop: uvloop is not installed (pip install 'kvtop-console[fast]')") from None
         return "asyncio"
     return "uvloop"
 

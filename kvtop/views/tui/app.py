@@ -34,6 +34,7 @@ from kvtop.feeds.static import StaticFeed
 from kvtop.snapshot import Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
 from kvtop.views.tui.advisor import AdvisorView
+from kvtop.views.tui.charts import Chart
 from kvtop.views.tui.detail import DetailView
 from kvtop.views.tui.events import EventsView
 from kvtop.views.tui.fleet import FleetScreen, open_fleet
@@ -311,22 +312,33 @@ class KvtopApp(App[int]):
 
     def _render_topbar(self, s: Snapshot) -> None:
         clock = s.taken_at[11:19] + "Z" if len(s.taken_at) >= 19 else s.taken_at
-        state = "[$warning b]⏸ PAUSED[/]" if self.paused else "[$success]● live[/]"
+        replay = self.replay
+        ended = replay is not None and replay.duration > 0 and replay.t >= replay.duration
+        if self.paused:
+            state = "[$warning b]⏸ PAUSED[/]"
+        elif ended:
+            state = "[$text-muted]■ end of trace[/]"  # nothing more will come: not "live"
+        else:
+            state = "[$success]● live[/]"
         # "kvtop demo: preemption-storm" already names its source
         src = "" if s.source_label.split(" ")[-1] in self.title else escape(s.source_label)
-        pos = ""
-        replay = self.replay
+        pos = bar = ""
         if replay is not None:
             t, d = replay.t, replay.duration
-            pos = f"  replay {units.duration_short(t)}" + (f"/{units.duration_short(d)}" if d else "")
+            pos = f"replay {units.duration_short(t)}" + (f"/{units.duration_short(d)}" if d else "")
             if d:
                 n = 20
                 k = min(n, round(t / d * n)) if d > 0 else 0
-                pos += f" [$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
+                bar = f"[$primary]{'━' * k}[/][$text-muted]{'─' * (n - k)}[/]"
         n_run = sum(1 for r in s.requests if r.state in ("running", "preempted", "waiting"))
+        # what an 80-column terminal drops first: the counts, the clock, the source, the bar
+        width = max(20, (self.main.size.width or self.size.width) - 2)
         self.main.query_one("#topbar", Static).update(
-            f"[b]{escape(self.title)}[/b] {render.muted(src)}  {state}{pos}  "
-            f"t={units.duration_short(s.t)}  {clock}  {render.muted(f'{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests')}",
+            render.fit_line([
+                (f"[b]{escape(self.title)}[/b]", 0), (render.muted(src), 4), (state, 0), (pos, 1), (bar, 3),
+                (f"t={units.duration_short(s.t)}", 2), (clock, 5),
+                (render.muted(f"{len(s.engines)} engine(s) · {len(s.gpus)} GPU(s) · {n_run} live requests"), 6),
+            ], width),
             layout=False,  # one line, always: a new text needs no layout pass
         )
         banner = self.main.query_one("#banner", Static)
@@ -334,8 +346,7 @@ class KvtopApp(App[int]):
         notice = self.feed.notice
         if notice:
             msgs.append(escape(notice))
-        if s.gpu_status != "ok":
-            msgs.append(f"GPU: {escape(s.gpu_status)}")
+        # no GPU is not an alarm: the Overview's GPUs line says why (and the Events screen logs it)
         cap = s.capture
         if cap is not None:
             if cap.get("status") != "ok":
@@ -391,6 +402,19 @@ class KvtopApp(App[int]):
     @on(RowTable.RowSelected, "#req-table")
     def _open_detail(self, ev: RowTable.RowSelected) -> None:
         self.views.detail.request_id = ev.key
+        self.action_view("detail")
+
+    @on(Chart.SpikesPicked)
+    def _open_spike(self, ev: Chart.SpikesPicked) -> None:
+        """A click on a chart's spike marks opens the request with the largest gap there (kept on the
+        Requests screen for the last hour when it was among the worst)."""
+        s = self.snap
+        spikes = s.analysis.spikes if s is not None and s.analysis is not None else ()
+        hit = [sp for sp in spikes if ev.t0 <= (sp.t_end or sp.t_start) <= ev.t1]
+        if not hit:
+            return
+        worst = max(hit, key=lambda sp: (sp.gap_s, sp.request_id))
+        self.views.detail.request_id = worst.request_id
         self.action_view("detail")
 
     def action_cycle_sort(self) -> None:

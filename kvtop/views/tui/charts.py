@@ -20,15 +20,22 @@ from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.geometry import Region
+from textual.message import Message
 from textual.strip import Strip
 from textual.widget import Widget
 
 from kvtop import units
-from kvtop.snapshot import HistoryWindow, Samples, Snapshot
+from kvtop.snapshot import EngineView, HistoryWindow, Samples, Snapshot
 from kvtop.views.tui import plot
 
 GUTTER = 7  # y-axis labels
+# Padding gets a style, never None: Textual's NO_COLOR filter reads every segment's style.
+_PLAIN = Style.null()
 CAUSE_COLOUR = {"preemption": "error", "prefill_interference": "warning", "slow_decode": "secondary"}
+# A letter per cause under the charts: told apart without colour (NO_COLOR, colour-blind users).
+CAUSE_GLYPH = {"preemption": "P", "prefill_interference": "F", "slow_decode": "S", "unknown": "?"}
+CAUSE_NAMES = (("preemption", "preemption"), ("prefill_interference", "prefill"), ("slow_decode", "slow decode"),
+               ("unknown", "unknown"))
 
 
 @dataclass
@@ -47,6 +54,8 @@ class ChartSpec:
     marks: plot.Marks = field(default_factory=dict)
     empty: str = "no data yet"
     axis: Callable[[float], str] | None = None  # y-axis labels when ``fmt`` is too wide for the gutter
+    # the title's figure when it is not the latest sample (a rate the panels quote over a window)
+    headline: str | None = None
 
 
 def _pct(v: float | None) -> str:
@@ -83,6 +92,12 @@ def spike_marks(s: Snapshot) -> plot.Marks:
     return _MARKS.marks
 
 
+def preempt_rate(e: EngineView, window_s: float) -> str:
+    """The engine's preemption rate as the card and the chart title both quote it: the core's
+    figure over its rate window, the window named."""
+    return f"{_per_s(e.preemptions_per_s)} over {plot.window_label(window_s)}"
+
+
 def chart_specs(s: Snapshot) -> list[ChartSpec]:
     """The Overview's charts, most telling first: per engine KV, ITL, preemptions, queue, TTFT,
     tokens/s; per GPU memory and PCIe; host pinned memory."""
@@ -102,8 +117,9 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", units.duration_short, ser["itl_p50_s"], "p50",
                              ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks))
         if e.preempts:
+            # the bars are per scrape; the title quotes the engine card's figure, over the same window
             out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
-                                 axis=lambda v: f"{v:g}"))
+                                 axis=lambda v: f"{v:g}", headline=preempt_rate(e, s.window_s)))
         out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", units.count_short, ser["waiting"],
                              "waiting"))
         out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short))
@@ -241,13 +257,19 @@ class Chart(Widget):
         # title: name, the latest values, the reference on the right
         last = spec.ring.last() if spec.ring is not None else None
         segs = [Segment(" " + spec.title, styles["title"])]
-        if last is not None or spec.ring2 is not None:
+        if spec.headline is not None:
+            segs.append(Segment(f"  {spec.headline}", styles[plot.BAR]))
+        elif last is not None or spec.ring2 is not None:
             segs.append(Segment(f"  {spec.label + ' ' if spec.label else ''}{spec.fmt(last)}", styles[plot.BAR]))
         if spec.ring2 is not None:
             segs.append(Segment(f"  ━ {spec.label2} {spec.fmt(spec.ring2.last())}", styles[plot.LINE]))
-        if spec.ref_label:
-            segs.append(Segment(f"  ┈ {spec.ref_label}", styles["muted"]))
-        lines.append(Strip(segs).crop_extend(0, w, None))
+        # a narrow chart (80 columns: two to a row) shortens its reference, then drops it, before
+        # the title's figures are cut
+        for ref in (spec.ref_label, spec.ref_label.split(" ")[-1], ""):
+            tail = [Segment(f"  ┈ {ref}", styles["muted"])] if ref else []
+            if sum(len(g.text) for g in segs + tail) <= w:
+                break
+        lines.append(Strip(segs + tail).crop_extend(0, w, _PLAIN))
         plot_h = max(1, h - 2) if h >= 3 else max(0, h - 1)
         if plot_h == 0:
             return lines
@@ -265,14 +287,14 @@ class Chart(Widget):
                 lab = ""
             segs = [Segment(lab[: GUTTER - 1].rjust(GUTTER - 1) + "│", styles["muted"])]
             segs.extend(Segment(text, styles[role]) for text, role in runs)
-            lines.append(Strip(segs).crop_extend(0, w, None))
+            lines.append(Strip(segs).crop_extend(0, w, _PLAIN))
         if not has_data:
             msg = f" {spec.empty} "
             mid = 1 + plot_h // 2
             if mid < len(lines):
                 pad = max(0, (n - len(msg)) // 2)
                 lines[mid] = Strip([Segment(" " * (GUTTER - 1) + "│", styles["muted"]),
-                                    Segment(" " * pad), Segment(msg, styles["muted"])]).crop_extend(0, w, None)
+                                    Segment(" " * pad, _PLAIN), Segment(msg, styles["muted"])]).crop_extend(0, w, _PLAIN)
         if h >= 3:
             lines.append(self._axis(n, w, styles))
         return lines
@@ -293,7 +315,7 @@ class Chart(Widget):
         for c in range(n):
             cause = marks[c]
             if cause is not None:
-                cells.append(("▲", CAUSE_COLOUR.get(cause, "muted")))
+                cells.append((CAUSE_GLYPH.get(cause, "?"), CAUSE_COLOUR.get(cause, "muted")))
             elif c < len(left):
                 cells.append((left[c], "muted"))
             elif right and c >= n - len(right):
@@ -302,7 +324,7 @@ class Chart(Widget):
                 cells.append(("─", "muted"))
         for text, role in plot._runs(cells):
             segs.append(Segment(text, styles.get(role, styles["muted"])))
-        return Strip(segs).crop_extend(0, w, None)
+        return Strip(segs).crop_extend(0, w, _PLAIN)
 
     def render_line(self, y: int) -> Strip:
         size = (self.size.width, self.size.height)
@@ -313,9 +335,30 @@ class Chart(Widget):
             return self._kv_strips[y]
         return Strip.blank(self.size.width)
 
-    # -- hover ----------------------------------------------------------------------------------
+    # -- hover and click -------------------------------------------------------------------------
+    class SpikesPicked(Message):
+        """A click on a chart column that holds spike marks: the span [t0, t1] of that column."""
+
+        def __init__(self, t0: float, t1: float):
+            super().__init__()
+            self.t0, self.t1 = t0, t1
+
     def on_mouse_move(self, ev: events.MouseMove) -> None:
         self.tooltip = self.readout(ev.x)
+
+    def column_span(self, x: int) -> tuple[float, float] | None:
+        """The time span column ``x`` covers, None off the plot."""
+        n = self._kv_cols or max(4, self.size.width - GUTTER - 1)
+        c = x - GUTTER
+        if c < 0 or c >= n or self.t1 <= self.t0:
+            return None
+        dt = (self.t1 - self.t0) / n
+        return self.t0 + c * dt, self.t0 + (c + 1) * dt
+
+    def on_click(self, ev: events.Click) -> None:
+        span = self.column_span(ev.x)
+        if span is not None and self.spec is not None and plot.marks_between(self.spec.marks, *span):
+            self.post_message(self.SpikesPicked(*span))
 
     def readout(self, x: int) -> str | None:
         """What the mouse over column ``x`` shows: the time and the nearest sample of each series."""
@@ -334,5 +377,6 @@ class Chart(Widget):
         lo, hi = t - (self.t1 - self.t0) / n / 2, t + (self.t1 - self.t0) / n / 2
         causes = plot.marks_between(spec.marks, lo, hi)
         if causes:
-            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items())))
+            parts.append("spikes: " + ", ".join(f"{k} {cz}" for cz, k in sorted(causes.items()))
+                         + " (click: the worst one's request)")
         return "\n".join(parts)

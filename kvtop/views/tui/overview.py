@@ -14,7 +14,7 @@ from textual.widgets import Static
 from kvtop import units
 from kvtop.snapshot import Snapshot
 from kvtop.views.tui import plot, render
-from kvtop.views.tui.charts import Chart, chart_specs
+from kvtop.views.tui.charts import CAUSE_GLYPH, CAUSE_NAMES, Chart, chart_specs
 from kvtop.views.tui.widgets import Panel
 
 WINDOWS = (60.0, 300.0, 900.0, 3600.0)
@@ -37,7 +37,7 @@ class OverviewView(Vertical):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="ov-top"):
-            yield Static("[b]GPUs[/b]", classes="section")
+            yield Static("[b]GPUs[/b]", id="gpus-head", classes="section")
             yield Vertical(id="gpus")
             yield Panel(id="host")
             yield Static("[b]Engines[/b]", classes="section")
@@ -68,10 +68,14 @@ class OverviewView(Vertical):
         return have
 
     def update(self, s: Snapshot) -> None:
-        self._gpu_panels = self._panels(self.query_one("#gpus", Vertical), self._gpu_panels, len(s.gpus), "gpu")
-        if not s.gpus:
-            why = "no GPU data yet" if s.gpu_status == "ok" else f"GPU: {s.gpu_status}"
-            self._gpu_panels[0].show(lambda w: render.muted(escape(why)))
+        gpus = self.query_one("#gpus", Vertical)
+        self._gpu_panels = self._panels(gpus, self._gpu_panels, len(s.gpus), "gpu")
+        # no GPU: the reason goes on the section's own line (one line of 24, not two)
+        why = "" if s.gpus else "no GPU data yet" if s.gpu_status == "ok" else s.gpu_status
+        head = "[b]GPUs[/b]" + (" " + render.muted(escape(why)) if why else "")
+        self.query_one("#gpus-head", Static).update(head, layout=False)
+        if gpus.display != bool(s.gpus):
+            gpus.display = bool(s.gpus)
         for p, g in zip(self._gpu_panels, s.gpus, strict=False):
             p.show(partial(render.gpu_line, g))
         self.query_one("#host", Panel).show(lambda w: render.host_line(s.host, w, s.host_status))
@@ -81,10 +85,14 @@ class OverviewView(Vertical):
             self._engine_panels[0].show(lambda w: render.muted("no engine data yet"))
         for p, e in zip(self._engine_panels, s.engines, strict=False):
             p.set_class(not e.up, "-down")
-            p.show(partial(render.engine_lines, e, s.itl_target_s, interval=self.interval))
+            p.show(partial(render.engine_lines, e, s.itl_target_s, interval=self.interval, window_s=s.window_s))
         done, over = s.finished_total, s.gaps_over_target_total
-        retired = render.muted(f"  · {done} ended request(s) off screen, {over} gap(s) over target") if done else ""
-        self.query_one("#summary", Panel).show(lambda w: render.summary_line(s) + retired)
+        kept = sum(1 for r in s.requests if r.kept)  # ended too, but still listed for their stall
+        off = f"{done - kept} ended request(s) off screen" + (f" ({kept} worst stalls kept)" if kept else "")
+        retired = render.muted(f"· {off}, {over} gap(s) over target") if done else ""
+        # one line: the ended-request count goes first on a narrow terminal
+        self.query_one("#summary", Panel).show(
+            lambda w: render.fit_line([(render.summary_line(s, narrow=w < 100), 0), (retired, 1)], w - 2))
         self._render_charts(s)
 
     def _fit_charts(self) -> None:
@@ -123,9 +131,10 @@ class OverviewView(Vertical):
         now_label = f"t={units.duration_short(t1)}" if self.replay else "now"
         for c, spec in zip(have, specs, strict=False):
             c.show(spec, t0, t1, now_label)
-        head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes by cause:"
-        self.query_one("#charts-head", Static).update(
-            f"[b]History[/b] {render.muted(head)} "
-            "[$error]▲ preemption[/] [$warning]▲ prefill[/] [$secondary]▲ slow decode[/]",
-            layout=False,
-        )
+        width = self.size.width or self.app.size.width
+        if width >= 120:
+            head = f"last {plot.window_label(self.window_s)} · w: window · hover a chart for values · spikes:"
+        else:  # the footer lists w
+            head = f"{plot.window_label(self.window_s)} · spikes:"
+        legend = " ".join(f"[{render.CAUSE_VAR[c]}]{CAUSE_GLYPH[c]} {name}[/]" for c, name in CAUSE_NAMES)
+        self.query_one("#charts-head", Static).update(f"[b]History[/b] {render.muted(head)} {legend}", layout=False)

@@ -3,16 +3,18 @@ $error, ...) so every theme, the low-colour one included, decides what severity 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 
+from textual.content import Content
 from textual.markup import escape
 
 from kvtop import units
-from kvtop.model.analysis import SpikeView
+from kvtop.model.analysis import Number, SpikeView
 from kvtop.model.records import HostRecord
 from kvtop.snapshot import EngineView, GpuView, RequestTimeline, RequestView, Snapshot
 from kvtop.views.tui import fmt
+from kvtop.views.tui.charts import preempt_rate
 
 CAUSE_VAR = {
     "preemption": "$error",
@@ -31,6 +33,23 @@ def sev(text: str, level: str) -> str:
 
 def muted(text: str) -> str:
     return f"[$text-muted]{text}[/]"
+
+
+def fit_line(parts: Sequence[tuple[str, int]], width: int, sep: str = "  ") -> str:
+    """One line of (markup, drop rank) parts in display order, two spaces apart, within ``width``
+    cells: while it is too wide the part with the highest rank goes (rank 0 parts always stay)."""
+    kept = [(m, r, n) for m, r in parts if (n := Content.from_markup(m).cell_length)]
+
+    def length() -> int:
+        return sum(n for _, _, n in kept) + len(sep) * max(0, len(kept) - 1)
+
+    while length() > width:
+        rank = max(r for _, r, _ in kept)
+        if rank == 0:
+            break
+        i = max(i for i, (_, r, _) in enumerate(kept) if r == rank)
+        del kept[i]
+    return sep.join(m for m, _, _ in kept)
 
 
 def bar(used: int | None, reserved: int | None, total: int | None, width: int) -> str:
@@ -102,7 +121,7 @@ def host_line(h: HostRecord | None, width: int, status: str = "ok") -> str:
     return out
 
 
-def engine_lines(e: EngineView, target: float | None, width: int, interval: float) -> str:
+def engine_lines(e: EngineView, target: float | None, width: int, interval: float, window_s: float = 60.0) -> str:
     wide = width >= 100
     label = escape(e.url) + (f" [{escape(e.engine)}]" if e.engine not in (None, "", "0") else "")
     model = muted(escape(e.model.split("/")[-1])) if e.model else ""
@@ -128,7 +147,7 @@ def engine_lines(e: EngineView, target: float | None, width: int, interval: floa
         pre = muted("preempt: never (engine)")
     else:
         pre_total = f" ({units.num(e.preemptions_total, '{:.0f}')} total)" if wide else ""
-        pre = "preempt " + sev(units.num(pr, "{:.2f}/s"), fmt.sev_preempt(pr)) + pre_total
+        pre = "preempt " + sev(preempt_rate(e, window_s), fmt.sev_preempt(pr)) + pre_total
     lines.append(f"  KV {kv_bar(kv, kvw)} {kvtxt}{hist}  run {units.num(e.running, '{:.0f}')} "
                  f"wait {units.num(e.waiting, '{:.0f}')}  {pre}")
     itl = (f"ITL p50 {sev(units.duration_short(e.itl_p50_s), fmt.sev_latency(e.itl_p50_s, target))} "
@@ -148,7 +167,7 @@ def engine_lines(e: EngineView, target: float | None, width: int, interval: floa
     return "\n".join(lines)
 
 
-def summary_line(s: Snapshot) -> str:
+def summary_line(s: Snapshot, narrow: bool = False) -> str:
     """The verdict in one line for the overview (the advisor screen has the rest)."""
     a = s.analysis
     v = a.verdict if a is not None else None
@@ -161,7 +180,7 @@ def summary_line(s: Snapshot) -> str:
     spikes = len(a.spikes)
     return (f"[b]advisor:[/b] {sev(escape(str(v.action)), 'warn' if v.action not in ('no_action', None) else 'ok')}"
             f" {muted('confidence')} {units.num(conf, '{:.0%}') if conf is not None else units.NA}{marg}"
-            f"  {muted(f'{spikes} spike(s) since start · press 4')}")
+            f"  {muted(f'{spikes} spike(s)' + ('' if narrow else ' since start') + ' · press 4')}")
 
 
 # -- requests -----------------------------------------------------------------------------------
@@ -170,6 +189,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("gap", "cur gap"), ("max_gap", "max gap"), ("spikes", "spikes"), ("preempt", "preempt"),
     ("cause", "last cause"),
 )
+# What a narrow terminal hides first, so the preemption columns stay on an 80-column screen
+# (docs/console.md): the request's age, its class, its token count, its current gap, its spike count.
+# The id, state, max gap, preemptions and the last cause always show (as does the sort column).
+DROP_FIRST = ("age", "cls", "tokens", "gap", "spikes", "state")
 # Numbers sort worst/biggest first; text sorts A→Z.
 NUMERIC = {"tokens", "age", "gap", "max_gap", "spikes", "preempt"}
 
@@ -179,6 +202,8 @@ def request_cells(r: RequestView, target: float | None) -> tuple[str, ...]:
     mg_sev = fmt.sev_latency(r.max_gap_s, target) if r.max_gap_s is not None else "ok"
     state = {"preempted": sev("preempted", "crit"), "error": sev("error", "crit"),
              "cancelled": muted("cancelled"), "finished": muted("finished")}.get(r.state, escape(r.state))
+    if r.kept:
+        state += muted("*")  # ended a while ago, kept for its stall (the status line says so)
     return (
         escape(r.id), state, escape(r.cls or "-"), str(r.tokens), units.duration_short(r.age_s),
         sev(units.duration_short(r.current_gap_s), gap_sev) if r.current_gap_s is not None else "-",
@@ -258,10 +283,23 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
                 axis[c + j] = ch
     legend = ("  ▅ tokens  ━ gap over target (colour = cause)  P preemption counter rose  B prompt burst"
               if width >= 120 else "  ━ gap over target  P preemption  B prompt burst")
+    if tl.steps:
+        legend += "  steps (witness): · decode  p prompt  R recompute"
     lines.append(muted(f"timeline {units.duration_short(t1 - t0)}, 1 column = {units.duration_short(cols.dt)}:{legend}"))
     lines.append("tokens │" + "".join(tok_row))
     lines.append("spikes │" + "".join(mark_row))
     lines.append("engine │" + "".join(eng_row))
+    if tl.steps:
+        # the engine's own steps for this request (a witness runs): what each column's steps did
+        step_row = [" "] * w
+        rank = {"d": 1, "p": 2, "r": 3}
+        for a, _b, kind in tl.steps:
+            if t0 <= a <= t1:
+                c = min(w - 1, max(0, int((a - t0) / cols.dt)))
+                if rank.get(kind, 0) > rank.get(step_row[c], 0):
+                    step_row[c] = kind
+        glyph = {"d": muted("·"), "p": "[$warning]p[/]", "r": "[$error]R[/]", " ": " "}
+        lines.append("steps  │" + "".join(glyph[k] for k in step_row))
     lines.append("       └" + "".join(axis))
     # gap per token, to scale against the largest gap: short steady gaps read as a flat floor
     gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
@@ -298,12 +336,22 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
 _WOULD_CHANGE = {
     "swap": "shorter preempted requests (recompute gets cheaper) or a slower usable link",
     "recompute": "longer preempted requests or a faster usable link (the transfer gets cheaper)",
-    "admission": "fewer cancellations of preempted requests or more KV headroom",
+    "admission": "fewer preemptions per request (more KV headroom or fewer concurrent sequences)",
     "chunked_prefill": "spikes stop lining up with prompt bursts",
     "reduce_batch": "KV usage staying below 0.90 at the current batch",
     "no_action": "preemptions or spikes appearing in the window",
     "insufficient_data": "per-request token timings (run the proxy or --probe) and a few preemptions",
 }
+
+
+def would_change(action: str, numbers: Mapping[str, Number]) -> str:
+    """What would change the verdict; for admission, cancellations are named only when the run saw
+    preempted requests cancelled (cancel_prob > 0)."""
+    text = _WOULD_CHANGE.get(action, "more data")
+    cancel = numbers.get("cancel_prob")
+    if action == "admission" and cancel is not None and isinstance(cancel.value, (int, float)) and cancel.value > 0:
+        text = f"fewer cancellations of preempted requests ({cancel.value:.0%} now) or " + text
+    return text
 
 
 # The numbers an operator reads first (the cost model's inputs and outputs); the rest follow.
@@ -352,8 +400,8 @@ def advisor(s: Snapshot, width: int) -> str:
         lines.extend(f"  • {escape(str(x))}" for x in reasons)
     lines.append("")
     lines.append("[b]what would change the verdict[/b]")
-    lines.append(f"  • {escape(_WOULD_CHANGE.get(action, 'more data'))}")
     nums = v.numbers if v is not None else {}
+    lines.append(f"  • {escape(would_change(action, nums))}")
     rows = []
     for k in sorted(nums, key=lambda k: (_KEY_NUMBERS.index(k) if k in _KEY_NUMBERS else len(_KEY_NUMBERS), k)):
         num = nums[k]

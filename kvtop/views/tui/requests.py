@@ -71,14 +71,39 @@ class RequestsView(Vertical):
         for k in table.visible_keys():
             table.fit(self.request_cells(k))
         self.update_headers()
+        self._hide_columns()
         shown, total = len(rows), len(s.requests)
+        kept = sum(1 for r in s.requests if r.kept)
         flt = f"  filter: [b]{escape(self.filter_text)}[/b]" if self.filter_text else ""
         label = dict(render.COLUMNS)[self.sort_col]
+        width = (self.size.width or self.app.size.width) - 2
         self.query_one("#req-status", Static).update(
-            f"{shown} of {total} requests{flt}  {render.muted('sort: ' + label + (' ▼' if self.sort_reverse else ' ▲'))}"
-            f"  {render.muted('enter: detail · s: sort · r: reverse · /: filter')}",
+            render.fit_line([(f"{shown} of {total} requests{flt}", 0),
+                             (render.muted(f"* {kept} ended, kept as the hour's worst stalls") if kept else "", 1),
+                             (render.muted("sort: " + label + (" ▼" if self.sort_reverse else " ▲")), 2),
+                             (render.muted("enter: detail · s: sort · r: reverse · /: filter"), 3)], width),
             layout=False,
         )
+
+    def _hide_columns(self) -> None:
+        """Hide the columns a narrow terminal can spare (render.DROP_FIRST, in order) until the
+        rest fit; the sort column always shows."""
+        table = self.query_one("#req-table", RowTable)
+        room = table.scrollable_content_region.width or self.app.size.width
+        widths = table.column_widths()
+        optional = [k for k in render.DROP_FIRST if k != self.sort_col]
+        need = sum(w + 2 for k, w in widths.items() if k not in optional)
+        hidden: list[str] = []
+        for key in reversed(optional):  # the most telling spare column first, while it fits
+            if need + widths[key] + 2 <= room:
+                need += widths[key] + 2
+            else:
+                hidden.append(key)
+        table.set_hidden(hidden)
+
+    def on_resize(self) -> None:
+        if self._snap is not None:
+            self.update(self._snap)
 
     def request_cells(self, rid: str) -> tuple[Text, ...]:
         """The cells of one request row, built when the table paints the row."""

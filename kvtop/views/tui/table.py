@@ -108,6 +108,7 @@ class RowTable(ScrollView, can_focus=True):
         self._keys: list[str] = []
         self._index: dict[str, int] = {}
         self._widths = [cell_len(t.plain) for t in self._labels]
+        self._shown = list(range(len(self.columns)))  # the columns drawn (a narrow terminal hides some)
         self.cursor_row = 0
         self._lines: dict[str, tuple[tuple[Cells, LineShape], Strip]] = {}  # key -> (what it was made from, line)
         self._style_key: tuple[Style, bool, str] | None = None  # what the styles below were read for
@@ -135,6 +136,23 @@ class RowTable(ScrollView, can_focus=True):
         self._resize()
         self.refresh()
 
+    def set_hidden(self, keys: Sequence[str]) -> None:
+        """Columns not to draw (the owner decides which a narrow terminal can spare)."""
+        shown = [i for i, k in enumerate(self.columns) if k not in keys]
+        if shown != self._shown:
+            self._shown = shown
+            self._lines = {}
+            self._resize()
+            self.refresh()
+
+    def column_widths(self) -> dict[str, int]:
+        """Each column's fitted width (its widest value or label), hidden ones included."""
+        return dict(zip(self.columns, self._widths, strict=True))
+
+    @property
+    def shown_columns(self) -> list[str]:
+        return [self.columns[i] for i in self._shown]
+
     def fit(self, cells: Cells) -> None:
         """Widen the columns to hold these cells (columns only grow, so they do not jitter)."""
         if self._fit(cells):
@@ -159,12 +177,12 @@ class RowTable(ScrollView, can_focus=True):
     def _edges(self) -> list[int]:
         """Where each column starts, in table cells from the left edge, then the table's width."""
         edges = [0]
-        for w in self._widths:
-            edges.append(edges[-1] + w + 2 * PAD)
+        for i in self._shown:
+            edges.append(edges[-1] + self._widths[i] + 2 * PAD)
         return edges
 
     def column_x(self, key: str) -> int:
-        return self._edges()[self.columns.index(key)]
+        return self._edges()[self._shown.index(self.columns.index(key))]
 
     @property
     def _rows_on_screen(self) -> int:
@@ -213,8 +231,8 @@ class RowTable(ScrollView, can_focus=True):
         x, y = event.x + int(self.scroll_x), event.y
         if y == 0:
             col = bisect_right(self._edges(), x) - 1
-            if 0 <= col < len(self.columns):
-                self.post_message(self.HeaderSelected(self, self.columns[col]))
+            if 0 <= col < len(self._shown):
+                self.post_message(self.HeaderSelected(self, self.columns[self._shown[col]]))
             return
         row = int(self.scroll_y) + y - 1
         if 0 <= row < len(self._keys):
@@ -260,7 +278,8 @@ class RowTable(ScrollView, can_focus=True):
     def _line(self, cells: Cells, row_style: Style, post: Style | None) -> list[Segment]:
         segs: list[Segment] = []
         pad = " " * PAD
-        for i, w in enumerate(self._widths):
+        for i in self._shown:
+            w = self._widths[i]
             t = cells[i] if i < len(cells) else Text()
             if t.spans:
                 parts = [(seg.text, seg.style or Style.null()) for seg in t.render(self.app.console)]

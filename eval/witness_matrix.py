@@ -1,0 +1,132 @@
+"""Score kvtop's inference against the engine's own account (the witness), stall by stall.
+
+A witnessed trace (``kvtop record --witness``) is analysed twice at the same ITL target: with its
+``step`` records, where every spike the witness covers is read from the engine's log (rule
+``witness``), and without them, which is kvtop's inference from the outside (scrapes, streams, first
+tokens). The two analyses find the same spikes (finding a gap over the target needs no engine log);
+each inferred call is scored against the engine's account of the same spike. Spikes the witness does
+not cover (a stream the engine did not log under its id) are left out and counted.
+
+Targets: a loose 100 ms and a tight one, ``TIGHT_K`` x the median decode-only step the witness
+measured (operators set 2-3x the decode step).
+
+    python -m eval.witness_matrix TRACE [TRACE ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+from eval.scoring import precision_recall
+from kvtop.analysis.scan import analyze_trace
+
+TIGHT_K = 2.5
+LOOSE_S = 0.100
+ENGINE_CAUSES = ("preemption", "prefill_interference")
+
+
+def decode_step_s(path: str) -> float | None:
+    """Median duration of the witnessed steps that ran decode tokens only."""
+    durs = []
+    with open(path, "rb") as f:
+        for line in f:
+            if b'"kind":"step"' not in line and b'"kind": "step"' not in line:
+                continue
+            d = json.loads(line)
+            reqs = d.get("reqs") or []
+            if reqs and not any(r[2] or r[3] for r in reqs):
+                durs.append(d["end"] - d["t"])
+    return statistics.median(durs) if durs else None
+
+
+def without_witness(path: str, out_dir: str) -> str:
+    """A copy of the trace without its step records: what kvtop sees without a witness."""
+    out = os.path.join(out_dir, os.path.basename(path) + ".nowitness.jsonl")
+    with open(path, "rb") as src, open(out, "wb") as dst:
+        for line in src:
+            if b'"kind":"step"' in line or b'"kind": "step"' in line:
+                continue
+            dst.write(line)
+    return out
+
+
+def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any]:
+    """Inference vs the witness on one trace at one target."""
+    with tempfile.TemporaryDirectory() as tmp:
+        blind = blind or without_witness(path, tmp)
+        truth_rep = analyze_trace(path, itl_target_s=target_s, fast=False)
+        inf_rep = analyze_trace(blind, itl_target_s=target_s, fast=False)
+    truth = {(s.request_id, round(s.t_end, 6)): s.cause for s in truth_rep.spikes if s.rule == "witness"}
+    pairs: list[tuple[str, str | None]] = []
+    unmatched = 0
+    for s in inf_rep.spikes:
+        t = truth.get((s.request_id, round(s.t_end, 6)))
+        if t is None:
+            unmatched += 1
+            continue
+        pairs.append((str(s.cause), str(t)))
+    res: dict[str, Any] = dict(precision_recall(pairs, ENGINE_CAUSES))
+    neither = [(p, t) for p, t in pairs if t not in ENGINE_CAUSES]  # t is never None here
+    res["neither"] = len(neither)
+    res["neither_called_engine"] = sum(1 for p, _ in neither if p in ENGINE_CAUSES)
+    res["neither_called_prefill"] = sum(1 for p, _ in neither if p == "prefill_interference")
+    res["spikes"] = len(pairs)
+    res["not_witnessed"] = unmatched + sum(1 for s in truth_rep.spikes if s.rule != "witness")
+    res["target_s"] = target_s
+    res["truth_causes"] = {c: sum(1 for _, t in pairs if t == c) for c in sorted({str(t) for _, t in pairs})}
+    return res
+
+
+def matrix(paths: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    for p in paths:
+        dec = decode_step_s(p)
+        targets = [("100 ms", LOOSE_S)]
+        if dec:
+            targets.append((f"tight {TIGHT_K:g}x decode step ({dec * 1e3:.1f} ms)", TIGHT_K * dec))
+        for name, tgt in targets:
+            rows.append({"trace": os.path.basename(p), "target": name, **score(p, tgt)})
+    return rows
+
+
+def _num(x: float | None) -> str:
+    return "  —  " if x is None else f"{x:5.2f}"
+
+
+def _pr(d: dict[str, Any]) -> str:
+    return f"{_num(d['precision'])} / {_num(d['recall'])} ({d['tp']}/{d['predicted']}p {d['actual']}a)"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    out = [f"{'trace':<28} {'target':<34} {'preemption P / R':<28} {'prefill P / R':<28} "
+           f"{'neither called engine':<22} spikes"]
+    for r in rows:
+        nn = f"{r['neither_called_engine']} of {r['neither']}" + (
+            f" ({r['neither_called_engine'] / r['neither']:.0%})" if r["neither"] else "")
+        out.append(f"{r['trace'][:28]:<28} {r['target']:<34} {_pr(r['preemption']):<28} "
+                   f"{_pr(r['prefill_interference']):<28} {nn:<22} {r['spikes']}"
+                   + (f" (+{r['not_witnessed']} not witnessed)" if r["not_witnessed"] else ""))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m eval.witness_matrix", description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    rows = matrix(args.traces)
+    print(render(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

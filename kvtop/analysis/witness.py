@@ -1,0 +1,187 @@
+"""The engine's own step log (``step`` records from a witness) and what it says about one stall.
+
+With a witness, a stall's cause is read, not inferred. The client's chunks are mapped to engine steps
+by time (the step that produced a request's token ended before its chunk reached the client), never by
+counting tokens (the API server holds back and merges tokens whose text is incomplete). Between the
+step that produced the token before the stall and the one that produced the token after it:
+
+1. the request was preempted, or recomputed its own KV → **preemption**;
+2. else, of the time between the two tokens: the part the engine spent on other requests' prompt or
+   recompute tokens (each such step's time beyond a decode-only step), the part outside the engine
+   (client gap minus engine interval: API server, network, a slow reader), and the engine's own decode
+   steps. The cause is the part without which the gap would have met the target (prefill first, then
+   outside), else the largest part → **prefill_interference**, **unknown** (`delivery`: outside the
+   engine) or **slow_decode**.
+
+This is exact only as far as the witness saw: a request the engine did not log under the stream's id
+(no ``X-Request-Id`` join), or a stall whose steps have not arrived yet, gets no answer here and goes
+to the inference rules.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+from kvtop.analysis.attribution.causes import Cause, Finding
+
+# the step that produced a token ends before the token's chunk reaches the client; the engine writes
+# wall-clock to the microsecond and kvtop's run clock is mapped onto it, so allow a little slack
+MATCH_SLACK_S = 0.002
+DECODE_WINDOW = 512  # decode-only step durations kept for the decode-step estimate
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    t0: float
+    t1: float
+    reqs: dict[str, tuple[int, int, int, int]]  # id -> (scheduled, prefill, recompute, produced)
+    preempted: frozenset[str]
+    prefill: int  # prompt tokens in the step, all requests
+    recompute: int  # recomputed tokens in the step, all requests
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """Where the time between two tokens of one request went, by the engine's own log."""
+
+    cause: Cause
+    kind: str  # "preempted", "recompute", "prefill", "outside", "decode"
+    gap: float
+    engine_s: float  # between the two producing steps' ends
+    prefill_s: float  # of it, steps' time beyond a decode step where others' prompt/recompute tokens ran
+    outside_s: float  # the gap beyond the engine interval
+    decode_s: float  # the rest of the engine interval
+    steps: int
+    prompt_tokens: int  # others' prompt + recompute tokens in those steps
+    decode_step_s: float | None
+
+    def finding(self) -> Finding:
+        ms = 1e3
+        lines = [f"engine step log (witness): {self.steps} step(s) between this request's two tokens, "
+                 f"{self.engine_s * ms:.0f} ms in the engine of a {self.gap * ms:.0f} ms gap"]
+        if self.kind == "preempted":
+            lines.append("the engine preempted this request between the two tokens")
+        elif self.kind == "recompute":
+            lines.append("the engine recomputed this request's KV between the two tokens (it had been preempted)")
+        else:
+            lines.append(f"other requests' prompt/recompute tokens: {self.prompt_tokens} "
+                         f"({self.prefill_s * ms:.0f} ms beyond decode steps); outside the engine: "
+                         f"{self.outside_s * ms:.0f} ms; decode steps: {self.decode_s * ms:.0f} ms"
+                         + (f" (a decode-only step takes {self.decode_step_s * ms:.1f} ms)"
+                            if self.decode_step_s else ""))
+        return Finding(self.cause, 1.0, lines, "witness")
+
+
+class StepIndex:
+    """Engine steps in time order (per engine key), with per-request lookups by time."""
+
+    def __init__(self, horizon_s: float = 300.0):
+        self.horizon_s = horizon_s
+        self.steps: list[Step] = []
+        self.ends: list[float] = []
+        self.by_req: dict[str, list[int]] = {}  # request -> indexes (absolute) of steps that produced its tokens
+        self.base = 0  # absolute index of steps[0]
+        self.decode_durs: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self.latest = float("-inf")
+        self.n = 0
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def add(self, d: dict[str, Any]) -> None:
+        try:
+            t0, t1 = float(d["t"]), float(d["end"])
+            reqs = {str(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in d.get("reqs") or ()}
+        except (KeyError, TypeError, ValueError, IndexError):
+            return
+        if t1 < self.latest:  # out of order (a second witness, a restart): keep the index sorted
+            return
+        pf = sum(v[1] for v in reqs.values())
+        rc = sum(v[2] for v in reqs.values())
+        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc)
+        i = self.base + len(self.steps)
+        self.steps.append(step)
+        self.ends.append(t1)
+        self.latest = t1
+        self.n += 1
+        for rid, v in reqs.items():
+            if v[3] > 0:
+                self.by_req.setdefault(rid, []).append(i)
+        if pf == 0 and rc == 0 and reqs:
+            self.decode_durs.append(t1 - t0)
+
+    def decode_step_s(self) -> float | None:
+        return median(self.decode_durs) if self.decode_durs else None
+
+    def prune(self, before: float) -> None:
+        k = bisect.bisect_left(self.ends, before)
+        if k < 1024 and k < len(self.steps) // 2:
+            return  # compact in batches
+        del self.steps[:k]
+        del self.ends[:k]
+        self.base += k
+        for rid in list(self.by_req):
+            idx = self.by_req[rid]
+            j = bisect.bisect_left(idx, self.base)
+            if j >= len(idx):
+                del self.by_req[rid]
+            elif j:
+                del idx[:j]
+
+    def _producer(self, rid: str, t: float) -> int | None:
+        """The last step that produced a token of ``rid`` and ended by ``t`` (absolute index)."""
+        idx = self.by_req.get(rid)
+        if not idx:
+            return None
+        base, ends = self.base, self.ends  # every index kept is >= base (prune trims both together)
+        j = bisect.bisect_right(idx, t + MATCH_SLACK_S, key=lambda i: ends[i - base])
+        return idx[j - 1] if j else None
+
+    def account(self, rid: str, t_start: float, t_end: float, target: float | None) -> Account | None:
+        """Where the gap ``(t_start, t_end]`` of ``rid`` went; None where the log does not cover it."""
+        if t_end > self.latest + MATCH_SLACK_S:
+            return None  # the steps that produced the closing token are not in yet
+        b = self._producer(rid, t_end)
+        a = self._producer(rid, t_start)
+        if a is None or b is None or b < a:
+            return None
+        gap = t_end - t_start
+        sa, sb = self.steps[a - self.base], self.steps[b - self.base]
+        engine_s = max(0.0, sb.t1 - sa.t1)
+        between = self.steps[a - self.base + 1: b - self.base + 1]
+        dec = self.decode_step_s()
+        prefill_s = 0.0
+        tokens = 0
+        for s in between:
+            if rid in s.preempted:
+                return self._acct(Cause.PREEMPTION, "preempted", gap, engine_s, 0.0, between, 0, dec)
+            mine = s.reqs.get(rid)
+            if mine is not None and mine[2] > 0:
+                return self._acct(Cause.PREEMPTION, "recompute", gap, engine_s, 0.0, between, 0, dec)
+            own_pf = mine[1] if mine is not None else 0
+            others = s.prefill + s.recompute - own_pf
+            if others > 0:
+                tokens += others
+                prefill_s += max(0.0, (s.t1 - s.t0) - (dec or 0.0))
+        prefill_s = min(prefill_s, engine_s)
+        outside_s = max(0.0, gap - engine_s)
+        decode_s = max(0.0, engine_s - prefill_s)
+        tgt = target if target is not None else 0.0
+        if prefill_s > 0 and gap - prefill_s <= tgt:
+            cause, kind = Cause.PREFILL, "prefill"
+        elif outside_s > 0 and gap - outside_s <= tgt:
+            cause, kind = Cause.UNKNOWN, "outside"
+        else:
+            part = max((prefill_s, 0), (outside_s, 1), (decode_s, 2))[1]
+            cause, kind = ((Cause.PREFILL, "prefill"), (Cause.UNKNOWN, "outside"), (Cause.SLOW_DECODE, "decode"))[part]
+        return Account(cause, kind, gap, engine_s, prefill_s, outside_s, decode_s, len(between), tokens, dec)
+
+    @staticmethod
+    def _acct(cause: Cause, kind: str, gap: float, engine_s: float, prefill_s: float, between: list[Step],
+              tokens: int, dec: float | None) -> Account:
+        return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
+                       tokens, dec)

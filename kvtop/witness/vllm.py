@@ -1,0 +1,172 @@
+"""The vLLM witness: ``vllm serve ... --scheduler-cls kvtop.witness.vllm.WitnessScheduler``.
+
+It subclasses vLLM V1's own scheduler (``AsyncScheduler`` when async scheduling is on, as it is by
+default, else ``Scheduler``), changes no scheduling decision, and after each step writes what the step
+did to ``$KVTOP_WITNESS_FILE`` (default ``/tmp/kvtop-witness/<port or pid>.jsonl``): per request the
+tokens scheduled, how many were prompt (prefill) or recomputed after a preemption, the tokens it
+produced; which requests were preempted, resumed, finished or aborted; the step's wall-clock start and
+end. ``kvtop record/tui/agent --witness FILE`` reads it.
+
+Only the vLLM versions in ``SUPPORTED`` are witnessed (the scheduler's internals are not a public
+interface): on any other version, or if the witness itself fails, vLLM logs one line and runs its own
+scheduler unchanged. The witness never stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from kvtop.witness.steplog import DEFAULT_MAX_BYTES, StepBook, StepLog
+
+# vLLM versions whose scheduler internals this module reads (checked against the real engine in the
+# real-engine tier: tests/integration/test_real_vllm_witness.py)
+SUPPORTED = ("0.32.",)
+
+log = logging.getLogger("kvtop.witness")
+
+
+def _default_path() -> str:
+    return os.path.join("/tmp", "kvtop-witness", f"vllm-{os.getpid()}.jsonl")
+
+
+class _Witness:
+    """Mixed into vLLM's scheduler class. Every hook calls vLLM's own method first or last, unchanged;
+    the bookkeeping around it is wrapped so a witness failure turns the witness off, never the engine."""
+
+    requests: dict[str, Any]
+    _kvw: StepLog | None = None
+    _kvw_book: StepBook
+    _kvw_plans: dict[int, tuple[float, list[Any], list[str], list[str]]]
+    _kvw_aborted: list[str]
+    _kvw_last_end: float
+
+    def _kvw_init(self, path: str, engine_version: str, block_size: int | None) -> None:
+        self._kvw_book = StepBook()
+        self._kvw_plans = {}
+        self._kvw_aborted = []
+        self._kvw_last_end = 0.0
+        max_bytes = int(os.environ.get("KVTOP_WITNESS_MAX_BYTES", DEFAULT_MAX_BYTES))
+        self._kvw = StepLog(path, "vllm", engine_version, max_bytes,
+                            {"scheduler": type(self).__mro__[2].__name__, "block_size": block_size})
+        log.info("kvtop witness: writing engine steps to %s", path)
+
+    def _kvw_fail(self, e: BaseException) -> None:
+        log.warning("kvtop witness: stopped after an error (%s: %s); vLLM runs on unwitnessed",
+                    type(e).__name__, e)
+        w, self._kvw = self._kvw, None
+        if w is not None:
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - the engine must not see it
+                pass
+
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        if self._kvw is not None:
+            try:
+                self._kvw_plan(scheduler_output)
+            except Exception as e:  # noqa: BLE001 - never into the engine
+                self._kvw_fail(e)
+        super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
+
+    def _kvw_plan(self, so: Any) -> None:
+        # before vLLM advances num_computed_tokens: these are the positions this step computes
+        plan = self._kvw_book.plan
+        reqs = self.requests
+        plans = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = reqs[rid]
+            plans.append(plan(rid, req.num_computed_tokens, n, req.num_prompt_tokens))
+        cached = so.scheduled_cached_reqs
+        resumed = sorted(getattr(cached, "resumed_req_ids", ()) or ())
+        preempted = sorted(so.preempted_req_ids or ())
+        self._kvw_plans[id(so)] = (time.time(), plans, preempted, resumed)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        t_out = time.time()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._kvw is not None:
+            try:
+                self._kvw_record(scheduler_output, outputs, t_out)
+            except Exception as e:  # noqa: BLE001 - never into the engine
+                self._kvw_fail(e)
+        return outputs
+
+    def _kvw_record(self, so: Any, outputs: Any, t_out: float) -> None:
+        planned = self._kvw_plans.pop(id(so), None)
+        if planned is None or self._kvw is None:
+            return
+        t_sched, plans, preempted, resumed = planned
+        made: dict[str, int] = {}
+        finished: list[tuple[str, str]] = []
+        for eco in outputs.values():
+            for o in eco.outputs:
+                made[o.request_id] = len(o.new_token_ids)  # one output per request per step
+                if o.finish_reason is not None:
+                    finished.append((o.request_id, str(o.finish_reason)))
+                    self._kvw_book.forget(o.request_id)
+        get = made.get
+        reqs = [(rid, n, pf, rc, get(rid, 0)) for rid, n, pf, rc in plans]
+        # async scheduling plans step N+1 while N runs: N+1 starts when N's output is in
+        t0 = max(t_sched, self._kvw_last_end)
+        self._kvw_last_end = t_out
+        aborted, self._kvw_aborted = self._kvw_aborted, []
+        # the engine going idle writes no further step that would push this one out
+        idle = not getattr(self, "running", True) and not getattr(self, "waiting", True)
+        self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted, idle=idle)
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        done = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        if self._kvw is not None:
+            try:
+                for r in done:
+                    self._kvw_aborted.append(r.request_id)
+                    self._kvw_book.forget(r.request_id)  # its number goes once the abort is written
+            except Exception as e:  # noqa: BLE001 - never into the engine
+                self._kvw_fail(e)
+        return done
+
+    def shutdown(self) -> None:
+        if self._kvw is not None:
+            self._kvw.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+def _classes() -> tuple[type, type]:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class WitnessAsync(_Witness, AsyncScheduler):  # type: ignore[misc]
+        pass
+
+    class WitnessSync(_Witness, Scheduler):  # type: ignore[misc]
+        pass
+
+    return WitnessAsync, WitnessSync
+
+
+def WitnessScheduler(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - vLLM calls it as a class
+    """What ``--scheduler-cls`` names: builds vLLM's own scheduler, witnessed when the version is known."""
+    import vllm
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    cfg = kwargs.get("vllm_config")
+    is_async = bool(cfg is not None and cfg.scheduler_config.async_scheduling)
+    plain = AsyncScheduler if is_async else Scheduler
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED):
+        log.warning("kvtop witness: vLLM %s is not supported (supported: %s); running vLLM's own scheduler "
+                    "without the witness", version, ", ".join(v + "x" for v in SUPPORTED))
+        return plain(*args, **kwargs)
+    witness_async, witness_sync = _classes()
+    sched = (witness_async if is_async else witness_sync)(*args, **kwargs)
+    try:
+        block = getattr(getattr(cfg, "cache_config", None), "block_size", None)
+        sched._kvw_init(os.environ.get("KVTOP_WITNESS_FILE") or _default_path(), version, block)
+    except Exception as e:  # noqa: BLE001 - a file we cannot open must not stop the engine
+        sched._kvw = None
+        log.warning("kvtop witness: not started (%s: %s); vLLM runs unwitnessed", type(e).__name__, e)
+    return sched

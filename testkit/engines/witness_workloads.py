@@ -1,0 +1,99 @@
+"""The workloads the witness judges inference on (real-engine tier and bench/witness_runs.py).
+
+Each drives an OpenAI-compatible ``/v1/completions`` (kvtop's recording proxy in front of vLLM) and
+returns when every stream ended:
+
+- ``storm``: streams that together outgrow the tiny KV cache: preemptions and recompute;
+- ``prefill_heavy``: a few decoders while long prompts arrive, on an engine with chunked prefill and
+  room for all of them (``PREFILL_SERVER``): prefill interference, no preemption;
+- ``mixed``: staggered arrivals on the small cache, some clients cancelling mid-stream, some reading
+  slowly (their stalls are outside the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from testkit.engines.load import long_prompt, prompt, run_streams
+
+# vLLM arguments for the prefill-heavy run: 16 Ki KV tokens (nothing is preempted), prompts of ~1,500
+# tokens split into 256-token chunks, each chunk step several decode steps long
+PREFILL_SERVER = {"kv_bytes": 16 * 1024 * 1024, "max_model_len": 2048,
+                  "extra": ("--max-num-batched-tokens", "256", "--enable-chunked-prefill")}
+
+
+def storm(url: str, model: str, n: int = 8, tokens: int = 600) -> None:
+    asyncio.run(run_streams(url, model, n, tokens, seed=11))
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, delay: float, cancel_after: int | None = None,
+               read_pause: float = 0.0) -> None:
+    await asyncio.sleep(delay)
+    seen = 0
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                seen += 1
+                if cancel_after is not None and seen >= cancel_after:
+                    return  # leaving the block closes the connection: the engine aborts the request
+                if read_pause:
+                    await asyncio.sleep(read_pause)
+    except httpx.HTTPError:
+        pass
+
+
+def _body(model: str, text: str, max_tokens: int) -> dict:
+    return {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+async def _prefill_heavy(url: str, model: str, decoders: int, long_prompts: int, every_s: float) -> None:
+    u = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
+                                 limits=httpx.Limits(max_connections=decoders + long_prompts + 4)) as client:
+        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=5), 500), 0.0))
+                 for i in range(decoders)]
+        tasks += [asyncio.create_task(_one(client, u, _body(model, long_prompt(280, seed=20 + k), 4),
+                                           1.0 + every_s * k)) for k in range(long_prompts)]
+        await asyncio.gather(*tasks)
+
+
+def prefill_heavy(url: str, model: str, decoders: int = 4, long_prompts: int = 6, every_s: float = 1.5) -> None:
+    asyncio.run(_prefill_heavy(url, model, decoders, long_prompts, every_s))
+
+
+async def _mixed(url: str, model: str, n: int) -> None:
+    u = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
+                                 limits=httpx.Limits(max_connections=n + 4)) as client:
+        tasks = []
+        for i in range(n):
+            cancel = 120 if i % 5 == 1 else None  # every fifth client gives up mid-stream
+            pause = 0.05 if i % 5 == 3 else 0.0  # and another reads slowly
+            tasks.append(asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=9), 350), 0.4 * i,
+                                                  cancel_after=cancel, read_pause=pause)))
+        await asyncio.gather(*tasks)
+
+
+def mixed(url: str, model: str, n: int = 10) -> None:
+    asyncio.run(_mixed(url, model, n))
+
+
+def witness_steps(path: str) -> list[dict]:
+    """The ``step`` records of a trace."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if '"kind":"step"' in line or '"kind": "step"' in line:
+                out.append(json.loads(line))
+    return out
+
+
+def settle(seconds: float = 2.0) -> None:
+    time.sleep(seconds)

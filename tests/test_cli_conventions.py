@@ -1,0 +1,220 @@
+"""CLI conventions a script relies on: exit codes (0 ok, 1 the run failed, 2 usage), no full-screen
+console without a terminal, a dead engine found at the first scrape."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_kvtop
+from page_server import PageServer
+from vllm_pages import vllm_page
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _one_line(r: subprocess.CompletedProcess[str]) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtop: error: "), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    return lines[0]
+
+
+def test_record_against_a_dead_port_writes_no_trace_and_exits_1(tmp_path: Path) -> None:
+    port = _closed_port()
+    out = tmp_path / "t.jsonl"
+    # an hour's --duration: the dead engine must end the run at the first scrape
+    r = run_kvtop("record", "-o", str(out), "--url", f"http://127.0.0.1:{port}", "--duration", "1h",
+                  "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 1, r.stderr
+    line = _one_line(r)
+    assert f"could not read the engine at http://127.0.0.1:{port}" in line and "cannot connect" in line
+    assert "record(s) written" not in r.stderr
+    assert not out.exists()  # no trace that `analyze` would call INSUFFICIENT DATA
+
+
+def test_record_with_one_engine_down_records_the_other_and_warns(tmp_path: Path) -> None:
+    port = _closed_port()
+    out = tmp_path / "t.jsonl"
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=3))
+        r = run_kvtop("record", "-o", str(out), "--url", s.url, "--url", f"http://127.0.0.1:{port}",
+                      "--duration", "0.5", "--interval", "0.2", "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"kvtop record: warning: engine http://127.0.0.1:{port} does not answer: cannot connect" in r.stderr
+    assert out.stat().st_size > 0 and '"running":3' in out.read_text()
+
+
+def test_usage_errors_stay_exit_2() -> None:
+    r = run_kvtop("record", "--url", "http://127.0.0.1:1", timeout=60)  # -o missing
+    assert r.returncode == 2 and "-o/--output" in r.stderr
+    r = run_kvtop("snapshot", "--url", "ftp://x", timeout=60)
+    assert r.returncode == 2 and "only http:// and https://" in _one_line(r)
+
+
+@pytest.mark.parametrize("args", [
+    ("tui", "--url", "http://127.0.0.1:1"),
+    ("--url", "http://127.0.0.1:1"),  # bare `kvtop` with console options
+    ("demo",),
+    ("tui", "--replay", "{trace}"),
+    ("tui", "--prometheus", "http://127.0.0.1:1"),
+])
+def test_no_full_screen_console_without_a_terminal(args: tuple[str, ...], tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    if "{trace}" in args:
+        sim = run_kvtop("simulate", "--preset", "preemption-storm", "--duration", "2", "-o", str(trace), timeout=60)
+        assert sim.returncode == 0, sim.stderr
+    # stdin and stdout are pipes (a CI job): one line and exit 2, never escape codes until killed
+    r = run_kvtop(*(a.replace("{trace}", str(trace)) for a in args), timeout=60, input="")
+    assert r.returncode == 2, r.stderr
+    line = _one_line(r)
+    assert "the console needs a terminal" in line and "\x1b[" not in r.stderr
+    assert "kvtop snapshot" in line or "--headless" in line  # names the headless way
+
+
+def test_no_console_without_a_terminal_even_when_an_engine_is_found(tmp_path: Path) -> None:
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=1))
+        port = s.url.rsplit(":", 1)[1]
+        (tmp_path / "kvtop").mkdir()
+        (tmp_path / "kvtop" / "config.toml").write_text(f"probe_ports = [{port}]\n")
+        r = run_kvtop(env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60, input="")
+    assert r.returncode == 2 and "the console needs a terminal" in _one_line(r)
+
+
+def _on_a_terminal(args: list[str], timeout: float = 60) -> tuple[int, str]:
+    """Run kvtop on a pseudo-terminal (stdin, stdout, stderr); its exit code and what it printed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=str(REPO),
+               XDG_CONFIG_HOME=str(REPO / ".cache" / "no-config"))
+    p = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdin=slave, stdout=slave, stderr=slave,
+                         env=env, start_new_session=True)
+    os.close(slave)
+    out = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            out.extend(chunk)
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    try:
+        rc = p.wait(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        time.sleep(0.1)
+        os.close(master)
+        t.join(timeout=5)
+    return rc, bytes(out).decode("utf-8", "replace")
+
+
+def test_console_with_a_dead_url_says_so_and_exits_1_on_a_terminal() -> None:
+    port = _closed_port()
+    rc, out = _on_a_terminal(["tui", "--url", f"http://127.0.0.1:{port}", "--no-gpu"])
+    assert rc == 1, out[-2000:]
+    assert f"could not read the engine at http://127.0.0.1:{port}" in out
+    assert "\x1b[?1049h" not in out  # the full-screen app never opened
+
+
+@pytest.mark.parametrize(("args", "expect"), [
+    (("snapsht",), "unknown command 'snapsht'; did you mean 'snapshot'?"),
+    (("--config", "{cfg}", "anlyze", "t.jsonl"), "unknown command 'anlyze'; did you mean 'analyze'?"),
+    (("snapshot", "--duraton", "3"), "unrecognized arguments: --duraton 3; did you mean '--duration'?"),
+    (("record", "-o", "x", "--url", "http://h", "--proxy-listn=127.0.0.1:1"), "did you mean '--proxy-listen'?"),
+    (("analyze", "t.jsonl", "--format", "jsn"), "invalid choice: 'jsn' (choose from 'json', 'text'); did you mean 'json'?"),
+])
+def test_a_mistyped_command_flag_or_choice_names_the_closest(args: tuple[str, ...], expect: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("")
+    r = run_kvtop(*(a.replace("{cfg}", str(cfg)) for a in args), timeout=60)
+    assert r.returncode == 2
+    assert expect in _one_line(r)
+
+
+def test_a_word_nothing_like_a_command_lists_the_commands() -> None:
+    r = run_kvtop("zzz", timeout=60)
+    line = _one_line(r)
+    assert r.returncode == 2 and "unknown command 'zzz'" in line and "did you mean" not in line
+    assert "snapshot" in line and "analyze" in line
+
+
+def test_config_works_anywhere_on_the_line_and_typos_in_it_are_named(tmp_path: Path) -> None:
+    port = _closed_port()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'url = "http://127.0.0.1:{port}"\nintervl = 2\ngpu = false\n')
+    for args in (("--config", str(cfg), "snapshot"), ("snapshot", "--config", str(cfg)),
+                 ("snapshot", f"--config={cfg}", "--no-host")):
+        r = run_kvtop(*args, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        # the file was read (its URL is the one that failed), and the typo named with the key it meant
+        assert r.returncode == 1, (args, r.stderr)
+        assert lines[0] == f"kvtop: warning: {cfg}: unknown key 'intervl'; did you mean 'interval'?", lines
+        assert f"could not read the engine at http://127.0.0.1:{port}" in lines[1]
+    # keys kvtop reads itself draw no warning
+    cfg.write_text(f'url = "http://127.0.0.1:{port}"\nprobe_ports = [8000]\ninterval = 0.5\n')
+    r = run_kvtop("snapshot", "--no-gpu", "--config", str(cfg), timeout=60)
+    assert "warning" not in r.stderr and r.returncode == 1
+
+
+def test_one_duration_syntax_for_every_command(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    r = run_kvtop("simulate", "--preset", "preemption-storm", "--duration", "3s", "--scrape-interval", "500ms",
+                  "-o", str(trace), timeout=60)
+    assert r.returncode == 0 and "over 3 simulated s" in r.stdout, r.stderr
+    engine_times = [line for line in trace.read_text().splitlines() if '"kind":"engine"' in line]
+    assert len(engine_times) >= 6  # a scrape every 0.5 simulated s
+    r = run_kvtop("replay", str(trace), "--headless", "--until", "2s", "--format", "json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = run_kvtop("demo", "--headless", "--duration", "1.5s", "--interval", "500ms", "--speed", "10", timeout=60)
+    assert r.returncode == 0 and "engine" in r.stdout.lower(), r.stderr
+    r = run_kvtop("sim-server", "--duration", "500ms", timeout=60)
+    assert r.returncode == 0, r.stderr
+    for args in (("demo", "--headless", "--duration", "10x"), ("simulate", "--preset", "x", "-o", "t", "--duration", "soon")):
+        r = run_kvtop(*args, timeout=60)
+        assert r.returncode == 2 and "must be a number of seconds (e.g. 10, 10s, 500ms, 2m)" in _one_line(r)
+
+
+def test_snapshot_without_a_url_looks_on_the_usual_ports_like_the_console(tmp_path: Path) -> None:
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=4))
+        port = s.url.rsplit(":", 1)[1]
+        (tmp_path / "kvtop").mkdir()
+        cfg = tmp_path / "kvtop" / "config.toml"
+        cfg.write_text(f"probe_ports = [{_closed_port()}, {port}]\n")
+        r = run_kvtop("snapshot", "--duration", "0.3", "--interval", "0.1", "--no-gpu", "--format", "json",
+                      env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(e["url"], e["running"]) for e in doc["engines"]] == [(s.url, 4)]
+    # nothing on those ports: it says where it looked, and still reports the host
+    closed = _closed_port()
+    cfg.write_text(f"probe_ports = [{closed}]\n")
+    r = run_kvtop("snapshot", "--duration", "0.2", "--no-gpu", env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"kvtop snapshot: no engine found on 127.0.0.1 ports {closed}; GPU and host only "
+                        "(point it at one with --url http://HOST:PORT)\n")
+    assert "host" in r.stdout.lower()

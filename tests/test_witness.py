@@ -1,0 +1,205 @@
+"""The engine's witness: step accounting, the witness file and its reader, and exact causes in the analysis.
+
+The vLLM glue itself (kvtop.witness.vllm) runs inside a real vLLM in tests/integration/test_real_vllm_witness.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtop.analysis.scan import analyze_trace
+from kvtop.sources.witness import WitnessError, WitnessReader, client_id
+from kvtop.witness.steplog import StepBook, StepLog
+
+
+def test_step_book_splits_prompt_decode_and_recompute():
+    book = StepBook()
+    # a 100-token prompt in two chunks, then decode
+    # (id, scheduled, prefill, recompute)
+    assert book.plan("a", 0, 64, 100) == ("a", 64, 64, 0)
+    assert book.plan("a", 64, 36, 100) == ("a", 36, 36, 0)
+    assert book.plan("a", 100, 1, 100) == ("a", 1, 0, 0)
+    book.plan("a", 101, 1, 100)  # high-water 102
+    # preempted: vLLM resets computed tokens to 0 and schedules everything known again
+    assert book.plan("a", 0, 103, 100) == ("a", 103, 0, 102)
+    # resumed after a prefix-cache hit of 64 tokens: only the rest is recomputed
+    book2 = StepBook()
+    book2.plan("b", 0, 200, 200)
+    assert book2.plan("b", 64, 137, 200) == ("b", 137, 0, 136)
+    # preempted in the middle of its prompt: what was never computed is still prefill
+    book3 = StepBook()
+    book3.plan("c", 0, 50, 300)
+    assert book3.plan("c", 0, 120, 300) == ("c", 120, 70, 50)
+
+
+def _write_steps(path: Path, t0: float, steps: list[dict]) -> None:
+    log = StepLog(str(path), "vllm", "0.32.0")
+    for s in steps:
+        log.step(t0 + s["t0"], t0 + s["t1"], s["r"], s.get("pre", []), s.get("res", []), [], [])
+    log.close()
+
+
+def test_a_step_line_is_json_with_requests_by_number_and_odd_ids_escaped(tmp_path):
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0")
+    log.step(10.0, 10.25, [('we"ird\\id', 1, 0, 0, 1), ("b", 64, 64, 0, 1), ("c", 1, 0, 0, 0)], ["x"], [],
+             [("b", "length")], [])
+    log.step(10.25, 10.5, [('we"ird\\id', 1, 0, 0, 1), ("c", 1, 0, 0, 1)], [], [], [], [])
+    log.step(11.5, 11.6, [("c", 1, 0, 0, 1)], [], [], [], [])
+    log.close()
+    first, second, third = (json.loads(x) for x in p.read_text().splitlines()[1:])
+    names = {1: 'we"ird\\id', 2: "b", 3: "c", 4: "x"}
+    assert {int(k): v for k, v in first["n"].items()} == names
+    assert first["d"] == [1] and first["r"] == [[2, 64, 64, 0, 1], [3, 1, 0, 0, 0]]
+    assert first["pre"] == [4] and first["fin"] == [[2, "length"]]
+    assert second == {"t0": 10.25, "t1": 10.5, "d": [1, 3]}  # known requests: numbers only
+    # a second later the map of the running requests is repeated (b finished and left it)
+    assert {int(k): v for k, v in third["m"].items()} == {1: 'we"ird\\id', 3: "c", 4: "x"}
+    recs = WitnessReader(str(p), 0.0, from_start=True).read()
+    assert recs[0].reqs == [['we"ird\\id', 1, 0, 0, 1], ["b", 64, 64, 0, 1], ["c", 1, 0, 0, 0]]
+    assert recs[0].preempted == ["x"] and recs[0].finished == [["b", "length"]]
+    # a reader that starts after the first line learns the numbers from the repeated map
+    late = WitnessReader(str(p), 0.0, from_start=True)
+    got = [late.parse(x.encode()) for x in p.read_text().splitlines()[2:]]
+    assert got[0] is not None and got[0].reqs == [] and late.unnamed == 2
+    assert got[1] is not None and got[1].reqs == [["c", 1, 0, 0, 1]]
+
+
+def test_reader_maps_ids_and_clock_and_follows_rollover(tmp_path):
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0", max_bytes=700)
+    for i in range(8):
+        rid = f"cmpl-abc{i}-0-0123abcd"
+        log.step(1000.0 + i, 1000.5 + i, [(rid, 1, 0, 0, 1)], [], [], [(rid, "stop")], [])
+    log.close()
+    assert (tmp_path / "w.jsonl.1").exists()  # rolled over at 700 bytes
+    r = WitnessReader(str(p), wall_zero=990.0, engine="http://127.0.0.1:8000", from_start=True)
+    recs = r.read()
+    assert recs and all(rec.reqs[0][0].startswith("abc") for rec in recs)
+    assert recs[0].t == pytest.approx(recs[0].end - 0.5)
+    assert recs[-1].end == pytest.approx(17.5)
+    assert client_id("chatcmpl-9f8e-0123abcd") == "9f8e"
+    assert client_id("not-a-vllm-id") == "not-a-vllm-id"
+
+
+def test_reader_tails_new_lines_and_skips_torn_ones(tmp_path):
+    p = tmp_path / "w.jsonl"
+    _write_steps(p, 100.0, [{"t0": 0, "t1": 0.01, "r": [["x", 1, 0, 0, 1]]}])
+    r = WitnessReader(str(p), wall_zero=100.0)
+    assert r.read() == []  # steps from before the run are not the run's
+    with open(p, "a") as f:
+        f.write('{"t0": 100.5, "t1": 100.6, "r": [["x", 1, 0, 0, 1]]}\n{"t0": 1')
+    got = r.read()
+    assert [g.t for g in got] == [0.5]
+    with open(p, "a") as f:
+        f.write('01.0, "t1": 101.1, "r": [["x", 1, 0, 0, 1]]}\nnot json\n')
+    got = r.read()
+    assert [g.t for g in got] == [1.0] and r.skipped == 1
+
+
+def test_a_file_that_is_not_a_witness_is_refused(tmp_path):
+    p = tmp_path / "trace.jsonl"
+    p.write_text('{"kind": "header", "format": "kvtop-trace"}\n')
+    with pytest.raises(WitnessError):
+        WitnessReader(str(p), 0.0).read()
+    r = subprocess.run([sys.executable, "-m", "kvtop", "record", "-o", str(tmp_path / "o.jsonl"), "--url",
+                        "http://127.0.0.1:9", "--witness", str(p), "--duration", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a kvtop witness file" in r.stderr and "Traceback" not in r.stderr
+
+
+HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-02T00:00:00Z",
+          "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
+
+
+def _trace(path: Path, steps: list[dict], extra: list[dict]) -> None:
+    """Two streams, a and b, decoding at 20 ms a token from t=1; ``steps`` are the engine's steps."""
+    recs: list[dict] = []
+    for rid in ("a", "b"):
+        recs.append({"kind": "request", "t": 0.5, "id": rid, "event": "arrive", "source": "proxy"})
+    recs += extra
+    recs += [{"kind": "step", "engine": "http://127.0.0.1:8000", **s} for s in steps]
+    recs.sort(key=lambda d: d["t"])
+    with open(path, "w") as f:
+        f.write(json.dumps(HEADER) + "\n")
+        for d in recs:
+            f.write(json.dumps(d) + "\n")
+
+
+def _decode(rid: str, times: list[float]) -> list[dict]:
+    out = [{"kind": "request", "t": times[0], "id": rid, "event": "first_token", "n": 1}]
+    out += [{"kind": "request", "t": t, "id": rid, "event": "token", "n": 1} for t in times[1:]]
+    return out
+
+
+def _steps(ts: list[float], reqs_at, dur: float = 0.018) -> list[dict]:
+    return [{"t": round(t - dur, 6), "end": round(t - 0.001, 6), "reqs": reqs_at(t)} for t in ts]
+
+
+def test_witness_gives_each_spike_its_logged_cause_with_confidence_one(tmp_path):
+    """Four stalls of 300 ms on stream a, each with a different story in the engine's log."""
+    base = [1.0 + 0.02 * i for i in range(50)]  # 1.00 .. 1.98
+    a_times = base + [2.3] + [2.3 + 0.02 * i for i in range(1, 20)]  # stall 1 ends at 2.30 (prefill by c)
+    a_times += [a_times[-1] + 0.3] + [a_times[-1] + 0.3 + 0.02 * i for i in range(1, 20)]  # stall 2: preempted
+    a_times += [a_times[-1] + 0.3] + [a_times[-1] + 0.3 + 0.02 * i for i in range(1, 20)]  # stall 3: outside
+    a_times += [a_times[-1] + 0.3] + [a_times[-1] + 0.3 + 0.02 * i for i in range(1, 20)]  # stall 4: slow steps
+    stalls = [(a_times[i - 1], a_times[i]) for i in range(1, len(a_times)) if a_times[i] - a_times[i - 1] > 0.2]
+    assert len(stalls) == 4
+    (s1a, s1b), (s2a, s2b), (s3a, s3b), (s4a, s4b) = stalls
+    steps = _steps(a_times, lambda t: [["a", 1, 0, 0, 1]])
+    # stall 1: one 280 ms step in which c's 2,000-token prompt ran beside a's decode
+    big = [s for s in steps if s["end"] == round(s1b - 0.001, 6)][0]
+    big["t"] = round(s1a + 0.001, 6)
+    big["reqs"] = [["a", 1, 0, 0, 1], ["c", 2000, 2000, 0, 1]]
+    # stall 2: a preempted in the first step after its token, recomputed in the step that ends the stall
+    pre_t = s2a + 0.02
+    steps.append({"t": round(pre_t - 0.018, 6), "end": round(pre_t, 6), "reqs": [["b", 1, 0, 0, 1]], "preempted": ["a"]})
+    # stall 3: the engine made a's next token 20 ms after the last one; the client got it 300 ms later
+    late = [s for s in steps if s["end"] == round(s3b - 0.001, 6)][0]
+    late["t"], late["end"] = round(s3a + 0.002, 6), round(s3a + 0.019, 6)
+    # stall 4: the engine's own decode: one 300 ms step with decode tokens only
+    slow = [s for s in steps if s["end"] == round(s4b - 0.001, 6)][0]
+    slow["t"] = round(s4a + 0.001, 6)
+    steps.sort(key=lambda s: s["t"])
+    b_times = [1.01 + 0.02 * i for i in range(int((a_times[-1] - 1.0) / 0.02))]
+    _trace(tmp_path / "t.jsonl", steps, _decode("a", a_times) + _decode("b", b_times))
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1)
+    got = {(round(s.t_end, 3)): (s.cause, s.rule, s.confidence) for s in rep.spikes if s.request_id == "a"}
+    assert got[round(s1b, 3)] == ("prefill_interference", "witness", 1.0)
+    assert got[round(s2b, 3)] == ("preemption", "witness", 1.0)
+    assert got[round(s3b, 3)] == ("unknown", "witness", 1.0)
+    assert got[round(s4b, 3)] == ("slow_decode", "witness", 1.0)
+    # the same trace without the engine's log: inferred, and never at confidence 1.0
+    lines = [ln for ln in (tmp_path / "t.jsonl").read_text().splitlines() if '"kind": "step"' not in ln]
+    (tmp_path / "n.jsonl").write_text("\n".join(lines) + "\n")
+    rep2 = analyze_trace(str(tmp_path / "n.jsonl"), itl_target_s=0.1)
+    assert rep2.spikes and all(s.rule != "witness" and (s.confidence or 0) < 1.0 for s in rep2.spikes)
+
+
+def test_the_request_detail_shows_the_engines_steps_and_its_preemption():
+    from kvtop.core import Core
+    from kvtop.model.records import RequestRecord, StepRecord
+    from kvtop.views.tui import render
+
+    core = Core(itl_target_s=0.1)
+    core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
+    core.ingest(StepRecord(0.0, 0.1, None, [["r1", 40, 40, 0, 1]]))
+    core.ingest(RequestRecord(t=0.1, id="r1", event="first_token", n=1))
+    for i in range(1, 10):
+        core.ingest(StepRecord(0.1 + 0.02 * i, 0.12 + 0.02 * i, None, [["r1", 1, 0, 0, 1]]))
+        core.ingest(RequestRecord(t=0.12 + 0.02 * i, id="r1", event="token", n=1))
+    core.ingest(StepRecord(0.31, 0.33, None, [["other", 1, 0, 0, 1]], preempted=["r1"]))
+    core.ingest(StepRecord(0.9, 1.0, None, [["r1", 50, 0, 49, 1]], resumed=["r1"]))
+    core.ingest(RequestRecord(t=1.0, id="r1", event="token", n=1))
+    tl = core.request_timeline("r1")
+    assert tl is not None
+    assert tl.marks == ((0.31, "preempt"), (0.9, "resume"))
+    assert [k for _a, _b, k in tl.steps] == ["p"] + ["d"] * 9 + ["r"]
+    snap = core.snapshot()
+    text = render.detail(snap.requests[0], tl, [], 0.1, snap.t, 100)
+    steps_row = next(ln for ln in text.splitlines() if ln.startswith("steps  │"))
+    assert "R" in steps_row and "p" in steps_row
