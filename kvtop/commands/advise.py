@@ -4,19 +4,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
+from typing import TYPE_CHECKING
 
 from kvtop.errors import UsageError
 
+if TYPE_CHECKING:
+    from kvtop.model.analysis import Verdict
+
 NAME = "advise"
-HELP = "evaluate the swap/recompute/admission cost model on a scenario file"
+HELP = "evaluate the swap/recompute/admission cost model on a scenario file (or a trace); --emit-flags for a launcher"
 DESCRIPTION = ("Evaluate the KV cost model (docs/kv-science.md §5-§11) on the inputs in a scenario file and print the "
-               "verdict. The scenario format is the JSON Schema kvtop/schemas/scenario.schema.json.")
+               "verdict. The scenario format is the JSON Schema kvtop/schemas/scenario.schema.json. --trace judges a "
+               "recorded trace instead (the verdict `kvtop analyze` gives); --emit-flags prints only the verdict's "
+               "engine flags, one shell-quoted line to append to the engine's command line.")
 ORDER = 45
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--scenario", required=True, metavar="FILE", help="scenario JSON file")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", metavar="FILE", help="scenario JSON file")
+    src.add_argument("--trace", metavar="FILE", help="a recorded trace: the verdict its analysis gives")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="with --trace: the ITL target (default: derived from the trace, as analyze does)")
     p.add_argument("--format", choices=("json", "text"), default="text")
+    p.add_argument("--emit-flags", action="store_true",
+                   help="print only the verdict's engine flags, one shell-quoted line (empty when nothing to change)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,12 +39,16 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.analysis.advice.kvbytes import ModelConfigError
     from kvtop.analysis.report import render_verdict_text
 
+    if args.trace:
+        return _from_trace(args)
     try:
         doc = scenario.load(args.scenario)
         cause, verdict = scenario.judge(doc)
     except (scenario.ScenarioError, ModelConfigError) as e:  # e.g. an unknown kv_dtype
         raise UsageError(str(e)) from None
     verdict = verdict.finite()  # NaN/Infinity: not JSON, and "nan ms" in text helps nobody
+    if args.emit_flags:
+        return _emit(verdict)
     if args.format == "json":
         print(json.dumps(scenario.result_json(doc, cause, verdict), indent=2, allow_nan=False))
     else:
@@ -38,3 +56,57 @@ def run(args: argparse.Namespace) -> int:
         print(f"cause: {(cause or 'none').replace('_', ' ')}")
         print(render_verdict_text(verdict))
     return 0
+
+
+def _from_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvtop.analysis.report import render_verdict_text
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.model.trace import TraceError
+
+    if not Path(args.trace).is_file():
+        raise UsageError(f"{args.trace}: no such trace file")
+    if args.itl_target_ms is not None and not 0 < args.itl_target_ms <= 3_600_000:
+        raise UsageError("--itl-target-ms must be between 0 and 3600000")
+    try:
+        report = analyze_trace(args.trace, itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+    verdict = report.finite().verdict
+    if verdict is None:
+        raise UsageError(f"{args.trace}: no verdict (the trace has no request timings or engine histograms)")
+    if args.emit_flags:
+        return _emit(verdict)
+    if args.format == "json":
+        print(json.dumps(verdict.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(render_verdict_text(verdict))
+    return 0
+
+
+def _emit(verdict: Verdict) -> int:
+    """The settings that name an engine flag, as one shell-quoted line; the rest on stderr."""
+    words: list[str] = []
+    for s in verdict.settings:
+        if not s.flag:
+            print(f"kvtop advise: {s.setting} = {s.value}: no flag for this engine (unknown adapter); not emitted",
+                  file=sys.stderr)
+            continue
+        v = s.value
+        if v is True:
+            words.append(s.flag)
+        elif v is False:
+            words.append("--no-" + s.flag.removeprefix("--"))
+        elif v is None:
+            continue
+        else:
+            words += [s.flag, _value(v)]
+    print(shlex.join(words))
+    return 0
+
+
+def _value(v: object) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)

@@ -73,14 +73,7 @@ def run(args: argparse.Namespace) -> int:
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
     if not opts.urls:
         raise UsageError("give the engine to record: --url URL")
-    out = Path(args.output)
-    if out.is_dir():
-        raise UsageError(f"{args.output} is a directory")
-    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
-        raise UsageError(f"cannot write {args.output}: directory {out.parent} does not exist")
-    if out.exists() and out.stat().st_size > 0 and not args.force:
-        # Appending would restart the trace clock mid-file under the old header.
-        raise UsageError(f"{args.output} already exists (use --force to overwrite)")
+    check_output(args.output, args.force)
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
@@ -111,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
 async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
     # the feeds and the trace writer load only when the command runs: the parser imports every command module
     from kvtop.feeds.sources import ProxyRecorder
-    from kvtop.model.trace import TraceWriter, make_header
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
@@ -121,35 +113,12 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     # the recorder keeps no analysis (the trace is for `kvtop analyze` / `kvtop replay`) unless its
     # spans are exported as it goes
     runner = live_feed(opts, label="record", analysis=bool(args.otlp_endpoint), probe_max_tokens=args.probe_max_tokens)
-    # One scrape of every engine before the header is written, so the header names the adapter and
-    # model, and a dead URL fails now (exit 1, no trace) instead of recording nothing for --duration.
-    first = await first_scrape(runner)
-    # an engine that stops answering mid-recording (or never did, of several) is said on stderr
-    runner.sinks.append(EngineWatch(logging.getLogger("kvtop.record")).sink)
-    # the header describes the first --url's engine (as its "url" says)
-    up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
-    engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
-              "version": up.version if up else None}
-    kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
-          "capacity_tokens": up.kv_capacity_tokens if up else None}
-    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
-    extra: dict[str, object] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
-                                "clock_t0_unix": round(time.time() - runner.now(), 6)}
+    extra: dict[str, object] = {}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
         extra["urls"] = [redact_url(u) for u in opts.urls]
-    try:
-        if args.force:
-            Path(args.output).unlink(missing_ok=True)
-        writer = TraceWriter(args.output, make_header(engine=engine, kv=kv, **extra),
-                             flush_interval_s=FLUSH_INTERVAL_S)
-    except OSError as e:
-        await runner.aclose()
-        raise UsageError(f"cannot write {args.output}: {e.strerror or e}") from None
-    runner.sinks.append(writer.write)
-    for rec in first:
-        runner.emit(rec)
+    writer, engine = await open_trace(runner, opts, args.output, args.force, "kvtop record", **extra)
 
     try:
         try:
@@ -197,6 +166,50 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
               f"{cap['kernel_drops']} kernel drop(s), {cap['holes']} hole(s), {cap['tls_connections']} TLS and "
               f"{cap['http2_connections']} HTTP/2 connection(s) not observable", file=sys.stderr)
     return 0
+
+
+async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,
+                     **extra: object) -> tuple[TraceWriter, dict[str, Any]]:
+    """The trace a live run writes, and the header's engine: one scrape of every engine first (the header
+    names the adapter and model; a dead URL fails now, exit 1, no trace), the header (``recorder``, the
+    poll interval, the run clock's origin, ``extra``), then every record the runner emits. ``kvtop
+    record`` and ``kvtop load`` both record through this."""
+    from kvtop.model.trace import TraceWriter, make_header
+
+    first = await first_scrape(runner)
+    # an engine that stops answering mid-recording (or never did, of several) is said on stderr
+    runner.sinks.append(EngineWatch(logging.getLogger(recorder.replace(" ", "."))).sink)
+    # the header describes the first --url's engine (as its "url" says)
+    up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
+    engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,
+              "version": up.version if up else None}
+    kv = {"bytes_per_token": None, "block_size": up.block_size if up else None,
+          "capacity_tokens": up.kv_capacity_tokens if up else None}
+    # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
+    head: dict[str, object] = {"recorder": recorder, "interval_s": opts.interval_s,
+                               "clock_t0_unix": round(time.time() - runner.now(), 6), **extra}
+    try:
+        if force:
+            Path(output).unlink(missing_ok=True)
+        writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S)
+    except OSError as e:
+        await runner.aclose()
+        raise UsageError(f"cannot write {output}: {e.strerror or e}") from None
+    runner.sinks.append(writer.write)
+    for rec in first:
+        runner.emit(rec)
+    return writer, engine
+
+
+def check_output(output: str, force: bool) -> None:
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"{output} is a directory")
+    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
+        raise UsageError(f"cannot write {output}: directory {out.parent} does not exist")
+    if out.exists() and out.stat().st_size > 0 and not force:
+        # Appending would restart the trace clock mid-file under the old header.
+        raise UsageError(f"{output} already exists (use --force to overwrite)")
 
 
 async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", metavar="NAME", default=None, help="built-in preset (default: healthy)")
     src.add_argument("--workload", metavar="FILE", help="workload JSON file (engine part is used)")
     p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
+    p.add_argument("--engine-flags", metavar="FLAGS", default=None,
+                   help="vLLM flags to apply to the simulated engine, e.g. \"$(kvtop advise --trace T --emit-flags)\"")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: an ephemeral port, printed at start)")
     p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second (default 1)")
@@ -39,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--port must be between 0 and 65535")
     wl = load_workload_file(args.workload) if args.workload else load_preset(args.preset or "healthy")
     wl = wl.with_policy(args.policy)
+    if args.engine_flags:
+        from kvtop.sim.flags import apply_engine_flags
+
+        wl = apply_engine_flags(wl, args.engine_flags)
 
     async def main() -> None:
         # Ctrl-C and SIGTERM stop the server in order: streams hung up, port released, no traceback.

@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", metavar="NAME", help="built-in preset (see README: Simulated engine and presets)")
     src.add_argument("--workload", metavar="FILE", help="workload JSON file (same schema as the presets)")
     p.add_argument("--policy", metavar="NAME", help="recompute, swap, or a policy variant the preset defines")
+    p.add_argument("--engine-flags", metavar="FLAGS", default=None,
+                   help="vLLM flags to apply to the simulated engine, e.g. \"$(kvtop advise --trace T --emit-flags)\"")
     p.add_argument("--seed", type=int, default=1, help="random seed (same seed -> identical trace)")
     p.add_argument("--duration", type=seconds_arg, required=True, metavar="DURATION",
                    help="simulated time (600, 600s, 10m)")
@@ -42,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--scrape-interval must be > 0")
     wl = load_preset(args.preset) if args.preset else load_workload_file(args.workload)
     wl = wl.with_policy(args.policy)
+    if args.engine_flags:
+        from kvtop.sim.flags import apply_engine_flags
+
+        wl = apply_engine_flags(wl, args.engine_flags)
     out = Path(args.output)
     if out.exists() and out.stat().st_size > 0:
         raise UsageError(f"{out} already exists (refusing to append a second run to it)")

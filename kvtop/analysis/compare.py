@@ -1,0 +1,378 @@
+"""Two runs of the same traffic side by side (``kvtop compare A B``): did the change help?
+
+Per run, from one streaming pass over its trace plus the analysis (``scan.analyze_trace``: the
+verdict, the ITL target it judged against and the time over target by cause):
+
+* offered: requests that arrived (kvtop's probe canaries left out), over how long, their classes
+  and mean prompt length — the load both runs must share for a comparison to mean anything;
+* completed (``finish``), client cancels, errors and streams kvtop cut off when it stopped;
+* goodput: completed requests that met the contract — time to first token within the TTFT target
+  and at most one target's worth of time over the ITL target (the sum of each gap's excess over it):
+  one late token is tolerated, a stall (a preemption, a prefill riding along) is not. A per-request
+  percentile would not do: one 5 s preemption stall hides under the p99 of a 1,200-token stream;
+* p50/p99 of every inter-token gap and of time to first token (2 % log bins, ``LogHistogram``);
+* preemptions per completed request: the engine's counter increases (request ``preempt`` events
+  where no engine was scraped, e.g. a simulated run).
+
+The decision, B against A, in this order: *not comparable* when the offered load or mix differ
+beyond ``Tolerance``; *worse* when B completes or meets the contract less often, or sheds (cancels,
+errors) more — a policy that buys latency by shedding load is not better; *improved* when goodput
+rises or a latency/preemption figure falls by the margin (10 %) and nothing worsens by it; *mixed* when
+figures move both ways; else *no change*.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtop.analysis.gaps import LogHistogram
+from kvtop.analysis.scan import analyze_trace
+from kvtop.model.trace import TraceError, TraceReader
+
+KVTOP_STOPPED = frozenset({"proxy_stopped", "probe_stopped"})
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two runs' offered load may differ and still be compared, and the smallest change that counts."""
+
+    requests_frac: float = 0.05  # offered requests
+    rate_frac: float = 0.10  # offered arrival rate
+    prompt_frac: float = 0.05  # mean prompt length
+    class_share: float = 0.05  # each class's share of the offered requests (absolute)
+    # a figure must move by this fraction to count as better or worse: two runs of one configuration on the
+    # simulated server differed by up to 6 % in p99 TTFT
+    better_frac: float = 0.10
+    shed_share: float = 0.02  # cancels + errors, share of offered, may rise by at most this much
+
+    def to_dict(self) -> dict[str, float]:
+        return {"requests_frac": self.requests_frac, "rate_frac": self.rate_frac, "prompt_frac": self.prompt_frac,
+                "class_share": self.class_share, "better_frac": self.better_frac, "shed_share": self.shed_share}
+
+
+@dataclass
+class RunFigures:
+    path: str
+    offered: int = 0
+    span_s: float = 0.0
+    classes: dict[str, int] = field(default_factory=dict)
+    prompt_mean: float | None = None
+    completed: int = 0
+    cancelled: int = 0
+    errors: int = 0
+    cut_off: int = 0
+    goodput: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    itl_p50_s: float | None = None
+    itl_p99_s: float | None = None
+    preemptions: int | None = None
+    over_target_s: dict[str, float] = field(default_factory=dict)
+    itl_target_s: float | None = None
+    verdict: dict[str, Any] | None = None
+
+    @property
+    def rate_per_s(self) -> float | None:
+        return self.offered / self.span_s if self.span_s > 0 else None
+
+    @property
+    def shed(self) -> int:
+        return self.cancelled + self.errors
+
+    @property
+    def preemptions_per_completed(self) -> float | None:
+        if self.preemptions is None or not self.completed:
+            return None
+        return self.preemptions / self.completed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "trace": self.path, "offered": self.offered, "span_s": _r(self.span_s), "rate_per_s": _r(self.rate_per_s),
+            "classes": dict(sorted(self.classes.items())), "prompt_tokens_mean": _r(self.prompt_mean),
+            "completed": self.completed, "cancelled": self.cancelled, "errors": self.errors, "cut_off": self.cut_off,
+            "goodput": self.goodput, "goodput_share": _r(self.goodput / self.offered if self.offered else None),
+            "ttft_p50_s": _r(self.ttft_p50_s), "ttft_p99_s": _r(self.ttft_p99_s),
+            "itl_p50_s": _r(self.itl_p50_s), "itl_p99_s": _r(self.itl_p99_s),
+            "preemptions": self.preemptions, "preemptions_per_completed": _r(self.preemptions_per_completed),
+            "over_target_s": {k: _r(v) for k, v in sorted(self.over_target_s.items())},
+            "verdict": self.verdict,
+        }
+
+
+def _r(v: float | None, nd: int = 6) -> float | None:
+    return None if v is None or not math.isfinite(v) else round(v, nd)
+
+
+@dataclass(slots=True)
+class _Req:
+    t: float
+    first: float | None = None
+    last: float | None = None
+    over_s: float = 0.0  # time over the ITL target, summed over its gaps
+
+
+def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | None) -> RunFigures:
+    """One run's figures; the ITL target defaults to the one the analysis judged the run against."""
+    report = analyze_trace(path, itl_target_s=itl_target_s)
+    itl_t = itl_target_s if itl_target_s is not None else report.itl_target_s
+    fig = RunFigures(path, itl_target_s=itl_t)
+    try:
+        reader = TraceReader(path)
+    except TraceError as e:
+        raise ValueError(str(e)) from None
+    open_: dict[str, _Req] = {}
+    itl, ttft = LogHistogram(), LogHistogram()
+    prompt_sum = prompt_n = 0
+    t_first = t_last = None
+    counters: dict[tuple[Any, Any], tuple[float, float]] = {}  # engine -> (last value, increases)
+    req_preempts = 0
+    for d in reader.dicts():
+        kind = d.get("kind")
+        if kind == "engine":
+            v = d.get("preemptions_total")
+            if isinstance(v, (int, float)) and d.get("up", True) is not False:
+                key = (d.get("url"), d.get("engine"))
+                last, inc = counters.get(key, (float(v), 0.0))
+                inc += v - last if v >= last else v  # a drop: the engine restarted from zero
+                counters[key] = (float(v), inc)
+            continue
+        if kind != "request":
+            continue
+        rid, ev, t = d.get("id"), d.get("event"), d.get("t")
+        if not isinstance(rid, str) or not isinstance(t, (int, float)):
+            continue
+        if ev == "arrive":
+            if d.get("source") == "probe" or d.get("class") == "probe" or rid.startswith("probe-"):
+                continue
+            open_[rid] = _Req(float(t))
+            fig.offered += 1
+            cls = d.get("class")
+            name = cls if isinstance(cls, str) else "(none)"
+            fig.classes[name] = fig.classes.get(name, 0) + 1
+            p = d.get("prompt_tokens")
+            if isinstance(p, int) and p > 0:
+                prompt_sum += p
+                prompt_n += 1
+            t_first = t if t_first is None else t_first
+            t_last = t
+            continue
+        if ev == "preempt":
+            req_preempts += 1
+            continue
+        r = open_.get(rid)
+        if r is None:
+            continue
+        if ev in ("first_token", "token", "resync"):
+            if r.first is None:
+                r.first = float(t)
+                ttft.add(max(1e-6, r.first - r.t))
+            elif ev != "resync" and r.last is not None:
+                g = float(t) - r.last
+                if itl_t is not None and g > itl_t:
+                    r.over_s += g - itl_t
+                itl.add(max(1e-6, g))
+            r.last = float(t)
+        elif ev in ("finish", "cancel", "error"):
+            del open_[rid]
+            if ev == "finish":
+                fig.completed += 1
+                ok_ttft = ttft_target_s is None or (r.first is not None and r.first - r.t <= ttft_target_s)
+                ok_itl = itl_t is None or r.over_s <= itl_t
+                if ok_ttft and ok_itl and r.first is not None:
+                    fig.goodput += 1
+            elif ev == "cancel" and d.get("error") in KVTOP_STOPPED:
+                fig.cut_off += 1
+            elif ev == "cancel":
+                fig.cancelled += 1
+            else:
+                fig.errors += 1
+    fig.cut_off += len(open_)  # still open when the trace ended
+    if t_first is not None and t_last is not None:
+        fig.span_s = float(t_last) - float(t_first)
+    fig.prompt_mean = prompt_sum / prompt_n if prompt_n else None
+    fig.ttft_p50_s, fig.ttft_p99_s = ttft.quantile(0.5), ttft.quantile(0.99)
+    fig.itl_p50_s, fig.itl_p99_s = itl.quantile(0.5), itl.quantile(0.99)
+    if counters:
+        fig.preemptions = int(round(sum(inc for _, inc in counters.values())))
+    elif req_preempts:
+        fig.preemptions = req_preempts
+    fin = report.finite()
+    fig.over_target_s = dict(fin.over_target_s or {})
+    fig.verdict = None
+    if fin.verdict is not None:
+        v = fin.verdict
+        fig.verdict = {"action": v.action, "confidence": v.confidence, "tentative": v.tentative,
+                       "settings": [s.to_dict() for s in v.settings]}
+    return fig
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    """(b - a) / a; None when either is unknown or a is zero."""
+    if a is None or b is None or a == 0:
+        return None
+    return (b - a) / a
+
+
+def comparability(a: RunFigures, b: RunFigures, tol: Tolerance) -> list[str]:
+    """Why the two runs' offered load differs too much to compare (empty: comparable)."""
+    why = []
+    d = _rel(a.offered, b.offered)
+    if a.offered == 0 or b.offered == 0:
+        why.append("a run offered no request")
+        return why
+    if d is not None and abs(d) > tol.requests_frac:
+        why.append(f"offered requests differ by {d:+.1%} (tolerance ±{tol.requests_frac:.0%})")
+    d = _rel(a.rate_per_s, b.rate_per_s)
+    if d is not None and abs(d) > tol.rate_frac:
+        why.append(f"offered rate differs by {d:+.1%} (tolerance ±{tol.rate_frac:.0%})")
+    d = _rel(a.prompt_mean, b.prompt_mean)
+    if d is not None and abs(d) > tol.prompt_frac:
+        why.append(f"mean prompt length differs by {d:+.1%} (tolerance ±{tol.prompt_frac:.0%})")
+    for c in sorted(set(a.classes) | set(b.classes)):
+        sa, sb = a.classes.get(c, 0) / a.offered, b.classes.get(c, 0) / b.offered
+        if abs(sb - sa) > tol.class_share:
+            why.append(f"class {c} is {sa:.0%} of A and {sb:.0%} of B (tolerance ±{tol.class_share * 100:.0f} points)")
+    return why
+
+
+@dataclass
+class Comparison:
+    a: RunFigures
+    b: RunFigures
+    outcome: str  # improved, worse, mixed, no_change, not_comparable
+    reasons: list[str]
+    better: list[str]
+    worse: list[str]
+    tolerance: Tolerance
+    ttft_target_s: float | None
+    itl_target_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"outcome": self.outcome, "reasons": self.reasons, "better": self.better, "worse": self.worse,
+                "ttft_target_s": self.ttft_target_s, "itl_target_s": self.itl_target_s,
+                "tolerance": self.tolerance.to_dict(), "a": self.a.to_dict(), "b": self.b.to_dict()}
+
+
+def compare(path_a: str, path_b: str, ttft_target_s: float | None = None, itl_target_s: float | None = None,
+            tol: Tolerance | None = None) -> Comparison:
+    """B against A. Without an ITL target, both runs are judged against A's (the analysis' target)."""
+    tol = tol or Tolerance()
+    a = run_figures(path_a, ttft_target_s, itl_target_s)
+    itl_t = itl_target_s if itl_target_s is not None else a.itl_target_s
+    b = run_figures(path_b, ttft_target_s, itl_t)
+    if itl_target_s is None and itl_t is not None and a.itl_target_s != itl_t:
+        a = run_figures(path_a, ttft_target_s, itl_t)
+    why = comparability(a, b, tol)
+    if why:
+        return Comparison(a, b, "not_comparable", why, [], [], tol, ttft_target_s, itl_t)
+    better: list[str] = []
+    worse: list[str] = []
+    m = tol.better_frac
+
+    def more_is_better(name: str, va: float | None, vb: float | None) -> None:
+        d = _rel(va, vb)
+        if d is None:
+            if va == 0 and vb:
+                better.append(f"{name} 0 -> {vb:g}")
+            return
+        if d >= m:
+            better.append(f"{name} {va:g} -> {vb:g} ({d:+.0%})")
+        elif d <= -m:
+            worse.append(f"{name} {va:g} -> {vb:g} ({d:+.0%})")
+
+    def less_is_better(name: str, va: float | None, vb: float | None, unit: str = "", scale: float = 1.0) -> None:
+        if va is None or vb is None:
+            return
+        fa, fb = va * scale, vb * scale
+        if va == 0:
+            if vb > 0:
+                worse.append(f"{name} 0 -> {fb:.3g}{unit}")
+            return
+        d = (vb - va) / va
+        if d <= -m:
+            better.append(f"{name} {fa:.3g}{unit} -> {fb:.3g}{unit} ({d:+.0%})")
+        elif d >= m:
+            worse.append(f"{name} {fa:.3g}{unit} -> {fb:.3g}{unit} ({d:+.0%})")
+
+    more_is_better("goodput", a.goodput, b.goodput)
+    more_is_better("completed", a.completed, b.completed)
+    shed_a, shed_b = a.shed / a.offered, b.shed / b.offered
+    if shed_b - shed_a > tol.shed_share:
+        worse.append(f"shed (cancelled + errors) {shed_a:.1%} -> {shed_b:.1%} of offered")
+    less_is_better("p99 ITL", a.itl_p99_s, b.itl_p99_s, " ms", 1e3)
+    less_is_better("p99 TTFT", a.ttft_p99_s, b.ttft_p99_s, " ms", 1e3)
+    less_is_better("preemptions per completed request", a.preemptions_per_completed, b.preemptions_per_completed)
+    less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), " s")
+    # what decides: shedding or completing less outweighs any latency gain
+    decisive_worse = [w for w in worse if w.startswith(("goodput", "completed", "shed"))]
+    if decisive_worse:
+        outcome = "worse"
+    elif better and not worse:
+        outcome = "improved"
+    elif better and worse:
+        outcome = "improved" if any(x.startswith("goodput") for x in better) else "mixed"
+    elif worse:
+        outcome = "worse"
+    else:
+        outcome = "no_change"
+    return Comparison(a, b, outcome, [], better, worse, tol, ttft_target_s, itl_t)
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def render_text(c: Comparison) -> str:
+    a, b = c.a, c.b
+    rows: list[tuple[str, str, str]] = [
+        ("offered requests", str(a.offered), str(b.offered)),
+        ("offered rate", f"{a.rate_per_s or 0:.3g}/s", f"{b.rate_per_s or 0:.3g}/s"),
+        ("mean prompt tokens", f"{a.prompt_mean or 0:.0f}", f"{b.prompt_mean or 0:.0f}"),
+        ("completed", str(a.completed), str(b.completed)),
+        ("cancelled / errors", f"{a.cancelled} / {a.errors}", f"{b.cancelled} / {b.errors}"),
+        ("goodput", f"{a.goodput} ({a.goodput / a.offered:.0%})" if a.offered else "0",
+         f"{b.goodput} ({b.goodput / b.offered:.0%})" if b.offered else "0"),
+        ("TTFT p50 / p99", f"{_ms(a.ttft_p50_s)} / {_ms(a.ttft_p99_s)}", f"{_ms(b.ttft_p50_s)} / {_ms(b.ttft_p99_s)}"),
+        ("ITL p50 / p99", f"{_ms(a.itl_p50_s)} / {_ms(a.itl_p99_s)}", f"{_ms(b.itl_p50_s)} / {_ms(b.itl_p99_s)}"),
+        ("preemptions / completed", _fmt(a.preemptions_per_completed), _fmt(b.preemptions_per_completed)),
+        ("time over target", _lost(a.over_target_s), _lost(b.over_target_s)),
+        ("verdict", _verdict(a.verdict), _verdict(b.verdict)),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows + [("", "A", "")])
+    targets = [f"ITL {c.itl_target_s * 1e3:.0f} ms" if c.itl_target_s is not None else "ITL: none"]
+    if c.ttft_target_s is not None:
+        targets.append(f"TTFT {c.ttft_target_s * 1e3:.0f} ms")
+    out = [f"A: {a.path}", f"B: {b.path}",
+           f"goodput contract: {', '.join(targets)} (a request's time over the ITL target at most one target)", "",
+           f"{'':{w0}}  {'A':<{w1}}  B"]
+    out += [f"{k:{w0}}  {x:<{w1}}  {y}" for k, x, y in rows]
+    out.append("")
+    if c.outcome == "not_comparable":
+        out.append("result: not comparable: " + "; ".join(c.reasons))
+    else:
+        detail = "; ".join([*c.better, *(f"worse: {w}" for w in c.worse)]) or f"nothing moved by {c.tolerance.better_frac:.0%} or more"
+        out.append(f"result: {c.outcome.replace('_', ' ')}: {detail}")
+    return "\n".join(out)
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3g}"
+
+
+def _lost(d: dict[str, float]) -> str:
+    tot = sum(d.values())
+    if not d:
+        return "n/a"
+    top = sorted(((v, k) for k, v in d.items() if v > 0), reverse=True)[:3]
+    return f"{tot:.3g} s" + (" (" + ", ".join(f"{k} {v:.3g}" for v, k in top) + ")" if top else "")
+
+
+def _verdict(v: dict[str, Any] | None) -> str:
+    if not v:
+        return "n/a"
+    conf = v.get("confidence")
+    return f"{v['action']}" + (f" {conf:.2f}" if isinstance(conf, (int, float)) else "") + \
+        (" (tentative)" if v.get("tentative") else "")

@@ -1,0 +1,52 @@
+"""`kvtop compare A B`: two runs of the same traffic side by side, and whether B is better."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvtop.errors import UsageError
+
+NAME = "compare"
+HELP = "compare two traces of the same traffic (before/after a change): goodput, ITL, TTFT, preemptions, verdicts"
+DESCRIPTION = (
+    "Reads two traces (e.g. `kvtop load --from` the same recording against two engine configurations) and prints "
+    "offered and completed requests, goodput (completions within --ttft-target-ms and --itl-target-ms), p50/p99 "
+    "ITL and TTFT, preemptions per completed request, time over target by cause and each run's verdict, then one "
+    "line: improved, worse, mixed, no change, or not comparable (offered load or mix differ beyond the tolerance). "
+    "Shedding more load (cancels, errors) or completing less is never better. JSON: kvtop/schemas/compare.schema.json."
+)
+ORDER = 47
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", metavar="A.jsonl", help="the baseline trace")
+    p.add_argument("b", metavar="B.jsonl", help="the trace to judge against it")
+    p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token contract for goodput (default: none)")
+    p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="inter-token contract for goodput (default: the target the analysis judges A against)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtop.analysis.compare import compare, render_text  # the analysis: only when the command runs
+
+    for name in (args.a, args.b):
+        if not Path(name).is_file():
+            raise UsageError(f"{name}: no such trace file")
+    for flag, v in (("--ttft-target-ms", args.ttft_target_ms), ("--itl-target-ms", args.itl_target_ms)):
+        if v is not None and not 0 < v <= 3_600_000:
+            raise UsageError(f"{flag} must be between 0 and 3600000 ms")
+    try:
+        c = compare(args.a, args.b,
+                    ttft_target_s=None if args.ttft_target_ms is None else args.ttft_target_ms / 1e3,
+                    itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.format == "json":
+        print(json.dumps(c.to_dict(), indent=2, allow_nan=False))
+    else:
+        print(render_text(c))
+    return 0

@@ -1,0 +1,231 @@
+"""The load client: sends a ``Plan`` to an OpenAI-compatible ``/v1/completions`` on its schedule.
+
+Each request streams with ``max_tokens`` = the planned output and ``ignore_eos`` (so an engine that
+honours it produces exactly that many tokens), ``stream_options.include_usage`` (the recorder reads
+the prompt and output lengths from the usage block) and the plan's id as ``X-Request-Id`` (the
+recording proxy keeps it, so both traces name a request alike). Tokens are counted with the
+recorder's own stream parser (``kvtop.sources.sse.StreamRecorder``), so a cancel "after k tokens"
+means k as the recorder counts them.
+
+Prompts are token ids (vLLM, SGLang and the simulated server accept ``prompt`` as a list of ints)
+drawn per request from a seeded generator, so unrelated requests share no prefix-cache blocks;
+requests of one prefix group start with the group's ids. ``prompt_mode="text"`` sends one filler
+word per token instead, for engines that refuse token ids (a tokenizer may count them differently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvtop.load.plan import LoadRequest, Plan
+from kvtop.sources.sse import StreamRecorder
+
+TOKEN_ID_LO = 1000  # past the special and byte tokens of common vocabularies
+TOKEN_ID_HI = 30000  # inside every common vocabulary (GPT-2: 50257, Llama 2: 32000)
+
+
+@dataclass
+class LoadStats:
+    planned: int = 0
+    sent: int = 0
+    finished: int = 0
+    cancelled: int = 0  # hung up as planned (the trace's client cancelled there)
+    errors: int = 0
+    cut_off: int = 0  # still streaming when the run stopped (--duration, Ctrl-C)
+    in_flight: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+def prompt_ids(req: LoadRequest, seed: int) -> list[int]:
+    rng = random.Random(f"{seed}/{req.id}")
+    head: list[int] = []
+    if req.prefix_id and 0 < req.prefix_tokens < req.prompt_tokens:
+        g = random.Random(f"{seed}/prefix/{req.prefix_id}")
+        head = [g.randrange(TOKEN_ID_LO, TOKEN_ID_HI) for _ in range(req.prefix_tokens)]
+    return head + [rng.randrange(TOKEN_ID_LO, TOKEN_ID_HI) for _ in range(req.prompt_tokens - len(head))]
+
+
+def prompt_text(req: LoadRequest) -> str:
+    head: list[str] = []
+    if req.prefix_id and 0 < req.prefix_tokens < req.prompt_tokens:
+        head = [req.prefix_id] * req.prefix_tokens
+    # a request-unique word right after the shared part: no prefix sharing beyond it
+    return " ".join([*head, req.id, *(["tok"] * (req.prompt_tokens - len(head) - 1))])
+
+
+async def model_name(session: aiohttp.ClientSession, url: str) -> str | None:
+    try:
+        async with session.get(f"{url}/v1/models") as r:
+            if r.status == 200:
+                data = await r.json()
+                model = data["data"][0]["id"]
+                return model if isinstance(model, str) else None
+    except (aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError, asyncio.TimeoutError):
+        pass
+    return None
+
+
+class LoadClient:
+    """Sends one plan; ``run`` returns when every request ended or ``stop`` is set."""
+
+    def __init__(self, url: str, plan: Plan, *, model: str, seed: int = 1, prompt_mode: str = "ids",
+                 ignore_eos: bool = True, max_concurrency: int = 4096):
+        self.url = url.rstrip("/")
+        self.plan = plan
+        self.model = model
+        self.seed = seed
+        self.prompt_mode = prompt_mode
+        self.ignore_eos = ignore_eos
+        self.max_concurrency = max_concurrency
+        self.stats = LoadStats(planned=len(plan.requests))
+        self.t0 = time.monotonic()
+        self.stopped = False  # the run was stopped: streams that end now were cut off, not finished
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        """Send the plan until it is done or ``stop`` is set; streams still open then stay open until
+        ``close`` (the recorder stops first, so it records them as cut off by kvtop, not by a client)."""
+        self.t0 = time.monotonic()
+        sem = asyncio.Semaphore(self.max_concurrency)
+        tasks = self._tasks
+        try:
+            for req in self.plan.requests:
+                # the body is built before the wait: encoding a long token-id prompt must not delay the send
+                payload = json.dumps(self._body(req), separators=(",", ":")).encode()
+                delay = self.t0 + req.t - time.monotonic()
+                if delay > 0:
+                    try:
+                        await asyncio.wait_for(stop.wait(), delay)
+                    except asyncio.TimeoutError:
+                        pass
+                if stop.is_set():
+                    break
+                await sem.acquire()
+                task = asyncio.create_task(self._one(session, req, payload))
+                task.add_done_callback(lambda _t: sem.release())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks and not stop.is_set():
+                waiter = asyncio.create_task(stop.wait())
+                await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+        finally:
+            self.stopped = stop.is_set()
+
+    async def close(self, wait_s: float = 5.0) -> None:
+        """Let the streams cut off by the stop end, then hang up on any still open."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _body(self, req: LoadRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids(req, self.seed) if self.prompt_mode == "ids" else prompt_text(req),
+            "max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def _one(self, session: aiohttp.ClientSession, req: LoadRequest, payload: bytes) -> None:
+        st = self.stats
+        st.sent += 1
+        st.in_flight += 1
+        headers = {"X-Request-Id": req.id, "Content-Type": "application/json"}
+        if req.cls:
+            headers["X-Kvtop-Class"] = req.cls  # the simulated server's class; real engines ignore it
+        counter = StreamRecorder(req.id, lambda _r: None, 200, sse=True)
+        pauses = list(req.pauses)
+        try:
+            async with session.post(f"{self.url}/v1/completions", data=payload, headers=headers) as resp:
+                if resp.status != 200:
+                    st.error(f"http_{resp.status}")
+                    return
+                t_sent = time.monotonic()
+                if req.cancel_after_tokens is None and req.cancel_after_s is None and not pauses:
+                    await self._drain(resp, req, st)
+                    return
+                while True:
+                    wait = req.patience_s
+                    if req.cancel_after_s is not None and counter.tokens == 0:
+                        left = t_sent + req.cancel_after_s - time.monotonic()
+                        wait = left if wait is None else min(wait, left)
+                    try:
+                        chunk = await asyncio.wait_for(resp.content.readany(), None if wait is None else max(0.0, wait))
+                    except asyncio.TimeoutError:
+                        st.cancelled += 1
+                        resp.close()  # hang up: the recorder sees the client go away
+                        return
+                    if not chunk:
+                        break
+                    counter.feed(chunk, 0.0)
+                    if req.cancel_after_tokens is not None and counter.tokens >= req.cancel_after_tokens:
+                        st.cancelled += 1
+                        resp.close()
+                        return
+                    if counter.ended:
+                        break
+                    while pauses and counter.tokens >= pauses[0][0]:
+                        await asyncio.sleep(pauses.pop(0)[1])  # a slow reader: the stream waits in the buffers
+                self._ended(st, counter.ended or counter.tokens > 0)
+        except (aiohttp.ClientError, OSError) as e:
+            if self.stopped:
+                st.cut_off += 1
+            else:
+                st.error(type(e).__name__)
+        finally:
+            st.in_flight -= 1
+
+    def _ended(self, st: LoadStats, got: bool) -> None:
+        if self.stopped:
+            st.cut_off += 1
+        elif got:
+            st.finished += 1
+        else:
+            st.error("empty_stream")
+
+    async def _drain(self, resp: aiohttp.ClientResponse, req: LoadRequest, st: LoadStats) -> None:
+        """A stream nobody cancels or pauses: read it to the end without parsing it (the recorder does)."""
+        got = 0
+        while True:
+            try:
+                chunk = await asyncio.wait_for(resp.content.readany(), req.patience_s)
+            except asyncio.TimeoutError:
+                st.cancelled += 1  # the workload's patience ran out: the client hangs up
+                resp.close()
+                return
+            if not chunk:
+                break
+            got += len(chunk)
+        self._ended(st, bool(got))
+
+
+def progress_line(st: LoadStats, elapsed: float, duration: float | None) -> str:
+    bound = f"/{duration:g}" if duration is not None else ""
+    errs = f" errors {st.errors}" if st.errors else ""
+    return (f"kvtop load: {elapsed:6.1f}{bound} s  sent {st.sent}/{st.planned}  in flight {st.in_flight}  "
+            f"finished {st.finished}  cancelled {st.cancelled}{errs}")
+
+
+ProgressSink = Callable[[str], None]

@@ -1,0 +1,102 @@
+"""vLLM launcher flags (what ``kvtop advise --emit-flags`` prints) as simulated-engine settings.
+
+So a prescription can be tried on the simulator exactly as it would be on vLLM:
+``kvtop sim-server --preset P --engine-flags "$(kvtop advise --trace T --emit-flags)"``.
+
+| flag | simulated engine |
+|---|---|
+| ``--max-num-seqs N`` | ``max_num_seqs`` |
+| ``--max-num-batched-tokens N`` | ``max_num_batched_tokens``, with chunked prefill on (vLLM V1 always chunks prefills; the budget is the chunk) |
+| ``--max-model-len N`` | ``max_model_len`` (prompt + output bound) |
+| ``--kv-offloading-size GIB`` | ``preemption_mode: swap`` with a host pool of GIB GiB, copies overlapped with compute (V1's connector is asynchronous) |
+| ``--kv-offloading-backend native`` | the host tier itself (needs the size) |
+| ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill`` | ``chunked_prefill`` |
+| ``--gpu-memory-utilization F`` | KV blocks scaled by F / 0.9 (vLLM's default share), as the KV cache gets what the weights leave |
+
+Any other flag has no simulated counterpart: a one-line error, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+
+from kvtop.sim.workload import Workload, WorkloadError
+
+VLLM_DEFAULT_GPU_UTIL = 0.9
+_GIB = 1 << 30
+
+
+def _int(flag: str, v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise WorkloadError(f"{flag} needs a whole number, not {v!r}") from None
+    if n < 1:
+        raise WorkloadError(f"{flag} must be at least 1, not {n}")
+    return n
+
+
+def _num(flag: str, v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise WorkloadError(f"{flag} needs a number, not {v!r}") from None
+    if not x > 0:
+        raise WorkloadError(f"{flag} must be positive, not {v}")
+    return x
+
+
+def apply_engine_flags(workload: Workload, flags: str) -> Workload:
+    """The workload with its engine set as these vLLM flags would set it."""
+    try:
+        words = shlex.split(flags)
+    except ValueError as e:
+        raise WorkloadError(f"--engine-flags: {e}") from None
+    eng = replace(workload.engine, step=workload.engine.step, swap=replace(workload.engine.swap))
+    offload_size: float | None = None
+    backend = False
+    i = 0
+    while i < len(words):
+        w = words[i]
+        flag, eq, inline = w.partition("=")
+        takes_value = flag not in ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+        if takes_value and not eq:
+            if i + 1 >= len(words):
+                raise WorkloadError(f"--engine-flags: {flag} needs a value")
+            val = words[i + 1]
+            i += 2
+        else:
+            val = inline
+            i += 1
+        if flag == "--max-num-seqs":
+            eng.max_num_seqs = _int(flag, val)
+        elif flag == "--max-num-batched-tokens":
+            eng.max_num_batched_tokens = _int(flag, val)
+            eng.chunked_prefill = True
+        elif flag == "--max-model-len":
+            eng.max_model_len = _int(flag, val)
+        elif flag == "--kv-offloading-size":
+            offload_size = _num(flag, val)
+        elif flag == "--kv-offloading-backend":
+            if val != "native":
+                raise WorkloadError(f"--kv-offloading-backend {val}: the simulator models only the native backend")
+            backend = True
+        elif flag == "--enable-chunked-prefill":
+            eng.chunked_prefill = True
+        elif flag == "--no-enable-chunked-prefill":
+            eng.chunked_prefill = False
+        elif flag == "--gpu-memory-utilization":
+            util = _num(flag, val)
+            if util > 1:
+                raise WorkloadError(f"--gpu-memory-utilization must be at most 1, not {val}")
+            eng.num_gpu_blocks = max(2, int(eng.num_gpu_blocks * util / VLLM_DEFAULT_GPU_UTIL))
+        else:
+            raise WorkloadError(f"--engine-flags: {flag} has no simulated counterpart")
+    if backend and offload_size is None:
+        raise WorkloadError("--kv-offloading-backend needs --kv-offloading-size")
+    if offload_size is not None:
+        eng.preemption_mode = "swap"
+        eng.swap.host_capacity_bytes = offload_size * _GIB
+        eng.swap.overlap = True
+    return replace(workload, engine=eng)
