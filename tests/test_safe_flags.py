@@ -225,3 +225,33 @@ def test_reduce_batch_starts_from_what_actually_runs():
     assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 113}
     del doc["observed"]
     assert flags(judge(doc)) == {"--max-num-seqs": 384}
+
+
+def test_text_prompts_are_measured_from_their_usage_at_finish(tmp_path, kvtop_cli):
+    """A proxied request with a text prompt names its length only in the usage block at its finish:
+    the admission limit and the length bound must still be computed from it (the same storm with the
+    prompt lengths moved from ``arrive`` to ``finish`` gives the same settings)."""
+    trace = tmp_path / "t.jsonl"
+    assert kvtop_cli("simulate", "--preset", "preemption-storm", "--seed", "1", "--duration", "20",
+                     "-o", str(trace)).returncode == 0
+    prompts: dict[str, int] = {}
+    lines = trace.read_text().splitlines()
+    for ln in lines:
+        d = json.loads(ln)
+        if d.get("kind") == "request" and d.get("event") == "arrive" and "prompt_tokens" in d:
+            prompts[d["id"]] = d["prompt_tokens"]
+    assert prompts
+    moved = []
+    for ln in lines:
+        d = json.loads(ln)
+        if d.get("kind") == "request" and d.get("event") == "arrive":
+            d.pop("prompt_tokens", None)
+        if d.get("kind") == "request" and d.get("event") == "finish" and d["id"] in prompts:
+            d["prompt_tokens"] = prompts[d["id"]]
+        moved.append(json.dumps(d))
+    (tmp_path / "m.jsonl").write_text("\n".join(moved) + "\n")
+    a = json.loads(kvtop_cli("analyze", str(trace), "--format", "json").stdout)["verdict"]
+    b = json.loads(kvtop_cli("analyze", str(tmp_path / "m.jsonl"), "--format", "json").stdout)["verdict"]
+    assert "--max-num-seqs" in flags(b) and "--max-model-len" in flags(b)
+    assert flags(b)["--max-model-len"] == flags(a)["--max-model-len"]
+    assert b["numbers"]["prompt_mean"]["value"] > 0

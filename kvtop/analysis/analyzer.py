@@ -201,10 +201,7 @@ class Analyzer:
         if ev == "arrive":
             r.arrive_t = t
             if prompt is not None:
-                r.prompt_tokens = int(prompt)
-                acc.prompt_hist.add(max(1.0, float(prompt)))
-                acc.prompt_sum += prompt
-                acc.prompt_n += 1
+                self._prompt(r, prompt)
             r.cls = cls
         elif ev == "first_token":
             if prompt is not None and r.prompt_tokens is None:
@@ -225,6 +222,9 @@ class Analyzer:
             # time since the previous token spans the hole and is never a gap (nor a stall).
             gt.resync(r, t, n)
         elif ev in ("finish", "cancel", "error"):
+            if ev == "finish" and prompt is not None and r.prompt_tokens is None:
+                # a text prompt's length is known only from the usage block at its finish
+                self._prompt(r, prompt)
             if gt.end(r, t, ev):
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
@@ -245,6 +245,20 @@ class Analyzer:
             if self.use_request_preempts:
                 r.engine_preempts.append(t)
         self._advance(t)
+
+    def _prompt(self, r: ReqState, prompt: Any) -> None:
+        """A request's prompt length, counted once into the measured prompt sizes."""
+        try:
+            p = int(prompt)
+        except (TypeError, ValueError, OverflowError):
+            return
+        if p <= 0:
+            return
+        r.prompt_tokens = p
+        acc = self.acc
+        acc.prompt_hist.add(max(1.0, float(p)))
+        acc.prompt_sum += p
+        acc.prompt_n += 1
 
     def engine_times(self, d: dict[str, Any]) -> None:
         """A finish record that carries the engine's own times for its request (``RequestTimes``)."""
