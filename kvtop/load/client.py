@@ -28,8 +28,11 @@ import aiohttp
 from kvtop.load.plan import LoadRequest, Plan
 from kvtop.sources.sse import StreamRecorder
 
-TOKEN_ID_LO = 1000  # past the special and byte tokens of common vocabularies
-TOKEN_ID_HI = 30000  # inside every common vocabulary (GPT-2: 50257, Llama 2: 32000)
+TOKEN_ID_LO = 1000  # past the special and byte tokens of common vocabularies (Gemma's turn markers: 106-107)
+# inside any vocabulary of 2,048 tokens or more: an id past a model's vocabulary is a 400 for every
+# request (vLLM), so a small model (the real-engine tier's has 2,048) must be covered too; a thousand
+# distinct ids keep random prompts from sharing cached prefixes all the same
+TOKEN_ID_HI = 2048
 
 
 @dataclass
