@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
     # the feeds and the trace writer load only when the command runs: the parser imports every command module
     from kvtop.feeds.sources import ProxyRecorder
-    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header
 
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
@@ -109,7 +108,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
           "capacity_tokens": up.kv_capacity_tokens if up else None}
     # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
     extra: dict[str, object] = {"recorder": "kvtop record", "interval_s": opts.interval_s,
-                                "clock_t0_unix": round(time.time() - runner.now(), 6)}
+                                "clock_t0_unix": clock_origin_unix(runner.now)}
     if opts.capture_port is not None:
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
