@@ -148,6 +148,23 @@ async def test_record_with_capture_and_proxy_counts_each_request_once(tmp_path: 
         assert sum(d.get("n", 0) for d in mine if d["event"] in ("first_token", "token")) == 12
 
 
+def _has_packet_socket(pid: int) -> bool:
+    """Whether process ``pid`` holds an open packet socket (its capture is listening)."""
+    try:
+        lines = Path("/proc/net/packet").read_text().splitlines()[1:]
+        inodes = {f"socket:[{ln.split()[-1]}]" for ln in lines if ln.strip()}
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(tmp_path))
@@ -158,10 +175,15 @@ async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -
         line = (await asyncio.wait_for(sim.stdout.readline(), 30)).decode()
         url = re.search(r"at (http://\S+) ", line)[1]  # type: ignore[index]
         snap = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvtop", "snapshot", "--url", url, "--capture", "--duration", "4",
+            sys.executable, "-m", "kvtop", "snapshot", "--url", url, "--capture", "--duration", "8",
             "--interval", "0.5", "--format", "json", "--no-gpu", "--no-host",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-        await asyncio.sleep(1.5)
+        # send once its capture listens (a busy machine starts Python slowly; the deadline bounds a hang)
+        for _ in range(300):
+            if _has_packet_socket(snap.pid) or snap.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert _has_packet_socket(snap.pid), "the snapshot's capture never opened"
         body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 20,
                 "kvtop": {"prompt_tokens": 50, "output_tokens": 20}}
         async with aiohttp.ClientSession() as s:
