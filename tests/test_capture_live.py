@@ -93,9 +93,12 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> None:
                 rid = f"cap-{i}"
-                body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": OUTPUT,
+                # a stream the client leaves is long: however late a busy machine lets the client read
+                # its five chunks, the stream has not finished by then
+                out = 4000 if i < CANCELLED else OUTPUT
+                body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": out,
                         "stream_options": {"include_usage": True},
-                        "kvtop": {"prompt_tokens": 1300, "output_tokens": OUTPUT}}
+                        "kvtop": {"prompt_tokens": 1300, "output_tokens": out}}
                 async with s.post(purl + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
                     assert r.status == 200
                     if i < CANCELLED:  # the client gives up after a few chunks
