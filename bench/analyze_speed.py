@@ -193,9 +193,9 @@ def main() -> int:
         else:
             print(f"{module}: not installed (pip install -e '.[bench]')")
     fast = rows[0][1]["seconds"]
-    print(f"{'':<42}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}{'vs kvtop':>10}")
+    print(f"{'':<45}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}{'vs kvtop':>10}")
     for name, r in rows:
-        print(f"{name:<42}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
+        print(f"{name:<45}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
               f"{r['peak_rss_mb']:>9.0f} MB{r['seconds'] / fast:>9.2f}x"
               + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else ""))
     if not args.keep:
