@@ -1,13 +1,18 @@
-"""`kvtop analyze` throughput on a large synthetic trace vs a pandas groupby/diff baseline.
+"""`kvtop analyze` throughput on a large synthetic trace, side by side with the tools a user would
+pick instead.
 
-Writes a trace of 20,000 requests and 5 million token records (plus arrive/first_token/finish
-records and 1 s engine scrapes), then, each in its own process so peak memory is its own:
+Writes a trace (by default 8,000 requests and 2 million token records, plus arrive/finish records
+and 1 s engine scrapes: about 2.0 M records, 180 MB), then, each in its own process so peak memory
+is its own, best of ``--repeat`` runs:
   * kvtop: the full analysis (gaps, spikes, attribution, inputs, verdict), fast path;
-  * kvtop --stream: the same analysis through the per-record streaming path;
-  * pandas: read the token records (read_json, chunked) and compute gaps with groupby/diff.
-Prints records/s and peak RSS for each.
+  * kvtop --stream: the same analysis through the per-record streaming path (the live path's code);
+  * pandas: read the token records (read_json, chunked) and compute gaps with groupby/diff;
+  * Polars: scan_ndjson + filter + diff().over(id) (gaps only), when installed;
+  * DuckDB: read_ndjson + lag() over (partition by id) (gaps only), when installed.
+Prints seconds, records/s, peak RSS and each one's time as a ratio of kvtop's fast path. Polars
+and DuckDB come with the ``bench`` extra (``pip install -e '.[bench]'``); they use every core.
 
-    python bench/analyze_speed.py [--requests 20000] [--tokens 5000000] [--keep FILE]
+    python -m bench.analyze_speed [--requests 8000] [--tokens 2000000] [--repeat 3] [--keep FILE]
 """
 
 from __future__ import annotations
@@ -112,6 +117,47 @@ print(json.dumps({"seconds": dt, "records": n, "gaps": gaps,
 """
 
 
+CHILD_POLARS = r"""
+import json, resource, sys, time
+import polars as pl
+t0 = time.perf_counter()
+lf = pl.scan_ndjson(sys.argv[1], infer_schema_length=1000)
+tok = lf.filter((pl.col("kind") == "request") & pl.col("event").is_in(["token", "first_token"]))
+out = pl.concat([
+    tok.select(pl.col("t").diff().over("id").is_not_null().sum().alias("gaps")),
+], how="horizontal").collect()
+n = lf.select(pl.len()).collect().item()
+dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "records": n, "gaps": int(out["gaps"][0]),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+CHILD_DUCKDB = r"""
+import json, resource, sys, time
+import duckdb
+t0 = time.perf_counter()
+con = duckdb.connect()
+p = sys.argv[1].replace("'", "''")
+q = ("with recs as (select kind, event, id, t from read_ndjson('" + p + "', sample_size=2000, ignore_errors=true)), "
+     "tok as (select t - lag(t) over (partition by id order by t) as gap from recs "
+     "where kind = 'request' and event in ('token', 'first_token')) "
+     "select (select count(*) from recs), count(gap) from tok")
+n, gaps = con.execute(q).fetchone()
+dt = time.perf_counter() - t0
+print(json.dumps({"seconds": dt, "records": n, "gaps": gaps,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def installed(module: str) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def best(code: str, repeat: int, *args: str) -> dict:
+    runs = [child(code, *args) for _ in range(repeat)]
+    return min(runs, key=lambda r: r["seconds"])
+
+
 def child(code: str, *args: str) -> dict:
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if r.returncode != 0:
@@ -121,8 +167,9 @@ def child(code: str, *args: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--tokens", type=int, default=5_000_000)
+    ap.add_argument("--requests", type=int, default=8_000)
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each, the best kept (default 3)")
     ap.add_argument("--keep", metavar="FILE", help="write the trace here and keep it")
     ap.add_argument("--no-pandas", action="store_true")
     ap.add_argument("--no-stream", action="store_true")
@@ -133,18 +180,24 @@ def main() -> int:
     if not (args.keep and os.path.exists(path)):
         lines = write_trace(path, args.requests, args.tokens)
         print(f"wrote {lines:,} records ({os.path.getsize(path) / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f}s")
-    rows = [("kvtop analyze (fast path)", child(CHILD_KVTOP, path, "fast"))]
+    print(f"cpus={os.cpu_count()} load average {os.getloadavg()[0]:.1f}; best of {args.repeat}")
+    rows = [("kvtop analyze (fast path)", best(CHILD_KVTOP, args.repeat, path, "fast"))]
     if not args.no_stream:
-        rows.append(("kvtop analyze (streaming)", child(CHILD_KVTOP, path, "stream")))
+        rows.append(("kvtop analyze (streaming)", best(CHILD_KVTOP, args.repeat, path, "stream")))
     if not args.no_pandas:
-        rows.append(("pandas read_json + groupby/diff", child(CHILD_PANDAS, path)))
-    print(f"{'':<34}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}")
+        rows.append(("pandas read_json + groupby/diff", best(CHILD_PANDAS, 1, path)))
+    for module, name, code in (("polars", "Polars scan_ndjson + diff.over", CHILD_POLARS),
+                               ("duckdb", "DuckDB read_ndjson + lag() over", CHILD_DUCKDB)):
+        if installed(module):
+            rows.append((name + " (gaps only)", best(code, args.repeat, path)))
+        else:
+            print(f"{module}: not installed (pip install -e '.[bench]')")
+    fast = rows[0][1]["seconds"]
+    print(f"{'':<45}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}{'vs kvtop':>10}")
     for name, r in rows:
-        print(f"{name:<34}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
-              f"{r['peak_rss_mb']:>9.0f} MB" + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else ""))
-    base = rows[-1][1] if not args.no_pandas else None
-    if base:
-        print(f"fast path vs pandas: {base['seconds'] / rows[0][1]['seconds']:.1f}x faster")
+        print(f"{name:<45}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
+              f"{r['peak_rss_mb']:>9.0f} MB{r['seconds'] / fast:>9.2f}x"
+              + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else ""))
     if not args.keep:
         os.remove(path)
     return 0

@@ -58,7 +58,11 @@ def test_agent_serves_metrics_and_leaves_replayable_segments(tmp_path):
         rep = httpx.get(url + "/report", timeout=5).json()
         assert rep["engine"] == engine and set(rep["spikes_by_cause"]) >= {"preemption", "slow_decode"}
         assert httpx.get(url + "/healthz", timeout=5).text == "ok\n"
-        time.sleep(3.5)  # at least one age rotation
+        # at least one age rotation (3 s), done while running: wait for its compressed segment
+        deadline = time.monotonic() + 30  # bounds a hang only
+        while not segments(tmp_path / "traces") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert segments(tmp_path / "traces")
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(30) == 0
         segs = segments(tmp_path / "traces")

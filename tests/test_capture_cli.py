@@ -148,6 +148,23 @@ async def test_record_with_capture_and_proxy_counts_each_request_once(tmp_path: 
         assert sum(d.get("n", 0) for d in mine if d["event"] in ("first_token", "token")) == 12
 
 
+def _has_packet_socket(pid: int) -> bool:
+    """Whether process ``pid`` holds an open packet socket (its capture is listening)."""
+    try:
+        lines = Path("/proc/net/packet").read_text().splitlines()[1:]
+        inodes = {f"socket:[{ln.split()[-1]}]" for ln in lines if ln.strip()}
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 @pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(tmp_path))
@@ -158,10 +175,17 @@ async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -
         line = (await asyncio.wait_for(sim.stdout.readline(), 30)).decode()
         url = re.search(r"at (http://\S+) ", line)[1]  # type: ignore[index]
         snap = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvtop", "snapshot", "--url", url, "--capture", "--duration", "4",
+            sys.executable, "-m", "kvtop", "snapshot", "--url", url, "--capture", "--duration", "8",
             "--interval", "0.5", "--format", "json", "--no-gpu", "--no-host",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-        await asyncio.sleep(1.5)
+        # send once its capture listens (a busy machine starts Python slowly; the deadline bounds a hang)
+        held = 0  # on two polls in a row: not the short-lived socket its privilege check opens
+        for _ in range(300):
+            held = held + 1 if _has_packet_socket(snap.pid) else 0
+            if held >= 2 or snap.returncode is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert _has_packet_socket(snap.pid), "the snapshot's capture never opened"
         body = {"model": "m", "prompt": "hello", "stream": True, "max_tokens": 20,
                 "kvtop": {"prompt_tokens": 50, "output_tokens": 20}}
         async with aiohttp.ClientSession() as s:
@@ -179,7 +203,7 @@ async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -
     doc = json.loads(out)
     jsonschema.validate(doc, json.loads((REPO / "kvtop" / "schemas" / "snapshot.schema.json").read_text()))
     cap = doc["capture"]
-    assert cap["status"] == "ok" and cap["requests"] == 3 and cap["kernel_drops"] == 0
+    assert cap["status"] == "ok" and cap["requests"] == 3 and cap["kernel_drops"] == 0, (cap, err.decode()[-1500:])
     seen = {r["id"]: r for r in doc["requests"]}
     assert set(seen) == {f"snap-{i}" for i in range(3)}
     assert all(r["source"] == "capture" and r["tokens"] == 20 and r["state"] == "finished" for r in seen.values())

@@ -74,9 +74,11 @@ async def test_proxy_and_probe_name_their_upstream_on_arrive():
         probe = Probe(up.url, 4.0, prec, time.monotonic, max_tokens=4)
         stop = asyncio.Event()
         task = asyncio.create_task(probe.run(stop))
-        await asyncio.sleep(0.4)
+        deadline = time.monotonic() + 30  # bounds a hang only
+        while not any(r.event == "arrive" for r in prec.records) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         stop.set()
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, 30)
         arrives = [r for r in prec.records if r.event == "arrive"]
         assert arrives and all(r.engine == up.url.rstrip("/") for r in arrives)
     finally:

@@ -27,6 +27,7 @@ async def test_twenty_streams_match_the_simulation(tmp_path):
     rec = Recorder()
     proxy = RecordingProxy(sim.url, rec, time.monotonic)
     await proxy.start()
+    got_at: dict[str, list[float]] = {f"sim-{i}": [] for i in range(STREAMS)}
     try:
         async with aiohttp.ClientSession() as s:
             async def one(i: int) -> bytes:
@@ -36,7 +37,14 @@ async def test_twenty_streams_match_the_simulation(tmp_path):
                         "kvtop": {"request_id": rid, "prompt_tokens": PROMPT, "output_tokens": OUTPUT}}
                 async with s.post(proxy.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r:
                     assert r.status == 200
-                    return await r.read()
+                    data = b""
+                    async for piece in r.content.iter_any():
+                        now = time.monotonic()
+                        data += piece
+                        # one " tok" event per token: when the client had each of them
+                        events = data.split(b"\n\n")[:-1]
+                        got_at[rid] += [now] * (sum(b' tok"' in e for e in events) - len(got_at[rid]))
+                    return data
             bodies = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(STREAMS))), 60)
     finally:
         await proxy.stop()
@@ -48,7 +56,6 @@ async def test_twenty_streams_match_the_simulation(tmp_path):
     sim_req = [r for r in sim_recs if isinstance(r, RequestRecord)]
     preempted = {r.request_id for r in sim_recs if isinstance(r, TruthRecord) and r.event == "preempt"}
     assert preempted, "the scenario should preempt someone"
-    worst = 0.0
     for rid in sorted(ids):
         mine = rec.of(rid)
         truth = [r for r in sim_req if r.id == rid]
@@ -60,21 +67,19 @@ async def test_twenty_streams_match_the_simulation(tmp_path):
         # per-token times (chunks that came in one read share that read's time)
         got = [r.t for r in toks for _ in range(r.n)]
         want = [sim.wall_of(r.t) for r in truth if r.event in ("first_token", "token")]
-        # each token reached the client side of the proxy shortly after the simulator produced it
-        lag = [g - w for g, w in zip(got, want, strict=True)]
-        assert min(lag) > -0.002, (rid, min(lag))
-        worst = max(worst, max(lag))
-        # the gaps (a preemption stall is the big one) are the simulator's gaps; everything runs in
-        # one process on a busy test machine, so allow a rare scheduling hiccup
-        errs = sorted(abs((got[i] - got[i - 1]) - (want[i] - want[i - 1])) for i in range(1, OUTPUT))
-        assert errs[int(0.9 * len(errs))] < 0.03 and errs[-1] < 0.25, (rid, errs[-5:])
-    assert worst < 0.25, worst
-    # a preempted request's largest gap is visible in the proxy's timeline
+        received = got_at[rid]
+        assert len(got) == len(want) == len(received) == OUTPUT
+        # each token stamped after the simulator produced it (clock rounding aside) and before the
+        # client had it: an order that holds however busy the machine is (the lag itself is a
+        # figure: bench/proxy_overhead.py)
+        for g, w, c in zip(got, want, received, strict=True):
+            assert w - 0.002 < g <= c, (rid, w, g, c)
+    # a preempted request's stall stands out in the proxy's timeline as in the simulator's
     for rid in preempted & ids:
         got = [r.t for r in rec.of(rid) if r.event in ("first_token", "token") for _ in range(r.n)]
         want = [sim.wall_of(r.t) for r in sim_req if r.id == rid and r.event in ("first_token", "token")]
-        gmax = max(b - a for a, b in zip(got, got[1:], strict=False))
-        wmax = max(b - a for a, b in zip(want, want[1:], strict=False))
-        typical = sorted(b - a for a, b in zip(want, want[1:], strict=False))[len(want) // 2]
-        assert wmax > 3 * typical  # the stall stands out ...
-        assert abs(gmax - wmax) < 0.05  # ... and the proxy measured it
+        wgaps = [b - a for a, b in zip(want, want[1:], strict=False)]
+        ggaps = [b - a for a, b in zip(got, got[1:], strict=False)]
+        i = wgaps.index(max(wgaps))
+        assert wgaps[i] > 3 * sorted(wgaps)[len(wgaps) // 2]  # the stall stands out ...
+        assert ggaps[i] > 3 * sorted(ggaps)[len(ggaps) // 2]  # ... and the proxy saw it where it was

@@ -100,18 +100,18 @@ async def test_recorded_speed_pause_and_resume(tmp_path: Path):
     t0 = time.monotonic()
     task = asyncio.create_task(feed.run(stop))
     await asyncio.sleep(0.3)
-    # ~1.2 s of trace time has passed: the t=1.0 engine record is in, the t=1.5 one is not yet
-    assert 0.8 <= feed.t <= 1.6
+    # at least 1.2 s of trace time has passed (more if the machine was busy): the t=1.0 record is in
+    assert feed.t >= 0.8
     feed.pause()
     frozen = feed.t
     fed = feed.fed
     await asyncio.sleep(0.3)
     assert feed.t == frozen and feed.fed == fed  # paused: nothing moves
     feed.resume()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, 30)
     wall = time.monotonic() - t0
-    # 4 s of trace at 4x, plus the 0.3 s pause
-    assert 1.2 <= wall < 2.5
+    # 4 s of trace at 4x, plus the 0.3 s pause: never sooner (later only as a busy machine makes it)
+    assert wall >= 1.2
     assert feed.done and _engine(feed.core).kv_usage == pytest.approx(0.4)
 
 

@@ -29,5 +29,8 @@ async def test_console_runs_the_demo_feed_and_sees_the_simulated_engine():
         assert snap.engines[0].kv_capacity_tokens == 152576
         assert any(r.tokens > 0 for r in snap.requests)  # the load generator's streams reach the core
         await pilot.press("q")
-    await asyncio.sleep(0.2)
+    for _ in range(300):  # bounds a hang only
+        if feed.server is not None and feed.server._task is None:
+            break
+        await asyncio.sleep(0.1)
     assert feed.server is not None and feed.server._task is None  # server stopped with the console

@@ -50,7 +50,9 @@ def test_snapshot_json_field_by_field(server):
     elapsed = route.hits[-1] - route.hits[0]  # the server's view of first -> last scrape
     assert doc["kvtop_version"] == "0.1.0"
     assert doc["taken_at"].endswith("Z")
-    assert doc["window_s"] == pytest.approx(elapsed, rel=0.15)
+    # kvtop's window is its own stamps of the first and last scrape; the server saw them within a
+    # round trip of those (generous: a busy machine slows the round trips, not the arithmetic)
+    assert doc["window_s"] == pytest.approx(elapsed, abs=0.25)
     assert doc["gpu_status"] == "disabled (--no-gpu)" and doc["gpus"] == []
     assert isinstance(doc["host"], dict)
     (e,) = doc["engines"]
@@ -59,9 +61,11 @@ def test_snapshot_json_field_by_field(server):
     assert e["kv_usage"] == 0.99 and e["running"] == 10 and e["waiting"] == 4
     assert e["preemptions_total"] == 11 + N_PREEMPT
     assert e["preemptions_per_s"] > 0
-    assert e["preemptions_per_s"] == pytest.approx(N_PREEMPT / elapsed, rel=0.15)
-    assert e["generation_tokens_per_s"] == pytest.approx(M_GEN / elapsed, rel=0.15)
-    assert e["prompt_tokens_per_s"] == pytest.approx(P_PROMPT / elapsed, rel=0.15)
+    # the rates are the counters' steps over that window
+    window = doc["window_s"]
+    assert e["preemptions_per_s"] == pytest.approx(N_PREEMPT / window, rel=0.01)
+    assert e["generation_tokens_per_s"] == pytest.approx(M_GEN / window, rel=0.01)
+    assert e["prompt_tokens_per_s"] == pytest.approx(P_PROMPT / window, rel=0.01)
     # ITL delta page1 -> page2: 90 in (0.01, 0.025], 10 in (0.75, 1.0]; nothing else moved.
     # p50: rank 50 -> 0.01 + 0.015 * 50 / 90; p99: rank 99 -> 0.75 + 0.25 * (99 - 90) / 10
     assert e["itl_p50_s"] == pytest.approx(0.01 + 0.015 * 50 / 90)
@@ -89,7 +93,7 @@ def test_snapshot_text_and_partial_failure(server):
 
 
 def test_snapshot_json_reports_gpu_status_and_down_engine(server):
-    server.route("/metrics", PAGE1)
+    route = server.route("/metrics", PAGE1)
     p = run_kvtop("snapshot", "--url", server.url, "--url", "http://127.0.0.1:1", "--duration", "0.3",
                   "--interval", "0.3", "--format", "json", timeout=60)
     assert p.returncode == 0, p.stderr
@@ -99,7 +103,8 @@ def test_snapshot_json_reports_gpu_status_and_down_engine(server):
     if doc["gpu_status"] != "ok":
         assert doc["gpus"] == []
     up, down = doc["engines"]
-    assert up["up"] is True and up["preemptions_per_s"] == 0.0
+    # a rate needs two scrapes: a busy machine may fit only one into 0.3 s, and then there is none
+    assert up["up"] is True and up["preemptions_per_s"] == (0.0 if len(route.hits) >= 2 else None)
     assert down["up"] is False and down["url"] == "http://127.0.0.1:1" and "cannot connect" in down["error"]
     assert down["kv_usage"] is None and down["preemptions_per_s"] is None
 

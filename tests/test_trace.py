@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from kvtop.model import records as R
-from kvtop.model.trace import TraceReader, TraceWriter, make_header
+from kvtop.model.trace import TraceReader, TraceWriter, clock_origin_unix, make_header
 
 SCHEMA = json.loads((REPO / "kvtop" / "schemas" / "trace.schema.json").read_text())
 VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
@@ -157,3 +158,18 @@ def test_times_are_written_to_the_microsecond(tmp_path: Path):
     lines = path.read_text().splitlines()[1:]
     assert [json.loads(x)["t"] for x in lines] == [12.345679] * 3
     assert all('"t":12.345679,' in x for x in lines)
+
+
+def test_clock_origin_ignores_a_read_that_straddled_a_preemption():
+    """A recorder preempted between its clock read and its wall read would date its whole trace
+    that much off another recorder's: the origin comes from the tightest bracketed read."""
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1
+        # the first read stands for a process that lost the CPU for 80 ms right after it
+        return time.monotonic() - (0.08 if calls[0] == 1 else 0.0)
+
+    origin = clock_origin_unix(clock)
+    assert calls[0] >= 4  # the straddled bracket was not kept
+    assert abs(origin - clock_origin_unix()) < 0.005

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
-    from kvtop.model.trace import TraceWriter, make_header  # see run
+    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header  # see run
 
     t0 = time.monotonic()
 
@@ -80,7 +80,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
         try:
             writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": redact_url(args.upstream)},
                                                           recorder="kvtop proxy",
-                                                          clock_t0_unix=round(time.time() - clock(), 6)))
+                                                          clock_t0_unix=clock_origin_unix(clock)))
         except OSError as e:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
     summary = _Summary(sys.stderr) if not args.quiet else None

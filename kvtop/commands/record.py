@@ -174,7 +174,7 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     names the adapter and model; a dead URL fails now, exit 1, no trace), the header (``recorder``, the
     poll interval, the run clock's origin, ``extra``), then every record the runner emits. ``kvtop
     record`` and ``kvtop load`` both record through this."""
-    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header
 
     first = await first_scrape(runner)
     # an engine that stops answering mid-recording (or never did, of several) is said on stderr
@@ -187,7 +187,7 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
           "capacity_tokens": up.kv_capacity_tokens if up else None}
     # the run clock's origin on the wall clock, to the microsecond: lines up traces of two recorders
     head: dict[str, object] = {"recorder": recorder, "interval_s": opts.interval_s,
-                               "clock_t0_unix": round(time.time() - runner.now(), 6), **extra}
+                               "clock_t0_unix": clock_origin_unix(runner.now), **extra}
     try:
         if force:
             Path(output).unlink(missing_ok=True)

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, cast
@@ -149,6 +149,26 @@ class _Joined(io.RawIOBase):
             self._cur.close()
             self._cur = None
         super().close()
+
+
+def clock_origin_unix(clock: Callable[[], float] = time.monotonic) -> float:
+    """The wall-clock time (Unix seconds) at which `clock` read 0, to the microsecond.
+
+    Two back-to-back reads can straddle a preemption on a busy host (milliseconds apart), which
+    would misalign traces of two recorders by that much: bracket the wall read between two clock
+    reads and keep the tightest of a few tries.
+    """
+    best: tuple[float, float] | None = None
+    for _ in range(5):
+        a = clock()
+        wall = time.time()
+        b = clock()
+        if best is None or b - a < best[0]:
+            best = (b - a, wall - (a + b) / 2)
+        if b - a < 20e-6:
+            break
+    assert best is not None
+    return round(best[1], 6)
 
 
 def make_header(

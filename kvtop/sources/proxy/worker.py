@@ -13,7 +13,7 @@ import sys
 import time
 
 from kvtop.model.records import RequestRecord
-from kvtop.model.trace import TraceWriter, _encode, _request_dict, make_header
+from kvtop.model.trace import TraceWriter, _encode, _request_dict, clock_origin_unix, make_header
 from kvtop.sources.proxy.eventloop import run
 from kvtop.sources.proxy.server import RecordingProxy
 
@@ -44,7 +44,7 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
     if trace is not None:
         writer = TraceWriter(trace, make_header(engine={"adapter": None, "url": upstream},
                                                 recorder="kvtop proxy worker",
-                                                clock_t0_unix=round(time.time() - time.monotonic() - offset, 6)))
+                                                clock_t0_unix=clock_origin_unix(lambda: time.monotonic() + offset)))
         emit = writer.write
 
         def flush_due() -> None:
