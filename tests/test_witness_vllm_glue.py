@@ -73,7 +73,7 @@ def test_an_unknown_vllm_version_runs_unwitnessed_with_one_line(fake_vllm, tmp_p
 
     fake_vllm.__version__ = "0.33.0"
     monkeypatch.setenv("KVTOP_WITNESS_FILE", str(tmp_path / "w.jsonl"))
-    with caplog.at_level(logging.WARNING, logger="kvtop.witness"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtop_witness"):
         s = WitnessScheduler(vllm_config=_cfg(True))
     assert type(s) is _FakeAsync  # vLLM's own class, nothing mixed in
     assert not (tmp_path / "w.jsonl").exists()
@@ -89,7 +89,7 @@ def test_a_witness_failure_turns_the_witness_off_never_the_engine(fake_vllm, tmp
     s.requests["a"] = SimpleNamespace(request_id="a", num_computed_tokens=0, num_prompt_tokens=3)
     so = _so({"a": 3, "ghost": 1})  # a request the scheduler does not hold: the witness's lookup fails
     s.requests["ghost"] = None  # vLLM's own hook must still run for "a"
-    with caplog.at_level(logging.WARNING, logger="kvtop.witness"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvtop_witness"):
         try:
             s._update_after_schedule(so)
         except AttributeError:

@@ -25,7 +25,9 @@ from kvtop.witness.steplog import DEFAULT_MAX_BYTES, StepBook, StepLog
 # real-engine tier: tests/integration/test_real_vllm_witness.py)
 SUPPORTED = ("0.32.",)
 
-log = logging.getLogger("kvtop.witness")
+# under vLLM's own logger: its messages appear in the engine's log, in its format, whatever kvtop
+# itself configures
+log = logging.getLogger("vllm.kvtop_witness")
 
 
 def _default_path() -> str:
