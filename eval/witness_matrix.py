@@ -89,7 +89,7 @@ def matrix(paths: list[str]) -> list[dict[str, Any]]:
         dec = decode_step_s(p)
         targets = [("100 ms", LOOSE_S)]
         if dec:
-            targets.append((f"tight {TIGHT_K:g}x decode step ({dec * 1e3:.1f} ms)", TIGHT_K * dec))
+            targets.append((f"{TIGHT_K * dec * 1e3:.1f} ms ({TIGHT_K:g}x a {dec * 1e3:.1f} ms step)", TIGHT_K * dec))
         for name, tgt in targets:
             rows.append({"trace": os.path.basename(p), "target": name, **score(p, tgt)})
     return rows
