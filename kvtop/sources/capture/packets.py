@@ -40,8 +40,10 @@ RING_BLOCKS = 256  # 64 MiB: seconds of a busy engine's traffic if the reader is
 RING_RETIRE_MS = 50
 
 HOW_TO_GRANT = (
-    "passive capture needs CAP_NET_RAW: run as root, or grant it with "
-    "`sudo setcap cap_net_raw+ep $(readlink -f {python})`, or use --proxy-listen / --probe instead"
+    "passive capture needs CAP_NET_RAW: run as root, or give it to a copy of the interpreter that only "
+    "kvtop runs (`sudo cp $(readlink -f {python}) /usr/local/bin/kvtop-capture-python && sudo setcap "
+    "cap_net_raw+ep /usr/local/bin/kvtop-capture-python`, then `kvtop-capture-python -m kvtop ...`), "
+    "or use --proxy-listen / --probe instead"
 )
 
 
