@@ -70,7 +70,6 @@ class StepLog:
         self._last_map = 0.0
         self._size = 0
         self._last_flush = 0.0
-        self.lines = 0
         self._open()
 
     def _open(self) -> None:
@@ -91,7 +90,6 @@ class StepLog:
         assert self._f is not None
         self._f.write(line)
         self._size += len(line)
-        self.lines += 1
         now = time.monotonic()
         # a reader tails the file: flush often enough for a live console, not on every step
         if flush or now - self._last_flush >= FLUSH_EVERY_S:
@@ -163,10 +161,6 @@ class StepLog:
         self._f.close()
         os.replace(self.path, self.path + ".1")
         self._open()
-
-    def flush(self) -> None:
-        if self._f is not None:
-            self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:

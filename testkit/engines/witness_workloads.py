@@ -13,8 +13,6 @@ returns when every stream ended:
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 
 import httpx
 
@@ -83,17 +81,3 @@ async def _mixed(url: str, model: str, n: int) -> None:
 
 def mixed(url: str, model: str, n: int = 10) -> None:
     asyncio.run(_mixed(url, model, n))
-
-
-def witness_steps(path: str) -> list[dict]:
-    """The ``step`` records of a trace."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            if '"kind":"step"' in line or '"kind": "step"' in line:
-                out.append(json.loads(line))
-    return out
-
-
-def settle(seconds: float = 2.0) -> None:
-    time.sleep(seconds)
