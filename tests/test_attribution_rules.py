@@ -368,6 +368,25 @@ def test_a_scrape_due_in_a_stall_and_answered_as_the_streams_resume_is_a_host_ha
     assert g.kind != "host"
 
 
+def test_a_victim_already_silent_before_the_host_hung_is_still_the_engines_preemption():
+    # r3 is preempted at 4.0 s and resumes at 6.0 s (the counter steps at its resume, read at 6.5 s);
+    # from 5.5 s the API server hangs: the scrape due then is answered at 6.0 s and every other stream
+    # stalls with it. r3 missed its target long before the hang began, so the hang is not its cause
+    silent = {f"r{i}": (5.5, 6.0) for i in range(8)} | {"r3": (4.0, 6.0)}
+    eng = engine_records(kv=0.97, pre_steps=(6.5,))
+    for d in eng:
+        if d["t"] == pytest.approx(5.5):
+            d["t"] = 6.0
+    an = run(stream_records(silent=silent) + eng)
+    g = _one(an, "r3")
+    assert (str(g.cause), g.kind) == ("preemption", "counter"), g.evidence
+    others = [g for g in an.spikes if g.request_id != "r3"]
+    assert len(others) == 7 and {(str(g.cause), g.kind) for g in others} == {("unknown", "host")}
+    # the same victim silent only from where the hang began is the host's
+    silent["r3"] = (5.5, 6.0)
+    assert _one(run(stream_records(silent=silent) + eng), "r3").kind == "host"
+
+
 def test_a_prompt_counted_where_an_engine_wide_stall_ended_explains_it_without_a_first_token():
     # all eight streams stall 4.30-4.45 s; the request being prefilled is not observed (no first
     # token), and with 1,000 prompt tokens a second usual the 3.5-4.5 s interval's extra 1,000 is no

@@ -40,6 +40,13 @@ def scrapes_stalled(ev: Evidence) -> bool:
     return held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S
 
 
+def calm_before(ev: Evidence) -> float:
+    """How long the stream was already silent while kvtop's scrapes were still answered on time
+    (up to the last reply before the first late one: the hang may have begun right after it)."""
+    began = ev.timeline.hang_began(ev.gap.t_start, ev.gap.t_end, ev.scrape_interval + HOST_LATE_MIN_S)
+    return 0.0 if began is None else max(0.0, began - ev.gap.t_start)
+
+
 def line(ev: Evidence) -> str:
     held = ev.held_reply
     if held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S:
@@ -54,6 +61,11 @@ def line(ev: Evidence) -> str:
 def hung(ev: Evidence) -> Finding | None:
     """The host or the engine's API server hung: kvtop's own scrapes stalled with the stream."""
     if not scrapes_stalled(ev):
+        return None
+    # the stream already silent while kvtop's scrapes were still answered on time: the hang came
+    # later and cannot be what made it miss the target (a preemption victim waiting through a hang)
+    calm = calm_before(ev)
+    if ev.target is not None and calm >= ev.target:
         return None
     return ev.found(Cause.UNKNOWN, "unknown/host", [line(ev), "not an engine cause: no engine setting fixes it"],
                     "host", weighed=False)

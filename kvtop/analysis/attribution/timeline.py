@@ -234,6 +234,19 @@ class EngineTimeline:
                 i += 1
         return worst
 
+    def hang_began(self, a: float, b: float, late: float) -> float | None:
+        """The earliest a hang of kvtop's scrapes overlapping [a, b] can have begun: the last reply
+        before the first interval (overlapping it) that ran ``late`` seconds or more past its beat."""
+        first = None
+        for k in self.keys.values():
+            i = max(k.head, bisect_right(k.t, a, k.head) - 1)
+            while i + 1 < len(k.t) and k.t[i] < b:
+                if k.t[i + 1] - k.t[i] >= late and (first is None or k.t[i] < first):
+                    first = k.t[i]
+                    break
+                i += 1
+        return first
+
     def held_reply(self, a: float, b: float, si: float) -> tuple[float, float] | None:
         """A scrape due inside [a, b] that was answered late: (how late, when answered), the latest
         answered one. A reply held until about when the stalled streams resumed waited with them."""
