@@ -48,9 +48,17 @@ def gap(t_start: float = 4.0, length: float = 2.0, **kw: Any) -> Gap:
     fields: dict[str, Any] = {"stream_baseline": PACE, "fast_baseline": PACE, "calm_baseline": PACE,
                               "after": (PACE,) * 3, "tokens_before": 200, "step_n_max": 1, "burst_n": 1,
                               "ended_by": "token", "chunk_n": 1, "tokens_per_event": 1.0, "engine": None}
+    rid = kw.pop("request_id", "r3")
     fields.update(kw)
     fields["after"] = tuple(fields["after"])
-    return Gap(request_id="r3", t_start=t_start, t_end=t_start + length, gap=length, **fields)
+    return Gap(request_id=rid, t_start=t_start, t_end=t_start + length, gap=length, **fields)
+
+
+def victim_resumed(g: Gap, since: float = 1.0) -> StallIndex:
+    """Other streams as seen around ``g``: stream v, silent from ``since``, resumed as ``g`` ended."""
+    st = StallIndex()
+    st.add_long(gap(since, g.t_end - since, request_id="v"))
+    return st
 
 
 def judged(g: Gap, cause: Cause, kind: str) -> Spike:

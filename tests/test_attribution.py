@@ -146,12 +146,19 @@ def test_storm_streams_preempted_earlier_do_not_make_a_stall_engine_wide():
     assert "6/7 other active streams stalled over the same interval (6 of them silent since before it)" in g.evidence
     assert "the other streams kept flowing" in g.evidence
     # the same, but r7 falls silent with r0: nobody streamed through 4-6 s, so no stream was singled
-    # out; one counter step cannot make both (or either) a preemption. On vLLM V1 a step at the end
-    # of a shared stall is a resumed victim's re-prefill: a recompute stall (issue 12, item 5)
+    # out; one counter step cannot make both (or either) a preemption. Every waiting victim is still
+    # silent after 6 s, so the step is nobody's resume seen here: no cause is claimed
     silent["r7"] = (4.0, 6.0)
     spikes = [g for g in run(stream_records(silent=silent) + eng).spikes if g.request_id in ("r0", "r7")]
+    assert [g.cause for g in spikes] == ["unknown", "unknown"]
+    assert all(any("no stream kvtop sees resumed with it" in e for e in g.evidence) for g in spikes)
+    # on vLLM V1 a victim resuming as the shared stall ends (r1, back at 6 s) makes the step its
+    # re-prefill, which every stream waited for: a recompute stall (issue 12, item 5)
+    silent["r1"] = (1.0, 6.0)
+    spikes = [g for g in run(stream_records(silent=silent) + eng).spikes if g.request_id in ("r0", "r7")]
     assert [g.cause for g in spikes] == ["prefill_interference", "prefill_interference"]
-    assert all(any("recompute stall" in e for e in g.evidence) for g in spikes)
+    assert all(any("request r1, silent since before it, resumed as it ended" in e for e in g.evidence)
+               for g in spikes)
     # an engine that does not say when it counts: no recompute reading, and still no preemption
     an = Analyzer()
     for d in sorted(stream_records(silent=silent) + eng, key=lambda d: d["t"]):
@@ -490,13 +497,14 @@ def test_a_stream_that_errors_out_mid_stall_did_not_stream_through_it():
 
 def test_a_recompute_reading_on_a_stall_longer_than_one_re_prefill_step_is_stated_with_low_confidence() -> None:
     # r1..r6 wait since 1 s (preempted); r0 and r7, the only decoding streams, fall silent together
-    # and the counter steps at the end: a resumed victim's re-prefill. Within one re-prefill step
+    # and the counter steps at the end as r1 resumes: a resumed victim's re-prefill. Within one re-prefill step
     # (0.25 s) that reading was right 99 % of the time on eval/tracegen; a 2 s silence ending in a
     # storm's counter step was as often a host hang between kvtop's scrapes (right 12 %)
     from kvtop.analysis.attribution.thresholds import CONFIDENCE
 
     def stalls(a: float, b: float, step: float) -> list[Any]:
-        silent = {f"r{i}": (1.0, 9.0) for i in range(1, 7)} | {"r0": (a, b), "r7": (a, b)}
+        # r1 is the victim that resumes as they come back: its re-prefill is what they waited for
+        silent = {f"r{i}": (1.0, 9.0) for i in range(2, 7)} | {"r1": (1.0, b), "r0": (a, b), "r7": (a, b)}
         eng = engine_records(kv=0.97, running=2, pre_steps=(step,))  # type: ignore[no-untyped-call]
         recs = stream_records(silent=silent) + eng  # type: ignore[no-untyped-call]
         return [g for g in run(recs).spikes if g.request_id in ("r0", "r7")]  # type: ignore[no-untyped-call]

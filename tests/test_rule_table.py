@@ -13,7 +13,7 @@ from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.rules import ALONE, ANY, LONE, RULES, SHARED, Rule, Stall, stall_of
 from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
-from tests.evidence_builder import alone, engine, evidence, first_token, gap, judged, shared
+from tests.evidence_builder import alone, engine, evidence, first_token, gap, judged, shared, victim_resumed
 
 
 def row(key: str) -> Rule:
@@ -249,14 +249,24 @@ def test_onset():
 
 def test_recompute():
     tl = engine(pre_steps={6.5: 1})
-    # a 0.25 s shared stall on vLLM V1 ending with a counter step: one resumed victim's re-prefill
-    f = ask("recompute", evidence(gap(t_start=5.75, length=0.25), tl, **shared()))
+    # a 0.25 s shared stall on vLLM V1 ending with a counter step as victim v, waiting since 1 s,
+    # resumes: v's re-prefill
+    g = gap(t_start=5.75, length=0.25)
+    f = ask("recompute", evidence(g, tl, stalls=victim_resumed(g), **shared()))
     assert f is not None and f.key == "prefill/recompute" and f.confidence == 0.99
+    assert any("request v, silent since before it, resumed as it ended" in x for x in f.lines)
+    # the same step with no victim seen resuming: in a storm the counter steps near any stall
+    assert ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), **shared())) is None
+    # a victim that fell silent with the stall is one of the stalled streams, not a resumed victim
+    assert ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), stalls=victim_resumed(g, since=5.75),
+                                     **shared())) is None
     # 2 s outlasts one re-prefill step: a host hang between scrape beats looks the same
-    f = ask("recompute", evidence(tl=engine(pre_steps={6.5: 1}), **shared()))
+    g = gap()
+    f = ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), stalls=victim_resumed(g), **shared()))
     assert f is not None and f.key == "prefill/recompute-long" and f.confidence == pytest.approx(0.113)
-    assert ask("recompute", evidence(**shared())) is None  # no step
-    assert ask("recompute", evidence(tl=engine(pre_steps={6.5: 1}), counted_at="retract", **shared())) is None
+    assert ask("recompute", evidence(g, stalls=victim_resumed(g), **shared())) is None  # no step
+    assert ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), counted_at="retract", stalls=victim_resumed(g),
+                                     **shared())) is None
 
 
 def test_mass():
@@ -327,7 +337,7 @@ CASES: dict[str, Callable[[], Evidence]] = {
     "onset over recompute (shared)": lambda: evidence(gap(length=1.5, after=[0.9, 1.0, 1.1]),
                                                       engine(pre_steps={6.5: 1}), **shared(co_gap_median=1.4)),
     "recompute over pace (shared)": lambda: evidence(gap(stream_baseline=0.12), engine(pre_steps={6.5: 1}),
-                                                     **shared(co_gap_median=1.9)),
+                                                     stalls=victim_resumed(gap()), **shared(co_gap_median=1.9)),
     "pace over unknown (lone)": lambda: evidence(gap(stream_baseline=0.12)),
     "unknown (shared)": lambda: evidence(**shared()),
 }

@@ -187,6 +187,30 @@ class StallIndex:
         lens.sort()
         return len(seen), lens[len(lens) // 2], fresh, together
 
+    def victim_resumed(self, g: Gap) -> str | None:
+        """Another stream, silent since before the spike began, whose silence ended with it (both
+        within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together"): a
+        waiting victim that the engine resumed as the spike ended. Its id, or None."""
+        L = g.t_end - g.t_start
+        tol = max(0.05, 0.25 * L)
+        lg = self.long
+        lo, hi = self.long_head, len(lg)
+        while lo < hi:  # bisect on t_end
+            mid = (lo + hi) // 2
+            if lg[mid].t_end < g.t_end - tol:
+                lo = mid + 1
+            else:
+                hi = mid
+        i = lo
+        multi, eng = self.multi, g.engine
+        while i < len(lg) and lg[i].t_end <= g.t_end + tol:
+            q = lg[i]
+            if q.request_id != g.request_id and q.t_start <= g.t_start - tol and \
+                    not (multi and q.engine != eng):
+                return q.request_id
+            i += 1
+        return None
+
     def first_token_near(self, g: Gap, median_gap: float | None) -> tuple[str, int | None, int, int] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
         its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one

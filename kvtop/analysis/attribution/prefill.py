@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
@@ -144,7 +144,7 @@ def span(ev: Evidence) -> Finding | None:
         "own times for it): the stall lies inside that prefill"], "span", sparse_matters=False)
 
 
-def recompute(ev: Evidence) -> Finding | None:
+def recompute(ev: Evidence) -> Finding | Signs | None:
     """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
     and re-prefilled (its recompute tokens are in no counter)."""
     if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter):
@@ -152,8 +152,15 @@ def recompute(ev: Evidence) -> Finding | None:
     d = ev.counter_delta()
     if d < 1:
         return None
-    lines = [f"the preemption counter stepped by {d:.0f} at its end with no new prompt: a resumed victim's "
-             "re-prefill (a recompute stall) held every stream"]
+    # the counter steps all through a storm: only a victim seen resuming as the stall ended ties the
+    # step to this stall (its re-prefill is the step every other stream waited for)
+    victim = ev.stalls.victim_resumed(ev.gap)
+    if victim is None:
+        return Signs([f"the preemption counter stepped by {d:.0f} at its end, but no stream kvtop sees resumed "
+                      "with it: the step may be an unobserved victim's re-prefill, or another stall's"])
+    lines = [f"the preemption counter stepped by {d:.0f} at its end with no new prompt, and request {victim}, "
+             "silent since before it, resumed as it ended: that victim's re-prefill (a recompute stall) held "
+             "every stream"]
     key = "prefill/recompute"
     if ev.gap.gap > RECOMPUTE_STEP_S:
         # the counter steps all through a storm, so a step at the end of a long silence proves little:

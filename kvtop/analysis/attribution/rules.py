@@ -190,7 +190,11 @@ RULES: tuple[Rule, ...] = (
     Rule("recompute", Cause.PREFILL, ("recompute",), SHARED, prefill.recompute,
          ("prefill/recompute", "prefill/recompute-long"),
          "on an engine that counts preemptions at resume (vLLM V1), the counter stepped at its end with no new "
-         "prompt: a resumed victim's re-prefill (recompute tokens are in no counter); a stall longer than one "
+         "prompt and a victim was seen resuming as it ended (another stream, silent since before it, came back "
+         "with it: within a quarter of its length, ≥ 50 ms): that victim's re-prefill (recompute tokens are in no "
+         "counter). A counter step with no victim seen is no call: in a storm the counter steps near almost any "
+         "stall (scored against real vLLM's own step log, such steps were almost always another stall's). A stall "
+         "longer than one "
          f"re-prefill step ({prefill.RECOMPUTE_STEP_S:g} s) takes `prefill/recompute-long`, a much lower "
          "confidence (a host hang between scrape beats looks the same)"),
     Rule("mass", Cause.PREEMPTION, ("mass",), SHARED, _mass, ("preemption/mass",),
