@@ -130,7 +130,12 @@ def collect(gen: str, seeds: list[int], intervals: list[float], itl_target_s: fl
 
 
 def stated(c: Call, conf: dict[str, float], disc: dict[str, float]) -> float:
-    v = conf[c.key]
+    return conf[c.key] * discounted(c, disc)
+
+
+def discounted(c: Call, disc: dict[str, float]) -> float:
+    """The product of the call's discounts (1.0 without any)."""
+    v = 1.0
     for n in c.discounts:
         v *= disc[n]
     return v
@@ -165,7 +170,8 @@ def fit(cs: list[Call], rare: list[Call] | None = None,
                 conf[k] = min(MAX_BASE, sum(c.right for c in plain) / len(plain))
                 how[k] = f"fit on {len(plain)}{src.get(k, '')}"
             elif len(xs) >= MIN_FIT:
-                pred = sum(stated(c, conf, disc) / conf[k] for c in xs)
+                # the discounts alone (a base fit to 0 in an earlier round must not divide)
+                pred = sum(discounted(c, disc) for c in xs)
                 conf[k] = min(MAX_BASE, sum(c.right for c in xs) / pred)
                 how[k] = f"fit on {len(xs)}{src.get(k, '')} (discounts divided out)"
         for n in disc:
