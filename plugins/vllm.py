@@ -65,6 +65,7 @@ class VllmAdapter(EngineAdapter):
     )
     preempts = True
     preempt_counted_at = "resume"  # V1 counts a preemption when the victim is scheduled again
+    version_path = "/version"  # {"version": "0.32.0"}: the advisor picks the flags of that version
     settings = {
         Setting.MAX_SEQS: "--max-num-seqs",
         Setting.BATCHED_TOKENS: "--max-num-batched-tokens",

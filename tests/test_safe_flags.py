@@ -255,3 +255,44 @@ def test_text_prompts_are_measured_from_their_usage_at_finish(tmp_path, kvtop_cl
     assert "--max-num-seqs" in flags(b) and "--max-model-len" in flags(b)
     assert flags(b)["--max-model-len"] == flags(a)["--max-model-len"]
     assert b["numbers"]["prompt_mean"]["value"] > 0
+
+
+@pytest.mark.parametrize("version, note", [
+    (None, "engine version unknown (kvtop asks vLLM's /version; none recorded): the flags are vLLM V1's, "
+           "checked on vLLM 0.32"),
+    ("0.32.0", None),
+    ("0.33.1", "flags checked on vLLM 0.32 (the real-engine tier starts it with them); this engine reports 0.33.1: "
+               "confirm each with `vllm serve --help` before applying"),
+])
+def test_flags_say_how_far_they_were_checked_for_the_engines_version(version, note):
+    doc = copy.deepcopy(STORM)
+    if version:
+        doc["engine_version"] = version
+    v = judge(doc)
+    assert {"--kv-offloading-size", "--kv-offloading-backend", "--max-num-seqs"} <= set(flags(v))
+    notes = [r for r in v["reasons"] if "vLLM 0.32" in r]
+    assert notes == ([note] if note else [])
+    if version:
+        assert v["numbers"]["engine_version"]["value"] == version
+
+
+def test_a_v0_engine_gets_live_sequence_swap_flags_not_v1_offloading():
+    doc = copy.deepcopy(STORM)
+    doc["engine_version"] = "0.7.3"
+    v = judge(doc)
+    f = flags(v)
+    assert v["mechanism"] == "swap"
+    assert f["--preemption-mode"] == "swap" and f["--swap-space"] >= 1
+    assert "--kv-offloading-size" not in f and "--kv-offloading-backend" not in f
+    assert any(r.startswith("vLLM 0.7.3 runs the V0 engine") for r in v["reasons"])
+    assert "KV offloading connector" not in " ".join(v["reasons"])
+
+
+def test_a_v1_engine_older_than_the_offloading_flags_is_not_told_to_swap():
+    doc = copy.deepcopy(STORM)
+    doc["engine_version"] = "0.10.2"
+    v = judge(doc)
+    f = flags(v)
+    assert "--kv-offloading-size" not in f and "--swap-space" not in f
+    assert v["mechanism"] != "swap" and "swap" not in v["also"]
+    assert any(r.startswith("vLLM 0.10.2 predates --kv-offloading-size") for r in v["reasons"])

@@ -211,3 +211,42 @@ async def test_router_query_string_reaches_extra_paths(server, tmp_path):
     await s.aclose()
     assert r.kv_capacity_tokens == 256
     assert m.queries == ["model=gemma"] and sl.queries == ["model=gemma"]
+
+
+async def test_the_engines_version_is_asked_once_per_engine_start(server):
+    server.route("/metrics", CAPTURE)
+    ver = server.route("/version", '{"version": "0.32.0"}', content_type="application/json")
+    s = EngineScraper(server.url)
+    try:
+        recs = [(await s.scrape(float(t)))[0] for t in range(3)]
+        assert [r.version for r in recs] == ["0.32.0"] * 3
+        assert len(ver.hits) == 1  # one ask, not one per scrape
+        # the engine restarted (its counters' creation time moved), upgraded meanwhile: asked again
+        server.route("/metrics", CAPTURE.replace("1.7959921882817874e+09", "1.7959999e+09"))
+        server.route("/version", '{"version": "0.33.1"}', content_type="application/json")
+        (r,) = await s.scrape(3.0)
+        assert r.version == "0.33.1"
+    finally:
+        await s.aclose()
+
+
+async def test_an_engine_without_a_version_path_is_scraped_as_before(server):
+    server.route("/metrics", CAPTURE)  # no /version: 404
+    s = EngineScraper(server.url)
+    try:
+        (r1,) = await s.scrape(0.0)
+        (r2,) = await s.scrape(1.0)
+    finally:
+        await s.aclose()
+    assert r1.up and r2.up and r1.version is None and r2.version is None
+    assert not any("/version" in w for w in r1.warnings + r2.warnings)
+    # a garbled reply is said once, on the record of the scrape that asked
+    server.route("/version", "<html>", content_type="text/html")
+    s = EngineScraper(server.url)
+    try:
+        (r1,) = await s.scrape(0.0)
+        (r2,) = await s.scrape(1.0)
+    finally:
+        await s.aclose()
+    assert r1.up and r1.version is None and any("/version: no version in the reply" in w for w in r1.warnings)
+    assert not any("/version" in w for w in r2.warnings)

@@ -7,6 +7,7 @@ engine's own spelling of each tunable the advisor talks about in ``settings`` (k
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from enum import Enum
 from typing import Any, ClassVar, Literal
@@ -96,6 +97,18 @@ class EngineAdapter(ABC):
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).
     settings: ClassVar[dict[Setting, str]] = {}
+    # A path that names the engine's version (vLLM: /version). Asked once, and again after the
+    # engine restarts (``restart_token`` changes: it may have been upgraded); ``parse_version``
+    # reads the body. The version goes on every record: the advisor chooses flags by it.
+    version_path: ClassVar[str | None] = None
+
+    def parse_version(self, body: str) -> str | None:
+        """The version named in the ``version_path`` response (default: a JSON ``{"version": ...}``)."""
+        try:
+            v = json.loads(body).get("version")
+        except (ValueError, AttributeError):
+            return None
+        return str(v)[:64] if isinstance(v, (str, int, float)) and str(v).strip() else None
 
     @classmethod
     @abstractmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtop.analysis.advice import versions
 from kvtop.analysis.advice.advisor import DEFAULT_RHO
 from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 from kvtop.analysis.advice.situation import Num, Situation
@@ -80,6 +81,11 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["kv_bytes_per_token"] = Num(n["kv_bytes_per_token_rank"].value * tp, "B/token",
                                       n["kv_bytes_per_token_rank"].source, f"TP={tp}")
     n["ranks"] = Num(tp, "", "given" if tp != 1 else "assumed")
+    # the engine's latest records, else the trace header (`record` writes the first scrape's there)
+    ver = versions.engine_version(next((str(d["version"]) for d in acc.engine_last.values() if d.get("version")),
+                                       eng.get("version") if isinstance(eng.get("version"), str) else None))
+    if ver is not None:
+        n["engine_version"] = ver
     if geo is not None and geo.k_att is not None:
         n["k_att"] = Num(geo.k_att, "1/token", "config")
 

@@ -77,6 +77,8 @@ class EngineScraper:
         self._query = httpx.URL(self.metrics_url).query.decode()
         # Extra paths the server does not have (HTTP 404): said once, then no longer fetched.
         self._absent_paths: set[str] = set()
+        # the engine's version, asked once per engine start: (restart token it was asked under, version)
+        self._version: tuple[float | None, str | None] | None = None
         self.adapter_name = adapter
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -263,4 +265,29 @@ class EngineScraper:
         if adapter.extra_paths:
             for r in recs:  # parse_extra may have written new values
                 sanitize_record(r)
+        if adapter.version_path:
+            await self._version_of(adapter, recs)
         return recs
+
+    async def _version_of(self, adapter: EngineAdapter, recs: list[EngineRecord]) -> None:
+        """Put the engine's version on its records: asked once, and again when the engine restarted
+        (it may have been upgraded); a failed ask is one warning, not a failed scrape."""
+        token = recs[0].restart_token
+        if self._version is None or self._version[0] != token:
+            path = adapter.version_path or ""
+            url = self.base_url + (path if path.startswith("/") else "/" + path)
+            version = None
+            try:
+                body, _, _ = await self._get(url)
+                version = adapter.parse_version(body)
+                if version is None:
+                    recs[0].warnings.append(f"{path}: no version in the reply")
+            except ScrapeError as e:
+                if not str(e).startswith("HTTP 404"):  # not served (a router, an old engine): nothing to say
+                    recs[0].warnings.append(f"{path}: {e} (the engine's version stays unknown until it restarts)")
+            except Exception as e:  # an adapter's parser must not lose the main record
+                recs[0].warnings.append(f"{path}: adapter failed: {_one_line(e)}")
+            self._version = (token, version)
+        for r in recs:
+            if r.version is None:
+                r.version = self._version[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvtop.adapters.base import Setting
 from kvtop.analysis.advice import capacity as cap
-from kvtop.analysis.advice import chunking, swapimpl
+from kvtop.analysis.advice import chunking, swapimpl, versions
 from kvtop.analysis.advice.costmodel import (
     EPSILON_ASYNC,
     EventCost,
@@ -165,6 +165,7 @@ def _event(s: Situation, beta: float, beta_rank: float, a: float, k_att: float, 
 
 
 def advise(s: Situation) -> Verdict:
+    versions.apply(s)
     reasons: list[str] = []
     also: list[str] = []
     settings = _Flags(s, reasons)

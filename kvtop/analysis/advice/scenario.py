@@ -118,6 +118,8 @@ def situation(doc: dict[str, Any]) -> Situation:
     state = float(doc.get("state_bytes_per_seq", 0.0))
     if key:
         n["model_key"] = Num(key, "", "given")
+    if doc.get("engine_version"):
+        n["engine_version"] = Num(str(doc["engine_version"]), "", "given", "the engine's version")
     given_rank = doc.get("kv_bytes_per_token_rank")
     if given_rank is None and "kv_bytes_per_token" in doc:
         given_rank = float(doc["kv_bytes_per_token"]) / (tp * pp)
@@ -347,6 +349,9 @@ def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: i
     mk = nums.get("model_key")
     if mk and mk.value:
         doc["model"] = mk.value
+    ev = nums.get("engine_version")
+    if ev and ev.value:
+        doc["engine_version"] = str(ev.value)
     if tp > 1:
         doc["tp"] = tp
     for key, section, fld, scale in _FROM_REPORT:
