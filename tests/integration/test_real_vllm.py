@@ -228,6 +228,10 @@ def test_per_request_metrics_and_engine_identity(preempted):
         assert dec >= 0.9 * stall, (rid, dec, stall)  # the stalls were engine time, not delivery
         stalled += stall
     assert stalled > 1.0  # streams really stalled (they were preempted)
+    # the engine's version, asked from its /version once, is on every scrape; the verdict's flags
+    # are those of the version the tier checks them on (no "confirm" note)
+    assert {e.get("version") for e in kvtop_run.engine_records(preempted["records"])} == {"0.32.0"}
+    assert not any("vLLM 0.32" in r for r in preempted["report"]["verdict"]["reasons"])
     rt = preempted["report"]["engine_request_times"]
     print(f"\n[real-engines] vLLM 8x900 per-request metrics: {rt}")
     assert rt["requests"] == N_STREAMS and rt["engine_prefill_tokens_per_s"] > 0
