@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtop.commands._options import (
     add_capture_option,
@@ -33,6 +33,9 @@ from kvtop.commands._options import (
 from kvtop.config import load_config, resolve
 from kvtop.errors import UsageError
 from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
+
+if TYPE_CHECKING:  # the console's input type only: Textual loads when the console runs
+    from kvtop.views.tui.compare import CompareInput
 
 NAME = "tui"
 HELP = "the interactive console (the default when no command is given)"
@@ -141,7 +144,7 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
 
 
 def compare_input(path_a: Path, path_b: Path, itl_target_s: float | None = None,
-                  ttft_target_s: float | None = None) -> Any:
+                  ttft_target_s: float | None = None) -> CompareInput:
     """Both traces replayed to their end (history over the whole run) and ``kvtop compare``'s
     figures for the pair: what the compare console shows (a ``CompareInput``)."""
     from kvtop.analysis.compare import compare  # the analysis and the console: only when it runs
@@ -174,8 +177,11 @@ def compare_input(path_a: Path, path_b: Path, itl_target_s: float | None = None,
 def compare_console(path_a: Path, path_b: Path, theme: str | None = None, itl_target_s: float | None = None,
                     ttft_target_s: float | None = None) -> int:
     """Two traces side by side: `kvtop compare`'s figures and result over their charts overlaid."""
+    for path in (path_a, path_b):
+        if not path.is_file():
+            raise UsageError(f"trace file not found: {path}")
+    require_terminal(f"for a report without one: kvtop compare {path_a} {path_b}")  # before reading both
     data = compare_input(path_a, path_b, itl_target_s, ttft_target_s)
-    require_terminal(f"for a report without one: kvtop compare {path_a} {path_b}")
     from kvtop.views.tui.compare import run_compare  # Textual: see the module note
 
     return run_compare(data, theme=theme)
