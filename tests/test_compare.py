@@ -76,6 +76,8 @@ def test_shedding_load_is_worse_even_with_better_latency(tmp_path: Path):
     assert any(w.startswith("completed 40 -> 34") for w in c.worse)
     assert any(w.startswith("shed") for w in c.worse)
     assert any(x.startswith("p99 ITL") for x in c.better)  # the latency did improve: it does not count
+    # the line leads with what decided and names the gain as a gain, not under "worse:"
+    assert c.summary.startswith("worse: completed 40 -> 34 of 40 (-15%)") and "p99 ITL" in c.summary.split("; better: ", 1)[1]
 
 
 def test_different_offered_load_is_not_comparable(tmp_path: Path):
