@@ -51,9 +51,9 @@ def main() -> int:
                   f"p99 TTFT {_ms(a['ttft_p99_s'])} -> {_ms(b['ttft_p99_s'])}, preemptions/completed "
                   f"{a['preemptions_per_completed']} -> {b['preemptions_per_completed']}, time over target "
                   f"{sum((a['over_target_s'] or {}).values()):.3g} s -> {sum((b['over_target_s'] or {}).values()):.3g} s")
-            detail = "; ".join([*r.compare["better"], *(f"worse: {w}" for w in r.compare["worse"]),
-                                *r.compare["reasons"]])
-            print(f"  result: {r.outcome}: {detail}")
+            print(f"  end-to-end p99 {_ms(a['e2e_p99_s'])} -> {_ms(b['e2e_p99_s'])}, output tokens/s "
+                  f"{a['output_tokens_per_s'] or 0:.0f} -> {b['output_tokens_per_s'] or 0:.0f}")
+            print(f"  result: {r.compare['summary']}")
             failed += r.outcome != "improved"
     return 1 if failed else 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +12,19 @@ from conftest import REPO, run_kvtop
 
 from kvtop.analysis.compare import compare
 
+LOOP = REPO / "tests" / "fixtures" / "loop"  # a real vLLM before/after pair: SOURCES.md there
 SCHEMA = json.loads((REPO / "kvtop" / "schemas" / "compare.schema.json").read_text())
 HEAD = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-01-01T00:00:00.000Z",
         "host": "h", "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "kv": {}}
 
 
 def _trace(path: Path, n: int = 40, stalled: int = 0, stall_s: float = 0.5, preempts: int = 0,
-           errors: int = 0, every_s: float = 0.5, tokens: int = 30, gap_s: float = 0.02) -> Path:
+           errors: int = 0, every_s: float = 0.5, tokens: int = 30, gap_s: float = 0.02,
+           ttfts: list[float] | None = None, stalls: list[float] | None = None) -> Path:
     """``n`` requests every ``every_s``, ``tokens`` tokens ``gap_s`` apart; the first ``stalled`` stall
     ``stall_s`` once mid-stream (the engine counts ``preempts`` preemptions over the run); the last
-    ``errors`` are answered with an error instead."""
+    ``errors`` are answered with an error instead. ``ttfts`` / ``stalls``: request i's time to first
+    token (default 50 ms) and mid-stream stall, one each."""
     recs: list[dict[str, Any]] = []
     for i in range(n):
         rid, t0 = f"r{i}", i * every_s
@@ -30,14 +34,15 @@ def _trace(path: Path, n: int = 40, stalled: int = 0, stall_s: float = 0.5, pree
             recs.append({"kind": "request", "t": t0 + 0.01, "id": rid, "event": "error", "status": 503,
                          "error": "http_503"})
             continue
-        t = t0 + 0.05
+        t = t0 + (ttfts[i] if ttfts else 0.05)
+        stall = stalls[i] if stalls else stall_s if i < stalled else gap_s
         for k in range(tokens):
             recs.append({"kind": "request", "t": round(t, 6), "id": rid,
                          "event": "first_token" if k == 0 else "token", "n": 1})
-            t += stall_s if (i < stalled and k == tokens // 2) else gap_s
+            t += stall if k == tokens // 2 else gap_s
         recs.append({"kind": "request", "t": round(t, 6), "id": rid, "event": "finish", "finish_reason": "length",
                      "completion_tokens": tokens})
-    end = n * every_s + 2
+    end = math.ceil(max(d["t"] for d in recs)) + 2
     for s in range(int(end) + 1):
         recs.append({"kind": "engine", "t": float(s), "adapter": "vllm", "url": "http://127.0.0.1:8000", "up": True,
                      "preemptions_total": round(preempts * s / end), "running": 3, "waiting": 0})
@@ -71,6 +76,8 @@ def test_shedding_load_is_worse_even_with_better_latency(tmp_path: Path):
     assert any(w.startswith("completed 40 -> 34") for w in c.worse)
     assert any(w.startswith("shed") for w in c.worse)
     assert any(x.startswith("p99 ITL") for x in c.better)  # the latency did improve: it does not count
+    # the line leads with what decided and names the gain as a gain, not under "worse:"
+    assert c.summary.startswith("worse: completed 40 -> 34 of 40 (-15%)") and "p99 ITL" in c.summary.split("; better: ", 1)[1]
 
 
 def test_different_offered_load_is_not_comparable(tmp_path: Path):
@@ -116,3 +123,80 @@ def test_compare_cli_text_json_and_bad_input(tmp_path: Path):
     for args, msg in ((["nope.jsonl", str(b)], "no such trace"), ([str(a), str(b), "--itl-target-ms", "-1"], "between")):
         r = run_kvtop("compare", *args)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def _queued_instead_of_stalled(tmp_path: Path) -> tuple[Path, Path]:
+    """Eight requests at once on an engine that fits two: A admits all and thrashes (request i stalls
+    mid-stream while the pairs before it run, 0.63 s a pair), B admits two at a time (request i waits
+    that long for its first token). Every request ends at the same moment in both."""
+    waits = [(i // 2) * 0.63 for i in range(8)]
+    a = _trace(tmp_path / "a.jsonl", n=8, every_s=0.001, stalls=[w + 0.02 for w in waits], preempts=6)
+    b = _trace(tmp_path / "b.jsonl", n=8, every_s=0.001, ttfts=[0.05 + w for w in waits])
+    return a, b
+
+
+def test_a_queue_traded_for_stalls_is_a_trade_off_not_an_improvement(tmp_path: Path):
+    a, b = _queued_instead_of_stalled(tmp_path)
+    c = compare(str(a), str(b), itl_target_s=0.1)
+    doc = c.to_dict()
+    jsonschema.validate(doc, SCHEMA)
+    # the ITL contract alone: every stall gone, every request meets it...
+    assert (c.a.goodput, c.b.goodput) == (2, 8)
+    assert any(x.startswith("goodput 2 -> 8 of 8") for x in c.better)
+    # ...but the first token now waits up to 1.9 s instead of 50 ms, and nothing ends sooner
+    assert c.outcome == "trade_off", doc
+    assert c.outside_contract == [w for w in c.worse if w.startswith("p99 TTFT")] and len(c.outside_contract) == 1
+    assert c.outside_contract[0].startswith("p99 TTFT 50.1 ms -> 1.95 s")  # 2 % bins
+    assert abs(c.a.e2e_p99_s - c.b.e2e_p99_s) < 0.05 * c.a.e2e_p99_s
+    assert c.a.output_tokens == c.b.output_tokens == 8 * 30
+    assert abs(c.a.makespan_s - c.b.makespan_s) < 1e-3 and abs(c.a.makespan_s - (0.007 + 1.89 + 0.05 + 30 * 0.02)) < 0.001
+    assert doc["summary"].startswith("trade-off: better on the ITL contract (goodput 2 -> 8 of 8")
+    assert doc["summary"].endswith("set --ttft-target-ms to judge both")
+    # with the TTFT contract the operator would set (1 s), goodput judges both: 2 -> 4, improved
+    c = compare(str(a), str(b), ttft_target_s=1.0, itl_target_s=0.1)
+    assert (c.a.goodput, c.b.goodput) == (2, 4) and c.outcome == "improved" and not c.outside_contract, c.to_dict()
+    assert any(w.startswith("p99 TTFT") for w in c.worse)  # still shown, judged by goodput
+    # a TTFT contract B meets no better than A: the ITL gain does not carry it
+    c = compare(str(a), str(b), ttft_target_s=0.5, itl_target_s=0.1)
+    assert (c.a.goodput, c.b.goodput) == (2, 2) and c.outcome == "mixed", c.to_dict()
+
+
+def test_slower_end_to_end_outside_the_contract_is_a_trade_off(tmp_path: Path):
+    """B meets the ITL contract by pacing every token at 60 ms instead of stalling: under the 100 ms
+    target, but each 30-token answer takes almost three times as long."""
+    a = _trace(tmp_path / "a.jsonl", stalled=12, preempts=12)
+    b = _trace(tmp_path / "b.jsonl", gap_s=0.06)
+    c = compare(str(a), str(b), itl_target_s=0.1)
+    assert c.outcome == "trade_off", c.to_dict()
+    assert any(w.startswith("p99 end-to-end latency") for w in c.outside_contract), c.outside_contract
+    # 50 ms + 30 gaps of 20 / 60 ms (the finish one gap after the last token; 2 % bins)
+    assert abs(c.a.e2e_p50_s / 0.65 - 1) < 0.02 and abs(c.b.e2e_p50_s / 1.85 - 1) < 0.02
+
+
+def test_the_real_vllm_loop_pair_is_a_trade_off_until_ttft_is_judged():
+    """The tier's real run: the advisor's --max-num-seqs 2 took preemptions from 2.6 to 0.6 per request
+    and p99 ITL from 30.5 to 19.8 ms by queueing 6 of 8 requests for 4-13 s before their first token;
+    end-to-end latency and throughput moved by under 10 %."""
+    before, after = str(LOOP / "vllm-storm-before.jsonl.gz"), str(LOOP / "vllm-storm-after.jsonl.gz")
+    c = compare(before, after, itl_target_s=0.1)
+    jsonschema.validate(c.to_dict(), SCHEMA)
+    assert c.outcome == "trade_off", c.to_dict()
+    assert (c.a.goodput, c.b.goodput, c.a.completed, c.b.completed) == (0, 5, 8, 8)
+    assert c.outside_contract == ["p99 TTFT 249 ms -> 13.3 s (+5253%)"]
+    assert c.a.output_tokens == c.b.output_tokens == 8 * 600
+    assert abs(c.a.makespan_s - 18.24) < 0.01 and abs(c.b.makespan_s - 16.69) < 0.01
+    assert 17.4 < c.a.e2e_p99_s < 18.2 and 16.3 < c.b.e2e_p99_s < 17.0
+    assert not any(x.startswith(("output throughput", "p99 end-to-end")) for x in c.better + c.worse)
+    # a 2 s TTFT contract: one request of eight meets both (it was none before)
+    c = compare(before, after, ttft_target_s=2.0, itl_target_s=0.1)
+    assert (c.a.goodput, c.b.goodput) == (0, 1) and c.outcome == "improved", c.to_dict()
+
+
+def test_compare_cli_says_trade_off_in_its_last_line(tmp_path: Path):
+    a, b = _queued_instead_of_stalled(tmp_path)
+    r = run_kvtop("compare", str(a), str(b), "--itl-target-ms", "100")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[-1].startswith("result: trade-off: better on the ITL contract") and "worse outside it: p99 TTFT" in out[-1]
+    assert any(x.startswith("end-to-end p50 / p99") for x in out) and any(x.startswith("output tokens/s") for x in out)
+    assert "TTFT: none (--ttft-target-ms)" in out[2]

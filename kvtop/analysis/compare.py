@@ -11,19 +11,27 @@ verdict, the ITL target it judged against and the time over target by cause):
   one late token is tolerated, a stall (a preemption, a prefill riding along) is not. A per-request
   percentile would not do: one 5 s preemption stall hides under the p99 of a 1,200-token stream;
 * p50/p99 of every inter-token gap and of time to first token (2 % log bins, ``LogHistogram``);
+* p50/p99 end-to-end latency of the completed requests (arrival to ``finish``) and output throughput:
+  tokens streamed over the run's span (first arrival to the last request's end) — what a change
+  that only moves waiting around (a stall mid-stream becomes a queue before the first token) leaves
+  unchanged;
 * preemptions per completed request: the engine's counter increases (request ``preempt`` events
   where no engine was scraped, e.g. a simulated run).
 
 The decision, B against A, in this order: *not comparable* when the offered load or mix differ
 beyond ``Tolerance``; *worse* when B completes or meets the contract less often, or sheds (cancels,
 errors) more — a policy that buys latency by shedding load is not better; *improved* when goodput
-rises or a latency/preemption figure falls by the margin (10 %) and nothing worsens by it; *mixed* when
-figures move both ways; else *no change*.
+rises or a latency/preemption figure falls by the margin (10 %) and nothing worsens by it;
+*trade-off* when B is better on the contract but a figure the contract does not judge (p99 TTFT
+without a TTFT target, p99 end-to-end latency, output throughput) worsened by the margin — calling
+that improved would let an ITL-only contract hide a TTFT collapse; *mixed* when contract figures
+move both ways without a goodput gain; else *no change*.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +76,10 @@ class RunFigures:
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
+    e2e_p50_s: float | None = None
+    e2e_p99_s: float | None = None
+    output_tokens: int = 0
+    makespan_s: float = 0.0  # first arrival to the last request's end
     preemptions: int | None = None
     over_target_s: dict[str, float] = field(default_factory=dict)
     itl_target_s: float | None = None
@@ -76,6 +88,10 @@ class RunFigures:
     @property
     def rate_per_s(self) -> float | None:
         return self.offered / self.span_s if self.span_s > 0 else None
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else None
 
     @property
     def shed(self) -> int:
@@ -95,6 +111,9 @@ class RunFigures:
             "goodput": self.goodput, "goodput_share": _r(self.goodput / self.offered if self.offered else None),
             "ttft_p50_s": _r(self.ttft_p50_s), "ttft_p99_s": _r(self.ttft_p99_s),
             "itl_p50_s": _r(self.itl_p50_s), "itl_p99_s": _r(self.itl_p99_s),
+            "e2e_p50_s": _r(self.e2e_p50_s), "e2e_p99_s": _r(self.e2e_p99_s),
+            "output_tokens": self.output_tokens, "makespan_s": _r(self.makespan_s),
+            "output_tokens_per_s": _r(self.output_tokens_per_s),
             "preemptions": self.preemptions, "preemptions_per_completed": _r(self.preemptions_per_completed),
             "over_target_s": {k: _r(v) for k, v in sorted(self.over_target_s.items())},
             "verdict": self.verdict,
@@ -111,6 +130,7 @@ class _Req:
     first: float | None = None
     last: float | None = None
     over_s: float = 0.0  # time over the ITL target, summed over its gaps
+    tokens: int = 0  # streamed (the chunks' ``n``)
 
 
 def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | None) -> RunFigures:
@@ -123,9 +143,10 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
     except TraceError as e:
         raise ValueError(str(e)) from None
     open_: dict[str, _Req] = {}
-    itl, ttft = LogHistogram(), LogHistogram()
+    itl, ttft, e2e = LogHistogram(), LogHistogram(), LogHistogram()
     prompt_sum = prompt_n = 0
     t_first = t_last = None
+    t_end: float | None = None  # the last event of an offered request
     counters: dict[tuple[Any, Any], tuple[float, float]] = {}  # engine -> (last value, increases)
     req_preempts = 0
     for d in reader.dicts():
@@ -157,6 +178,7 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
                 prompt_n += 1
             t_first = t if t_first is None else t_first
             t_last = t
+            t_end = float(t) if t_end is None else max(t_end, float(t))
             continue
         if ev == "preempt":
             req_preempts += 1
@@ -164,7 +186,11 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
         r = open_.get(rid)
         if r is None:
             continue
+        t_end = float(t) if t_end is None else max(t_end, float(t))
         if ev in ("first_token", "token", "resync"):
+            n = d.get("n")
+            if ev != "resync":
+                r.tokens += n if isinstance(n, int) and n > 0 else 1
             if r.first is None:
                 r.first = float(t)
                 ttft.add(max(1e-6, r.first - r.t))
@@ -176,8 +202,12 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
             r.last = float(t)
         elif ev in ("finish", "cancel", "error"):
             del open_[rid]
+            ct = d.get("completion_tokens")
+            # the server's usage count when it sent one (a chunk may carry several tokens it did not number)
+            fig.output_tokens += ct if ev == "finish" and isinstance(ct, int) and ct >= 0 else r.tokens
             if ev == "finish":
                 fig.completed += 1
+                e2e.add(max(1e-6, float(t) - r.t))
                 ok_ttft = ttft_target_s is None or (r.first is not None and r.first - r.t <= ttft_target_s)
                 ok_itl = itl_t is None or r.over_s <= itl_t
                 if ok_ttft and ok_itl and r.first is not None:
@@ -189,11 +219,15 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
             else:
                 fig.errors += 1
     fig.cut_off += len(open_)  # still open when the trace ended
+    fig.output_tokens += sum(r.tokens for r in open_.values())
     if t_first is not None and t_last is not None:
         fig.span_s = float(t_last) - float(t_first)
+    if t_first is not None and t_end is not None:
+        fig.makespan_s = max(0.0, t_end - float(t_first))
     fig.prompt_mean = prompt_sum / prompt_n if prompt_n else None
     fig.ttft_p50_s, fig.ttft_p99_s = ttft.quantile(0.5), ttft.quantile(0.99)
     fig.itl_p50_s, fig.itl_p99_s = itl.quantile(0.5), itl.quantile(0.99)
+    fig.e2e_p50_s, fig.e2e_p99_s = e2e.quantile(0.5), e2e.quantile(0.99)
     if counters:
         fig.preemptions = int(round(sum(inc for _, inc in counters.values())))
     elif req_preempts:
@@ -247,18 +281,57 @@ def comparability(a: RunFigures, b: RunFigures, tol: Tolerance) -> list[str]:
 class Comparison:
     a: RunFigures
     b: RunFigures
-    outcome: str  # improved, worse, mixed, no_change, not_comparable
+    outcome: str  # improved, trade_off, worse, mixed, no_change, not_comparable
     reasons: list[str]
     better: list[str]
     worse: list[str]
     tolerance: Tolerance
     ttft_target_s: float | None
     itl_target_s: float | None
+    outside_contract: list[str] = field(default_factory=list)  # the entries of ``worse`` the contract does not judge
+
+    @property
+    def summary(self) -> str:
+        """The one line: the outcome and what decided it."""
+        if self.outcome == "not_comparable":
+            return "not comparable: " + "; ".join(self.reasons)
+        if self.outcome == "trade_off":
+            inside = [x for x in self.better if x not in self.outside_better]
+            line = (f"trade-off: better on the {self.contract_name} contract ({'; '.join(inside)}); "
+                    f"worse outside it: {'; '.join(self.outside_contract)}")
+            also = [w for w in self.worse if w not in self.outside_contract]
+            if also:
+                line += "; also worse: " + "; ".join(also)
+            if self.ttft_target_s is None and any(w.startswith("p99 TTFT") for w in self.outside_contract):
+                line += " — set --ttft-target-ms to judge both"
+            return line
+        if not self.better and not self.worse:
+            return f"{self.outcome.replace('_', ' ')}: nothing moved by {self.tolerance.better_frac:.0%} or more"
+        better, worse = "; ".join(self.better), "; ".join(self.worse)
+        if self.outcome == "improved":
+            return "improved: " + better + (f"; worse: {'; '.join(self.worse)}" if self.worse else "")
+        if self.outcome == "worse":  # what decided first; a figure that did improve is named as such
+            return "worse: " + worse + (f"; better: {better}" if better else "")
+        return f"{self.outcome.replace('_', ' ')}: better: {better}; worse: {worse}"
+
+    @property
+    def contract_name(self) -> str:
+        return "ITL" if self.ttft_target_s is None else "TTFT + ITL"
+
+    @property
+    def outside_better(self) -> list[str]:
+        return [x for x in self.better if x.startswith(_outside_prefixes(self.ttft_target_s))]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.outcome, "reasons": self.reasons, "better": self.better, "worse": self.worse,
+        return {"outcome": self.outcome, "summary": self.summary, "reasons": self.reasons, "better": self.better,
+                "worse": self.worse, "outside_contract": self.outside_contract,
                 "ttft_target_s": self.ttft_target_s, "itl_target_s": self.itl_target_s,
                 "tolerance": self.tolerance.to_dict(), "a": self.a.to_dict(), "b": self.b.to_dict()}
+
+
+def _outside_prefixes(ttft_target_s: float | None) -> tuple[str, ...]:
+    """The figures goodput does not judge: end-to-end latency, throughput, and TTFT without its target."""
+    return ("p99 end-to-end", "output throughput") + (("p99 TTFT",) if ttft_target_s is None else ())
 
 
 def compare(path_a: str, path_b: str, ttft_target_s: float | None = None, itl_target_s: float | None = None,
@@ -270,64 +343,95 @@ def compare(path_a: str, path_b: str, ttft_target_s: float | None = None, itl_ta
     b = run_figures(path_b, ttft_target_s, itl_t)
     if itl_target_s is None and itl_t is not None and a.itl_target_s != itl_t:
         a = run_figures(path_a, ttft_target_s, itl_t)
+    return judge(a, b, tol, ttft_target_s, itl_t)
+
+
+def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | None,
+          itl_target_s: float | None) -> Comparison:
+    """The outcome of B against A from their figures (see the module note for the order)."""
     why = comparability(a, b, tol)
     if why:
-        return Comparison(a, b, "not_comparable", why, [], [], tol, ttft_target_s, itl_t)
+        return Comparison(a, b, "not_comparable", why, [], [], tol, ttft_target_s, itl_target_s)
     better: list[str] = []
     worse: list[str] = []
     m = tol.better_frac
 
-    def more_is_better(name: str, va: float | None, vb: float | None) -> None:
+    def more_is_better(name: str, va: float | None, vb: float | None, fmt: Callable[[float], str] = _g,
+                       of: str = "") -> None:
         d = _rel(va, vb)
         if d is None:
             if va == 0 and vb:
-                better.append(f"{name} 0 -> {vb:g}")
+                better.append(f"{name} 0 -> {fmt(vb)}{of}")
             return
+        assert va is not None and vb is not None
         if d >= m:
-            better.append(f"{name} {va:g} -> {vb:g} ({d:+.0%})")
+            better.append(f"{name} {fmt(va)} -> {fmt(vb)}{of} ({d:+.0%})")
         elif d <= -m:
-            worse.append(f"{name} {va:g} -> {vb:g} ({d:+.0%})")
+            worse.append(f"{name} {fmt(va)} -> {fmt(vb)}{of} ({d:+.0%})")
 
-    def less_is_better(name: str, va: float | None, vb: float | None, unit: str = "", scale: float = 1.0) -> None:
+    def less_is_better(name: str, va: float | None, vb: float | None, fmt: Callable[[float], str] = _g3) -> None:
         if va is None or vb is None:
             return
-        fa, fb = va * scale, vb * scale
         if va == 0:
             if vb > 0:
-                worse.append(f"{name} 0 -> {fb:.3g}{unit}")
+                worse.append(f"{name} 0 -> {fmt(vb)}")
             return
         d = (vb - va) / va
         if d <= -m:
-            better.append(f"{name} {fa:.3g}{unit} -> {fb:.3g}{unit} ({d:+.0%})")
+            better.append(f"{name} {fmt(va)} -> {fmt(vb)} ({d:+.0%})")
         elif d >= m:
-            worse.append(f"{name} {fa:.3g}{unit} -> {fb:.3g}{unit} ({d:+.0%})")
+            worse.append(f"{name} {fmt(va)} -> {fmt(vb)} ({d:+.0%})")
 
-    more_is_better("goodput", a.goodput, b.goodput)
-    more_is_better("completed", a.completed, b.completed)
+    # "of N": 0 -> 1 is a rise, and how far it is from every offered request is the operator's next question
+    more_is_better("goodput", a.goodput, b.goodput, of=f" of {b.offered}")
+    more_is_better("completed", a.completed, b.completed, of=f" of {b.offered}")
     shed_a, shed_b = a.shed / a.offered, b.shed / b.offered
     if shed_b - shed_a > tol.shed_share:
         worse.append(f"shed (cancelled + errors) {shed_a:.1%} -> {shed_b:.1%} of offered")
-    less_is_better("p99 ITL", a.itl_p99_s, b.itl_p99_s, " ms", 1e3)
-    less_is_better("p99 TTFT", a.ttft_p99_s, b.ttft_p99_s, " ms", 1e3)
+    less_is_better("p99 ITL", a.itl_p99_s, b.itl_p99_s, dur)
+    less_is_better("p99 TTFT", a.ttft_p99_s, b.ttft_p99_s, dur)
     less_is_better("preemptions per completed request", a.preemptions_per_completed, b.preemptions_per_completed)
-    less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), " s")
+    less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), dur)
+    less_is_better("p99 end-to-end latency", a.e2e_p99_s, b.e2e_p99_s, dur)
+    more_is_better("output throughput", a.output_tokens_per_s, b.output_tokens_per_s, _tps)
+    outside = _outside_prefixes(ttft_target_s)
+    outside_worse = [w for w in worse if w.startswith(outside)]
+    contract_better = [x for x in better if not x.startswith(outside)]
+    contract_worse = [w for w in worse if not w.startswith(outside)]
+    goodput_up = any(x.startswith("goodput") for x in better)
     # what decides: shedding or completing less outweighs any latency gain
-    decisive_worse = [w for w in worse if w.startswith(("goodput", "completed", "shed"))]
-    if decisive_worse:
+    if any(w.startswith(("goodput", "completed", "shed")) for w in worse):
         outcome = "worse"
-    elif better and not worse:
+    elif not better:
+        outcome = "worse" if worse else "no_change"
+    elif not worse:
         outcome = "improved"
-    elif better and worse:
-        outcome = "improved" if any(x.startswith("goodput") for x in better) else "mixed"
-    elif worse:
-        outcome = "worse"
+    elif outside_worse and (goodput_up or (contract_better and not contract_worse)):
+        outcome = "trade_off"  # the contract got better by making something it does not look at worse
+    elif goodput_up:
+        outcome = "improved"  # goodput already judges the contract's own figures per request
     else:
-        outcome = "no_change"
-    return Comparison(a, b, outcome, [], better, worse, tol, ttft_target_s, itl_t)
+        outcome = "mixed"
+    return Comparison(a, b, outcome, [], better, worse, tol, ttft_target_s, itl_target_s, outside_worse)
 
 
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v * 1e3:.1f} ms"
+def _g(v: float) -> str:
+    return f"{v:g}"
+
+
+def _g3(v: float) -> str:
+    return f"{v:.3g}"
+
+
+def _tps(v: float) -> str:
+    return f"{v:.0f} tokens/s"
+
+
+def dur(v: float | None) -> str:
+    """Seconds as an operator reads them: 6.92 ms, 249 ms, 13.3 s."""
+    if v is None:
+        return "n/a"
+    return f"{v * 1e3:.3g} ms" if abs(v) < 1 else f"{v:.3g} s"
 
 
 def render_text(c: Comparison) -> str:
@@ -340,8 +444,10 @@ def render_text(c: Comparison) -> str:
         ("cancelled / errors", f"{a.cancelled} / {a.errors}", f"{b.cancelled} / {b.errors}"),
         ("goodput", f"{a.goodput} ({a.goodput / a.offered:.0%})" if a.offered else "0",
          f"{b.goodput} ({b.goodput / b.offered:.0%})" if b.offered else "0"),
-        ("TTFT p50 / p99", f"{_ms(a.ttft_p50_s)} / {_ms(a.ttft_p99_s)}", f"{_ms(b.ttft_p50_s)} / {_ms(b.ttft_p99_s)}"),
-        ("ITL p50 / p99", f"{_ms(a.itl_p50_s)} / {_ms(a.itl_p99_s)}", f"{_ms(b.itl_p50_s)} / {_ms(b.itl_p99_s)}"),
+        ("TTFT p50 / p99", f"{dur(a.ttft_p50_s)} / {dur(a.ttft_p99_s)}", f"{dur(b.ttft_p50_s)} / {dur(b.ttft_p99_s)}"),
+        ("ITL p50 / p99", f"{dur(a.itl_p50_s)} / {dur(a.itl_p99_s)}", f"{dur(b.itl_p50_s)} / {dur(b.itl_p99_s)}"),
+        ("end-to-end p50 / p99", f"{dur(a.e2e_p50_s)} / {dur(a.e2e_p99_s)}", f"{dur(b.e2e_p50_s)} / {dur(b.e2e_p99_s)}"),
+        ("output tokens/s", _rate(a), _rate(b)),
         ("preemptions / completed", _fmt(a.preemptions_per_completed), _fmt(b.preemptions_per_completed)),
         ("time over target", _lost(a.over_target_s), _lost(b.over_target_s)),
         ("verdict", _verdict(a.verdict), _verdict(b.verdict)),
@@ -349,19 +455,20 @@ def render_text(c: Comparison) -> str:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows + [("", "A", "")])
     targets = [f"ITL {c.itl_target_s * 1e3:.0f} ms" if c.itl_target_s is not None else "ITL: none"]
-    if c.ttft_target_s is not None:
-        targets.append(f"TTFT {c.ttft_target_s * 1e3:.0f} ms")
+    targets.append(f"TTFT {c.ttft_target_s * 1e3:.0f} ms" if c.ttft_target_s is not None
+                   else "TTFT: none (--ttft-target-ms)")
     out = [f"A: {a.path}", f"B: {b.path}",
            f"goodput contract: {', '.join(targets)} (a request's time over the ITL target at most one target)", "",
            f"{'':{w0}}  {'A':<{w1}}  B"]
     out += [f"{k:{w0}}  {x:<{w1}}  {y}" for k, x, y in rows]
     out.append("")
-    if c.outcome == "not_comparable":
-        out.append("result: not comparable: " + "; ".join(c.reasons))
-    else:
-        detail = "; ".join([*c.better, *(f"worse: {w}" for w in c.worse)]) or f"nothing moved by {c.tolerance.better_frac:.0%} or more"
-        out.append(f"result: {c.outcome.replace('_', ' ')}: {detail}")
+    out.append("result: " + c.summary)
     return "\n".join(out)
+
+
+def _rate(f: RunFigures) -> str:
+    v = f.output_tokens_per_s
+    return "n/a" if v is None else f"{v:.0f} ({f.output_tokens} in {f.makespan_s:.3g} s)"
 
 
 def _fmt(v: float | None) -> str:

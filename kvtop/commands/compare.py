@@ -9,13 +9,15 @@ from pathlib import Path
 from kvtop.errors import UsageError
 
 NAME = "compare"
-HELP = "compare two traces of the same traffic (before/after a change): goodput, ITL, TTFT, preemptions, verdicts"
+HELP = "compare two traces of the same traffic (before/after a change): goodput, ITL, TTFT, end-to-end, preemptions"
 DESCRIPTION = (
     "Reads two traces (e.g. `kvtop load --from` the same recording against two engine configurations) and prints "
     "offered and completed requests, goodput (completions within --ttft-target-ms and --itl-target-ms), p50/p99 "
-    "ITL and TTFT, preemptions per completed request, time over target by cause and each run's verdict, then one "
-    "line: improved, worse, mixed, no change, or not comparable (offered load or mix differ beyond the tolerance). "
-    "Shedding more load (cancels, errors) or completing less is never better. JSON: kvtop/schemas/compare.schema.json."
+    "ITL and TTFT, p50/p99 end-to-end latency, output tokens/s, preemptions per completed request, time over "
+    "target by cause and each run's verdict, then one line: improved, trade-off (better on the contract, worse on a "
+    "figure it does not judge, e.g. TTFT without --ttft-target-ms), worse, mixed, no change, or not comparable "
+    "(offered load or mix differ beyond the tolerance). Shedding more load (cancels, errors) or completing less is "
+    "never better. JSON: kvtop/schemas/compare.schema.json."
 )
 ORDER = 47
 

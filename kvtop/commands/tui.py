@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtop.commands._options import (
     add_capture_option,
@@ -34,13 +34,16 @@ from kvtop.config import load_config, resolve
 from kvtop.errors import UsageError
 from kvtop.pipeline import Feed, live_feed, probing_feed, prometheus_feed, replay_feed
 
+if TYPE_CHECKING:  # the console's input type only: Textual loads when the console runs
+    from kvtop.views.tui.compare import CompareInput
+
 NAME = "tui"
 HELP = "the interactive console (the default when no command is given)"
 ORDER = 10
 DESCRIPTION = (
     "Live console: GPUs, host, engines, requests, the advisor's verdict and events. "
     "Keys: 1-5 screens, w chart window, p pause, space refresh, +/- poll interval, / filter, s sort, "
-    "enter detail, ? or F1 help, q or F10 quit."
+    "enter detail, ? or F1 help, q or F10 quit. --replay A --compare B: two runs side by side."
 )
 
 
@@ -49,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--theme", default=None, metavar="NAME",
                    help="kvtop (default), kvtop-low (terminal's 16 colours, good over SSH), or a Textual theme")
     p.add_argument("--replay", default=None, metavar="FILE", help="open a recorded trace instead of live engines")
+    p.add_argument("--compare", default=None, metavar="FILE",
+                   help="with --replay A: open B beside it (figures A → B, history charts overlaid: A bars, B line)")
+    p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
+                   help="with --compare: the time-to-first-token contract goodput judges (as kvtop compare)")
     add_itl_option(p)
     add_probe_option(p)
     add_capture_option(p)
@@ -68,6 +75,16 @@ def run(args: argparse.Namespace) -> int:
 
     if getattr(args, "prometheus", None):
         return prometheus_console(args, cfg, theme)
+    if args.compare is not None:
+        if not args.replay:
+            raise UsageError("--compare B needs --replay A (the baseline run)")
+        ttft = args.ttft_target_ms
+        if ttft is not None and not 0 < ttft <= 3_600_000:
+            raise UsageError("--ttft-target-ms must be between 0 and 3600000 ms")
+        return compare_console(Path(args.replay), Path(args.compare), theme=theme, itl_target_s=itl_target_s(args, cfg),
+                               ttft_target_s=None if ttft is None else ttft / 1e3)
+    if args.ttft_target_ms is not None:
+        raise UsageError("--ttft-target-ms judges a comparison: use it with --replay A --compare B")
     if args.replay:
         path = Path(args.replay)
         if not path.is_file() and not path.is_dir():
@@ -124,6 +141,50 @@ def replay_console(path: str | Path, speed: float = 1.0, theme: str | None = Non
         return run_console(feed.core, feed=feed, title="kvtop replay", theme=theme, interval=interval)
     finally:
         feed.close()
+
+
+def compare_input(path_a: Path, path_b: Path, itl_target_s: float | None = None,
+                  ttft_target_s: float | None = None) -> CompareInput:
+    """Both traces replayed to their end (history over the whole run) and ``kvtop compare``'s
+    figures for the pair: what the compare console shows (a ``CompareInput``)."""
+    from kvtop.analysis.compare import compare  # the analysis and the console: only when it runs
+    from kvtop.model.trace import TraceError
+    from kvtop.views.tui.compare import CompareInput
+
+    snaps = []
+    for path in (path_a, path_b):
+        if not path.is_file():
+            raise UsageError(f"trace file not found: {path}")
+        try:
+            feed = replay_feed(path, itl_target_s=itl_target_s)
+        except TraceError as e:
+            raise UsageError(str(e)) from None
+        except OSError as e:
+            raise UsageError(f"cannot read trace {path}: {e.strerror or e}") from None
+        try:
+            feed.seek(feed.duration)
+            end = max(feed.duration, 1.0)
+            snaps.append(feed.core.snapshot(now=end, history_s=end + 1.0))
+        finally:
+            feed.close()
+    try:
+        doc = compare(str(path_a), str(path_b), ttft_target_s=ttft_target_s, itl_target_s=itl_target_s).to_dict()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return CompareInput(snaps[0], snaps[1], path_a.name, path_b.name, doc)
+
+
+def compare_console(path_a: Path, path_b: Path, theme: str | None = None, itl_target_s: float | None = None,
+                    ttft_target_s: float | None = None) -> int:
+    """Two traces side by side: `kvtop compare`'s figures and result over their charts overlaid."""
+    for path in (path_a, path_b):
+        if not path.is_file():
+            raise UsageError(f"trace file not found: {path}")
+    require_terminal(f"for a report without one: kvtop compare {path_a} {path_b}")  # before reading both
+    data = compare_input(path_a, path_b, itl_target_s, ttft_target_s)
+    from kvtop.views.tui.compare import run_compare  # Textual: see the module note
+
+    return run_compare(data, theme=theme)
 
 
 def prometheus_console(args: argparse.Namespace, cfg: dict[str, Any], theme: str | None) -> int:

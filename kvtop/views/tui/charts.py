@@ -56,6 +56,7 @@ class ChartSpec:
     axis: Callable[[float], str] | None = None  # y-axis labels when ``fmt`` is too wide for the gutter
     # the title's figure when it is not the latest sample (a rate the panels quote over a window)
     headline: str | None = None
+    headline2: str | None = None  # the same for the second series (the compare screen's run B)
 
 
 def _pct(v: float | None) -> str:
@@ -164,6 +165,7 @@ class Chart(Widget):
         self.t0 = 0.0
         self.t1 = 1.0
         self.now_label = "now"
+        self.start_label: str | None = None  # the axis' left end; None: "-WINDOW" (back from now)
         self._kv_strips: list[Strip] | None = None
         self._kv_size: tuple[int, int] = (0, 0)
         self._kv_top = 1.0
@@ -262,7 +264,8 @@ class Chart(Widget):
         elif last is not None or spec.ring2 is not None:
             segs.append(Segment(f"  {spec.label + ' ' if spec.label else ''}{spec.fmt(last)}", styles[plot.BAR]))
         if spec.ring2 is not None:
-            segs.append(Segment(f"  ━ {spec.label2} {spec.fmt(spec.ring2.last())}", styles[plot.LINE]))
+            second = spec.headline2 if spec.headline2 is not None else f"{spec.label2} {spec.fmt(spec.ring2.last())}"
+            segs.append(Segment(f"  ━ {second}", styles[plot.LINE]))
         # a narrow chart (80 columns: two to a row) shortens its reference, then drops it, before
         # the title's figures are cut
         for ref in (spec.ref_label, spec.ref_label.split(" ")[-1], ""):
@@ -303,7 +306,7 @@ class Chart(Widget):
         spec = self.spec
         assert spec is not None
         marks = plot.mark_row(n, self.t0, self.t1, spec.marks)
-        left = f"-{plot.window_label(self.t1 - self.t0)}"
+        left = self.start_label if self.start_label is not None else f"-{plot.window_label(self.t1 - self.t0)}"
         right = self.now_label
         # a time label is drawn whole or not at all: spike marks under it win
         if any(marks[:len(left)]):
