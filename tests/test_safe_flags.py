@@ -296,3 +296,22 @@ def test_a_v1_engine_older_than_the_offloading_flags_is_not_told_to_swap():
     assert "--kv-offloading-size" not in f and "--swap-space" not in f
     assert v["mechanism"] != "swap" and "swap" not in v["also"]
     assert any(r.startswith("vLLM 0.10.2 predates --kv-offloading-size") for r in v["reasons"])
+
+
+def test_an_admission_limit_says_what_it_costs_in_queueing_and_the_real_engine_agrees():
+    # the real vLLM storm of the tier (8 x 600 tokens on 1,056 KV slots) before and after the
+    # advisor's --max-num-seqs 2 (tests/fixtures/loop, SOURCES.md)
+    from kvtop.analysis.compare import run_figures
+    from kvtop.analysis.scan import analyze_trace
+
+    before, after = "tests/fixtures/loop/vllm-storm-before.jsonl.gz", "tests/fixtures/loop/vllm-storm-after.jsonl.gz"
+    v = analyze_trace(before).verdict
+    assert v is not None and dict((f.flag, f.value) for f in v.settings)["--max-num-seqs"] == 2
+    est = v.numbers["queue_wait_est"].value
+    step = v.numbers["decode_step"].value
+    assert est == pytest.approx((8 / 2 - 1) * 600 * step, rel=1e-4)  # the report rounds to 6 digits
+    line = next(r for r in v.reasons if r.startswith("queueing:"))
+    assert "up to 8 requests were in flight at once" in line and "holds 1.6 sequences" in line
+    # measured with the flag applied: the last request's time to first token is about that wait
+    ttft_after = run_figures(after, None, 0.1).ttft_p99_s
+    assert ttft_after == pytest.approx(est, rel=0.25)

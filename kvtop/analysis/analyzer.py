@@ -199,6 +199,9 @@ class Analyzer:
         if engine is not None and r.engine is None:
             self.name_engine(rid, engine)
         if ev == "arrive":
+            if r.arrive_t is None and r.end_t is None:
+                acc.inflight += 1
+                acc.inflight_peak = max(acc.inflight_peak, acc.inflight)
             r.arrive_t = t
             if prompt is not None:
                 self._prompt(r, prompt)
@@ -226,6 +229,8 @@ class Analyzer:
                 # a text prompt's length is known only from the usage block at its finish
                 self._prompt(r, prompt)
             if gt.end(r, t, ev):
+                if r.arrive_t is not None:
+                    acc.inflight = max(0, acc.inflight - 1)
                 out = completion if completion is not None else r.tokens
                 if ev == "finish":
                     acc.finished += 1

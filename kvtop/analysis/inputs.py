@@ -212,6 +212,8 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
             n[dst] = Num(sim[key], unit, "measured", "trace header")
     if acc.running_n:
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
+    if acc.inflight_peak:
+        n["inflight_peak"] = Num(acc.inflight_peak, "requests", "measured", "most requests between arrival and end at once")
     if acc.kv_max is not None:
         n["kv_usage_max"] = Num(acc.kv_max, "", "measured")
     return s

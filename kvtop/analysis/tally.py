@@ -33,6 +33,9 @@ class Tally:
     prefill_a: list[float] = field(default_factory=list)  # stall seconds per prompt token of prefill stalls
     engine_first: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
     engine_last: dict[EngineKey, dict[str, Any]] = field(default_factory=dict)
+    # requests between arrival and end right now, and the most at once (what an admission limit queues)
+    inflight: int = 0
+    inflight_peak: int = 0
     running_sum: float = 0.0
     running_n: int = 0
     kv_max: float | None = None

@@ -618,6 +618,26 @@ def _admission_limit(s: Situation, plan: cap.Capacity, settings: _Flags, reasons
     reasons.append(f"capacity: {arith}; start at {n} and steer to KV usage p99 <= 0.9 and <= 0.01 "
                    "preemptions per request")
     settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
+    _queue_cost(s, plan, n, reasons)
+
+
+def _queue_cost(s: Situation, plan: cap.Capacity, n: int, reasons: list[str]) -> None:
+    """What the limit costs in time to first token: a burst of the peak in-flight requests admitted
+    ``n`` at a time waits for (peak / n - 1) request lifetimes (output at the decode step) at its end."""
+    peak, out, step = s.v("inflight_peak"), s.v("output_mean"), s.v("decode_step")
+    if not (peak and out and step) or float(peak) <= n:
+        return
+    life = float(out) * float(step)
+    wait = (float(peak) / n - 1.0) * life
+    s.n["queue_wait_est"] = Num(wait, "s", "derived",
+                                f"({float(peak):.0f} in flight / {n} admitted - 1) x {life:.1f} s per request")
+    line = (f"queueing: up to {float(peak):.0f} requests were in flight at once; admitted {n} at a time, the last of "
+            f"such a burst waits about ({float(peak):.0f}/{n} - 1) x {life:.1f} s (a request's {float(out):.0f} "
+            f"tokens at the {float(step) * 1e3:.1f} ms decode step) = {wait:.1f} s more for its first token")
+    if plan.n_floor < float(peak):
+        line += (f"; the KV cache holds {plan.n_floor:.1f} sequences of this traffic, so more KV capacity (memory "
+                 "for the cache, or a smaller model footprint) is the fix that does not queue")
+    reasons.append(line)
 
 
 def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:

@@ -204,7 +204,8 @@ def situation(doc: dict[str, Any]) -> Situation:
                            ("long_prompts_per_s", "long_prompt_rate", "1/s"),
                            ("request_tokens_p90", "request_tokens_p90", "tokens"),
                            ("request_tokens_p99", "request_tokens_p99", "tokens"),
-                           ("request_tokens_max", "request_tokens_max", "tokens")):
+                           ("request_tokens_max", "request_tokens_max", "tokens"),
+                           ("inflight_peak", "inflight_peak", "requests")):
         if src in tr:
             n[dst] = Num(float(tr[src]) if dst != "long_prompt_tokens" else int(tr[src]), unit, "given")
     slo = doc.get("slo", {})
@@ -314,6 +315,7 @@ _FROM_REPORT = (
     ("request_tokens_p90", "traffic", "request_tokens_p90", 1.0),
     ("request_tokens_p99", "traffic", "request_tokens_p99", 1.0),
     ("request_tokens_max", "traffic", "request_tokens_max", 1.0),
+    ("inflight_peak", "traffic", "inflight_peak", 1.0),
     ("preempted_peak", "preemption", "peak_preempted", 1.0),
     ("itl_target", "slo", "itl_ms", 1e3),
     ("decode_step", "observed", "decode_step_ms", 1e3),
