@@ -129,8 +129,10 @@ def test_token_file_is_sent_as_bearer(tmp_path):
     f.write_text("sk-from-file\n")
     with replay_server({"/metrics": (vllm_page(generation=5), PROM)}) as (base, _):
         env = {"KVTOP_TOKEN_FILE": str(f)}
+        # a generous per-scrape timeout: this is about the token, and a loaded box (the suite under
+        # stress-ng, as an unprivileged user) once took more than the default 2 s to answer
         r = run_kvtop("snapshot", "--url", base, "--duration", "0.2", "--interval", "0.1", "--format", "json",
-                      "--no-gpu", "--no-host", env=env)
+                      "--no-gpu", "--no-host", "--timeout", "30", env=env)
     assert r.returncode == 0, r.stderr
 
 
