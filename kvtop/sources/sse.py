@@ -148,6 +148,7 @@ class StreamRecorder:
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
         "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync", "_metrics",
+        "_tok_pre", "_tok_suf",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -174,6 +175,10 @@ class StreamRecorder:
         self._skip = False
         self._resync = False
         self._metrics: dict[str, float] | None = None
+        # A stream's token chunks differ only in their text: the bytes around the text of the last
+        # plain token chunk, so the next one is recognised by comparison (see _same_shape)
+        self._tok_pre = b""
+        self._tok_suf = b""
 
     @property
     def tokens(self) -> int:
@@ -191,6 +196,24 @@ class StreamRecorder:
             if self._overflow + len(chunk) <= cap:
                 self._body.append(chunk)
             self._overflow += len(chunk)
+            return
+        if not self._buf and chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 \
+                and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # the streaming case: one read that is exactly one one-line event (what the loop below
+            # would find, without its copies)
+            data = chunk[6:-2]
+            n = self._same_shape(data)
+            if n is None and data != b"[DONE]":
+                n = _plain_token_chunk(data)
+                if n:
+                    self._learn_shape(data)
+            if n is None:
+                self._event(chunk[:-2], t)
+            elif n:
+                self._pend_n += n
+                self._pend_t = t
+            if self._pend_n and not self.ended:
+                self._flush_tokens()
             return
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
@@ -216,6 +239,34 @@ class StreamRecorder:
             self._overflow = _JSON_BODY_CAP + 1
             rest = b""
         self._buf = rest
+
+    def _same_shape(self, data: bytes) -> int | None:
+        """1 or 0 when ``data`` is the last plain token chunk with another text (no quote in it, so
+        the same JSON keys with the same values around one string), else None (ask the parser).
+        What ``_plain_token_chunk`` would answer for it, without its regular expressions."""
+        pre = self._tok_pre
+        if not pre or not data.startswith(pre):
+            return None
+        suf = self._tok_suf
+        if not data.endswith(suf):
+            return None
+        text = data[len(pre):len(data) - len(suf)]
+        if b'"' in text or text.endswith(b"\\") or len(pre) + len(text) + len(suf) != len(data):
+            return None
+        return 1 if text else 0
+
+    def _learn_shape(self, data: bytes) -> None:
+        m = _TEXT_RE.search(data)
+        if m is None or m.group(1) is not None:
+            return
+        start = m.end()
+        if data[start:start + 1] != b'"':
+            return
+        end = data.find(b'"', start + 1)
+        if end < 0 or b"\\" in data[start + 1:end]:
+            return
+        self._tok_pre = data[:start + 1]
+        self._tok_suf = data[end:]
 
     def hole(self) -> None:
         """Bytes of this response were lost between the last ``feed`` and the next."""

@@ -62,7 +62,15 @@ def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | 
     """(src, sport, dst, dport, seq, ack, flags, payload) of a TCP packet from its IP header on."""
     if not pkt:
         return None
-    v = pkt[0] >> 4
+    b0 = pkt[0]
+    if b0 == 0x45 and len(pkt) >= 40:
+        # IPv4 without options, the usual packet: the IP and TCP headers in one unpack
+        _, total, proto, src, dst, sport, dport, seq, ack, hf = _V4.unpack_from(pkt)
+        if proto != 6:
+            return None
+        end = total if 0 < total <= len(pkt) else len(pkt)
+        return src, sport, dst, dport, seq, ack, hf & 0x3F, pkt[20 + (hf >> 12) * 4:end]
+    v = b0 >> 4
     if v == 4:
         ihl = (pkt[0] & 15) * 4
         if pkt[9] != 6 or len(pkt) < ihl + 20:
@@ -83,6 +91,7 @@ def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | 
 
 
 _TCP = struct.Struct("!HHIIH")
+_V4 = struct.Struct("!BxH5xBxx4s4sHHIIH")  # version/IHL, total length, protocol, addresses; TCP ports, seq, ack, offset+flags
 _TS = struct.Struct("@qq")
 _STATS = struct.Struct("@II")
 _BLOCK = struct.Struct("@III")  # block_status, num_pkts, offset_to_first_pkt (at offset 8)

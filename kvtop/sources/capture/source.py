@@ -78,14 +78,16 @@ class CaptureSource:
             if not pkts:
                 break
             total += len(pkts)
+            seen = nbytes = 0
             for ts, data in pkts:
                 d = decode(data)
                 if d is None:
                     continue
-                st.packets += 1
-                st.bytes += len(data)
-                src, sport, dst, dport, seq, ack, flags, payload = d
-                seg(ts + off, src, sport, dst, dport, seq, ack, flags, payload)
+                seen += 1
+                nbytes += len(data)
+                seg(ts + off, *d)
+            st.packets += seen
+            st.bytes += nbytes
             if len(pkts) < 512 or sock.uses_ring:
                 break
         now = self.clock()
