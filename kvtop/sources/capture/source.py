@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kvtop.model.records import Record, RequestRecord
 from kvtop.sources.capture.http import CaptureStats
-from kvtop.sources.capture.packets import PacketSocket, decode
+from kvtop.sources.capture.packets import PacketSocket
 from kvtop.sources.capture.tcp import Reassembler
 from kvtop.sources.sse import Clock, Emit
 
@@ -74,21 +74,17 @@ class CaptureSource:
         st = self.stats
         total = 0
         while True:
-            pkts = sock.read()
-            if not pkts:
+            segs = sock.read_segments()
+            if not segs:
                 break
-            total += len(pkts)
-            seen = nbytes = 0
-            for ts, data in pkts:
-                d = decode(data)
-                if d is None:
-                    continue
-                seen += 1
-                nbytes += len(data)
-                seg(ts + off, *d)
-            st.packets += seen
+            total += len(segs)
+            nbytes = 0
+            for ts, size, src, sport, dst, dport, seq, ack, flags, payload in segs:
+                nbytes += size
+                seg(ts + off, src, sport, dst, dport, seq, ack, flags, payload)
+            st.packets += len(segs)
             st.bytes += nbytes
-            if len(pkts) < 512 or sock.uses_ring:
+            if len(segs) < 512 or sock.uses_ring:
                 break
         now = self.clock()
         if now >= self._next_stats:
