@@ -3,8 +3,9 @@
     python -m bench.capture_cost [--streams 64,512] [--rate 50] [--seconds 6] [--clients 2] [--repeat 3] [--pin]
 
 The same loopback SSE load as bench/proxy_overhead.py (a local upstream streaming ``--rate``
-tokens per second per stream to client processes, no proxy in the path) is observed, in the same
-phase, by two processes at once:
+tokens per second per stream to client processes, no proxy in the path; its token events differ
+only in their text, as vLLM's and SGLang's do, unless ``--stamp`` adds a send-time field to each)
+is observed, in the same phase, by two processes at once:
 
   * kvtop's capture (``CaptureSource`` on the upstream port, every record written to a trace file,
     as ``kvtop record --capture`` does);
@@ -101,6 +102,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--clients", type=int, default=2, help="load-generator processes")
     ap.add_argument("--upstream-procs", type=int, default=1)
+    ap.add_argument("--stamp", action="store_true",
+                    help="the upstream stamps each token event with its send time (a field that changes in "
+                         "every chunk, as bench/proxy_overhead.py needs; engines' chunks differ only in text)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per load (lowest and median CPU per chunk printed)")
     ap.add_argument("--pin", action="store_true",
                     help="capture on the last CPU, load generator, upstream and tcpdump on the others")
@@ -119,7 +123,8 @@ def main() -> int:
     up_port = _free_port()
     tokens = int(args.rate * 4)
     readies = [mp.Event() for _ in range(args.upstream_procs)]
-    ups = [mp.Process(target=upstream_main, args=(up_port, args.rate, tokens, ev), daemon=True) for ev in readies]
+    ups = [mp.Process(target=upstream_main, args=(up_port, args.rate, tokens, ev, args.stamp), daemon=True)
+           for ev in readies]
     for p in ups:
         p.start()
     for ev in readies:

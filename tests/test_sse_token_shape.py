@@ -1,6 +1,6 @@
 """The SSE recorder's shortcut for a stream's token chunks (one event per read, recognised by the
 bytes around the text of the previous plain token chunk) records exactly what the full parser does,
-whatever the texts hold (quotes, backslashes, key names, nothing) and however the chunks change
+whatever the texts hold (quotes, backslashes, line breaks, key names, nothing) and however the chunks change
 shape in between (chat deltas, logprobs, a finish reason, usage, errors)."""
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ class FullParser(StreamRecorder):
 
     __slots__ = ()
 
-    def _same_shape(self, data: bytes) -> int | None:
+    def _learn_shape(self, chunk: bytes) -> None:
         return None
 
 
 TEXTS = st.one_of(
     st.sampled_from(["", "a", "hello", "usage", "index", "text", "\"", "\\", "a\\", "x\\\\", "\"text\":\"b",
                      "\n", "é", "null", "}", "]},{"]),
+    st.binary(max_size=6).map(lambda b: b.decode("latin-1")),
     st.text(max_size=12),
 )
 
@@ -34,7 +35,10 @@ TEXTS = st.one_of(
 def chunk(draw: st.DrawFn) -> bytes:
     text = draw(TEXTS)
     kind = draw(st.sampled_from(["completion", "completion", "completion", "chat", "finish", "logprobs", "usage",
-                                 "two", "error", "null_text", "other_id"]))
+                                 "two", "error", "null_text", "other_id", "raw"]))
+    if kind == "raw":  # arbitrary bytes where the text goes, not JSON-escaped (a broken or hostile stream)
+        return (b'data: {"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,"text":"'
+                + draw(st.binary(max_size=8)) + b'","logprobs":null,"finish_reason":null}]}\n\n')
     rid = "cmpl-2" if kind == "other_id" else "cmpl-1"
     choice: dict[str, object] = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
     if kind == "chat":
