@@ -16,9 +16,11 @@ Printed per load: chunks/s on the wire, packets each saw, CPU microseconds per c
 (process user+sys / count), kernel drops (PACKET_STATISTICS / tcpdump's own count), sequence holes,
 and whether the capture's token count equals the tokens the clients received.
 
-How it is measured: the capture process's user+system CPU over the measured phase (``/proc``),
-divided by the tokens it wrote to its trace, so it is everything the capture does per chunk (ring
-reads, reassembly, HTTP and SSE parsing, records, the trace file), not a micro-benchmark. On a box
+How it is measured: the capture process's user+system CPU from the start of the phase (``/proc``)
+until it has processed every packet of it and closed its trace (its own ``process_time`` at exit:
+a capture starved of CPU catches up after the load stops, and that work counts), divided by the
+tokens it wrote to its trace, so it is everything the capture does per chunk (ring reads,
+reassembly, HTTP and SSE parsing, records, the trace file), not a micro-benchmark. On a box
 where the load generator and the upstream share the capture's cores that CPU time is inflated by
 their contention: ``--pin`` puts the capture on the last CPU and everything else on the others
 (as the issue allows), and ``--repeat N`` runs each load N times and prints the lowest and the
@@ -70,7 +72,10 @@ def capture_main(port: int, record: str, ready: Any, q: mp.Queue, cpu: int | Non
         await task
         writer.close()
         st = cap.stats
-        q.put({"packets": st.packets, "drops": st.kernel_drops, "holes": st.holes, "requests": st.requests,
+        # its CPU once every queued packet is processed: a capture starved of CPU during the phase
+        # catches up after it (the ring holds seconds), and that work belongs to the phase's chunks
+        q.put({"cpu_s": time.process_time(), "packets": st.packets, "drops": st.kernel_drops, "holes": st.holes,
+               "requests": st.requests,
                "records": writer.count})
 
     asyncio.run(main())
@@ -168,7 +173,6 @@ def _one_load(args: argparse.Namespace, streams: int, rep: int, up_port: int, up
     wall0 = time.monotonic()
     _, chunks = run_load(upstream, streams, args.clients, args.seconds, args.warmup)
     wall = time.monotonic() - wall0
-    c1 = cpu_s(cap.pid)
     t1 = cpu_s(td.pid if td else None)
     td_packets = td_drops = None
     if td is not None:
@@ -185,6 +189,7 @@ def _one_load(args: argparse.Namespace, streams: int, rep: int, up_port: int, up
     # every chunk the load generated in the phase (warm-up included) crossed the wire
     wire_chunks = chunks * (args.seconds + args.warmup) / args.seconds
     captured = tokens_in(record)
+    c1 = st["cpu_s"]
     cpu_chunk = (c1 - c0) / captured * 1e6 if captured else float("nan")
     cpu_pkt = (c1 - c0) / st["packets"] * 1e6 if st["packets"] else float("nan")
     print(f"\n{streams} streams x {args.rate:g} tok/s: {wire_chunks / wall:,.0f} chunks/s on the wire "
