@@ -231,3 +231,17 @@ def test_the_passed_socket_cannot_be_widened_to_other_ports(install: tuple[Path,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert re.findall(r"refused (\d+)", r.stdout) == ["27", "26"]
+
+
+def test_an_exec_opener_for_another_port_is_named_in_the_error(install: tuple[Path, str]) -> None:
+    bin_dir, path = install
+    app = Path(path.split(os.pathsep)[0])
+    start = [a.replace("{port}", "8001") for a in _start("sidecar", bin_dir, app)]
+    r = subprocess.run([*start, "snapshot", "--url", "http://127.0.0.1:9", "--capture", "8002", "--no-gpu", "--no-host",
+                        "--duration", "1"], env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin",
+                                                 "XDG_CONFIG_HOME": "/nonexistent"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "opened port 8001, not 8002" in line
+

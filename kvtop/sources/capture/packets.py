@@ -17,6 +17,7 @@ socket and passes the descriptor back, so the parser never runs with the capabil
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -25,7 +26,15 @@ import struct
 import subprocess
 import sys
 
-from kvtop.sources.capture.opener import HANDED_ENV, SNAPLEN, filter_code, open_filtered
+from kvtop.sources.capture.opener import (
+    HANDED_ENV,
+    RING_BLOCK,
+    RING_BLOCKS,
+    SNAPLEN,
+    filter_code,
+    make_ring,
+    open_filtered,
+)
 
 __all__ = ["CaptureUnavailable", "PacketSocket", "decode", "filter_code"]
 
@@ -34,14 +43,7 @@ PACKET_STATISTICS = 6
 SO_TIMESTAMPNS = 35
 SO_RCVBUFFORCE = 33
 RCVBUF = 64 << 20
-PACKET_RX_RING, PACKET_VERSION, TPACKET_V3 = 5, 10, 2
 TP_STATUS_USER = 1
-RING_BLOCK = 256 << 10
-RING_BLOCKS = 256  # 64 MiB: seconds of a busy engine's traffic if the reader is starved of CPU
-# A partly filled block is handed over after this long. Each handed-over block takes a whole slot
-# of the ring however few packets it holds, so a short timeout fills the ring with near-empty
-# blocks when the reader falls behind (10 ms dropped packets at 15K chunks/s on a busy 2-core box).
-RING_RETIRE_MS = 50
 
 HOW_TO_GRANT = (
     "passive capture needs CAP_NET_RAW: run as root, or give it to a copy of the interpreter that kvtop "
@@ -174,6 +176,10 @@ class PacketSocket:
             else:
                 sock, self.opened_by = open_filtered(port), "self"
         except PermissionError:
+            if _handed:  # started by opener --exec, for another port: say so rather than how to grant
+                opened = ", ".join(str(p) for p in sorted(_handed))
+                raise CaptureUnavailable(f"the capture opener (--exec) opened port {opened}, not {port}: give "
+                                         "--exec and --capture the same port") from None
             sock = _from_opener(port)
             self.opened_by = CAPTURE_PYTHON
         except OSError as e:
@@ -201,8 +207,11 @@ class PacketSocket:
                     self._queued.extend(batch)
             if ring:
                 self._open_ring()
-            self.stats()
-            self.kernel_drops = 0
+            if self.opened_by == "self":
+                self.stats()  # counts from before the filter held: not this capture's
+                self.kernel_drops = 0
+            # a handed-over socket's counts since it was opened are this capture's losses: the first
+            # check reads them
         except BaseException:
             sock.close()
             raise
@@ -214,10 +223,12 @@ class PacketSocket:
         """A TPACKET_V3 ring: the kernel writes packets into shared memory in blocks, so a drain costs
         no system call per packet. Without it (old kernels, locked memory limits) ``recvmsg`` serves."""
         try:
-            self.sock.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
-            req = struct.pack("@7I", RING_BLOCK, RING_BLOCKS, 2048, RING_BLOCK * RING_BLOCKS // 2048,
-                              RING_RETIRE_MS, 0, 0)
-            self.sock.setsockopt(SOL_PACKET, PACKET_RX_RING, req)
+            try:
+                make_ring(self.sock)
+            except OSError as e:
+                # EBUSY: opener --exec made the ring already (same geometry): map it
+                if e.errno != errno.EBUSY or self.opened_by == "self":
+                    raise
             self._ring = mmap.mmap(self.sock.fileno(), RING_BLOCK * RING_BLOCKS, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
