@@ -44,7 +44,9 @@ def _free_port() -> int:
 
 
 # -- upstream ------------------------------------------------------------------------------------
-def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
+def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event, stamp: bool = True) -> None:
+    """``stamp``: each token event carries its send time (``"ts"``) for the clients' latency; without
+    it the events differ only in their text, as an engine's token chunks do."""
     from aiohttp import web
 
     period = 1.0 / rate
@@ -62,10 +64,15 @@ def upstream_main(port: int, rate: float, tokens: int, ready: mp.Event) -> None:
                 delay = nxt - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                await resp.write(
-                    b'data: {"id":"cmpl-b","object":"text_completion","model":"m","choices":[{"index":0,'
-                    b'"text":"%s%d","logprobs":null,"finish_reason":null}],"ts":%d}\n\n'
-                    % (pad.encode(), i, time.monotonic_ns()))
+                if stamp:
+                    await resp.write(
+                        b'data: {"id":"cmpl-b","object":"text_completion","model":"m","choices":[{"index":0,'
+                        b'"text":"%s%d","logprobs":null,"finish_reason":null}],"ts":%d}\n\n'
+                        % (pad.encode(), i, time.monotonic_ns()))
+                else:
+                    await resp.write(
+                        b'data: {"id":"cmpl-b","object":"text_completion","model":"m","choices":[{"index":0,'
+                        b'"text":"%s%d","logprobs":null,"finish_reason":null}]}\n\n' % (pad.encode(), i))
             await resp.write(b'data: {"choices":[{"index":0,"text":"","finish_reason":"length"}]}\n\n'
                              b"data: [DONE]\n\n")
             await resp.write_eof()
@@ -153,6 +160,8 @@ def client_main(url: str, streams: int, seconds: float, warmup: float, q: mp.Que
                             sent = int(ev[j + 5:ev.index(b"}", j)])
                             lat_us.append((now - sent) / 1000)
                             chunks += 1
+                        elif j < 0 and now / 1e9 >= measure_from and b'"finish_reason":null' in ev:
+                            chunks += 1  # an unstamped upstream's token chunk: counted, not timed
                     if time.monotonic() >= deadline:
                         return
 

@@ -87,8 +87,10 @@ def test_the_sidecar_captures_on_loopback_with_net_raw_only() -> None:
     assert pod["spec"]["automountServiceAccountToken"] is False
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         assert not pod["spec"].get(key)
-    # the file-capability interpreter: a non-root process gets NET_RAW no other way
-    assert c["command"] == ["kvtop-capture-python", "-m", "kvtop"]
+    # the file-capability interpreter (a non-root process gets NET_RAW no other way) only opens the
+    # packet socket, drops the capability and becomes kvtop, which parses without it
+    assert c["command"] == ["kvtop-capture-python", "-I", "-m", "kvtop.sources.capture.opener", "--exec", "8000", "--",
+                            "kvtop"]
     args = build_parser().parse_args(c["args"])
     assert args.command == "agent" and args.url == ["http://127.0.0.1:8000"] and args.capture == 8000
     # the engine container listens on the port the sidecar captures

@@ -48,6 +48,32 @@ def _sidecar_args() -> list[str]:
     return list(c["args"])
 
 
+def _sidecar_command() -> list[str]:
+    [dep] = [d for d in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "kvtop-sidecar.yaml").read_text()) if d]
+    [c] = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "kvtop-agent"]
+    return list(c["command"])
+
+
+def _unit_command() -> list[str]:
+    unit = (REPO / "deploy" / "systemd" / "kvtop-agent-capture.service").read_text()
+    [line] = [ln for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    argv = shlex.split(line.split("=", 1)[1])
+    return argv[:argv.index("agent")]
+
+
+def _opener_here(command: list[str], port: str, cap: Path, plain: Path, path: str) -> list[str]:
+    """A deployment's command (the opener --exec, then kvtop) on this host: its interpreter (the
+    image's kvtop-capture-python, the unit's plain one), the opener by path (``-I`` ignores the
+    PYTHONPATH that stands in for the installed package here), this engine's port, kvtop run by the
+    plain interpreter."""
+    exe, *rest = command
+    assert rest[:5] == ["-I", "-m", "kvtop.sources.capture.opener", "--exec", "8000"] and rest[5] == "--", command
+    here = cap if exe == "kvtop-capture-python" else plain
+    opener = Path(path.split(os.pathsep)[0]) / "kvtop" / "sources" / "capture" / "opener.py"
+    assert rest[6].endswith("kvtop") and len(rest) == 7, command
+    return [str(here), "-I", str(opener), "--exec", port, "--", str(plain), "-m", "kvtop"]
+
+
 def _unit_args() -> list[str]:
     unit = (REPO / "deploy" / "systemd" / "kvtop-agent-capture.service").read_text()
     [line] = [ln for ln in unit.splitlines() if ln.startswith("ExecStart=")]
@@ -141,12 +167,13 @@ def test_the_capture_deployments_count_spikes_in_the_streams_they_capture(image:
         sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:(\d+))")
         url, port = sim_url.group(1), sim_url.group(2)
         if deployment == "kubernetes-sidecar":
-            run = [*_as_sidecar("-all,+net_raw"), str(cap), "-m", "kvtop", *_here(_sidecar_args(), url, port)]
+            run = [*_as_sidecar("-all,+net_raw"), *_opener_here(_sidecar_command(), port, cap, plain, path),
+                   *_here(_sidecar_args(), url, port)]
         else:  # AmbientCapabilities=CAP_NET_RAW, CapabilityBoundingSet=CAP_NET_RAW, NoNewPrivileges=yes
             assert SETPRIV is not None
             run = [SETPRIV, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all,+net_raw",
                    "--ambient-caps=-all,+net_raw", "--bounding-set=-all,+net_raw", "--no-new-privs",
-                   str(plain), "-m", "kvtop", *_here(_unit_args(), url, port), "--no-gpu"]
+                   *_opener_here(_unit_command(), port, cap, plain, path), *_here(_unit_args(), url, port), "--no-gpu"]
         agent = subprocess.Popen([*run, "--no-host", "--interval=0.5"],
                                  env={"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "XDG_CONFIG_HOME": "/nonexistent",
                                       "POD_NAME": "vllm-0", "POD_NAMESPACE": "inference"},

@@ -138,6 +138,20 @@ def engine_metrics(m: Any) -> dict[str, float] | None:
     return out or None
 
 
+def _same_shape(chunk: bytes, pre: bytes, suf: bytes) -> int | None:
+    """1 or 0 (an empty text) when ``chunk`` is ``pre`` + a text + ``suf``, the bytes around the text
+    of a one-line plain token event seen before, else None. A text without a quote, a line break or
+    a trailing backslash cannot end its JSON string early or reach past it, so the event has that
+    event's keys and values around one string: what ``_plain_token_chunk`` would answer, without its
+    regular expressions."""
+    lp = len(pre)
+    ls = len(suf)
+    text = chunk[lp:len(chunk) - ls]
+    if lp + len(text) + ls != len(chunk) or b'"' in text or b"\n" in text or b"\r" in text or text.endswith(b"\\"):
+        return None
+    return 1 if text else 0
+
+
 class StreamRecorder:
     """Turns one response's bytes into request records. Shared by the proxy and the probe.
 
@@ -148,6 +162,7 @@ class StreamRecorder:
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
         "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync", "_metrics",
+        "_tok_pre", "_tok_suf",
     )
 
     def __init__(self, request_id: str, emit: Emit, status: int, sse: bool):
@@ -174,6 +189,10 @@ class StreamRecorder:
         self._skip = False
         self._resync = False
         self._metrics: dict[str, float] | None = None
+        # A stream's token chunks differ only in their text: the bytes around the text of the last
+        # plain token chunk, so the next one is recognised by comparison (see _same_shape)
+        self._tok_pre = b""
+        self._tok_suf = b""
 
     @property
     def tokens(self) -> int:
@@ -192,6 +211,37 @@ class StreamRecorder:
                 self._body.append(chunk)
             self._overflow += len(chunk)
             return
+        if not self._buf:
+            pre = self._tok_pre
+            if pre and chunk.startswith(pre):
+                suf = self._tok_suf
+                if chunk.endswith(suf):
+                    # the stream's next token chunk, recognised by the bytes around its text (see
+                    # _same_shape): what the parser would count, without parsing
+                    n = _same_shape(chunk, pre, suf)
+                    if n is not None:
+                        if n:
+                            self._pend_n += 1
+                            self._pend_t = t
+                            self._flush_tokens()
+                        elif self._pend_n:
+                            self._flush_tokens()
+                        return
+            if chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n\n") \
+                    and b"\r" not in chunk:
+                # one read that is exactly one one-line event (what the loop below would find,
+                # without its copies)
+                data = chunk[6:-2]
+                n = _plain_token_chunk(data) if data != b"[DONE]" else None
+                if n is None:
+                    self._event(chunk[:-2], t)
+                elif n:
+                    self._learn_shape(chunk)
+                    self._pend_n += n
+                    self._pend_t = t
+                if self._pend_n and not self.ended:
+                    self._flush_tokens()
+                return
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             hold = buf.endswith(b"\r")  # may be the first half of a CRLF split across reads
@@ -216,6 +266,20 @@ class StreamRecorder:
             self._overflow = _JSON_BODY_CAP + 1
             rest = b""
         self._buf = rest
+
+    def _learn_shape(self, chunk: bytes) -> None:
+        """Remember the bytes around the text of ``chunk``, a one-line plain token event."""
+        m = _TEXT_RE.search(chunk)
+        if m is None or m.group(1) is not None:
+            return
+        start = m.end()
+        if chunk[start:start + 1] != b'"':
+            return
+        end = chunk.find(b'"', start + 1)
+        if end < 0 or b"\\" in chunk[start + 1:end]:
+            return
+        self._tok_pre = chunk[:start + 1]
+        self._tok_suf = chunk[end:]
 
     def hole(self) -> None:
         """Bytes of this response were lost between the last ``feed`` and the next."""
@@ -321,7 +385,7 @@ class StreamRecorder:
         else:
             ev = "token"
         self._resync = False
-        self.emit(RequestRecord(self._pend_t, self.id, ev, n=n))
+        self.emit(RequestRecord(self._pend_t, self.id, ev, n))
         self._tokens += n
 
     def _end(self, rec: RequestRecord) -> None:

@@ -36,6 +36,7 @@ _SAFE_ID = re.compile(rb"^[A-Za-z0-9_.:\-]{1,128}$")
 _CHUNK_START = re.compile(rb"\r\n([0-9a-fA-F]{1,8})(?:;[^\r\n]{0,256})?\r\n(?=data:|\r\n|[A-Za-z0-9-]{1,64}:)")
 # chunk-size = 1*HEXDIG (RFC 9112 §7.1): int(x, 16) alone also takes "-5", "+5", "0x5" and "5_0"
 _CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")
+_CHUNK_HEAD = re.compile(rb"([0-9a-fA-F]{1,16})\r\n")
 
 
 @dataclass
@@ -108,8 +109,18 @@ class _Chunked:
         return self._feed(data, out)
 
     def _feed(self, data: bytes, out: list[bytes]) -> int:
-        i = 0
         n = len(data)
+        if self.state == self.SIZE and not self.line:
+            # the streaming case: a packet that is exactly one whole chunk (one SSE event), read
+            # without the state machine; anything else (extensions, a last chunk, a split) goes on below
+            m = _CHUNK_HEAD.match(data)
+            if m is not None:
+                start = m.end()
+                size = int(m.group(1), 16)
+                if size and start + size + 2 == n and data.endswith(b"\r\n"):
+                    out.append(data[start:n - 2])
+                    return n
+        i = 0
         while i < n:
             st = self.state
             if st == self.DATA:
@@ -398,6 +409,22 @@ class HttpConnection:
 
     # -- server -> client ---------------------------------------------------------------------
     def server_data(self, data: bytes, t: float) -> None:
+        body = self._s_body
+        if body is not None and body.chunked is not None and not self.dead:
+            ch = body.chunked
+            if ch.state == _Chunked.SIZE and not ch.line and ch.resync is None:
+                # the streaming case: a segment that is exactly one whole chunk (one SSE event), as
+                # _server_body and _Chunked would take it, without their calls
+                m = _CHUNK_HEAD.match(data)
+                if m is not None:
+                    start = m.end()
+                    n = len(data)
+                    size = int(m.group(1), 16)
+                    if size and start + size + 2 == n and data.endswith(b"\r\n"):
+                        ex = self._s_ex
+                        if ex is not None and ex.rec is not None:
+                            ex.rec.feed(data[start:n - 2], t)
+                        return
         while data and not self.dead:
             if self._s_body is None:
                 data = self._server_head(data, t)

@@ -9,143 +9,70 @@ The socket is ``SOCK_DGRAM`` (link headers stripped: loopback, Ethernet and tunn
 the IP header), bound to no interface (every interface, loopback included). The filter keeps TCP
 over IPv4/IPv6 to or from the port and drops loopback's outgoing copy of each packet (loopback
 shows every packet twice). Timestamps are the kernel's receive times (``SO_TIMESTAMPNS``).
+
+Who opens it: this process when it may (root, or ``CAP_NET_RAW``); otherwise ``kvtop-capture-python``
+(a copy of the interpreter that holds the capability) runs ``opener.py``, which opens the filtered
+socket and passes the descriptor back, so the parser never runs with the capability.
 """
 
 from __future__ import annotations
 
-import ctypes
+import errno
 import mmap
+import os
+import shutil
 import socket
 import struct
+import subprocess
 import sys
 
-ETH_P_ALL = 0x0003
+from kvtop.sources.capture.opener import (
+    HANDED_ENV,
+    RING_BLOCK,
+    RING_BLOCKS,
+    SNAPLEN,
+    filter_code,
+    make_ring,
+    open_filtered,
+)
+
+__all__ = ["CaptureUnavailable", "PacketSocket", "decode", "filter_code"]
+
 SOL_PACKET = 263
 PACKET_STATISTICS = 6
-SO_ATTACH_FILTER = 26
 SO_TIMESTAMPNS = 35
 SO_RCVBUFFORCE = 33
-PACKET_OUTGOING = 4
-SKF_AD_OFF = -0x1000
-SKF_AD_PROTOCOL, SKF_AD_PKTTYPE, SKF_AD_IFINDEX = 0, 4, 8
 RCVBUF = 64 << 20
-SNAPLEN = 262144
-PACKET_RX_RING, PACKET_VERSION, TPACKET_V3 = 5, 10, 2
 TP_STATUS_USER = 1
-RING_BLOCK = 256 << 10
-RING_BLOCKS = 256  # 64 MiB: seconds of a busy engine's traffic if the reader is starved of CPU
-# A partly filled block is handed over after this long. Each handed-over block takes a whole slot
-# of the ring however few packets it holds, so a short timeout fills the ring with near-empty
-# blocks when the reader falls behind (10 ms dropped packets at 15K chunks/s on a busy 2-core box).
-RING_RETIRE_MS = 50
 
 HOW_TO_GRANT = (
-    "passive capture needs CAP_NET_RAW: run as root, or give it to a copy of the interpreter that only "
-    "kvtop runs (`sudo cp $(readlink -f {python}) /usr/local/bin/kvtop-capture-python && sudo setcap "
-    "cap_net_raw+ep /usr/local/bin/kvtop-capture-python`, then `kvtop-capture-python -m kvtop ...`), "
-    "or use --proxy-listen / --probe instead"
+    "passive capture needs CAP_NET_RAW: run as root, or give it to a copy of the interpreter that kvtop "
+    "runs only to open the capture socket (`sudo cp $(readlink -f {python}) /usr/local/bin/kvtop-capture-python "
+    "&& sudo setcap cap_net_raw+ep /usr/local/bin/kvtop-capture-python`; kvtop finds it on PATH and parses "
+    "without the capability), or use --proxy-listen / --probe instead"
 )
+# the privileged interpreter copy kvtop runs the opener with (looked up on PATH)
+CAPTURE_PYTHON = "kvtop-capture-python"
+OPENER_TIMEOUT_S = 20.0
 
 
 class CaptureUnavailable(Exception):
     """Capture cannot run here; the message is one line that says what to do."""
 
 
-def _ins(code: int, jt: int, jf: int, k: int) -> bytes:
-    return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
-
-
-# classic BPF opcodes
-_LD_W_ABS, _LD_H_ABS, _LD_B_ABS = 0x20, 0x28, 0x30
-_LD_H_IND, _LD_B_IND = 0x48, 0x50
-_LDX_MSH, _LDX_MEM, _ST = 0xB1, 0x61, 0x02
-_RSH_K, _AND_K, _ADD_X, _SUB_X, _TAX = 0x74, 0x54, 0x0C, 0x1C, 0x07
-_JEQ, _JGT, _JSET = 0x15, 0x25, 0x45
-_RET = 0x06
-_SYN_FIN_RST = 0x07
-
-
-def filter_code(port: int, lo_ifindex: int) -> bytes:
-    """The classic BPF program (an array of ``struct sock_filter``): TCP to or from ``port`` over
-    IPv4 (unfragmented) or IPv6 (no extension headers) that carries data or SYN/FIN/RST. Pure ACKs
-    are dropped in the kernel (half the packets of a stream, nothing a record needs; a lost
-    segment is then found by the segments after it). Loopback's outgoing copies are dropped too.
-    Offsets are from the IP header (a SOCK_DGRAM socket)."""
-    L = "label"
-    code: list[tuple[object, ...]] = [
-        (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_PKTTYPE),
-        (_JEQ, 0, ("proto",), PACKET_OUTGOING),
-        (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_IFINDEX),
-        (_JEQ, ("drop",), 0, lo_ifindex),
-        (L, "proto"),
-        (_LD_W_ABS, 0, 0, SKF_AD_OFF + SKF_AD_PROTOCOL),
-        (_JEQ, 0, ("v6",), 0x0800),
-        # IPv4
-        (_LD_B_ABS, 0, 0, 9),
-        (_JEQ, 0, ("drop",), 6),
-        (_LD_H_ABS, 0, 0, 6),
-        (_JSET, ("drop",), 0, 0x1FFF),  # a later fragment
-        (_LDX_MSH, 0, 0, 0),  # X = IPv4 header length
-        (_LD_H_IND, 0, 0, 0),
-        (_JEQ, ("v4port",), 0, port),
-        (_LD_H_IND, 0, 0, 2),
-        (_JEQ, 0, ("drop",), port),
-        (L, "v4port"),
-        (_LD_B_IND, 0, 0, 13),
-        (_JSET, ("accept",), 0, _SYN_FIN_RST),
-        (_LD_B_IND, 0, 0, 12),
-        (_RSH_K, 0, 0, 2),
-        (_AND_K, 0, 0, 0x3C),  # TCP header length
-        (_ADD_X, 0, 0, 0),
-        (_ST, 0, 0, 0),
-        (_LD_H_ABS, 0, 0, 2),  # IPv4 total length
-        (_LDX_MEM, 0, 0, 0),
-        (_SUB_X, 0, 0, 0),  # payload bytes (a TSO packet's zero length wraps: kept)
-        (_JGT, ("accept",), ("drop",), 0),
-        # IPv6
-        (L, "v6"),
-        (_JEQ, 0, ("drop",), 0x86DD),
-        (_LD_B_ABS, 0, 0, 6),
-        (_JEQ, 0, ("drop",), 6),
-        (_LD_H_ABS, 0, 0, 40),
-        (_JEQ, ("v6port",), 0, port),
-        (_LD_H_ABS, 0, 0, 42),
-        (_JEQ, 0, ("drop",), port),
-        (L, "v6port"),
-        (_LD_B_ABS, 0, 0, 53),
-        (_JSET, ("accept",), 0, _SYN_FIN_RST),
-        (_LD_B_ABS, 0, 0, 52),
-        (_RSH_K, 0, 0, 2),
-        (_AND_K, 0, 0, 0x3C),
-        (_TAX, 0, 0, 0),
-        (_LD_H_ABS, 0, 0, 4),  # IPv6 payload length (TCP header included)
-        (_SUB_X, 0, 0, 0),
-        (_JGT, ("accept",), ("drop",), 0),
-        (L, "accept"),
-        (_RET, 0, 0, SNAPLEN),
-        (L, "drop"),
-        (_RET, 0, 0, 0),
-    ]
-    labels: dict[str, int] = {}
-    flat: list[tuple[object, ...]] = []
-    for ins in code:
-        if ins[0] == L:
-            labels[str(ins[1])] = len(flat)
-        else:
-            flat.append(ins)
-
-    def jump(target: object, at: int) -> int:
-        # classic BPF jumps count instructions after the current one; a 1-tuple names a label
-        return labels[str(target[0])] - at - 1 if isinstance(target, tuple) else int(str(target))
-
-    return b"".join(_ins(int(str(op)), jump(jt, i), jump(jf, i), int(str(k))) for i, (op, jt, jf, k) in enumerate(flat))
-
-
 def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | None:
     """(src, sport, dst, dport, seq, ack, flags, payload) of a TCP packet from its IP header on."""
     if not pkt:
         return None
-    v = pkt[0] >> 4
+    b0 = pkt[0]
+    if b0 == 0x45 and len(pkt) >= 40:
+        # IPv4 without options, the usual packet: the IP and TCP headers in one unpack
+        _, total, proto, src, dst, sport, dport, seq, ack, hf = _V4.unpack_from(pkt)
+        if proto != 6:
+            return None
+        end = total if 0 < total <= len(pkt) else len(pkt)
+        return src, sport, dst, dport, seq, ack, hf & 0x3F, pkt[20 + (hf >> 12) * 4:end]
+    v = b0 >> 4
     if v == 4:
         ihl = (pkt[0] & 15) * 4
         if pkt[9] != 6 or len(pkt) < ihl + 20:
@@ -166,10 +93,73 @@ def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | 
 
 
 _TCP = struct.Struct("!HHIIH")
+_V4 = struct.Struct("!BxH5xBxx4s4sHHIIH")  # version/IHL, total length, protocol, addresses; TCP ports, seq, ack, offset+flags
 _TS = struct.Struct("@qq")
 _STATS = struct.Struct("@II")
 _BLOCK = struct.Struct("@III")  # block_status, num_pkts, offset_to_first_pkt (at offset 8)
 _PKT = struct.Struct("@IIIIIIHH")  # next_offset, sec, nsec, snaplen, len, status, mac, net
+Segment = tuple[float, int, bytes, int, bytes, int, int, int, int, bytes]
+
+
+_handed: dict[int, int] = {}
+
+
+def _handed_socket(port: int) -> socket.socket | None:
+    """A copy of the socket an ``opener.py --exec`` left open for ``port`` (``KVTOP_CAPTURE_FD``).
+    Taken out of the environment and made non-inheritable at first use: kvtop's own children get
+    neither; each ``PacketSocket`` gets its own descriptor of it, so closing one keeps it."""
+    handed = os.environ.pop(HANDED_ENV, None)
+    if handed is not None:
+        p, _, f = handed.partition(":")
+        if p.isdigit() and f.isdigit():
+            try:
+                os.set_inheritable(int(f), False)
+                _handed[int(p)] = int(f)
+            except OSError:
+                pass
+    fd = _handed.get(port)
+    if fd is None:
+        return None
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    if sock.family != socket.AF_PACKET:
+        sock.close()
+        return None
+    return sock
+
+
+def _from_opener(port: int) -> socket.socket:
+    """The packet socket opened by ``kvtop-capture-python`` running ``opener.py`` and passed back
+    over a Unix socket pair (``SCM_RIGHTS``): this process never holds the capability."""
+    how = CaptureUnavailable(HOW_TO_GRANT.format(python=sys.executable))
+    exe = shutil.which(CAPTURE_PYTHON)
+    if exe is None:
+        raise how
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours:
+        try:
+            with theirs:
+                # -I: the privileged interpreter ignores PYTHON* variables, the user's site and the
+                # script's folder; it runs one standard-library file
+                subprocess.run([exe, "-I", os.path.join(os.path.dirname(__file__), "opener.py"), str(port),
+                                str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=OPENER_TIMEOUT_S,
+                               check=False)
+            ours.setblocking(False)
+            msg, fds, _flags, _addr = socket.recv_fds(ours, 512, 1)
+        except (OSError, subprocess.SubprocessError):  # not runnable here (no NET_RAW to bound it), hung, no reply
+            raise how from None
+    if not fds:
+        raise how
+    sock = socket.socket(fileno=fds[0])
+    for extra in fds[1:]:
+        os.close(extra)
+    if msg != b"ok" or sock.family != socket.AF_PACKET:
+        sock.close()
+        raise how
+    return sock
 
 
 class PacketSocket:
@@ -180,9 +170,18 @@ class PacketSocket:
         if af is None or not sys.platform.startswith("linux"):
             raise CaptureUnavailable("passive capture needs Linux (AF_PACKET); use --proxy-listen or --probe instead")
         try:
-            sock = socket.socket(af, socket.SOCK_DGRAM, socket.htons(ETH_P_ALL))
+            handed = _handed_socket(port)
+            if handed is not None:
+                sock, self.opened_by = handed, "opener --exec"
+            else:
+                sock, self.opened_by = open_filtered(port), "self"
         except PermissionError:
-            raise CaptureUnavailable(HOW_TO_GRANT.format(python=sys.executable)) from None
+            if _handed:  # started by opener --exec, for another port: say so rather than how to grant
+                opened = ", ".join(str(p) for p in sorted(_handed))
+                raise CaptureUnavailable(f"the capture opener (--exec) opened port {opened}, not {port}: give "
+                                         "--exec and --capture the same port") from None
+            sock = _from_opener(port)
+            self.opened_by = CAPTURE_PYTHON
         except OSError as e:
             raise CaptureUnavailable(f"cannot open a packet socket: {e.strerror or e}") from None
         self.sock = sock
@@ -190,32 +189,29 @@ class PacketSocket:
         self.kernel_drops = 0
         self._anc = socket.CMSG_SPACE(_TS.size)
         try:
-            try:
-                lo = socket.if_nametoindex("lo")
-            except OSError:
-                lo = 0
-            prog = filter_code(port, lo)
-            buf = ctypes.create_string_buffer(prog)
-            fprog = struct.pack("HL", len(prog) // 8, ctypes.addressof(buf))
-            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
             sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
-            except OSError:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-            sock.setblocking(False)
-            # Packets queued before the filter was attached are unfiltered: drop them.
-            while True:
+            # a handed-over socket may hold traffic queued while kvtop started: never shrink its queue
+            if self.opened_by == "self" or rcvbuf >= RCVBUF:
                 try:
-                    sock.recv(SNAPLEN)
-                except BlockingIOError:
-                    break
+                    sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
+                except OSError:  # CAP_NET_ADMIN only: the ring below holds the bursts anyway
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
             self._ring: mmap.mmap | None = None
             self._block = 0
+            # a socket opened by someone else holds what arrived since (an exec'd kvtop starts in
+            # seconds), and setting up the ring purges that queue: it is read out first
+            self._queued: list[tuple[float, bytes]] = []
+            if ring and self.opened_by != "self":
+                while batch := self._read_queue(512):
+                    self._queued.extend(batch)
             if ring:
                 self._open_ring()
-            self.stats()
-            self.kernel_drops = 0
+            if self.opened_by == "self":
+                self.stats()  # counts from before the filter held: not this capture's
+                self.kernel_drops = 0
+            # a handed-over socket's counts since it was opened are this capture's losses: the first
+            # check reads them
         except BaseException:
             sock.close()
             raise
@@ -227,10 +223,12 @@ class PacketSocket:
         """A TPACKET_V3 ring: the kernel writes packets into shared memory in blocks, so a drain costs
         no system call per packet. Without it (old kernels, locked memory limits) ``recvmsg`` serves."""
         try:
-            self.sock.setsockopt(SOL_PACKET, PACKET_VERSION, TPACKET_V3)
-            req = struct.pack("@7I", RING_BLOCK, RING_BLOCKS, 2048, RING_BLOCK * RING_BLOCKS // 2048,
-                              RING_RETIRE_MS, 0, 0)
-            self.sock.setsockopt(SOL_PACKET, PACKET_RX_RING, req)
+            try:
+                make_ring(self.sock)
+            except OSError as e:
+                # EBUSY: opener --exec made the ring already (same geometry): map it
+                if e.errno != errno.EBUSY or self.opened_by == "self":
+                    raise
             self._ring = mmap.mmap(self.sock.fileno(), RING_BLOCK * RING_BLOCKS, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
@@ -245,7 +243,13 @@ class PacketSocket:
         block, or up to ``limit`` from the socket queue."""
         ring = self._ring
         if ring is not None:
+            if self._queued:
+                out, self._queued = self._queued, []
+                return out + self._read_ring(ring)
             return self._read_ring(ring)
+        return self._read_queue(limit)
+
+    def _read_queue(self, limit: int) -> list[tuple[float, bytes]]:
         out = []
         recvmsg = self.sock.recvmsg
         anc = self._anc
@@ -261,6 +265,50 @@ class PacketSocket:
                     sec, nsec = unpack(cdata[:16])
                     ts = sec + nsec * 1e-9
             out.append((ts, data))
+        return out
+
+    def read_segments(self) -> list[Segment]:
+        """Queued TCP segments, decoded: (time, IP packet bytes, src, sport, dst, dport, seq, ack,
+        flags, payload). From the ring, an IPv4 packet's headers are read in place and only its
+        payload is copied out (the capture's commonest packet, one copy instead of two)."""
+        ring = self._ring
+        if ring is None or self._queued:
+            out: list[Segment] = []
+            for ts, data in self.read():
+                d = decode(data)
+                if d is not None:
+                    out.append((ts, len(data), *d))
+            return out
+        return self._read_ring_segments(ring)
+
+    def _read_ring_segments(self, ring: mmap.mmap) -> list[Segment]:
+        out: list[Segment] = []
+        append = out.append
+        block_unpack = _BLOCK.unpack_from
+        pkt_unpack = _PKT.unpack_from
+        v4_unpack = _V4.unpack_from
+        for _ in range(RING_BLOCKS):
+            base = self._block * RING_BLOCK
+            status, n, off = block_unpack(ring, base + 8)
+            if not status & TP_STATUS_USER:
+                break
+            p = base + off
+            for _ in range(n):
+                nxt, sec, nsec, snap, _len, _st, _mac, net = pkt_unpack(ring, p)
+                a = p + net
+                if snap >= 40 and ring[a] == 0x45:
+                    _, total, proto, src, dst, sport, dport, seq, ack, hf = v4_unpack(ring, a)
+                    if proto == 6:
+                        end = total if 0 < total <= snap else snap
+                        append((sec + nsec * 1e-9, snap, src, sport, dst, dport, seq, ack, hf & 0x3F,
+                                ring[a + 20 + (hf >> 12) * 4:a + end]))
+                else:
+                    d = decode(ring[a:a + snap])
+                    if d is not None:
+                        append((sec + nsec * 1e-9, snap, *d))
+                p += nxt
+            ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
+            self._block = (self._block + 1) % RING_BLOCKS
         return out
 
     def _read_ring(self, ring: mmap.mmap) -> list[tuple[float, bytes]]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kvtop.model.records import Record, RequestRecord
 from kvtop.sources.capture.http import CaptureStats
-from kvtop.sources.capture.packets import PacketSocket, decode
+from kvtop.sources.capture.packets import PacketSocket
 from kvtop.sources.capture.tcp import Reassembler
 from kvtop.sources.sse import Clock, Emit
 
@@ -74,19 +74,17 @@ class CaptureSource:
         st = self.stats
         total = 0
         while True:
-            pkts = sock.read()
-            if not pkts:
+            segs = sock.read_segments()
+            if not segs:
                 break
-            total += len(pkts)
-            for ts, data in pkts:
-                d = decode(data)
-                if d is None:
-                    continue
-                st.packets += 1
-                st.bytes += len(data)
-                src, sport, dst, dport, seq, ack, flags, payload = d
+            total += len(segs)
+            nbytes = 0
+            for ts, size, src, sport, dst, dport, seq, ack, flags, payload in segs:
+                nbytes += size
                 seg(ts + off, src, sport, dst, dport, seq, ack, flags, payload)
-            if len(pkts) < 512 or sock.uses_ring:
+            st.packets += len(segs)
+            st.bytes += nbytes
+            if len(segs) < 512 or sock.uses_ring:
                 break
         now = self.clock()
         if now >= self._next_stats:
@@ -126,17 +124,40 @@ class CaptureSource:
     async def run(self, stop: asyncio.Event) -> None:
         """Observe until ``stop`` is set (opens the socket first if ``open`` was not called).
 
-        The socket is drained every ``POLL_S`` rather than on every packet: record times are the
-        kernel's, so waiting costs no accuracy, and one wake-up per batch instead of per packet is
-        most of the CPU saved at low rates. The kernel buffer holds seconds of traffic meanwhile.
+        With the ring, the loop wakes when the kernel hands over a block (full, or partly filled
+        after ``RING_RETIRE_MS``) and at least once a second for the checks: an idle engine costs
+        one wake-up a second, a busy one a wake-up per block of hundreds of packets. Without it the
+        socket is drained every ``POLL_S`` rather than on every packet. Record times are the
+        kernel's either way, so batching the reads costs no accuracy.
         """
         self.open()
-        sleep = asyncio.sleep
+        sock = self._sock
+        loop = asyncio.get_running_loop()
+        woke = asyncio.Event()
+        fd = None
+        if sock is not None and sock.uses_ring:
+            try:
+                loop.add_reader(sock.fileno(), woke.set)
+                fd = sock.fileno()
+            except (NotImplementedError, OSError, ValueError):  # a loop without readers: poll
+                fd = None
+        stopped = asyncio.ensure_future(stop.wait())
         try:
+            self.poll()  # what a socket opened by someone else holds already
             while not stop.is_set():
-                await sleep(POLL_S)
+                if fd is None:
+                    await asyncio.sleep(POLL_S)
+                else:
+                    waiter = asyncio.ensure_future(woke.wait())
+                    await asyncio.wait((waiter, stopped), timeout=STATS_INTERVAL_S,
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    woke.clear()
                 self.poll()
         finally:
+            if fd is not None:
+                loop.remove_reader(fd)
+            stopped.cancel()
             self.poll()
             self.check(self.clock())
             self.close()

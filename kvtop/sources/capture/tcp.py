@@ -105,18 +105,30 @@ class Reassembler:
         conn.last_t = t
         flow, peer = (conn.c, conn.s) if from_client else (conn.s, conn.c)
         if flags & ACK:
-            if peer.acked is None or _diff(ack, peer.acked) > 0:
+            # _diff(a, b) > 0 written out: this runs for every packet
+            pa = peer.acked
+            if pa is None or 0 < ((ack - pa) & 0xFFFFFFFF) < 0x80000000:
                 peer.acked = ack
-            if peer.next is not None and _diff(ack, peer.next) > 0 and not peer.closed:
+            pn = peer.next
+            if pn is not None and 0 < ((ack - pn) & 0xFFFFFFFF) < 0x80000000 and not peer.closed:
                 self._ack_beyond(conn, peer, not from_client, ack, t)
         if flags & RST:
             self._close(key, conn, t, reset=True, by_client=from_client)
             return
         if payload:
-            if flow.next is None and not self._sync(conn, flow, from_client, seq, payload):
-                self.stats.joined_mid_stream += 1
-                return
-            self._data(conn, flow, from_client, seq, payload, t)
+            nxt = flow.next
+            if nxt == seq and not flow.ooo:
+                # the streaming case, in order with nothing waiting: what _data would do
+                flow.next = (seq + len(payload)) & 0xFFFFFFFF
+                if from_client:
+                    conn.http.client_data(payload, t)
+                else:
+                    conn.http.server_data(payload, t)
+            else:
+                if nxt is None and not self._sync(conn, flow, from_client, seq, payload):
+                    self.stats.joined_mid_stream += 1
+                    return
+                self._data(conn, flow, from_client, seq, payload, t)
         if flags & FIN:
             flow.fin_seq = (seq + len(payload)) & 0xFFFFFFFF
         if flow.fin_seq is not None and flow.next is not None and flow.next == flow.fin_seq and not flow.closed:
