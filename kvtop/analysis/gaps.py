@@ -225,9 +225,22 @@ class GapTracker:
         r.tokens += k
         r.events += 1
         if lt is not None:
+            g = t - lt
             if r.watch:
-                r.watch = [w for w in r.watch if not w.look(t, k, t - lt)]
-            self.gap(r, lt, t, t - lt, "token", k)
+                r.watch = [w for w in r.watch if not w.look(t, k, g)]
+            tgt = self.itl_target_s
+            if tgt is None or g >= LONG_FRACTION * tgt:
+                self.gap(r, lt, t, g, "token", k)
+            else:
+                # ``gap`` for the common case (target known, a short gap), inline: the live path's
+                # cost per token is mostly Python calls
+                self.n_gaps += 1
+                if g > r.max_gap:
+                    r.max_gap = g
+                if not self.n_gaps & 7:
+                    self.hist.add(g)
+                r.recent.append(g)
+                r.calm.append(g)
             r.recent_n.append(k)
 
     def resync(self, r: ReqState, t: float, n: int | None = None) -> None:

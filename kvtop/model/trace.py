@@ -30,7 +30,14 @@ from kvtop.model.records import (
     to_dict,
     trace_time,
 )
-from kvtop.model.validate import MAX_LINE_BYTES, header_problems, parse_line
+from kvtop.model.validate import (
+    MAX_LINE_BYTES,
+    DecodeError,
+    decode_line,
+    header_problems,
+    parse_line,
+    record_ok,
+)
 
 
 class TraceError(Exception):
@@ -352,8 +359,15 @@ class TraceReader:
             yield line
 
     def dicts(self) -> Iterator[dict[str, Any]]:
+        # ``parse_line``'s common case inline: a call fewer per record on the streaming path
+        decode, ok, limit = decode_line, record_ok, MAX_LINE_BYTES
         for line in self._lines():
-            d = parse_line(line)
+            try:
+                d = decode(line) if len(line) <= limit else None
+                if d is not None and not ok(d):
+                    d = None
+            except DecodeError:
+                d = parse_line(line)
             if d is None:
                 if line.strip():
                     self.skipped += 1
