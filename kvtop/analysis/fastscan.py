@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.model.trace import open_binary
@@ -85,10 +85,6 @@ def _feed_line(an: Analyzer, line: bytes) -> int:
         return 1
     an.feed_dict(d)
     return 0
-
-
-def _slow_lines(an: Analyzer, lines: list[bytes]) -> int:
-    return sum(_feed_line(an, line) for line in lines)
 
 
 PAD = 256  # zero bytes after each chunk: every fixed-width window below stays inside the buffer
@@ -206,11 +202,78 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
         if pos >= len(buf):
             return bad
         return bad + _chunk(an, buf[pos:])
+    p = _parse(buf)
+    return _apply(an, p) if p is not None else 0
+
+
+class Parsed(NamedTuple):
+    """One chunk as ``_parse`` read it, without the analyzer (a worker process can make it)."""
+
+    engines: list[tuple[str, Any]]  # (request id, engine) of arrive lines naming one, in file order
+    # every line as the streaming path reads it (dict, or None when malformed; blank lines left
+    # out), when the chunk must go through the streaming path whole; else None
+    slow: list[dict[str, Any] | None] | None
+    held: bool  # ``slow`` goes in with attribution held (a token time the batch could not take)
+    ids: list[str]  # the batch: distinct request ids, each event's index into them, times, tokens,
+    codes: Index  # whether it is a first_token event
+    ts: npt.NDArray[np.float64]
+    ns: npt.NDArray[np.int64]
+    ft: Mask
+    # the other lines in file order: (a first_token line the batch counted, its dict or None)
+    others: list[tuple[bool, dict[str, Any] | None]]
+    tokens: int  # token lines (not first_token) in the batch
+
+
+def _slow(buf: bytes) -> list[dict[str, Any] | None]:
+    return [parse_line(line) for line in buf.split(b"\n") if line.strip()]
+
+
+def _feed_dicts(an: Analyzer, ds: list[dict[str, Any] | None]) -> int:
+    bad = 0
+    for d in ds:
+        if d is None:
+            bad += 1
+        else:
+            an.feed_dict(d)
+    return bad
+
+
+def _apply(an: Analyzer, p: Parsed) -> int:
+    """Feed one parsed chunk into ``an``; returns its count of malformed lines."""
+    for rid, engine in p.engines:
+        an.name_engine(rid, engine)
+    if p.slow is not None and not p.held:
+        return _feed_dicts(an, p.slow)
+    skipped = 0
+    with an.batch():
+        if p.slow is not None:
+            return _feed_dicts(an, p.slow)
+        if len(p.ts):
+            an.add_token_batch(p.ids, p.codes, p.ts, p.ns, p.ft)
+        # every other line, and first_token bookkeeping, in file order through the normal methods
+        for first, d in p.others:
+            if d is None:
+                skipped += 1
+            elif first:
+                an.records += 1
+                an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
+                                 d.get("class"), tokens_done=True)
+            else:
+                an.feed_dict(d)
+        an.records += p.tokens
+    return skipped
+
+
+def _parse(buf: bytes) -> Parsed | None:
+    """Read one chunk (whole lines, the last ending in a newline): the token lines as columns,
+    every other line as a checked dict. Needs no analyzer: it can run in another process."""
     n = len(buf)
     arr = np.frombuffer(buf + bytes(PAD), np.uint8)
     ends = np.flatnonzero(arr[:n] == 10)
     if len(ends) == 0:
-        return 0
+        return None
+    empty = np.zeros(0, dtype=np.int64)
+    nothing = Parsed([], None, False, [], empty, empty.astype(np.float64), empty, empty.astype(bool), [], 0)
     starts = np.empty_like(ends)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
@@ -250,56 +313,54 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     for i in np.flatnonzero(~fast).tolist():
         line = buf[starts[i]:ends[i]]
         if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
-            return _slow_lines(an, buf.split(b"\n"))
+            return nothing._replace(slow=_slow(buf))
     fi = np.flatnonzero(fast)
-    skipped = 0
+    engines: list[tuple[str, Any]] = []
     if b'"arrive"' in buf and b'"engine":' in buf:
         # arrive lines in the writer's key order, found like the token lines; any line of another
         # shape is looked at too
         arrive = _match(arr, idend, EV_ARRIVE, ok & ~fast)
-        _name_engines(an, buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
-    with an.batch():
-        if len(fi):
-            ts_, te_ = tstart[fi], tend[fi]
-            is_, ie_ = idstart[fi], idend[fi]
-            # narrowest fixed width that holds every value of this chunk
-            ts = _times(_field(arr, ts_, te_), te_ - ts_)
-            if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
-                # a token line whose time is not a number or out of range: the streaming path
-                # judges the chunk (the trace reader's check skips such lines)
-                return _slow_lines(an, buf.split(b"\n"))
-            uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
-            ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
-            an.add_token_batch(ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi])
-        # every other line, and first_token bookkeeping, in file order through the normal methods
-        oi = np.flatnonzero(~fast | is_ft)
-        for i in oi.tolist():
-            line = buf[starts[i]:ends[i]]
-            if is_ft[i] and fast[i]:
-                d = parse_line(line)  # its shape looked right; a flipped byte can still break the JSON
-                if d is None:
-                    skipped += 1
-                    continue
-                an.records += 1
-                an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
-                                 d.get("class"), tokens_done=True)
-            else:
-                skipped += _feed_line(an, line)
-        an.records += int(np.count_nonzero(is_tok & fast))
-    return skipped
+        engines = _engines(buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
+    if not len(fi):
+        ts = nothing.ts
+        ids: list[str] = []
+        codes = nothing.codes
+    else:
+        ts_, te_ = tstart[fi], tend[fi]
+        is_, ie_ = idstart[fi], idend[fi]
+        # narrowest fixed width that holds every value of this chunk
+        ts = _times(_field(arr, ts_, te_), te_ - ts_)
+        if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
+            # a token line whose time is not a number or out of range: the streaming path
+            # judges the chunk (the trace reader's check skips such lines)
+            return nothing._replace(engines=engines, slow=_slow(buf), held=True)
+        uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
+        ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
+    others: list[tuple[bool, dict[str, Any] | None]] = []
+    for i in np.flatnonzero(~fast | is_ft).tolist():
+        line = buf[starts[i]:ends[i]]
+        if is_ft[i] and fast[i]:
+            # its shape looked right; a flipped byte can still break the JSON
+            others.append((True, parse_line(line)))
+        elif line.strip():
+            others.append((False, parse_line(line)))
+    return Parsed(engines, None, False, ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi], others,
+                  int(np.count_nonzero(is_tok & fast)))
 
 
-def _name_engines(an: Analyzer, buf: bytes, starts: Index, ends: Index, rows: list[int]) -> None:
+def _engines(buf: bytes, starts: Index, ends: Index, rows: list[int]) -> list[tuple[str, Any]]:
     """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
     gaps are made before the chunk's other lines go through in file order, and a gap is compared
     with other streams of its own engine."""
+    out = []
     for i in rows:
         line = buf[starts[i]:ends[i]]
         if b'"arrive"' not in line or b'"engine":' not in line:
             continue
         d = parse_line(line)
         if d is not None and d.get("kind") == "request" and d.get("event") == "arrive":
-            an.name_engine(str(d["id"]), d.get("engine"))
+            out.append((str(d["id"]), d.get("engine")))
+    return out
 
 
 def _unique(ids: Strings) -> tuple[Strings, Index]:
