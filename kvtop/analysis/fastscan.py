@@ -13,11 +13,17 @@ path's (tested).
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import sys
+import threading
+from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from kvtop.analysis.analyzer import Analyzer
-from kvtop.model.trace import open_binary
+from kvtop.model.trace import GZIP_MAGIC, open_binary
 from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
@@ -48,10 +54,17 @@ def available() -> bool:
     return np is not None
 
 
-def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None) -> int:
+def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None,
+         workers: int | None = None) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines.
     ``tick(bytes read)`` after each chunk: True stops there (the records of whole lines read so far
-    are in ``an``)."""
+    are in ``an``). ``workers``: processes that parse chunks ahead while this one analyses (None:
+    one per core, for a large plain file where fork is safe; 0: none). The chunks, and so the
+    results, are the same either way."""
+    if workers is None:
+        workers = _workers(path, chunk_bytes)
+    if workers > 0:
+        return _scan_parallel(path, an, chunk_bytes, tick, workers)
     skipped = 0
     done = 0
     with open_binary(path) as f:
@@ -73,6 +86,105 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
                 continue
             carry = buf[cut + 1:]
             skipped += _chunk(an, buf[: cut + 1])
+    return skipped
+
+
+PARALLEL_MIN_CHUNKS = 6  # below this many chunks, starting worker processes costs more than it saves
+
+
+def _workers(path: str, chunk_bytes: int) -> int:
+    """Worker processes for ``scan``: one per core the process may use, when the file is a large
+    plain trace (a gzip segment or a directory reads as one stream) and fork is safe (Linux, no
+    other thread running: a forked child of a threaded process can deadlock)."""
+    if sys.platform != "linux" or threading.active_count() > 1:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+        if not os.path.isfile(path) or os.path.getsize(path) < PARALLEL_MIN_CHUNKS * chunk_bytes:
+            return 0
+        with open(path, "rb") as f:
+            if f.read(2) == GZIP_MAGIC:
+                return 0
+    except OSError:
+        return 0
+    return min(cores, 4) if cores > 1 else 0
+
+
+def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
+    """Where each chunk of the serial ``scan`` ends: after the last newline of each block it reads
+    (a block without one adds nothing: its bytes go with the next)."""
+    out = []
+    prev = head
+    for end in range(head + chunk_bytes, size + chunk_bytes, chunk_bytes):
+        end = min(end, size)
+        cut = -1
+        lo = end
+        width = 1 << 16
+        while cut < 0 and lo > prev:
+            lo = max(prev, end - width)
+            cut = os.pread(f.fileno(), end - lo, lo).rfind(b"\n")
+            width *= 4
+        if cut >= 0:
+            prev = lo + cut + 1
+        out.append(prev)
+    return out
+
+
+def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
+    """``_parse`` of the bytes start..end of the file (in a worker process)."""
+    with open(path, "rb") as f:
+        buf = os.pread(f.fileno(), end - start, start)
+    return _parse(buf + b"\n" if last else buf)
+
+
+def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[int], bool] | None,
+                   workers: int) -> int:
+    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes: this one
+    feeds them into the analyzer in file order (the same chunks, the same results)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = len(f.readline())
+        ends = _bounds(f, head, size, chunk_bytes)
+        # the chunk after each block read, and the torn last line (no newline after it), if any
+        regions = [(a, b, False) for a, b in zip([head, *ends[:-1]], ends, strict=True)]
+        tail = os.pread(f.fileno(), size - ends[-1], ends[-1]) if ends else b""
+    if tail.strip():
+        regions.append((ends[-1], size, True))
+    done = [min(size, head + i * chunk_bytes) for i in range(len(ends))] + [size]
+    skipped = 0
+    k = 0
+    with open(path, "rb") as f:
+        # the first chunk(s) here: the ITL target comes from the first gaps in file order
+        while k < len(regions) and an.itl_target_s is None:
+            if tick is not None and tick(done[k]):
+                return skipped
+            a, b, last = regions[k]
+            if b > a:
+                skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+            k += 1
+    if k == len(regions):
+        if tick is not None and len(regions) == len(ends):
+            tick(size)
+        return skipped
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    try:
+        ahead: deque[Future[Parsed | None]] = deque()
+        nxt = k
+        for i in range(k, len(regions)):
+            while nxt < len(regions) and len(ahead) < 2 * workers:
+                a, b, last = regions[nxt]
+                ahead.append(pool.submit(_parse_range, path, a, b, last))
+                nxt += 1
+            if tick is not None and tick(done[min(i, len(done) - 1)]):
+                break
+            p = ahead.popleft().result()
+            if p is not None:
+                skipped += _apply(an, p)
+        else:
+            if tick is not None and len(regions) == len(ends):
+                tick(size)  # the serial loop's last call, at the end of the file
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return skipped
 
 

@@ -1,0 +1,73 @@
+"""The fast path with worker processes parsing ahead gives the serial fast path's results exactly
+(same chunks, same order into the analyzer), progress and interruption included (issue 23 item 4)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+from conftest import run_kvtop
+
+from kvtop.analysis import fastscan
+from kvtop.analysis.analyzer import Analyzer
+from kvtop.model.trace import TraceReader
+
+CHUNK = 64 << 10  # small chunks: dozens of them, and stalls that straddle their boundaries
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    p = tmp_path_factory.mktemp("par") / "storm.jsonl"
+    r = run_kvtop("simulate", "--preset", "preemption-storm", "--seed", "3", "--duration", "40", "-o", str(p))
+    assert r.returncode == 0, r.stderr
+    with open(p, "a") as f:
+        # lines the batch cannot take: each sends its chunk through the streaming path
+        f.write(json.dumps({"kind": "request", "t": 40.5, "id": 'we"ird', "event": "token", "n": 3}) + "\n")
+        f.write('{"kind":"request","t":null,"id":"x","event":"token","n":1}\n')
+        f.write("not json\n\n")
+        f.write('{"kind":"request","t":41.0,"id":"x","event":"token","n":')  # torn last line
+    return str(p)
+
+
+def _run(path: str, workers: int, stop_at: int | None = None) -> tuple[object, ...]:
+    an = Analyzer()
+    an.set_header(TraceReader(path).header)
+    ticks: list[int] = []
+
+    def tick(done: int) -> bool:
+        ticks.append(done)
+        return stop_at is not None and len(ticks) >= stop_at
+
+    skipped = fastscan.scan(path, an, chunk_bytes=CHUNK, tick=tick, workers=workers)
+    an.finish()
+    spikes = [(s.candidate.request_id, s.candidate.t_start, s.candidate.t_end, s.candidate.gap, s.finding.cause, s.finding.confidence)
+              for s in an.spikes]
+    streams = [(r.id, r.tokens, r.events, r.max_gap, r.first_t, r.end_t, r.spikes) for r in an.reqs.values()]
+    return (skipped, an.records, an.token_records, an.n_gaps, an.median_gap(), an.itl_target_s, spikes, streams,
+            ticks)
+
+
+def test_workers_change_nothing(trace):
+    serial = _run(trace, workers=0)
+    assert serial[6], "the storm has spikes to compare"
+    assert serial[0] == 3  # null time, "not json", the torn last line
+    assert len(serial[8]) > 20  # many chunks
+    assert _run(trace, workers=2) == serial
+
+
+@pytest.mark.parametrize("stop_at", [1, 3, 12])
+def test_interrupted_scan_covers_the_same_records(trace, stop_at):
+    serial = _run(trace, workers=0, stop_at=stop_at)
+    assert serial[1] < _run(trace, workers=0)[1]
+    assert _run(trace, workers=2, stop_at=stop_at) == serial
+
+
+def test_large_plain_traces_get_workers_and_others_do_not(trace, tmp_path, monkeypatch):
+    monkeypatch.setattr(fastscan, "PARALLEL_MIN_CHUNKS", 4)
+    assert fastscan._workers(trace, CHUNK) >= (1 if len(os.sched_getaffinity(0)) > 1 else 0)
+    assert fastscan._workers(trace, 1 << 30) == 0  # fewer chunks than are worth a process
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(open(trace, "rb").read()))
+    assert fastscan._workers(str(gz), 1024) == 0  # a gzip segment reads as one stream
