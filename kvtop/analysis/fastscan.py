@@ -131,10 +131,17 @@ def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
 
 
 def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
-    """``_parse`` of the bytes start..end of the file (in a worker process)."""
+    """``_parse`` of the bytes start..end of the file (in a worker process), read straight into a
+    buffer with the zero padding (no copy of the chunk to pad it)."""
+    n = end - start
+    buf = bytearray(n + 1 + PAD)
     with open(path, "rb") as f:
-        buf = os.pread(f.fileno(), end - start, start)
-    return _parse(buf + b"\n" if last else buf)
+        f.seek(start)
+        n = f.readinto(memoryview(buf)[:n])
+    if last:
+        buf[n] = 10
+        n += 1
+    return _parse_padded(buf, n)
 
 
 def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[int], bool] | None,
@@ -252,7 +259,7 @@ def _field(arr: Bytes, start: Index, end: Index) -> Bytes:
     width = int(lens.max())
     m = _rows(arr, start, width)
     if int(lens.min()) < width:
-        m[np.arange(width) >= lens[:, None]] = 0
+        m *= np.arange(width) < lens[:, None]  # a multiply: faster than a masked assignment
     return m
 
 
@@ -273,7 +280,8 @@ def _times(m: Bytes, lens: Index) -> npt.NDArray[np.float64]:
     dot = head == 46
     dpos = dot.argmax(axis=1)
     has_dot = dot[np.arange(n), dpos]
-    fast = ((np.count_nonzero(dig, axis=1) + has_dot) == lens) & (np.count_nonzero(dot, axis=1) <= 1)
+    ones = np.ones(k, np.uint8)  # row counts as a small matmul: several times count_nonzero(axis=1)'s speed
+    fast = ((dig.view(np.uint8) @ ones + has_dot) == lens) & (dot.view(np.uint8) @ ones <= 1)
     fast &= (lens <= k) & dig[:, 0] & (lens > 0)
     fast &= dig[np.arange(n), np.clip(lens - 1, 0, k - 1)]  # "5." is no JSON number
     vals = np.where(dig, head - 48, 0).astype(np.int64)
@@ -379,8 +387,12 @@ def _apply(an: Analyzer, p: Parsed) -> int:
 def _parse(buf: bytes) -> Parsed | None:
     """Read one chunk (whole lines, the last ending in a newline): the token lines as columns,
     every other line as a checked dict. Needs no analyzer: it can run in another process."""
-    n = len(buf)
-    arr = np.frombuffer(buf + bytes(PAD), np.uint8)
+    return _parse_padded(buf + bytes(PAD), len(buf))
+
+
+def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
+    """``_parse`` of ``buf[:n]``, followed in ``buf`` by at least PAD zero bytes."""
+    arr = np.frombuffer(buf, np.uint8)
     ends = np.flatnonzero(arr[:n] == 10)
     if len(ends) == 0:
         return None
@@ -425,7 +437,7 @@ def _parse(buf: bytes) -> Parsed | None:
     for i in np.flatnonzero(~fast).tolist():
         line = buf[starts[i]:ends[i]]
         if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
-            return nothing._replace(slow=_slow(buf))
+            return nothing._replace(slow=_slow(bytes(buf[:n])))
     fi = np.flatnonzero(fast)
     engines: list[tuple[str, Any]] = []
     if b'"arrive"' in buf and b'"engine":' in buf:
@@ -445,7 +457,7 @@ def _parse(buf: bytes) -> Parsed | None:
         if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
             # a token line whose time is not a number or out of range: the streaming path
             # judges the chunk (the trace reader's check skips such lines)
-            return nothing._replace(engines=engines, slow=_slow(buf), held=True)
+            return nothing._replace(engines=engines, slow=_slow(bytes(buf[:n])), held=True)
         uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
         ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
     others: list[tuple[bool, dict[str, Any] | None]] = []
@@ -460,7 +472,7 @@ def _parse(buf: bytes) -> Parsed | None:
                   int(np.count_nonzero(is_tok & fast)))
 
 
-def _engines(buf: bytes, starts: Index, ends: Index, rows: list[int]) -> list[tuple[str, Any]]:
+def _engines(buf: bytes | bytearray, starts: Index, ends: Index, rows: list[int]) -> list[tuple[str, Any]]:
     """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
     gaps are made before the chunk's other lines go through in file order, and a gap is compared
     with other streams of its own engine."""

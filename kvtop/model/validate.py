@@ -177,7 +177,7 @@ def record_ok(d: object) -> bool:
     return True
 
 
-def parse_line(line: str | bytes) -> dict[str, Any] | None:
+def parse_line(line: str | bytes | bytearray) -> dict[str, Any] | None:
     """One trace line as a checked record dict; None when it is malformed, too deep or wrong-typed."""
     if len(line) > MAX_LINE_BYTES:
         return None
