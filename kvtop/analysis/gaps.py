@@ -359,17 +359,11 @@ class GapTracker:
         m = len(c_s)
         gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
         gend = np.r_[gstart[1:], m]
-        reqs = []
-        last = np.full(len(ids), np.nan)
-        tok0 = np.zeros(len(ids), dtype=np.int64)
-        ev0 = [0] * len(ids)
-        for u, rid in enumerate(ids):
-            r = self.reqs.get(rid) or self.req(rid)
-            reqs.append(r)
-            if r.last_t is not None:
-                last[u] = r.last_t
-            tok0[u] = r.tokens
-            ev0[u] = r.events
+        by_id = self.reqs
+        reqs = [by_id.get(rid) or self.req(rid) for rid in ids]
+        last = np.array([math.nan if r.last_t is None else r.last_t for r in reqs], dtype=np.float64)
+        tok0 = np.array([r.tokens for r in reqs], dtype=np.int64)
+        ev0 = [r.events for r in reqs]
         prev = np.empty(m)
         prev[1:] = t_s[:-1]
         prev[gstart] = last[c_s[gstart]]
@@ -424,24 +418,30 @@ class GapTracker:
                                          events, w[-RECENT:], wn[-RECENT:], cw[-RECENT:]), tgt)
                 if p is not None:
                     spikes.setdefault(gi, []).append((i, p))
-        for gi in range(len(gstart)):
-            g0, g1 = int(gstart[gi]), int(gend[gi])
-            r = reqs[int(c_s[g0])]
+        # each stream's state after the batch, from Python lists (one conversion per batch, not
+        # numpy scalars per stream): the only gap that can be missing (NaN) is a stream's first
+        gaps_l, n_l, valid_l = gaps.tolist(), n_s.tolist(), valid.tolist()
+        calm_l = gaps[sf_pos].tolist()
+        sf_lo: list[int] = np.searchsorted(sf_pos, gstart).tolist()
+        sf_hi: list[int] = np.searchsorted(sf_pos, gend).tolist()  # type: ignore[assignment]  # an array in, a list out
+        for gi, (g0, g1, u, lt, ts_, mg) in enumerate(zip(gstart.tolist(), gend.tolist(), c_s[gstart].tolist(),
+                                                          t_s[gend - 1].tolist(), tsum.tolist(), gmax.tolist(),
+                                                          strict=True)):
+            r = reqs[u]
             if r.watch or gi in spikes:
                 r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
-            r.last_t = float(t_s[g1 - 1])
+            r.last_t = lt
             r.events += g1 - g0
-            r.tokens += int(tsum[gi])
-            mg = float(gmax[gi])
+            r.tokens += ts_
             if mg > r.max_gap:
                 r.max_gap = mg
-            tail = gaps[max(g0, g1 - RECENT):g1]
-            r.recent.extend(x for x in tail.tolist() if not math.isnan(x))
             lo = max(g0, g1 - RECENT)
-            r.recent_n.extend(int(x) for x, v in zip(n_s[lo:g1].tolist(), valid[lo:g1].tolist(), strict=True) if v)
-            lo_k = int(np.searchsorted(sf_pos, g0))
-            hi_k = int(np.searchsorted(sf_pos, g1))
-            r.calm.extend(gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist())
+            if not valid_l[lo]:
+                lo += 1
+            r.recent.extend(gaps_l[lo:g1])
+            r.recent_n.extend(n_l[lo:g1])
+            lo_k, hi_k = sf_lo[gi], sf_hi[gi]
+            r.calm.extend(calm_l[max(lo_k, hi_k - RECENT):hi_k])
 
     # ---- queries -----------------------------------------------------------------------------
     def median_gap(self) -> float | None:
