@@ -12,6 +12,7 @@ path's (tested).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import multiprocessing
 import os
@@ -130,6 +131,18 @@ def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
     return out
 
 
+def _keep_heap() -> None:
+    """A worker allocates the same large buffers for every chunk: glibc hands each back to the
+    kernel on free (mmap), and the next chunk pays page faults to get it again, a fifth of the
+    worker's time. Keep them in the heap instead (glibc only: elsewhere nothing changes)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
     """``_parse`` of the bytes start..end of the file (in a worker process), read straight into a
     buffer with the zero padding (no copy of the chunk to pad it)."""
@@ -173,7 +186,7 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
         if tick is not None and len(regions) == len(ends):
             tick(size)
         return skipped
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap)
     try:
         ahead: deque[Future[Parsed | None]] = deque()
         nxt = k
