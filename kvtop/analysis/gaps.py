@@ -187,6 +187,17 @@ def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: An
         k += 1
 
 
+def _windows(lo: Any, hi: Any) -> tuple[Any, Any]:
+    """The positions lo[i]..hi[i]-1 of every window, back to back, and where each window starts
+    among them (one more entry: the end)."""
+    import numpy as np
+
+    lens = np.maximum(hi - lo, 0)
+    at = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=at[1:])
+    return np.repeat(lo - at[:-1], lens) + np.arange(int(at[-1])), at
+
+
 class GapTracker:
     """Owns the per-stream gap state: request states, the gap distribution and spikes waiting for
     attribution; fills the stall index (``stalls``: long gaps, first tokens, active streams) that the
@@ -418,15 +429,20 @@ class GapTracker:
                                          events, w[-RECENT:], wn[-RECENT:], cw[-RECENT:]), tgt)
                 if p is not None:
                     spikes.setdefault(gi, []).append((i, p))
-        # each stream's state after the batch, from Python lists (one conversion per batch, not
-        # numpy scalars per stream): the only gap that can be missing (NaN) is a stream's first
-        gaps_l, n_l, valid_l = gaps.tolist(), n_s.tolist(), valid.tolist()
-        calm_l = gaps[sf_pos].tolist()
-        sf_lo: list[int] = np.searchsorted(sf_pos, gstart).tolist()
-        sf_hi: list[int] = np.searchsorted(sf_pos, gend).tolist()  # type: ignore[assignment]  # an array in, a list out
-        for gi, (g0, g1, u, lt, ts_, mg) in enumerate(zip(gstart.tolist(), gend.tolist(), c_s[gstart].tolist(),
-                                                          t_s[gend - 1].tolist(), tsum.tolist(), gmax.tolist(),
-                                                          strict=True)):
+        # each stream's state after the batch: its last RECENT gaps (the only one that can be
+        # missing, NaN, is a stream's first), their tokens and its last RECENT stall-free gaps,
+        # gathered for all streams at once and converted to Python numbers once per batch
+        lo = np.maximum(gstart, gend - RECENT)
+        lo += ~valid[lo]
+        tail, tail_at = _windows(lo, gend)
+        tail_g, tail_n = gaps[tail].tolist(), n_s[tail].tolist()
+        sf_hi = np.searchsorted(sf_pos, gend)
+        calm, calm_at = _windows(np.maximum(np.searchsorted(sf_pos, gstart), sf_hi - RECENT), sf_hi)
+        calm_g = gaps[sf_pos[calm]].tolist()
+        for gi, (g0, g1, u, lt, ts_, mg, a, b, ca, cb) in enumerate(zip(
+                gstart.tolist(), gend.tolist(), c_s[gstart].tolist(), t_s[gend - 1].tolist(), tsum.tolist(),
+                gmax.tolist(), tail_at[:-1].tolist(), tail_at[1:].tolist(), calm_at[:-1].tolist(),
+                calm_at[1:].tolist(), strict=True)):
             r = reqs[u]
             if r.watch or gi in spikes:
                 r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
@@ -435,13 +451,9 @@ class GapTracker:
             r.tokens += ts_
             if mg > r.max_gap:
                 r.max_gap = mg
-            lo = max(g0, g1 - RECENT)
-            if not valid_l[lo]:
-                lo += 1
-            r.recent.extend(gaps_l[lo:g1])
-            r.recent_n.extend(n_l[lo:g1])
-            lo_k, hi_k = sf_lo[gi], sf_hi[gi]
-            r.calm.extend(calm_l[max(lo_k, hi_k - RECENT):hi_k])
+            r.recent.extend(tail_g[a:b])
+            r.recent_n.extend(tail_n[a:b])
+            r.calm.extend(calm_g[ca:cb])
 
     # ---- queries -----------------------------------------------------------------------------
     def median_gap(self) -> float | None:
