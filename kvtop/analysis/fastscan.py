@@ -233,7 +233,16 @@ def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask) -> Mask:
     idx = np.flatnonzero(ok)
     if len(idx) == 0:
         return ok
-    hit = _rows(arr, pos[idx], len(pat)).view(f"S{len(pat)}").ravel() == pat
+    # 8 bytes at a time, each read as one integer at any offset (no row copies)
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    at = pos[idx]
+    hit = np.ones(len(idx), dtype=bool)
+    for j in range(0, len(pat), 8):
+        piece = pat[j:j + 8]
+        w = words[at + j] if j else words[at]
+        if len(piece) < 8:
+            w &= np.uint64((1 << (8 * len(piece))) - 1)
+        hit &= w == np.uint64(int.from_bytes(piece, "little"))
     ok[idx[~hit]] = False
     return ok
 
@@ -515,11 +524,19 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
         for j in range(words.shape[1]):
             h = (h ^ words[:, j]) * np.uint64(0x9E3779B97F4A7C15)
             h ^= h >> np.uint64(29)
-    hu, first, hinv = np.unique(h, return_index=True, return_inverse=True)
-    cand = ids[first]
+    # np.unique(h) sorts stably (for its first indices); any member of a group will do here, and
+    # the default (unstable) sort is the faster one
+    order = np.argsort(h)
+    hs = h[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    hinv = np.empty(n, np.intp)
+    hinv[order] = np.cumsum(new) - 1
+    cand = ids[order[new]]
     if not np.array_equal(cand[hinv], ids):
         return np.unique(ids, return_inverse=True)
     perm = np.argsort(cand, kind="stable")
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
-    return cand[perm], rank[hinv.ravel()]
+    return cand[perm], rank[hinv]
