@@ -71,3 +71,22 @@ def test_large_plain_traces_get_workers_and_others_do_not(trace, tmp_path, monke
     gz = tmp_path / "t.jsonl.gz"
     gz.write_bytes(gzip.compress(open(trace, "rb").read()))
     assert fastscan._workers(str(gz), 1024) == 0  # a gzip segment reads as one stream
+
+
+def test_ids_read_in_place_group_as_numpy_unique_does():
+    """Ids of every length around the 8-byte words they are read in, sharing prefixes: the same
+    distinct ids and codes as np.unique."""
+    import random
+
+    import numpy as np
+
+    rnd = random.Random(5)
+    pool = [("r" * k + str(i)).encode() for k in (0, 6, 7, 8, 15, 16, 30) for i in range(12)] + [b"a", b"ab", b"a" * 9]
+    ids = [rnd.choice(pool) for _ in range(3000)]
+    buf = b"".join(b'"' + i + b'"\n' for i in ids)
+    arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
+    starts = np.array([m + 1 for m in range(len(buf)) if buf[m:m + 1] == b'"' and (m == 0 or buf[m - 1:m] == b"\n")])
+    ends = starts + np.array([len(i) for i in ids])
+    uniq, codes = fastscan._unique_at(arr, starts, ends)
+    want, inv = np.unique(np.array(ids, dtype=f"S{max(map(len, ids))}"), return_inverse=True)
+    assert uniq.tolist() == want.tolist() and codes.tolist() == inv.ravel().tolist()
