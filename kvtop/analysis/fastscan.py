@@ -191,7 +191,7 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
         ahead: deque[Future[Parsed | None]] = deque()
         nxt = k
         for i in range(k, len(regions)):
-            while nxt < len(regions) and len(ahead) < 2 * workers:
+            while nxt < len(regions) and len(ahead) < workers + 1:  # one waiting: parsed chunks cost memory here
                 a, b, last = regions[nxt]
                 ahead.append(pool.submit(_parse_range, path, a, b, last))
                 nxt += 1
@@ -306,8 +306,11 @@ def _times(m: Bytes, lens: Index) -> npt.NDArray[np.float64]:
     fast = ((dig.view(np.uint8) @ ones + has_dot) == lens) & (dot.view(np.uint8) @ ones <= 1)
     fast &= (lens <= k) & dig[:, 0] & (lens > 0)
     fast &= dig[np.arange(n), np.clip(lens - 1, 0, k - 1)]  # "5." is no JSON number
-    vals = np.where(dig, head - 48, 0).astype(np.int64)
-    s = vals @ (10 ** np.arange(k - 1, -1, -1, dtype=np.int64))  # the text, dot as a 0, left-aligned
+    vals = np.where(dig, head - 48, 0)
+    s = vals[:, 0].astype(np.int64)  # the text, dot as a 0, left-aligned, column by column: no
+    for j in range(1, k):  # int64 copy of the whole field (8 bytes a character) in memory
+        s *= 10
+        s += vals[:, j]
     s //= 10 ** (k - np.minimum(lens, k))
     frac = np.where(has_dot, lens - 1 - dpos, 0)
     r = s % 10 ** frac
@@ -415,7 +418,8 @@ def _parse(buf: bytes) -> Parsed | None:
 def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
     """``_parse`` of ``buf[:n]``, followed in ``buf`` by at least PAD zero bytes."""
     arr = np.frombuffer(buf, np.uint8)
-    ends = np.flatnonzero(arr[:n] == 10)
+    # newlines a megabyte at a time: a whole-chunk comparison would hold a byte per byte of it
+    ends = np.concatenate([np.flatnonzero(arr[a:min(a + (1 << 20), n)] == 10) + a for a in range(0, n, 1 << 20)])
     if len(ends) == 0:
         return None
     empty = np.zeros(0, dtype=np.int64)
