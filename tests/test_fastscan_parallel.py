@@ -23,6 +23,8 @@ def trace(tmp_path_factory):
     r = run_kvtop("simulate", "--preset", "preemption-storm", "--seed", "3", "--duration", "40", "-o", str(p))
     assert r.returncode == 0, r.stderr
     with open(p, "a") as f:
+        # a line longer than three chunks: blocks without a newline (empty chunks)
+        f.write(json.dumps({"kind": "host", "t": 40.2, "note": "x" * (3 * CHUNK)}) + "\n")
         # lines the batch cannot take: each sends its chunk through the streaming path
         f.write(json.dumps({"kind": "request", "t": 40.5, "id": 'we"ird', "event": "token", "n": 3}) + "\n")
         f.write('{"kind":"request","t":null,"id":"x","event":"token","n":1}\n')

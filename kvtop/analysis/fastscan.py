@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import sys
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
@@ -172,37 +171,33 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
         regions.append((ends[-1], size, True))
     done = [min(size, head + i * chunk_bytes) for i in range(len(ends))] + [size]
     skipped = 0
-    k = 0
-    with open(path, "rb") as f:
-        # the first chunk(s) here: the ITL target comes from the first gaps in file order
-        while k < len(regions) and an.itl_target_s is None:
-            if tick is not None and tick(done[k]):
-                return skipped
-            a, b, last = regions[k]
-            if b > a:
-                skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
-            k += 1
-    if k == len(regions):
-        if tick is not None and len(regions) == len(ends):
-            tick(size)
-        return skipped
+    # the workers start on the chunks after the first while this process reads that one: the ITL
+    # target comes from the first gaps in file order (a chunk before it is known is read here, and
+    # its worker's parse is dropped)
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap)
     try:
-        ahead: deque[Future[Parsed | None]] = deque()
-        nxt = k
-        for i in range(k, len(regions)):
-            while nxt < len(regions) and len(ahead) < workers + 1:  # one waiting: parsed chunks cost memory here
-                a, b, last = regions[nxt]
-                ahead.append(pool.submit(_parse_range, path, a, b, last))
-                nxt += 1
-            if tick is not None and tick(done[min(i, len(done) - 1)]):
-                break
-            p = ahead.popleft().result()
-            if p is not None:
-                skipped += _apply(an, p)
-        else:
-            if tick is not None and len(regions) == len(ends):
-                tick(size)  # the serial loop's last call, at the end of the file
+        ahead: dict[int, Future[Parsed | None]] = {}
+        nxt = 0 if an.itl_target_s is not None else 1
+        with open(path, "rb") as f:
+            for i, (a, b, last) in enumerate(regions):
+                while nxt < len(regions) and nxt <= i + workers:  # a few ahead: parsed chunks cost memory here
+                    ahead[nxt] = pool.submit(_parse_range, path, *regions[nxt])
+                    nxt += 1
+                if tick is not None and tick(done[i]):
+                    break
+                fut = ahead.pop(i, None)
+                if an.itl_target_s is None:
+                    if fut is not None:
+                        fut.cancel()
+                    if b > a:
+                        skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                    continue
+                p = fut.result() if fut is not None else _parse_range(path, a, b, last)
+                if p is not None:
+                    skipped += _apply(an, p)
+            else:
+                if tick is not None and len(regions) == len(ends):
+                    tick(size)  # the serial loop's last call, at the end of the file
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     return skipped
@@ -419,7 +414,8 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
     """``_parse`` of ``buf[:n]``, followed in ``buf`` by at least PAD zero bytes."""
     arr = np.frombuffer(buf, np.uint8)
     # newlines a megabyte at a time: a whole-chunk comparison would hold a byte per byte of it
-    ends = np.concatenate([np.flatnonzero(arr[a:min(a + (1 << 20), n)] == 10) + a for a in range(0, n, 1 << 20)])
+    ends = np.concatenate([np.flatnonzero(arr[a:min(a + (1 << 20), n)] == 10) + a for a in range(0, n, 1 << 20)]
+                          or [np.zeros(0, np.intp)])
     if len(ends) == 0:
         return None
     empty = np.zeros(0, dtype=np.int64)
