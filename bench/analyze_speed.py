@@ -3,7 +3,7 @@ pick instead.
 
 Writes a trace (by default 8,000 requests and 2 million token records, plus arrive/finish records
 and 1 s engine scrapes: about 2.0 M records, 180 MB), then, each in its own process so peak memory
-is its own, best of ``--repeat`` runs:
+is its own, best of ``--repeat`` runs, each timed from after its imports:
   * kvtop: the full analysis (gaps, spikes, attribution, inputs, verdict), fast path (with its
     parse workers, one per core, on a trace this large);
   * kvtop --stream: the same analysis through the per-record streaming path (the live path's code);
