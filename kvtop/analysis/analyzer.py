@@ -155,7 +155,8 @@ class Analyzer:
                 if t > self.now:
                     self.now = t
                 gt = self.gaps
-                gt.token(str(d.get("id")), t, d.get("n"))
+                rid = d.get("id")
+                gt.token(rid if type(rid) is str else str(rid), t, d.get("n"))
                 p = gt.pending
                 if p and not self._hold and p[0].gap.t_end + MIN_SETTLE_S <= t and p[0].gap.t_end + self.settle <= t:
                     self.tick(t)

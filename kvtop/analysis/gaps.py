@@ -245,10 +245,10 @@ class GapTracker:
             else:
                 # ``gap`` for the common case (target known, a short gap), inline: the live path's
                 # cost per token is mostly Python calls
-                self.n_gaps += 1
+                ng = self.n_gaps = self.n_gaps + 1
                 if g > r.max_gap:
                     r.max_gap = g
-                if not self.n_gaps & 7:
+                if not ng & 7:
                     self.hist.add(g)
                 r.recent.append(g)
                 r.calm.append(g)

@@ -145,12 +145,15 @@ def record_ok(d: object) -> bool:
     """True when ``d`` is a record dict whose known fields have the types the reader expects."""
     if type(d) is not dict:
         return False
-    if d.get("event") == "token" and "n" in d and "id" in d and "t" in d:
+    if d.get("event") == "token":
         # the common line, checked inline: {"kind":"request","t":..,"id":..,"event":"token","n":..}
         # and any further fields (a proxy's "source") through their usual checks
-        t, n = d["t"], d["n"]
-        if (d.get("kind") == "request" and type(t) is float and T_MIN <= t <= T_MAX and type(d["id"]) is str
-                and type(n) is int and 0 <= n <= _INT_MAX):
+        try:
+            t, n, rid = d["t"], d["n"], d["id"]
+        except KeyError:
+            t = n = rid = None  # the general checks below
+        if (type(t) is float and T_MIN <= t <= T_MAX and type(n) is int and 0 <= n <= _INT_MAX
+                and type(rid) is str and d.get("kind") == "request"):
             if len(d) == 5 or (len(d) == 6 and type(d.get("source")) is str):  # a proxy's or capture's line
                 return True
             for k, v in d.items():
