@@ -92,3 +92,25 @@ def test_ids_read_in_place_group_as_numpy_unique_does():
     uniq, codes = fastscan._unique_at(arr, starts, ends)
     want, inv = np.unique(np.array(ids, dtype=f"S{max(map(len, ids))}"), return_inverse=True)
     assert uniq.tolist() == want.tolist() and codes.tolist() == inv.ravel().tolist()
+
+
+def test_field_ends_are_found_as_bytes_find_finds_them():
+    """The 8-bytes-at-a-time search gives str.find's answer within the window, -1 and a cleared
+    row where the byte is absent."""
+    import random
+
+    import numpy as np
+
+    rnd = random.Random(1)
+    b = bytes(rnd.choice(b'ab,"x') for _ in range(5000))
+    arr = np.frombuffer(b + bytes(fastscan.PAD), np.uint8)
+    starts = np.array(sorted(rnd.sample(range(4900), 800)))
+    seen: set[int] = set()
+    for byte, width in ((44, 24), (34, 48), (44, 16), (34, 5), (120, 3)):
+        ok = np.ones(len(starts), bool)
+        got = fastscan._find(arr, starts, byte, width, ok)
+        want = [b.find(bytes([byte]), s, s + width) for s in starts.tolist()]
+        want = [w - s if w >= 0 else -1 for w, s in zip(want, starts.tolist(), strict=True)]
+        assert got.tolist() == want and ok.tolist() == [w >= 0 for w in want]
+        seen.update(want)
+    assert -1 in seen and max(seen) >= 16  # absent bytes, and bytes found in a third word

@@ -224,38 +224,44 @@ def _rows(arr: Bytes, pos: Index, width: int) -> Bytes:
 
 
 def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask) -> Mask:
-    """ok & (arr[pos:pos+len(pat)] == pat), evaluated only where ok still holds."""
-    idx = np.flatnonzero(ok)
-    if len(idx) == 0:
-        return ok
+    """ok & (arr[pos:pos+len(pat)] == pat).
+
+    Evaluated on every row (most rows are token lines: picking out the rows still ok costs more
+    than it saves); a row's position is within its line plus PAD, so the reads stay in the buffer."""
     # 8 bytes at a time, each read as one integer at any offset (no row copies)
     words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
-    at = pos[idx]
-    hit = np.ones(len(idx), dtype=bool)
+    hit: Mask = ok.copy()
     for j in range(0, len(pat), 8):
         piece = pat[j:j + 8]
-        w = words[at + j] if j else words[at]
+        w = words[pos + j] if j else words[pos]
         if len(piece) < 8:
             w &= np.uint64((1 << (8 * len(piece))) - 1)
         hit &= w == np.uint64(int.from_bytes(piece, "little"))
-    ok[idx[~hit]] = False
-    return ok
+    return hit
 
 
 def _find(arr: Bytes, start: Index, byte: int, width: int, ok: Mask) -> Index:
-    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared)."""
+    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared).
+
+    Eight bytes at a time as one integer: a byte equal to ``byte`` becomes a zero byte, and the
+    exact zero-byte test below (no carry crosses a byte) marks it in its top bit."""
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    rep = np.uint64(byte * 0x0101010101010101)
+    low7 = np.uint64(0x7F7F7F7F7F7F7F7F)
     out = np.full(len(start), -1, dtype=np.int64)
     idx = np.flatnonzero(ok)
-    lo = 0
-    for w in (16, width):  # most fields are short: a narrow window first, the rest after
-        if len(idx) == 0 or w <= lo:
+    for j in range(0, width, 8):
+        if len(idx) == 0:
             break
-        hit = _rows(arr, start[idx] + lo, w - lo) == byte
-        first = hit.argmax(axis=1)
-        found = hit[np.arange(len(idx)), first]  # argmax is 0 where nothing matched
-        out[idx[found]] = lo + first[found]
+        x = words[start[idx] + j] ^ rep
+        t = ~(((x & low7) + low7) | x | low7)
+        if width - j < 8:
+            t &= np.uint64((1 << (8 * (width - j))) - 1)
+        found = t != 0
+        tf = t[found]
+        # the lowest marked bit (a power of two, exact as a float) names the first such byte
+        out[idx[found]] = j + (np.log2((tf & (~tf + np.uint64(1))).astype(np.float64)).astype(np.int64) >> 3)
         idx = idx[~found]
-        lo = w
     ok[idx] = False
     return out
 
@@ -436,13 +442,13 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
     ok &= (idend > idstart) & (idend < ends)
     if b"\\" in buf:
         ok &= ~_has(arr, idstart, idend, 92, ID_WIDTH, ok)  # escaped ids take the JSON path
-    is_tok = _match(arr, idend, EV_TOK, ok.copy())
-    is_ft = _match(arr, idend, EV_FT, ok.copy()) & ~is_tok
+    is_tok = _match(arr, idend, EV_TOK, ok)
+    is_ft = _match(arr, idend, EV_FT, ok) & ~is_tok
     fast = is_tok | is_ft
     after = np.where(is_tok, idend + len(EV_TOK), idend + len(EV_FT))
     # n: absent (1), or one or two digits
     c0 = arr[np.minimum(after, n - 1)]
-    has_n = _match(arr, after, N_KEY, fast.copy())
+    has_n = _match(arr, after, N_KEY, fast)
     d1 = arr[np.minimum(after + 5, n - 1)].astype(np.int64) - 48
     d2 = arr[np.minimum(after + 6, n - 1)].astype(np.int64) - 48
     e1 = arr[np.minimum(after + 6, n - 1)]
