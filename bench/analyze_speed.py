@@ -3,13 +3,15 @@ pick instead.
 
 Writes a trace (by default 8,000 requests and 2 million token records, plus arrive/finish records
 and 1 s engine scrapes: about 2.0 M records, 180 MB), then, each in its own process so peak memory
-is its own, best of ``--repeat`` runs:
-  * kvtop: the full analysis (gaps, spikes, attribution, inputs, verdict), fast path;
+is its own, best of ``--repeat`` runs, each timed from after its imports:
+  * kvtop: the full analysis (gaps, spikes, attribution, inputs, verdict), fast path (with its
+    parse workers, one per core, on a trace this large);
   * kvtop --stream: the same analysis through the per-record streaming path (the live path's code);
   * pandas: read the token records (read_json, chunked) and compute gaps with groupby/diff;
   * Polars: scan_ndjson + filter + diff().over(id) (gaps only), when installed;
   * DuckDB: read_ndjson + lag() over (partition by id) (gaps only), when installed.
-Prints seconds, records/s, peak RSS and each one's time as a ratio of kvtop's fast path. Polars
+Prints seconds, records/s, CPU seconds (the whole process: imports, threads and worker processes;
+the fairer figure on a busy box), peak RSS and each one's time as a ratio of kvtop's fast path. Polars
 and DuckDB come with the ``bench`` extra (``pip install -e '.[bench]'``); they use every core.
 
     python -m bench.analyze_speed [--requests 8000] [--tokens 2000000] [--repeat 3] [--keep FILE]
@@ -87,15 +89,22 @@ def write_trace(path: str, n_req: int, n_tok: int, seed: int = 1) -> int:
     return lines
 
 
+# CPU: user + system seconds of the process and its threads, and of the fast path's worker processes
+# (their peak RSS is added to the main process's, once per worker: an upper bound, as forked
+# workers share pages with it)
 CHILD_KVTOP = r"""
 import json, resource, sys, time
+from kvtop.analysis import fastscan
 from kvtop.analysis.scan import analyze_trace
+workers = fastscan._workers(sys.argv[1], fastscan.CHUNK) if sys.argv[2] == "fast" else 0
 t0 = time.perf_counter()
 rep = analyze_trace(sys.argv[1], fast=sys.argv[2] == "fast")
 dt = time.perf_counter() - t0
+me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"seconds": dt, "records": rep.records, "gaps": rep.gaps, "spikes": rep.spikes_total,
-                  "verdict": rep.verdict.action,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "verdict": rep.verdict.action, "workers": workers,
+                  "cpu": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
+                  "peak_rss_mb": (me.ru_maxrss + workers * kids.ru_maxrss) / 1024}))
 """
 
 CHILD_PANDAS = r"""
@@ -112,8 +121,9 @@ df = pd.concat(parts, ignore_index=True)
 df["gap"] = df.groupby("id")["t"].diff()
 gaps = int(df["gap"].notna().sum())
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "records": n, "gaps": gaps,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+me = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "records": n, "gaps": gaps, "cpu": me.ru_utime + me.ru_stime,
+                  "peak_rss_mb": me.ru_maxrss / 1024}))
 """
 
 
@@ -128,8 +138,9 @@ out = pl.concat([
 ], how="horizontal").collect()
 n = lf.select(pl.len()).collect().item()
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "records": n, "gaps": int(out["gaps"][0]),
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+me = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "records": n, "gaps": int(out["gaps"][0]), "cpu": me.ru_utime + me.ru_stime,
+                  "peak_rss_mb": me.ru_maxrss / 1024}))
 """
 
 CHILD_DUCKDB = r"""
@@ -144,8 +155,9 @@ q = ("with recs as (select kind, event, id, t from read_ndjson('" + p + "', samp
      "select (select count(*) from recs), count(gap) from tok")
 n, gaps = con.execute(q).fetchone()
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "records": n, "gaps": gaps,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+me = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "records": n, "gaps": gaps, "cpu": me.ru_utime + me.ru_stime,
+                  "peak_rss_mb": me.ru_maxrss / 1024}))
 """
 
 
@@ -193,11 +205,13 @@ def main() -> int:
         else:
             print(f"{module}: not installed (pip install -e '.[bench]')")
     fast = rows[0][1]["seconds"]
-    print(f"{'':<45}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'peak RSS':>11}{'vs kvtop':>10}")
+    print(f"{'':<45}{'records':>11}{'gaps':>11}{'seconds':>9}{'records/s':>13}{'CPU s':>7}{'peak RSS':>11}"
+          f"{'vs kvtop':>10}")
     for name, r in rows:
         print(f"{name:<45}{r['records']:>11,}{r['gaps']:>11,}{r['seconds']:>9.2f}{r['records'] / r['seconds']:>13,.0f}"
-              f"{r['peak_rss_mb']:>9.0f} MB{r['seconds'] / fast:>9.2f}x"
-              + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else ""))
+              f"{r['cpu']:>7.2f}{r['peak_rss_mb']:>9.0f} MB{r['seconds'] / fast:>9.2f}x"
+              + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else "")
+              + (f", {r['workers']} parse workers" if r.get("workers") else ""))
     if not args.keep:
         os.remove(path)
     return 0

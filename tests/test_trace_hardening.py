@@ -101,3 +101,47 @@ def test_traces_are_created_private(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(p.stat().st_mode) == 0o600
+
+
+# What json reads and msgspec refuses (or reads differently), on lines the reader must judge as
+# json always did: a huge exponent (infinity), NaN, a UTF-8 byte-order mark, a lone surrogate
+# escape, integers past 64 bits (msgspec keeps them integers; orjson would have made them floats)
+EDGE_LINES = [
+    b'{"kind":"host","t":1.0,"x":1e400}',
+    b'{"kind":"host","t":1.0,"x":NaN}',
+    b'\xef\xbb\xbf{"kind":"host","t":1.0}',
+    b'{"kind":"request","t":1.0,"id":"a\\ud800","event":"token","n":1}',
+    b'{"kind":"host","t":1.0,"x":123456789012345678901234567890}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":123456789012345678901234567890}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"source":"proxy"}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"source":5}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"class":7}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"class":"chat","source":"proxy"}',
+    b'{"kind":"request","t":1.0,"id":"a","event":"token","n":1} trailing',
+    b'{"kind":"request","t":1e400,"id":"a","event":"token","n":1}',
+    b"[" * 3000 + b"]" * 3000,
+]
+
+
+@pytest.mark.parametrize("line", EDGE_LINES, ids=range(len(EDGE_LINES)))
+def test_trace_lines_read_as_json_reads_them(line):
+    from kvtop.model.validate import parse_line, record_ok
+
+    for text in (line, line.decode("utf-8")):  # the fast path reads bytes, the trace reader text
+        try:
+            want = json.loads(text)
+            want = want if record_ok(want) else None
+        except (ValueError, RecursionError):
+            want = None
+        assert repr(parse_line(text)) == repr(want)  # repr: NaN == NaN, and int stays int
+
+
+def test_token_lines_with_a_wrong_typed_extra_field_are_skipped(tmp_path):
+    p = tmp_path / "t.jsonl"
+    lines = [json.dumps(make_header(engine={"adapter": "vllm"}))]
+    lines += [json.dumps({"kind": "request", "t": 0.1 * i, "id": "a", "event": "token", "n": 1, "source": s})
+              for i, s in enumerate(["proxy", 5, "capture", None, ["x"]])]
+    p.write_text("\n".join(lines) + "\n")
+    r = TraceReader(p)
+    assert [d["source"] for d in r.dicts()] == ["proxy", "capture", None]
+    assert r.skipped == 2

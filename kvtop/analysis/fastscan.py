@@ -12,12 +12,18 @@ path's (tested).
 
 from __future__ import annotations
 
+import ctypes
 import math
+import multiprocessing
+import os
+import sys
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from kvtop.analysis.analyzer import Analyzer
-from kvtop.model.trace import open_binary
+from kvtop.model.trace import GZIP_MAGIC, open_binary
 from kvtop.model.validate import T_MAX, T_MIN, parse_line
 
 try:
@@ -48,10 +54,17 @@ def available() -> bool:
     return np is not None
 
 
-def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None) -> int:
+def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None,
+         workers: int | None = None) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines.
     ``tick(bytes read)`` after each chunk: True stops there (the records of whole lines read so far
-    are in ``an``)."""
+    are in ``an``). ``workers``: processes that parse chunks ahead while this one analyses (None:
+    one per core, for a large plain file where fork is safe; 0: none). The chunks, and so the
+    results, are the same either way."""
+    if workers is None:
+        workers = _workers(path, chunk_bytes)
+    if workers > 0:
+        return _scan_parallel(path, an, chunk_bytes, tick, workers)
     skipped = 0
     done = 0
     with open_binary(path) as f:
@@ -76,6 +89,120 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
     return skipped
 
 
+PARALLEL_MIN_CHUNKS = 6  # below this many chunks, starting worker processes costs more than it saves
+
+
+def _workers(path: str, chunk_bytes: int) -> int:
+    """Worker processes for ``scan``: one per core the process may use, when the file is a large
+    plain trace (a gzip segment or a directory reads as one stream) and fork is safe (Linux, no
+    other thread running: a forked child of a threaded process can deadlock)."""
+    if sys.platform != "linux" or threading.active_count() > 1:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+        if not os.path.isfile(path) or os.path.getsize(path) < PARALLEL_MIN_CHUNKS * chunk_bytes:
+            return 0
+        with open(path, "rb") as f:
+            if f.read(2) == GZIP_MAGIC:
+                return 0
+    except OSError:
+        return 0
+    return min(cores, 4) if cores > 1 else 0
+
+
+def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
+    """Where each chunk of the serial ``scan`` ends: after the last newline of each block it reads
+    (a block without one adds nothing: its bytes go with the next)."""
+    out = []
+    prev = head
+    for end in range(head + chunk_bytes, size + chunk_bytes, chunk_bytes):
+        end = min(end, size)
+        cut = -1
+        lo = end
+        width = 1 << 16
+        while cut < 0 and lo > prev:
+            lo = max(prev, end - width)
+            cut = os.pread(f.fileno(), end - lo, lo).rfind(b"\n")
+            width *= 4
+        if cut >= 0:
+            prev = lo + cut + 1
+        out.append(prev)
+    return out
+
+
+def _keep_heap() -> None:
+    """A worker allocates the same large buffers for every chunk: glibc hands each back to the
+    kernel on free (mmap), and the next chunk pays page faults to get it again, a fifth of the
+    worker's time. Keep them in the heap instead (glibc only: elsewhere nothing changes)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
+    """``_parse`` of the bytes start..end of the file (in a worker process), read straight into a
+    buffer with the zero padding (no copy of the chunk to pad it)."""
+    n = end - start
+    buf = bytearray(n + 1 + PAD)
+    with open(path, "rb") as f:
+        f.seek(start)
+        n = f.readinto(memoryview(buf)[:n])
+    if last:
+        buf[n] = 10
+        n += 1
+    return _parse_padded(buf, n)
+
+
+def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[int], bool] | None,
+                   workers: int) -> int:
+    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes: this one
+    feeds them into the analyzer in file order (the same chunks, the same results)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = len(f.readline())
+        ends = _bounds(f, head, size, chunk_bytes)
+        # the chunk after each block read, and the torn last line (no newline after it), if any
+        regions = [(a, b, False) for a, b in zip([head, *ends[:-1]], ends, strict=True)]
+        tail = os.pread(f.fileno(), size - ends[-1], ends[-1]) if ends else b""
+    if tail.strip():
+        regions.append((ends[-1], size, True))
+    done = [min(size, head + i * chunk_bytes) for i in range(len(ends))] + [size]
+    skipped = 0
+    # the workers start on the chunks after the first while this process reads that one: the ITL
+    # target comes from the first gaps in file order (a chunk before it is known is read here, and
+    # its worker's parse is dropped)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap)
+    try:
+        ahead: dict[int, Future[Parsed | None]] = {}
+        nxt = 0 if an.itl_target_s is not None else 1
+        with open(path, "rb") as f:
+            for i, (a, b, last) in enumerate(regions):
+                while nxt < len(regions) and nxt <= i + workers:  # a few ahead: parsed chunks cost memory here
+                    ahead[nxt] = pool.submit(_parse_range, path, *regions[nxt])
+                    nxt += 1
+                if tick is not None and tick(done[i]):
+                    break
+                fut = ahead.pop(i, None)
+                if an.itl_target_s is None:
+                    if fut is not None:
+                        fut.cancel()
+                    if b > a:
+                        skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                    continue
+                p = fut.result() if fut is not None else _parse_range(path, a, b, last)
+                if p is not None:
+                    skipped += _apply(an, p)
+            else:
+                if tick is not None and len(regions) == len(ends):
+                    tick(size)  # the serial loop's last call, at the end of the file
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return skipped
+
+
 def _feed_line(an: Analyzer, line: bytes) -> int:
     """One line through the streaming path; 1 when it is malformed (blank lines are not)."""
     if not line.strip():
@@ -85,10 +212,6 @@ def _feed_line(an: Analyzer, line: bytes) -> int:
         return 1
     an.feed_dict(d)
     return 0
-
-
-def _slow_lines(an: Analyzer, lines: list[bytes]) -> int:
-    return sum(_feed_line(an, line) for line in lines)
 
 
 PAD = 256  # zero bytes after each chunk: every fixed-width window below stays inside the buffer
@@ -101,29 +224,44 @@ def _rows(arr: Bytes, pos: Index, width: int) -> Bytes:
 
 
 def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask) -> Mask:
-    """ok & (arr[pos:pos+len(pat)] == pat), evaluated only where ok still holds."""
-    idx = np.flatnonzero(ok)
-    if len(idx) == 0:
-        return ok
-    hit = _rows(arr, pos[idx], len(pat)).view(f"S{len(pat)}").ravel() == pat
-    ok[idx[~hit]] = False
-    return ok
+    """ok & (arr[pos:pos+len(pat)] == pat).
+
+    Evaluated on every row (most rows are token lines: picking out the rows still ok costs more
+    than it saves); a row's position is within its line plus PAD, so the reads stay in the buffer."""
+    # 8 bytes at a time, each read as one integer at any offset (no row copies)
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    hit: Mask = ok.copy()
+    for j in range(0, len(pat), 8):
+        piece = pat[j:j + 8]
+        w = words[pos + j] if j else words[pos]
+        if len(piece) < 8:
+            w &= np.uint64((1 << (8 * len(piece))) - 1)
+        hit &= w == np.uint64(int.from_bytes(piece, "little"))
+    return hit
 
 
 def _find(arr: Bytes, start: Index, byte: int, width: int, ok: Mask) -> Index:
-    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared)."""
+    """Offset of the first ``byte`` within ``width`` bytes of each start (rows not ok: -1 / cleared).
+
+    Eight bytes at a time as one integer: a byte equal to ``byte`` becomes a zero byte, and the
+    exact zero-byte test below (no carry crosses a byte) marks it in its top bit."""
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    rep = np.uint64(byte * 0x0101010101010101)
+    low7 = np.uint64(0x7F7F7F7F7F7F7F7F)
     out = np.full(len(start), -1, dtype=np.int64)
     idx = np.flatnonzero(ok)
-    lo = 0
-    for w in (16, width):  # most fields are short: a narrow window first, the rest after
-        if len(idx) == 0 or w <= lo:
+    for j in range(0, width, 8):
+        if len(idx) == 0:
             break
-        hit = _rows(arr, start[idx] + lo, w - lo) == byte
-        first = hit.argmax(axis=1)
-        found = hit[np.arange(len(idx)), first]  # argmax is 0 where nothing matched
-        out[idx[found]] = lo + first[found]
+        x = words[start[idx] + j] ^ rep
+        t = ~(((x & low7) + low7) | x | low7)
+        if width - j < 8:
+            t &= np.uint64((1 << (8 * (width - j))) - 1)
+        found = t != 0
+        tf = t[found]
+        # the lowest marked bit (a power of two, exact as a float) names the first such byte
+        out[idx[found]] = j + (np.log2((tf & (~tf + np.uint64(1))).astype(np.float64)).astype(np.int64) >> 3)
         idx = idx[~found]
-        lo = w
     ok[idx] = False
     return out
 
@@ -144,7 +282,7 @@ def _field(arr: Bytes, start: Index, end: Index) -> Bytes:
     width = int(lens.max())
     m = _rows(arr, start, width)
     if int(lens.min()) < width:
-        m[np.arange(width) >= lens[:, None]] = 0
+        m *= np.arange(width) < lens[:, None]  # a multiply: faster than a masked assignment
     return m
 
 
@@ -165,11 +303,15 @@ def _times(m: Bytes, lens: Index) -> npt.NDArray[np.float64]:
     dot = head == 46
     dpos = dot.argmax(axis=1)
     has_dot = dot[np.arange(n), dpos]
-    fast = ((np.count_nonzero(dig, axis=1) + has_dot) == lens) & (np.count_nonzero(dot, axis=1) <= 1)
+    ones = np.ones(k, np.uint8)  # row counts as a small matmul: several times count_nonzero(axis=1)'s speed
+    fast = ((dig.view(np.uint8) @ ones + has_dot) == lens) & (dot.view(np.uint8) @ ones <= 1)
     fast &= (lens <= k) & dig[:, 0] & (lens > 0)
     fast &= dig[np.arange(n), np.clip(lens - 1, 0, k - 1)]  # "5." is no JSON number
-    vals = np.where(dig, head - 48, 0).astype(np.int64)
-    s = vals @ (10 ** np.arange(k - 1, -1, -1, dtype=np.int64))  # the text, dot as a 0, left-aligned
+    vals = np.where(dig, head - 48, 0)
+    s = vals[:, 0].astype(np.int64)  # the text, dot as a 0, left-aligned, column by column: no
+    for j in range(1, k):  # int64 copy of the whole field (8 bytes a character) in memory
+        s *= 10
+        s += vals[:, j]
     s //= 10 ** (k - np.minimum(lens, k))
     frac = np.where(has_dot, lens - 1 - dpos, 0)
     r = s % 10 ** frac
@@ -206,11 +348,84 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
         if pos >= len(buf):
             return bad
         return bad + _chunk(an, buf[pos:])
-    n = len(buf)
-    arr = np.frombuffer(buf + bytes(PAD), np.uint8)
-    ends = np.flatnonzero(arr[:n] == 10)
+    p = _parse(buf)
+    return _apply(an, p) if p is not None else 0
+
+
+class Parsed(NamedTuple):
+    """One chunk as ``_parse`` read it, without the analyzer (a worker process can make it)."""
+
+    engines: list[tuple[str, Any]]  # (request id, engine) of arrive lines naming one, in file order
+    # every line as the streaming path reads it (dict, or None when malformed; blank lines left
+    # out), when the chunk must go through the streaming path whole; else None
+    slow: list[dict[str, Any] | None] | None
+    held: bool  # ``slow`` goes in with attribution held (a token time the batch could not take)
+    ids: list[str]  # the batch: distinct request ids, each event's index into them, times, tokens,
+    codes: Index  # whether it is a first_token event
+    ts: npt.NDArray[np.float64]
+    ns: npt.NDArray[np.int64]
+    ft: Mask
+    # the other lines in file order: (a first_token line the batch counted, its dict or None)
+    others: list[tuple[bool, dict[str, Any] | None]]
+    tokens: int  # token lines (not first_token) in the batch
+
+
+def _slow(buf: bytes) -> list[dict[str, Any] | None]:
+    return [parse_line(line) for line in buf.split(b"\n") if line.strip()]
+
+
+def _feed_dicts(an: Analyzer, ds: list[dict[str, Any] | None]) -> int:
+    bad = 0
+    for d in ds:
+        if d is None:
+            bad += 1
+        else:
+            an.feed_dict(d)
+    return bad
+
+
+def _apply(an: Analyzer, p: Parsed) -> int:
+    """Feed one parsed chunk into ``an``; returns its count of malformed lines."""
+    for rid, engine in p.engines:
+        an.name_engine(rid, engine)
+    if p.slow is not None and not p.held:
+        return _feed_dicts(an, p.slow)
+    skipped = 0
+    with an.batch():
+        if p.slow is not None:
+            return _feed_dicts(an, p.slow)
+        if len(p.ts):
+            an.add_token_batch(p.ids, p.codes, p.ts, p.ns, p.ft)
+        # every other line, and first_token bookkeeping, in file order through the normal methods
+        for first, d in p.others:
+            if d is None:
+                skipped += 1
+            elif first:
+                an.records += 1
+                an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
+                                 d.get("class"), tokens_done=True)
+            else:
+                an.feed_dict(d)
+        an.records += p.tokens
+    return skipped
+
+
+def _parse(buf: bytes) -> Parsed | None:
+    """Read one chunk (whole lines, the last ending in a newline): the token lines as columns,
+    every other line as a checked dict. Needs no analyzer: it can run in another process."""
+    return _parse_padded(buf + bytes(PAD), len(buf))
+
+
+def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
+    """``_parse`` of ``buf[:n]``, followed in ``buf`` by at least PAD zero bytes."""
+    arr = np.frombuffer(buf, np.uint8)
+    # newlines a megabyte at a time: a whole-chunk comparison would hold a byte per byte of it
+    ends = np.concatenate([np.flatnonzero(arr[a:min(a + (1 << 20), n)] == 10) + a for a in range(0, n, 1 << 20)]
+                          or [np.zeros(0, np.intp)])
     if len(ends) == 0:
-        return 0
+        return None
+    empty = np.zeros(0, dtype=np.int64)
+    nothing = Parsed([], None, False, [], empty, empty.astype(np.float64), empty, empty.astype(bool), [], 0)
     starts = np.empty_like(ends)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
@@ -227,13 +442,13 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     ok &= (idend > idstart) & (idend < ends)
     if b"\\" in buf:
         ok &= ~_has(arr, idstart, idend, 92, ID_WIDTH, ok)  # escaped ids take the JSON path
-    is_tok = _match(arr, idend, EV_TOK, ok.copy())
-    is_ft = _match(arr, idend, EV_FT, ok.copy()) & ~is_tok
+    is_tok = _match(arr, idend, EV_TOK, ok)
+    is_ft = _match(arr, idend, EV_FT, ok) & ~is_tok
     fast = is_tok | is_ft
     after = np.where(is_tok, idend + len(EV_TOK), idend + len(EV_FT))
     # n: absent (1), or one or two digits
     c0 = arr[np.minimum(after, n - 1)]
-    has_n = _match(arr, after, N_KEY, fast.copy())
+    has_n = _match(arr, after, N_KEY, fast)
     d1 = arr[np.minimum(after + 5, n - 1)].astype(np.int64) - 48
     d2 = arr[np.minimum(after + 6, n - 1)].astype(np.int64) - 48
     e1 = arr[np.minimum(after + 6, n - 1)]
@@ -250,56 +465,93 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     for i in np.flatnonzero(~fast).tolist():
         line = buf[starts[i]:ends[i]]
         if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
-            return _slow_lines(an, buf.split(b"\n"))
+            return nothing._replace(slow=_slow(bytes(buf[:n])))
     fi = np.flatnonzero(fast)
-    skipped = 0
+    engines: list[tuple[str, Any]] = []
     if b'"arrive"' in buf and b'"engine":' in buf:
         # arrive lines in the writer's key order, found like the token lines; any line of another
         # shape is looked at too
         arrive = _match(arr, idend, EV_ARRIVE, ok & ~fast)
-        _name_engines(an, buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
-    with an.batch():
-        if len(fi):
-            ts_, te_ = tstart[fi], tend[fi]
-            is_, ie_ = idstart[fi], idend[fi]
-            # narrowest fixed width that holds every value of this chunk
-            ts = _times(_field(arr, ts_, te_), te_ - ts_)
-            if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
-                # a token line whose time is not a number or out of range: the streaming path
-                # judges the chunk (the trace reader's check skips such lines)
-                return _slow_lines(an, buf.split(b"\n"))
-            uniq, codes = _unique(_strings(_field(arr, is_, ie_)))
-            ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
-            an.add_token_batch(ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi])
-        # every other line, and first_token bookkeeping, in file order through the normal methods
-        oi = np.flatnonzero(~fast | is_ft)
-        for i in oi.tolist():
-            line = buf[starts[i]:ends[i]]
-            if is_ft[i] and fast[i]:
-                d = parse_line(line)  # its shape looked right; a flipped byte can still break the JSON
-                if d is None:
-                    skipped += 1
-                    continue
-                an.records += 1
-                an.request_event(d["t"], str(d["id"]), "first_token", d.get("n"), d.get("prompt_tokens"),
-                                 d.get("class"), tokens_done=True)
-            else:
-                skipped += _feed_line(an, line)
-        an.records += int(np.count_nonzero(is_tok & fast))
-    return skipped
+        engines = _engines(buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
+    if not len(fi):
+        ts = nothing.ts
+        ids: list[str] = []
+        codes = nothing.codes
+    else:
+        ts_, te_ = tstart[fi], tend[fi]
+        is_, ie_ = idstart[fi], idend[fi]
+        # narrowest fixed width that holds every value of this chunk
+        ts = _times(_field(arr, ts_, te_), te_ - ts_)
+        if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
+            # a token line whose time is not a number or out of range: the streaming path
+            # judges the chunk (the trace reader's check skips such lines)
+            return nothing._replace(engines=engines, slow=_slow(bytes(buf[:n])), held=True)
+        uniq, codes = _unique_at(arr, is_, ie_)
+        ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
+    others: list[tuple[bool, dict[str, Any] | None]] = []
+    for i in np.flatnonzero(~fast | is_ft).tolist():
+        line = buf[starts[i]:ends[i]]
+        if is_ft[i] and fast[i]:
+            # its shape looked right; a flipped byte can still break the JSON
+            others.append((True, parse_line(line)))
+        elif line.strip():
+            others.append((False, parse_line(line)))
+    return Parsed(engines, None, False, ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi], others,
+                  int(np.count_nonzero(is_tok & fast)))
 
 
-def _name_engines(an: Analyzer, buf: bytes, starts: Index, ends: Index, rows: list[int]) -> None:
+def _engines(buf: bytes | bytearray, starts: Index, ends: Index, rows: list[int]) -> list[tuple[str, Any]]:
     """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
     gaps are made before the chunk's other lines go through in file order, and a gap is compared
     with other streams of its own engine."""
+    out = []
     for i in rows:
         line = buf[starts[i]:ends[i]]
         if b'"arrive"' not in line or b'"engine":' not in line:
             continue
         d = parse_line(line)
         if d is not None and d.get("kind") == "request" and d.get("event") == "arrive":
-            an.name_engine(str(d["id"]), d.get("engine"))
+            out.append((str(d["id"]), d.get("engine")))
+    return out
+
+
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF) if np is not None else 0
+_MIX = np.uint64(0x9E3779B97F4A7C15) if np is not None else 0
+
+
+def _unique_at(arr: Bytes, start: Index, end: Index) -> tuple[Strings, Index]:
+    """``_unique`` of the ids at [start, end), read 8 bytes at a time as integers where they lie
+    (no row of every id is built; only the distinct ones become strings)."""
+    n = len(start)
+    lens = end - start
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    h = lens.astype(np.uint64)
+    cols = []
+    with np.errstate(over="ignore"):
+        for j in range(0, int(lens.max()), 8):
+            w = words[start + j]
+            rem = lens - j  # bytes of this word inside the id
+            w &= np.where(rem >= 8, _ALL, (np.uint64(1) << (np.clip(rem, 0, 7) * 8).astype(np.uint64)) - np.uint64(1))
+            cols.append(w)
+            h = (h ^ w) * _MIX
+            h ^= h >> np.uint64(29)
+    order = np.argsort(h)
+    hs = h[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    hinv = np.empty(n, np.intp)
+    hinv[order] = np.cumsum(new) - 1
+    rep = order[new]  # one row of each distinct hash
+    back = rep[hinv]
+    # every row the same bytes as its group's representative, or a hash collision: the slow way
+    if not (np.array_equal(lens[back], lens) and all(np.array_equal(c[back], c) for c in cols)):
+        return _unique(_strings(_field(arr, start, end)))
+    cand = _strings(_field(arr, start[rep], end[rep]))
+    perm = np.argsort(cand, kind="stable")
+    rank = np.empty_like(perm)
+    rank[perm] = np.arange(len(perm))
+    return cand[perm], rank[hinv]
 
 
 def _unique(ids: Strings) -> tuple[Strings, Index]:
@@ -317,11 +569,19 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
         for j in range(words.shape[1]):
             h = (h ^ words[:, j]) * np.uint64(0x9E3779B97F4A7C15)
             h ^= h >> np.uint64(29)
-    hu, first, hinv = np.unique(h, return_index=True, return_inverse=True)
-    cand = ids[first]
+    # np.unique(h) sorts stably (for its first indices); any member of a group will do here, and
+    # the default (unstable) sort is the faster one
+    order = np.argsort(h)
+    hs = h[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    hinv = np.empty(n, np.intp)
+    hinv[order] = np.cumsum(new) - 1
+    cand = ids[order[new]]
     if not np.array_equal(cand[hinv], ids):
         return np.unique(ids, return_inverse=True)
     perm = np.argsort(cand, kind="stable")
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
-    return cand[perm], rank[hinv.ravel()]
+    return cand[perm], rank[hinv]

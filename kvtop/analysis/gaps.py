@@ -187,6 +187,17 @@ def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: An
         k += 1
 
 
+def _windows(lo: Any, hi: Any) -> tuple[Any, Any]:
+    """The positions lo[i]..hi[i]-1 of every window, back to back, and where each window starts
+    among them (one more entry: the end)."""
+    import numpy as np
+
+    lens = np.maximum(hi - lo, 0)
+    at = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=at[1:])
+    return np.repeat(lo - at[:-1], lens) + np.arange(int(at[-1])), at
+
+
 class GapTracker:
     """Owns the per-stream gap state: request states, the gap distribution and spikes waiting for
     attribution; fills the stall index (``stalls``: long gaps, first tokens, active streams) that the
@@ -225,9 +236,22 @@ class GapTracker:
         r.tokens += k
         r.events += 1
         if lt is not None:
+            g = t - lt
             if r.watch:
-                r.watch = [w for w in r.watch if not w.look(t, k, t - lt)]
-            self.gap(r, lt, t, t - lt, "token", k)
+                r.watch = [w for w in r.watch if not w.look(t, k, g)]
+            tgt = self.itl_target_s
+            if tgt is None or g >= LONG_FRACTION * tgt:
+                self.gap(r, lt, t, g, "token", k)
+            else:
+                # ``gap`` for the common case (target known, a short gap), inline: the live path's
+                # cost per token is mostly Python calls
+                ng = self.n_gaps = self.n_gaps + 1
+                if g > r.max_gap:
+                    r.max_gap = g
+                if not ng & 7:
+                    self.hist.add(g)
+                r.recent.append(g)
+                r.calm.append(g)
             r.recent_n.append(k)
 
     def resync(self, r: ReqState, t: float, n: int | None = None) -> None:
@@ -346,17 +370,11 @@ class GapTracker:
         m = len(c_s)
         gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
         gend = np.r_[gstart[1:], m]
-        reqs = []
-        last = np.full(len(ids), np.nan)
-        tok0 = np.zeros(len(ids), dtype=np.int64)
-        ev0 = [0] * len(ids)
-        for u, rid in enumerate(ids):
-            r = self.reqs.get(rid) or self.req(rid)
-            reqs.append(r)
-            if r.last_t is not None:
-                last[u] = r.last_t
-            tok0[u] = r.tokens
-            ev0[u] = r.events
+        by_id = self.reqs
+        reqs = [by_id.get(rid) or self.req(rid) for rid in ids]
+        last = np.array([math.nan if r.last_t is None else r.last_t for r in reqs], dtype=np.float64)
+        tok0 = np.array([r.tokens for r in reqs], dtype=np.int64)
+        ev0 = [r.events for r in reqs]
         prev = np.empty(m)
         prev[1:] = t_s[:-1]
         prev[gstart] = last[c_s[gstart]]
@@ -411,24 +429,31 @@ class GapTracker:
                                          events, w[-RECENT:], wn[-RECENT:], cw[-RECENT:]), tgt)
                 if p is not None:
                     spikes.setdefault(gi, []).append((i, p))
-        for gi in range(len(gstart)):
-            g0, g1 = int(gstart[gi]), int(gend[gi])
-            r = reqs[int(c_s[g0])]
+        # each stream's state after the batch: its last RECENT gaps (the only one that can be
+        # missing, NaN, is a stream's first), their tokens and its last RECENT stall-free gaps,
+        # gathered for all streams at once and converted to Python numbers once per batch
+        lo = np.maximum(gstart, gend - RECENT)
+        lo += ~valid[lo]
+        tail, tail_at = _windows(lo, gend)
+        tail_g, tail_n = gaps[tail].tolist(), n_s[tail].tolist()
+        sf_hi = np.searchsorted(sf_pos, gend)
+        calm, calm_at = _windows(np.maximum(np.searchsorted(sf_pos, gstart), sf_hi - RECENT), sf_hi)
+        calm_g = gaps[sf_pos[calm]].tolist()
+        for gi, (g0, g1, u, lt, ts_, mg, a, b, ca, cb) in enumerate(zip(
+                gstart.tolist(), gend.tolist(), c_s[gstart].tolist(), t_s[gend - 1].tolist(), tsum.tolist(),
+                gmax.tolist(), tail_at[:-1].tolist(), tail_at[1:].tolist(), calm_at[:-1].tolist(),
+                calm_at[1:].tolist(), strict=True)):
+            r = reqs[u]
             if r.watch or gi in spikes:
                 r.watch = _batch_look(r.watch, spikes.get(gi, []), t_s, n_s, gaps, g0, g1)
-            r.last_t = float(t_s[g1 - 1])
+            r.last_t = lt
             r.events += g1 - g0
-            r.tokens += int(tsum[gi])
-            mg = float(gmax[gi])
+            r.tokens += ts_
             if mg > r.max_gap:
                 r.max_gap = mg
-            tail = gaps[max(g0, g1 - RECENT):g1]
-            r.recent.extend(x for x in tail.tolist() if not math.isnan(x))
-            lo = max(g0, g1 - RECENT)
-            r.recent_n.extend(int(x) for x, v in zip(n_s[lo:g1].tolist(), valid[lo:g1].tolist(), strict=True) if v)
-            lo_k = int(np.searchsorted(sf_pos, g0))
-            hi_k = int(np.searchsorted(sf_pos, g1))
-            r.calm.extend(gaps[sf_pos[max(lo_k, hi_k - RECENT):hi_k]].tolist())
+            r.recent.extend(tail_g[a:b])
+            r.recent_n.extend(tail_n[a:b])
+            r.calm.extend(calm_g[ca:cb])
 
     # ---- queries -----------------------------------------------------------------------------
     def median_gap(self) -> float | None:

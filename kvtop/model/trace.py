@@ -30,7 +30,14 @@ from kvtop.model.records import (
     to_dict,
     trace_time,
 )
-from kvtop.model.validate import MAX_LINE_BYTES, header_problems, parse_line
+from kvtop.model.validate import (
+    MAX_LINE_BYTES,
+    DecodeError,
+    decode_line,
+    header_problems,
+    parse_line,
+    record_ok,
+)
 
 
 class TraceError(Exception):
@@ -329,31 +336,35 @@ class TraceReader:
         self.header_dropped = header_problems(header)
         self.header: dict[str, Any] = header
 
-    def _lines(self) -> Iterator[str]:
+    def dicts(self) -> Iterator[dict[str, Any]]:
+        # one generator reads, bounds and parses (``parse_line``'s common case inline): the
+        # streaming path's cost per record is mostly Python calls
         readline = self._f.readline
         limit = MAX_LINE_BYTES + 1
+        decode, ok = decode_line, record_ok
         while True:
             try:
                 line = readline(limit)
             except (OSError, EOFError):
                 # a gzip segment cut short (the agent died while compressing): keep what was read
                 self.skipped += 1
-                return
+                break
             if not line:
-                return
+                break
             if len(line) == limit and not line.endswith("\n"):
                 self.skipped += 1
                 try:
                     while line and not line.endswith("\n"):  # drop the rest without holding it
                         line = readline(limit)
                 except (OSError, EOFError):
-                    return
+                    break
                 continue
-            yield line
-
-    def dicts(self) -> Iterator[dict[str, Any]]:
-        for line in self._lines():
-            d = parse_line(line)
+            try:
+                d = decode(line) if len(line) <= MAX_LINE_BYTES else None
+                if d is not None and not ok(d):
+                    d = None
+            except DecodeError:
+                d = parse_line(line)
             if d is None:
                 if line.strip():
                     self.skipped += 1
