@@ -522,7 +522,6 @@ _MIX = np.uint64(0x9E3779B97F4A7C15) if np is not None else 0
 def _unique_at(arr: Bytes, start: Index, end: Index) -> tuple[Strings, Index]:
     """``_unique`` of the ids at [start, end), read 8 bytes at a time as integers where they lie
     (no row of every id is built; only the distinct ones become strings)."""
-    n = len(start)
     lens = end - start
     words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
     h = lens.astype(np.uint64)
@@ -535,14 +534,7 @@ def _unique_at(arr: Bytes, start: Index, end: Index) -> tuple[Strings, Index]:
             cols.append(w)
             h = (h ^ w) * _MIX
             h ^= h >> np.uint64(29)
-    order = np.argsort(h)
-    hs = h[order]
-    new = np.empty(n, bool)
-    new[0] = True
-    np.not_equal(hs[1:], hs[:-1], out=new[1:])
-    hinv = np.empty(n, np.intp)
-    hinv[order] = np.cumsum(new) - 1
-    rep = order[new]  # one row of each distinct hash
+    rep, hinv = _hash_groups(h)  # one row of each distinct hash; each row's group
     back = rep[hinv]
     # every row the same bytes as its group's representative, or a hash collision: the slow way
     if not (np.array_equal(lens[back], lens) and all(np.array_equal(c[back], c) for c in cols)):
@@ -552,6 +544,22 @@ def _unique_at(arr: Bytes, start: Index, end: Index) -> tuple[Strings, Index]:
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
     return cand[perm], rank[hinv]
+
+
+def _hash_groups(h: Any) -> tuple[Index, Index]:
+    """(one row of each distinct value of ``h``, each row's group number in sorted order).
+
+    np.unique(h) sorts stably (for its first indices); any member of a group will do here, and the
+    default (unstable) sort is the faster one."""
+    n = len(h)
+    order = np.argsort(h)
+    hs = h[order]
+    new = np.empty(n, bool)
+    new[0] = True
+    np.not_equal(hs[1:], hs[:-1], out=new[1:])
+    hinv = np.empty(n, np.intp)
+    hinv[order] = np.cumsum(new) - 1
+    return order[new], hinv
 
 
 def _unique(ids: Strings) -> tuple[Strings, Index]:
@@ -569,16 +577,8 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
         for j in range(words.shape[1]):
             h = (h ^ words[:, j]) * np.uint64(0x9E3779B97F4A7C15)
             h ^= h >> np.uint64(29)
-    # np.unique(h) sorts stably (for its first indices); any member of a group will do here, and
-    # the default (unstable) sort is the faster one
-    order = np.argsort(h)
-    hs = h[order]
-    new = np.empty(n, bool)
-    new[0] = True
-    np.not_equal(hs[1:], hs[:-1], out=new[1:])
-    hinv = np.empty(n, np.intp)
-    hinv[order] = np.cumsum(new) - 1
-    cand = ids[order[new]]
+    rep, hinv = _hash_groups(h)
+    cand = ids[rep]
     if not np.array_equal(cand[hinv], ids):
         return np.unique(ids, return_inverse=True)
     perm = np.argsort(cand, kind="stable")

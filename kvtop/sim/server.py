@@ -26,7 +26,7 @@ from aiohttp import web
 from kvtop.model.records import Record, RequestRecord, TruthRecord
 from kvtop.sim.engine import Seq, Sink
 from kvtop.sim.metrics import MetricsPage
-from kvtop.sim.simulate import make_engine
+from kvtop.sim.simulate import SIM_VERSION, make_engine
 from kvtop.sim.workload import RequestSpec, Workload
 
 MAX_BODY = 8 << 20  # 8 MiB of JSON is plenty for a 100K-word prompt
@@ -104,6 +104,7 @@ class SimServer:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -333,6 +334,10 @@ class SimServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.page.render().encode("utf-8"),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        # vLLM's /version; the advisor takes the simulator's flags as those of the vLLM V1 it models
+        return web.json_response({"version": SIM_VERSION})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

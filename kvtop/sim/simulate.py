@@ -23,6 +23,7 @@ from kvtop.sim.stats import Sink, Stats
 from kvtop.sim.workload import RequestSpec, Workload
 
 SIM_URL = "sim://"
+SIM_VERSION = "kvtop-sim"  # what the simulated engine answers for its version (vLLM: /version)
 
 
 class RecordSink(Sink):
@@ -126,6 +127,7 @@ class Simulation:
         recs: list[EngineRecord] = self._adapter.parse(self._page.render(), t)
         for r in recs:
             r.url = SIM_URL
+            r.version = SIM_VERSION
         return recs
 
     def _advance_to(self, until: float, inclusive: bool) -> None:
@@ -195,7 +197,7 @@ class Simulation:
 def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: float) -> dict[str, Any]:
     e = workload.engine
     return make_header(
-        engine={"adapter": "vllm", "url": SIM_URL, "model": e.model, "version": "kvtop-sim"},
+        engine={"adapter": "vllm", "url": SIM_URL, "model": e.model, "version": SIM_VERSION},
         kv={"bytes_per_token": e.bytes_per_token, "block_size": e.block_size, "capacity_tokens": e.capacity_tokens},
         sim={"workload": workload.name, "seed": seed, "policy": policy or e.preemption_mode,
              "preemption_mode": e.preemption_mode, "duration_s": duration_s, "itl_target_s": e.itl_target_s,
