@@ -77,10 +77,11 @@ def test_the_advisor_prescribes_real_flags_for_the_storm(loop):
 def test_the_prescription_measured_better_on_the_same_traffic(loop):
     """What admission buys on this engine, measured: eight 679-token requests cannot share 1,056 KV
     slots, so a concurrency limit turns preemption stalls into queueing. On the ITL contract that is
-    better (fewer preemptions per request, a lower p99 ITL, more requests within it) and compare must
-    say what it cost (TTFT) instead of calling it an improvement; with a 2 s TTFT target as well the
-    outcome is printed, not asserted: on an idle box it was `improved` by one request of eight, on a
-    loaded one `mixed` (the advisor does not yet weigh the queue it creates, nor prescribe more KV)."""
+    better (fewer preemptions per request, far less time over the target, no fewer requests within
+    it) and compare must say what it cost (TTFT; in one run also 19 % of output throughput) instead of
+    calling it an improvement. With a 2 s TTFT target as well the outcome is printed, not asserted: it
+    was `improved` by one request of eight, a `trade_off` and, on a loaded box, `mixed` (the advisor
+    states the queue's cost but does not yet prescribe more KV instead)."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -89,7 +90,9 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] and a["completed"] == b["completed"] == a["offered"], (a, b)
     assert b["preemptions_per_completed"] < a["preemptions_per_completed"], (a, b)
-    assert b["itl_p99_s"] < a["itl_p99_s"], (a, b)
+    # the stalls are a few long silences among ~4,800 gaps: p99 ITL hardly sees them (it went 30.5 ->
+    # 19.8 ms in one run, 17.9 -> 21.4 ms in another); the time spent over the target is what they cost
+    assert sum(b["over_target_s"].values()) < 0.5 * sum(a["over_target_s"].values()), (a, b)
     assert b["goodput"] >= a["goodput"], (a, b)
     assert c["outcome"] in ("improved", "trade_off"), c
     if b["ttft_p99_s"] > 1.1 * a["ttft_p99_s"]:  # the queue's cost is named, not hidden
