@@ -40,11 +40,15 @@ def scrapes_stalled(ev: Evidence) -> bool:
     return held is not None and held[0] >= HOST_LATE_MIN_S and abs(held[1] - ev.gap.t_end) <= HELD_REPLY_S
 
 
-def calm_before(ev: Evidence) -> float:
-    """How long the stream was already silent while kvtop's scrapes were still answered on time
-    (up to the last reply before the first late one: the hang may have begun right after it)."""
-    began = ev.timeline.hang_began(ev.gap.t_start, ev.gap.t_end, ev.scrape_interval + HOST_LATE_MIN_S)
-    return 0.0 if began is None else max(0.0, began - ev.gap.t_start)
+def calm_outside(ev: Evidence) -> float:
+    """How long the stream was silent while kvtop's scrapes were answered on time: before the hang
+    could have begun (the last reply before the first late one) and after its late reply (beyond
+    the skew of one release)."""
+    span = ev.timeline.hang_span(ev.gap.t_start, ev.gap.t_end, ev.scrape_interval + HOST_LATE_MIN_S)
+    if span is None:
+        return 0.0
+    # streams come back within HELD_REPLY_S of the late reply when the same hang held both
+    return max(0.0, span[0] - ev.gap.t_start) + max(0.0, ev.gap.t_end - span[1] - HELD_REPLY_S)
 
 
 def line(ev: Evidence) -> str:
@@ -62,10 +66,10 @@ def hung(ev: Evidence) -> Finding | None:
     """The host or the engine's API server hung: kvtop's own scrapes stalled with the stream."""
     if not scrapes_stalled(ev):
         return None
-    # the stream already silent while kvtop's scrapes were still answered on time: the hang came
-    # later and cannot be what made it miss the target (a preemption victim waiting through a hang)
-    calm = calm_before(ev)
-    if ev.target is not None and calm >= ev.target:
+    # the stream silent for the target outside the hang (before it began, after kvtop's scrapes were
+    # answered again): without the hang it would still have missed the target, so the hang is not
+    # what made it (a preemption victim waiting through a hang of the API server)
+    if ev.target is not None and calm_outside(ev) >= ev.target:
         return None
     return ev.found(Cause.UNKNOWN, "unknown/host", [line(ev), "not an engine cause: no engine setting fixes it"],
                     "host", weighed=False)

@@ -109,9 +109,10 @@ RULES: tuple[Rule, ...] = (
          f"interval covering it came late by ≥ half the stall (and ≥ {host.HOST_LATE_MIN_S:g} s), or a scrape that "
          f"fell due inside the stall was answered ≥ {host.HOST_LATE_MIN_S:g} s late within {host.HELD_REPLY_S:g} s "
          "of the stall's end (however little of the stall was left when it fell due, the reply waited for the same "
-         "hang): the host or the engine's API server hung; not when the stream was already silent for the ITL "
-         "target while kvtop's scrapes were still answered on time (up to the last reply before the late one): the "
-         "hang came later and a preemption victim waits through it. Asked before any engine cause"),
+         "hang): the host or the engine's API server hung; not when the stream was silent for the ITL target while "
+         "kvtop's scrapes were answered on time (before the last reply ahead of the late one, and after the late "
+         f"reply beyond {host.HELD_REPLY_S:g} s): without the hang it would still have missed the target (a "
+         "preemption victim waits through a hang of the API server). Asked before any engine cause"),
     Rule("delivery-continued", Cause.UNKNOWN, ("delivery",), ANY, host.continued, ("unknown/delivery-continued",),
          f"the spike starts within {BURST_S * 1e3:g} ms of where the stream's previous spike, a `delivery` stall, "
          "ended, and is no longer than it: the same disruption (a longer silence after the burst is a stall of its own)"),

@@ -234,18 +234,19 @@ class EngineTimeline:
                 i += 1
         return worst
 
-    def hang_began(self, a: float, b: float, late: float) -> float | None:
-        """The earliest a hang of kvtop's scrapes overlapping [a, b] can have begun: the last reply
-        before the first interval (overlapping it) that ran ``late`` seconds or more past its beat."""
-        first = None
+    def hang_span(self, a: float, b: float, late: float) -> tuple[float, float] | None:
+        """The widest a hang of kvtop's scrapes overlapping [a, b] can have been: from the last reply
+        before the first interval (overlapping it) that ran ``late`` seconds or more past its beat, to
+        the late reply that ended the last such interval."""
+        span: tuple[float, float] | None = None
         for k in self.keys.values():
             i = max(k.head, bisect_right(k.t, a, k.head) - 1)
             while i + 1 < len(k.t) and k.t[i] < b:
-                if k.t[i + 1] - k.t[i] >= late and (first is None or k.t[i] < first):
-                    first = k.t[i]
-                    break
+                if k.t[i + 1] - k.t[i] >= late:
+                    lo, hi = k.t[i], k.t[i + 1]
+                    span = (lo, hi) if span is None else (min(span[0], lo), max(span[1], hi))
                 i += 1
-        return first
+        return span
 
     def held_reply(self, a: float, b: float, si: float) -> tuple[float, float] | None:
         """A scrape due inside [a, b] that was answered late: (how late, when answered), the latest
