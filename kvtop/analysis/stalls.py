@@ -121,6 +121,18 @@ class StallIndex:
             i += 1
         return n
 
+    def _long_ending_from(self, t: float) -> int:
+        """Index of the first long gap (they are in t_end order) that ends at or after ``t``."""
+        lg = self.long
+        lo, hi = self.long_head, len(lg)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if lg[mid].t_end < t:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
         """Other streams silent over at least half of the spike, the median of their silences, and
         how many of them fell silent with it (up to a second, or half its length, before it began)
@@ -135,15 +147,8 @@ class StallIndex:
         half = 0.5 * L
         cap = g.t_end + settle
         lg = self.long
-        lo = self.long_head
-        hi = len(lg)
         a_end = g.t_start + half
-        while lo < hi:  # bisect on t_end: candidates end at or after a + L/2
-            mid = (lo + hi) // 2
-            if lg[mid].t_end < a_end:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = self._long_ending_from(a_end)  # candidates end at or after a + L/2
         seen = set()
         lens = []
         fresh_from = g.t_start - min(half, 1.0)
@@ -194,14 +199,7 @@ class StallIndex:
         L = g.t_end - g.t_start
         tol = max(0.05, 0.25 * L)
         lg = self.long
-        lo, hi = self.long_head, len(lg)
-        while lo < hi:  # bisect on t_end
-            mid = (lo + hi) // 2
-            if lg[mid].t_end < g.t_end - tol:
-                lo = mid + 1
-            else:
-                hi = mid
-        i = lo
+        i = self._long_ending_from(g.t_end - tol)
         multi, eng = self.multi, g.engine
         while i < len(lg) and lg[i].t_end <= g.t_end + tol:
             q = lg[i]
