@@ -17,13 +17,17 @@ PROM = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @contextmanager
-def replay_server(routes: dict[str, tuple[str | list[str], str]]) -> Iterator[tuple[str, dict[str, int]]]:
+def replay_server(routes: dict[str, tuple[str | list[str], str]],
+                  bearer: str | None = None) -> Iterator[tuple[str, dict[str, int]]]:
+    """``bearer``: every request without ``Authorization: Bearer <bearer>`` is refused (401)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     hits: dict[str, int] = {}
 
     async def handle(request: web.Request) -> web.Response:
+        if bearer is not None and request.headers.get("Authorization") != f"Bearer {bearer}":
+            return web.Response(status=401, text="unauthorized")
         if request.path not in routes:
             return web.Response(status=404, text="not found")
         hits[request.path] = hits.get(request.path, 0) + 1

@@ -127,13 +127,15 @@ def test_token_from_file_or_environment_never_echoed(tmp_path):
 def test_token_file_is_sent_as_bearer(tmp_path):
     f = tmp_path / "tok"
     f.write_text("sk-from-file\n")
-    with replay_server({"/metrics": (vllm_page(generation=5), PROM)}) as (base, _):
+    # the server refuses any request without the file's token, so a scrape that succeeds sent it
+    with replay_server({"/metrics": (vllm_page(generation=5), PROM)}, bearer="sk-from-file") as (base, hits):
         env = {"KVTOP_TOKEN_FILE": str(f)}
         # a generous per-scrape timeout: this is about the token, and a loaded box (the suite under
         # stress-ng, as an unprivileged user) once took more than the default 2 s to answer
         r = run_kvtop("snapshot", "--url", base, "--duration", "0.2", "--interval", "0.1", "--format", "json",
                       "--no-gpu", "--no-host", "--timeout", "30", env=env)
     assert r.returncode == 0, r.stderr
+    assert hits.get("/metrics", 0) >= 1
 
 
 def test_closed_pipe_is_quiet(tmp_path):
