@@ -142,12 +142,16 @@ def test_an_unprivileged_parser_captures_every_token_through_the_opener(install:
                  "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         held: set[str] = set()
-        for _ in range(300):  # held twice in a row: not the short-lived socket of its privilege check
-            now = _packet_socket_inodes(snap.pid) if snap.poll() is None else set()
+        # held twice in a row: not the short-lived socket of its privilege check. A start-up on a
+        # loaded box can take tens of seconds; the bound only stops a hung run.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and snap.poll() is None:
+            now = _packet_socket_inodes(snap.pid)
             if now and now == held:
                 break
             held = now
             time.sleep(0.1)
+        assert snap.poll() is None, f"the snapshot exited ({snap.returncode}): {snap.stderr.read() if snap.stderr else ''}"
         assert held, "the snapshot never held a packet socket"
         st = _status(snap.pid)
         # the process that reads and parses the engine's bytes: no capability, not root

@@ -16,6 +16,8 @@ URL = "http://engine:8000"
 class _Advisor:
     """A live analysis whose verdict a test sets."""
 
+    streams = None  # keeps no per-stream store
+
     def __init__(self) -> None:
         self.verdict: Verdict | None = None
 

@@ -1,7 +1,7 @@
-"""The two folds over one request's records: the Core's request view and gap detection keep their
-streams in the same kind of store (kvtop/analysis/streams.py) but count differently, and every
-output depends on which count it reads. Each case here is a record sequence on which they differ;
-merging the folds changes one side's numbers (a change of results, not of structure)."""
+"""The facts of one request's records have one fold (kvtop/analysis/streams.py) and one store: the
+Core's request view reads the live analysis's record of the stream, and a Core without analysis
+folds its own with the same functions. Each case is a record sequence where the two used to count
+differently; now the console (with and without analysis) and the analysis say the same."""
 
 from __future__ import annotations
 
@@ -15,48 +15,54 @@ from kvtop.snapshot import RequestView
 
 
 def _both(recs: list[R]) -> tuple[RequestView, tuple[float | None, float | None, int, float, float | None, str | None]]:
+    """The request view with the analysis, (the same without analysis), and the analysis's facts."""
     live = LiveAnalyzer(itl_target_s=0.1)
     core = Core(itl_target_s=0.1, analysis=live, finished_keep_s=1e9)
+    alone = Core(itl_target_s=0.1, finished_keep_s=1e9)
     for r in recs:
-        core.ingest(r)
+        core.ingest(R(**{k: getattr(r, k) for k in ("t", "id", "event", "n", "cls")}))
+        alone.ingest(r)
     (view,) = core.snapshot(now=10.0).requests
+    (own,) = alone.snapshot(now=10.0).requests
+    assert own == view  # the same facts with or without the analysis
     s = live.an.gaps.streams.get("a")
-    assert s is not None
-    return view, (s.arrive_t, s.end_t, s.tokens, round(s.max_gap, 6), s.last_t, s.cls)
+    assert s is not None and s.timeline is not None  # one record: the view's timeline sits in the analysis's store
+    return view, (s.arrive_t, s.end_t, s.tokens, round(s.longest_silence(), 6), s.last_t, s.cls)
 
 
-def test_the_silence_before_a_cancel_is_a_gap_to_the_analysis_only() -> None:
-    view, (_, end, tokens, max_gap, _, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
+def test_the_silence_before_a_cancel_is_the_requests_longest_wait_not_an_inter_token_gap() -> None:
+    view, (_, end, tokens, longest, _, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
                                                    R(1.1, "a", "token"), R(3.0, "a", "cancel")])
-    assert view.max_gap_s == pytest.approx(0.1) and max_gap == 1.9  # token to token vs up to the cancel
+    assert view.max_gap_s == pytest.approx(0.1) and longest == 1.9  # token to token; up to the cancel
     assert (view.tokens, tokens, view.state, end) == (2, 2, "cancelled", 3.0)
 
 
-def test_an_event_of_no_tokens_counts_as_one_to_the_analysis() -> None:
+def test_an_event_of_no_tokens_counts_as_one() -> None:
     view, (_, _, tokens, _, _, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
                                           R(1.1, "a", "token", n=0)])
-    assert (view.tokens, tokens) == (1, 2)
+    assert view.tokens == tokens == 2
 
 
-def test_a_reordered_token_is_skipped_by_the_view_and_counted_by_the_analysis() -> None:
-    view, (_, _, tokens, max_gap, last, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
-                                                   R(2.0, "a", "token"), R(1.5, "a", "token"), R(2.1, "a", "token")])
-    assert (view.tokens, tokens) == (3, 4)
-    assert view.current_gap_s == pytest.approx(7.9) and last == 2.1
-    assert view.max_gap_s == 1.0 and max_gap == 1.0
+def test_a_reordered_token_is_counted_and_is_no_gap() -> None:
+    view, (_, _, tokens, longest, last, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
+                                                   R(2.0, "a", "token"), R(1.5, "a", "token"),
+                                                   R(2.1, "a", "token")])
+    assert view.tokens == tokens == 4
+    assert last == 2.1 and view.current_gap_s == pytest.approx(7.9)
+    assert view.max_gap_s == longest == 1.0
 
 
-def test_the_view_shows_the_latest_end_and_the_analysis_keeps_the_first() -> None:
-    view, (_, end, _, max_gap, _, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
-                                                  R(2.0, "a", "finish"), R(3.0, "a", "error")])
-    assert (view.state, view.age_s, end) == ("error", 3.0, 2.0)
-    assert view.max_gap_s is None and max_gap == 0.0  # no gap yet: unknown vs zero
+def test_the_first_end_is_the_end() -> None:
+    view, (_, end, _, longest, _, _) = _both([R(0.0, "a", "arrive"), R(1.0, "a", "first_token"),
+                                              R(2.0, "a", "finish"), R(3.0, "a", "error")])
+    assert (view.state, view.age_s, end) == ("finished", 2.0, 2.0)
+    assert view.max_gap_s is None and longest == 0.0  # no gap yet: the view says unknown, the row zero
 
 
-def test_arrival_is_the_first_record_to_the_view_and_the_arrive_event_to_the_analysis() -> None:
+def test_the_console_dates_a_request_from_its_first_record_and_the_class_is_the_arrivals() -> None:
     view, (arrive, _, _, _, _, cls) = _both([R(0.5, "a", "first_token", cls="x"), R(0.0, "a", "arrive", cls="y")])
-    assert (view.cls, view.age_s) == ("x", 9.5)
-    assert (arrive, cls) == (0.0, "y")
+    assert view.age_s == 9.5 and arrive == 0.0  # seen first at 0.5; the arrive event says 0.0
+    assert view.cls == cls == "y"
 
 
 class _Rec:

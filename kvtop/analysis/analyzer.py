@@ -29,7 +29,7 @@ from kvtop.analysis.attribution.thresholds import PREFILL_HOLD_S
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
-from kvtop.analysis.streams import ReqState
+from kvtop.analysis.streams import ReqState, fold_arrive
 from kvtop.analysis.tally import Tally
 from kvtop.analysis.witness import Account, StepIndex
 from kvtop.model.engine_id import engine_address
@@ -214,10 +214,9 @@ class Analyzer:
             if r.arrive_t is None and r.end_t is None:
                 acc.inflight += 1
                 acc.inflight_peak = max(acc.inflight_peak, acc.inflight)
-            r.arrive_t = t
+            fold_arrive(r, t, cls)
             if prompt is not None:
                 self._prompt(r, prompt)
-            r.cls = cls
         elif ev == "first_token":
             if prompt is not None and r.prompt_tokens is None:
                 r.prompt_tokens = int(prompt)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtop.analysis.stalls import StallIndex
-from kvtop.analysis.streams import RECENT, ReqState, StreamStore
+from kvtop.analysis.streams import RECENT, ReqState, StreamStore, fold_end, fold_resync, fold_token
 
 # Default ITL target = K_TARGET × the median of the first WARMUP gaps (documented in the README).
 K_TARGET = 4.0
@@ -230,11 +230,8 @@ class GapTracker:
     def token(self, rid: str, t: float, n: int | None = None) -> None:
         """Hot path: one token event (``n`` tokens delivered at once)."""
         r = self.reqs.get(rid) or self.req(rid)
-        lt = r.last_t
-        r.last_t = t
         k = n if n else 1
-        r.tokens += k
-        r.events += 1
+        lt = fold_token(r, t, k)
         if lt is not None:
             g = t - lt
             if r.watch:
@@ -246,8 +243,6 @@ class GapTracker:
                 # ``gap`` for the common case (target known, a short gap), inline: the live path's
                 # cost per token is mostly Python calls
                 ng = self.n_gaps = self.n_gaps + 1
-                if g > r.max_gap:
-                    r.max_gap = g
                 if not ng & 7:
                     self.hist.add(g)
                 r.recent.append(g)
@@ -257,14 +252,10 @@ class GapTracker:
     def resync(self, r: ReqState, t: float, n: int | None = None) -> None:
         """Tokens after a hole in the observed bytes: counted, and the stream's clock moves on
         without a gap (the silence spans lost data, not a stall)."""
-        r.last_t = t
-        r.tokens += n if n else 1
-        r.events += 1
+        fold_resync(r, t, n if n else 1)
 
     def gap(self, r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int = 1) -> None:
         self.n_gaps += 1
-        if g > r.max_gap:
-            r.max_gap = g
         tgt = self.itl_target_s
         if tgt is None:
             gp = _stream_gap(r, lt, t, g, ended_by, chunk_n)
@@ -325,10 +316,8 @@ class GapTracker:
 
     def end(self, r: ReqState, t: float, how: str) -> bool:
         """A stream ended (finish / cancel / error); False when it had ended already."""
-        if r.end_t is not None:
+        if not fold_end(r, t, how):
             return False
-        r.end_t = t
-        r.ended_by = how
         if r.first_t is not None:
             self.stalls.stream_ended(r, t)
         if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
@@ -395,7 +384,7 @@ class GapTracker:
             self.hist.add_array(gfile[(k & 7) == 0])
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
-        gz = np.where(valid, gaps, -1.0)
+        gz = np.where(valid, gaps, -np.inf)  # a stream's first event has no gap
         sf_pos = np.flatnonzero(valid & (gz <= tgt))  # stall-free gaps: the baseline's sample
         longs = np.flatnonzero(gz >= long_thr).tolist()
         gmax = np.maximum.reduceat(gz, gstart)

@@ -18,6 +18,7 @@ from typing import Any
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
+from kvtop.analysis.streams import StreamStore
 from kvtop.model.analysis import AnalysisCounters, AnalysisReport
 from kvtop.model.records import (
     EngineRecord,
@@ -88,6 +89,10 @@ class LiveAnalyzer:
             an.feed_dict(to_dict(rec))
         elif isinstance(rec, TruthRecord):
             return  # ground truth is never analysis input
+
+    @property
+    def streams(self) -> StreamStore:
+        return self.an.gaps.streams
 
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
         return self.an.request_info(request_id)

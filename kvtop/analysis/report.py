@@ -172,7 +172,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     spikes = tuple(SpikeView(g.request_id, round(g.t_start, 6), round(g.t_end, 6), round(g.candidate.gap, 6),
                              str(g.cause), g.kind, round(g.confidence, 3), g.ended_by, tuple(g.evidence))
                    for g in st.spikes)
-    requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.max_gap, 6), r.tokens, r.last_cause,
+    requests = tuple(RequestRow(r.id, r.spikes, r.preempt_spikes, round(r.longest_silence(), 6), r.tokens, r.last_cause,
                                 r.ended_by) for r in st.streams if r.first_t is not None)
     warnings = list(warnings or ())
     crowded = _crowded_target(st, total) if basis == "requests" else None

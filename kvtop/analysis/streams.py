@@ -1,22 +1,24 @@
-"""The per-stream store: one record per request, in arrival order, capped.
+"""The per-stream store: one record per request, in arrival order, capped, and the one fold of the
+facts every reader of a stream shares.
 
 ``Streams`` is the store itself, over any record that says whether its stream has ended (the
-oldest ended stream is dropped first when the store is full). Two folds keep their streams in one
-each: gap detection (``gaps.GapTracker``: a ``StreamStore`` of ``ReqState``, which the stall index
-and the analyzer read) and the Core's request view (``kvtop.core.requests``: what the console lists
-per request, and a request's timeline). ``StreamStore.info`` is the read-only view of one analysed
-stream; the Core's request view reads its spikes and their last cause from it.
+oldest ended stream is dropped first when the store is full). ``StreamStore`` holds ``ReqState``
+records: gap detection (``gaps.GapTracker``), the stall index and the analyzer read them, and so
+does the Core's request view (``kvtop.core.requests``), which keeps its per-request timeline in the
+same record (``ReqState.timeline``). With a live analysis the Core shares the analysis's store; on
+its own (a replay without analysis) it keeps one and folds the facts itself with the same functions.
 
-The two folds count differently on purpose, and their outputs depend on it: gap detection counts an
-event of ``n=0`` tokens as one, counts a token older than the stream's last, takes the silence
-before a cancel as a gap, the first end event as the end and the arrive event as the arrival; the
-request view counts ``n`` as given, skips a reordered token, measures token to token, shows the
-latest end event and dates a request from its first record (tests/test_stream_facts.py shows each).
-Merging them is a change of results, not of structure.
+The facts (``fold_*``): tokens count an event's ``n``, or one when it has none (``n`` 0 or absent);
+a token older than the stream's last is counted and its (negative) gap is no gap; ``max_gap`` is
+token to token, and the silence from the last token to a cancel is ``end_silence`` (the analysis's
+per-request maximum takes both); the first end event is the end, and the arrival is the arrive
+event's. tests/test_stream_facts.py shows each on the view and the analysis alike.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,8 +28,56 @@ if TYPE_CHECKING:  # types only: a stream refers to its spikes; gaps.py and attr
     from kvtop.analysis.attribution.spike import Spike
     from kvtop.analysis.gaps import Pending
 
+TIMELINE_MAX_CHUNKS = 1024
+MAX_MARKS = 256
+NO_GAP = -math.inf  # ``max_gap`` before a stream's second token
 RECENT = 8  # gaps per stream kept to judge whether a spike is an outlier for that stream (and as many
 # stall-free ones, within the target: the pace before a slowdown began)
+
+
+class Chunks:
+    """A request's token arrivals as two flat arrays (12 bytes a chunk; a deque of tuples costs
+    ~90): at 20 requests/s this is most of what the console holds. Keeps the last TIMELINE_MAX_CHUNKS."""
+
+    __slots__ = ("t", "n")
+
+    def __init__(self) -> None:
+        self.t = array("d")
+        self.n = array("I")
+
+    def append(self, t: float, n: int) -> None:
+        self.t.append(t)
+        self.n.append(max(0, n))
+        if len(self.t) >= 2 * TIMELINE_MAX_CHUNKS:  # trim in batches: amortised O(1)
+            del self.t[:-TIMELINE_MAX_CHUNKS]
+            del self.n[:-TIMELINE_MAX_CHUNKS]
+
+    def items(self) -> tuple[tuple[float, int], ...]:
+        k = max(0, len(self.t) - TIMELINE_MAX_CHUNKS)
+        return tuple(zip(self.t[k:], self.n[k:], strict=True))
+
+    def __len__(self) -> int:
+        return min(len(self.t), TIMELINE_MAX_CHUNKS)
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What the request view keeps of a stream beyond its facts: when it was first seen, through
+    which source, its running state, and for the detail view its token chunks (in time order), its
+    preempt/resume marks and its engine steps, bounded."""
+
+    seen_t: float
+    source: str | None = None
+    state: str = "waiting"  # waiting, running, preempted (the end state is the facts' ``ended_by``)
+    retired: bool = False  # ended and left the screens (kept only while among the worst stalls)
+    chunks: Chunks = field(default_factory=Chunks)
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    steps: deque[tuple[float, float, str]] = field(default_factory=lambda: deque(maxlen=TIMELINE_MAX_CHUNKS))
+
+    def mark(self, t: float, ev: str) -> None:
+        if len(self.marks) >= MAX_MARKS:
+            del self.marks[0]
+        self.marks.append((t, ev))
 
 
 @dataclass(slots=True)
@@ -46,7 +96,8 @@ class ReqState:
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_n: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # tokens of the events closing them
     calm: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # recent gaps within the target
-    max_gap: float = 0.0
+    max_gap: float = NO_GAP  # the longest token-to-token gap (NO_GAP before the second token)
+    end_silence: float = 0.0  # from the last token to a cancel
     spikes: int = 0
     preempt_spikes: int = 0
     last_cause: str | None = None
@@ -56,9 +107,48 @@ class ReqState:
     events: int = 0  # token events (tokens / events: the stream's usual chunk size)
     watch: list[Pending] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
     engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
+    timeline: Timeline | None = None  # the request view's part, while a Core lists the stream
 
     def tokens_per_event(self) -> float:
         return self.tokens / self.events if self.events else 1.0
+
+    def longest_silence(self) -> float:
+        """The longest wait the client saw: token to token, or from the last token to a cancel."""
+        return max(self.max_gap, self.end_silence)
+
+
+def fold_token(r: ReqState, t: float, k: int) -> float | None:
+    """``k`` tokens delivered at ``t``; returns the previous token's time (None for the first)."""
+    lt = r.last_t
+    r.last_t = t
+    r.tokens += k
+    r.events += 1
+    if lt is not None and t - lt > r.max_gap:
+        r.max_gap = t - lt
+    return lt
+
+
+def fold_resync(r: ReqState, t: float, k: int) -> None:
+    """Tokens after a hole in the observed bytes: counted, and the clock moves on without a gap."""
+    r.last_t = t
+    r.tokens += k
+    r.events += 1
+
+
+def fold_arrive(r: ReqState, t: float, cls: str | None) -> None:
+    r.arrive_t = t
+    r.cls = cls
+
+
+def fold_end(r: ReqState, t: float, how: str) -> bool:
+    """A stream ended (finish / cancel / error); False when it had ended already (the first end is the end)."""
+    if r.end_t is not None:
+        return False
+    r.end_t = t
+    r.ended_by = how
+    if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
+        r.end_silence = t - r.last_t
+    return True
 
 
 class _Stream(Protocol):
@@ -112,7 +202,7 @@ class Streams(Generic[S]):
 
 
 class StreamStore(Streams[ReqState]):
-    """The analysed streams (gap detection's)."""
+    """The streams: gap detection's, and the request view's with them."""
 
     def req(self, rid: str) -> ReqState:
         """Stream ``rid``, added if new."""

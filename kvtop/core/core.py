@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from kvtop import __version__
+from kvtop.analysis.streams import StreamStore
 from kvtop.core.engines import EngineTracker
 from kvtop.core.events import EventLog
 from kvtop.core.gpus import GpuTracker
@@ -31,8 +32,14 @@ class LiveAnalysis(Protocol):
 
     def feed(self, rec: Record) -> None: ...
 
+    @property
+    def streams(self) -> StreamStore | None:
+        """The analysis's per-stream store, which the request view shares (None: it keeps none)."""
+        ...
+
     def request_info(self, request_id: str) -> tuple[int, int, str | None]:
-        """(spikes, spikes attributed to preemption, last cause) for one request."""
+        """(spikes, spikes attributed to preemption, last cause) for one request (asked only of an
+        analysis without a store)."""
         ...
 
     def report(self, now: float) -> AnalysisReport | None: ...
@@ -74,7 +81,9 @@ class Core:
         self.log = EventLog()
         self.engines = EngineTracker(self.log)
         self.gpus = GpuTracker(self.log)
-        self.requests = RequestTracker(self.log, itl_target_s, max_requests, finished_keep_s)
+        store = analysis.streams if analysis is not None else None
+        self.requests = RequestTracker(self.log, itl_target_s, max_requests, finished_keep_s, store=store,
+                                       info=analysis.request_info if analysis is not None and store is None else None)
         self._host: HostRecord | None = None  # the latest reading: nothing is derived from it
         # the console's history charts (bounded; fed the engine, GPU and host records)
         self.history = History()
@@ -134,7 +143,7 @@ class Core:
         now = self.now if now is None else now
         engines = self.engines.views(now, self.window_s)
         gpus = self.gpus.views()
-        requests = self.requests.views(now, self.analysis.request_info if self.analysis else None)
+        requests = self.requests.views(now)
         analysis = self.analysis.report(now) if self.analysis else None
         # derived here, not in a view, so every front end logs it
         self.log.note_verdict(now, analysis.verdict if analysis is not None else None)

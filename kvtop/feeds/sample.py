@@ -34,6 +34,8 @@ class SampleAnalysis:
         self._by_req: dict[str, list[SpikeView]] = {}
         self.verdict = verdict
 
+    streams = None  # keeps no per-stream store: the core keeps its own and asks ``request_info``
+
     def fresh(self) -> SampleAnalysis:
         return SampleAnalysis(self.verdict)
 

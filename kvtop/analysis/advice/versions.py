@@ -6,9 +6,11 @@ every engine record; ``build_situation`` and a saved scenario carry it as ``engi
 Facts: vLLM 0.8.0 made the V1 engine the default; before it, V0 preempted by swapping live sequences
 to host memory (``--preemption-mode swap`` with ``--swap-space`` GiB per GPU). V1 has no live-sequence
 swap: its host tier is the KV offloading connector, whose command-line flags
-(``--kv-offloading-size``/``--kv-offloading-backend``) were merged on 2025-11-01 (docs/engines.md §2.7),
-after vLLM 0.11.0 was released: an older V1 has no such flag. Every flag the advisor prints for vLLM is
-started on a real vLLM of ``VLLM_CHECKED`` by the real-engine tier (tests/integration).
+(``--kv-offloading-size``/``--kv-offloading-backend``) were merged on 2025-11-01 and first released in
+vLLM 0.11.1 (its source release's ``vllm/engine/arg_utils.py`` defines them, 0.11.0's does not;
+docs/engines.md §2.7): an older V1 has no such flag. Until 0.14 the backend had no default, so kvtop
+always prints both. Every flag the advisor prints for vLLM is started on a real vLLM of
+``VLLM_CHECKED`` by the real-engine tier (tests/integration).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import re
 from kvtop.analysis.advice.situation import Num, Situation
 
 VLLM_V1_DEFAULT = (0, 8)
-VLLM_OFFLOAD_FLAGS = (0, 11)  # the first minor release that can have the offloading flags (0.11.1 on)
+VLLM_OFFLOAD_FLAGS = (0, 11)  # the minor release whose 0.11.1 first has the offloading flags
 VLLM_CHECKED = (0, 32)
 
 
@@ -53,7 +55,7 @@ def apply(s: Situation) -> None:
     elif ver < VLLM_OFFLOAD_FLAGS or (ver == VLLM_OFFLOAD_FLAGS and str(given).split("+")[0] in ("0.11", "0.11.0")):
         if s.swap_impl is None:
             s.swap_impl = "none"
-        _note(s, f"vLLM {given} predates --kv-offloading-size (merged 2025-11-01): no host KV tier can be set by "
+        _note(s, f"vLLM {given} predates --kv-offloading-size (first in vLLM 0.11.1): no host KV tier can be set by "
                  "a flag there, so swap is not prescribed; upgrade, or configure a KV connector (--kv-transfer-config)")
     elif ver[:2] != VLLM_CHECKED:
         _note(s, f"flags checked on vLLM {checked} (the real-engine tier starts it with them); this engine "
