@@ -55,6 +55,10 @@ _CURRENT: dict[str, str] = {Setting.MAX_SEQS: "max_seqs_current", Setting.BATCHE
 # activations and fragmentation, as vLLM's default memory share (0.9) keeps a tenth of the device
 # (docs/kv-science.md §8.1).
 KV_HEADROOM_SHARE = 0.9
+# Without a TTFT target, the time to first token an admission queue may add before more KV capacity is
+# the better fix: this many ITL targets, the tightest ratio of MLPerf Inference's LLM latency pairs
+# (docs/kv-science.md §8.1).
+TTFT_PER_ITL = 10.0
 _MIB = 1 << 20
 
 
@@ -677,12 +681,16 @@ def _kv_capacity(s: Situation, plan: cap.Capacity, wait: float, settings: _Flags
     if not peak or plan.n_floor >= float(peak):
         return None
     life = float(s.v("output_mean")) * float(s.v("decode_step"))
-    ttft = s.v("ttft_slo")
+    ttft, itl = s.v("ttft_slo"), s.v("itl_slo")
     if ttft:
         material, crit = wait > float(ttft), f"the {float(ttft) * 1e3:.0f} ms TTFT target"
+    elif itl:
+        budget = TTFT_PER_ITL * float(itl)
+        material, crit = wait > budget, (f"a {budget * 1e3:.0f} ms time to first token ({TTFT_PER_ITL:g}x the "
+                                         f"{float(itl) * 1e3:.0f} ms ITL target; no TTFT target given)")
     else:
         material, crit = wait > life, (f"one request's own lifetime ({life:.1f} s): the last of a burst would wait "
-                                       "longer than it is served (no TTFT target given)")
+                                       "longer than it is served (no TTFT or ITL target given)")
     if not material:
         return None
     c_kv = plan.c_kv_tokens
