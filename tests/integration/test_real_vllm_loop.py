@@ -66,22 +66,26 @@ def loop(vllm_install, trace_dir) -> dict:
 
 
 def test_the_advisor_prescribes_real_flags_for_the_storm(loop):
+    """Eight ~679-token requests cannot share 1,056 KV slots: any admission limit queues them, so the
+    advisor sizes the KV cache for the peak in flight instead (8 x 704 tokens in 32-token blocks x
+    1,024 B per token, rounded up to whole MiB: 6 MiB), on the CPU host's available memory, and keeps a
+    limit that admits the peak as a safety bound."""
     flags = loop["flags"]
-    assert "--max-num-seqs" in flags, flags
-    n = int(flags[flags.index("--max-num-seqs") + 1])
-    assert 1 <= n < servers.VLLM_MAX_NUM_SEQS  # fewer than the engine admits today
+    assert "--kv-cache-memory-bytes" in flags, flags
+    kv = int(flags[flags.index("--kv-cache-memory-bytes") + 1])
+    assert kv >= 8 * 679 * (servers.VLLM_KV_BYTES // 1056) > servers.VLLM_KV_BYTES
+    if "--max-num-seqs" in flags:  # a safety bound that does not queue the eight
+        n = int(flags[flags.index("--max-num-seqs") + 1])
+        assert 8 <= n < servers.VLLM_MAX_NUM_SEQS
     if "--max-model-len" in flags:  # admits every recorded request (prompt + output)
         assert int(flags[flags.index("--max-model-len") + 1]) >= 67 + 600
 
 
 def test_the_prescription_measured_better_on_the_same_traffic(loop):
-    """What admission buys on this engine, measured: eight 679-token requests cannot share 1,056 KV
-    slots, so a concurrency limit turns preemption stalls into queueing. On the ITL contract that is
-    better (fewer preemptions per request, far less time over the target, no fewer requests within
-    it) and compare must say what it cost (TTFT; in one run also 19 % of output throughput) instead of
-    calling it an improvement. With a 2 s TTFT target as well the outcome is printed, not asserted: it
-    was `improved` by one request of eight, a `trade_off` and, on a loaded box, `mixed` (the advisor
-    states the queue's cost but does not yet prescribe more KV instead)."""
+    """What the prescription buys on this engine, measured on the same eight requests: with a KV cache
+    that holds them all, no request is preempted and none waits in a queue, so compare must say
+    `improved` at the ITL contract with goodput no lower, and the 2 s TTFT contract must not come out
+    worse (an admission limit alone made it a trade-off: p99 TTFT 250 ms -> 13 s)."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -90,10 +94,7 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] and a["completed"] == b["completed"] == a["offered"], (a, b)
     assert b["preemptions_per_completed"] < a["preemptions_per_completed"], (a, b)
-    # the stalls are a few long silences among ~4,800 gaps: p99 ITL hardly sees them (it went 30.5 ->
-    # 19.8 ms in one run, 17.9 -> 21.4 ms in another); the time spent over the target is what they cost
     assert sum(b["over_target_s"].values()) < 0.5 * sum(a["over_target_s"].values()), (a, b)
     assert b["goodput"] >= a["goodput"], (a, b)
-    assert c["outcome"] in ("improved", "trade_off"), c
-    if b["ttft_p99_s"] > 1.1 * a["ttft_p99_s"]:  # the queue's cost is named, not hidden
-        assert c["outcome"] == "trade_off" and any("TTFT" in w for w in c["outside_contract"]), c
+    assert c["outcome"] == "improved", c
+    assert t["outcome"] in ("improved", "no_change"), t
