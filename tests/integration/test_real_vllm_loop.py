@@ -18,7 +18,7 @@ import time
 import pytest
 
 from testkit.engines import servers, witness_workloads
-from testkit.engines.kvtop_run import Recorder, kvtop
+from testkit.engines.kvtop_run import Recorder, kvtop, read_trace
 
 pytestmark = pytest.mark.real_engine
 
@@ -50,6 +50,7 @@ def loop(vllm_install, trace_dir) -> dict:
         after = trace_dir / "loop-after.jsonl"
         r = kvtop("load", "--from", str(src), "--url", srv.url, "-o", str(after), "--no-gpu", timeout=900)
         assert r.returncode == 0, r.stderr
+        out["after_finish"] = [d for d in read_trace(after) if d.get("kind") == "request" and d.get("event") == "finish"]
     finally:
         servers.cleanup(srv)
     # Judged on the ITL contract the storm broke (100 ms), and again with the TTFT an operator of this
@@ -83,9 +84,17 @@ def test_the_advisor_prescribes_real_flags_for_the_storm(loop):
 
 def test_the_prescription_measured_better_on_the_same_traffic(loop):
     """What the prescription buys on this engine, measured on the same eight requests: with a KV cache
-    that holds them all, no request is preempted and none waits in a queue, so compare must say
-    `improved` at the ITL contract with goodput no lower, and the 2 s TTFT contract must not come out
-    worse (an admission limit alone made it a trade-off: p99 TTFT 250 ms -> 13 s)."""
+    that holds them all, no request is preempted and none waits in the engine's queue (an admission
+    limit alone queued them: p99 TTFT 250 ms -> 13 s). Two runs (2026-12-02, this box shared by three
+    builds): `improved` (p99 ITL 632 -> 158 ms, time over the 100 ms target 109 -> 7.8 s, p99 end-to-end
+    54.4 -> 12.8 s, output 88 -> 371 tokens/s, p99 TTFT 658 -> 620 ms) and a `trade_off` on p99 TTFT
+    alone, 489 -> 786 ms, with everything else better by as much. That TTFT is one prefill step: the
+    eight arrive within 0.1 s and vLLM prefilled them in one step of 0.53-0.65 s (vLLM's own per-request
+    TTFT), except in that run's `before`, where the client's arrival jitter split them into steps of
+    0.21 and 0.25 s. So the outcome is `improved`, or a trade-off whose only worse figure is p99 TTFT
+    while the engine queued no request. Goodput stays 0 of 8 in both runs: with eight sequences in
+    one batch this CPU's decode step passes 100 ms now and then (vLLM's slow_decode), so each request
+    spends more than one target over it."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -93,8 +102,12 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     a, b = c["a"], c["b"]
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] and a["completed"] == b["completed"] == a["offered"], (a, b)
-    assert b["preemptions_per_completed"] < a["preemptions_per_completed"], (a, b)
+    assert b["preemptions_per_completed"] == 0 < a["preemptions_per_completed"], (a, b)
     assert sum(b["over_target_s"].values()) < 0.5 * sum(a["over_target_s"].values()), (a, b)
-    assert b["goodput"] >= a["goodput"], (a, b)
-    assert c["outcome"] == "improved", c
-    assert t["outcome"] in ("improved", "no_change"), t
+    assert b["goodput"] >= a["goodput"] and t["b"]["goodput"] >= t["a"]["goodput"], (a, b)
+    assert b["e2e_p99_s"] < a["e2e_p99_s"] and b["output_tokens_per_s"] > a["output_tokens_per_s"], (a, b)
+    # vLLM's own per-request queue time (--enable-per-request-metrics): nobody waited for admission
+    queued = [d["engine_queue_s"] for d in loop["after_finish"] if d.get("engine_queue_s") is not None]
+    assert len(queued) == 8 and max(queued) < 0.05, queued
+    assert c["outcome"] == "improved" or (
+        c["outcome"] == "trade_off" and all(w.startswith("p99 TTFT") for w in c["worse"])), c
