@@ -191,3 +191,48 @@ def test_the_simulator_sizes_its_cache_as_vllm_does():
         assert apply_engine_flags(wl, fl).engine.num_gpu_blocks == 3000
     with pytest.raises(WorkloadError, match="holds fewer than 2 KV blocks"):
         apply_engine_flags(wl, f"--kv-cache-memory-bytes {block}")
+
+
+@pytest.mark.parametrize("free, fires", [(8 << 30, True), (4 << 20, False)])
+def test_nvml_free_memory_decides_on_a_gpu_host(tmp_path, free, fires):
+    """The same real storm with NVML records of one 80 GiB GPU: its least free memory over the run is
+    the room (5,210,112 B more are needed: 90 % of 4 MiB is not enough, 8 GiB is)."""
+    import gzip
+
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.model.records import GpuRecord, to_dict
+
+    total = 80 << 30
+    lines = gzip.open("tests/fixtures/loop/vllm-storm-before.jsonl.gz", "rt").read().splitlines()
+    gpu = [json.dumps(to_dict(GpuRecord(t=float(t), index=0, mem_used_bytes=total - free + (t % 2) * MIB,
+                                        mem_total_bytes=total))) for t in range(1, 10)]
+    path = tmp_path / "gpu.jsonl"
+    path.write_text("\n".join(lines[:3] + gpu + lines[3:]) + "\n")
+    v = analyze_trace(str(path)).verdict
+    assert v is not None
+    assert v.numbers["device_free_bytes"].value == pytest.approx(free - MIB, rel=1e-5)  # the least seen
+    f = {s.flag: s.value for s in v.settings}
+    if fires:
+        assert f["--kv-cache-memory-bytes"] == 6 * MIB
+        why = next(s.why for s in v.settings if s.flag == "--kv-cache-memory-bytes")
+        assert "5.21 MB more fits in the 8.59 GB GPU memory free (NVML, least over the run)" in why
+    else:
+        assert "--kv-cache-memory-bytes" not in f and f["--max-num-seqs"] == 2
+        assert any("it needs 5.21 MB more but only 3.15 MB is GPU memory free" in r for r in v.reasons)
+
+
+def test_sglang_gets_its_static_memory_share_raised_and_no_bytes_flag():
+    doc = copy.deepcopy(STORM)
+    doc["engine"] = "sglang"
+    del doc["engine_version"]
+    del doc["engine_settings"]["kv_cache_memory_bytes"]
+    doc["engine_settings"]["gpu_memory_utilization"] = 0.88
+    doc["capacity"]["device_total_bytes"] = 80e9
+    f = flags(judge(doc))
+    # 0.88 + 3,292,528,640 B / 80 GB = 0.9212 -> 0.93 of SGLang's --mem-fraction-static (weights + KV pool)
+    assert f["--mem-fraction-static"] == 0.93
+    del doc["engine_settings"]["gpu_memory_utilization"]  # its share unknown: no value to give
+    v = judge(doc)
+    assert "--mem-fraction-static" not in flags(v)
+    assert any("raise --mem-fraction-static by 3.29 GB / the GPU's memory: its current value is not known"
+               in r for r in v["reasons"])

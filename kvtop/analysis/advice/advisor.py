@@ -748,8 +748,13 @@ def _kv_capacity(s: Situation, plan: cap.Capacity, wait: float, settings: _Flags
     elif Setting.KV_CACHE_BYTES in s.settings_names or s.engine is None:
         settings.set(Setting.KV_CACHE_BYTES, value, why)
     else:
-        reasons.append(f"more KV capacity: {arith}; this engine's adapter names no KV-size flag: give the engine "
-                       "that much more memory for its cache")
+        share = s.settings_names.get(Setting.GPU_MEMORY)
+        reasons.append(f"more KV capacity: {arith}; " + (
+            f"raise {share} by {_bytes(extra)} / the GPU's memory: "
+            + ("its current value is" if total else "its current value and the GPU's total are")
+            + " not known here, so no value is given"
+            if share else "this engine's adapter names no KV-size flag: give the engine that much more memory "
+            "for its cache"))
         return None
     reasons.append(f"more KV capacity instead of a queue: the limit's queue ({wait:.1f} s) exceeds {crit}; {arith}"
                    + head + "; the admission limit stays as a safety bound on the larger cache")
