@@ -72,6 +72,7 @@ class VllmAdapter(EngineAdapter):
         Setting.OFFLOAD_SIZE: "--kv-offloading-size",
         Setting.OFFLOAD_BACKEND: "--kv-offloading-backend",
         Setting.GPU_MEMORY: "--gpu-memory-utilization",
+        Setting.KV_CACHE_BYTES: "--kv-cache-memory-bytes",  # overrides the memory share for the KV cache
         Setting.CTX: "--max-model-len",  # bounds prompt + output of one request
     }
 
@@ -180,7 +181,7 @@ class VllmAdapter(EngineAdapter):
         extra = {
             k: lb[k]
             for k in ("cache_dtype", "kv_offloading_backend", "enable_prefix_caching", "num_gpu_blocks",
-                      "num_cpu_blocks", "kv_cache_memory_bytes", "sliding_window")
+                      "num_cpu_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "sliding_window")
             if k in lb and lb[k] != "None"
         }
         if extra:

@@ -20,9 +20,10 @@ def test_emit_flags_from_a_trace_are_analyzes_settings(tmp_path: Path, kvtop_cli
     words = shlex.split(r.stdout)
     pairs = dict(zip(words[::2], words[1::2], strict=True))
     assert pairs == {s["flag"]: str(s["value"]) for s in rep["verdict"]["settings"]}
-    # the storm's prescription: admission from KV capacity, its length bound, and the host pool sized from the
-    # measured peak of concurrently preempted sequences
-    assert {"--max-num-seqs", "--max-model-len", "--kv-offloading-size", "--kv-offloading-backend"} == set(pairs)
+    # the storm's prescription: a KV cache for the peak in flight with a limit recomputed on it, its length
+    # bound, and the host pool sized from the measured peak of concurrently preempted sequences
+    assert {"--kv-cache-memory-bytes", "--max-num-seqs", "--max-model-len", "--kv-offloading-size",
+            "--kv-offloading-backend"} == set(pairs)
     why = next(s["why"] for s in rep["verdict"]["settings"] if s["flag"] == "--kv-offloading-size")
     assert why.startswith("the measured peak of")
     # --trace without --emit-flags gives the same verdict analyze does

@@ -306,7 +306,9 @@ def test_an_admission_limit_says_what_it_costs_in_queueing_and_the_real_engine_a
 
     before, after = "tests/fixtures/loop/vllm-storm-before.jsonl.gz", "tests/fixtures/loop/vllm-storm-after.jsonl.gz"
     v = analyze_trace(before).verdict
-    assert v is not None and dict((f.flag, f.value) for f in v.settings)["--max-num-seqs"] == 2
+    assert v is not None
+    # the limit the queue is estimated for (the advisor now prescribes a larger KV cache instead of it)
+    assert any(r.startswith("capacity: ") and "start at 2 " in r for r in v.reasons)
     est = v.numbers["queue_wait_est"].value
     step = v.numbers["decode_step"].value
     assert est == pytest.approx((8 / 2 - 1) * 600 * step, rel=1e-4)  # the report rounds to 6 digits

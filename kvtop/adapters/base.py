@@ -56,6 +56,7 @@ class Setting(str, Enum):
     MAX_TOKENS = "max_tokens"
     WAITING_TOKENS = "waiting_tokens"
     GPU_MEMORY = "gpu_memory"
+    KV_CACHE_BYTES = "kv_cache_bytes"  # the KV cache's size in bytes per GPU (vLLM --kv-cache-memory-bytes)
     ADMISSION = "admission"
     OFFLOAD_ENABLE = "offload_enable"
     OFFLOAD_SIZE = "offload_size"

@@ -181,6 +181,12 @@ class Analyzer:
                 self.observe(d)
             tx = (d.get("pcie_tx_bytes_per_s") or 0) + (d.get("pcie_rx_bytes_per_s") or 0)
             self.acc.gpu_pcie_max = max(self.acc.gpu_pcie_max, tx)
+            used, total = d.get("mem_used_bytes"), d.get("mem_total_bytes")
+            if isinstance(used, int) and isinstance(total, int) and total > 0 and not d.get("lost"):
+                idx = int(d.get("index") or 0)
+                prev = self.acc.gpu_mem.get(idx)
+                free = max(0, total - used)
+                self.acc.gpu_mem[idx] = (free if prev is None else min(prev[0], free), total)
             self._advance(t)
         # "truth" records are ground truth for scoring only: never read here.
 

@@ -7,6 +7,7 @@ documented default (docs/kv-science.md §12) used because the trace did not show
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvtop.analysis.advice import versions
@@ -202,6 +203,7 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                 cap = (cap or 0) + last["kv_capacity_tokens"]
     if cap:
         n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
+    _kv_config(st, n)
     # the engine's current limits, where the trace says them (the simulator's header does): a
     # recommendation equal to one of them is no change
     sim = hdr.get("sim") or {}
@@ -217,3 +219,34 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if acc.kv_max is not None:
         n["kv_usage_max"] = Num(acc.kv_max, "", "measured")
     return s
+
+
+def _kv_config(st: AnalysisState, n: dict[str, Num]) -> None:
+    """How the engine sized its KV cache and what room the device has for a larger one: the block
+    size, the engine's own KV-size setting (vLLM's cache_config_info: kv_cache_memory_bytes when the
+    flag was given, else gpu_memory_utilization governs) and NVML's least free memory per GPU."""
+    acc = st.tally
+    bs = (st.header or {}).get("kv", {}).get("block_size") if isinstance((st.header or {}).get("kv"), dict) else None
+    if not bs:
+        bs = next((d["block_size"] for d in acc.engine_last.values() if d.get("block_size")), None)
+    if isinstance(bs, (int, float)) and not isinstance(bs, bool) and bs >= 1:
+        n["block_size"] = Num(int(bs), "tokens", "measured", "KV block size")
+    if len(acc.engine_last) == 1:  # one engine: its setting is the flag's current value
+        last = next(iter(acc.engine_last.values()))
+        cc = (last.get("extra") or {}).get("cache_config") or {}
+        for key, dst, unit, what in (("kv_cache_memory_bytes", "kv_cache_bytes_current", "B",
+                                      "the engine's KV cache size per GPU (cache_config_info)"),
+                                     ("gpu_memory_utilization", "gpu_memory_current", "",
+                                      "the engine's memory share (cache_config_info)")):
+            try:
+                v = float(cc[key]) if key in cc else None
+            except (TypeError, ValueError):
+                v = None
+            if v is not None and math.isfinite(v) and v > 0:
+                n[dst] = Num(int(v) if unit == "B" else v, unit, "measured", what)
+    if acc.gpu_mem:
+        free = min(f for f, _ in acc.gpu_mem.values())
+        total = min(t for _, t in acc.gpu_mem.values())
+        n["device_free_bytes"] = Num(float(free), "B", "measured",
+                                     f"least NVML free memory of {len(acc.gpu_mem)} GPU(s) over the run")
+        n["device_total_bytes"] = Num(float(total), "B", "measured", "NVML total memory (smallest GPU)")

@@ -41,3 +41,5 @@ class Tally:
     kv_max: float | None = None
     host: dict[str, Any] | None = None  # the latest host record
     gpu_pcie_max: float = 0.0
+    # per GPU index: (least free memory seen, total memory) from NVML: room a larger KV cache could take
+    gpu_mem: dict[int, tuple[int, int]] = field(default_factory=dict)

@@ -12,6 +12,7 @@ So a prescription can be tried on the simulator exactly as it would be on vLLM:
 | ``--kv-offloading-backend native`` | the host tier itself (needs the size) |
 | ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill`` | ``chunked_prefill`` |
 | ``--gpu-memory-utilization F`` | KV blocks scaled by F / 0.9 (vLLM's default share), as the KV cache gets what the weights leave |
+| ``--kv-cache-memory-bytes B`` | KV blocks = B // (block size x bytes per token), as vLLM sizes its cache per GPU from B (it then ignores the memory share for the cache) |
 
 Any other flag has no simulated counterpart: a one-line error, never silently ignored.
 """
@@ -55,6 +56,7 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
         raise WorkloadError(f"--engine-flags: {e}") from None
     eng = replace(workload.engine, step=workload.engine.step, swap=replace(workload.engine.swap))
     offload_size: float | None = None
+    kv_bytes: int | None = None
     backend = False
     i = 0
     while i < len(words):
@@ -90,9 +92,17 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
             util = _num(flag, val)
             if util > 1:
                 raise WorkloadError(f"--gpu-memory-utilization must be at most 1, not {val}")
-            eng.num_gpu_blocks = max(2, int(eng.num_gpu_blocks * util / VLLM_DEFAULT_GPU_UTIL))
+            if kv_bytes is None:  # vLLM: an explicit KV size wins over the memory share
+                eng.num_gpu_blocks = max(2, int(eng.num_gpu_blocks * util / VLLM_DEFAULT_GPU_UTIL))
+        elif flag == "--kv-cache-memory-bytes":
+            kv_bytes = _int(flag, val)
+            if kv_bytes // eng.block_bytes < 2:
+                raise WorkloadError(f"--kv-cache-memory-bytes {kv_bytes} holds fewer than 2 KV blocks of "
+                                    f"{eng.block_bytes} bytes")
         else:
             raise WorkloadError(f"--engine-flags: {flag} has no simulated counterpart")
+    if kv_bytes is not None:
+        eng.num_gpu_blocks = kv_bytes // eng.block_bytes
     if backend and offload_size is None:
         raise WorkloadError("--kv-offloading-backend needs --kv-offloading-size")
     if offload_size is not None:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from testkit.engines import servers, witness_workloads
-from testkit.engines.kvtop_run import Recorder, kvtop
+from testkit.engines.kvtop_run import Recorder, kvtop, read_trace
 
 pytestmark = pytest.mark.real_engine
 
@@ -50,6 +50,7 @@ def loop(vllm_install, trace_dir) -> dict:
         after = trace_dir / "loop-after.jsonl"
         r = kvtop("load", "--from", str(src), "--url", srv.url, "-o", str(after), "--no-gpu", timeout=900)
         assert r.returncode == 0, r.stderr
+        out["after_finish"] = [d for d in read_trace(after) if d.get("kind") == "request" and d.get("event") == "finish"]
     finally:
         servers.cleanup(srv)
     # Judged on the ITL contract the storm broke (100 ms), and again with the TTFT an operator of this
@@ -66,22 +67,34 @@ def loop(vllm_install, trace_dir) -> dict:
 
 
 def test_the_advisor_prescribes_real_flags_for_the_storm(loop):
+    """Eight ~679-token requests cannot share 1,056 KV slots: any admission limit queues them, so the
+    advisor sizes the KV cache for the peak in flight instead (8 x 704 tokens in 32-token blocks x
+    1,024 B per token, rounded up to whole MiB: 6 MiB), on the CPU host's available memory, and keeps a
+    limit that admits the peak as a safety bound."""
     flags = loop["flags"]
-    assert "--max-num-seqs" in flags, flags
-    n = int(flags[flags.index("--max-num-seqs") + 1])
-    assert 1 <= n < servers.VLLM_MAX_NUM_SEQS  # fewer than the engine admits today
+    assert "--kv-cache-memory-bytes" in flags, flags
+    kv = int(flags[flags.index("--kv-cache-memory-bytes") + 1])
+    assert kv >= 8 * 679 * (servers.VLLM_KV_BYTES // 1056) > servers.VLLM_KV_BYTES
+    if "--max-num-seqs" in flags:  # a safety bound that does not queue the eight
+        n = int(flags[flags.index("--max-num-seqs") + 1])
+        assert 8 <= n < servers.VLLM_MAX_NUM_SEQS
     if "--max-model-len" in flags:  # admits every recorded request (prompt + output)
         assert int(flags[flags.index("--max-model-len") + 1]) >= 67 + 600
 
 
 def test_the_prescription_measured_better_on_the_same_traffic(loop):
-    """What admission buys on this engine, measured: eight 679-token requests cannot share 1,056 KV
-    slots, so a concurrency limit turns preemption stalls into queueing. On the ITL contract that is
-    better (fewer preemptions per request, far less time over the target, no fewer requests within
-    it) and compare must say what it cost (TTFT; in one run also 19 % of output throughput) instead of
-    calling it an improvement. With a 2 s TTFT target as well the outcome is printed, not asserted: it
-    was `improved` by one request of eight, a `trade_off` and, on a loaded box, `mixed` (the advisor
-    states the queue's cost but does not yet prescribe more KV instead)."""
+    """What the prescription buys on this engine, measured on the same eight requests: with a KV cache
+    that holds them all, no request is preempted and none waits in the engine's queue (an admission
+    limit alone queued them: p99 TTFT 250 ms -> 13 s). Two runs (2026-12-02, this box shared by three
+    builds): `improved` (p99 ITL 632 -> 158 ms, time over the 100 ms target 109 -> 7.8 s, p99 end-to-end
+    54.4 -> 12.8 s, output 88 -> 371 tokens/s, p99 TTFT 658 -> 620 ms) and a `trade_off` on p99 TTFT
+    alone, 489 -> 786 ms, with everything else better by as much. That TTFT is one prefill step: the
+    eight arrive within 0.1 s and vLLM prefilled them in one step of 0.53-0.65 s (vLLM's own per-request
+    TTFT), except in that run's `before`, where the client's arrival jitter split them into steps of
+    0.21 and 0.25 s. So the outcome is `improved`, or a trade-off whose only worse figure is p99 TTFT
+    while the engine queued no request. Goodput stays 0 of 8 in both runs: with eight sequences in
+    one batch this CPU's decode step passes 100 ms now and then (vLLM's slow_decode), so each request
+    spends more than one target over it."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -89,11 +102,12 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     a, b = c["a"], c["b"]
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] and a["completed"] == b["completed"] == a["offered"], (a, b)
-    assert b["preemptions_per_completed"] < a["preemptions_per_completed"], (a, b)
-    # the stalls are a few long silences among ~4,800 gaps: p99 ITL hardly sees them (it went 30.5 ->
-    # 19.8 ms in one run, 17.9 -> 21.4 ms in another); the time spent over the target is what they cost
+    assert b["preemptions_per_completed"] == 0 < a["preemptions_per_completed"], (a, b)
     assert sum(b["over_target_s"].values()) < 0.5 * sum(a["over_target_s"].values()), (a, b)
-    assert b["goodput"] >= a["goodput"], (a, b)
-    assert c["outcome"] in ("improved", "trade_off"), c
-    if b["ttft_p99_s"] > 1.1 * a["ttft_p99_s"]:  # the queue's cost is named, not hidden
-        assert c["outcome"] == "trade_off" and any("TTFT" in w for w in c["outside_contract"]), c
+    assert b["goodput"] >= a["goodput"] and t["b"]["goodput"] >= t["a"]["goodput"], (a, b)
+    assert b["e2e_p99_s"] < a["e2e_p99_s"] and b["output_tokens_per_s"] > a["output_tokens_per_s"], (a, b)
+    # vLLM's own per-request queue time (--enable-per-request-metrics): nobody waited for admission
+    queued = [d["engine_queue_s"] for d in loop["after_finish"] if d.get("engine_queue_s") is not None]
+    assert len(queued) == 8 and max(queued) < 0.05, queued
+    assert c["outcome"] == "improved" or (
+        c["outcome"] == "trade_off" and all(w.startswith("p99 TTFT") for w in c["worse"])), c

@@ -49,7 +49,22 @@ ABANDON_CANCEL_PROB = 0.1
 
 # The engine's current value of a setting, where the trace or scenario says it.
 _CURRENT: dict[str, str] = {Setting.MAX_SEQS: "max_seqs_current", Setting.BATCHED_TOKENS: "batched_tokens_current",
-            Setting.CTX: "max_model_len_current"}
+            Setting.CTX: "max_model_len_current", Setting.KV_CACHE_BYTES: "kv_cache_bytes_current",
+            Setting.GPU_MEMORY: "gpu_memory_current"}
+# A larger KV cache may take at most this share of the memory the device has free: the rest stays for
+# activations and fragmentation, as vLLM's default memory share (0.9) keeps a tenth of the device
+# (docs/kv-science.md §8.1).
+KV_HEADROOM_SHARE = 0.9
+# Without a TTFT target, the time to first token an admission queue may add before more KV capacity is
+# the better fix: this many ITL targets, the tightest ratio of MLPerf Inference's LLM latency pairs
+# (docs/kv-science.md §8.1).
+TTFT_PER_ITL = 10.0
+_MIB = 1 << 20
+
+
+def _bytes(x: float) -> str:
+    """A byte count as an operator reads it: GB down to 1 GB, then MB."""
+    return f"{x / 1e9:.3g} GB" if abs(x) >= 1e9 else f"{x / 1e6:.3g} MB"
 
 
 class _Flags:
@@ -617,16 +632,30 @@ def _admission_limit(s: Situation, plan: cap.Capacity, settings: _Flags, reasons
         return
     reasons.append(f"capacity: {arith}; start at {n} and steer to KV usage p99 <= 0.9 and <= 0.01 "
                    "preemptions per request")
-    settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
-    _queue_cost(s, plan, n, reasons)
+    wait = _queue_cost(s, plan, n, reasons)
+    larger = _kv_capacity(s, plan, wait, settings, reasons) if wait is not None else None
+    if larger is None:
+        settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
+        return
+    # the larger cache holds the peak: the limit is recomputed on it and stays only as a safety bound
+    n2 = larger.recommended_max_seqs
+    if cur is not None and n2 > float(cur):
+        reasons.append(f"with the larger KV cache the limit would be {n2}, above the current {float(cur):.0f}: "
+                       "the current limit stays")
+        return
+    settings.set(Setting.MAX_SEQS, n2,
+                 f"a safety bound on the larger KV cache: {larger.c_kv_tokens:,.0f} KV tokens / ~"
+                 f"{larger.seq_tokens:,.0f} tokens per sequence ≈ {larger.n_floor:.1f} sequences without "
+                 f"preemption, at mean occupancy ≈ {larger.n_ceiling:.1f}; {n2} admitted (not {n}: the cache "
+                 "now holds the peak, so the limit no longer has to queue it)")
 
 
-def _queue_cost(s: Situation, plan: cap.Capacity, n: int, reasons: list[str]) -> None:
+def _queue_cost(s: Situation, plan: cap.Capacity, n: int, reasons: list[str]) -> float | None:
     """What the limit costs in time to first token: a burst of the peak in-flight requests admitted
     ``n`` at a time waits for (peak / n - 1) request lifetimes (output at the decode step) at its end."""
     peak, out, step = s.v("inflight_peak"), s.v("output_mean"), s.v("decode_step")
     if not (peak and out and step) or float(peak) <= n:
-        return
+        return None
     life = float(out) * float(step)
     wait = (float(peak) / n - 1.0) * life
     s.n["queue_wait_est"] = Num(wait, "s", "derived",
@@ -638,6 +667,102 @@ def _queue_cost(s: Situation, plan: cap.Capacity, n: int, reasons: list[str]) ->
         line += (f"; the KV cache holds {plan.n_floor:.1f} sequences of this traffic, so more KV capacity (memory "
                  "for the cache, or a smaller model footprint) is the fix that does not queue")
     reasons.append(line)
+    return wait
+
+
+def _kv_capacity(s: Situation, plan: cap.Capacity, wait: float, settings: _Flags,
+                 reasons: list[str]) -> cap.Capacity | None:
+    """More KV capacity instead of a queue: where the cache holds fewer sequences of this traffic than
+    were in flight and the admission limit would make requests wait materially, size the cache for the
+    peak (peak in flight x the capacity plan's sequence size in whole blocks x KV bytes per token) and
+    prescribe it as the engine's own flag, where the device has the room. Returns the capacity plan on
+    the larger cache when prescribed (the admission limit is recomputed on it), else None."""
+    peak = s.v("inflight_peak")
+    if not peak or plan.n_floor >= float(peak):
+        return None
+    life = float(s.v("output_mean")) * float(s.v("decode_step"))
+    ttft, itl = s.v("ttft_slo"), s.v("itl_slo")
+    if ttft:
+        material, crit = wait > float(ttft), f"the {float(ttft) * 1e3:.0f} ms TTFT target"
+    elif itl:
+        budget = TTFT_PER_ITL * float(itl)
+        material, crit = wait > budget, (f"a {budget * 1e3:.0f} ms time to first token ({TTFT_PER_ITL:g}x the "
+                                         f"{float(itl) * 1e3:.0f} ms ITL target; no TTFT target given)")
+    else:
+        material, crit = wait > life, (f"one request's own lifetime ({life:.1f} s): the last of a burst would wait "
+                                       "longer than it is served (no TTFT or ITL target given)")
+    if not material:
+        return None
+    c_kv = plan.c_kv_tokens
+    cur_bytes, cur_util = s.v("kv_cache_bytes_current"), s.v("gpu_memory_current")
+    if cur_bytes:
+        beta, beta_what = float(cur_bytes) / c_kv, "the engine's KV bytes / its KV tokens"
+    elif s.v("kv_bytes_per_token_rank"):
+        beta, beta_what = float(s.v("kv_bytes_per_token_rank")), "KV bytes per token per GPU"
+    else:
+        reasons.append("more KV capacity not sized: KV bytes per token unknown (give --model-config or "
+                       "--kv-bytes-per-token)")
+        return None
+    now = float(cur_bytes) if cur_bytes else c_kv * beta
+    want_seqs = math.ceil(float(peak))
+    bs = s.v("block_size")
+    seq = math.ceil(plan.seq_tokens / bs) * int(bs) if bs else math.ceil(plan.seq_tokens)
+    want = want_seqs * seq * beta
+    value = math.ceil(want / _MIB) * _MIB
+    if value <= now:
+        return None
+    extra = value - now
+    arith = (f"{want_seqs} requests in flight at the peak × {seq:,} tokens per sequence ({plan.seq_what}"
+             + (f", in whole {int(bs)}-token blocks" if bs else "") + f") × {beta:,.0f} B per token ({beta_what})"
+             f" = {_bytes(want)} per GPU, rounded up to whole MiB: {value:,} B ({value / now:.1f}x the "
+             f"{now:,.0f} B the cache has now)")
+    s.n["kv_capacity_needed"] = Num(value, "B", "derived", "KV cache per GPU that holds the peak in flight")
+    # the room the device has: NVML's free GPU memory, else (kvtop saw no GPU) the host's available
+    # memory, where a CPU engine keeps its KV cache
+    room, room_what = s.v("device_free_bytes"), "GPU memory free (NVML, least over the run)"
+    if room is None and s.v("host_available_bytes") is not None:
+        room, room_what = s.v("host_available_bytes"), "host memory available (kvtop saw no GPU: a CPU engine's KV)"
+    ranks = int(s.v("ranks") or 1) if room_what.startswith("host") else 1
+    confirm = None
+    if room is None:
+        confirm = (f"the device's free memory is unknown (no NVML record): confirm {_bytes(extra)} more per GPU "
+                   "is free before applying")
+    elif extra * ranks > KV_HEADROOM_SHARE * float(room):
+        reasons.append(f"more KV capacity: {arith}; it needs {_bytes(extra * ranks)} more but only "
+                       f"{_bytes(float(room))} is {room_what} (at most {KV_HEADROOM_SHARE:.0%} of it is "
+                       "used): not prescribed; a device with more memory, a smaller model or a narrower KV dtype "
+                       "would hold the peak")
+        return None
+    head = (f"; {confirm}" if confirm else
+            f"; {_bytes(extra * ranks)} more fits in the {_bytes(float(room))} {room_what}")
+    why = arith + head
+    total = s.v("device_total_bytes")
+    if (not cur_bytes and cur_util and total and Setting.GPU_MEMORY in s.settings_names):
+        # the engine sizes its cache by its memory share: raise that share by the extra bytes
+        util = math.ceil((float(cur_util) + extra / float(total)) * 100) / 100
+        if util > 1.0:
+            reasons.append(f"more KV capacity: {arith}; the memory share would exceed 1.0 ({util:.2f}): not prescribed")
+            return None
+        settings.set(Setting.GPU_MEMORY, util, why + f"; {float(cur_util):.2f} + {_bytes(extra)} / "
+                     f"{_bytes(float(total))} per GPU, rounded up to 0.01")
+    elif Setting.KV_CACHE_BYTES in s.settings_names or s.engine is None:
+        settings.set(Setting.KV_CACHE_BYTES, value, why)
+    else:
+        share = s.settings_names.get(Setting.GPU_MEMORY)
+        reasons.append(f"more KV capacity: {arith}; " + (
+            f"raise {share} by {_bytes(extra)} / the GPU's memory: "
+            + ("its current value is" if total else "its current value and the GPU's total are")
+            + " not known here, so no value is given"
+            if share else "this engine's adapter names no KV-size flag: give the engine that much more memory "
+            "for its cache"))
+        return None
+    reasons.append(f"more KV capacity instead of a queue: the limit's queue ({wait:.1f} s) exceeds {crit}; {arith}"
+                   + head + "; the admission limit stays as a safety bound on the larger cache")
+    if confirm:
+        reasons.insert(0, "to confirm before applying: " + confirm)
+    req90 = s.v("request_tokens_p90")
+    return cap.capacity_plan(value / beta, float(s.v("prompt_mean")), float(s.v("output_mean")),
+                             float(s.v("output_p90")), None if req90 is None else float(req90))
 
 
 def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:

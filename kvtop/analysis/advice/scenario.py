@@ -255,6 +255,12 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["kv_pool_bytes"] = Num(float(cp["kv_pool_bytes"]), "B", "given")
     if "kv_capacity_tokens" in cp:
         n["kv_capacity_tokens"] = Num(float(cp["kv_capacity_tokens"]), "tokens", "given")
+    if "block_size" in cp:
+        n["block_size"] = Num(int(cp["block_size"]), "tokens", "given", "KV block size")
+    if "device_free_bytes" in cp:
+        n["device_free_bytes"] = Num(float(cp["device_free_bytes"]), "B", "given", "free GPU memory")
+    if "device_total_bytes" in cp:
+        n["device_total_bytes"] = Num(float(cp["device_total_bytes"]), "B", "given", "GPU memory")
     es = doc.get("engine_settings", {})
     if "max_num_seqs" in es:
         n["max_seqs_current"] = Num(es["max_num_seqs"], "sequences", "given")
@@ -264,6 +270,10 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["max_tokens_current"] = Num(es["max_tokens"], "tokens", "given")
     if "max_model_len" in es:
         n["max_model_len_current"] = Num(es["max_model_len"], "tokens", "given")
+    if "kv_cache_memory_bytes" in es:
+        n["kv_cache_bytes_current"] = Num(es["kv_cache_memory_bytes"], "B", "given", "KV cache size per GPU")
+    if "gpu_memory_utilization" in es:
+        n["gpu_memory_current"] = Num(float(es["gpu_memory_utilization"]), "", "given", "memory share")
 
     s.cause_given = doc.get("cause")
     s.has_preemption_section = "preemption" in doc or "victims" in doc
@@ -333,9 +343,14 @@ _FROM_REPORT = (
     ("max_seqs_current", "engine_settings", "max_num_seqs", 1.0),
     ("batched_tokens_current", "engine_settings", "max_num_batched_tokens", 1.0),
     ("max_model_len_current", "engine_settings", "max_model_len", 1.0),
+    ("kv_cache_bytes_current", "engine_settings", "kv_cache_memory_bytes", 1.0),
+    ("gpu_memory_current", "engine_settings", "gpu_memory_utilization", 1.0),
+    ("block_size", "capacity", "block_size", 1.0),
+    ("device_free_bytes", "capacity", "device_free_bytes", 1.0),
+    ("device_total_bytes", "capacity", "device_total_bytes", 1.0),
 )
 _INTEGER_FIELDS = {"long_prompt_tokens", "gaps", "streams", "streams_hit", "spikes", "max_num_seqs",
-                   "max_num_batched_tokens", "max_model_len"}
+                   "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes", "block_size"}
 
 
 def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: int = 1) -> dict[str, Any]:
