@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 from conftest import REPO, run_kvtop
 
-from kvtop.analysis.compare import compare
+from kvtop.analysis.compare import RunFigures, Tolerance, compare, judge
 
 LOOP = REPO / "tests" / "fixtures" / "loop"  # a real vLLM before/after pair: SOURCES.md there
 SCHEMA = json.loads((REPO / "kvtop" / "schemas" / "compare.schema.json").read_text())
@@ -171,6 +171,26 @@ def test_slower_end_to_end_outside_the_contract_is_a_trade_off(tmp_path: Path):
     assert any(w.startswith("p99 end-to-end latency") for w in c.outside_contract), c.outside_contract
     # 50 ms + 30 gaps of 20 / 60 ms (the finish one gap after the last token; 2 % bins)
     assert abs(c.a.e2e_p50_s / 0.65 - 1) < 0.02 and abs(c.b.e2e_p50_s / 1.85 - 1) < 0.02
+
+
+def test_completing_the_requests_the_other_run_lost_is_not_a_slower_end_to_end():
+    """The simulator's cancel-heavy loop: A's clients gave up on 76 of 191 requests (the longest)
+    during preemption stalls; with room for them in the KV cache B completes all 191. B's p99 end to
+    end is longer only because it includes the long answers A never finished: that is judged by
+    completed and goodput, not counted against B."""
+    common = dict(offered=191, span_s=60.0, classes={"chat": 191}, prompt_mean=900.0, itl_p99_s=0.0095,
+                  ttft_p99_s=6.9, output_tokens=100_000, makespan_s=90.0)
+    a = RunFigures("a", completed=115, cancelled=76, goodput=69, e2e_p99_s=29.5, **common)
+    b = RunFigures("b", completed=191, goodput=191, e2e_p99_s=35.2,
+                   **{**common, "itl_p99_s": 0.0445, "ttft_p99_s": 1.5, "output_tokens": 154_000})
+    c = judge(a, b, Tolerance(), None, 0.1)
+    assert c.outcome == "improved", c.to_dict()
+    assert not any(x.startswith("p99 end-to-end") for x in c.better + c.worse)
+    # the same latencies between runs that completed the same share are compared
+    a2 = RunFigures("a", completed=191, goodput=69, e2e_p99_s=29.5, **common)
+    c = judge(a2, b, Tolerance(), None, 0.1)
+    assert c.outcome == "trade_off" and c.outside_contract == ["p99 end-to-end latency 29.5 s -> 35.2 s (+19%)"], \
+        c.to_dict()
 
 
 def test_the_real_vllm_loop_pair_is_a_trade_off_until_ttft_is_judged():

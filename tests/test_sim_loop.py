@@ -23,19 +23,14 @@ from testkit.sim_loop import run_loop
 # p99 TTFT goes 434 ms -> 33.2 s (a smaller batch queues the rest; more KV does not shorten a decode step);
 # prefill-interference's --max-num-batched-tokens 1024 (goodput 447 -> 775 of 775) costs +15 % p99
 # TTFT (712 -> 818 ms), chunked prefill's known price. Strict: these fail loudly once they improve.
-# cancel-heavy: its old prescription (--max-num-seqs 13, the mean-occupancy ceiling) came out improved by
-# a hair (goodput 69 -> 71 of 191); more KV for the peak of 22 in flight (--kv-cache-memory-bytes
-# 11026825216, --max-num-seqs 32) gives goodput 69 -> 191 of 191, completed 115 -> 191, no preemptions,
-# p99 TTFT 6.9 -> 1.5 s, output +54 %, and compare calls it a trade-off: p99 end-to-end latency 29.5 ->
-# 35.2 s (+20 %), because B completes the 76 requests whose clients A lost (the longest ones) and compare
-# takes that percentile over completed requests only (p99 ITL 9.5 -> 44.5 ms stays within the 100 ms target).
+# cancel-heavy was one too (p99 end-to-end 29.5 -> 35.2 s): B completed the 76 long requests whose
+# clients A lost, and compare took that percentile over completed requests only; it now compares
+# end-to-end latency only between runs that completed the same share (goodput 69 -> 191 of 191 judges it).
 # preemption-storm was one too while its prescription was an admission limit (--max-num-seqs 8: p99 TTFT
 # 22.3 -> 60.1 s); the advisor now sizes the KV cache for the peak in flight instead
 # (--kv-cache-memory-bytes, the limit kept as a safety bound): goodput 82 -> 142 of 142, p99 TTFT
 # 22.3 s -> 117 ms, no preemptions.
 TRADE_OFFS = {
-    "cancel-heavy": "goodput 69 -> 191 of 191, but p99 end-to-end is taken over completed requests only and B "
-                    "completes the 76 long requests A's clients abandoned: 29.5 -> 35.2 s",
     "slow-decode": "reduce_batch queues requests: p99 TTFT 434 ms -> 33 s for goodput 3 -> 8 of 717",
     "prefill-interference": "chunked prefill costs +15 % p99 TTFT, which the ITL-only contract does not judge",
 }

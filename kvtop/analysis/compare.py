@@ -24,7 +24,10 @@ errors) more — a policy that buys latency by shedding load is not better; *imp
 rises or a latency/preemption figure falls by the margin (10 %) and nothing worsens by it;
 *trade-off* when B is better on the contract but a figure the contract does not judge (p99 TTFT
 without a TTFT target, p99 end-to-end latency, output throughput) worsened by the margin — calling
-that improved would let an ITL-only contract hide a TTFT collapse; *mixed* when contract figures
+that improved would let an ITL-only contract hide a TTFT collapse. End-to-end latency is a figure of
+the completed requests, so it is compared only when both runs completed the same share of the offered
+ones (within ``shed_share``): a run that completes the long requests the other lost has a longer p99
+for completing more, which ``completed`` and goodput already judge; *mixed* when contract figures
 move both ways without a goodput gain; else *no change*.
 """
 
@@ -392,7 +395,8 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
     less_is_better("p99 TTFT", a.ttft_p99_s, b.ttft_p99_s, dur)
     less_is_better("preemptions per completed request", a.preemptions_per_completed, b.preemptions_per_completed)
     less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), dur)
-    less_is_better("p99 end-to-end latency", a.e2e_p99_s, b.e2e_p99_s, dur)
+    if abs(b.completed / b.offered - a.completed / a.offered) <= tol.shed_share:
+        less_is_better("p99 end-to-end latency", a.e2e_p99_s, b.e2e_p99_s, dur)
     more_is_better("output throughput", a.output_tokens_per_s, b.output_tokens_per_s, _tps)
     outside = _outside_prefixes(ttft_target_s)
     outside_worse = [w for w in worse if w.startswith(outside)]
