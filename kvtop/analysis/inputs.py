@@ -99,10 +99,20 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if med:
         n["decode_step"] = Num(med, "s", "measured", "median inter-token gap")
 
-    # prefill rate: from prefill stalls (stall length per prompt token of the request that ended it),
-    # else from TTFT of the least contended long-prompt requests
+    # prefill rate: the engine's own (prompt tokens / its TTFT per request, the figure attribution
+    # uses: a low estimate, so a chunk budget sized on it errs small), else from prefill stalls (stall
+    # length per prompt token of the request that ended it; under chunked prefill a stall is one
+    # chunk of the prompt, so this overstates the rate), else from TTFT of the least contended
+    # long-prompt requests
     pa = sorted(acc.prefill_a)
-    if len(pa) >= 3:
+    ert = st.engine_request_times
+    if ert is not None and ert.requests and ert.queue_s_p90 is not None:
+        n["engine_queue_p90"] = Num(ert.queue_s_p90, "s", "measured",
+                                    f"p90 of the engine's own queue time of {ert.requests} requests")
+    if ert is not None and ert.engine_prefill_tokens_per_s:
+        n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
+                                f"median prompt tokens / the engine's own TTFT of {ert.requests} requests")
+    elif len(pa) >= 3:
         n["prefill_rate"] = Num(1.0 / pa[len(pa) // 2], "tokens/s", "measured",
                                 f"median of {len(pa)} prefill stalls / prompt tokens")
     elif acc.ttft_rate_hist.n >= MIN_SAMPLES:

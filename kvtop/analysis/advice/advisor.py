@@ -371,6 +371,8 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
                            f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
                            f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
+        if plan.budget is None or plan.budget < int(P):
+            _unthrottle_prefill(s, int(P), settings, reasons)
         if plan.disaggregate:
             also.append("disaggregate")
             reasons.append("chunking cannot meet both the ITL and the TTFT target: disaggregate prefill/decode "
@@ -385,6 +387,34 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                          "ITL target unknown: not derived); re-measure the ITL p99")
         conf = min(conf, 0.6)
     return action, conf
+
+
+def _unthrottle_prefill(s: Situation, P: int, settings: _Flags, reasons: list[str]) -> None:
+    """Requests waited in the engine's own queue longer than a whole long prompt's prefill, and no
+    sequence was preempted (the KV cache had room): the per-step token budget throttles prefill.
+    Chunking costs prefill throughput (each chunk re-reads the KV of the chunks before it and pays a
+    step's fixed cost), so the budget that holds the long prompt in one step is prescribed; its
+    prefill stall stays, which only disaggregation removes."""
+    q, rate = s.v("engine_queue_p90"), s.v("prefill_rate")
+    pre = s.v("preemptions_per_completed")
+    if q is None or not rate or (pre is not None and float(pre) > 0):
+        return
+    whole = P / float(rate)
+    if float(q) <= whole:
+        return
+    budget = next((b for b in reversed(chunking.LADDER) if b >= P), chunking.LADDER[0])
+    cur = s.v("batched_tokens_current")
+    if cur is not None and float(cur) >= budget:
+        return  # the engine already holds such a prompt in one step: the queue is not the budget's
+    settings.set(Setting.BATCHED_TOKENS, budget,
+                 f"one step holds a {P}-token prompt (p99): requests waited {float(q):.1f} s in the engine's queue "
+                 f"(p90) without preemption, longer than that prompt's whole prefill at the measured "
+                 f"{float(rate):.0f} tokens/s ({whole:.1f} s), so the budget throttles prefill"
+                 + ("" if cur is not None else "; confirm the engine's current budget is below this"))
+    reasons.append(f"prefill is throttled by the token budget: requests waited {float(q):.1f} s (p90) in the engine's "
+                   f"own queue with no preemption, longer than a whole {P}-token prefill ({whole:.1f} s at "
+                   f"{float(rate):.0f} tokens/s); chunking costs prefill throughput, so {budget} tokens per step "
+                   "(one step per long prompt) lets the queue drain; the long prompt's own stall stays")
 
 
 def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float, reasons: list[str],

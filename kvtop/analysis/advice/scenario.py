@@ -221,6 +221,7 @@ def situation(doc: dict[str, Any]) -> Situation:
     if "running" in ob:
         n["running_mean"] = Num(float(ob["running"]), "sequences", "given")
     for src, dst, unit, scale in (("itl_p99_ms", "itl_p99", "s", 1e-3), ("miss_rate", "miss_rate", "", 1.0),
+                                  ("engine_queue_p90_ms", "engine_queue_p90", "s", 1e-3),
                                   ("gaps", "gaps", "", 1.0), ("window_s", "window", "s", 1.0),
                                   ("streams", "streams", "", 1.0), ("streams_hit", "streams_hit", "", 1.0),
                                   ("preemptions", "preemptions", "", 1.0), ("waiting", "waiting", "", 1.0),
@@ -330,6 +331,7 @@ _FROM_REPORT = (
     ("itl_target", "slo", "itl_ms", 1e3),
     ("decode_step", "observed", "decode_step_ms", 1e3),
     ("itl_p99", "observed", "itl_p99_ms", 1e3),
+    ("engine_queue_p90", "observed", "engine_queue_p90_ms", 1e3),
     ("miss_rate", "observed", "miss_rate", 1.0),
     ("kv_usage_max", "observed", "kv_usage", 1.0),
     ("running_mean", "observed", "running", 1.0),
