@@ -28,65 +28,65 @@ import sys
 import tempfile
 import time
 
+from kvtop.model.records import EngineRecord, RequestRecord
+from kvtop.model.trace import TraceWriter, make_header
 
-def write_trace(path: str, n_req: int, n_tok: int, seed: int = 1) -> int:
+
+def write_trace(path: str, n_req: int, n_tok: int, seed: int = 1, columns: bool = True) -> int:
+    """The trace through ``TraceWriter``, as ``kvtop record`` writes one (its token sidecar too,
+    unless ``columns`` is False): the records a proxy and a scraper would emit."""
     rnd = random.Random(seed)
     per = n_tok // n_req
     concurrency = 256
     step = 0.025
-    lines = 0
-    with open(path, "w") as f:
-        f.write(json.dumps({"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-01-01T00:00:00Z",
-                            "host": "bench", "engine": {"adapter": "vllm", "model": "meta-llama/Llama-3.1-8B-Instruct"},
-                            "kv": {"bytes_per_token": 131072, "block_size": 16, "capacity_tokens": 400000}}) + "\n")
-        # slots of `concurrency` streams decode in lockstep; a request occupies a slot for `per` steps
-        active: list[list] = []
-        next_req = 0
-        t = 0.0
-        emitted = 0
-        next_scrape = 0.0
-        gen = 0
-        out = []
-        while emitted < n_tok:
-            while len(active) < concurrency and next_req < n_req:
-                rid = f"req-{next_req:06d}"
-                out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"arrive","prompt_tokens":{rnd.randint(100, 3000)},"source":"proxy"}}\n')
-                active.append([rid, 0, rnd.random() < 0.002])
-                next_req += 1
-            t += step
-            if t >= next_scrape:
-                out.append(f'{{"kind":"engine","t":{t:.6f},"adapter":"vllm","url":"http://127.0.0.1:8000","engine":"0",'
-                           f'"kv_usage":0.7,"running":{len(active)},"waiting":0,"preemptions_total":0.0,'
-                           f'"prompt_tokens_total":{gen * 10}.0,"generation_tokens_total":{gen}.0}}\n')
-                next_scrape += 1.0
-            keep = []
-            for a in active:
-                rid, k, stall = a[0], a[1], a[2]
-                if stall and k == per // 2:
-                    a[2] = False
-                    a.append(t + 1.0)  # a lone 1 s stall somewhere mid-stream
-                if len(a) == 4 and t < a[3]:
-                    keep.append(a)
-                    continue
-                ev = "first_token" if k == 0 else "token"
-                out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"{ev}","n":1,"source":"proxy"}}\n')
-                emitted += 1
-                gen += 1
-                a[1] = k + 1
-                if a[1] >= per:
-                    out.append(f'{{"kind":"request","t":{t:.6f},"id":"{rid}","event":"finish","source":"proxy"}}\n')
-                else:
-                    keep.append(a)
-            active = keep
-            if len(out) > 100_000:
-                f.writelines(out)
-                lines += len(out)
-                out = []
-            if not active and next_req >= n_req:
-                break
-        f.writelines(out)
-        lines += len(out)
-    return lines
+    header = make_header(engine={"adapter": "vllm", "url": "http://127.0.0.1:8000",
+                                 "model": "meta-llama/Llama-3.1-8B-Instruct", "version": None},
+                         kv={"bytes_per_token": 131072, "block_size": 16, "capacity_tokens": 400000},
+                         recorder="kvtop record", interval_s=1.0)
+    w = TraceWriter(path, header, flush_interval_s=1.0, columns=columns)
+    write = w.write
+    # slots of `concurrency` streams decode in lockstep; a request occupies a slot for `per` steps
+    active: list[list] = []
+    next_req = 0
+    t = 0.0
+    emitted = 0
+    next_scrape = 0.0
+    gen = 0
+    while emitted < n_tok:
+        while len(active) < concurrency and next_req < n_req:
+            rid = f"req-{next_req:06d}"
+            write(RequestRecord(t, rid, "arrive", prompt_tokens=rnd.randint(100, 3000), source="proxy",
+                                engine="http://127.0.0.1:8000"))
+            active.append([rid, 0, rnd.random() < 0.002])
+            next_req += 1
+        t += step
+        if t >= next_scrape:
+            write(EngineRecord(t, "vllm", url="http://127.0.0.1:8000", engine="0", kv_usage=0.7,
+                               running=float(len(active)), waiting=0.0, preemptions_total=0.0,
+                               prompt_tokens_total=gen * 10.0, generation_tokens_total=float(gen)))
+            next_scrape += 1.0
+        keep = []
+        for a in active:
+            rid, k, stall = a[0], a[1], a[2]
+            if stall and k == per // 2:
+                a[2] = False
+                a.append(t + 1.0)  # a lone 1 s stall somewhere mid-stream
+            if len(a) == 4 and t < a[3]:
+                keep.append(a)
+                continue
+            write(RequestRecord(t, rid, "first_token" if k == 0 else "token", 1))
+            emitted += 1
+            gen += 1
+            a[1] = k + 1
+            if a[1] >= per:
+                write(RequestRecord(t, rid, "finish", source="proxy", completion_tokens=per))
+            else:
+                keep.append(a)
+        active = keep
+        if not active and next_req >= n_req:
+            break
+    w.close()
+    return w.count
 
 
 # CPU: user + system seconds of the process and its threads, and of the fast path's worker processes

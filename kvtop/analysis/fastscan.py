@@ -12,19 +12,23 @@ path's (tested).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import math
+import mmap
 import multiprocessing
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.model import token_columns as TC
 from kvtop.model.trace import GZIP_MAGIC, open_binary
-from kvtop.model.validate import T_MAX, T_MIN, parse_line
+from kvtop.model.validate import MAX_LINE_BYTES, T_MAX, T_MIN, parse_line
 
 try:
     import numpy as np
@@ -39,14 +43,14 @@ if TYPE_CHECKING:
     Mask = npt.NDArray[np.bool_]  # one flag per line
     Strings = npt.NDArray[np.bytes_]  # fixed-width byte strings, one per line
 
-PREFIX = b'{"kind":"request","t":'
-ID_SEP = b',"id":"'
-EV_TOK = b'","event":"token"'
-EV_FT = b'","event":"first_token"'
+PREFIX = TC.PREFIX.encode()
+ID_SEP = TC.ID_SEP.encode()
+EV_TOK = TC.EV_TOK.encode()
+EV_FT = TC.EV_FT.encode()
 EV_ARRIVE = b'","event":"arrive"'
 N_KEY = b',"n":'
-T_WIDTH = 24
-ID_WIDTH = 48
+T_WIDTH = TC.T_WIDTH
+ID_WIDTH = TC.ID_WIDTH
 CHUNK = 8 << 20
 
 
@@ -55,16 +59,22 @@ def available() -> bool:
 
 
 def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None,
-         workers: int | None = None) -> int:
+         workers: int | None = None, columns: bool = True, notes: list[str] | None = None) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines.
     ``tick(bytes read)`` after each chunk: True stops there (the records of whole lines read so far
     are in ``an``). ``workers``: processes that parse chunks ahead while this one analyses (None:
-    one per core, for a large plain file where fork is safe; 0: none). The chunks, and so the
-    results, are the same either way."""
+    one per core, for a large plain file where fork is safe; 0: none). ``columns``: read the token
+    lines from the trace's token sidecar where it has a valid one (``open_columns``; a sidecar it
+    ignores is said in ``notes``). The chunks, and so the results, are the same every way."""
+    cols = None
+    if columns:
+        cols, note = open_columns(path)
+        if note is not None and notes is not None:
+            notes.append(note)
     if workers is None:
-        workers = _workers(path, chunk_bytes)
-    if workers > 0:
-        return _scan_parallel(path, an, chunk_bytes, tick, workers)
+        workers = _workers(path, chunk_bytes, cols is not None)
+    if workers > 0 or cols is not None:
+        return _scan_parallel(path, an, chunk_bytes, tick, workers, cols)
     skipped = 0
     done = 0
     with open_binary(path) as f:
@@ -92,11 +102,13 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
 PARALLEL_MIN_CHUNKS = 6  # below this many chunks, starting worker processes costs more than it saves
 
 
-def _workers(path: str, chunk_bytes: int) -> int:
+def _workers(path: str, chunk_bytes: int, columns: bool = False) -> int:
     """Worker processes for ``scan``: one per core the process may use, when the file is a large
     plain trace (a gzip segment or a directory reads as one stream) and fork is safe (Linux, no
     other thread running: a forked child of a threaded process can deadlock)."""
-    if sys.platform != "linux" or threading.active_count() > 1:
+    if columns or sys.platform != "linux" or threading.active_count() > 1:
+        # with the sidecar there is little left to parse: handing each chunk's columns back from
+        # a worker costs more than reading them here
         return 0
     try:
         cores = len(os.sched_getaffinity(0))
@@ -130,16 +142,31 @@ def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
     return out
 
 
-def _keep_heap() -> None:
+_WORKER_COLS: Columns | None = None  # a worker's sidecar (inherited through fork, never pickled)
+
+
+def _keep_heap(cols: Columns | None = None) -> None:
     """A worker allocates the same large buffers for every chunk: glibc hands each back to the
     kernel on free (mmap), and the next chunk pays page faults to get it again, a fifth of the
     worker's time. Keep them in the heap instead (glibc only: elsewhere nothing changes)."""
+    global _WORKER_COLS
+    _WORKER_COLS = cols
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def _parse_region(path: str, start: int, end: int, last: bool, cols: Columns | None = None) -> Parsed | None:
+    """One chunk, from the sidecar where it covers the chunk and agrees with it, else from the JSONL."""
+    cols = cols if cols is not None else _WORKER_COLS
+    if cols is not None and end <= cols.covered:
+        used, p = _parse_cols(cols, start, end)
+        if used:
+            return p
+    return _parse_range(path, start, end, last)
 
 
 def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
@@ -157,9 +184,10 @@ def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
 
 
 def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[int], bool] | None,
-                   workers: int) -> int:
-    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes: this one
-    feeds them into the analyzer in file order (the same chunks, the same results)."""
+                   workers: int, cols: Columns | None = None) -> int:
+    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes (none: here):
+    this one feeds them into the analyzer in file order (the same chunks, the same results). A
+    chunk the sidecar ``cols`` covers is read from it."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = len(f.readline())
@@ -174,14 +202,16 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
     # the workers start on the chunks after the first while this process reads that one: the ITL
     # target comes from the first gaps in file order (a chunk before it is known is read here, and
     # its worker's parse is dropped)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap,
+                               initargs=(cols,)) if workers > 0 else None
     try:
         ahead: dict[int, Future[Parsed | None]] = {}
         nxt = 0 if an.itl_target_s is not None else 1
         with open(path, "rb") as f:
             for i, (a, b, last) in enumerate(regions):
-                while nxt < len(regions) and nxt <= i + workers:  # a few ahead: parsed chunks cost memory here
-                    ahead[nxt] = pool.submit(_parse_range, path, *regions[nxt])
+                while pool is not None and nxt < len(regions) and nxt <= i + workers:
+                    # a few ahead: parsed chunks cost memory here
+                    ahead[nxt] = pool.submit(_parse_region, path, *regions[nxt])
                     nxt += 1
                 if tick is not None and tick(done[i]):
                     break
@@ -189,17 +219,26 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
                 if an.itl_target_s is None:
                     if fut is not None:
                         fut.cancel()
-                    if b > a:
+                    if b > a and cols is None:
                         skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                    elif b > a:
+                        # the same lines as ``_chunk``: the first ones streamed, the rest as a chunk
+                        bad, pos = _warm(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                        skipped += bad
+                        if a + pos < b:
+                            p = _parse_region(path, a + pos, b, last, cols)
+                            if p is not None:
+                                skipped += _apply(an, p)
                     continue
-                p = fut.result() if fut is not None else _parse_range(path, a, b, last)
+                p = fut.result() if fut is not None else _parse_region(path, a, b, last, cols)
                 if p is not None:
                     skipped += _apply(an, p)
             else:
                 if tick is not None and len(regions) == len(ends):
                     tick(size)  # the serial loop's last call, at the end of the file
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return skipped
 
 
@@ -337,19 +376,26 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     if an.itl_target_s is None:
         # the target comes from the first gaps in file order: the streaming path derives it,
         # then the rest of the chunk takes the fast path
-        pos = 0
-        bad = 0
-        while an.itl_target_s is None:
-            nl = buf.find(b"\n", pos)
-            if nl < 0:
-                return bad + _feed_line(an, buf[pos:])
-            bad += _feed_line(an, buf[pos:nl])
-            pos = nl + 1
+        bad, pos = _warm(an, buf)
         if pos >= len(buf):
             return bad
         return bad + _chunk(an, buf[pos:])
     p = _parse(buf)
     return _apply(an, p) if p is not None else 0
+
+
+def _warm(an: Analyzer, buf: bytes) -> tuple[int, int]:
+    """Lines of ``buf`` through the streaming path until the ITL target is known: (malformed lines,
+    where the rest begins; len(buf) or more: nothing is left)."""
+    pos = 0
+    bad = 0
+    while an.itl_target_s is None:
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            return bad + _feed_line(an, buf[pos:]), len(buf)
+        bad += _feed_line(an, buf[pos:nl])
+        pos = nl + 1
+    return bad, pos
 
 
 class Parsed(NamedTuple):
@@ -585,3 +631,192 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
     return cand[perm], rank[hinv]
+
+
+# ---- the token sidecar (kvtop.model.token_columns) -------------------------------------------
+RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length", "<u2"), ("n", "u1"),
+                         ("kind", "u1")]) if np is not None else None
+MARK_TRIES = 16  # marks tried from the last back, when the trace was cut short after the sidecar's end
+
+
+class Columns(NamedTuple):
+    """A trace's token sidecar, checked against the trace: its records up to ``covered`` (the JSONL
+    bytes they speak for), mapped from the page cache, and each request code's id in the JSONL."""
+
+    path: str  # the JSONL
+    mm: mmap.mmap  # the sidecar, mapped
+    recs: Any  # its records (a structured array over ``mm``)
+    covered: int
+    id_off: Index  # per code: the id's offset in the JSONL and its length (0: not defined)
+    id_len: Index
+    names: dict[int, bytes]  # the ids read so far (checked in place), by code
+
+    def release(self, i0: int, i1: int) -> None:
+        """Records i0..i1-1 are read: their pages leave this process (they stay in the page cache),
+        so the mapping never holds more than a chunk's worth of the sidecar in memory."""
+        lo = (TC.HEAD.size + i0 * TC.RECORD.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = TC.HEAD.size + i1 * TC.RECORD.size
+        if hi > lo:
+            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def open_columns(path: str) -> tuple[Columns | None, str | None]:
+    """The sidecar of trace ``path`` when it has one that belongs to it, and a one-line note when
+    there is one that does not (another trace's, or one the trace no longer matches)."""
+    side = TC.sidecar_path(path)
+    if np is None or not os.path.isfile(side):
+        return None, None
+    try:
+        with open(path, "rb") as f:
+            head = f.readline(MAX_LINE_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size
+            with open(side, "rb") as g:
+                magic, hlen, hcrc = TC.HEAD.unpack(g.read(TC.HEAD.size).ljust(TC.HEAD.size, b"\0"))
+                if magic != TC.MAGIC:
+                    return None, f"{side}: ignored (not a kvtop token sidecar)"
+                if hlen != len(head) or hcrc != zlib.crc32(head):
+                    return None, f"{side}: ignored (it belongs to another trace)"
+                nrec = (os.fstat(g.fileno()).st_size - TC.HEAD.size) // TC.RECORD.size
+                if nrec <= 0:
+                    return None, None
+                mm = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
+            recs = np.frombuffer(mm, RECORD_DTYPE, count=nrec, offset=TC.HEAD.size)
+            kind = recs["kind"]
+            marks = np.flatnonzero(kind == TC.MARK)
+            defs = recs[kind == TC.ID]
+            del kind
+            mm.madvise(mmap.MADV_DONTNEED)  # the pass over every record leaves nothing in memory
+            for m in marks[::-1][:MARK_TRIES].tolist():
+                off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
+                if not (hlen <= off <= size and k <= off):
+                    continue
+                tail = os.pread(f.fileno(), k, off - k)
+                if tail.endswith(b"\n") and zlib.crc32(tail) == crc:
+                    defs = defs[defs["off"] < off]
+                    top = int(defs["code"].max()) + 1 if len(defs) else 0
+                    id_off = np.zeros(top, np.int64)
+                    id_len = np.zeros(top, np.int64)
+                    id_off[defs["code"]] = defs["off"]
+                    id_len[defs["code"]] = defs["length"]
+                    return Columns(path, mm, recs[:m], off, id_off, id_len, {}), None
+    except (OSError, ValueError):
+        return None, f"{side}: ignored (unreadable)"
+    if len(marks):
+        return None, f"{side}: ignored (the trace no longer matches it)"
+    return None, None
+
+
+def _names(c: Columns, f: IO[bytes], codes: list[int]) -> list[bytes] | None:
+    """The ids of request ``codes``, each read where the sidecar says and checked there (between
+    the quotes after ``"id":``); None when one is not."""
+    out = []
+    names = c.names
+    for code in codes:
+        raw = names.get(code)
+        if raw is None:
+            o, n = int(c.id_off[code]), int(c.id_len[code])
+            if n <= 0 or o < len(ID_SEP):
+                return None
+            text = os.pread(f.fileno(), n + len(ID_SEP) + 1, o - len(ID_SEP))
+            raw = text[len(ID_SEP):-1]
+            if not (text.startswith(ID_SEP) and text.endswith(b'"')) or len(raw) != n or b'"' in raw or b"\\" in raw:
+                return None
+            names[code] = raw
+        out.append(raw)
+    return out
+
+
+def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
+    """``_parse`` of the JSONL's bytes a..b (a chunk the sidecar covers) with the token lines read
+    from the sidecar and only the other lines from the JSONL. (False, None) when the two disagree
+    anywhere the check looks (the caller reads the chunk from the JSONL)."""
+    if b <= a:
+        return True, None
+    # a bisect over the mapped column (np.searchsorted would copy all of it first)
+    col = c.recs["off"]
+    i0 = bisect.bisect_left(col, a)
+    i1 = bisect.bisect_left(col, b, i0)
+    sl = c.recs[i0:i1]
+    o = sl["off"].astype(np.int64)
+    kind = sl["kind"].copy()
+    tm = (kind == TC.TOKEN) | (kind == TC.FIRST)
+    codes_w = sl["code"][tm]
+    ts = sl["t"][tm]
+    ns = sl["n"][tm].astype(np.int64)
+    toff = o[tm]
+    tend = toff + sl["length"][tm]  # each token line's newline
+    del sl
+    c.release(i0, i1)
+    if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
+        return False, None
+    if len(toff) and int(tend[-1]) >= b:
+        return False, None
+    ft = kind[tm] == TC.FIRST
+    # the lines between the token lines (first_token lines among them: their bookkeeping reads
+    # their dict), each span read with the newline before it and the token line's prefix after it
+    plain = np.flatnonzero(~ft)
+    gs = np.empty(len(plain) + 1, np.int64)
+    ge = np.empty(len(plain) + 1, np.int64)
+    gs[0] = a
+    gs[1:] = tend[plain] + 1
+    ge[:-1] = toff[plain]
+    ge[-1] = b
+    spans = np.flatnonzero(ge > gs)
+    first_at = set(toff[ft].tolist())
+    others: list[tuple[bool, dict[str, Any] | None]] = []
+    engines: list[tuple[str, Any]] = []
+    npre = len(PREFIX)
+    last = len(plain)
+    with open(c.path, "rb") as f:
+        fd = f.fileno()
+        for k, s0, e0 in zip(spans.tolist(), gs[spans].tolist(), ge[spans].tolist(), strict=True):
+            tail = npre if k < last else 0
+            want = e0 - s0 + 1 + tail
+            text = os.pread(fd, want, s0 - 1)
+            if len(text) != want or text[0] != 10 or (tail and text[-tail:] != PREFIX):
+                return False, None
+            pos = s0
+            for line in text[1:want - tail].split(b"\n")[:-1]:
+                if pos in first_at:
+                    others.append((True, parse_line(line)))
+                elif b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
+                    return False, None  # a token line the sidecar does not hold: the JSONL decides
+                elif line.strip():
+                    d = parse_line(line)
+                    others.append((False, d))
+                    # ``_engines``: arrive lines that name their engine, before the batch
+                    if (d is not None and b'"arrive"' in line and b'"engine":' in line and d.get("kind") == "request"
+                            and d.get("event") == "arrive"):
+                        engines.append((str(d["id"]), d.get("engine")))
+                pos += len(line) + 1
+            if pos != e0:
+                return False, None
+        if sum(1 for first, _ in others if first) != len(first_at):
+            return False, None  # a first_token record that is not at a line's start
+        if not len(codes_w):
+            empty = np.zeros(0, dtype=np.int64)
+            return True, Parsed(engines, None, False, [], empty, empty.astype(np.float64), empty,
+                                empty.astype(bool), others, 0)
+        lo, hi = int(codes_w.min()), int(codes_w.max())
+        if hi >= len(c.id_len):
+            return False, None
+        if hi - lo <= 4 * len(codes_w) + (1 << 16):
+            # writer codes to 0..k-1 through a table over their range (np.unique would sort them all)
+            tab = np.zeros(hi - lo + 1, np.int64)
+            rel = codes_w.astype(np.int64) - lo
+            tab[rel] = 1
+            uc = np.flatnonzero(tab)
+            tab[uc] = np.arange(len(uc))
+            inv = tab[rel]
+            uc += lo
+        else:
+            uc, inv = np.unique(codes_w, return_inverse=True)
+        raw = _names(c, f, uc.tolist())
+    if raw is None:
+        return False, None
+    # the ids sorted by their bytes, as the JSONL reading has them; one id may have had two codes
+    names = sorted(set(raw))
+    rank = {r: i for i, r in enumerate(names)}
+    codes = np.array([rank[r] for r in raw], dtype=np.intp)[inv]
+    return True, Parsed(engines, None, False, [r.decode("utf-8", "replace") for r in names], codes,
+                        ts.astype(np.float64), ns, ft, others, int(np.count_nonzero(~ft)))
