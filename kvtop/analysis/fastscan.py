@@ -636,6 +636,7 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
 # ---- the token sidecar (kvtop.model.token_columns) -------------------------------------------
 RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length", "<u2"), ("n", "u1"),
                          ("kind", "u1")]) if np is not None else None
+OPEN_WINDOW = 1 << 17  # records looked at at once when a sidecar is opened (3 MB)
 MARK_TRIES = 16  # marks tried from the last back, when the trace was cut short after the sidecar's end
 
 
@@ -651,13 +652,11 @@ class Columns(NamedTuple):
     id_len: Index
     names: dict[int, bytes]  # the ids read so far (checked in place), by code
 
-    def release(self, i0: int, i1: int) -> None:
-        """Records i0..i1-1 are read: their pages leave this process (they stay in the page cache),
-        so the mapping never holds more than a chunk's worth of the sidecar in memory."""
-        lo = (TC.HEAD.size + i0 * TC.RECORD.size) // mmap.PAGESIZE * mmap.PAGESIZE
-        hi = TC.HEAD.size + i1 * TC.RECORD.size
-        if hi > lo:
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    def release(self, i1: int) -> None:
+        """The records before i1 are read: their pages leave this process (they stay in the page
+        cache), and so do those a search touched on the way, so the mapping never holds much more
+        than a chunk's worth of the sidecar in memory."""
+        self.mm.madvise(mmap.MADV_DONTNEED, 0, TC.HEAD.size + i1 * TC.RECORD.size)
 
 
 def open_columns(path: str) -> tuple[Columns | None, str | None]:
@@ -681,11 +680,16 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
                     return None, None
                 mm = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
             recs = np.frombuffer(mm, RECORD_DTYPE, count=nrec, offset=TC.HEAD.size)
-            kind = recs["kind"]
-            marks = np.flatnonzero(kind == TC.MARK)
-            defs = recs[kind == TC.ID]
+            # the marks and the ids, a window at a time: the pass leaves nothing of it in memory
+            found, parts = [], []
+            for w in range(0, nrec, OPEN_WINDOW):
+                kind = recs["kind"][w:w + OPEN_WINDOW]
+                found.append(np.flatnonzero(kind == TC.MARK) + w)
+                parts.append(recs[w:w + OPEN_WINDOW][kind == TC.ID])
+                mm.madvise(mmap.MADV_DONTNEED, 0, min(len(mm), TC.HEAD.size + (w + OPEN_WINDOW) * TC.RECORD.size))
             del kind
-            mm.madvise(mmap.MADV_DONTNEED)  # the pass over every record leaves nothing in memory
+            marks = np.concatenate(found)
+            defs = np.concatenate(parts)
             for m in marks[::-1][:MARK_TRIES].tolist():
                 off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
                 if not (hlen <= off <= size and k <= off):
@@ -746,7 +750,7 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
     toff = o[tm]
     tend = toff + sl["length"][tm]  # each token line's newline
     del sl
-    c.release(i0, i1)
+    c.release(i1)
     if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
         return False, None
     if len(toff) and int(tend[-1]) >= b:
