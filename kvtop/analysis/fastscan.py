@@ -637,7 +637,7 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
 RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length", "<u2"), ("n", "u1"),
                          ("kind", "u1")]) if np is not None else None
 OPEN_WINDOW = 1 << 17  # records looked at at once when a sidecar is opened (3 MB)
-MARK_TRIES = 16  # marks tried from the last back, when the trace was cut short after the sidecar's end
+MARK_TRIES = 16  # marks tried, from the last one within the trace back
 
 
 class Columns(NamedTuple):
@@ -690,7 +690,9 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
             del kind
             marks = np.concatenate(found)
             defs = np.concatenate(parts)
-            for m in marks[::-1][:MARK_TRIES].tolist():
+            # from the last mark within the trace's size back (a trace cut short ends before later ones)
+            within = int(np.searchsorted(recs["off"][marks], size, side="right"))
+            for m in marks[max(0, within - MARK_TRIES):within][::-1].tolist():
                 off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
                 if not (hlen <= off <= size and k <= off):
                     continue

@@ -12,7 +12,7 @@ the writer wrote them:
     its time ``t``, its request's ``code`` and ``n``;
   * ID: request ``code`` is the ``length`` bytes at JSONL offset ``off`` (the id inside the first line
     that names it: the id's text comes from the trace itself);
-  * MARK, at every flush: the JSONL held ``off`` bytes, the last ``length`` of them with CRC-32
+  * MARK, at every flush: the JSONL held ``off`` bytes, the last ``length`` of them (the last line, or its end) with CRC-32
     ``code`` (``t``: lines written). A reader trusts the records before the last mark that matches
     the JSONL it has, and reads the JSONL after it as a trace without sidecar.
 A line goes in only where the fast path's own byte rule (``token_entry``, the mirror of
@@ -30,7 +30,7 @@ MAGIC = b"KVTOKC01"
 HEAD = struct.Struct("<8sQI44x")  # magic, header line bytes (newline included), CRC-32 of them
 RECORD = struct.Struct("<QdIHBB")  # off, t, code, length, n, kind
 TOKEN, FIRST, ID, MARK = 1, 2, 3, 4
-TAIL_BYTES = 64  # a mark's check covers this many bytes before it (fewer when the file is shorter)
+TAIL_BYTES = 1024  # a mark checks the last line before it, up to this many bytes of it
 
 # the fast path's byte layout (kvtop.analysis.fastscan reads lines by the same constants)
 PREFIX = '{"kind":"request","t":'
