@@ -236,14 +236,16 @@ class TraceWriter:
         pos = self._pos
         self._pos = pos + len(line)
         self._last = line
-        if entry is None:
-            return
+        if entry is not None:
+            self._add(line, pos, entry)
+
+    def _add(self, line: str, pos: int, entry: tuple[float, int, int, int, bool]) -> None:
         t, id_at, id_len, n, ft = entry
         rid = line[id_at:id_at + id_len]
         code = self._codes.get(rid)
         pend = self._pending
         if code is not None:
-            pend += TC.RECORD.pack(pos, t, code, len(line) - 1, n, TC.FIRST if ft else TC.TOKEN)
+            pend += _pack(pos, t, code, len(line) - 1, n, TC.FIRST if ft else TC.TOKEN)
             return
         if len(self._codes) >= 1 << 16:
             self._codes.clear()  # bounded: an id seen again gets a new code
@@ -274,10 +276,17 @@ class TraceWriter:
                 self._f.write(line)
                 self.count += 1
                 if self._cols is not None:
+                    pos = self._pos
+                    self._pos = pos + len(line)
+                    self._last = line
+                    code = self._codes.get(rec.id)
                     # the fast path's limits (kvtop.model.token_columns.token_entry), known here
-                    self._column(line, (tt, 29 + len(tr), len(jid) - 2, rec.n, False)
-                                 if 0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and 0 < len(jid) - 2 < TC.ID_WIDTH
-                                 and T_MIN <= tt <= T_MAX and "\\" not in jid else None)
+                    if (code is not None and 0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and T_MIN <= tt <= T_MAX
+                            and len(jid) - 2 < TC.ID_WIDTH):
+                        self._pending += _pack(pos, tt, code, len(line) - 1, rec.n, TC.TOKEN)
+                    elif (0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and 0 < len(jid) - 2 < TC.ID_WIDTH
+                          and T_MIN <= tt <= T_MAX and "\\" not in jid):
+                        self._add(line, pos, (tt, 29 + len(tr), len(jid) - 2, rec.n, False))
                 if time.monotonic() - self._last_flush >= self.flush_interval_s:
                     self.flush()
                 return
@@ -341,6 +350,7 @@ class TraceWriter:
 
 
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_pack = TC.RECORD.pack
 # every optional field, in declaration order (as ``to_dict``): a field added to RequestRecord is
 # written without touching this list (a hand-kept list once dropped ``incomplete``)
 _REQUEST_OPTIONAL = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name not in ("t", "id", "event"))
