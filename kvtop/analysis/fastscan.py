@@ -768,36 +768,44 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
     ge[:-1] = toff[plain]
     ge[-1] = b
     spans = np.flatnonzero(ge > gs)
-    first_at = set(toff[ft].tolist())
+    ft_off = toff[ft]
+    first_at = set(ft_off.tolist())
+    # first_token lines inside each span
+    nft = (np.searchsorted(ft_off, ge[spans]) - np.searchsorted(ft_off, gs[spans])).tolist()
     others: list[tuple[bool, dict[str, Any] | None]] = []
     engines: list[tuple[str, Any]] = []
     npre = len(PREFIX)
     last = len(plain)
+    found = 0
     with open(c.path, "rb") as f:
         fd = f.fileno()
-        for k, s0, e0 in zip(spans.tolist(), gs[spans].tolist(), ge[spans].tolist(), strict=True):
+        for k, s0, e0, n_ft in zip(spans.tolist(), gs[spans].tolist(), ge[spans].tolist(), nft, strict=True):
             tail = npre if k < last else 0
             want = e0 - s0 + 1 + tail
             text = os.pread(fd, want, s0 - 1)
             if len(text) != want or text[0] != 10 or (tail and text[-tail:] != PREFIX):
                 return False, None
+            body = text[1:want - tail]
+            # a token line the sidecar does not hold (the JSONL reading's test, on the span at once;
+            # each first_token line the sidecar holds has the word once): the JSONL decides
+            if b'"token"' in body or b'"resync"' in body or body.count(b'"first_token"') != n_ft:
+                return False, None
             pos = s0
-            for line in text[1:want - tail].split(b"\n")[:-1]:
-                if pos in first_at:
+            for line in body.split(b"\n")[:-1]:
+                if n_ft and pos in first_at:
                     others.append((True, parse_line(line)))
-                elif b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
-                    return False, None  # a token line the sidecar does not hold: the JSONL decides
+                    found += 1
                 elif line.strip():
                     d = parse_line(line)
                     others.append((False, d))
                     # ``_engines``: arrive lines that name their engine, before the batch
-                    if (d is not None and b'"arrive"' in line and b'"engine":' in line and d.get("kind") == "request"
-                            and d.get("event") == "arrive"):
+                    if (d is not None and d.get("event") == "arrive" and d.get("kind") == "request"
+                            and b'"engine":' in line and b'"arrive"' in line):
                         engines.append((str(d["id"]), d.get("engine")))
                 pos += len(line) + 1
             if pos != e0:
                 return False, None
-        if sum(1 for first, _ in others if first) != len(first_at):
+        if found != len(first_at):
             return False, None  # a first_token record that is not at a line's start
         if not len(codes_w):
             empty = np.zeros(0, dtype=np.int64)
