@@ -638,6 +638,7 @@ RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length
                          ("kind", "u1")]) if np is not None else None
 OPEN_WINDOW = 1 << 17  # records looked at at once when a sidecar is opened (3 MB)
 MARK_TRIES = 16  # marks tried, from the last one within the trace back
+_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)  # Unix: pages a process no longer needs
 
 
 class Columns(NamedTuple):
@@ -656,7 +657,8 @@ class Columns(NamedTuple):
         """The records before i1 are read: their pages leave this process (they stay in the page
         cache), and so do those a search touched on the way, so the mapping never holds much more
         than a chunk's worth of the sidecar in memory."""
-        self.mm.madvise(mmap.MADV_DONTNEED, 0, TC.HEAD.size + i1 * TC.RECORD.size)
+        if _DONTNEED is not None:
+            self.mm.madvise(_DONTNEED, 0, min(len(self.mm), TC.HEAD.size + i1 * TC.RECORD.size))
 
 
 def open_columns(path: str) -> tuple[Columns | None, str | None]:
@@ -686,7 +688,8 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
                 kind = recs["kind"][w:w + OPEN_WINDOW]
                 found.append(np.flatnonzero(kind == TC.MARK) + w)
                 parts.append(recs[w:w + OPEN_WINDOW][kind == TC.ID])
-                mm.madvise(mmap.MADV_DONTNEED, 0, min(len(mm), TC.HEAD.size + (w + OPEN_WINDOW) * TC.RECORD.size))
+                if _DONTNEED is not None:
+                    mm.madvise(_DONTNEED, 0, min(len(mm), TC.HEAD.size + (w + OPEN_WINDOW) * TC.RECORD.size))
             del kind
             marks = np.concatenate(found)
             defs = np.concatenate(parts)
