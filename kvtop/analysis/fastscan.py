@@ -672,7 +672,10 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
             head = f.readline(MAX_LINE_BYTES + 1)
             size = os.fstat(f.fileno()).st_size
             with open(side, "rb") as g:
-                magic, hlen, hcrc = TC.HEAD.unpack(g.read(TC.HEAD.size).ljust(TC.HEAD.size, b"\0"))
+                raw = g.read(TC.HEAD.size)
+                if len(raw) < TC.HEAD.size:
+                    return None, None  # a recorder stopped before its first flush: nothing to read
+                magic, hlen, hcrc = TC.HEAD.unpack(raw)
                 if magic != TC.MAGIC:
                     return None, f"{side}: ignored (not a kvtop token sidecar)"
                 if hlen != len(head) or hcrc != zlib.crc32(head):
