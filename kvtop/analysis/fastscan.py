@@ -761,8 +761,8 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
     c.release(i1)
     if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
         return False, None
-    if len(toff) and int(tend[-1]) >= b:
-        return False, None
+    if len(toff) and (int(tend[-1]) >= b or not bool(((ts >= T_MIN) & (ts <= T_MAX)).all())):
+        return False, None  # past the chunk, or a time the JSONL reading would not take as one
     ft = kind[tm] == TC.FIRST
     # the lines between the token lines (first_token lines among them: their bookkeeping reads
     # their dict), each span read with the newline before it and the token line's prefix after it
