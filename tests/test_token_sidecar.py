@@ -222,3 +222,25 @@ def test_kvtop_analyze_prints_the_same_with_and_without_the_sidecar(trace: Path,
         outs.append(r.stdout)
         Path(str(plain) + TC.SUFFIX).unlink(missing_ok=True)
     assert outs[0] == outs[1]
+
+
+def test_an_id_coded_twice_is_one_stream(tmp_path: Path) -> None:
+    """The writer's id codes are bounded (65,536, then they start over with new codes): an id seen
+    before and after that has two codes, and a chunk holding both reads it as one stream."""
+    p = tmp_path / "many.jsonl"
+    w = TraceWriter(p, make_header(), columns=True)
+    w.write(RequestRecord(0.0, "again", "token", 1))
+    for i in range(1 << 16):
+        w.write(RequestRecord(0.001 + i * 1e-6, f"s{i}", "token", 1))
+    w.write(RequestRecord(0.5, "again", "token", 2))
+    w.close()
+    cols, _ = fastscan.open_columns(str(p))
+    assert cols is not None
+    kind = cols.recs["kind"]
+    assert int(np.count_nonzero(kind == TC.ID)) == (1 << 16) + 2  # "again" defined twice
+    head = len(p.read_bytes().split(b"\n", 1)[0]) + 1
+    ok, got = fastscan._parse_cols(cols, head, p.stat().st_size)
+    want = fastscan._parse_range(str(p), head, p.stat().st_size, False)
+    assert ok and got is not None and want is not None
+    assert got.ids == want.ids and np.array_equal(got.codes, want.codes) and np.array_equal(got.ns, want.ns)
+    assert got.ids.count("again") == 1

@@ -641,17 +641,28 @@ MARK_TRIES = 16  # marks tried, from the last one within the trace back
 _DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)  # Unix: pages a process no longer needs
 
 
-class Columns(NamedTuple):
+class Columns:
     """A trace's token sidecar, checked against the trace: its records up to ``covered`` (the JSONL
-    bytes they speak for), mapped from the page cache, and each request code's id in the JSONL."""
+    bytes they speak for), mapped from the page cache, and the request ids read so far."""
 
-    path: str  # the JSONL
-    mm: mmap.mmap  # the sidecar, mapped
-    recs: Any  # its records (a structured array over ``mm``)
-    covered: int
-    id_off: Index  # per code: the id's offset in the JSONL and its length (0: not defined)
-    id_len: Index
-    names: dict[int, bytes]  # the ids read so far (checked in place), by code
+    def __init__(self, path: str, mm: mmap.mmap, recs: Any, covered: int):
+        self.path = path  # the JSONL
+        self.mm = mm  # the sidecar, mapped
+        self.recs = recs  # its records (a structured array over ``mm``)
+        self.covered = covered
+        self.ids: dict[int, tuple[int, int]] = {}  # code -> (offset, length) of its id in the JSONL
+        self.names: dict[int, bytes] = {}  # code -> its id, read and checked in place
+        self._seen = 0  # the records whose id records are in ``ids``
+
+    def register(self, upto: int) -> None:
+        """Take in the id records before record ``upto`` (an id's record follows its first line's,
+        so a chunk's ids are known once the records up to its end are)."""
+        for w in range(self._seen, upto, OPEN_WINDOW):
+            part = self.recs[w:min(upto, w + OPEN_WINDOW)]
+            defs = part[part["kind"] == TC.ID]
+            self.ids.update(zip(defs["code"].tolist(), zip(defs["off"].tolist(), defs["length"].tolist(),
+                                                            strict=True), strict=True))
+        self._seen = max(self._seen, upto)
 
     def release(self, i1: int) -> None:
         """The records before i1 are read: their pages leave this process (they stay in the page
@@ -667,6 +678,7 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
     side = TC.sidecar_path(path)
     if np is None or not os.path.isfile(side):
         return None, None
+    tried = 0
     try:
         with open(path, "rb") as f:
             head = f.readline(MAX_LINE_BYTES + 1)
@@ -685,35 +697,31 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
                     return None, None
                 mm = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
             recs = np.frombuffer(mm, RECORD_DTYPE, count=nrec, offset=TC.HEAD.size)
-            # the marks and the ids, a window at a time: the pass leaves nothing of it in memory
-            found, parts = [], []
-            for w in range(0, nrec, OPEN_WINDOW):
-                kind = recs["kind"][w:w + OPEN_WINDOW]
-                found.append(np.flatnonzero(kind == TC.MARK) + w)
-                parts.append(recs[w:w + OPEN_WINDOW][kind == TC.ID])
-                if _DONTNEED is not None:
-                    mm.madvise(_DONTNEED, 0, min(len(mm), TC.HEAD.size + (w + OPEN_WINDOW) * TC.RECORD.size))
-            del kind
-            marks = np.concatenate(found)
-            defs = np.concatenate(parts)
-            # from the last mark within the trace's size back (a trace cut short ends before later ones)
-            within = int(np.searchsorted(recs["off"][marks], size, side="right"))
-            for m in marks[max(0, within - MARK_TRIES):within][::-1].tolist():
-                off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
-                if not (hlen <= off <= size and k <= off):
-                    continue
-                tail = os.pread(f.fileno(), k, off - k)
-                if tail.endswith(b"\n") and zlib.crc32(tail) == crc:
-                    defs = defs[defs["off"] < off]
-                    top = int(defs["code"].max()) + 1 if len(defs) else 0
-                    id_off = np.zeros(top, np.int64)
-                    id_len = np.zeros(top, np.int64)
-                    id_off[defs["code"]] = defs["off"]
-                    id_len[defs["code"]] = defs["length"]
-                    return Columns(path, mm, recs[:m], off, id_off, id_len, {}), None
+            # the last marks within the trace's size (one cut short ends before later ones), a window
+            # at a time from there back; the offsets never decrease (where they do, a chunk's check
+            # finds it)
+            end = bisect.bisect_right(recs["off"], size)
+            past = end < nrec
+            while end > 0 and tried < MARK_TRIES:
+                w0 = max(0, end - OPEN_WINDOW)
+                marks = np.flatnonzero(recs["kind"][w0:end] == TC.MARK) + w0
+                for m in marks[::-1].tolist():
+                    tried += 1
+                    off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
+                    if hlen <= off <= size and k <= off:
+                        tail = os.pread(f.fileno(), k, off - k)
+                        if tail.endswith(b"\n") and zlib.crc32(tail) == crc:
+                            if _DONTNEED is not None:
+                                mm.madvise(_DONTNEED)
+                            return Columns(path, mm, recs[:m], off), None
+                    if tried >= MARK_TRIES:
+                        break
+                end = w0
+            if _DONTNEED is not None:
+                mm.madvise(_DONTNEED)
     except (OSError, ValueError):
         return None, f"{side}: ignored (unreadable)"
-    if len(marks):
+    if tried or past:
         return None, f"{side}: ignored (the trace no longer matches it)"
     return None, None
 
@@ -726,7 +734,7 @@ def _names(c: Columns, f: IO[bytes], codes: list[int]) -> list[bytes] | None:
     for code in codes:
         raw = names.get(code)
         if raw is None:
-            o, n = int(c.id_off[code]), int(c.id_len[code])
+            o, n = c.ids.get(code, (0, 0))
             if n <= 0 or o < len(ID_SEP):
                 return None
             text = os.pread(f.fileno(), n + len(ID_SEP) + 1, o - len(ID_SEP))
@@ -758,6 +766,7 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
     toff = o[tm]
     tend = toff + sl["length"][tm]  # each token line's newline
     del sl
+    c.register(i1)
     c.release(i1)
     if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
         return False, None
@@ -818,8 +827,6 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
             return True, Parsed(engines, None, False, [], empty, empty.astype(np.float64), empty,
                                 empty.astype(bool), others, 0)
         lo, hi = int(codes_w.min()), int(codes_w.max())
-        if hi >= len(c.id_len):
-            return False, None
         if hi - lo <= 4 * len(codes_w) + (1 << 16):
             # writer codes to 0..k-1 through a table over their range (np.unique would sort them all)
             tab = np.zeros(hi - lo + 1, np.int64)
