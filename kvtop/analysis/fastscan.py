@@ -8,6 +8,10 @@ differently) goes through ``json.loads`` and the same ``Analyzer`` methods as th
 in file order. Gaps of the parsed token events come from the gap tracker's batch API
 (``Analyzer.add_token_batch``). Memory is bounded by the chunk size. Results equal the streaming
 path's (tested).
+
+Where the trace has a token sidecar (``kvtop.model.token_columns``, written by ``kvtop record``)
+that matches it, a chunk's token columns come from the sidecar instead, and only its other lines
+are read from the JSONL and parsed (``_parse_cols``: the same ``Parsed`` as ``_parse``, tested).
 """
 
 from __future__ import annotations
