@@ -90,6 +90,7 @@ def test_every_chunk_the_sidecar_covers_reads_as_the_jsonl_does(trace: Path) -> 
     cols, note = fastscan.open_columns(str(trace))
     assert cols is not None and note is None
     assert cols.covered == trace.stat().st_size  # closed cleanly: it speaks for the whole trace
+    assert Path(str(trace) + TC.SUFFIX).stat().st_mode & 0o777 == 0o600  # private, as the trace is
     with open(trace, "rb") as f:
         head = len(f.readline())
         ends = fastscan._bounds(f, head, trace.stat().st_size, CHUNK)
