@@ -76,7 +76,8 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
         if note is not None and notes is not None:
             notes.append(note)
     if workers is None:
-        workers = _workers(path, chunk_bytes, cols is not None)
+        # the sidecar covers most of the trace (a trace written on without it: the workers parse the rest)
+        workers = _workers(path, chunk_bytes, cols is not None and cols.covered * 2 >= os.path.getsize(path))
     if workers > 0 or cols is not None:
         return _scan_parallel(path, an, chunk_bytes, tick, workers, cols)
     skipped = 0
