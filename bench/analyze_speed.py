@@ -10,7 +10,10 @@ tools interleaved (a busy box slows them alike), and prints the median and the b
     the token lines read from the sidecar, the other lines parsed from the JSONL;
   * kvtop (JSONL only): the same analysis with the sidecar ignored: every line parsed from the
     JSONL (with parse workers, one per core, on a trace this large);
-  * kvtop --stream: the same analysis through the per-record streaming path (the live path's code);
+  * kvtop --stream: the same analysis through the per-record streaming path (each line read,
+    checked and fed one at a time);
+  * kvtop live path: the live console's analysis (``LiveAnalyzer.feed``) on the same records,
+    decoded beforehand in batches (untimed): the time of feeding them and of one report;
   * pandas: read the token records (read_json, chunked) and compute gaps with groupby/diff (once);
   * Polars: scan_ndjson + filter + diff().over(id) (gaps only), when installed;
   * DuckDB: read_ndjson + lag() over (partition by id) (gaps only), when installed.
@@ -116,6 +119,35 @@ print(json.dumps({"seconds": dt, "records": rep.records, "gaps": rep.gaps, "spik
                   "peak_rss_mb": (me.ru_maxrss + workers * kids.ru_maxrss) / 1024}))
 """
 
+# the live console's analysis: records as the sources hand them over (decoded from the trace in
+# batches, untimed), each through LiveAnalyzer.feed, then one report
+CHILD_LIVE = r"""
+import itertools, json, resource, sys, time
+from kvtop.analysis.live import LiveAnalyzer
+from kvtop.model.trace import TraceReader
+reader = TraceReader(sys.argv[1])
+live = LiveAnalyzer(adapter=(reader.header.get("engine") or {}).get("adapter"))
+recs = reader.records()
+dt, n, last = 0.0, 0, 0.0
+feed = live.feed
+while True:
+    batch = list(itertools.islice(recs, 20_000))
+    if not batch:
+        break
+    t0 = time.perf_counter()
+    for r in batch:
+        feed(r)
+    dt += time.perf_counter() - t0
+    n += len(batch)
+    last = batch[-1].t
+t0 = time.perf_counter()
+rep = live.report(last + 60.0)
+dt += time.perf_counter() - t0
+me = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "records": n, "gaps": rep.gaps, "spikes": rep.spikes_total,
+                  "verdict": rep.verdict.action, "cpu": me.ru_utime + me.ru_stime, "peak_rss_mb": me.ru_maxrss / 1024}))
+"""
+
 CHILD_PANDAS = r"""
 import json, resource, sys, time
 import pandas as pd
@@ -204,6 +236,7 @@ def main() -> int:
         ("kvtop analyze, fast path (JSONL only)", CHILD_KVTOP, (path, "jsonl"))]
     if not args.no_stream:
         tools.append(("kvtop analyze (streaming)", CHILD_KVTOP, (path, "stream")))
+        tools.append(("kvtop live path (LiveAnalyzer.feed)**", CHILD_LIVE, (path,)))
     for module, name, code in (("polars", "Polars scan_ndjson + diff.over", CHILD_POLARS),
                                ("duckdb", "DuckDB read_ndjson + lag() over", CHILD_DUCKDB)):
         if installed(module):
@@ -239,7 +272,12 @@ def main() -> int:
             ahead = sum(a < b["seconds"] for a, b in zip(kv, rs, strict=True))
             print(f"kvtop (sidecar) ahead of {name.split(' ')[0]} in {ahead} of {len(kv)} rounds")
     print("kvtop: the whole analysis; peers: the gaps alone, from the JSONL. The sidecar figure includes reading the\n"
-          "sidecar and parsing every non-token line of the JSONL; 'JSONL only' ignores the sidecar.")
+          "sidecar and parsing every non-token line of the JSONL; 'JSONL only' ignores the sidecar. Streaming: every\n"
+          "line read, checked and fed one at a time.")
+    if not args.no_stream:
+        print("** the live console's analysis on the same records, as the sources hand them over: the time of feeding\n"
+              "   them and of one report (not of reading the trace: a live source has no JSON to parse); its CPU\n"
+              "   seconds and memory are the whole process's, reading included")
     if not args.keep:
         os.remove(path)
         os.remove(path + ".tokens")
