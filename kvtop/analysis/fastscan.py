@@ -16,10 +16,8 @@ are read from the JSONL and parsed (``_parse_cols``: the same ``Parsed`` as ``_p
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import math
-import mmap
 import multiprocessing
 import os
 import sys
@@ -641,40 +639,56 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
 # ---- the token sidecar (kvtop.model.token_columns) -------------------------------------------
 RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length", "<u2"), ("n", "u1"),
                          ("kind", "u1")]) if np is not None else None
-OPEN_WINDOW = 1 << 17  # records looked at at once when a sidecar is opened (3 MB)
+OPEN_WINDOW = 1 << 17  # records read at once when a sidecar is opened or its ids taken in (3 MB)
 MARK_TRIES = 16  # marks tried, from the last one within the trace back
-_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)  # Unix: pages a process no longer needs
+_END = 1 << 64  # the offset of a record past the sidecar's end
 
 
 class Columns:
-    """A trace's token sidecar, checked against the trace: its records up to ``covered`` (the JSONL
-    bytes they speak for), mapped from the page cache, and the request ids read so far."""
+    """A trace's token sidecar, checked against the trace: its first ``count`` records, which speak
+    for the JSONL's first ``covered`` bytes, and the request ids read so far.
 
-    def __init__(self, path: str, mm: mmap.mmap, recs: Any, covered: int):
+    Records are read with pread, a chunk's worth at a time (not mapped: a file that shrinks under a
+    mapping kills its reader with SIGBUS, a short read is only a chunk read from the JSONL)."""
+
+    def __init__(self, path: str, side: str, count: int, covered: int):
         self.path = path  # the JSONL
-        self.mm = mm  # the sidecar, mapped
-        self.recs = recs  # its records (a structured array over ``mm``)
+        self.side = side  # the sidecar
+        self.count = count
         self.covered = covered
         self.ids: dict[int, tuple[int, int]] = {}  # code -> (offset, length) of its id in the JSONL
         self.names: dict[int, bytes] = {}  # code -> its id, read and checked in place
-        self._seen = 0  # the records whose id records are in ``ids``
+        self.seen = 0  # the records whose id records are in ``ids``
 
-    def register(self, upto: int) -> None:
-        """Take in the id records before record ``upto`` (an id's record follows its first line's,
-        so a chunk's ids are known once the records up to its end are)."""
-        for w in range(self._seen, upto, OPEN_WINDOW):
-            part = self.recs[w:min(upto, w + OPEN_WINDOW)]
-            defs = part[part["kind"] == TC.ID]
-            self.ids.update(zip(defs["code"].tolist(), zip(defs["off"].tolist(), defs["length"].tolist(),
-                                                            strict=True), strict=True))
-        self._seen = max(self._seen, upto)
+    def take_ids(self, part: Any) -> None:
+        """Take in the id records of ``part``, the records from ``seen`` on."""
+        defs = part[part["kind"] == TC.ID]
+        self.ids.update(zip(defs["code"].tolist(), zip(defs["off"].tolist(), defs["length"].tolist(), strict=True),
+                            strict=True))
+        self.seen += len(part)
 
-    def release(self, i1: int) -> None:
-        """The records before i1 are read: their pages leave this process (they stay in the page
-        cache), and so do those a search touched on the way, so the mapping never holds much more
-        than a chunk's worth of the sidecar in memory."""
-        if _DONTNEED is not None:
-            self.mm.madvise(_DONTNEED, 0, min(len(self.mm), TC.HEAD.size + i1 * TC.RECORD.size))
+
+def _records(fd: int, i0: int, i1: int) -> Any:
+    """Records i0..i1-1 of a sidecar (fewer where the file ends sooner)."""
+    raw = os.pread(fd, max(0, i1 - i0) * TC.RECORD.size, TC.HEAD.size + i0 * TC.RECORD.size)
+    return np.frombuffer(raw, RECORD_DTYPE, count=len(raw) // TC.RECORD.size)
+
+
+def _off(fd: int, i: int) -> int:
+    raw = os.pread(fd, 8, TC.HEAD.size + i * TC.RECORD.size)
+    return int.from_bytes(raw, "little") if len(raw) == 8 else _END
+
+
+def _bisect(fd: int, x: int, lo: int, hi: int, right: bool = False) -> int:
+    """``bisect.bisect_left`` (``bisect_right``) of offset ``x`` over records lo..hi-1, read one by one."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        v = _off(fd, mid)
+        if v < x or (right and v == x):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def open_columns(path: str) -> tuple[Columns | None, str | None]:
@@ -684,46 +698,39 @@ def open_columns(path: str) -> tuple[Columns | None, str | None]:
     if np is None or not os.path.isfile(side):
         return None, None
     tried = 0
+    past = False
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, open(side, "rb") as g:
             head = f.readline(MAX_LINE_BYTES + 1)
             size = os.fstat(f.fileno()).st_size
-            with open(side, "rb") as g:
-                raw = g.read(TC.HEAD.size)
-                if len(raw) < TC.HEAD.size:
-                    return None, None  # a recorder stopped before its first flush: nothing to read
-                magic, hlen, hcrc = TC.HEAD.unpack(raw)
-                if magic != TC.MAGIC:
-                    return None, f"{side}: ignored (not a kvtop token sidecar)"
-                if hlen != len(head) or hcrc != zlib.crc32(head):
-                    return None, f"{side}: ignored (it belongs to another trace)"
-                nrec = (os.fstat(g.fileno()).st_size - TC.HEAD.size) // TC.RECORD.size
-                if nrec <= 0:
-                    return None, None
-                mm = mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ)
-            recs = np.frombuffer(mm, RECORD_DTYPE, count=nrec, offset=TC.HEAD.size)
+            raw = g.read(TC.HEAD.size)
+            if len(raw) < TC.HEAD.size:
+                return None, None  # a recorder stopped before its first flush: nothing to read
+            magic, hlen, hcrc = TC.HEAD.unpack(raw)
+            if magic != TC.MAGIC:
+                return None, f"{side}: ignored (not a kvtop token sidecar)"
+            if hlen != len(head) or hcrc != zlib.crc32(head):
+                return None, f"{side}: ignored (it belongs to another trace)"
+            fd = g.fileno()
+            nrec = (os.fstat(fd).st_size - TC.HEAD.size) // TC.RECORD.size
             # the last marks within the trace's size (one cut short ends before later ones), a window
             # at a time from there back; the offsets never decrease (where they do, a chunk's check
             # finds it)
-            end = bisect.bisect_right(recs["off"], size)
+            end = _bisect(fd, size, 0, nrec, right=True)
             past = end < nrec
             while end > 0 and tried < MARK_TRIES:
                 w0 = max(0, end - OPEN_WINDOW)
-                marks = np.flatnonzero(recs["kind"][w0:end] == TC.MARK) + w0
-                for m in marks[::-1].tolist():
+                window = _records(fd, w0, end)
+                for m in (np.flatnonzero(window["kind"] == TC.MARK)[::-1]).tolist():
                     tried += 1
-                    off, crc, k = int(recs["off"][m]), int(recs["code"][m]), int(recs["length"][m])
+                    off, crc, k = int(window["off"][m]), int(window["code"][m]), int(window["length"][m])
                     if hlen <= off <= size and k <= off:
                         tail = os.pread(f.fileno(), k, off - k)
                         if tail.endswith(b"\n") and zlib.crc32(tail) == crc:
-                            if _DONTNEED is not None:
-                                mm.madvise(_DONTNEED)
-                            return Columns(path, mm, recs[:m], off), None
+                            return Columns(path, side, w0 + m, off), None
                     if tried >= MARK_TRIES:
                         break
                 end = w0
-            if _DONTNEED is not None:
-                mm.madvise(_DONTNEED)
     except (OSError, ValueError):
         return None, f"{side}: ignored (unreadable)"
     if tried or past:
@@ -757,22 +764,28 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
     anywhere the check looks (the caller reads the chunk from the JSONL)."""
     if b <= a:
         return True, None
-    # a bisect over the mapped column (np.searchsorted would copy all of it first)
-    col = c.recs["off"]
-    i0 = bisect.bisect_left(col, a)
-    i1 = bisect.bisect_left(col, b, i0)
-    sl = c.recs[i0:i1]
+    with open(c.side, "rb") as g:
+        fd = g.fileno()
+        i0 = _bisect(fd, a, 0, c.count)
+        i1 = _bisect(fd, b, i0, c.count)
+        while c.seen < i0:  # ids of records before the chunk (those of lines read another way)
+            part = _records(fd, c.seen, min(i0, c.seen + OPEN_WINDOW))
+            if not len(part):
+                return False, None
+            c.take_ids(part)
+        sl = _records(fd, i0, i1)
+    if len(sl) != i1 - i0:
+        return False, None  # the sidecar is shorter than it was when it was opened
+    if i0 <= c.seen < i1:
+        c.take_ids(sl[c.seen - i0:])
     o = sl["off"].astype(np.int64)
-    kind = sl["kind"].copy()
+    kind = sl["kind"]
     tm = (kind == TC.TOKEN) | (kind == TC.FIRST)
     codes_w = sl["code"][tm]
     ts = sl["t"][tm]
     ns = sl["n"][tm].astype(np.int64)
     toff = o[tm]
     tend = toff + sl["length"][tm]  # each token line's newline
-    del sl
-    c.register(i1)
-    c.release(i1)
     if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
         return False, None
     if len(toff) and (int(tend[-1]) >= b or not bool(((ts >= T_MIN) & (ts <= T_MAX)).all())):

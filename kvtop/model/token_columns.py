@@ -3,7 +3,7 @@
 ``kvtop record`` writes ``<trace>.tokens`` next to ``<trace>`` (``TraceWriter(columns=True)``).
 The JSONL stays the record of truth; the sidecar only saves ``kvtop analyze``'s fast path from
 parsing the token lines (about 99 % of a trace): it reads their times, ids and token counts as
-columns straight from the page cache (``kvtop.analysis.fastscan``) and parses only the other lines.
+columns, a chunk's records at a time (``kvtop.analysis.fastscan``), and parses only the other lines.
 
 Layout (little-endian): a 64-byte head (``MAGIC``, the JSONL header line's length and CRC-32: a
 sidecar of another trace is recognised and ignored), then 24-byte records (``RECORD``) in the order
