@@ -246,3 +246,26 @@ def test_an_id_coded_twice_is_one_stream(tmp_path: Path) -> None:
     assert ok and got is not None and want is not None
     assert got.ids == want.ids and np.array_equal(got.codes, want.codes) and np.array_equal(got.ns, want.ns)
     assert got.ids.count("again") == 1
+
+
+def test_a_sidecar_cut_short_while_read_sends_its_chunks_to_the_jsonl(trace: Path, tmp_path: Path) -> None:
+    """A recorder started again with --force truncates the sidecar under a running analysis: the
+    chunks it no longer holds are read from the JSONL (a short read, not a crash)."""
+    p = tmp_path / "t.jsonl"
+    shutil.copy(trace, p)
+    shutil.copy(str(trace) + TC.SUFFIX, str(p) + TC.SUFFIX)
+    cols, _ = fastscan.open_columns(str(p))
+    assert cols is not None
+    side = Path(str(p) + TC.SUFFIX)
+    side.write_bytes(side.read_bytes()[: side.stat().st_size // 3])
+    with open(p, "rb") as f:
+        head = len(f.readline())
+        ends = fastscan._bounds(f, head, p.stat().st_size, CHUNK)
+    used = []
+    for a, b in zip([head, *ends[:-1]], ends, strict=True):
+        ok, got = fastscan._parse_cols(cols, a, b)
+        used.append(ok)
+        if ok and got is not None:
+            want = fastscan._parse_range(str(p), a, b, False)
+            assert want is not None and got.ids == want.ids and np.array_equal(got.ts, want.ts)
+    assert any(used) and not all(used) and not any(used[len(used) // 2:])
