@@ -18,11 +18,14 @@ from pathlib import Path
 
 import aiohttp
 import jsonschema
+import numpy as np
 import pytest
 from aiohttp import web
 from conftest import REPO, run_kvtop
 from vllm_pages import vllm_page
 
+from kvtop.analysis import fastscan
+from kvtop.model import token_columns as TC
 from kvtop.model.trace import TraceReader
 
 TOKENS_PER_STREAM = 10
@@ -192,6 +195,7 @@ async def test_sigkill_loses_nothing_before_the_last_flush(tmp_path: Path):
         assert sum(r["n"] for r in toks) == TOKENS_PER_STREAM
     text = out.read_text()
     assert "secret" not in text
+    _same_with_and_without_sidecar(out, whole=False)
 
     # A crash that lands mid-line leaves a torn last line: skipped with a warning, the rest intact.
     torn = tmp_path / "torn.jsonl"
@@ -256,6 +260,22 @@ async def test_sigterm_stops_cleanly_with_everything_flushed(tmp_path: Path, wor
     # the stream cut off by the stop is closed in the trace, not left open
     inflight = [r["event"] for r in recs if r["kind"] == "request" and r["id"] == "inflight"]
     assert inflight[0] == "arrive" and inflight[-1] == "cancel" and "first_token" in inflight
+    _same_with_and_without_sidecar(out, whole=True)
+
+
+def _same_with_and_without_sidecar(out: Path, whole: bool) -> None:
+    """The token sidecar written beside the trace is read (all of it after a clean stop; up to its
+    last flush after a SIGKILL) and `kvtop analyze` prints the same with it as without it."""
+    cols, note = fastscan.open_columns(str(out))
+    assert cols is not None and note is None
+    assert cols.covered == out.stat().st_size if whole else 0 < cols.covered <= out.stat().st_size
+    with open(cols.side, "rb") as g:
+        assert int(np.count_nonzero(fastscan._records(g.fileno(), 0, cols.count)["kind"] == TC.TOKEN)) > 0
+    with_it = run_kvtop("analyze", str(out), "--format", "json")
+    Path(str(out) + TC.SUFFIX).unlink()
+    without = run_kvtop("analyze", str(out), "--format", "json")
+    assert with_it.returncode == 0 and without.returncode == 0, with_it.stderr + without.stderr
+    assert with_it.stdout == without.stdout
 
 
 async def test_idle_recorder_still_flushes(tmp_path: Path):

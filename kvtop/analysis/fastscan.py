@@ -8,6 +8,10 @@ differently) goes through ``json.loads`` and the same ``Analyzer`` methods as th
 in file order. Gaps of the parsed token events come from the gap tracker's batch API
 (``Analyzer.add_token_batch``). Memory is bounded by the chunk size. Results equal the streaming
 path's (tested).
+
+Where the trace has a token sidecar (``kvtop.model.token_columns``, written by ``kvtop record``)
+that matches it, a chunk's token columns come from the sidecar instead, and only its other lines
+are read from the JSONL and parsed (``_parse_cols``: the same ``Parsed`` as ``_parse``, tested).
 """
 
 from __future__ import annotations
@@ -18,13 +22,15 @@ import multiprocessing
 import os
 import sys
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 from kvtop.analysis.analyzer import Analyzer
+from kvtop.model import token_columns as TC
 from kvtop.model.trace import GZIP_MAGIC, open_binary
-from kvtop.model.validate import T_MAX, T_MIN, parse_line
+from kvtop.model.validate import MAX_LINE_BYTES, T_MAX, T_MIN, parse_line
 
 try:
     import numpy as np
@@ -39,14 +45,14 @@ if TYPE_CHECKING:
     Mask = npt.NDArray[np.bool_]  # one flag per line
     Strings = npt.NDArray[np.bytes_]  # fixed-width byte strings, one per line
 
-PREFIX = b'{"kind":"request","t":'
-ID_SEP = b',"id":"'
-EV_TOK = b'","event":"token"'
-EV_FT = b'","event":"first_token"'
+PREFIX = TC.PREFIX.encode()
+ID_SEP = TC.ID_SEP.encode()
+EV_TOK = TC.EV_TOK.encode()
+EV_FT = TC.EV_FT.encode()
 EV_ARRIVE = b'","event":"arrive"'
 N_KEY = b',"n":'
-T_WIDTH = 24
-ID_WIDTH = 48
+T_WIDTH = TC.T_WIDTH
+ID_WIDTH = TC.ID_WIDTH
 CHUNK = 8 << 20
 
 
@@ -55,16 +61,23 @@ def available() -> bool:
 
 
 def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int], bool] | None = None,
-         workers: int | None = None) -> int:
+         workers: int | None = None, columns: bool = True, notes: list[str] | None = None) -> int:
     """Feed every record after the header line into ``an``; returns the count of malformed lines.
     ``tick(bytes read)`` after each chunk: True stops there (the records of whole lines read so far
     are in ``an``). ``workers``: processes that parse chunks ahead while this one analyses (None:
-    one per core, for a large plain file where fork is safe; 0: none). The chunks, and so the
-    results, are the same either way."""
+    one per core, for a large plain file where fork is safe; 0: none). ``columns``: read the token
+    lines from the trace's token sidecar where it has a valid one (``open_columns``; a sidecar it
+    ignores is said in ``notes``). The chunks, and so the results, are the same every way."""
+    cols = None
+    if columns:
+        cols, note = open_columns(path)
+        if note is not None and notes is not None:
+            notes.append(note)
     if workers is None:
-        workers = _workers(path, chunk_bytes)
-    if workers > 0:
-        return _scan_parallel(path, an, chunk_bytes, tick, workers)
+        # the sidecar covers most of the trace (a trace written on without it: the workers parse the rest)
+        workers = _workers(path, chunk_bytes, cols is not None and cols.covered * 2 >= os.path.getsize(path))
+    if workers > 0 or cols is not None:
+        return _scan_parallel(path, an, chunk_bytes, tick, workers, cols)
     skipped = 0
     done = 0
     with open_binary(path) as f:
@@ -92,11 +105,13 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
 PARALLEL_MIN_CHUNKS = 6  # below this many chunks, starting worker processes costs more than it saves
 
 
-def _workers(path: str, chunk_bytes: int) -> int:
+def _workers(path: str, chunk_bytes: int, columns: bool = False) -> int:
     """Worker processes for ``scan``: one per core the process may use, when the file is a large
     plain trace (a gzip segment or a directory reads as one stream) and fork is safe (Linux, no
     other thread running: a forked child of a threaded process can deadlock)."""
-    if sys.platform != "linux" or threading.active_count() > 1:
+    if columns or sys.platform != "linux" or threading.active_count() > 1:
+        # with the sidecar there is little left to parse: handing each chunk's columns back from
+        # a worker costs more than reading them here
         return 0
     try:
         cores = len(os.sched_getaffinity(0))
@@ -130,16 +145,31 @@ def _bounds(f: IO[bytes], head: int, size: int, chunk_bytes: int) -> list[int]:
     return out
 
 
-def _keep_heap() -> None:
+_WORKER_COLS: Columns | None = None  # a worker's sidecar (inherited through fork, never pickled)
+
+
+def _keep_heap(cols: Columns | None = None) -> None:
     """A worker allocates the same large buffers for every chunk: glibc hands each back to the
     kernel on free (mmap), and the next chunk pays page faults to get it again, a fifth of the
     worker's time. Keep them in the heap instead (glibc only: elsewhere nothing changes)."""
+    global _WORKER_COLS
+    _WORKER_COLS = cols
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+def _parse_region(path: str, start: int, end: int, last: bool, cols: Columns | None = None) -> Parsed | None:
+    """One chunk, from the sidecar where it covers the chunk and agrees with it, else from the JSONL."""
+    cols = cols if cols is not None else _WORKER_COLS
+    if cols is not None and end <= cols.covered:
+        used, p = _parse_cols(cols, start, end)
+        if used:
+            return p
+    return _parse_range(path, start, end, last)
 
 
 def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
@@ -157,9 +187,10 @@ def _parse_range(path: str, start: int, end: int, last: bool) -> Parsed | None:
 
 
 def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[int], bool] | None,
-                   workers: int) -> int:
-    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes: this one
-    feeds them into the analyzer in file order (the same chunks, the same results)."""
+                   workers: int, cols: Columns | None = None) -> int:
+    """``scan``'s serial loop, with the chunks parsed ahead by ``workers`` processes (none: here):
+    this one feeds them into the analyzer in file order (the same chunks, the same results). A
+    chunk the sidecar ``cols`` covers is read from it."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = len(f.readline())
@@ -174,14 +205,16 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
     # the workers start on the chunks after the first while this process reads that one: the ITL
     # target comes from the first gaps in file order (a chunk before it is known is read here, and
     # its worker's parse is dropped)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_keep_heap,
+                               initargs=(cols,)) if workers > 0 else None
     try:
         ahead: dict[int, Future[Parsed | None]] = {}
         nxt = 0 if an.itl_target_s is not None else 1
         with open(path, "rb") as f:
             for i, (a, b, last) in enumerate(regions):
-                while nxt < len(regions) and nxt <= i + workers:  # a few ahead: parsed chunks cost memory here
-                    ahead[nxt] = pool.submit(_parse_range, path, *regions[nxt])
+                while pool is not None and nxt < len(regions) and nxt <= i + workers:
+                    # a few ahead: parsed chunks cost memory here
+                    ahead[nxt] = pool.submit(_parse_region, path, *regions[nxt])
                     nxt += 1
                 if tick is not None and tick(done[i]):
                     break
@@ -189,17 +222,26 @@ def _scan_parallel(path: str, an: Analyzer, chunk_bytes: int, tick: Callable[[in
                 if an.itl_target_s is None:
                     if fut is not None:
                         fut.cancel()
-                    if b > a:
+                    if b > a and cols is None:
                         skipped += _chunk(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                    elif b > a:
+                        # the same lines as ``_chunk``: the first ones streamed, the rest as a chunk
+                        bad, pos = _warm(an, os.pread(f.fileno(), b - a, a) + (b"\n" if last else b""))
+                        skipped += bad
+                        if a + pos < b:
+                            p = _parse_region(path, a + pos, b, last, cols)
+                            if p is not None:
+                                skipped += _apply(an, p)
                     continue
-                p = fut.result() if fut is not None else _parse_range(path, a, b, last)
+                p = fut.result() if fut is not None else _parse_region(path, a, b, last, cols)
                 if p is not None:
                     skipped += _apply(an, p)
             else:
                 if tick is not None and len(regions) == len(ends):
                     tick(size)  # the serial loop's last call, at the end of the file
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return skipped
 
 
@@ -337,19 +379,26 @@ def _chunk(an: Analyzer, buf: bytes) -> int:
     if an.itl_target_s is None:
         # the target comes from the first gaps in file order: the streaming path derives it,
         # then the rest of the chunk takes the fast path
-        pos = 0
-        bad = 0
-        while an.itl_target_s is None:
-            nl = buf.find(b"\n", pos)
-            if nl < 0:
-                return bad + _feed_line(an, buf[pos:])
-            bad += _feed_line(an, buf[pos:nl])
-            pos = nl + 1
+        bad, pos = _warm(an, buf)
         if pos >= len(buf):
             return bad
         return bad + _chunk(an, buf[pos:])
     p = _parse(buf)
     return _apply(an, p) if p is not None else 0
+
+
+def _warm(an: Analyzer, buf: bytes) -> tuple[int, int]:
+    """Lines of ``buf`` through the streaming path until the ITL target is known: (malformed lines,
+    where the rest begins; len(buf) or more: nothing is left)."""
+    pos = 0
+    bad = 0
+    while an.itl_target_s is None:
+        nl = buf.find(b"\n", pos)
+        if nl < 0:
+            return bad + _feed_line(an, buf[pos:]), len(buf)
+        bad += _feed_line(an, buf[pos:nl])
+        pos = nl + 1
+    return bad, pos
 
 
 class Parsed(NamedTuple):
@@ -585,3 +634,234 @@ def _unique(ids: Strings) -> tuple[Strings, Index]:
     rank = np.empty_like(perm)
     rank[perm] = np.arange(len(perm))
     return cand[perm], rank[hinv]
+
+
+# ---- the token sidecar (kvtop.model.token_columns) -------------------------------------------
+RECORD_DTYPE = np.dtype([("off", "<u8"), ("t", "<f8"), ("code", "<u4"), ("length", "<u2"), ("n", "u1"),
+                         ("kind", "u1")]) if np is not None else None
+OPEN_WINDOW = 1 << 17  # records read at once when a sidecar is opened or its ids taken in (3 MB)
+MARK_TRIES = 16  # marks tried, from the last one within the trace back
+_END = 1 << 64  # the offset of a record past the sidecar's end
+
+
+class Columns:
+    """A trace's token sidecar, checked against the trace: its first ``count`` records, which speak
+    for the JSONL's first ``covered`` bytes, and the request ids read so far.
+
+    Records are read with pread, a chunk's worth at a time (not mapped: a file that shrinks under a
+    mapping kills its reader with SIGBUS, a short read is only a chunk read from the JSONL)."""
+
+    def __init__(self, path: str, side: str, count: int, covered: int):
+        self.path = path  # the JSONL
+        self.side = side  # the sidecar
+        self.count = count
+        self.covered = covered
+        self.ids: dict[int, tuple[int, int]] = {}  # code -> (offset, length) of its id in the JSONL
+        self.names: dict[int, bytes] = {}  # code -> its id, read and checked in place
+        self.seen = 0  # the records whose id records are in ``ids``
+
+    def take_ids(self, part: Any) -> None:
+        """Take in the id records of ``part``, the records from ``seen`` on."""
+        defs = part[part["kind"] == TC.ID]
+        self.ids.update(zip(defs["code"].tolist(), zip(defs["off"].tolist(), defs["length"].tolist(), strict=True),
+                            strict=True))
+        self.seen += len(part)
+
+
+def _records(fd: int, i0: int, i1: int) -> Any:
+    """Records i0..i1-1 of a sidecar (fewer where the file ends sooner)."""
+    raw = os.pread(fd, max(0, i1 - i0) * TC.RECORD.size, TC.HEAD.size + i0 * TC.RECORD.size)
+    return np.frombuffer(raw, RECORD_DTYPE, count=len(raw) // TC.RECORD.size)
+
+
+def _off(fd: int, i: int) -> int:
+    raw = os.pread(fd, 8, TC.HEAD.size + i * TC.RECORD.size)
+    return int.from_bytes(raw, "little") if len(raw) == 8 else _END
+
+
+def _bisect(fd: int, x: int, lo: int, hi: int, right: bool = False) -> int:
+    """``bisect.bisect_left`` (``bisect_right``) of offset ``x`` over records lo..hi-1, read one by one."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        v = _off(fd, mid)
+        if v < x or (right and v == x):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def open_columns(path: str) -> tuple[Columns | None, str | None]:
+    """The sidecar of trace ``path`` when it has one that belongs to it, and a one-line note when
+    there is one that does not (another trace's, or one the trace no longer matches)."""
+    side = TC.sidecar_path(path)
+    if np is None or not os.path.isfile(side):
+        return None, None
+    tried = 0
+    past = False
+    try:
+        with open(path, "rb") as f, open(side, "rb") as g:
+            head = f.readline(MAX_LINE_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size
+            raw = g.read(TC.HEAD.size)
+            if len(raw) < TC.HEAD.size:
+                return None, None  # a recorder stopped before its first flush: nothing to read
+            magic, hlen, hcrc = TC.HEAD.unpack(raw)
+            if magic != TC.MAGIC:
+                return None, f"{side}: ignored (not a kvtop token sidecar)"
+            if hlen != len(head) or hcrc != zlib.crc32(head):
+                return None, f"{side}: ignored (it belongs to another trace)"
+            fd = g.fileno()
+            nrec = (os.fstat(fd).st_size - TC.HEAD.size) // TC.RECORD.size
+            # the last marks within the trace's size (one cut short ends before later ones), a window
+            # at a time from there back; the offsets never decrease (where they do, a chunk's check
+            # finds it)
+            end = _bisect(fd, size, 0, nrec, right=True)
+            past = end < nrec
+            while end > 0 and tried < MARK_TRIES:
+                w0 = max(0, end - OPEN_WINDOW)
+                window = _records(fd, w0, end)
+                for m in (np.flatnonzero(window["kind"] == TC.MARK)[::-1]).tolist():
+                    tried += 1
+                    off, crc, k = int(window["off"][m]), int(window["code"][m]), int(window["length"][m])
+                    if hlen <= off <= size and k <= off:
+                        tail = os.pread(f.fileno(), k, off - k)
+                        if tail.endswith(b"\n") and zlib.crc32(tail) == crc:
+                            return Columns(path, side, w0 + m, off), None
+                    if tried >= MARK_TRIES:
+                        break
+                end = w0
+    except (OSError, ValueError):
+        return None, f"{side}: ignored (unreadable)"
+    if tried or past:
+        return None, f"{side}: ignored (the trace no longer matches it)"
+    return None, None
+
+
+def _names(c: Columns, f: IO[bytes], codes: list[int]) -> list[bytes] | None:
+    """The ids of request ``codes``, each read where the sidecar says and checked there (between
+    the quotes after ``"id":``); None when one is not."""
+    out = []
+    names = c.names
+    for code in codes:
+        raw = names.get(code)
+        if raw is None:
+            o, n = c.ids.get(code, (0, 0))
+            if n <= 0 or o < len(ID_SEP):
+                return None
+            text = os.pread(f.fileno(), n + len(ID_SEP) + 1, o - len(ID_SEP))
+            raw = text[len(ID_SEP):-1]
+            if not (text.startswith(ID_SEP) and text.endswith(b'"')) or len(raw) != n or b'"' in raw or b"\\" in raw:
+                return None
+            names[code] = raw
+        out.append(raw)
+    return out
+
+
+def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
+    """``_parse`` of the JSONL's bytes a..b (a chunk the sidecar covers) with the token lines read
+    from the sidecar and only the other lines from the JSONL. (False, None) when the two disagree
+    anywhere the check looks (the caller reads the chunk from the JSONL)."""
+    if b <= a:
+        return True, None
+    with open(c.side, "rb") as g:
+        fd = g.fileno()
+        i0 = _bisect(fd, a, 0, c.count)
+        i1 = _bisect(fd, b, i0, c.count)
+        while c.seen < i0:  # ids of records before the chunk (those of lines read another way)
+            part = _records(fd, c.seen, min(i0, c.seen + OPEN_WINDOW))
+            if not len(part):
+                return False, None
+            c.take_ids(part)
+        sl = _records(fd, i0, i1)
+    if len(sl) != i1 - i0:
+        return False, None  # the sidecar is shorter than it was when it was opened
+    if i0 <= c.seen < i1:
+        c.take_ids(sl[c.seen - i0:])
+    o = sl["off"].astype(np.int64)
+    kind = sl["kind"]
+    tm = (kind == TC.TOKEN) | (kind == TC.FIRST)
+    codes_w = sl["code"][tm]
+    ts = sl["t"][tm]
+    ns = sl["n"][tm].astype(np.int64)
+    toff = o[tm]
+    tend = toff + sl["length"][tm]  # each token line's newline
+    if len(o) > 1 and bool((o[1:] < o[:-1]).any()):
+        return False, None
+    if len(toff) and (int(tend[-1]) >= b or not bool(((ts >= T_MIN) & (ts <= T_MAX)).all())):
+        return False, None  # past the chunk, or a time the JSONL reading would not take as one
+    ft = kind[tm] == TC.FIRST
+    # the lines between the token lines (first_token lines among them: their bookkeeping reads
+    # their dict), each span read with the newline before it and the token line's prefix after it
+    plain = np.flatnonzero(~ft)
+    gs = np.empty(len(plain) + 1, np.int64)
+    ge = np.empty(len(plain) + 1, np.int64)
+    gs[0] = a
+    gs[1:] = tend[plain] + 1
+    ge[:-1] = toff[plain]
+    ge[-1] = b
+    spans = np.flatnonzero(ge > gs)
+    ft_off = toff[ft]
+    first_at = set(ft_off.tolist())
+    # first_token lines inside each span
+    nft = (np.searchsorted(ft_off, ge[spans]) - np.searchsorted(ft_off, gs[spans])).tolist()
+    others: list[tuple[bool, dict[str, Any] | None]] = []
+    engines: list[tuple[str, Any]] = []
+    npre = len(PREFIX)
+    last = len(plain)
+    found = 0
+    with open(c.path, "rb") as f:
+        fd = f.fileno()
+        for k, s0, e0, n_ft in zip(spans.tolist(), gs[spans].tolist(), ge[spans].tolist(), nft, strict=True):
+            tail = npre if k < last else 0
+            want = e0 - s0 + 1 + tail
+            text = os.pread(fd, want, s0 - 1)
+            if len(text) != want or text[0] != 10 or (tail and text[-tail:] != PREFIX):
+                return False, None
+            body = text[1:want - tail]
+            # a token line the sidecar does not hold (the JSONL reading's test, on the span at once;
+            # each first_token line the sidecar holds has the word once): the JSONL decides
+            if b'"token"' in body or b'"resync"' in body or body.count(b'"first_token"') != n_ft:
+                return False, None
+            pos = s0
+            for line in body.split(b"\n")[:-1]:
+                if n_ft and pos in first_at:
+                    others.append((True, parse_line(line)))
+                    found += 1
+                elif line.strip():
+                    d = parse_line(line)
+                    others.append((False, d))
+                    # ``_engines``: arrive lines that name their engine, before the batch
+                    if (d is not None and d.get("event") == "arrive" and d.get("kind") == "request"
+                            and b'"engine":' in line and b'"arrive"' in line):
+                        engines.append((str(d["id"]), d.get("engine")))
+                pos += len(line) + 1
+            if pos != e0:
+                return False, None
+        if found != len(first_at):
+            return False, None  # a first_token record that is not at a line's start
+        if not len(codes_w):
+            empty = np.zeros(0, dtype=np.int64)
+            return True, Parsed(engines, None, False, [], empty, empty.astype(np.float64), empty,
+                                empty.astype(bool), others, 0)
+        lo, hi = int(codes_w.min()), int(codes_w.max())
+        if hi - lo <= 4 * len(codes_w) + (1 << 16):
+            # writer codes to 0..k-1 through a table over their range (np.unique would sort them all)
+            tab = np.zeros(hi - lo + 1, np.int64)
+            rel = codes_w.astype(np.int64) - lo
+            tab[rel] = 1
+            uc = np.flatnonzero(tab)
+            tab[uc] = np.arange(len(uc))
+            inv = tab[rel]
+            uc += lo
+        else:
+            uc, inv = np.unique(codes_w, return_inverse=True)
+        raw = _names(c, f, uc.tolist())
+    if raw is None:
+        return False, None
+    # the ids sorted by their bytes, as the JSONL reading has them; one id may have had two codes
+    names = sorted(set(raw))
+    rank = {r: i for i, r in enumerate(names)}
+    codes = np.array([rank[r] for r in raw], dtype=np.intp)[inv]
+    return True, Parsed(engines, None, False, [r.decode("utf-8", "replace") for r in names], codes,
+                        ts.astype(np.float64), ns, ft, others, int(np.count_nonzero(~ft)))

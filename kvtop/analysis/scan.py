@@ -21,9 +21,12 @@ PICTURE_MAX_POINTS = 43_200
 
 def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempts: bool,
           observe: Callable[[dict[str, Any]], None] | None,
-          tick: Callable[[int | None], bool] | None = None) -> tuple[Analyzer, list[str], dict[str, str], str | None]:
+          tick: Callable[[int | None], bool] | None = None,
+          columns: bool = True) -> tuple[Analyzer, list[str], dict[str, str], str | None]:
     """``tick(bytes read, or None on the streaming path)`` is called as the scan goes (progress);
-    True stops it there: the report covers the records read so far and says so in its warnings."""
+    True stops it there: the report covers the records read so far and says so in its warnings.
+    ``columns``: the fast path reads the token lines from the trace's token sidecar, where it has
+    a valid one (the same results; ``kvtop.model.token_columns``)."""
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")
@@ -52,7 +55,8 @@ def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempt
                     return True
                 return False
 
-            skipped = fastscan.scan(path, an, tick=chunk_tick if tick is not None else None)
+            skipped = fastscan.scan(path, an, tick=chunk_tick if tick is not None else None, columns=columns,
+                                    notes=warnings)
             an.finish()
             if skipped:
                 warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
@@ -74,8 +78,9 @@ def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempt
 
 def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
                   kv_bytes: float | None = None, dtype: str = "bf16", tp: int = 1, fast: bool = True,
-                  use_request_preempts: bool = True, tick: Callable[[int | None], bool] | None = None) -> AnalysisReport:
-    an, warnings, settings, eng = _scan(path, itl_target_s, fast, use_request_preempts, None, tick)
+                  use_request_preempts: bool = True, tick: Callable[[int | None], bool] | None = None,
+                  columns: bool = True) -> AnalysisReport:
+    an, warnings, settings, eng = _scan(path, itl_target_s, fast, use_request_preempts, None, tick, columns)
     return build_report(an, model_config, kv_bytes, dtype, tp, settings, eng, warnings)
 
 

@@ -191,7 +191,10 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     try:
         if force:
             Path(output).unlink(missing_ok=True)
-        writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S)
+        # with the token sidecar (kvtop.model.token_columns): `kvtop analyze` reads it instead of
+        # parsing the token lines
+        writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S,
+                             columns=True)
     except OSError as e:
         await runner.aclose()
         raise UsageError(f"cannot write {output}: {e.strerror or e}") from None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from kvtop.model import jsonio
+from kvtop.model import token_columns as TC
 from kvtop.model.records import (
     TRACE_FORMAT,
     TRACE_VERSION,
@@ -32,6 +33,8 @@ from kvtop.model.records import (
 )
 from kvtop.model.validate import (
     MAX_LINE_BYTES,
+    T_MAX,
+    T_MIN,
     DecodeError,
     decode_line,
     header_problems,
@@ -196,7 +199,9 @@ def make_header(
 class TraceWriter:
     """Append-only trace writer. Safe to call ``write`` from one thread at a time."""
 
-    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], flush_interval_s: float = 1.0):
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], flush_interval_s: float = 1.0,
+                 columns: bool = False):
+        """``columns``: also write the token sidecar (``kvtop.model.token_columns``) for a new trace."""
         self.path = Path(path)
         self.flush_interval_s = flush_interval_s
         new = not self.path.exists() or self.path.stat().st_size == 0
@@ -205,9 +210,50 @@ class TraceWriter:
         self._last_flush = time.monotonic()
         self.count = 0
         self._ids: dict[str, str] = {}  # request id -> its JSON string, for the token fast path
+        self._cols: IO[bytes] | None = None
         if new:
-            self._f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            head = json.dumps(header, separators=(",", ":")) + "\n"
+            self._f.write(head)
+            if columns:
+                self._open_columns(head)
             self.flush()
+
+    def _open_columns(self, head: str) -> None:
+        # every line is ASCII (the JSON encoders escape the rest): a line's bytes are its characters
+        self._pos = len(head)  # bytes of the JSONL written so far
+        self._last = head
+        self._codes: dict[str, int] = {}  # request id -> its code in the sidecar
+        self._next_code = 0
+        self._pending = bytearray()  # records not yet written (they go out with the JSONL's flush)
+        try:
+            self._cols = open(TC.sidecar_path(str(self.path)), "wb", opener=_private)
+            self._cols.write(TC.head_bytes(head.encode("ascii")))
+        except OSError:
+            self._cols = None  # the JSONL is what matters: no sidecar, the analysis parses it all
+
+    def _column(self, line: str, entry: tuple[float, int, int, int, bool] | None) -> None:
+        """Note ``line`` (just written, newline included) in the sidecar: a token line as a record."""
+        pos = self._pos
+        self._pos = pos + len(line)
+        self._last = line
+        if entry is not None:
+            self._add(line, pos, entry)
+
+    def _add(self, line: str, pos: int, entry: tuple[float, int, int, int, bool]) -> None:
+        t, id_at, id_len, n, ft = entry
+        rid = line[id_at:id_at + id_len]
+        code = self._codes.get(rid)
+        pend = self._pending
+        if code is not None:
+            pend += _pack(pos, t, code, len(line) - 1, n, TC.FIRST if ft else TC.TOKEN)
+            return
+        if len(self._codes) >= 1 << 16:
+            self._codes.clear()  # bounded: an id seen again gets a new code
+        code = self._codes[rid] = self._next_code
+        self._next_code += 1
+        # the id's record after its line's: the records' offsets never decrease
+        pend += TC.RECORD.pack(pos, t, code, len(line) - 1, n, TC.FIRST if ft else TC.TOKEN)
+        pend += TC.RECORD.pack(pos + id_at, 0.0, code, id_len, 0, TC.ID)
 
     def write(self, rec: Record | dict[str, Any]) -> None:
         if isinstance(rec, dict):
@@ -224,8 +270,23 @@ class TraceWriter:
                     if len(ids) >= 4096:
                         ids.clear()
                     jid = ids[rec.id] = _encode(rec.id)
-                self._f.write(f'{{"kind":"request","t":{trace_time(rec.t)!r},"id":{jid},"event":"token","n":{rec.n}}}\n')
+                tt = trace_time(rec.t)
+                tr = repr(tt)
+                line = f'{{"kind":"request","t":{tr},"id":{jid},"event":"token","n":{rec.n}}}\n'
+                self._f.write(line)
                 self.count += 1
+                if self._cols is not None:
+                    pos = self._pos
+                    self._pos = pos + len(line)
+                    self._last = line
+                    code = self._codes.get(rec.id)
+                    # the fast path's limits (kvtop.model.token_columns.token_entry), known here
+                    if (code is not None and 0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and T_MIN <= tt <= T_MAX
+                            and len(jid) - 2 < TC.ID_WIDTH):
+                        self._pending += _pack(pos, tt, code, len(line) - 1, rec.n, TC.TOKEN)
+                    elif (0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and 0 < len(jid) - 2 < TC.ID_WIDTH
+                          and T_MIN <= tt <= T_MAX and "\\" not in jid):
+                        self._add(line, pos, (tt, 29 + len(tr), len(jid) - 2, rec.n, False))
                 if time.monotonic() - self._last_flush >= self.flush_interval_s:
                     self.flush()
                 return
@@ -244,6 +305,9 @@ class TraceWriter:
             line = _encode(_finite(d))
         self._f.write(line + "\n")
         self.count += 1
+        if self._cols is not None:
+            ev = d.get("event")
+            self._column(line + "\n", TC.token_entry(line, T_MIN, T_MAX) if ev == "token" or ev == "first_token" else None)
         self.flush_if_due()
 
     def flush_if_due(self) -> None:
@@ -253,12 +317,30 @@ class TraceWriter:
     def flush(self) -> None:
         self._f.flush()
         self._last_flush = time.monotonic()
+        if self._cols is not None:
+            self._flush_columns()
+
+    def _flush_columns(self) -> None:
+        # after the JSONL's flush: a mark never names bytes the trace does not hold yet
+        assert self._cols is not None
+        tail = self._last[-TC.TAIL_BYTES:].encode("ascii")
+        self._pending += TC.RECORD.pack(self._pos, float(self.count), TC.tail_crc(tail), len(tail), 0, TC.MARK)
+        try:
+            self._cols.write(self._pending)
+            self._cols.flush()
+        except OSError:
+            self._cols.close()
+            self._cols = None  # a full disk: the sidecar stops at its last mark, the JSONL goes on
+        self._pending = bytearray()
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.flush()
+            self.flush()
             os.fsync(self._f.fileno())
             self._f.close()
+        if self._cols is not None:
+            self._cols.close()
+            self._cols = None
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -268,6 +350,7 @@ class TraceWriter:
 
 
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_pack = TC.RECORD.pack
 # every optional field, in declaration order (as ``to_dict``): a field added to RequestRecord is
 # written without touching this list (a hand-kept list once dropped ``incomplete``)
 _REQUEST_OPTIONAL = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name not in ("t", "id", "event"))
