@@ -317,3 +317,39 @@ def test_an_admission_limit_says_what_it_costs_in_queueing_and_the_real_engine_a
     # measured with the flag applied: the last request's time to first token is about that wait
     ttft_after = run_figures(after, None, 0.1).ttft_p99_s
     assert ttft_after == pytest.approx(est, rel=0.25)
+
+
+def test_offloading_flags_from_a_run_without_gpu_records_say_to_confirm_a_gpu(tmp_path):
+    """vLLM 0.32 on CPU refuses to start with --kv-offloading-size (the tier's engine, 2026-12-02):
+    a verdict from a recorded run in which kvtop saw no GPU says so beside the flags; the same run
+    with NVML records, and kvtop's own simulator, do not."""
+    import json as _json
+    import subprocess
+    import sys
+
+    from conftest import REPO, run_kvtop
+
+    trace, saved = tmp_path / "mixed.jsonl", tmp_path / "s.json"
+    # the independent generator's `mixed` situation: a vLLM V1 whose preempted sequences fit the host
+    subprocess.run([sys.executable, "-m", "eval.tracegen.cli", "--situation", "mixed", "--seed", "1", "-o",
+                    str(trace)], cwd=REPO, check=True, capture_output=True)
+    r = run_kvtop("analyze", str(trace), "--save-scenario", str(saved), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    base = _json.loads(saved.read_text())
+
+    def note(**capacity: float) -> list[str]:
+        doc = _json.loads(_json.dumps(base))
+        doc["capacity"].update(capacity)
+        p = tmp_path / "edited.json"
+        p.write_text(_json.dumps(doc))
+        r = run_kvtop("advise", "--scenario", str(p), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        v = _json.loads(r.stdout)["verdict"]
+        assert "--kv-offloading-size" in [s["flag"] for s in v["settings"]], v["settings"]
+        return [x for x in v["reasons"] if "kvtop saw no GPU" in x]
+
+    (line,) = note()
+    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in line
+    assert note(device_total_bytes=80e9, device_free_bytes=40e9) == []
+    base["engine_version"] = "kvtop-sim"
+    assert note() == []

@@ -538,6 +538,10 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             swap_settings = swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names)
             if _is_v1_connector(s):
                 reasons.append(V1_CONNECTOR)
+                ver = str(s.v("engine_version") or "")
+                if s.basis != "given" and s.v("device_total_bytes") is None and not ver.startswith("kvtop-sim"):
+                    # a recorded run of a real engine without GPU records
+                    reasons.append(V1_CONNECTOR_NO_GPU)
             s.n["offload_pool"] = Num(pool, "B", "derived", note)
             if limit is not None:
                 s.n["host_limit"] = Num(limit, "B", s.n["host_free_bytes"].source if what == "free pinned" and
@@ -634,6 +638,12 @@ V1_CONNECTOR = ("on vLLM V1 \"swap\" is the KV offloading connector, not live-se
                 "recompute): it stores computed KV blocks in the host pool, and a preempted request reloads them "
                 "on resume instead of recomputing only if prefix caching is on, the blocks were full (partial "
                 "blocks are recomputed) and they are still resident in the pool when it resumes")
+
+
+# vLLM 0.32 on CPU, started with --kv-offloading-size, exits with this (the tier's engine, 2026-12-02)
+V1_CONNECTOR_NO_GPU = ("kvtop saw no GPU in this run: the offloading connector needs a CUDA or XPU GPU (vLLM 0.32 on CPU "
+                       "refuses to start with --kv-offloading-size: \"CPU Offloading is currently only supported on "
+                       "CUDA-alike and XPU GPUs\"); confirm the engine runs on a GPU before applying")
 
 
 def _is_v1_connector(s: Situation) -> bool:
