@@ -20,6 +20,19 @@ def fixture_text(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
 
+def judge(doc: dict) -> dict:
+    """The verdict `kvtop advise` gives a scenario document (validated first, as the CLI does)."""
+    from kvtop.analysis.advice import scenario
+
+    scenario.validate(doc)
+    return scenario.evaluate(doc)["verdict"]
+
+
+def flags(verdict: dict) -> dict:
+    """A verdict's settings as {flag (or the generic setting where the engine names none): value}."""
+    return {f["flag"] or f["setting"]: f["value"] for f in verdict["settings"]}
+
+
 def run_kvtop(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
               input: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run `python -m kvtop ARGS` as a user would, with this checkout on the path."""

@@ -9,8 +9,8 @@ import copy
 import json
 
 import pytest
+from conftest import flags, judge
 
-from kvtop.analysis.advice import scenario
 from kvtop.sim.flags import apply_engine_flags
 from kvtop.sim.workload import WorkloadError, load_preset
 
@@ -35,15 +35,6 @@ STORM = {
     "capacity": {"kv_capacity_tokens": 22880, "block_size": 16, "device_free_bytes": 20e9},
     "engine_settings": {"kv_cache_memory_bytes": 22880 * 131072, "max_num_seqs": 64},
 }
-
-
-def judge(doc):
-    scenario.validate(doc)
-    return scenario.evaluate(doc)["verdict"]
-
-
-def flags(v):
-    return {f["flag"] or f["setting"]: f["value"] for f in v["settings"]}
 
 
 def test_kv_for_the_peak_in_flight_with_its_arithmetic():

@@ -9,8 +9,7 @@ import json
 import math
 
 import pytest
-
-from kvtop.analysis.advice import scenario
+from conftest import flags, judge
 
 GIB = 1 << 30
 
@@ -29,15 +28,6 @@ STORM = {
                 "request_tokens_p90": 2400, "request_tokens_p99": 3700, "request_tokens_max": 3800},
     "capacity": {"kv_capacity_tokens": 22880},
 }
-
-
-def judge(doc):
-    scenario.validate(doc)
-    return scenario.evaluate(doc)["verdict"]
-
-
-def flags(v):
-    return {f["flag"] or f["setting"]: f["value"] for f in v["settings"]}
 
 
 def test_settings_are_machine_readable_flags_with_reasons():
