@@ -20,6 +20,24 @@ def fixture_text(name: str) -> str:
     return (FIXTURES / name).read_text(encoding="utf-8")
 
 
+def small_kv_storm() -> dict:
+    """A scenario: 16 long streams (prompts of ~400-2,000 tokens, max_tokens 1,800) preempting each
+    other on a 22,880-token KV cache of llama-3.1-8b on vLLM (a fresh copy each call)."""
+    return {
+        "name": "16 long streams on a small KV cache",
+        "engine": "vllm",
+        "model": "llama-3.1-8b",
+        "prefill": {"tokens_per_s": 25000},
+        "link": {"bw_eff_gbps": 25},
+        "host": {"pinned_free_bytes": 200e9},
+        "preemption": {"seq_tokens": 2600, "cancel_prob": 0.0, "per_minute": 30, "per_completed": 0.8,
+                       "per_preempted": 2.5},
+        "traffic": {"prompt_mean": 1000, "output_mean": 1400, "output_p90": 1799, "output_p99": 1799,
+                    "request_tokens_p90": 2400, "request_tokens_p99": 3700, "request_tokens_max": 3800},
+        "capacity": {"kv_capacity_tokens": 22880},
+    }
+
+
 def judge(doc: dict) -> dict:
     """The verdict `kvtop advise` gives a scenario document (validated first, as the CLI does)."""
     from kvtop.analysis.advice import scenario

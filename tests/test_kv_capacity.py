@@ -9,7 +9,7 @@ import copy
 import json
 
 import pytest
-from conftest import flags, judge
+from conftest import flags, judge, small_kv_storm
 
 from kvtop.sim.flags import apply_engine_flags
 from kvtop.sim.workload import WorkloadError, load_preset
@@ -18,19 +18,12 @@ MIB = 1 << 20
 
 # 20 requests in flight on a 22,880-token cache of llama-3.1-8b (131,072 B per token, 16-token blocks):
 # p90 sequence 2,400 tokens, so the cache holds 9.5 of them; a 1,400-token answer at a 20 ms step lives 28 s.
+_base = small_kv_storm()
 STORM = {
+    **_base,
     "name": "20 in flight on a small KV cache",
-    "engine": "vllm",
     "engine_version": "0.32.0",
-    "model": "llama-3.1-8b",
-    "prefill": {"tokens_per_s": 25000},
-    "link": {"bw_eff_gbps": 25},
-    "host": {"pinned_free_bytes": 200e9},
-    "preemption": {"seq_tokens": 2600, "cancel_prob": 0.0, "per_minute": 30, "per_completed": 0.8,
-                   "per_preempted": 2.5},
-    "traffic": {"prompt_mean": 1000, "output_mean": 1400, "output_p90": 1799, "output_p99": 1799,
-                "request_tokens_p90": 2400, "request_tokens_p99": 3700, "request_tokens_max": 3800,
-                "inflight_peak": 20},
+    "traffic": {**_base["traffic"], "inflight_peak": 20},
     "observed": {"decode_step_ms": 20},
     "capacity": {"kv_capacity_tokens": 22880, "block_size": 16, "device_free_bytes": 20e9},
     "engine_settings": {"kv_cache_memory_bytes": 22880 * 131072, "max_num_seqs": 64},

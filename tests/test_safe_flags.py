@@ -9,25 +9,13 @@ import json
 import math
 
 import pytest
-from conftest import flags, judge
+from conftest import flags, judge, small_kv_storm
 
 GIB = 1 << 30
 
 # The report: 16 streams with prompts of 300-1,500 words (~400-2,000 tokens) and max_tokens 1,800,
 # preempting each other on a 22,880-token KV cache (llama-3.1-8b, vLLM).
-STORM = {
-    "name": "16 long streams on a small KV cache",
-    "engine": "vllm",
-    "model": "llama-3.1-8b",
-    "prefill": {"tokens_per_s": 25000},
-    "link": {"bw_eff_gbps": 25},
-    "host": {"pinned_free_bytes": 200e9},
-    "preemption": {"seq_tokens": 2600, "cancel_prob": 0.0, "per_minute": 30, "per_completed": 0.8,
-                   "per_preempted": 2.5},
-    "traffic": {"prompt_mean": 1000, "output_mean": 1400, "output_p90": 1799, "output_p99": 1799,
-                "request_tokens_p90": 2400, "request_tokens_p99": 3700, "request_tokens_max": 3800},
-    "capacity": {"kv_capacity_tokens": 22880},
-}
+STORM = small_kv_storm()
 
 
 def test_settings_are_machine_readable_flags_with_reasons():
