@@ -92,9 +92,12 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     eight arrive within 0.1 s and vLLM prefilled them in one step of 0.53-0.65 s (vLLM's own per-request
     TTFT), except in that run's `before`, where the client's arrival jitter split them into steps of
     0.21 and 0.25 s. So the outcome is `improved`, or a trade-off whose only worse figure is p99 TTFT
-    while the engine queued no request. Goodput stays 0 of 8 in both runs: with eight sequences in
-    one batch this CPU's decode step passes 100 ms now and then (vLLM's slow_decode), so each request
-    spends more than one target over it."""
+    while the engine queued no request. Goodput stayed 0 of 8 in both of those runs: with eight
+    sequences in one batch the loaded CPU's decode step passed 100 ms now and then. On an otherwise
+    idle box (two later runs) goodput went 0 -> 7 of 8, time over the target 57.5 -> 0.58 s and 43.7 ->
+    0.17 s, with p99 TTFT +74 % and +17 % and, in one, p99 ITL 19 -> 24.1 ms (a batch of eight takes a
+    longer step, still within the target): a trade-off at the ITL-only contract, improved with a 2 s
+    TTFT target."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -109,5 +112,8 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     # vLLM's own per-request queue time (--enable-per-request-metrics): nobody waited for admission
     queued = [d["engine_queue_s"] for d in loop["after_finish"] if d.get("engine_queue_s") is not None]
     assert len(queued) == 8 and max(queued) < 0.05, queued
-    assert c["outcome"] == "improved" or (
-        c["outcome"] == "trade_off" and all(w.startswith("p99 TTFT") for w in c["worse"])), c
+    assert c["outcome"] in ("improved", "trade_off"), c
+    # what may get worse: the eight prompts prefilled in one step (p99 TTFT) and each decode step of a
+    # batch of eight (p99 ITL 19 -> 24.1 ms in one run, within the target: goodput 0 -> 7 of 8)
+    assert all(w.startswith(("p99 TTFT", "p99 ITL")) for w in c["worse"]), c["worse"]
+    assert b["itl_p99_s"] < 0.1, b
