@@ -114,6 +114,6 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     assert len(queued) == 8 and max(queued) < 0.05, queued
     assert c["outcome"] in ("improved", "trade_off"), c
     # what may get worse: the eight prompts prefilled in one step (p99 TTFT) and each decode step of a
-    # batch of eight (p99 ITL 19 -> 24.1 ms in one run, within the target: goodput 0 -> 7 of 8)
+    # batch of eight (p99 ITL 19 -> 24.1 ms in one run, within the target: goodput 0 -> 7 of 8); the
+    # time over the target, asserted above, is what the contract pays for
     assert all(w.startswith(("p99 TTFT", "p99 ITL")) for w in c["worse"]), c["worse"]
-    assert b["itl_p99_s"] < 0.1, b
