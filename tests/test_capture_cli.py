@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO
 
 from kvtop.sources.capture import CaptureUnavailable, check_capture
+from testkit.privileges import readable_kvtop
 
 
 def _can_capture() -> bool:
@@ -49,13 +50,7 @@ def _unprivileged() -> tuple[str, ...] | None:
 def _readable_copy(shared: Path, prefix: tuple[str, ...]) -> str | None:
     """PYTHONPATH for `prefix`'s user: kvtop and its plugins copied into `shared`, which that user can
     read (a clone in a private folder, mode 0700 like many homes, is not), or None with the reason."""
-    shutil.copytree(REPO / "kvtop", shared / "kvtop", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "plugins", shared / "kvtop_plugins", ignore=shutil.ignore_patterns("__pycache__"))
-    for p in (shared / "kvtop", shared / "kvtop_plugins"):
-        for d, _, files in os.walk(p):
-            os.chmod(d, 0o755)
-            for f in files:
-                os.chmod(os.path.join(d, f), 0o644)
+    readable_kvtop(shared)
     probe = subprocess.run([*prefix, sys.executable, "-c", "import aiohttp, kvtop.cli"], capture_output=True, text=True,
                            env=dict(os.environ, PYTHONPATH=str(shared)), timeout=60)
     return str(shared) if probe.returncode == 0 else None

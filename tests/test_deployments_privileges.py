@@ -30,15 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.workload import load_preset
-
-SETPRIV = shutil.which("setpriv")
-SETCAP = shutil.which("setcap") or ("/usr/sbin/setcap" if Path("/usr/sbin/setcap").exists() else None)
-# an interpreter of this Python's version that other users may run (the image copies its own)
-SYSTEM_PY = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
-NOBODY = 65534
+from testkit.privileges import NOBODY, SETPRIV, SYSTEM_PY, can_setcap, capture_interpreter, readable_kvtop
 
 pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or os.geteuid() != 0 or SETPRIV is None or SETCAP is None or not SYSTEM_PY.exists(),
+    not can_setcap(),
     reason="needs Linux, root, setpriv, setcap and a system python of this version")
 
 
@@ -115,17 +110,11 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
     try:
         os.chmod(root, 0o755)
         app = root / "app"
-        shutil.copytree(REPO / "kvtop", app / "kvtop", ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(REPO / "plugins", app / "kvtop_plugins", ignore=shutil.ignore_patterns("__pycache__"))
-        for d, _, files in os.walk(app):
-            os.chmod(d, 0o755)
-            for f in files:
-                os.chmod(os.path.join(d, f), 0o644)
+        app.mkdir()
+        os.chmod(app, 0o755)
+        readable_kvtop(app)
         cap = root / "kvtop-capture-python"
-        shutil.copy2(SYSTEM_PY, cap)
-        os.chmod(cap, 0o755)
-        assert SETCAP is not None
-        subprocess.run([SETCAP, "cap_net_raw+ep", str(cap)], check=True)
+        capture_interpreter(cap)
         path = os.pathsep.join([str(app), sysconfig.get_paths()["purelib"]])
         probe = subprocess.run([*_as_sidecar("-all,+net_raw"), str(cap), "-c", "import aiohttp, kvtop.cli"],
                                env={"PYTHONPATH": path}, capture_output=True, text=True, timeout=60)
