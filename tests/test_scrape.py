@@ -230,23 +230,24 @@ async def test_the_engines_version_is_asked_once_per_engine_start(server):
         await s.aclose()
 
 
-async def test_an_engine_without_a_version_path_is_scraped_as_before(server):
-    server.route("/metrics", CAPTURE)  # no /version: 404
-    s = EngineScraper(server.url)
+async def _two_scrapes(url: str) -> tuple:
+    """A fresh scraper's first two records (the version is asked on the first)."""
+    s = EngineScraper(url)
     try:
         (r1,) = await s.scrape(0.0)
         (r2,) = await s.scrape(1.0)
     finally:
         await s.aclose()
+    return r1, r2
+
+
+async def test_an_engine_without_a_version_path_is_scraped_as_before(server):
+    server.route("/metrics", CAPTURE)  # no /version: 404
+    r1, r2 = await _two_scrapes(server.url)
     assert r1.up and r2.up and r1.version is None and r2.version is None
     assert not any("/version" in w for w in r1.warnings + r2.warnings)
     # a garbled reply is said once, on the record of the scrape that asked
     server.route("/version", "<html>", content_type="text/html")
-    s = EngineScraper(server.url)
-    try:
-        (r1,) = await s.scrape(0.0)
-        (r2,) = await s.scrape(1.0)
-    finally:
-        await s.aclose()
+    r1, r2 = await _two_scrapes(server.url)
     assert r1.up and r1.version is None and any("/version: no version in the reply" in w for w in r1.warnings)
     assert not any("/version" in w for w in r2.warnings)
