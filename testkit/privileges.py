@@ -1,7 +1,7 @@
 """Running kvtop as an unprivileged user from a test: the tools, and a copy of kvtop that user can
 read (a clone in a private folder, mode 0700 like many homes, is not readable to uid 65534).
 
-Shared by the capture, opener and deployment privilege tests; standard library only.
+Shared by the capture, opener and deployment privilege tests.
 """
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ def can_setcap() -> bool:
     """Root on Linux with setpriv, setcap and the system interpreter: a capability copy can be made."""
     return (sys.platform == "linux" and os.geteuid() == 0 and SETPRIV is not None and SETCAP is not None
             and SYSTEM_PY.exists())
+
+
+def can_capture() -> bool:
+    """This process may open a packet socket (root or CAP_NET_RAW), as kvtop checks it."""
+    from kvtop.sources.capture import CaptureUnavailable, check_capture
+
+    try:
+        check_capture(1)
+    except CaptureUnavailable:
+        return False
+    return True
 
 
 def readable_kvtop(dest: Path) -> None:

@@ -19,6 +19,7 @@ from vllm_pages import vllm_page
 
 from kvtop.model.trace import TraceReader
 from kvtop.model.trace_rotate import segments
+from testkit.privileges import can_capture
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
@@ -117,18 +118,8 @@ def test_a_trace_dir_that_is_a_file_and_a_busy_port_are_one_line_errors(tmp_path
     assert last.startswith(f"kvtop: error: cannot listen on 127.0.0.1:{port}") and r.stderr.count("kvtop: error:") == 1
 
 
-def _can_capture() -> bool:
-    from kvtop.sources.capture import CaptureUnavailable, check_capture
-
-    try:
-        check_capture(1)
-    except CaptureUnavailable:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+@pytest.mark.skipif(not can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 def test_agent_counts_captured_and_proxied_streams_once_each():
     sim = _spawn("sim-server", "--seed", "1", "--port", "0", "--duration", "60")
     agent = None

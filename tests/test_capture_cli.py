@@ -19,16 +19,7 @@ import jsonschema
 import pytest
 from conftest import REPO
 
-from kvtop.sources.capture import CaptureUnavailable, check_capture
-from testkit.privileges import readable_kvtop
-
-
-def _can_capture() -> bool:
-    try:
-        check_capture(1)
-    except CaptureUnavailable:
-        return False
-    return True
+from testkit.privileges import can_capture, readable_kvtop
 
 
 def _kvtop(*args: str, env_dir: Path, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
@@ -39,7 +30,7 @@ def _kvtop(*args: str, env_dir: Path, prefix: tuple[str, ...] = ()) -> subproces
 
 def _unprivileged() -> tuple[str, ...] | None:
     """A command prefix that runs without CAP_NET_RAW: as is for a normal user, else setpriv."""
-    if os.geteuid() != 0 and not _can_capture():
+    if os.geteuid() != 0 and not can_capture():
         return ()
     setpriv = shutil.which("setpriv")
     if setpriv is None:
@@ -92,7 +83,7 @@ def test_capture_without_port_or_url_is_a_usage_error(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--capture without a PORT needs the engine's --url" in r.stderr
 
 
-@pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+@pytest.mark.skipif(not can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 async def test_record_with_capture_and_proxy_counts_each_request_once(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(tmp_path))
     out = tmp_path / "t.jsonl"
@@ -160,7 +151,7 @@ def _has_packet_socket(pid: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+@pytest.mark.skipif(not can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 async def test_snapshot_with_capture_reports_the_live_requests(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(tmp_path))
     sim = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvtop", "sim-server", "--seed", "2",

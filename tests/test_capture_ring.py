@@ -9,19 +9,10 @@ import time
 
 import pytest
 
-from kvtop.sources.capture import CaptureUnavailable, check_capture
 from kvtop.sources.capture.packets import PacketSocket, decode
+from testkit.privileges import can_capture
 
-
-def _can_capture() -> bool:
-    try:
-        check_capture(1)
-    except CaptureUnavailable:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
+pytestmark = pytest.mark.skipif(not can_capture(), reason="no packet capture here (needs root or CAP_NET_RAW)")
 
 
 def _serve(family: int, host: str) -> tuple[socket.socket, int]:
