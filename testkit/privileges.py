@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,16 @@ def readable_kvtop(dest: Path) -> None:
             os.chmod(d, 0o755)
             for f in files:
                 os.chmod(os.path.join(d, f), 0o644)
+
+
+def readable_install(root: Path) -> str:
+    """kvtop in ``root/app`` readable by every user; the PYTHONPATH that finds it and this
+    environment's installed dependencies."""
+    app = root / "app"
+    app.mkdir()
+    os.chmod(app, 0o755)
+    readable_kvtop(app)
+    return os.pathsep.join([str(app), sysconfig.get_paths()["purelib"]])
 
 
 def capture_interpreter(path: Path) -> None:

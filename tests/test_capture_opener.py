@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import httpx
 import pytest
 from conftest import REPO, wait_for_line
 
-from testkit.privileges import NOBODY, SETPRIV, SYSTEM_PY, can_setcap, capture_interpreter, readable_kvtop
+from testkit.privileges import NOBODY, SETPRIV, SYSTEM_PY, can_setcap, capture_interpreter, readable_install
 
 pytestmark = pytest.mark.skipif(
     not can_setcap(),
@@ -69,14 +68,10 @@ def install() -> Iterator[tuple[Path, str]]:
     root = Path(tempfile.mkdtemp(prefix="kvtop-opener-"))
     try:
         os.chmod(root, 0o755)
-        app = root / "app"
-        app.mkdir()
-        os.chmod(app, 0o755)
-        readable_kvtop(app)
+        path = readable_install(root)
         bin_dir = root / "bin"
         bin_dir.mkdir(mode=0o755)
         capture_interpreter(bin_dir / "kvtop-capture-python")
-        path = os.pathsep.join([str(app), sysconfig.get_paths()["purelib"]])
         probe = subprocess.run([*_unprivileged(), str(SYSTEM_PY), "-c", "import aiohttp, kvtop.cli"],
                                env={"PYTHONPATH": path}, capture_output=True, text=True, timeout=60)
         if probe.returncode != 0:

@@ -17,7 +17,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtop.sim.loadgen import run_load
 from kvtop.sim.workload import load_preset
-from testkit.privileges import NOBODY, SETPRIV, SYSTEM_PY, can_setcap, capture_interpreter, readable_kvtop
+from testkit.privileges import NOBODY, SETPRIV, SYSTEM_PY, can_setcap, capture_interpreter, readable_install
 
 pytestmark = pytest.mark.skipif(
     not can_setcap(),
@@ -109,13 +108,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
     root = Path(tempfile.mkdtemp(prefix="kvtop-sidecar-"))
     try:
         os.chmod(root, 0o755)
-        app = root / "app"
-        app.mkdir()
-        os.chmod(app, 0o755)
-        readable_kvtop(app)
+        path = readable_install(root)
         cap = root / "kvtop-capture-python"
         capture_interpreter(cap)
-        path = os.pathsep.join([str(app), sysconfig.get_paths()["purelib"]])
         probe = subprocess.run([*_as_sidecar("-all,+net_raw"), str(cap), "-c", "import aiohttp, kvtop.cli"],
                                env={"PYTHONPATH": path}, capture_output=True, text=True, timeout=60)
         if probe.returncode != 0:
