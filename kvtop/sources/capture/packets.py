@@ -203,7 +203,7 @@ class PacketSocket:
             # seconds), and setting up the ring purges that queue: it is read out first
             self._queued: list[tuple[float, bytes]] = []
             if ring and self.opened_by != "self":
-                while batch := self._read_queue(512):
+                while batch := self.read(512):
                     self._queued.extend(batch)
             if ring:
                 self._open_ring()
@@ -239,17 +239,8 @@ class PacketSocket:
         return self._ring is not None
 
     def read(self, limit: int = 512) -> list[tuple[float, bytes]]:
-        """Queued packets as (kernel wall-clock time, bytes from the IP header): every filled ring
-        block, or up to ``limit`` from the socket queue."""
-        ring = self._ring
-        if ring is not None:
-            if self._queued:
-                out, self._queued = self._queued, []
-                return out + self._read_ring(ring)
-            return self._read_ring(ring)
-        return self._read_queue(limit)
-
-    def _read_queue(self, limit: int) -> list[tuple[float, bytes]]:
+        """Up to ``limit`` packets from the socket's queue as (kernel wall-clock time, bytes from the
+        IP header): the way in without a ring (a ring is read by ``read_segments``)."""
         out = []
         recvmsg = self.sock.recvmsg
         anc = self._anc
@@ -272,14 +263,18 @@ class PacketSocket:
         flags, payload). From the ring, an IPv4 packet's headers are read in place and only its
         payload is copied out (the capture's commonest packet, one copy instead of two)."""
         ring = self._ring
-        if ring is None or self._queued:
-            out: list[Segment] = []
-            for ts, data in self.read():
-                d = decode(data)
-                if d is not None:
-                    out.append((ts, len(data), *d))
-            return out
-        return self._read_ring_segments(ring)
+        if ring is not None and not self._queued:
+            return self._read_ring_segments(ring)
+        frames = self.read(512) if ring is None else self._queued
+        self._queued = []
+        out: list[Segment] = []
+        for ts, data in frames:
+            d = decode(data)
+            if d is not None:
+                out.append((ts, len(data), *d))
+        if ring is not None:
+            out += self._read_ring_segments(ring)
+        return out
 
     def _read_ring_segments(self, ring: mmap.mmap) -> list[Segment]:
         out: list[Segment] = []
@@ -306,24 +301,6 @@ class PacketSocket:
                     d = decode(ring[a:a + snap])
                     if d is not None:
                         append((sec + nsec * 1e-9, snap, *d))
-                p += nxt
-            ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
-            self._block = (self._block + 1) % RING_BLOCKS
-        return out
-
-    def _read_ring(self, ring: mmap.mmap) -> list[tuple[float, bytes]]:
-        out = []
-        block_unpack = _BLOCK.unpack_from
-        pkt_unpack = _PKT.unpack_from
-        for _ in range(RING_BLOCKS):
-            base = self._block * RING_BLOCK
-            status, n, off = block_unpack(ring, base + 8)
-            if not status & TP_STATUS_USER:
-                break
-            p = base + off
-            for _ in range(n):
-                nxt, sec, nsec, snap, _len, _st, _mac, net = pkt_unpack(ring, p)
-                out.append((sec + nsec * 1e-9, ring[p + net:p + net + snap]))
                 p += nxt
             ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
             self._block = (self._block + 1) % RING_BLOCKS
