@@ -13,6 +13,9 @@ from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.rules import ALONE, ANY, LONE, RULES, SHARED, Rule, Stall, stall_of
 from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
+from kvtop.analysis.gaps import BURST_S
+from kvtop.analysis.stalls import StallIndex
+from kvtop.analysis.streams import ReqState
 from tests.evidence_builder import alone, engine, evidence, first_token, gap, judged, shared, victim_resumed
 
 
@@ -153,6 +156,19 @@ def test_alone_prefill_checked():
     assert ask("alone-prefill-checked", evidence(slow, first_token=first_token(3000), prefill_rate=2000.0)) is None
 
 
+def test_first_tokens_delivered_with_the_token_that_opened_a_stall_are_not_at_its_end():
+    """Prompts admitted together get their first tokens in one chunk of deliveries; a stream whose
+    token came out of that same step then waits one step (33 ms here, at a 7.5 ms target). Those first
+    tokens came out of the step before the stall: its prefill was over when the stall began."""
+    st = StallIndex()
+    for rid, t in (("p", 1.8216), ("q", 1.8218)):
+        st.first_token(ReqState(rid), t)
+    g = gap(t_start=1.8215, length=0.033, stream_baseline=0.016, fast_baseline=0.004)
+    assert st.first_token_near(g, None, BURST_S) is None
+    st.first_token(ReqState("s", prompt_tokens=60), 1.8542)  # admitted in the step that ended it
+    assert st.first_token_near(g, None, BURST_S) == ("s", 60, 60, 1)
+
+
 def test_alone_prefill():
     f = ask("alone-prefill", evidence(first_token=first_token(3000), **alone()))
     assert f is not None and f.key == "prefill/lone" and f.confidence == 0.6
@@ -164,6 +180,20 @@ def test_alone_prefill():
     assert f is not None and f.lines == ["prompt tokens rose by 7000 around the stall"]
     # 300 beyond the usual: the window's 1300 is under 1.5x what its five intervals usually add
     assert ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 300.0}), **alone())) is None
+    # the same 6000-token rise, but request p got its first token at 3.5 s, before the stall began:
+    # with no measured rate to size the rise, the prompt kvtop saw finish accounts for it
+    done = StallIndex()
+    done.first_token(ReqState("p"), 3.5)
+    assert ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 6000.0}), stalls=done, **alone())) is None
+    # ... as does one delivered with the token that opened the stall (it came out of the step before)
+    done = StallIndex()
+    done.first_token(ReqState("p"), 4.001)
+    assert ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 6000.0}), stalls=done, **alone())) is None
+    # a first token half-way through the stall leaves the rise to explain it
+    done = StallIndex()
+    done.first_token(ReqState("p"), 5.0)
+    f = ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 6000.0}), stalls=done, **alone()))
+    assert f is not None and f.lines == ["prompt tokens rose by 7000 around the stall"]
 
 
 def test_lone_preemption_counter():
@@ -263,6 +293,17 @@ def test_recompute():
     # a victim that fell silent with the stall is one of the stalled streams, not a resumed victim
     assert ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), stalls=victim_resumed(g, since=5.75),
                                      **shared())) is None
+    # at a tight target: a 26 ms stall of a stream pacing at 8 ms, and a stream silent from 5.5 s
+    # whose silence ended 14 ms before this stall began (within the 50 ms "together" tolerance): it
+    # was resumed by an earlier step, and this stall held no re-prefill of it
+    short = gap(t_start=5.974, length=0.026, stream_baseline=0.008, fast_baseline=0.008, after=[0.008] * 3)
+    st = StallIndex()
+    st.add_long(gap(5.5, 0.46, request_id="v"))
+    assert ask("recompute", evidence(short, engine(pre_steps={6.5: 1}), stalls=st, **shared())) is None
+    st = StallIndex()
+    st.add_long(gap(5.5, 0.5, request_id="v"))  # its silence ended with this one: v's re-prefill
+    f = ask("recompute", evidence(short, engine(pre_steps={6.5: 1}), stalls=st, **shared()))
+    assert f is not None and f.key == "prefill/recompute"
     # 2 s outlasts one re-prefill step: a host hang between scrape beats looks the same
     g = gap()
     f = ask("recompute", evidence(g, engine(pre_steps={6.5: 1}), stalls=victim_resumed(g), **shared()))

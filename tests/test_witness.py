@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtop.analysis.scan import analyze_trace
+from kvtop.analysis.witness import StepIndex
 from kvtop.sources.witness import WitnessError, WitnessReader, client_id
 from kvtop.witness.steplog import StepBook, StepLog
 
@@ -203,3 +204,31 @@ def test_the_request_detail_shows_the_engines_steps_and_its_preemption():
     text = render.detail(snap.requests[0], tl, [], 0.1, snap.t, 100)
     steps_row = next(ln for ln in text.splitlines() if ln.startswith("steps  │"))
     assert "R" in steps_row and "p" in steps_row
+
+
+def _index(durs: list[tuple[float, list[list]]]) -> tuple[StepIndex, list[float]]:
+    """Steps back to back from t=1, each (duration, reqs); returns the index and the steps' ends."""
+    idx, t, ends = StepIndex(), 1.0, []
+    for d, reqs in durs:
+        idx.add({"t": t, "end": t + d, "reqs": reqs})
+        t += d
+        ends.append(t)
+    return idx, ends
+
+
+def test_a_steps_prefill_cost_is_its_time_beyond_a_decode_step_of_that_moment():
+    """A host that slows the whole engine makes every step long: a prompt riding in one of them is
+    not why that step was long when the decode-only steps beside it took as long."""
+    dec = [["a", 1, 0, 0, 1]]
+    with_prompt = [["a", 1, 0, 0, 1], ["c", 53, 53, 0, 1]]
+    # 30 fast decode steps (8 ms), then the engine slows: 8 decode steps of 130 ms, and then the
+    # step that also runs c's 53-token prompt takes 135 ms
+    idx, ends = _index([(0.008, dec)] * 30 + [(0.130, dec)] * 8 + [(0.135, with_prompt), (0.130, dec)])
+    acct = idx.account("a", ends[-3] + 0.001, ends[-2] + 0.001, target=0.1)
+    assert acct is not None and acct.cause.value == "slow_decode"
+    assert acct.prefill_s == pytest.approx(0.005, abs=1e-6) and acct.decode_step_s == pytest.approx(0.130)
+    # the same 135 ms step on an engine that decodes in 8 ms: 127 ms of it were the prompt's
+    idx, ends = _index([(0.008, dec)] * 30 + [(0.135, with_prompt), (0.008, dec)])
+    acct = idx.account("a", ends[-3] + 0.001, ends[-2] + 0.001, target=0.1)
+    assert acct is not None and acct.cause.value == "prefill_interference"
+    assert acct.prefill_s == pytest.approx(0.127, abs=1e-6) and acct.decode_step_s == pytest.approx(0.008)

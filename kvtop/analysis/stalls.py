@@ -194,7 +194,8 @@ class StallIndex:
 
     def victim_resumed(self, g: Gap) -> str | None:
         """Another stream, silent since before the spike began, whose silence ended with it (both
-        within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together"): a
+        within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together", and
+        its end inside the spike): a
         waiting victim that the engine resumed as the spike ended. Its id, or None."""
         L = g.t_end - g.t_start
         tol = max(0.05, 0.25 * L)
@@ -203,17 +204,33 @@ class StallIndex:
         multi, eng = self.multi, g.engine
         while i < len(lg) and lg[i].t_end <= g.t_end + tol:
             q = lg[i]
-            if q.request_id != g.request_id and q.t_start <= g.t_start - tol and \
+            # its silence ended inside the spike (a short spike's tolerance reaches back past its
+            # start: a silence that ended before the spike began was resumed by an earlier step)
+            if q.request_id != g.request_id and q.t_start <= g.t_start - tol and q.t_end > g.t_start and \
                     not (multi and q.engine != eng):
                 return q.request_id
             i += 1
         return None
 
-    def first_token_near(self, g: Gap, median_gap: float | None) -> tuple[str, int | None, int, int] | None:
+    def first_tokens_in(self, g: Gap, a: float, b: float) -> int:
+        """Other requests' first tokens (of the spike's engine) in [a, b]."""
+        ft = self.first_tokens
+        i = bisect_left(ft, (a,), self.ft_head)
+        n = 0
+        while i < len(ft) and ft[i][0] <= b:
+            if ft[i][1] != g.request_id and not (self.multi and ft[i][3] != g.engine):
+                n += 1
+            i += 1
+        return n
+
+    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float) -> tuple[str, int | None, int, int] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
         its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
         engine step get their first tokens together, and the step's length is their sum. Close: within
-        two of the stream's gaps (``median_gap``, the run's, for a stream without a baseline)."""
+        two of the stream's gaps (``median_gap``, the run's, for a stream without a baseline), and not
+        delivered with the token that opened the stall (within ``opening_s`` of its start): those came
+        out of the step before the stall, whose prefill was over when it began (a short stall right
+        after a batch of prompts was admitted had their first tokens at its start)."""
         base = g.stream_baseline or median_gap or 0.02
         delta = max(0.05, 2.0 * base)
         ft = self.first_tokens
@@ -223,7 +240,7 @@ class StallIndex:
         multi, eng = self.multi, g.engine
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
             t, rid, p, e = ft[i]
-            if rid != g.request_id and t > g.t_start and not (multi and e != eng):
+            if rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):

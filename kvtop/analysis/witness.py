@@ -7,7 +7,9 @@ step that produced the token before the stall and the one that produced the toke
 
 1. the request was preempted, or recomputed its own KV → **preemption**;
 2. else, of the time between the two tokens: the part the engine spent on other requests' prompt or
-   recompute tokens (each such step's time beyond a decode-only step), the part outside the engine
+   recompute tokens (each such step's time beyond a decode-only step of that moment: the median of the
+   last ``LOCAL_DECODE`` decode-only steps before it, so that an engine slowed by its host does not
+   book its slowness to the prompt that happened to ride in one of its steps), the part outside the engine
    (client gap minus engine interval: API server, network, a slow reader), and the engine's own decode
    steps. The cause is the part without which the gap would have met the target (prefill first, then
    outside), else the largest part → **prefill_interference**, **unknown** (`delivery`: outside the
@@ -31,7 +33,11 @@ from kvtop.analysis.attribution.causes import Cause, Finding
 # the step that produced a token ends before the token's chunk reaches the client; the engine writes
 # wall-clock to the microsecond and kvtop's run clock is mapped onto it, so allow a little slack
 MATCH_SLACK_S = 0.002
-DECODE_WINDOW = 512  # decode-only step durations kept for the decode-step estimate
+# A step's prefill cost is its time beyond a decode-only step *then*: the engine's pace drifts (a busy
+# host, a growing batch), and against the run's median a slowed engine's every prompt-carrying step
+# looked like prefill while the decode-only steps beside it took as long (the stream's own window of
+# recent gaps has the same length)
+LOCAL_DECODE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,7 @@ class Step:
     preempted: frozenset[str]
     prefill: int  # prompt tokens in the step, all requests
     recompute: int  # recomputed tokens in the step, all requests
+    decode_then: float | None  # a decode-only step just before it (median of the last LOCAL_DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +64,7 @@ class Account:
     decode_s: float  # the rest of the engine interval
     steps: int
     prompt_tokens: int  # others' prompt + recompute tokens in those steps
-    decode_step_s: float | None
+    decode_step_s: float | None  # a decode-only step just before the stall
 
     def finding(self) -> Finding:
         ms = 1e3
@@ -71,7 +78,7 @@ class Account:
             lines.append(f"other requests' prompt/recompute tokens: {self.prompt_tokens} "
                          f"({self.prefill_s * ms:.0f} ms beyond decode steps); outside the engine: "
                          f"{self.outside_s * ms:.0f} ms; decode steps: {self.decode_s * ms:.0f} ms"
-                         + (f" (a decode-only step takes {self.decode_step_s * ms:.1f} ms)"
+                         + (f" (a decode-only step took {self.decode_step_s * ms:.1f} ms just before)"
                             if self.decode_step_s else ""))
         return Finding(self.cause, 1.0, lines, "witness")
 
@@ -85,7 +92,7 @@ class StepIndex:
         self.ends: list[float] = []
         self.by_req: dict[str, list[int]] = {}  # request -> indexes (absolute) of steps that produced its tokens
         self.base = 0  # absolute index of steps[0]
-        self.decode_durs: deque[float] = deque(maxlen=DECODE_WINDOW)
+        self.decode_durs: deque[float] = deque(maxlen=LOCAL_DECODE)  # the last decode-only steps
         self.latest = float("-inf")
         self.n = 0
 
@@ -102,7 +109,8 @@ class StepIndex:
             return
         pf = sum(v[1] for v in reqs.values())
         rc = sum(v[2] for v in reqs.values())
-        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc)
+        then = median(self.decode_durs) if self.decode_durs else None
+        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc, then)
         i = self.base + len(self.steps)
         self.steps.append(step)
         self.ends.append(t1)
@@ -113,9 +121,6 @@ class StepIndex:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
             self.decode_durs.append(t1 - t0)
-
-    def decode_step_s(self) -> float | None:
-        return median(self.decode_durs) if self.decode_durs else None
 
     def prune(self, before: float) -> None:
         k = bisect.bisect_left(self.ends, before)
@@ -153,7 +158,7 @@ class StepIndex:
         sa, sb = self.steps[a - self.base], self.steps[b - self.base]
         engine_s = max(0.0, sb.t1 - sa.t1)
         between = self.steps[a - self.base + 1: b - self.base + 1]
-        dec = self.decode_step_s()
+        dec = between[0].decode_then if between else None
         prefill_s = 0.0
         tokens = 0
         for s in between:
@@ -166,7 +171,7 @@ class StepIndex:
             others = s.prefill + s.recompute - own_pf
             if others > 0:
                 tokens += others
-                prefill_s += max(0.0, (s.t1 - s.t0) - (dec or 0.0))
+                prefill_s += max(0.0, (s.t1 - s.t0) - (s.decode_then or 0.0))
         prefill_s = min(prefill_s, engine_s)
         outside_s = max(0.0, gap - engine_s)
         decode_s = max(0.0, engine_s - prefill_s)

@@ -29,7 +29,7 @@ from kvtop.analysis.attribution.thresholds import (
     STEP_EARLY_S,
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
-from kvtop.analysis.gaps import Gap
+from kvtop.analysis.gaps import BURST_S, Gap
 from kvtop.analysis.stalls import StallIndex
 
 if TYPE_CHECKING:
@@ -189,6 +189,15 @@ class Evidence:
             w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
 
     @cached_property
+    def prompts_done_before(self) -> int:
+        """Other requests whose first token came after the prompt window's first scrape and no later
+        than the token that opened the stall: prompts whose prefill was over before it began (the
+        prompt counter's rise over the window is theirs, at least in part)."""
+        w = self.window
+        a = w.t_base if w.t_base is not None else self.gap.t_start - self.scrape_interval
+        return self.stalls.first_tokens_in(self.gap, a, self.gap.t_start + BURST_S)
+
+    @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
         prefill completes as the streams it held resume, so its prompt is counted there."""
@@ -306,7 +315,7 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
     else:
         co, co_med, fresh, together = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.scrape_interval
-    ft = stalls.first_token_near(g, median)
+    ft = stalls.first_token_near(g, median, BURST_S)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),

@@ -85,6 +85,11 @@ def signals(ev: Evidence) -> Signals:
                           if ft.requests > 1 else ""))
     if ev.prompt_jump:
         ok = _explains(ev, ev.prompt_excess)
+        if ok is None and not out and ev.prompts_done_before:
+            # no rate to size it, and prompts kvtop saw finish before the stall began account for the
+            # rise: at a tight target every gap of the scrape interval after a burst of admissions
+            # read as their prefill (real vLLM's own log: decode steps)
+            ok = False
         span = _budget(ev, ev.prompt_excess) if ok is not False else None
         if span is not None:
             checked |= ok is True

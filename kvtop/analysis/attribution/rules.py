@@ -174,8 +174,10 @@ RULES: tuple[Rule, ...] = (
          "beyond the usual explain it: those tokens at the **measured** prefill rate (median prompt tokens / "
          f"TTFT, a low estimate) cover ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the stream's "
          f"decode-only pace, and that pace is under {_pct(prefill.PACE_NEAR)} of the target (else the spike is "
-         "slow decode: near the target the pace, not the prefill, decides). Without a measured rate the "
-         "first-token and jump signals are taken as is (`prefill/shared`)"),
+         "slow decode: near the target the pace, not the prefill, decides). First tokens delivered with the "
+         "token that opened the stall came out of the step before it and do not count. Without a measured rate "
+         "the first-token signal is taken as is (`prefill/shared`), and so is the jump, unless prompts kvtop saw "
+         "finish (first tokens) between the window's first scrape and the stall's start account for it"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "
@@ -192,7 +194,7 @@ RULES: tuple[Rule, ...] = (
          ("prefill/recompute", "prefill/recompute-long"),
          "on an engine that counts preemptions at resume (vLLM V1), the counter stepped at its end with no new "
          "prompt and a victim was seen resuming as it ended (another stream, silent since before it, came back "
-         "with it: within a quarter of its length, ≥ 50 ms): that victim's re-prefill (recompute tokens are in no "
+         "with it: within a quarter of its length, ≥ 50 ms, and inside it): that victim's re-prefill (recompute tokens are in no "
          "counter). A counter step with no victim seen is no call: in a storm the counter steps near almost any "
          "stall (scored against real vLLM's own step log, such steps were almost always another stall's). A stall "
          "longer than one "
