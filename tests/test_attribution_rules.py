@@ -193,13 +193,16 @@ def test_per_request_histogram_pins_the_count_of_a_lone_finish():
     for d in eng:
         fin = (d["t"] > 7.2) + (d["t"] > 8.2)
         d["extra"] = {"request_preemptions": {"count": float(fin), "sum": float((d["t"] > 7.2) + 2 * (d["t"] > 8.2))}}
-    from kvtop.analysis.report import build_report
+    from kvtop.analysis.report import build_report, render_report_text
 
     rep = build_report(run(recs + eng))
     assert rep.request_preemptions is not None
     assert rep.request_preemptions.to_dict() == {"finished_requests": 2.0, "engine_preemptions": 3.0,
                                                  "pinned_requests": 2, "pinned_agree": 1, "pinned_kvtop_more": 0,
-                                                 "pinned_kvtop_fewer": 1}
+                                                 "pinned_kvtop_fewer": 1, "pinned_engine_preemptions": 3,
+                                                 "pinned_kvtop_found": 1, "pinned_kvtop_extra": 0}
+    text = render_report_text(rep)
+    assert "of the 3 preemptions the engine counted on them kvtop found 1, and called 0 more" in text
 
 
 def test_a_scrape_late_by_the_stall_makes_it_a_host_stall_before_any_engine_cause():

@@ -252,7 +252,9 @@ def render_report_text(rep: AnalysisReport) -> str:
         lines.append(f"engine per-request histogram: {rp.finished_requests:.0f} finished requests preempted "
                      f"{rp.engine_preemptions:.0f} times; of {rp.pinned_requests} pinned to one observed finish, "
                      f"kvtop agrees on {rp.pinned_agree} (more on {rp.pinned_kvtop_more}, "
-                     f"fewer on {rp.pinned_kvtop_fewer})")
+                     f"fewer on {rp.pinned_kvtop_fewer}); of the {rp.pinned_engine_preemptions} preemptions the "
+                     f"engine counted on them kvtop found {rp.pinned_kvtop_found}, and called "
+                     f"{rp.pinned_kvtop_extra} more")
     lines.append("")
     if rep.verdict is not None:
         lines.append(render_verdict_text(rep.verdict))

@@ -223,7 +223,8 @@ class RequestRow:
 @dataclass(frozen=True, slots=True)
 class PreemptionCheck:
     """vLLM's per-request preemption histogram against kvtop's preemption spikes: of the requests
-    whose finish pins one histogram observation, on how many the two agree."""
+    whose finish pins one histogram observation, on how many the two agree, and of the preemptions
+    the engine counted on them, how many kvtop found and how many it called beyond them."""
 
     finished_requests: float
     engine_preemptions: float
@@ -231,16 +232,23 @@ class PreemptionCheck:
     pinned_agree: int
     pinned_kvtop_more: int
     pinned_kvtop_fewer: int
+    pinned_engine_preemptions: int = 0  # the engine's count over the pinned requests
+    pinned_kvtop_found: int = 0  # of those, the ones kvtop called (per request, at most the engine's count)
+    pinned_kvtop_extra: int = 0  # kvtop's preemption spikes on them beyond the engine's count
 
     def to_dict(self) -> dict[str, Any]:
         return {"finished_requests": self.finished_requests, "engine_preemptions": self.engine_preemptions,
                 "pinned_requests": self.pinned_requests, "pinned_agree": self.pinned_agree,
-                "pinned_kvtop_more": self.pinned_kvtop_more, "pinned_kvtop_fewer": self.pinned_kvtop_fewer}
+                "pinned_kvtop_more": self.pinned_kvtop_more, "pinned_kvtop_fewer": self.pinned_kvtop_fewer,
+                "pinned_engine_preemptions": self.pinned_engine_preemptions,
+                "pinned_kvtop_found": self.pinned_kvtop_found, "pinned_kvtop_extra": self.pinned_kvtop_extra}
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> PreemptionCheck:
         return PreemptionCheck(d["finished_requests"], d["engine_preemptions"], d["pinned_requests"],
-                               d["pinned_agree"], d["pinned_kvtop_more"], d["pinned_kvtop_fewer"])
+                               d["pinned_agree"], d["pinned_kvtop_more"], d["pinned_kvtop_fewer"],
+                               d.get("pinned_engine_preemptions", 0), d.get("pinned_kvtop_found", 0),
+                               d.get("pinned_kvtop_extra", 0))
 
 
 _TIMES_KEYS = ("requests", "queued_requests", "queue_s_median", "queue_s_p90", "queue_s_max",

@@ -76,4 +76,7 @@ class RequestPreemptions:
         more = sum(1 for rid, n in self.pinned.items() if spikes_of.get(rid, 0) > n)
         return PreemptionCheck(finished_requests=self.finished, engine_preemptions=self.preemptions,
                                pinned_requests=len(self.pinned), pinned_agree=agree, pinned_kvtop_more=more,
-                               pinned_kvtop_fewer=len(self.pinned) - agree - more)
+                               pinned_kvtop_fewer=len(self.pinned) - agree - more,
+                               pinned_engine_preemptions=sum(self.pinned.values()),
+                               pinned_kvtop_found=sum(min(n, spikes_of.get(rid, 0)) for rid, n in self.pinned.items()),
+                               pinned_kvtop_extra=sum(max(0, spikes_of.get(rid, 0) - n) for rid, n in self.pinned.items()))
