@@ -75,25 +75,32 @@ def test_live_and_file_analysis_agree_while_spikes_wait_for_the_report(tmp_path)
 
 
 def test_an_intervals_prompt_tokens_explain_a_finite_amount_of_stall():
-    """The prompt tokens one scrape interval added are so much prefill time: the stalls they explain
-    share it (streams stalled in the same step once), and once it is spent a later stall in the same
-    interval gets no prefill signal from it."""
+    """The prompt tokens one scrape interval added are so much prefill time: a stall they explain
+    spends its whole span of it (streams stalled in the same step once), and once it is spent a later
+    stall in the same interval gets no prefill signal from it."""
     from kvtop.analysis.attribution.timeline import EngineTimeline
 
     tl = EngineTimeline()
     for k, prompt in enumerate((0, 0, 2000, 2000)):
         tl.add(float(k), ("u", "0"), 3, 0, 0.3, 0, prompt)
     budget = 0.2  # seconds of prefill those tokens take at the measured rate
-    # three streams stalled 1.2-1.7 in the same chunk step: one span, 0.3 x 0.5 s <= 0.2 s
+    # three streams stalled 1.2-1.7 in the same chunk step: one span, 0.3 x 0.5 s <= 0.2 s; it spends all of it
     for _ in range(3):
         assert tl.prefill_room(1.7, (1.2, 1.7), budget, 0.3)
         tl.claim_prefill(1.7, (1.2, 1.7))
-    # a later stall in the same interval: with it the tokens would have to cover 0.3 x 0.75 s (the
-    # union 1.2-1.95) or 0.3 x 0.74 s: more than the 0.2 s they are
+    # a later stall in the same interval: nothing is left to cover 0.3 of its new 0.25 s
     assert not tl.prefill_room(1.95, (1.65, 1.95), budget, 0.3)
-    assert not tl.prefill_room(1.99, (1.75, 1.99), budget, 0.3)
     # the next interval's tokens are its own
     assert tl.prefill_room(2.5, (2.2, 2.5), budget, 0.3)
+    # at a tight target: 20 ms of prefill and stalls of 6 ms excess at different moments of the
+    # interval explain three of them and a sliver, not the eleven that 0.3 of each would fit
+    n = 0
+    for k in range(12):
+        span = (2.1 + 0.05 * k, 2.106 + 0.05 * k)
+        if tl.prefill_room(2.9, span, 0.02, 0.3):
+            tl.claim_prefill(2.9, span)
+            n += 1
+    assert n == 4  # 20 ms - 3 x 6 ms leaves 2 ms >= 0.3 x 6 ms; then nothing
 
 
 def test_a_crowded_target_is_said_and_the_witness_lifts_it(tmp_path):

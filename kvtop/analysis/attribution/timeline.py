@@ -29,6 +29,19 @@ class EngineWindow:
     t_state: float | None = None  # the last scrape read for gauges
 
 
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``spans``."""
+    total, cur = 0.0, None
+    for a, b in sorted(spans):
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = (a, b)
+        else:
+            cur = (cur[0], max(cur[1], b))
+    return total + (cur[1] - cur[0] if cur is not None else 0.0)
+
+
 @dataclass
 class _Key:
     """Per engine instance: last raw counters (for resets) and time-ordered points."""
@@ -123,21 +136,17 @@ class EngineTimeline:
 
     def prefill_room(self, t: float, span: tuple[float, float], budget_s: float, share: float) -> bool:
         """Whether the prompt tokens of the scrape interval around ``t`` (``budget_s`` of prefill at
-        the measured rate) still cover ``share`` of every stall span they would explain with ``span``
-        added. Spans of streams stalled in the same step overlap, and count once."""
+        the measured rate) have enough left to cover ``share`` of ``span``: each stall they explained
+        spent its whole span of them (a prefill that covers a stall is used up by it, however little of
+        the stall it had to cover to explain it), and spans of streams stalled in the same step overlap
+        and count once, so a part of ``span`` already claimed costs nothing."""
         key = self._closing_scrape(t)
         if key is None:
             return True
-        spans = sorted([*self.prefill_claims.get(key, []), span])
-        total, cur_a, cur_b = 0.0, spans[0][0], spans[0][1]
-        for a, b in spans[1:]:
-            if a > cur_b:
-                total += cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        total += cur_b - cur_a
-        return share * total <= budget_s + 1e-9
+        claims = self.prefill_claims.get(key, [])
+        used = _union_length(claims)
+        new = _union_length([*claims, span]) - used
+        return new <= 1e-9 or share * new <= budget_s - used + 1e-9
 
     def claim_prefill(self, t: float, span: tuple[float, float]) -> None:
         key = self._closing_scrape(t)
