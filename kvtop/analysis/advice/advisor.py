@@ -451,13 +451,18 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             s.n["chunk_worst_step"] = Num(row.worst_step_s, "s", "derived")
             s.n["chunk_steps"] = Num(row.steps, "", "derived")
             s.n["chunked_prefill_phase"] = Num(row.prefill_s, "s", "derived", "TTFT prefill phase with chunking")
+            # chunking's known price: each chunk pays a step and re-reads the KV of the chunks before it
+            cost = row.prefill_s - plan.unchunked_step_s
+            s.n["chunked_ttft_cost"] = Num(cost, "s", "derived", f"TTFT a {int(P)}-token prompt pays for chunking")
+            price = (f"the price is TTFT: a {int(P)}-token prompt's prefill grows {plan.unchunked_step_s * 1e3:.0f} -> "
+                     f"{row.prefill_s * 1e3:.0f} ms ({cost * 1e3:+.0f} ms, {cost / plan.unchunked_step_s:+.0%})")
             settings.set(Setting.BATCHED_TOKENS, plan.budget,
                          f"a {int(P)}-token prompt in steps of {plan.budget} tokens: worst step "
                          f"{row.worst_step_s * 1e3:.1f} ms <= {1 - chunking.DEFAULT_MARGIN:.0%} of the "
-                         f"{slo * 1e3:.0f} ms ITL target (unchunked {plan.unchunked_step_s * 1e3:.0f} ms)")
+                         f"{slo * 1e3:.0f} ms ITL target (unchunked {plan.unchunked_step_s * 1e3:.0f} ms); {price}")
             reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
-                           f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
-                           f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
+                           f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; {price}, which a contract without a "
+                           "TTFT target does not judge (kvtop compare calls it a trade-off)")
         if plan.budget is None or plan.budget < int(P):
             _unthrottle_prefill(s, int(P), settings, reasons)
         if plan.disaggregate:
