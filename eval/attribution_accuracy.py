@@ -24,7 +24,7 @@ EXPECTED = {
     "healthy": "no_action",
     "preemption-storm": "admission",  # KV far too small: ~0.9 preemptions per completed request = churn
     "prefill-interference": "chunked_prefill",
-    "slow-decode": "reduce_batch",
+    "slow-decode": "scale_out",  # no batch within 100 ms serves its 6 requests/s
     "cancel-heavy": "admission",
 }
 

@@ -205,6 +205,44 @@ def test_reduce_batch_starts_from_what_actually_runs():
     assert flags(judge(doc)) == {"--max-num-seqs": 384}
 
 
+def _slow(arrivals_per_s: float | None) -> dict:
+    # the step per batch of a 15 ms fixed cost + 0.3 ms per sequence (the simulator's shape): the 100 ms
+    # target holds up to ~283 sequences; 256 generate 256 / 91.8 ms = 2,789 tokens/s, 384 take 130 ms
+    rows = [{"running": n, "itl_ms": 15 + 0.3 * n, "tokens_per_s": round(n / (0.015 + 0.0003 * n), 1),
+             "seconds": 10} for n in (32, 64, 128, 192, 256, 384)]
+    doc = {"name": "slow decode", "engine": "vllm", "model": "llama-3.1-70b", "tp": 4, "cause": "slow_decode",
+           "slo": {"itl_ms": 100}, "engine_settings": {"max_num_seqs": 512},
+           "observed": {"running": 300, "decode_curve": rows}, "traffic": {"output_mean": 500}}
+    if arrivals_per_s is not None:
+        doc["traffic"]["arrivals_per_s"] = arrivals_per_s
+    return doc
+
+
+def test_a_batch_limit_must_serve_the_offered_load():
+    # 4 requests/s x 500 tokens = 2,000 tokens/s: 256 sequences within the target generate 2,789 (72 %)
+    v = judge(_slow(4.0))
+    assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 256}
+    why = v["settings"][0]["why"]
+    assert "2,000 tokens/s" in why and "2,789 tokens/s" in why and "92 ms" in why
+    # 6 requests/s ask 3,000 tokens/s: no batch up to 384 (the first over the target) generates that much;
+    # no flag, and the replicas that would: 3,000 / (0.9 x 2,789) -> 2
+    v = judge(_slow(6.0))
+    assert v["action"] == "scale_out" and v["settings"] == []
+    assert v["numbers"]["replicas_needed"]["value"] == 2
+    why = next(r for r in v["reasons"] if r.startswith("no batch limit meets"))
+    assert "3,000 tokens/s" in why and "2,949 tokens/s" in why and "at least 2 replicas" in why
+    assert [d["gate"] for d in v["numbers"]["decided_by"]["value"]][-1] == "capacity"
+    # 5.5 requests/s (2,750 tokens/s): a batch between 256 and 384 might serve it; the curve cannot say,
+    # so the limit is the old start (3/4 of what runs), and the reasons say the load was not settled
+    v = judge(_slow(5.5))
+    assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 225}
+    assert any("leave open" in r for r in v["reasons"])
+    # without the arrivals nothing is checked against the load, and the reasons say so
+    v = judge(_slow(None))
+    assert v["action"] == "reduce_batch" and flags(v) == {"--max-num-seqs": 225}
+    assert any("not checked against the offered load" in r for r in v["reasons"])
+
+
 def test_text_prompts_are_measured_from_their_usage_at_finish(tmp_path, kvtop_cli):
     """A proxied request with a text prompt names its length only in the usage block at its finish:
     the admission limit and the length bound must still be computed from it (the same storm with the

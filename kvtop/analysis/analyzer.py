@@ -29,6 +29,7 @@ from kvtop.analysis.attribution.thresholds import PREFILL_HOLD_S
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
+from kvtop.analysis.stepcurve import StepCurve
 from kvtop.analysis.streams import ReqState, fold_arrive
 from kvtop.analysis.tally import Tally
 from kvtop.analysis.witness import Account, StepIndex
@@ -218,6 +219,11 @@ class Analyzer:
             self.name_engine(rid, engine)
         if ev == "arrive":
             if r.arrive_t is None and r.end_t is None:
+                acc.arrived += 1
+                if acc.first_arrival is None or t < acc.first_arrival:
+                    acc.first_arrival = t
+                if acc.last_arrival is None or t > acc.last_arrival:
+                    acc.last_arrival = t
                 acc.inflight += 1
                 acc.inflight_peak = max(acc.inflight_peak, acc.inflight)
             fold_arrive(r, t, cls)
@@ -321,6 +327,11 @@ class Analyzer:
         acc = self.acc
         if key not in acc.engine_first:
             acc.engine_first[key] = d
+        else:
+            curve = acc.step_curves.get(key)
+            if curve is None:
+                curve = acc.step_curves[key] = StepCurve()
+            curve.add(acc.engine_last[key], d)
         acc.engine_last[key] = d
         if d.get("running") is not None:
             acc.running_sum += d["running"]

@@ -226,6 +226,17 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
     if acc.inflight_peak:
         n["inflight_peak"] = Num(acc.inflight_peak, "requests", "measured", "most requests between arrival and end at once")
+    span = (acc.last_arrival or 0.0) - (acc.first_arrival or 0.0)
+    if acc.arrived >= MIN_SAMPLES and span > 0:
+        # over the arrivals' own span: a run that drains after its traffic stops offered nothing then
+        n["arrival_rate"] = Num((acc.arrived - 1) / span, "1/s", "measured",
+                                f"{acc.arrived} arrivals over {span:.0f} s")
+    if len(acc.engine_last) == 1 and len(acc.step_curves) == 1:
+        # one engine: the load it was offered is the load its curve has to serve
+        pts = next(iter(acc.step_curves.values())).points()
+        if len(pts) >= 2:
+            n["decode_curve"] = Num(pts, "", "measured", "the engine's mean ITL and generated tokens/s per "
+                                    "running batch, between its scrapes")
     if acc.kv_max is not None:
         n["kv_usage_max"] = Num(acc.kv_max, "", "measured")
     return s

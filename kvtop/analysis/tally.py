@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.analysis.gaps import LogHistogram
+from kvtop.analysis.stepcurve import StepCurve
 from kvtop.model.records import EngineKey
 
 
@@ -36,6 +37,11 @@ class Tally:
     # requests between arrival and end right now, and the most at once (what an admission limit queues)
     inflight: int = 0
     inflight_peak: int = 0
+    arrived: int = 0  # requests that arrived, and the first and last arrival (the offered load)
+    first_arrival: float | None = None
+    last_arrival: float | None = None
+    # per engine: its decode step and generated tokens/s against its running batch, from its scrapes
+    step_curves: dict[EngineKey, StepCurve] = field(default_factory=dict)
     running_sum: float = 0.0
     running_n: int = 0
     kv_max: float | None = None

@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --trace: the ITL target (default: derived from the trace, as analyze does)")
     p.add_argument("--format", choices=("json", "text"), default="text")
     p.add_argument("--emit-flags", action="store_true",
-                   help="print only the verdict's engine flags, one shell-quoted line (empty when nothing to change)")
+                   help="print only the verdict's engine flags, one shell-quoted line; an empty line (exit 0, the verdict "
+                        "named on stderr) when no flag is prescribed, e.g. scale_out: no flag helps at this load")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,8 +103,22 @@ def _emit(verdict: Verdict) -> int:
             continue
         else:
             words += [s.flag, _value(v)]
+    if not words:
+        # an empty line and exit 0, as for any verdict without a flag; the line on stderr says which
+        # verdict, so a script tells "no flag helps" (scale_out) from "nothing to change" and from an
+        # error (exit 1 or 2, nothing on stdout)
+        print(f"kvtop advise: no flag to emit: verdict {verdict.action}: {_NO_FLAG.get(verdict.action, 'no setting')}",
+              file=sys.stderr)
     print(shlex.join(words))
     return 0
+
+
+_NO_FLAG = {
+    "scale_out": "no engine flag meets the ITL target at this load on this engine: add replicas or a faster step "
+                 "(the verdict's reasons give the arithmetic)",
+    "no_action": "nothing to change",
+    "insufficient_data": "not enough evidence to prescribe a change",
+}
 
 
 def _value(v: object) -> str:

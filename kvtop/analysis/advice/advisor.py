@@ -28,7 +28,8 @@ from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
 from kvtop.model.analysis import DECIDED_BY, Decision, FlagSetting, Verdict
 
-ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "no_action", "insufficient_data")
+ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "scale_out", "no_action",
+           "insufficient_data")
 FAIRNESS = ("Compare policies only at equal useful completion rate and equal p99 ITL/TTFT contract "
             "(goodput); throughput at a broken p99, or latency bought by aborting more, does not count.")
 # Default prefill rates (tokens/s) per model for an H100 at ~35-40 % MFU (docs/kv-science.md §3.2).
@@ -59,6 +60,10 @@ KV_HEADROOM_SHARE = 0.9
 # the better fix: this many ITL targets, the tightest ratio of MLPerf Inference's LLM latency pairs
 # (docs/kv-science.md §8.1).
 TTFT_PER_ITL = 10.0
+# A batch limit is prescribed only where its measured throughput leaves this share of it for the offered
+# load: a server busy a share rho of the time keeps a queue that grows as rho / (1 - rho) (Kingman), ten
+# service times deep at 0.9 and without bound at 1.
+LOAD_HEADROOM = 0.9
 _MIB = 1 << 20
 
 
@@ -236,20 +241,7 @@ def advise(s: Situation) -> Verdict:
     elif cause == "prefill_interference":
         action, conf = _chunked(s, a, k_att, reasons, also, settings, conf)
     elif cause == "slow_decode":
-        action = "reduce_batch"
-        reasons.append("every stream's gaps rose together with no isolated outlier: the decode step itself is slow "
-                       "(batch too large or context too long); lower the concurrent sequence limit or scale out")
-        ms = s.v("max_seqs_current")
-        running = s.v("running_mean")
-        # 3/4 of what actually runs: a limit far above the running batch binds nothing at 3/4 of itself
-        base = min(ms, running) if ms and running else ms or running
-        if base:
-            what = "limit" if ms and base == ms else "mean running batch"
-            n = max(1, int(base * 0.75))
-            settings.set(Setting.MAX_SEQS, n, f"3/4 of the current {what} ({base:.0f}) ≈ {n}: a smaller batch "
-                         "takes a shorter decode step; re-measure the ITL p99")
-            reasons.append(f"start at 3/4 of the current {what} ({base:.0f}) "
-                           "and re-measure the ITL p99")
+        action = _slow_decode(s, reasons, settings)
     else:  # preemption
         action, mechanism, marginal, conf = _preemption(s, beta, beta_rank, a, k_att, reasons, also, settings, conf)
 
@@ -286,6 +278,101 @@ def advise(s: Situation) -> Verdict:
         reasons=tuple(reasons),
         tentative=tentative,
     )
+
+
+def _slow_decode(s: Situation, reasons: list[str], settings: _Flags) -> str:
+    """A batch limit that meets the ITL target and serves the offered load, or none (docs/kv-science.md §8.2).
+
+    A smaller batch takes a shorter step but generates fewer tokens per second (each step's fixed cost
+    is shared by fewer sequences), so by Little's law a limit whose throughput is below the offered
+    load (arrivals x mean output) queues the rest without bound. The engine's own scrapes say what each
+    batch size took and generated (``decode_curve``); where every batch that meets the target generates
+    less than the load, no engine flag helps: the verdict is ``scale_out``."""
+    reasons.append("every stream's gaps rose together with no isolated outlier: the decode step itself is slow "
+                   "(batch too large or context too long)")
+    curve, lam, out, slo = s.v("decode_curve"), s.v("arrival_rate"), s.v("output_mean"), s.v("itl_slo")
+    if curve and lam and out and slo:
+        pts = sorted(curve, key=lambda p: float(p["running"]))
+        demand = float(lam) * float(out)
+        s.n["offered_tokens_per_s"] = Num(demand, "tokens/s", "derived",
+                                          f"{float(lam):.2f} arrivals/s x {float(out):.0f} mean output tokens")
+        load = (f"the traffic asks {float(lam):.2f} requests/s x {float(out):.0f} output tokens (mean of finished "
+                f"requests) = {demand:,.0f} tokens/s")
+        ok = [p for p in pts if float(p["itl_ms"]) <= float(slo) * 1e3]
+        best = max(ok, key=lambda p: float(p["tokens_per_s"])) if ok else None
+        serving = [p for p in ok if LOAD_HEADROOM * float(p["tokens_per_s"]) >= demand]
+        if serving:
+            p = max(serving, key=lambda p: float(p["running"]))
+            n = max(1, math.floor(float(p["running"])))
+            arith = (f"at ~{float(p['running']):.0f} running sequences the engine's mean step was "
+                     f"{float(p['itl_ms']):.0f} ms (target {float(slo) * 1e3:.0f} ms) and it generated "
+                     f"{float(p['tokens_per_s']):,.0f} tokens/s; {load} ({demand / float(p['tokens_per_s']):.0%} "
+                     f"of it, <= {LOAD_HEADROOM:.0%})")
+            settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
+            reasons.append(f"batch limit from the engine's own step per batch size: {arith}; the limit meets the "
+                           "target and serves the load")
+            return "reduce_batch"
+        # the smallest measured batch from which every larger one missed the target: no batch at or above
+        # it meets the target, and none below it generates more than the most measured up to it
+        i = len(pts)
+        while i > 0 and float(pts[i - 1]["itl_ms"]) > float(slo) * 1e3:
+            i -= 1
+        if i < len(pts):
+            edge = pts[i]
+            cap_tps = max(float(p["tokens_per_s"]) for p in pts[:i + 1])
+            if cap_tps < demand:
+                return _scale_out(s, reasons, pts, edge, cap_tps, best, demand, load, float(slo), float(out))
+        reasons.append(f"{load}; the engine's measured batches leave open whether a limit both meets the "
+                       f"{float(slo) * 1e3:.0f} ms target and serves it: re-measure the ITL p99 and the queue")
+    else:
+        reasons.append("the limit's throughput is not checked against the offered load: that needs the arrivals "
+                       "and the engine's own scrapes (its running gauge, ITL histogram and generated tokens)")
+    reasons.append("lower the concurrent sequence limit or scale out")
+    ms = s.v("max_seqs_current")
+    running = s.v("running_mean")
+    # 3/4 of what actually runs: a limit far above the running batch binds nothing at 3/4 of itself
+    base = min(ms, running) if ms and running else ms or running
+    if base:
+        what = "limit" if ms and base == ms else "mean running batch"
+        n = max(1, int(base * 0.75))
+        settings.set(Setting.MAX_SEQS, n, f"3/4 of the current {what} ({base:.0f}) ≈ {n}: a smaller batch "
+                     "takes a shorter decode step; re-measure the ITL p99")
+        reasons.append(f"start at 3/4 of the current {what} ({base:.0f}) "
+                       "and re-measure the ITL p99")
+    return "reduce_batch"
+
+
+def _scale_out(s: Situation, reasons: list[str], pts: list[dict[str, float]], edge: dict[str, float],
+               cap_tps: float, best: dict[str, float] | None, demand: float, load: str, slo: float,
+               out: float) -> str:
+    """No batch limit meets the ITL target and serves the load: the arithmetic, and what would."""
+    line = (f"no batch limit meets the {slo * 1e3:.0f} ms ITL target and serves this load: {load}; the engine's "
+            f"own scrapes: from ~{float(edge['running']):.0f} running sequences up its mean step was over the "
+            f"target ({float(edge['itl_ms']):.0f} ms there, {float(pts[-1]['itl_ms']):.0f} ms at "
+            f"~{float(pts[-1]['running']):.0f}), and no batch up to there generated more than {cap_tps:,.0f} tokens/s "
+            f"({cap_tps / demand:.0%} of the load; a smaller batch generates less, its step's fixed cost shared "
+            "by fewer sequences)")
+    if best is not None:
+        b_tps = float(best["tokens_per_s"])
+        short = demand - b_tps
+        line += (f"; a limit of {math.floor(float(best['running']))} (a {float(best['itl_ms']):.0f} ms step) "
+                 f"generates {b_tps:,.0f} tokens/s, so {short:,.0f} tokens/s ({short / out:.1f} requests/s) "
+                 "would queue without bound")
+        replicas = math.ceil(demand / (LOAD_HEADROOM * b_tps))
+        s.n["replicas_needed"] = Num(replicas, "", "derived",
+                                     f"{demand:,.0f} tokens/s / ({LOAD_HEADROOM:.0%} of {b_tps:,.0f} tokens/s per "
+                                     "replica within the target), rounded up")
+        line += (f"; scale out to at least {replicas} replicas of this engine ({demand:,.0f} / "
+                 f"({LOAD_HEADROOM:.0%} x {b_tps:,.0f}) tokens/s, rounded up), or make the step faster")
+    else:
+        line += (f"; even the smallest measured batch (~{float(pts[0]['running']):.0f}) took a "
+                 f"{float(pts[0]['itl_ms']):.0f} ms step: make the step faster or scale out")
+    reasons.append(line)
+    reasons.append("a faster step: a faster GPU, more tensor parallelism, a smaller or quantized model; no engine "
+                   "flag on this engine and hardware meets the target at this load, so none is emitted")
+    _decided(s, "capacity", f"offered {demand:,.0f} tokens/s > {cap_tps:,.0f} tokens/s, the most any batch "
+             f"up to ~{float(edge['running']):.0f} (from where the step passes {slo * 1e3:.0f} ms) generated")
+    return "scale_out"
 
 
 def _confirm(s: Situation, action: str) -> str:
@@ -364,13 +451,18 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             s.n["chunk_worst_step"] = Num(row.worst_step_s, "s", "derived")
             s.n["chunk_steps"] = Num(row.steps, "", "derived")
             s.n["chunked_prefill_phase"] = Num(row.prefill_s, "s", "derived", "TTFT prefill phase with chunking")
+            # chunking's known price: each chunk pays a step and re-reads the KV of the chunks before it
+            cost = row.prefill_s - plan.unchunked_step_s
+            s.n["chunked_ttft_cost"] = Num(cost, "s", "derived", f"TTFT a {int(P)}-token prompt pays for chunking")
+            price = (f"the price is TTFT: a {int(P)}-token prompt's prefill grows {plan.unchunked_step_s * 1e3:.0f} -> "
+                     f"{row.prefill_s * 1e3:.0f} ms ({cost * 1e3:+.0f} ms, {cost / plan.unchunked_step_s:+.0%})")
             settings.set(Setting.BATCHED_TOKENS, plan.budget,
                          f"a {int(P)}-token prompt in steps of {plan.budget} tokens: worst step "
                          f"{row.worst_step_s * 1e3:.1f} ms <= {1 - chunking.DEFAULT_MARGIN:.0%} of the "
-                         f"{slo * 1e3:.0f} ms ITL target (unchunked {plan.unchunked_step_s * 1e3:.0f} ms)")
+                         f"{slo * 1e3:.0f} ms ITL target (unchunked {plan.unchunked_step_s * 1e3:.0f} ms); {price}")
             reasons.append(f"with {plan.budget} tokens per step the worst step is {row.worst_step_s * 1e3:.1f} ms "
-                           f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; the prefill phase grows "
-                           f"{plan.unchunked_step_s * 1e3:.0f} -> {row.prefill_s * 1e3:.0f} ms (TTFT)")
+                           f"(SLO {slo * 1e3:.0f} ms) in {row.steps} steps; {price}, which a contract without a "
+                           "TTFT target does not judge (kvtop compare calls it a trade-off)")
         if plan.budget is None or plan.budget < int(P):
             _unthrottle_prefill(s, int(P), settings, reasons)
         if plan.disaggregate:

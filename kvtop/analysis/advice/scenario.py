@@ -205,7 +205,8 @@ def situation(doc: dict[str, Any]) -> Situation:
                            ("request_tokens_p90", "request_tokens_p90", "tokens"),
                            ("request_tokens_p99", "request_tokens_p99", "tokens"),
                            ("request_tokens_max", "request_tokens_max", "tokens"),
-                           ("inflight_peak", "inflight_peak", "requests")):
+                           ("inflight_peak", "inflight_peak", "requests"),
+                           ("arrivals_per_s", "arrival_rate", "1/s")):
         if src in tr:
             n[dst] = Num(float(tr[src]) if dst != "long_prompt_tokens" else int(tr[src]), unit, "given")
     slo = doc.get("slo", {})
@@ -220,6 +221,9 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["kv_usage"] = Num(float(ob["kv_usage"]), "", "given")
     if "running" in ob:
         n["running_mean"] = Num(float(ob["running"]), "sequences", "given")
+    if ob.get("decode_curve"):
+        n["decode_curve"] = Num([{k: float(v) for k, v in p.items()} for p in ob["decode_curve"]], "", "given",
+                                "the engine's mean step and generated tokens/s per running batch")
     for src, dst, unit, scale in (("itl_p99_ms", "itl_p99", "s", 1e-3), ("miss_rate", "miss_rate", "", 1.0),
                                   ("engine_queue_p90_ms", "engine_queue_p90", "s", 1e-3),
                                   ("gaps", "gaps", "", 1.0), ("window_s", "window", "s", 1.0),
@@ -327,6 +331,7 @@ _FROM_REPORT = (
     ("request_tokens_p99", "traffic", "request_tokens_p99", 1.0),
     ("request_tokens_max", "traffic", "request_tokens_max", 1.0),
     ("inflight_peak", "traffic", "inflight_peak", 1.0),
+    ("arrival_rate", "traffic", "arrivals_per_s", 1.0),
     ("preempted_peak", "preemption", "peak_preempted", 1.0),
     ("itl_target", "slo", "itl_ms", 1e3),
     ("decode_step", "observed", "decode_step_ms", 1e3),
@@ -392,6 +397,9 @@ def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: i
             doc[fld] = v
         else:
             doc.setdefault(section, {})[fld] = v
+    curve = nums.get("decode_curve")
+    if curve and isinstance(curve.value, list) and curve.source in ("measured", "given"):
+        doc.setdefault("observed", {})["decode_curve"] = [dict(p) for p in curve.value]
     if "seq_tokens" in doc.get("preemption", {}) and doc["preemption"]["seq_tokens"] < 1:
         doc["preemption"].pop("seq_tokens")
     ob = doc.setdefault("observed", {})

@@ -339,6 +339,7 @@ _WOULD_CHANGE = {
     "admission": "fewer preemptions per request (more KV headroom or fewer concurrent sequences)",
     "chunked_prefill": "spikes stop lining up with prompt bursts",
     "reduce_batch": "KV usage staying below 0.90 at the current batch",
+    "scale_out": "less offered load, or a faster decode step (a batch within the ITL target that serves the load)",
     "no_action": "preemptions or spikes appearing in the window",
     "insufficient_data": "per-request token timings (run the proxy or --probe) and a few preemptions",
 }
