@@ -6,7 +6,11 @@ records each workload of testkit/engines/witness_workloads.py through ``kvtop re
 and at 2.5x the median decode step). The engine's steps/s with and without the witness are in
 bench/witness_overhead.py.
 
-    python -m bench.witness_runs [--out DIR] [--only storm,prefill,mixed]
+    python -m bench.witness_runs [--out DIR] [--only storm,prefill,mixed] [--round SEED ...]
+
+``--round SEED`` records a round of variant workloads instead (``witness_workloads.round_of``: two
+storms, a denser mixed load, more long prompts); docs/real-engines.md §7.1 scored rounds 21, 31, 41
+and 51.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.witness_runs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, metavar="DIR", help="keep the traces here (default: a temp folder)")
     ap.add_argument("--only", default="storm,prefill,mixed")
+    ap.add_argument("--round", type=int, nargs="+", default=None, metavar="SEED",
+                    help="record rounds of variant workloads with these seeds instead")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     out = Path(args.out or tempfile.mkdtemp(prefix="kvtop-witness-"))
@@ -46,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     traces: list[str] = []
     plans = [("storm", {}, [("storm", witness_workloads.storm), ("mixed", witness_workloads.mixed)]),
              ("prefill", witness_workloads.PREFILL_SERVER, [("prefill", witness_workloads.prefill_heavy)])]
+    if args.round:
+        rounds = [witness_workloads.round_of(s) for s in args.round]
+        plans = [("storm", {}, [r for small, _ in rounds for r in small]),
+                 ("prefill", witness_workloads.PREFILL_SERVER, [r for _, pf in rounds for r in pf])]
+        only = {name.rsplit("-", 1)[0] for _, _, runs in plans for name, _ in runs}
     for label, kw, runs in plans:
-        runs = [(n, d) for n, d in runs if n in only]
+        runs = [(n, d) for n, d in runs if n.rsplit("-", 1)[0] in only or n in only]
         if not runs:
             continue
         wfile = out / f"witness-{label}.jsonl"

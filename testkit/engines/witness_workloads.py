@@ -8,11 +8,16 @@ returns when every stream ended:
   room for all of them (``PREFILL_SERVER``): prefill interference, no preemption;
 - ``mixed``: staggered arrivals on the small cache, some clients cancelling mid-stream, some reading
   slowly (their stalls are outside the engine).
+
+``round_of(seed)`` is one round of variants of them with other prompts and shapes (docs/real-engines.md
+§7.1 scores five such rounds): two storms (8 x 900, 10 x 500), a denser mixed load and a prefill load
+with more, shorter-spaced prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 
@@ -66,18 +71,51 @@ def prefill_heavy(url: str, model: str, decoders: int = 4, long_prompts: int = 6
     asyncio.run(_prefill_heavy(url, model, decoders, long_prompts, every_s))
 
 
-async def _mixed(url: str, model: str, n: int) -> None:
+async def _mixed(url: str, model: str, n: int, seed: int = 9, every_s: float = 0.4, cancel_after: int = 120,
+                 pause: float = 0.05, tokens: tuple[int, ...] = (350,)) -> None:
     u = url.rstrip("/") + "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
                                  limits=httpx.Limits(max_connections=n + 4)) as client:
         tasks = []
         for i in range(n):
-            cancel = 120 if i % 5 == 1 else None  # every fifth client gives up mid-stream
-            pause = 0.05 if i % 5 == 3 else 0.0  # and another reads slowly
-            tasks.append(asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=9), 350), 0.4 * i,
-                                                  cancel_after=cancel, read_pause=pause)))
+            cancel = cancel_after if i % 5 == 1 else None  # every fifth client gives up mid-stream
+            slow = pause if i % 5 == 3 else 0.0  # and another reads slowly
+            body = _body(model, prompt(i, seed=seed), tokens[i % len(tokens)])
+            tasks.append(asyncio.create_task(_one(client, u, body, every_s * i, cancel_after=cancel, read_pause=slow)))
         await asyncio.gather(*tasks)
 
 
 def mixed(url: str, model: str, n: int = 10) -> None:
     asyncio.run(_mixed(url, model, n))
+
+
+async def _prefill_round(url: str, model: str, seed: int, decoders: int, long_prompts: int, every_s: float) -> None:
+    u = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
+                                 limits=httpx.Limits(max_connections=decoders + long_prompts + 4)) as client:
+        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=seed), 500), 0.0))
+                 for i in range(decoders)]
+        tasks += [asyncio.create_task(_one(client, u, _body(model, long_prompt(200 + 40 * (k % 3), seed=seed * 10 + k),
+                                                             4), 1.0 + every_s * k)) for k in range(long_prompts)]
+        await asyncio.gather(*tasks)
+
+
+Drive = Callable[[str, str], None]
+
+
+def round_of(seed: int) -> tuple[list[tuple[str, Drive]], list[tuple[str, Drive]]]:
+    """One round of variant workloads, named ``<workload>-<seed>``: those for the small-cache server
+    and those for ``PREFILL_SERVER``."""
+    def storm_of(s: int, n: int, tokens: int) -> Drive:
+        return lambda url, model: asyncio.run(run_streams(url, model, n, tokens, seed=s))
+
+    def mixed_of(url: str, model: str) -> None:
+        asyncio.run(_mixed(url, model, 14, seed=seed, every_s=0.3, cancel_after=100 + 20 * (seed % 3), pause=0.04,
+                           tokens=(300, 310, 320, 330)))
+
+    def prefill_of(url: str, model: str) -> None:
+        asyncio.run(_prefill_round(url, model, seed, decoders=5, long_prompts=8, every_s=0.8))
+
+    small = [(f"storm8x900-{seed}", storm_of(seed, 8, 900)), (f"storm10x500-{seed}", storm_of(seed + 1, 10, 500)),
+             (f"mixed-{seed}", mixed_of)]
+    return small, [(f"prefill-{seed}", prefill_of)]
