@@ -189,6 +189,13 @@ def test_alone_prefill():
     done = StallIndex()
     done.first_token(ReqState("p"), 4.001)
     assert ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 6000.0}), stalls=done, **alone())) is None
+    # ... unless another request kvtop sees arrived and was still waiting for its first token during
+    # the stall: a prompt in prefill (llama.cpp counts a long prompt's tokens batch by batch)
+    done = StallIndex()
+    done.first_token(ReqState("p"), 3.5)
+    done.arrived(ReqState("long"), 3.8)
+    f = ask("alone-prefill", evidence(tl=engine(prompt_steps={6.5: 6000.0}), stalls=done, **alone()))
+    assert f is not None and f.lines == ["prompt tokens rose by 7000 around the stall"]
     # a first token half-way through the stall leaves the rise to explain it
     done = StallIndex()
     done.first_token(ReqState("p"), 5.0)

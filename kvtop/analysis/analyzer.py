@@ -226,6 +226,7 @@ class Analyzer:
                     acc.last_arrival = t
                 acc.inflight += 1
                 acc.inflight_peak = max(acc.inflight_peak, acc.inflight)
+                gt.stalls.arrived(r, t)
             fold_arrive(r, t, cls)
             if prompt is not None:
                 self._prompt(r, prompt)

@@ -35,6 +35,8 @@ class StallIndex:
         self.long_head = 0
         self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
         self.ft_head = 0
+        # arrivals by time, until their first token is old: who was being prefilled during a spike
+        self.arrivals: deque[tuple[float, ReqState]] = deque()
         self.active = 0
         # streams between first token and end, and those that ended lately: the co-stall search
         # needs streams whose silence had not ended when a spike is judged
@@ -66,6 +68,10 @@ class StallIndex:
         if not self.multi:
             self.eng_active[None] = ([self.active], list(self.active_t), list(self.active_v))
             self.multi = True
+
+    def arrived(self, r: ReqState, t: float) -> None:
+        """Request ``r`` arrived at ``t`` (its prompt is prefilled until its first token)."""
+        self.arrivals.append((t, r))
 
     def first_token(self, r: ReqState, t: float) -> None:
         """Stream ``r`` got its first token at ``t``: active from now (live unless it already ended)."""
@@ -212,6 +218,18 @@ class StallIndex:
             i += 1
         return None
 
+    def prefilling(self, g: Gap, a: float, b: float) -> bool:
+        """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
+        its prompt was still being prefilled (or waited for it) during [a, b]."""
+        for t, r in self.arrivals:
+            if t > b:
+                break
+            if r.id == g.request_id or (self.multi and r.engine != g.engine):
+                continue
+            if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
+                return True
+        return False
+
     def first_tokens_in(self, g: Gap, a: float, b: float) -> int:
         """Other requests' first tokens (of the spike's engine) in [a, b]."""
         ft = self.first_tokens
@@ -266,6 +284,10 @@ class StallIndex:
             del ft[:h]
             h = 0
         self.ft_head = h
+        arr = self.arrivals
+        while arr and (arr[0][1].first_t is not None and arr[0][1].first_t < keep_from
+                       or arr[0][1].end_t is not None and arr[0][1].end_t < keep_from):
+            arr.popleft()
         for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
             if len(ts) > 8192:
                 i = bisect_left(ts, keep_from)

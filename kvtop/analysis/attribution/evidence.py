@@ -198,6 +198,11 @@ class Evidence:
         return self.stalls.first_tokens_in(self.gap, a, self.gap.t_start + BURST_S)
 
     @cached_property
+    def prefill_observed_in(self) -> bool:
+        """Another observed request was between its arrival and its first token during the stall."""
+        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end)
+
+    @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
         prefill completes as the streams it held resume, so its prompt is counted there."""

@@ -85,10 +85,12 @@ def signals(ev: Evidence) -> Signals:
                           if ft.requests > 1 else ""))
     if ev.prompt_jump:
         ok = _explains(ev, ev.prompt_excess)
-        if ok is None and not out and ev.prompts_done_before:
-            # no rate to size it, and prompts kvtop saw finish before the stall began account for the
-            # rise: at a tight target every gap of the scrape interval after a burst of admissions
-            # read as their prefill (real vLLM's own log: decode steps)
+        if ok is None and not out and ev.prompts_done_before and not ev.prefill_observed_in:
+            # no rate to size it, prompts kvtop saw finish before the stall began account for the
+            # rise, and no request kvtop sees was waiting for its first token during the stall: at a
+            # tight target every gap of the scrape interval after a burst of admissions read as their
+            # prefill (real vLLM's own log: decode steps). A prompt still in prefill keeps the rise
+            # (llama.cpp counts a long prompt's tokens batch by batch, before its first token)
             ok = False
         span = _budget(ev, ev.prompt_excess) if ok is not False else None
         if span is not None:
