@@ -11,6 +11,7 @@ from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisReport
 from kvtop.model.trace import TraceReader
+from kvtop.model.validate import TokenLine
 
 if TYPE_CHECKING:
     from kvtop.picture import Picture
@@ -63,9 +64,12 @@ def _scan(path: str, itl_target_s: float | None, fast: bool, use_request_preempt
             if stopped_at:
                 warnings.append(f"interrupted: the analysis covers the first {stopped_at[0] / 1e6:.1f} MB of {path}")
             return an, warnings, settings, eng
-    feed = an.feed_dict
-    for n, d in enumerate(reader.dicts()):
-        feed(d)
+    feed, token = an.feed_dict, an.token_line
+    for n, d in enumerate(reader.items()):
+        if isinstance(d, TokenLine):
+            token(d.id, d.t, d.n)
+        else:
+            feed(d)
         if tick is not None and n % 4096 == 4095 and tick(None):
             warnings.append(f"interrupted: the analysis covers the first {n + 1} records of {path}")
             break
