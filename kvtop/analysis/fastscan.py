@@ -540,8 +540,8 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
         if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
             return nothing._replace(slow=_slow(bytes(buf[:n])))
     fi = np.flatnonzero(fast)
-    # ``_engines``' lines: arrive lines in the writer's key order, found like the token lines, and
-    # any line of another shape; read from the dicts of the other lines below
+    # the lines ``Parsed.engines`` may come from: arrive lines in the writer's key order, found like
+    # the token lines, and any line of another shape (read from their dicts in the loop below)
     named = ((_match(arr, idend, EV_ARRIVE, ok & ~fast, sparse=True) | ~ok)
              if b'"arrive"' in buf and b'"engine":' in buf else None)
     others: list[tuple[bool, dict[str, Any] | None]] = []
