@@ -422,7 +422,7 @@ class TraceReader:
         self.header: dict[str, Any] = header
 
     def dicts(self) -> Iterator[dict[str, Any]]:
-        return self._read(False)  # type: ignore[return-value]  # without tokens, dicts only
+        return cast(Iterator[dict[str, Any]], self._read(False))  # without tokens: dicts only
 
     def items(self) -> Iterator[TokenLine | dict[str, Any]]:
         """The records of ``dicts``, each plain token line as a ``TokenLine`` instead (no dict built:
