@@ -435,6 +435,10 @@ def test_fast_path_timestamps_equal_the_json_parsers_floats():
     starts = np.r_[0, ends[:-1] + 1]
     got = fastscan._times(fastscan._field(arr, starts, ends), ends - starts)
     assert got.tolist() == [json.loads(t) for t in texts]
+    short = np.flatnonzero(ends - starts <= 8)  # the fields read as one 8-byte word each
+    assert len(short) > 500
+    got = fastscan._times(fastscan._field8(arr, starts[short], ends[short]), (ends - starts)[short])
+    assert got.tolist() == [json.loads(texts[i]) for i in short.tolist()]
 
 
 def _four_streams(stalls, ends, dur=20.0, step=0.05):

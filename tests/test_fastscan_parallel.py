@@ -114,3 +114,26 @@ def test_field_ends_are_found_as_bytes_find_finds_them():
         assert got.tolist() == want and ok.tolist() == [w >= 0 for w in want]
         seen.update(want)
     assert -1 in seen and max(seen) >= 16  # absent bytes, and bytes found in a third word
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_analysis_leaves_the_cycle_collector_as_it_found_it(trace, fast):
+    """The scan turns Python's cycle collector off while it runs (``scan._no_cycle_collection``):
+    on again after it, after a failed one too, and left off where the caller had turned it off."""
+    import gc
+
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.model.trace import TraceError
+
+    assert gc.isenabled()
+    assert analyze_trace(trace, fast=fast).records > 1000
+    assert gc.isenabled()
+    with pytest.raises(TraceError):
+        analyze_trace(trace + ".missing", fast=fast)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        analyze_trace(trace, fast=fast)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -145,3 +145,54 @@ def test_token_lines_with_a_wrong_typed_extra_field_are_skipped(tmp_path):
     r = TraceReader(p)
     assert [d["source"] for d in r.dicts()] == ["proxy", "capture", None]
     assert r.skipped == 2
+
+
+# token lines near every edge of the streaming reader's one-step token check (``TokenLine``)
+TOKEN_VARIANTS = [
+    '{"kind":"request","t":5,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":-1,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":-1.0000001,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":-2,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1e9,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1000000001,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":0}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":9007199254740992}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":9007199254740993}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":2.0}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":true}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":null}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token"}',
+    '{"kind":"request","t":1.0,"id":7,"event":"token","n":1}',
+    '{"kind":"request","t":true,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"source":null}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"source":"capture"}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"incomplete":true}',
+    '{"kind":"request","t":1.0,"t":2.5,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"n":-1}',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":-1,"n":3}',
+    '{"kind":"engine","t":1.0,"id":"a","event":"token","n":1}',
+    '{"kind":"request","t":1.0,"id":"a","event":"first_token","n":1}',
+    '  {"kind":"request","t":1.0,"id":"a\\u00e9","event":"token","n":1}  ',
+    '{"kind":"request","t":1.0,"id":"a","event":"token","n":1,"source":"proxy","x":[' + "[" * 3000 + "]" * 3000 + "]}",
+    '{"event":"token","n":1,"id":"b","t":0.5,"kind":"request"}',
+]
+
+
+def test_streaming_reader_reads_every_line_as_dicts_does(tmp_path):
+    lines = [json.dumps(make_header(engine={"adapter": "vllm"}))] + TOKEN_VARIANTS
+    lines += [ln.decode("utf-8", errors="replace") for ln in EDGE_LINES] + [json.dumps(d) for d in GOOD + BAD]
+    lines += ['{"kind":"request","t":2.0,"id":"a","event":"token","n":1,"s":"' + "x" * MAX_LINE_BYTES + '"}']
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    plain, items = TraceReader(p), TraceReader(p)
+    want, got = list(plain.dicts()), list(items.items())
+    assert len(got) == len(want) and items.skipped == plain.skipped > 0
+    tokens = 0
+    for g, d in zip(got, want, strict=True):
+        if isinstance(g, dict):
+            assert repr(g) == repr(d)
+        else:  # the fields the analysis reads, of the same values and types
+            tokens += 1
+            assert d["kind"] == "request" and d["event"] == "token"
+            assert repr((g.t, g.id, g.n, g.source)) == repr((d["t"], d["id"], d["n"], d.get("source")))
+    assert tokens >= 12  # the plain lines came through the token check

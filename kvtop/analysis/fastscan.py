@@ -25,7 +25,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import IO, TYPE_CHECKING, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.model import token_columns as TC
@@ -258,6 +258,11 @@ def _feed_line(an: Analyzer, line: bytes) -> int:
 
 PAD = 256  # zero bytes after each chunk: every fixed-width window below stays inside the buffer
 DIGITS = 16  # timestamps up to 16 characters (15 digits) are parsed exactly as integers
+# powers of ten looked up, not raised per row (the same values: numpy's own powers, made once)
+_I10 = 10 ** np.arange(DIGITS + 1, dtype=np.int64) if np is not None else None
+_F10 = 10.0 ** np.arange(DIGITS + 1) if np is not None else None
+# the low k bytes of an 8-byte integer, k = 0..8
+_KEEP = np.array([(1 << (8 * k)) - 1 for k in range(9)], dtype=np.uint64) if np is not None else None
 
 
 def _rows(arr: Bytes, pos: Index, width: int) -> Bytes:
@@ -265,21 +270,28 @@ def _rows(arr: Bytes, pos: Index, width: int) -> Bytes:
     return np.lib.stride_tricks.sliding_window_view(arr, width)[pos]
 
 
-def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask) -> Mask:
+def _match(arr: Bytes, pos: Index, pat: bytes, ok: Mask, sparse: bool = False) -> Mask:
     """ok & (arr[pos:pos+len(pat)] == pat).
 
     Evaluated on every row (most rows are token lines: picking out the rows still ok costs more
-    than it saves); a row's position is within its line plus PAD, so the reads stay in the buffer."""
+    than it saves), or with ``sparse`` on the rows still ok only (a test for the few other lines);
+    a row's position is within its line plus PAD, so the reads stay in the buffer."""
     # 8 bytes at a time, each read as one integer at any offset (no row copies)
     words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
-    hit: Mask = ok.copy()
+    rows = np.flatnonzero(ok) if sparse else None
+    at = pos[rows] if rows is not None else pos
+    hit: Mask = np.ones(len(at), bool) if rows is not None else ok.copy()
     for j in range(0, len(pat), 8):
         piece = pat[j:j + 8]
-        w = words[pos + j] if j else words[pos]
+        w = words[at + j] if j else words[at]
         if len(piece) < 8:
             w &= np.uint64((1 << (8 * len(piece))) - 1)
         hit &= w == np.uint64(int.from_bytes(piece, "little"))
-    return hit
+    if rows is None:
+        return hit
+    out: Mask = np.zeros(len(ok), bool)
+    out[rows[hit]] = True
+    return out
 
 
 def _find(arr: Bytes, start: Index, byte: int, width: int, ok: Mask) -> Index:
@@ -328,6 +340,17 @@ def _field(arr: Bytes, start: Index, end: Index) -> Bytes:
     return m
 
 
+def _field8(arr: Bytes, start: Index, end: Index) -> Bytes:
+    """``_field`` of fields at most 8 bytes long: one 8-byte integer read at each start, the bytes
+    past the field's end cleared (the same rows, without a row of the window per field)."""
+    words = np.ndarray((len(arr) - 7,), dtype="<u8", buffer=arr, strides=(1,))
+    lens = end - start
+    w = words[start] & _KEEP[lens]
+    # contiguous rows: ``_times`` reads them column by column
+    m: Bytes = np.ascontiguousarray(w.view(np.uint8).reshape(len(w), 8)[:, :int(lens.max())])
+    return m
+
+
 def _strings(m: Bytes) -> Strings:
     return m.view(f"S{m.shape[1]}").ravel()
 
@@ -354,11 +377,12 @@ def _times(m: Bytes, lens: Index) -> npt.NDArray[np.float64]:
     for j in range(1, k):  # int64 copy of the whole field (8 bytes a character) in memory
         s *= 10
         s += vals[:, j]
-    s //= 10 ** (k - np.minimum(lens, k))
-    frac = np.where(has_dot, lens - 1 - dpos, 0)
-    r = s % 10 ** frac
+    s //= _I10[k - np.minimum(lens, k)]
+    # digits after the dot (a longer tail than DIGITS only on rows taken the slow way below)
+    frac = np.minimum(np.where(has_dot, lens - 1 - dpos, 0), DIGITS)
+    r = s % _I10[frac]
     mant = np.where(has_dot, (s - r) // 10 + r, s)
-    out: npt.NDArray[np.float64] = mant / 10.0 ** frac
+    out: npt.NDArray[np.float64] = mant / _F10[frac]
     slow = np.flatnonzero(~fast)
     if len(slow):
         try:
@@ -492,7 +516,7 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
     if b"\\" in buf:
         ok &= ~_has(arr, idstart, idend, 92, ID_WIDTH, ok)  # escaped ids take the JSON path
     is_tok = _match(arr, idend, EV_TOK, ok)
-    is_ft = _match(arr, idend, EV_FT, ok) & ~is_tok
+    is_ft = _match(arr, idend, EV_FT, ok & ~is_tok, sparse=True)
     fast = is_tok | is_ft
     after = np.where(is_tok, idend + len(EV_TOK), idend + len(EV_FT))
     # n: absent (1), or one or two digits
@@ -516,12 +540,22 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
         if b'"token"' in line or b'"first_token"' in line or b'"resync"' in line:
             return nothing._replace(slow=_slow(bytes(buf[:n])))
     fi = np.flatnonzero(fast)
+    # the lines ``Parsed.engines`` may come from: arrive lines in the writer's key order, found like
+    # the token lines, and any line of another shape (read from their dicts in the loop below)
+    named = ((_match(arr, idend, EV_ARRIVE, ok & ~fast, sparse=True) | ~ok)
+             if b'"arrive"' in buf and b'"engine":' in buf else None)
+    others: list[tuple[bool, dict[str, Any] | None]] = []
     engines: list[tuple[str, Any]] = []
-    if b'"arrive"' in buf and b'"engine":' in buf:
-        # arrive lines in the writer's key order, found like the token lines; any line of another
-        # shape is looked at too
-        arrive = _match(arr, idend, EV_ARRIVE, ok & ~fast)
-        engines = _engines(buf, starts, ends, np.flatnonzero(arrive | ~ok).tolist())
+    for i in np.flatnonzero(~fast | is_ft).tolist():
+        line = buf[starts[i]:ends[i]]
+        if is_ft[i] and fast[i]:
+            # its shape looked right; a flipped byte can still break the JSON
+            others.append((True, parse_line(line)))
+        elif line.strip():
+            d = parse_line(line)
+            others.append((False, d))
+            if named is not None and named[i] and _names_engine(d, line):
+                engines.append((str(d["id"]), d.get("engine")))
     if not len(fi):
         ts = nothing.ts
         ids: list[str] = []
@@ -530,38 +564,25 @@ def _parse_padded(buf: bytes | bytearray, n: int) -> Parsed | None:
         ts_, te_ = tstart[fi], tend[fi]
         is_, ie_ = idstart[fi], idend[fi]
         # narrowest fixed width that holds every value of this chunk
-        ts = _times(_field(arr, ts_, te_), te_ - ts_)
+        tl = te_ - ts_
+        ts = _times(_field8(arr, ts_, te_) if int(tl.max()) <= 8 else _field(arr, ts_, te_), tl)
         if np.isnan(ts).any() or (ts < T_MIN).any() or (ts > T_MAX).any():
             # a token line whose time is not a number or out of range: the streaming path
             # judges the chunk (the trace reader's check skips such lines)
             return nothing._replace(engines=engines, slow=_slow(bytes(buf[:n])), held=True)
         uniq, codes = _unique_at(arr, is_, ie_)
         ids = [raw.decode("utf-8", "replace") for raw in uniq.tolist()]
-    others: list[tuple[bool, dict[str, Any] | None]] = []
-    for i in np.flatnonzero(~fast | is_ft).tolist():
-        line = buf[starts[i]:ends[i]]
-        if is_ft[i] and fast[i]:
-            # its shape looked right; a flipped byte can still break the JSON
-            others.append((True, parse_line(line)))
-        elif line.strip():
-            others.append((False, parse_line(line)))
     return Parsed(engines, None, False, ids, codes, ts, nval[fi].astype(np.int64), is_ft[fi], others,
                   int(np.count_nonzero(is_tok & fast)))
 
 
-def _engines(buf: bytes | bytearray, starts: Index, ends: Index, rows: list[int]) -> list[tuple[str, Any]]:
-    """Streams that name their engine on "arrive", named before the chunk's token batch: the batch's
-    gaps are made before the chunk's other lines go through in file order, and a gap is compared
-    with other streams of its own engine."""
-    out = []
-    for i in rows:
-        line = buf[starts[i]:ends[i]]
-        if b'"arrive"' not in line or b'"engine":' not in line:
-            continue
-        d = parse_line(line)
-        if d is not None and d.get("kind") == "request" and d.get("event") == "arrive":
-            out.append((str(d["id"]), d.get("engine")))
-    return out
+def _names_engine(d: dict[str, Any] | None, line: bytes | bytearray) -> TypeGuard[dict[str, Any]]:
+    """Whether ``line`` (read as ``d``) is a stream that names its engine on "arrive": such streams are
+    named before the chunk's token batch (``Parsed.engines``), as the batch's gaps are made before
+    the chunk's other lines go through in file order, and a gap is compared with other streams of
+    its own engine."""
+    return (d is not None and b'"arrive"' in line and b'"engine":' in line and d.get("kind") == "request"
+            and d.get("event") == "arrive")
 
 
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF) if np is not None else 0
@@ -831,9 +852,7 @@ def _parse_cols(c: Columns, a: int, b: int) -> tuple[bool, Parsed | None]:
                 elif line.strip():
                     d = parse_line(line)
                     others.append((False, d))
-                    # ``_engines``: arrive lines that name their engine, before the batch
-                    if (d is not None and d.get("event") == "arrive" and d.get("kind") == "request"
-                            and b'"engine":' in line and b'"arrive"' in line):
+                    if _names_engine(d, line):  # named before the batch
                         engines.append((str(d["id"]), d.get("engine")))
                 pos += len(line) + 1
             if pos != e0:
