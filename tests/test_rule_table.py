@@ -434,3 +434,16 @@ def test_classify_walks_any_table_in_its_order():
                                         "0/7 other active streams stalled over the same interval", "seen", "f"]
     with pytest.raises(LookupError):
         classify(evidence(), table[:4])
+
+
+def test_a_long_gap_that_closes_late_is_still_found_by_the_co_stall_search():
+    """Lines of a trace a little out of time order close one stream's gap after another's that ended
+    later; the search bisects the long gaps by their end, so the index keeps them in that order (one
+    recorded vLLM storm's stall was shared in the fast path and lone in the streaming path)."""
+    st = StallIndex()
+    spike = gap(t_start=0.9926, length=0.0281, request_id="s")
+    for rid, a, b in (("a", 0.9923, 1.0086), ("b", 0.9925, 1.0090), ("c", 0.9917, 1.0076), ("d", 0.9915, 1.0152)):
+        st.add_long(gap(a, b - a, request_id=rid))  # c ends before a and b but arrives after them
+    assert [g.t_end for g in st.long] == sorted(g.t_end for g in st.long)
+    stalled, _, _, _ = st.co_stalled(spike, settle=2.0)
+    assert stalled == 4

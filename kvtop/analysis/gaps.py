@@ -293,7 +293,7 @@ class GapTracker:
     def _keep(self, gp: Gap, tgt: float) -> Pending | None:
         """A long gap (at least LONG_FRACTION of the target): kept for the co-stall search, and a
         spike (over the target) waits for attribution; returns its ``Pending``."""
-        self.stalls.add_long(gp)
+        self.stalls.add_long(gp, in_order=self._batch_marks is None)
         if gp.gap > tgt:
             p = Pending(gp)
             self.pending.append(p)

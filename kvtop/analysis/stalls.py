@@ -8,7 +8,7 @@ fell silent with it), ``first_token_near`` (prompts admitted as it ended), ``act
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -17,6 +17,10 @@ from kvtop.analysis.streams import ReqState
 
 if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
     from kvtop.analysis.gaps import Gap
+
+
+def _t_end(g: Gap) -> float:
+    return g.t_end
 
 
 def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
@@ -51,16 +55,23 @@ class StallIndex:
         self.eng_active: dict[str | None, tuple[list[int], list[float], list[int]]] = {}
 
     # ---- filling it --------------------------------------------------------------------------
-    def add_long(self, gp: Gap) -> None:
-        """A long gap (at least LONG_FRACTION of the target), in t_end order (see ``sort_long_from``)."""
-        self.long.append(gp)
+    def add_long(self, gp: Gap, in_order: bool = True) -> None:
+        """A long gap (at least LONG_FRACTION of the target), in t_end order: ``in_order`` places one
+        that ends before the last kept (a trace's lines a little out of time order, one stream's gaps
+        closing after another's that ended later) where it belongs, since the co-stall search finds
+        its candidates by bisection; a fast-path batch appends and sorts once (``sort_long_from``)."""
+        lg = self.long
+        if in_order and lg and gp.t_end < lg[-1].t_end:
+            insort(lg, gp, lo=self.long_head, key=_t_end)
+        else:
+            lg.append(gp)
         if gp.gap > self.long_max:
             self.long_max = gp.gap
 
     def sort_long_from(self, i: int) -> None:
         """Restore t_end order of the long gaps added since there were ``i`` of them (a fast-path batch)."""
         if len(self.long) - i > 1:
-            self.long[i:] = sorted(self.long[i:], key=lambda g: g.t_end)
+            self.long[i:] = sorted(self.long[i:], key=_t_end)
 
     def engines_named(self) -> None:
         """The first stream named its engine: the streams so far named none, their active counts
