@@ -23,6 +23,26 @@ from testkit.engines.kvtop_run import Recorder, kvtop, read_trace
 pytestmark = pytest.mark.real_engine
 
 
+def _arrival_span(path) -> float:
+    ts = sorted(d["t"] for d in read_trace(path) if d.get("kind") == "request" and d.get("event") == "arrive")
+    return ts[-1] - ts[0] if ts else 0.0
+
+
+def _replay(src, url: str, out_path) -> list[float]:
+    """``kvtop load --from`` the recording; the arrival spans of its tries. A replay that did not offer
+    the recorded arrivals (the eight within a few ms) is run once more: on this 2-core box the load's
+    own process stalled about 1.5 s after its first request in 2 of 4 tier runs (all but the first
+    arrival 1.5 s late), and `compare` rightly calls such a pair not comparable. A second miss fails."""
+    spans = []
+    for _ in range(2):
+        r = kvtop("load", "--from", str(src), "--url", url, "-o", str(out_path), "--no-gpu", "--force", timeout=900)
+        assert r.returncode == 0, r.stderr
+        spans.append(_arrival_span(out_path))
+        if spans[-1] <= _arrival_span(src) + 0.25:
+            break
+    return spans
+
+
 @pytest.fixture(scope="module")
 def loop(vllm_install, trace_dir) -> dict:
     py, model = vllm_install
@@ -40,16 +60,14 @@ def loop(vllm_install, trace_dir) -> dict:
         assert r.returncode == 0, r.stderr
         out["flags"] = shlex.split(r.stdout.strip())
         before = trace_dir / "loop-before.jsonl"
-        r = kvtop("load", "--from", str(src), "--url", srv.url, "-o", str(before), "--no-gpu", timeout=900)
-        assert r.returncode == 0, r.stderr
+        out["replays"] = [_replay(src, srv.url, before)]
     finally:
         servers.cleanup(srv)
     srv = servers.vllm_server(py, model, extra=tuple(out["flags"]))
     try:
         srv.start()
         after = trace_dir / "loop-after.jsonl"
-        r = kvtop("load", "--from", str(src), "--url", srv.url, "-o", str(after), "--no-gpu", timeout=900)
-        assert r.returncode == 0, r.stderr
+        out["replays"].append(_replay(src, srv.url, after))
         out["after_finish"] = [d for d in read_trace(after) if d.get("kind") == "request" and d.get("event") == "finish"]
     finally:
         servers.cleanup(srv)
@@ -102,6 +120,7 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
           "| flags", loop["flags"])
+    print("[real-engines] replay arrival spans (s), before / after, by try:", loop["replays"])
     a, b = c["a"], c["b"]
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] and a["completed"] == b["completed"] == a["offered"], (a, b)
