@@ -191,19 +191,6 @@ class Analyzer:
             self._advance(t)
         # "truth" records are ground truth for scoring only: never read here.
 
-    def token_line(self, rid: str, t: float, n: int) -> None:
-        """A checked token line (``TraceReader.items``' ``TokenLine``): what ``feed_dict`` does with its
-        dict, inline (the streaming path's commonest record)."""
-        self.records += 1
-        self.token_records += 1
-        if t > self.now:
-            self.now = t
-        gt = self.gaps
-        gt.token(rid, t, n)
-        p = gt.pending
-        if p and not self._hold and p[0].gap.t_end + MIN_SETTLE_S <= t and p[0].gap.t_end + self.settle <= t:
-            self.tick(t)
-
     def _advance(self, t: float) -> None:
         if self.t0 is None:
             self.t0 = t

@@ -88,9 +88,10 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
             if stopped_at:
                 warnings.append(f"interrupted: the analysis covers the first {stopped_at[0] / 1e6:.1f} MB of {path}")
             return an, warnings, settings, eng
-    feed, token = an.feed_dict, an.token_line
+    feed, token = an.feed_dict, an.token
     for n, d in enumerate(reader.items()):
         if isinstance(d, TokenLine):
+            an.records += 1  # feed_dict counts the records it is given; token counts tokens only
             token(d.id, d.t, d.n)
         else:
             feed(d)
