@@ -447,3 +447,19 @@ def test_a_long_gap_that_closes_late_is_still_found_by_the_co_stall_search():
     assert [g.t_end for g in st.long] == sorted(g.t_end for g in st.long)
     stalled, _, _, _ = st.co_stalled(spike, settle=2.0)
     assert stalled == 4
+
+
+def test_the_arrivals_index_keeps_only_the_evidence_horizon():
+    """A request whose first token and end never came (its end lost, or dropped from the per-stream
+    store) must not keep every later arrival in the index, which the prefill question scans."""
+    st = StallIndex()
+    st.arrived(ReqState("lost"), 1.0)  # never a first token, never an end
+    for k in range(200):
+        r = ReqState(f"r{k}")
+        st.arrived(r, 2.0 + k)
+        st.first_token(r, 2.5 + k)
+    st.prune(keep_from=150.0, ended_before=150.0)
+    assert [t for t, _ in st.arrivals] == [2.0 + k for k in range(148, 200)]
+    # and a request arrived inside the horizon, still waiting for its first token, is still seen
+    st.arrived(ReqState("waiting"), 201.0)
+    assert st.prefilling(gap(t_start=201.5, length=0.5), 201.5, 202.0)

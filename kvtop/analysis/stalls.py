@@ -39,7 +39,7 @@ class StallIndex:
         self.long_head = 0
         self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
         self.ft_head = 0
-        # arrivals by time, until their first token is old: who was being prefilled during a spike
+        # arrivals by time, within the evidence horizon: who was being prefilled during a spike
         self.arrivals: deque[tuple[float, ReqState]] = deque()
         self.active = 0
         # streams between first token and end, and those that ended lately: the co-stall search
@@ -295,9 +295,10 @@ class StallIndex:
             del ft[:h]
             h = 0
         self.ft_head = h
+        # by arrival: one request that never got a first token nor an end (its end lost, or dropped
+        # from the per-stream store) must not hold every later arrival past the horizon
         arr = self.arrivals
-        while arr and (arr[0][1].first_t is not None and arr[0][1].first_t < keep_from
-                       or arr[0][1].end_t is not None and arr[0][1].end_t < keep_from):
+        while arr and arr[0][0] < keep_from:
             arr.popleft()
         for ts, vs in [(self.active_t, self.active_v), *((e[1], e[2]) for e in self.eng_active.values())]:
             if len(ts) > 8192:
