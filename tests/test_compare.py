@@ -125,6 +125,32 @@ def test_compare_cli_text_json_and_bad_input(tmp_path: Path):
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_runs_pooled_keep_one_host_stall_from_deciding(tmp_path: Path):
+    """Two runs of each configuration. In B's first, a stall outside the engine held every stream
+    0.5 s once (all 40 miss the contract); alone that pair reads "worse: goodput 5 -> 0". Pooled with
+    the second pair, the figures are sums and percentiles over all 80 requests: goodput 10 -> 39 of 80."""
+    a1 = _trace(tmp_path / "a1.jsonl", stalled=35, preempts=35)
+    a2 = _trace(tmp_path / "a2.jsonl", stalled=35, preempts=35)
+    b1 = _trace(tmp_path / "b1.jsonl", stalled=40)
+    b2 = _trace(tmp_path / "b2.jsonl", stalled=1, preempts=1)
+    alone = compare(str(a1), str(b1), itl_target_s=0.1)
+    assert alone.outcome == "worse" and alone.summary.startswith("worse: goodput 5 -> 0 of 40"), alone.summary
+    c = compare([str(a1), str(a2)], [str(b1), str(b2)], itl_target_s=0.1)
+    assert c.outcome == "improved", c.summary
+    assert (c.a.offered, c.b.offered, c.a.goodput, c.b.goodput) == (80, 80, 10, 39)
+    assert (c.a.preemptions, c.b.preemptions) == (70, 1)
+    assert c.a.runs == [str(a1), str(a2)] and c.a.span_s == 2 * 19.5 and c.a.rate_per_s == 80 / 39
+    assert abs(sum(c.b.over_target_s.values()) - 41 * 0.4) < 0.05  # 40 + 1 stalls of 0.5 s, each 0.4 s over
+    doc = c.to_dict()
+    jsonschema.validate(doc, SCHEMA)
+    r = run_kvtop("compare", str(a1), str(b1), "--also", str(a2), str(b2), "--itl-target-ms", "100")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"A: 2 runs pooled: {a1}, {a2}"
+    assert r.stdout.splitlines()[-1].startswith("result: improved: goodput 10 -> 39 of 80"), r.stdout
+    r = run_kvtop("compare", str(a1), str(b1), "--also", str(a2), str(tmp_path / "nope.jsonl"))
+    assert r.returncode == 2 and "no such trace" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def _queued_instead_of_stalled(tmp_path: Path) -> tuple[Path, Path]:
     """Eight requests at once on an engine that fits two: A admits all and thrashes (request i stalls
     mid-stream while the pairs before it run, 0.63 s a pair), B admits two at a time (request i waits

@@ -34,7 +34,7 @@ move both ways without a goodput gain; else *no change*.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +67,7 @@ class Tolerance:
 class RunFigures:
     path: str
     offered: int = 0
-    span_s: float = 0.0
+    span_s: float = 0.0  # first to last arrival, summed over the runs pooled
     classes: dict[str, int] = field(default_factory=dict)
     prompt_mean: float | None = None
     completed: int = 0
@@ -87,6 +87,8 @@ class RunFigures:
     over_target_s: dict[str, float] = field(default_factory=dict)
     itl_target_s: float | None = None
     verdict: dict[str, Any] | None = None
+    runs: list[str] = field(default_factory=list)  # every trace pooled into these figures, ``path`` first
+    run_span_max_s: float = 0.0  # the longest one run's arrivals took: a burst is judged per run
 
     @property
     def rate_per_s(self) -> float | None:
@@ -108,7 +110,7 @@ class RunFigures:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "trace": self.path, "offered": self.offered, "span_s": _r(self.span_s), "rate_per_s": _r(self.rate_per_s),
+            "trace": self.path, "runs": list(self.runs or [self.path]), "offered": self.offered, "span_s": _r(self.span_s), "rate_per_s": _r(self.rate_per_s),
             "classes": dict(sorted(self.classes.items())), "prompt_tokens_mean": _r(self.prompt_mean),
             "completed": self.completed, "cancelled": self.cancelled, "errors": self.errors, "cut_off": self.cut_off,
             "goodput": self.goodput, "goodput_share": _r(self.goodput / self.offered if self.offered else None),
@@ -136,18 +138,53 @@ class _Req:
     tokens: int = 0  # streamed (the chunks' ``n``)
 
 
-def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | None) -> RunFigures:
-    """One run's figures; the ITL target defaults to the one the analysis judged the run against."""
-    report = analyze_trace(path, itl_target_s=itl_target_s)
-    itl_t = itl_target_s if itl_target_s is not None else report.itl_target_s
-    fig = RunFigures(path, itl_target_s=itl_t)
+def run_figures(path: str | Sequence[str], ttft_target_s: float | None,
+                itl_target_s: float | None) -> RunFigures:
+    """One configuration's figures, from one run or from several runs of the same traffic pooled: counts,
+    time over the target and tokens summed, percentiles over every run's gaps, the rate over the runs'
+    summed spans. The ITL target defaults to the one the analysis judged the first run against; the
+    verdict shown is the first run's."""
+    paths = [path] if isinstance(path, str) else list(path)
+    if not paths:
+        raise ValueError("no trace to read")
+    first = analyze_trace(paths[0], itl_target_s=itl_target_s)
+    itl_t = itl_target_s if itl_target_s is not None else first.itl_target_s
+    fig = RunFigures(paths[0], itl_target_s=itl_t, runs=paths)
+    hist = _Hists(LogHistogram(), LogHistogram(), LogHistogram())
+    prompt = [0, 0]  # sum, count
+    for k, p in enumerate(paths):
+        report = first if k == 0 else analyze_trace(p, itl_target_s=itl_t)
+        _read_run(fig, p, ttft_target_s, itl_t, hist, prompt)
+        for cause, secs in (report.finite().over_target_s or {}).items():
+            fig.over_target_s[cause] = fig.over_target_s.get(cause, 0.0) + secs
+    fig.prompt_mean = prompt[0] / prompt[1] if prompt[1] else None
+    fig.ttft_p50_s, fig.ttft_p99_s = hist.ttft.quantile(0.5), hist.ttft.quantile(0.99)
+    fig.itl_p50_s, fig.itl_p99_s = hist.itl.quantile(0.5), hist.itl.quantile(0.99)
+    fig.e2e_p50_s, fig.e2e_p99_s = hist.e2e.quantile(0.5), hist.e2e.quantile(0.99)
+    fin = first.finite()
+    if fin.verdict is not None:
+        v = fin.verdict
+        fig.verdict = {"action": v.action, "confidence": v.confidence, "tentative": v.tentative,
+                       "settings": [s.to_dict() for s in v.settings]}
+    return fig
+
+
+@dataclass(frozen=True, slots=True)
+class _Hists:
+    itl: LogHistogram
+    ttft: LogHistogram
+    e2e: LogHistogram
+
+
+def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: float | None, hist: _Hists,
+              prompt: list[int]) -> None:
+    """Adds one trace's requests to ``fig`` (its engine counters and its span are its own)."""
     try:
         reader = TraceReader(path)
     except TraceError as e:
         raise ValueError(str(e)) from None
     open_: dict[str, _Req] = {}
-    itl, ttft, e2e = LogHistogram(), LogHistogram(), LogHistogram()
-    prompt_sum = prompt_n = 0
+    itl, ttft, e2e = hist.itl, hist.ttft, hist.e2e
     t_first = t_last = None
     t_end: float | None = None  # the last event of an offered request
     counters: dict[tuple[Any, Any], tuple[float, float]] = {}  # engine -> (last value, increases)
@@ -177,8 +214,8 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
             fig.classes[name] = fig.classes.get(name, 0) + 1
             p = d.get("prompt_tokens")
             if isinstance(p, int) and p > 0:
-                prompt_sum += p
-                prompt_n += 1
+                prompt[0] += p
+                prompt[1] += 1
             t_first = t if t_first is None else t_first
             t_last = t
             t_end = float(t) if t_end is None else max(t_end, float(t))
@@ -224,25 +261,14 @@ def run_figures(path: str, ttft_target_s: float | None, itl_target_s: float | No
     fig.cut_off += len(open_)  # still open when the trace ended
     fig.output_tokens += sum(r.tokens for r in open_.values())
     if t_first is not None and t_last is not None:
-        fig.span_s = float(t_last) - float(t_first)
+        span = float(t_last) - float(t_first)
+        fig.span_s += span
+        fig.run_span_max_s = max(fig.run_span_max_s, span)
     if t_first is not None and t_end is not None:
-        fig.makespan_s = max(0.0, t_end - float(t_first))
-    fig.prompt_mean = prompt_sum / prompt_n if prompt_n else None
-    fig.ttft_p50_s, fig.ttft_p99_s = ttft.quantile(0.5), ttft.quantile(0.99)
-    fig.itl_p50_s, fig.itl_p99_s = itl.quantile(0.5), itl.quantile(0.99)
-    fig.e2e_p50_s, fig.e2e_p99_s = e2e.quantile(0.5), e2e.quantile(0.99)
-    if counters:
-        fig.preemptions = int(round(sum(inc for _, inc in counters.values())))
-    elif req_preempts:
-        fig.preemptions = req_preempts
-    fin = report.finite()
-    fig.over_target_s = dict(fin.over_target_s or {})
-    fig.verdict = None
-    if fin.verdict is not None:
-        v = fin.verdict
-        fig.verdict = {"action": v.action, "confidence": v.confidence, "tentative": v.tentative,
-                       "settings": [s.to_dict() for s in v.settings]}
-    return fig
+        fig.makespan_s += max(0.0, t_end - float(t_first))
+    run_preempts = int(round(sum(inc for _, inc in counters.values()))) if counters else req_preempts or None
+    if run_preempts is not None:
+        fig.preemptions = (fig.preemptions or 0) + run_preempts
 
 
 def _rel(a: float | None, b: float | None) -> float | None:
@@ -267,7 +293,7 @@ def comparability(a: RunFigures, b: RunFigures, tol: Tolerance) -> list[str]:
     d = _rel(a.rate_per_s, b.rate_per_s)
     # a burst (every request offered within a second) has no rate to speak of: its span is the
     # client's scheduling jitter (8 requests in 40 ms vs 65 ms is "+63 %"); the counts decide
-    burst = max(a.span_s, b.span_s) < BURST_SPAN_S
+    burst = max(a.run_span_max_s, b.run_span_max_s) < BURST_SPAN_S
     if d is not None and abs(d) > tol.rate_frac and not burst:
         why.append(f"offered rate differs by {d:+.1%} (tolerance ±{tol.rate_frac:.0%})")
     d = _rel(a.prompt_mean, b.prompt_mean)
@@ -337,15 +363,20 @@ def _outside_prefixes(ttft_target_s: float | None) -> tuple[str, ...]:
     return ("p99 end-to-end", "output throughput") + (("p99 TTFT",) if ttft_target_s is None else ())
 
 
-def compare(path_a: str, path_b: str, ttft_target_s: float | None = None, itl_target_s: float | None = None,
-            tol: Tolerance | None = None) -> Comparison:
-    """B against A. Without an ITL target, both runs are judged against A's (the analysis' target)."""
+def compare(path_a: str | Sequence[str], path_b: str | Sequence[str], ttft_target_s: float | None = None,
+            itl_target_s: float | None = None, tol: Tolerance | None = None) -> Comparison:
+    """B against A. Without an ITL target, both runs are judged against A's (the analysis' target).
+    Each side may be several runs of the same traffic (as many on each side), pooled (``run_figures``):
+    on a shared host one stall outside the engine costs every stream of a run its goodput, and a
+    second run of each configuration keeps that from deciding the outcome."""
+    runs_a = [path_a] if isinstance(path_a, str) else list(path_a)
+    runs_b = [path_b] if isinstance(path_b, str) else list(path_b)
+    if len(runs_a) != len(runs_b):
+        raise ValueError(f"give as many runs of B as of A ({len(runs_a)} vs {len(runs_b)})")
     tol = tol or Tolerance()
-    a = run_figures(path_a, ttft_target_s, itl_target_s)
+    a = run_figures(runs_a, ttft_target_s, itl_target_s)
     itl_t = itl_target_s if itl_target_s is not None else a.itl_target_s
-    b = run_figures(path_b, ttft_target_s, itl_t)
-    if itl_target_s is None and itl_t is not None and a.itl_target_s != itl_t:
-        a = run_figures(path_a, ttft_target_s, itl_t)
+    b = run_figures(runs_b, ttft_target_s, itl_t)
     return judge(a, b, tol, ttft_target_s, itl_t)
 
 
@@ -461,13 +492,17 @@ def render_text(c: Comparison) -> str:
     targets = [f"ITL {c.itl_target_s * 1e3:.0f} ms" if c.itl_target_s is not None else "ITL: none"]
     targets.append(f"TTFT {c.ttft_target_s * 1e3:.0f} ms" if c.ttft_target_s is not None
                    else "TTFT: none (--ttft-target-ms)")
-    out = [f"A: {a.path}", f"B: {b.path}",
+    out = [f"A: {_runs(a)}", f"B: {_runs(b)}",
            f"goodput contract: {', '.join(targets)} (a request's time over the ITL target at most one target)", "",
            f"{'':{w0}}  {'A':<{w1}}  B"]
     out += [f"{k:{w0}}  {x:<{w1}}  {y}" for k, x, y in rows]
     out.append("")
     out.append("result: " + c.summary)
     return "\n".join(out)
+
+
+def _runs(f: RunFigures) -> str:
+    return f.path if len(f.runs) < 2 else f"{len(f.runs)} runs pooled: {', '.join(f.runs)}"
 
 
 def _rate(f: RunFigures) -> str:

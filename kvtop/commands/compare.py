@@ -17,7 +17,8 @@ DESCRIPTION = (
     "target by cause and each run's verdict, then one line: improved, trade-off (better on the contract, worse on a "
     "figure it does not judge, e.g. TTFT without --ttft-target-ms), worse, mixed, no change, or not comparable "
     "(offered load or mix differ beyond the tolerance). Shedding more load (cancels, errors) or completing less is "
-    "never better. JSON: kvtop/schemas/compare.schema.json."
+    "never better. --also pools more runs of the same pair, for a host whose noise one run cannot average out. "
+    "JSON: kvtop/schemas/compare.schema.json."
 )
 ORDER = 47
 
@@ -25,6 +26,9 @@ ORDER = 47
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", metavar="A.jsonl", help="the baseline trace")
     p.add_argument("b", metavar="B.jsonl", help="the trace to judge against it")
+    p.add_argument("--also", nargs=2, action="append", default=[], metavar=("A2.jsonl", "B2.jsonl"),
+                   help="another run of the same traffic on each configuration, pooled with A and B (counts, "
+                        "goodput and time over the target summed, percentiles over every run); repeatable")
     p.add_argument("--ttft-target-ms", type=float, default=None, metavar="MS",
                    help="time-to-first-token contract for goodput (default: none)")
     p.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
@@ -35,14 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvtop.analysis.compare import compare, render_text  # the analysis: only when the command runs
 
-    for name in (args.a, args.b):
+    runs_a = [args.a, *(x for x, _ in args.also)]
+    runs_b = [args.b, *(y for _, y in args.also)]
+    for name in (*runs_a, *runs_b):
         if not Path(name).is_file():
             raise UsageError(f"{name}: no such trace file")
     for flag, v in (("--ttft-target-ms", args.ttft_target_ms), ("--itl-target-ms", args.itl_target_ms)):
         if v is not None and not 0 < v <= 3_600_000:
             raise UsageError(f"{flag} must be between 0 and 3600000 ms")
     try:
-        c = compare(args.a, args.b,
+        c = compare(runs_a, runs_b,
                     ttft_target_s=None if args.ttft_target_ms is None else args.ttft_target_ms / 1e3,
                     itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
     except ValueError as e:
