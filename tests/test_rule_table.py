@@ -203,6 +203,59 @@ def test_alone_prefill():
     assert f is not None and f.lines == ["prompt tokens rose by 7000 around the stall"]
 
 
+def test_a_rise_that_prompts_finished_before_the_stall_account_for_is_not_its_prefill():
+    """With a measured rate (2,000 prompt tokens/s: the 2 s stall needs 1,188 tokens of prefill) the
+    rise is sized: what the prompts kvtop saw finish before the stall leave of the window's rise is
+    all another prefill could have been (real vLLM, a storm of ten prompts admitted at once: every
+    12 ms gap of the next half second read as their prefill; its log says decode steps)."""
+    rise = {"tl": engine(prompt_steps={6.5: 6000.0}), "prefill_rate": 2000.0, **alone()}
+
+    def done_before(*reqs: tuple[str, int | None, float]) -> StallIndex:
+        st = StallIndex()
+        for rid, prompt, t in reqs:
+            st.first_token(ReqState(rid, prompt_tokens=prompt), t)
+        return st
+
+    f = ask("alone-prefill-checked", evidence(**rise))
+    assert f is not None and f.lines[0] == "prompt tokens rose by 7000 around the stall"
+    # a 6,000-token prompt done at 3.5 s leaves 1,000 of the window's 7,000: 0.5 s of prefill
+    assert ask("alone-prefill-checked", evidence(stalls=done_before(("p", 6000, 3.5)), **rise)) is None
+    # a 4,000-token one leaves 3,000: 1.5 s, enough
+    f = ask("alone-prefill-checked", evidence(stalls=done_before(("p", 4000, 3.5)), **rise))
+    assert f is not None and f.key == "prefill/lone-checked"
+    # one of unknown length (a text prompt whose usage kvtop has not seen) may account for it whole
+    assert ask("alone-prefill-checked", evidence(stalls=done_before(("p", None, 3.5)), **rise)) is None
+    # the stalled stream's own prompt, prefilled before the stall, is in the rise as well
+    assert ask("alone-prefill-checked", evidence(stalls=done_before(("r3", 6000, 3.0)), **rise)) is None
+    # a 60-token prompt that arrived before the stall and got its first token 3 s after it was
+    # still queued (at the measured rate it took 30 ms): it does not keep the rise
+    st = done_before(("p", 6000, 3.5))
+    q = ReqState("q", prompt_tokens=60, first_t=9.0)
+    st.arrived(q, 3.8)
+    st.first_token(q, 9.0)
+    assert ask("alone-prefill-checked", evidence(stalls=st, **rise)) is None
+    # with its first token as the stall ended it was in prefill: the rise stays this stall's evidence
+    st = done_before(("p", 6000, 3.5))
+    q = ReqState("q", prompt_tokens=60, first_t=6.01)
+    st.arrived(q, 3.8)
+    st.first_token(q, 6.01)
+    f = ask("alone-prefill-checked", evidence(stalls=st, **rise))
+    assert f is not None and f.lines[0] == "prompt tokens rose by 7000 around the stall"
+
+
+def test_a_prompt_length_learned_after_the_first_token_sizes_it():
+    """A text prompt's length reaches kvtop with the server's usage count on its last chunk, after
+    its first token: a spike judged later sizes that first token with it."""
+    st = StallIndex()
+    s_req = ReqState("s")
+    st.first_token(s_req, 6.01)
+    g = gap()
+    assert st.first_token_near(g, None, BURST_S) == ("s", None, 0, 1)
+    s_req.prompt_tokens = 60
+    assert st.first_token_near(g, None, BURST_S) == ("s", 60, 60, 1)
+    assert st.first_tokens_in(g, 5.0, 7.0) == (1, 60, 0)
+
+
 def test_lone_preemption_counter():
     # vLLM V1 counts at resume: the counter stepped in the scrape interval (5.5, 6.5] around the end
     f = ask("lone-preemption", evidence(tl=engine(pre_steps={6.5: 1})))

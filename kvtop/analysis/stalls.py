@@ -37,7 +37,9 @@ class StallIndex:
         self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
         self.long_max = 0.0  # the longest of them: no gap ending later than a + it can reach back to a
         self.long_head = 0
-        self.first_tokens: list[tuple[float, str, int | None, str | None]] = []
+        # (time, request id, request, engine): the request itself, so a prompt length learned after
+        # its first token (the server's usage count on its finish) sizes it when a spike is judged
+        self.first_tokens: list[tuple[float, str, ReqState, str | None]] = []
         self.ft_head = 0
         # arrivals by time, within the evidence horizon: who was being prefilled during a spike
         self.arrivals: deque[tuple[float, ReqState]] = deque()
@@ -86,7 +88,7 @@ class StallIndex:
 
     def first_token(self, r: ReqState, t: float) -> None:
         """Stream ``r`` got its first token at ``t``: active from now (live unless it already ended)."""
-        self.first_tokens.append((t, r.id, r.prompt_tokens, r.engine))
+        self.first_tokens.append((t, r.id, r, r.engine))
         self._set_active(t, +1, r.engine)
         if r.end_t is None:
             self.live[r.id] = r
@@ -229,28 +231,39 @@ class StallIndex:
             i += 1
         return None
 
-    def prefilling(self, g: Gap, a: float, b: float) -> bool:
+    def prefilling(self, g: Gap, a: float, b: float, rate: float | None = None) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
-        its prompt was still being prefilled (or waited for it) during [a, b]."""
+        its prompt was still being prefilled (or waited for it) during [a, b]. With a measured
+        prefill ``rate`` (a low estimate, so prompt / rate is the longest its prefill took), a sized
+        prompt whose first token came later than that after ``b`` was still queued at ``b``."""
         for t, r in self.arrivals:
             if t > b:
                 break
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
-            if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
+            if r.first_t is None:
+                if r.end_t is None or r.end_t > a:
+                    return True
+            elif r.first_t > a and not (rate and r.prompt_tokens and r.first_t - b > r.prompt_tokens / rate):
                 return True
         return False
 
-    def first_tokens_in(self, g: Gap, a: float, b: float) -> int:
-        """Other requests' first tokens (of the spike's engine) in [a, b]."""
+    def first_tokens_in(self, g: Gap, a: float, b: float) -> tuple[int, int, int]:
+        """First tokens (of the spike's engine, its own stream's included) in [a, b]: how many, their
+        prompt tokens, and how many of them came without a prompt length."""
         ft = self.first_tokens
         i = bisect_left(ft, (a,), self.ft_head)
-        n = 0
+        n = tokens = unsized = 0
         while i < len(ft) and ft[i][0] <= b:
-            if ft[i][1] != g.request_id and not (self.multi and ft[i][3] != g.engine):
+            if not (self.multi and ft[i][3] != g.engine):
                 n += 1
+                p = ft[i][2].prompt_tokens
+                if p:
+                    tokens += p
+                else:
+                    unsized += 1
             i += 1
-        return n
+        return n, tokens, unsized
 
     def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float) -> tuple[str, int | None, int, int] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
@@ -268,7 +281,8 @@ class StallIndex:
         total = n = 0
         multi, eng = self.multi, g.engine
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
-            t, rid, p, e = ft[i]
+            t, rid, r, e = ft[i]
+            p = r.prompt_tokens
             if rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng):
                 total += p or 0
                 n += 1

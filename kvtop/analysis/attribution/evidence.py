@@ -189,18 +189,20 @@ class Evidence:
             w.prompt_delta > PROMPT_JUMP_REL * self.typical_prompt_delta * max(1, w.intervals)
 
     @cached_property
-    def prompts_done_before(self) -> int:
-        """Other requests whose first token came after the prompt window's first scrape and no later
-        than the token that opened the stall: prompts whose prefill was over before it began (the
-        prompt counter's rise over the window is theirs, at least in part)."""
+    def prompts_done_before(self) -> tuple[int, int, int]:
+        """Requests (this stream's own too) whose first token came after the prompt window's first
+        scrape and no later than the token that opened the stall: prompts whose prefill was over
+        before it began (the prompt counter's rise over the window is theirs, at least in part). How
+        many, their prompt tokens, and how many of them have no known prompt length."""
         w = self.window
         a = w.t_base if w.t_base is not None else self.gap.t_start - self.scrape_interval
         return self.stalls.first_tokens_in(self.gap, a, self.gap.t_start + BURST_S)
 
     @cached_property
     def prefill_observed_in(self) -> bool:
-        """Another observed request was between its arrival and its first token during the stall."""
-        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end)
+        """Another observed request was between its arrival and its first token during the stall,
+        and not still queued (``StallIndex.prefilling``)."""
+        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end, self.prefill_rate)
 
     @cached_property
     def end_prompt_excess(self) -> float:

@@ -63,6 +63,20 @@ def _budget(ev: Evidence, tokens: float) -> tuple[float, float] | None:
     return None
 
 
+def _unexplained_rise(ev: Evidence) -> float | None:
+    """Prompt tokens of the window's rise that the prompts kvtop saw finish before the stall began
+    (this stream's own too) leave unexplained, where no request kvtop sees was in prefill during the
+    stall (None: the rise stands as it is). At a tight target every gap of the scrape interval after
+    a burst of admissions read as their prefill (real vLLM's own log: decode steps). A prompt of
+    unknown length (a text prompt whose usage count kvtop has not seen) may account for the rise
+    whole. A request still in prefill keeps it (llama.cpp counts a long prompt's tokens batch by
+    batch, before its first token); one still queued, by the measured rate, does not."""
+    done, done_tokens, unsized = ev.prompts_done_before
+    if not done or ev.prefill_observed_in:
+        return None
+    return 0.0 if unsized else max(0.0, ev.window.prompt_delta - done_tokens)
+
+
 def signals(ev: Evidence) -> Signals:
     """The prefill signals that can explain the stall, in words, whether one was checked against
     the measured prefill rate, and the span a finding on an interval's prompt tokens claims. None
@@ -83,16 +97,12 @@ def signals(ev: Evidence) -> Signals:
                        + (f" ({ft.prompt_tokens} prompt tokens)" if ft.prompt_tokens else "")
                        + (f", with {ft.requests - 1} more ({ft.total_prompt_tokens} prompt tokens in all)"
                           if ft.requests > 1 else ""))
+    # what of the window's prompt rise prompts kvtop saw finish can leave to another prefill
+    unexplained = _unexplained_rise(ev) if not out else None
     if ev.prompt_jump:
-        ok = _explains(ev, ev.prompt_excess)
-        if ok is None and not out and ev.prompts_done_before and not ev.prefill_observed_in:
-            # no rate to size it, prompts kvtop saw finish before the stall began account for the
-            # rise, and no request kvtop sees was waiting for its first token during the stall: at a
-            # tight target every gap of the scrape interval after a burst of admissions read as their
-            # prefill (real vLLM's own log: decode steps). A prompt still in prefill keeps the rise
-            # (llama.cpp counts a long prompt's tokens batch by batch, before its first token)
-            ok = False
-        span = _budget(ev, ev.prompt_excess) if ok is not False else None
+        excess = ev.prompt_excess if unexplained is None else min(ev.prompt_excess, unexplained)
+        ok = _explains(ev, excess) if excess else False
+        span = _budget(ev, excess) if ok is not False else None
         if span is not None:
             checked |= ok is True
             claim = claim if out else span  # a first token at its end needs no interval's budget
@@ -101,7 +111,7 @@ def signals(ev: Evidence) -> Signals:
         # no first token seen (its request may be unobserved) and no jump over the whole window:
         # the interval in which the stall ended still added more prompt tokens than usual, enough
         # at the measured rate to explain it
-        extra = ev.end_prompt_excess
+        extra = ev.end_prompt_excess if unexplained is None else min(ev.end_prompt_excess, unexplained)
         span = _budget(ev, extra) if extra and _explains(ev, extra) else None
         if span is not None:
             checked = True
