@@ -231,20 +231,17 @@ class StallIndex:
             i += 1
         return None
 
-    def prefilling(self, g: Gap, a: float, b: float, rate: float | None = None) -> bool:
+    def prefilling(self, g: Gap, a: float, b: float) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
-        its prompt was still being prefilled (or waited for it) during [a, b]. With a measured
-        prefill ``rate`` (a low estimate, so prompt / rate is the longest its prefill took), a sized
-        prompt whose first token came later than that after ``b`` was still queued at ``b``."""
+        its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill
+        of a long prompt between slow decode steps can take longer than its length at the measured
+        rate, so a late first token does not tell a queued request from one in prefill.)"""
         for t, r in self.arrivals:
             if t > b:
                 break
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
-            if r.first_t is None:
-                if r.end_t is None or r.end_t > a:
-                    return True
-            elif r.first_t > a and not (rate and r.prompt_tokens and r.first_t - b > r.prompt_tokens / rate):
+            if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
                 return True
         return False
 

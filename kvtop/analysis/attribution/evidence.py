@@ -200,9 +200,8 @@ class Evidence:
 
     @cached_property
     def prefill_observed_in(self) -> bool:
-        """Another observed request was between its arrival and its first token during the stall,
-        and not still queued (``StallIndex.prefilling``)."""
-        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end, self.prefill_rate)
+        """Another observed request was between its arrival and its first token during the stall."""
+        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end)
 
     @cached_property
     def end_prompt_excess(self) -> float:

@@ -69,8 +69,8 @@ def _unexplained_rise(ev: Evidence) -> float | None:
     stall (None: the rise stands as it is). At a tight target every gap of the scrape interval after
     a burst of admissions read as their prefill (real vLLM's own log: decode steps). A prompt of
     unknown length (a text prompt whose usage count kvtop has not seen) may account for the rise
-    whole. A request still in prefill keeps it (llama.cpp counts a long prompt's tokens batch by
-    batch, before its first token); one still queued, by the measured rate, does not."""
+    whole. A request that arrived by the stall's end and had no first token by its start keeps the
+    rise (llama.cpp counts a long prompt's tokens batch by batch, before its first token)."""
     done, done_tokens, unsized = ev.prompts_done_before
     if not done or ev.prefill_observed_in:
         return None
