@@ -176,9 +176,10 @@ RULES: tuple[Rule, ...] = (
          f"decode-only pace, and that pace is under {_pct(prefill.PACE_NEAR)} of the target (else the spike is "
          "slow decode: near the target the pace, not the prefill, decides). First tokens delivered with the "
          "token that opened the stall came out of the step before it and do not count. Without a measured rate "
-         "the first-token signal is taken as is (`prefill/shared`), and so is the jump, unless prompts kvtop saw "
-         "finish (first tokens) between the window's first scrape and the stall's start account for it and no "
-         "request it sees was waiting for its first token during the stall"),
+         "the first-token signal is taken as is (`prefill/shared`), and so is the jump. A counter rise counts "
+         "only for what the prompts kvtop saw finish (first tokens, the stalled stream's own included) between "
+         "the window's first scrape and the stall's start leave of it (nothing, if one has no known length), "
+         "unless a request it sees was waiting for its first token during the stall"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "
