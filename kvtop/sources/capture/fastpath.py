@@ -97,11 +97,12 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
                         ch = body.chunked
                         # between chunks, no size line begun, not searching for a boundary
                         if ch is not None and ch.state == state_size and not ch.line and ch.resync is None:
-                            size_line = lines.get(e - h)
+                            length = e - h
+                            size_line = lines.get(length)
                             if size_line is None:
-                                size_line = _size_line(e - h)
+                                size_line = _size_line(length)
                                 if len(lines) < _LINES_CAP:
-                                    lines[e - h] = size_line
+                                    lines[length] = size_line
                             start = h + len(size_line)
                             # exactly one whole chunk, its CRLF last
                             if size_line and ring[h:start] == size_line and ring[e - 2] == 13 and ring[e - 1] == 10:
@@ -109,10 +110,12 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
                                 pa = peer.acked
                                 if ack != pa and (pa is None or 0 < ((ack - pa) & 0xFFFFFFFF) < 0x80000000):
                                     peer.acked = ack
-                                flow.next = (seq + e - h) & 0xFFFFFFFF
+                                flow.next = (seq + length) & 0xFFFFFFFF
                                 ex = http._s_ex
-                                if ex is not None and ex.rec is not None:
-                                    ex.rec.feed(ring[start:e - 2], t)
+                                if ex is not None:
+                                    rec = ex.rec
+                                    if rec is not None:
+                                        rec.feed(ring[start:e - 2], t)
                                 if t - reasm._swept > wait:
                                     reasm.sweep(t)
                                 continue
