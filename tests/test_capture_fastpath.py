@@ -22,7 +22,9 @@ import pytest
 
 from kvtop.model.records import RequestRecord
 from kvtop.sources.capture.fastpath import drain_ring
-from kvtop.sources.capture.packets import decode
+from kvtop.sources.capture.opener import RING_BLOCK, RING_BLOCKS
+from kvtop.sources.capture.packets import PacketSocket, decode
+from kvtop.sources.capture.source import CaptureSource
 from kvtop.sources.capture.tcp import ACK, FIN, RST, SYN, Reassembler
 
 PORT = 8000
@@ -403,3 +405,33 @@ def test_client_bytes_lost_mid_stream_end_it_when_the_next_chunk_acknowledges_th
     c.emit(False, ACK | PSH, token_chunk(2), 1.3)
     got, _, _ = both_ways(c.out)
     assert [(r.event, r.error) for r in got] == [("arrive", None), ("first_token", None), ("error", "capture_lost")]
+
+
+def test_a_block_whose_reading_failed_is_not_read_again() -> None:
+    # the trace's disk fills while a block is read: the error reaches the caller, and the capture's
+    # final poll (CaptureSource.run's) must not record that block's tokens a second time
+    c = streaming(41007, "fail-1")
+    for i in range(6):
+        c.emit(False, ACK | PSH, token_chunk(i), 1.1 + i / 10)
+    frames, _ = ring_of(c.out, per_block=len(c.out))
+    ring = mmap.mmap(-1, RING_BLOCK * RING_BLOCKS)
+    ring[48:48 + len(frames)] = frames[:]  # block 0: its frames from offset 48
+    struct.pack_into("@III", ring, 8, 1, len(c.out), 48)  # handed over (TP_STATUS_USER)
+    sock = object.__new__(PacketSocket)  # a socket whose ring is this one
+    sock._ring, sock._block, sock._queued = ring, 0, []
+    out: list[RequestRecord] = []
+    failed = []
+
+    def emit(rec: RequestRecord) -> None:
+        if len(out) == 3 and not failed:  # once: the disk has room again for the final poll
+            failed.append(rec)
+            raise OSError(28, "No space left on device")
+        out.append(rec)
+
+    cap = CaptureSource(PORT, emit, lambda: -1.0)  # a clock before the first check (no socket to ask)
+    cap._sock = sock
+    with pytest.raises(OSError):
+        cap.poll()
+    assert cap.poll() == 0
+    assert [r.event for r in out] == ["arrive", "first_token", "token"]
+    assert struct.unpack_from("@I", ring, 8)[0] == 0  # back to the kernel

@@ -285,7 +285,7 @@ class PacketSocket:
     def ring_blocks(self) -> Iterator[tuple[mmap.mmap, int, int]]:
         """Each block the kernel has handed over, oldest first: (the ring, the offset of its first
         packet, its packet count). A block goes back to the kernel when the next one is asked for
-        (or the walk ends), so its packets are read in place."""
+        (or the walk ends or is abandoned), so its packets are read in place."""
         ring = self._ring
         if ring is None:
             return
@@ -295,9 +295,12 @@ class PacketSocket:
             status, n, off = block_unpack(ring, base + 8)
             if not status & TP_STATUS_USER:
                 break
-            yield ring, base + off, n
-            ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
-            self._block = (self._block + 1) % RING_BLOCKS
+            try:
+                yield ring, base + off, n
+            finally:
+                # handed back to the kernel even when reading it failed: never read twice
+                ring[base + 8:base + 12] = b"\0\0\0\0"
+                self._block = (self._block + 1) % RING_BLOCKS
 
     def _read_ring_segments(self) -> list[Segment]:
         out: list[Segment] = []
