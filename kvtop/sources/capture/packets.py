@@ -25,6 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from kvtop.sources.capture.opener import (
     HANDED_ENV,
@@ -238,6 +239,11 @@ class PacketSocket:
     def uses_ring(self) -> bool:
         return self._ring is not None
 
+    @property
+    def has_queued(self) -> bool:
+        """Frames read out of the socket's queue before the ring was set up, not yet decoded."""
+        return bool(self._queued)
+
     def read(self, limit: int = 512) -> list[tuple[float, bytes]]:
         """Up to ``limit`` packets from the socket's queue as (kernel wall-clock time, bytes from the
         IP header): the way in without a ring (a ring is read by ``read_segments``)."""
@@ -264,7 +270,7 @@ class PacketSocket:
         payload is copied out (the capture's commonest packet, one copy instead of two)."""
         ring = self._ring
         if ring is not None and not self._queued:
-            return self._read_ring_segments(ring)
+            return self._read_ring_segments()
         frames = self.read(512) if ring is None else self._queued
         self._queued = []
         out: list[Segment] = []
@@ -273,21 +279,35 @@ class PacketSocket:
             if d is not None:
                 out.append((ts, len(data), *d))
         if ring is not None:
-            out += self._read_ring_segments(ring)
+            out += self._read_ring_segments()
         return out
 
-    def _read_ring_segments(self, ring: mmap.mmap) -> list[Segment]:
-        out: list[Segment] = []
-        append = out.append
+    def ring_blocks(self) -> Iterator[tuple[mmap.mmap, int, int]]:
+        """Each block the kernel has handed over, oldest first: (the ring, the offset of its first
+        packet, its packet count). A block goes back to the kernel when the next one is asked for
+        (or the walk ends or is abandoned), so its packets are read in place."""
+        ring = self._ring
+        if ring is None:
+            return
         block_unpack = _BLOCK.unpack_from
-        pkt_unpack = _PKT.unpack_from
-        v4_unpack = _V4.unpack_from
         for _ in range(RING_BLOCKS):
             base = self._block * RING_BLOCK
             status, n, off = block_unpack(ring, base + 8)
             if not status & TP_STATUS_USER:
                 break
-            p = base + off
+            try:
+                yield ring, base + off, n
+            finally:
+                # handed back to the kernel even when reading it failed: never read twice
+                ring[base + 8:base + 12] = b"\0\0\0\0"
+                self._block = (self._block + 1) % RING_BLOCKS
+
+    def _read_ring_segments(self) -> list[Segment]:
+        out: list[Segment] = []
+        append = out.append
+        pkt_unpack = _PKT.unpack_from
+        v4_unpack = _V4.unpack_from
+        for ring, p, n in self.ring_blocks():
             for _ in range(n):
                 nxt, sec, nsec, snap, _len, _st, _mac, net = pkt_unpack(ring, p)
                 a = p + net
@@ -302,8 +322,6 @@ class PacketSocket:
                     if d is not None:
                         append((sec + nsec * 1e-9, snap, *d))
                 p += nxt
-            ring[base + 8:base + 12] = b"\0\0\0\0"  # hand the block back to the kernel
-            self._block = (self._block + 1) % RING_BLOCKS
         return out
 
     def stats(self) -> tuple[int, int]:

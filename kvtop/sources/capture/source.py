@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 from kvtop.model.records import Record, RequestRecord
+from kvtop.sources.capture.fastpath import drain_ring
 from kvtop.sources.capture.http import CaptureStats
 from kvtop.sources.capture.packets import PacketSocket
 from kvtop.sources.capture.tcp import Reassembler
@@ -72,20 +73,25 @@ class CaptureSource:
         seg = self.reassembler.segment
         off = self._offset
         st = self.stats
-        total = 0
-        while True:
-            segs = sock.read_segments()
-            if not segs:
-                break
-            total += len(segs)
-            nbytes = 0
-            for ts, size, src, sport, dst, dport, seq, ack, flags, payload in segs:
-                nbytes += size
-                seg(ts + off, src, sport, dst, dport, seq, ack, flags, payload)
-            st.packets += len(segs)
+        if sock.uses_ring and not sock.has_queued:
+            total, nbytes = drain_ring(sock.ring_blocks(), self.reassembler, off)
+            st.packets += total
             st.bytes += nbytes
-            if len(segs) < 512 or sock.uses_ring:
-                break
+        else:
+            total = 0
+            while True:
+                segs = sock.read_segments()
+                if not segs:
+                    break
+                total += len(segs)
+                nbytes = 0
+                for ts, size, src, sport, dst, dport, seq, ack, flags, payload in segs:
+                    nbytes += size
+                    seg(ts + off, src, sport, dst, dport, seq, ack, flags, payload)
+                st.packets += len(segs)
+                st.bytes += nbytes
+                if len(segs) < 512 or sock.uses_ring:
+                    break
         now = self.clock()
         if now >= self._next_stats:
             self._next_stats = now + STATS_INTERVAL_S
