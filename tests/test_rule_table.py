@@ -237,6 +237,33 @@ def test_a_rise_that_prompts_finished_before_the_stall_account_for_is_not_its_pr
     assert f is not None and f.lines[0] == "prompt tokens rose by 7000 around the stall"
 
 
+def test_prompts_the_engine_timed_outside_the_stall_do_not_explain_it():
+    """vLLM's per-request metrics time each prompt's prefill (first scheduled to first token). A
+    prompt the window counted whose prefill the engine ran after the stall was queued through it: it
+    neither keeps the rise as "in prefill" nor leaves its tokens to explain the stall (real vLLM, a
+    long prompt every 0.8 s: at 2.5x the decode step its rise had explained 47 of 74 other gaps of a
+    round held out from this change; after it, 2)."""
+    rise = {"tl": engine(prompt_steps={6.5: 6000.0}), "prefill_rate": 2000.0, **alone()}
+
+    def window(q_prefill: tuple[float, float] | None) -> StallIndex:
+        st = StallIndex()
+        st.first_token(ReqState("p", prompt_tokens=2000), 3.5)  # done before the stall
+        q = ReqState("q", prompt_tokens=4000, first_t=6.3, engine_prefill=q_prefill)
+        st.arrived(q, 3.8)
+        st.first_token(q, 6.3)
+        return st
+
+    # the engine prefilled q from 6.1 s to 6.3 s: with p, 6,000 of the window's 7,000 are accounted
+    # for elsewhere, and the 1,000 left are 0.5 s of prefill, under 30 % of the 1.98 s excess
+    assert ask("alone-prefill-checked", evidence(stalls=window((6.1, 6.3)), **rise)) is None
+    # without the engine's times q arrived before the stall and had no first token in it: in prefill
+    f = ask("alone-prefill-checked", evidence(stalls=window(None), **rise))
+    assert f is not None and f.lines[0] == "prompt tokens rose by 7000 around the stall"
+    # and so it was, by the engine's own times, from 5.0 s
+    f = ask("alone-prefill-checked", evidence(stalls=window((5.0, 6.3)), **rise))
+    assert f is not None and f.lines[0] == "prompt tokens rose by 7000 around the stall"
+
+
 def test_a_prompt_length_learned_after_the_first_token_sizes_it():
     """A text prompt's length reaches kvtop with the server's usage count on its last chunk, after
     its first token: a spike judged later sizes that first token with it."""

@@ -302,6 +302,7 @@ class Analyzer:
             # the engine worked on this prompt from first scheduled to its first token (which the
             # client saw at first_t, a little after the engine made it)
             self.prefill_spans.append((r.first_t - float(ttft), r.first_t, int(prompt), r.id, r.engine))
+            r.engine_prefill = (r.first_t - float(ttft), r.first_t)
 
     def name_engine(self, rid: str, engine: Any) -> None:
         """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""

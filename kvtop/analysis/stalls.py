@@ -241,9 +241,28 @@ class StallIndex:
                 break
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
+            sp = r.engine_prefill
+            if sp is not None and (sp[1] <= a or sp[0] >= b):
+                continue  # the engine's own times: it was queued, or done, all through [a, b]
             if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
                 return True
         return False
+
+    def prefilled_elsewhere(self, g: Gap, a: float, b: float) -> tuple[int, int]:
+        """First tokens (of the spike's engine) in (a, b] of prompts whose engine-timed prefill lies
+        outside the spike (vLLM's per-request metrics): how many, and their prompt tokens."""
+        ft = self.first_tokens
+        i = bisect_right(ft, (a, "\uffff"), self.ft_head)
+        n = tokens = 0
+        while i < len(ft) and ft[i][0] <= b:
+            r = ft[i][2]
+            sp = r.engine_prefill
+            if (sp is not None and r.prompt_tokens and (sp[1] <= g.t_start or sp[0] >= g.t_end)
+                    and not (self.multi and ft[i][3] != g.engine)):
+                n += 1
+                tokens += r.prompt_tokens
+            i += 1
+        return n, tokens
 
     def first_tokens_in(self, g: Gap, a: float, b: float) -> tuple[int, int, int]:
         """First tokens (of the spike's engine, its own stream's included) in [a, b]: how many, their

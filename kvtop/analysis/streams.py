@@ -107,6 +107,9 @@ class ReqState:
     events: int = 0  # token events (tokens / events: the stream's usual chunk size)
     watch: list[Pending] = field(default_factory=list)  # spikes of this stream still collecting their look-ahead
     engine: str | None = None  # the engine that served it (``engine_address`` of its record's engine)
+    # the engine's own prefill of its prompt (first scheduled to first token, vLLM's per-request
+    # metrics), on kvtop's clock; known once its finish record reports it
+    engine_prefill: tuple[float, float] | None = None
     timeline: Timeline | None = None  # the request view's part, while a Core lists the stream
 
     def tokens_per_event(self) -> float:

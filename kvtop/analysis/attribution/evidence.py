@@ -192,11 +192,19 @@ class Evidence:
     def prompts_done_before(self) -> tuple[int, int, int]:
         """Requests (this stream's own too) whose first token came after the prompt window's first
         scrape and no later than the token that opened the stall: prompts whose prefill was over
-        before it began (the prompt counter's rise over the window is theirs, at least in part). How
+        before it began (the prompt counter's rise over the window is theirs, at least in part); and
+        those counted later in the window that the engine's own times place outside the stall. How
         many, their prompt tokens, and how many of them have no known prompt length."""
         w = self.window
         a = w.t_base if w.t_base is not None else self.gap.t_start - self.scrape_interval
-        return self.stalls.first_tokens_in(self.gap, a, self.gap.t_start + BURST_S)
+        b = self.gap.t_start + BURST_S
+        n, tokens, unsized = self.stalls.first_tokens_in(self.gap, a, b)
+        if w.t_prompt_end is not None and w.t_prompt_end > b:
+            # and the prompts the window counted later whose prefill the engine itself timed
+            # elsewhere (vLLM's per-request metrics): queued through the stall, prefilled after it
+            m, more = self.stalls.prefilled_elsewhere(self.gap, b, w.t_prompt_end)
+            n, tokens = n + m, tokens + more
+        return n, tokens, unsized
 
     @cached_property
     def prefill_observed_in(self) -> bool:

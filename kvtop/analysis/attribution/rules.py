@@ -178,8 +178,9 @@ RULES: tuple[Rule, ...] = (
          "token that opened the stall came out of the step before it and do not count. Without a measured rate "
          "the first-token signal is taken as is (`prefill/shared`), and so is the jump. A counter rise counts "
          "only for what the prompts kvtop saw finish (first tokens, the stalled stream's own included) between "
-         "the window's first scrape and the stall's start leave of it (nothing, if one has no known length), "
-         "unless a request it sees was waiting for its first token during the stall"),
+         "the window's first scrape and the stall's start, and those the engine's own times (vLLM's per-request "
+         "metrics) place outside the stall, leave of it (nothing, if one has no known length), unless a request "
+         "it sees was waiting for its first token during the stall (by the engine's times, where it gave them)"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "

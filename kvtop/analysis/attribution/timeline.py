@@ -27,6 +27,7 @@ class EngineWindow:
     intervals: int = 0  # scrape intervals the prompt increase spans
     t_base: float | None = None  # the scrape the gauges are compared with (at or before the start)
     t_state: float | None = None  # the last scrape read for gauges
+    t_prompt_end: float | None = None  # the last scrape the prompt increase reaches
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -317,6 +318,8 @@ class EngineTimeline:
             if i1 - 1 > i0:
                 out.prompt_delta += k.prompt[i1 - 1] - k.prompt[i0]
                 out.intervals += i1 - 1 - i0
+                te = k.t[i1 - 1]
+                out.t_prompt_end = te if out.t_prompt_end is None else max(out.t_prompt_end, te)
         return out
 
     def prompt_at(self, t: float) -> float | None:
