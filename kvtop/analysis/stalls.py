@@ -231,6 +231,21 @@ class StallIndex:
             i += 1
         return None
 
+    def resuming_after(self, g: Gap, a: float, b: float) -> int:
+        """Other streams, silent since before the spike began, whose silence ended in (a, b] and
+        after the spike's end: waiting victims that an engine counting at resume counts later."""
+        lg = self.long
+        i = self._long_ending_from(max(a, g.t_end))
+        seen: set[str] = set()
+        multi, eng = self.multi, g.engine
+        while i < len(lg) and lg[i].t_end <= b:
+            q = lg[i]
+            if (q.t_end > g.t_end and q.t_end > a and q.t_start < g.t_start and q.request_id != g.request_id
+                    and not (multi and q.engine != eng)):
+                seen.add(q.request_id)
+            i += 1
+        return len(seen)
+
     def prefilling(self, g: Gap, a: float, b: float) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
         its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill

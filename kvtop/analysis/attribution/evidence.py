@@ -249,6 +249,14 @@ class Evidence:
             t = self.timeline.claim_counter(self.gap.t_start, self.gap.t_end, self.tol)
             return None if t is None else (t, self.scrape_interval)
         lo, hi, at = self.counter_window()
+        if self.counted_at == "resume" and self.resumed:
+            # the engine counts each victim as it resumes: streams silent since before this stall
+            # began that resume after it inside the same scrape interval own its units first (their
+            # spikes are judged after this one; a short stall would take the unit a waiting victim's
+            # resume stepped)
+            st = self.timeline.unit_in(lo, hi, at)
+            if st is not None and self.stalls.resuming_after(self.gap, st[0], st[1]) >= st[2]:
+                return None
         return self.timeline.claim_in(lo, hi, at)
 
     def counter_delta(self) -> float:

@@ -190,6 +190,14 @@ class EngineTimeline:
         nearest to ``at`` first; returns (t, interval length). The interval bounds when the counter
         really moved: a step read 5 s after a stall, from an interval that began after it, is
         somebody else's."""
+        best = self.unit_in(lo, hi, at)
+        if best is None:
+            return None
+        best[2] -= 1
+        return best[1], best[1] - best[0]
+
+    def unit_in(self, lo: float, hi: float, at: float) -> list[float] | None:
+        """The scrape interval ``claim_in`` would take a unit from: [t_prev, t, units left, units]."""
         best = None
         best_d = 0.0
         for st in self.steps:
@@ -204,10 +212,7 @@ class EngineTimeline:
             d = 0.0 if st[0] <= at <= st[1] else min(abs(st[0] - at), abs(st[1] - at))
             if best is None or d < best_d:
                 best, best_d = st, d
-        if best is None:
-            return None
-        best[2] -= 1
-        return best[1], best[1] - best[0]
+        return best
 
     def steps_in(self, lo: float, hi: float) -> float:
         """Counter units (claimed or not) read in scrape intervals that overlap [lo, hi]."""
