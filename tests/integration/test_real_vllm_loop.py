@@ -31,7 +31,7 @@ def _arrival_span(path) -> float:
 def _replay(src, url: str, out_path) -> list[float]:
     """``kvtop load --from`` the recording; the arrival spans of its tries. A replay that did not offer
     the recorded arrivals (the eight within a few ms) is run once more, and `compare` rightly calls such
-    a pair not comparable; a second miss fails. On this 2-core VM, 2 of 28 replays by hand (2026-12-02)
+    a pair not comparable; a second miss fails. On this 2-core VM, 3 of 36 replays by hand (2026-12-02)
     recorded all but the first arrival 1.1-1.8 s late. A packet capture on loopback of one: the
     client sent all eight requests within 3 ms; the proxy, which stamps an arrival when its handler
     runs, forwarded none of them for 1.8 s, and vLLM sent nothing on the one stream it served from
