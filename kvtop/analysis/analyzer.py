@@ -72,9 +72,9 @@ class Analyzer:
         # the engines' own step logs (``step`` records from a witness), one per engine address
         self.witness: dict[str | None, StepIndex] = {}
         self.witnessed_spikes = 0
-        # other requests' prefills as the engine timed them (vLLM per-request metrics: first scheduled
-        # to first token): (start, end, prompt tokens, request id, engine), by end
-        self.prefill_spans: deque[tuple[float, float, int, str, str | None]] = deque()
+        # requests whose prefill the engine timed (vLLM per-request metrics: first scheduled to first
+        # token, their ``engine_prefill``), with their prompt tokens, by the prefill's end
+        self.prefill_spans: deque[tuple[ReqState, int]] = deque()
         self._hold_cache: tuple[float, float | None] = (float("-inf"), None)  # (asked at, hold line)
         self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
@@ -301,8 +301,8 @@ class Analyzer:
         if isinstance(ttft, (int, float)) and ttft > 0 and r.first_t is not None and prompt:
             # the engine worked on this prompt from first scheduled to its first token (which the
             # client saw at first_t, a little after the engine made it)
-            self.prefill_spans.append((r.first_t - float(ttft), r.first_t, int(prompt), r.id, r.engine))
             r.engine_prefill = (r.first_t - float(ttft), r.first_t)
+            self.prefill_spans.append((r, int(prompt)))
 
     def name_engine(self, rid: str, engine: Any) -> None:
         """The engine that serves stream ``rid`` (a request record's ``engine``), before its first token."""
@@ -426,11 +426,16 @@ class Analyzer:
     def prefill_span(self, g: Gap) -> tuple[float, float, int, str] | None:
         """Another request's engine-timed prefill covering at least half of stall ``g`` (the longest prompt)."""
         best = None
-        for a, b, prompt, rid, eng in self.prefill_spans:
-            if rid == g.request_id or (g.engine is not None and eng is not None and eng != g.engine):
+        for r, prompt in self.prefill_spans:
+            eng = r.engine
+            if r.id == g.request_id or (g.engine is not None and eng is not None and eng != g.engine):
                 continue
+            sp = r.engine_prefill  # set before it was queued here
+            if sp is None:
+                continue
+            a, b = sp
             if min(b, g.t_end) - max(a, g.t_start) >= 0.5 * g.gap and (best is None or prompt > best[2]):
-                best = (a, b, prompt, rid)
+                best = (a, b, prompt, r.id)
         return best
 
     def finish(self) -> None:
@@ -452,8 +457,9 @@ class Analyzer:
             tl.prune(keep_from - 60.0)
         for idx in self.witness.values():
             idx.prune(keep_from - 60.0)
-        while self.prefill_spans and self.prefill_spans[0][1] < keep_from - 60.0:
-            self.prefill_spans.popleft()
+        spans = self.prefill_spans
+        while spans and (spans[0][0].engine_prefill or (0.0, keep_from))[1] < keep_from - 60.0:
+            spans.popleft()
 
     def timeline_for(self, engine: str | None) -> EngineTimeline:
         """The engine records that speak for a stream of ``engine`` (its address, or None).

@@ -150,17 +150,16 @@ def run_figures(path: str | Sequence[str], ttft_target_s: float | None,
     first = analyze_trace(paths[0], itl_target_s=itl_target_s)
     itl_t = itl_target_s if itl_target_s is not None else first.itl_target_s
     fig = RunFigures(paths[0], itl_target_s=itl_t, runs=paths)
-    hist = _Hists(LogHistogram(), LogHistogram(), LogHistogram())
-    prompt = [0, 0]  # sum, count
+    pool = _Pool()
     for k, p in enumerate(paths):
         report = first if k == 0 else analyze_trace(p, itl_target_s=itl_t)
-        _read_run(fig, p, ttft_target_s, itl_t, hist, prompt)
+        _read_run(fig, p, ttft_target_s, itl_t, pool)
         for cause, secs in (report.finite().over_target_s or {}).items():
             fig.over_target_s[cause] = fig.over_target_s.get(cause, 0.0) + secs
-    fig.prompt_mean = prompt[0] / prompt[1] if prompt[1] else None
-    fig.ttft_p50_s, fig.ttft_p99_s = hist.ttft.quantile(0.5), hist.ttft.quantile(0.99)
-    fig.itl_p50_s, fig.itl_p99_s = hist.itl.quantile(0.5), hist.itl.quantile(0.99)
-    fig.e2e_p50_s, fig.e2e_p99_s = hist.e2e.quantile(0.5), hist.e2e.quantile(0.99)
+    fig.prompt_mean = pool.prompt_sum / pool.prompt_n if pool.prompt_n else None
+    fig.ttft_p50_s, fig.ttft_p99_s = pool.ttft.quantile(0.5), pool.ttft.quantile(0.99)
+    fig.itl_p50_s, fig.itl_p99_s = pool.itl.quantile(0.5), pool.itl.quantile(0.99)
+    fig.e2e_p50_s, fig.e2e_p99_s = pool.e2e.quantile(0.5), pool.e2e.quantile(0.99)
     fin = first.finite()
     if fin.verdict is not None:
         v = fin.verdict
@@ -169,22 +168,25 @@ def run_figures(path: str | Sequence[str], ttft_target_s: float | None,
     return fig
 
 
-@dataclass(frozen=True, slots=True)
-class _Hists:
-    itl: LogHistogram
-    ttft: LogHistogram
-    e2e: LogHistogram
+@dataclass(slots=True)
+class _Pool:
+    """What the runs of one side add up to beyond ``RunFigures``' counts: the gaps and prompt sizes."""
+
+    itl: LogHistogram = field(default_factory=LogHistogram)
+    ttft: LogHistogram = field(default_factory=LogHistogram)
+    e2e: LogHistogram = field(default_factory=LogHistogram)
+    prompt_sum: int = 0
+    prompt_n: int = 0
 
 
-def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: float | None, hist: _Hists,
-              prompt: list[int]) -> None:
+def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: float | None, pool: _Pool) -> None:
     """Adds one trace's requests to ``fig`` (its engine counters and its span are its own)."""
     try:
         reader = TraceReader(path)
     except TraceError as e:
         raise ValueError(str(e)) from None
     open_: dict[str, _Req] = {}
-    itl, ttft, e2e = hist.itl, hist.ttft, hist.e2e
+    itl, ttft, e2e = pool.itl, pool.ttft, pool.e2e
     t_first = t_last = None
     t_end: float | None = None  # the last event of an offered request
     counters: dict[tuple[Any, Any], tuple[float, float]] = {}  # engine -> (last value, increases)
@@ -214,8 +216,8 @@ def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: fl
             fig.classes[name] = fig.classes.get(name, 0) + 1
             p = d.get("prompt_tokens")
             if isinstance(p, int) and p > 0:
-                prompt[0] += p
-                prompt[1] += 1
+                pool.prompt_sum += p
+                pool.prompt_n += 1
             t_first = t if t_first is None else t_first
             t_last = t
             t_end = float(t) if t_end is None else max(t_end, float(t))
