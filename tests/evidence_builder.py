@@ -10,8 +10,10 @@ rule looks at.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from kvtop.analysis.asof import Cutoff
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.evidence import Evidence, FirstToken
 from kvtop.analysis.attribution.spike import Spike
@@ -82,7 +84,7 @@ def evidence(g: Gap | None = None, tl: EngineTimeline | None = None, **kw: Any) 
         "active_others": 7, "co_stalled": 0, "co_fresh": 0, "co_together": 0, "co_gap_median": None,
         "prev_spike": None, "first_token": None, "typical_prompt_delta": tl.typical_prompt_delta(),
         "prefill_rate": None, "scrape_interval": si, "target": TARGET, "has_counter": tl.has_counter,
-        "tol": 1.5 * si + 0.25, "stalls": StallIndex(),
+        "tol": 1.5 * si + 0.25, "stalls": StallIndex(), "cut": Cutoff(math.inf, math.inf),  # knows it all
     }
     fields.update(kw)
     return Evidence(gap=g, timeline=tl, **fields)

@@ -4,10 +4,12 @@ answers, in table order."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
 
+from kvtop.analysis.asof import Cutoff, cutoff
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
@@ -17,6 +19,8 @@ from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.stalls import StallIndex
 from kvtop.analysis.streams import ReqState
 from tests.evidence_builder import alone, engine, evidence, first_token, gap, judged, shared, victim_resumed
+
+KNOWS_ALL = Cutoff(math.inf, math.inf)  # a judgement that may know every fact told so far
 
 
 def row(key: str) -> Rule:
@@ -164,9 +168,9 @@ def test_first_tokens_delivered_with_the_token_that_opened_a_stall_are_not_at_it
     for rid, t in (("p", 1.8216), ("q", 1.8218)):
         st.first_token(ReqState(rid), t)
     g = gap(t_start=1.8215, length=0.033, stream_baseline=0.016, fast_baseline=0.004)
-    assert st.first_token_near(g, None, BURST_S) is None
+    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) is None
     st.first_token(ReqState("s", prompt_tokens=60), 1.8542)  # admitted in the step that ended it
-    assert st.first_token_near(g, None, BURST_S) == ("s", 60, 60, 1)
+    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("s", 60, 60, 1)
 
 
 def test_alone_prefill():
@@ -271,10 +275,16 @@ def test_a_prompt_length_learned_after_the_first_token_sizes_it():
     s_req = ReqState("s")
     st.first_token(s_req, 6.01)
     g = gap()
-    assert st.first_token_near(g, None, BURST_S) == ("s", None, 0, 1)
-    s_req.prompt_tokens = 60
-    assert st.first_token_near(g, None, BURST_S) == ("s", 60, 60, 1)
-    assert st.first_tokens_in(g, 5.0, 7.0) == (1, 60, 0)
+    cut = cutoff(g, 2.5, math.inf)
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1)
+    s_req.prompt_tokens, s_req.prompt_t = 60, g.t_end + 1.0  # told by its finish, a second after the stall
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", 60, 60, 1)
+    assert st.first_tokens_in(g, 5.0, 7.0, cut) == (1, 60, 0)
+    # told after the spike's cut-off: its judgement does not know it, whenever it is made (the live
+    # path judges it a settle time after its end, `analyze` perhaps a block of records later)
+    s_req.prompt_t = cut.facts + 0.5
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1)
+    assert st.first_tokens_in(g, 5.0, 7.0, cut) == (1, 0, 1)
 
 
 def test_lone_preemption_counter():
@@ -562,4 +572,4 @@ def test_the_arrivals_index_keeps_only_the_evidence_horizon():
     assert [t for t, _ in st.arrivals] == [2.0 + k for k in range(148, 200)]
     # and a request arrived inside the horizon, still waiting for its first token, is still seen
     st.arrived(ReqState("waiting"), 201.0)
-    assert st.prefilling(gap(t_start=201.5, length=0.5), 201.5, 202.0)
+    assert st.prefilling(gap(t_start=201.5, length=0.5), 201.5, 202.0, KNOWS_ALL)

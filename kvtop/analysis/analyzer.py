@@ -4,7 +4,8 @@ One ``Analyzer`` serves both uses: ``kvtop analyze`` streams a trace through it 
 ``finish()``; the live console feeds it record by record and calls ``tick(now)`` (via
 ``LiveAnalyzer``). A spike is attributed once the evidence window after it has passed
 (``settle`` seconds: the engine is scraped about once a second and vLLM counts a preemption only
-when the victim resumes), so both paths see the same evidence and give the same answers.
+when the victim resumes), and it reads what was known by its cut-offs (``asof``): the fast path,
+which judges a whole block at once, and the live path give the same answers.
 Memory is bounded: evidence older than ``horizon_s`` is dropped; per-request state is capped.
 
 Per-stream gap state lives in ``GapTracker`` (``self.gaps``), what other streams did in its
@@ -14,18 +15,27 @@ the evidence for one spike is gathered by ``attribution.gather`` and judged by `
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from kvtop.analysis import gaps as G
+from kvtop.analysis.asof import (
+    MIN_SETTLE_S,
+    PREFILL_HOLD_S,
+    Cutoff,
+    RunningMedian,
+    cutoff,
+    engine_prefill_of,
+    known_by,
+)
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
-from kvtop.analysis.attribution.request_times import RequestTimes
+from kvtop.analysis.attribution.request_times import RequestTimes, rate_sample
 from kvtop.analysis.attribution.spike import Spike
-from kvtop.analysis.attribution.thresholds import PREFILL_HOLD_S
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
@@ -35,9 +45,6 @@ from kvtop.analysis.tally import Tally
 from kvtop.analysis.witness import Account, StepIndex
 from kvtop.model.engine_id import engine_address
 
-# a spike is judged at least this long after its end: the per-record paths test it before asking
-# ``settle`` (a median over the scrape intervals) on every token while a spike waits
-MIN_SETTLE_S = 2.0
 HOLD_REFRESH_S = 0.1  # the prefill hold line is recomputed at most this often (trace seconds)
 
 CAUSES = tuple(c.value for c in ALL)
@@ -75,6 +82,7 @@ class Analyzer:
         # requests whose prefill the engine timed (vLLM per-request metrics: first scheduled to first
         # token, their ``engine_prefill``), with their prompt tokens, by the prefill's end
         self.prefill_spans: deque[tuple[ReqState, int]] = deque()
+        self.engine_times_from = math.inf  # the first finish record that carried them (``asof.cutoff``)
         self._hold_cache: tuple[float, float | None] = (float("-inf"), None)  # (asked at, hold line)
         self.spikes: deque[Spike] = deque(maxlen=keep_spikes)  # judged spikes, the latest keep_spikes
         self.cause_counts: dict[Cause, int] = dict.fromkeys(ALL, 0)
@@ -91,9 +99,9 @@ class Analyzer:
         self.scrapes: deque[Scrape] = deque(maxlen=50_000)
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
-        self._rate_cache: tuple[int, float | None] | None = None
-        self._eng_rate: dict[str, LogHistogram] = {}  # the same, per engine (streams that name theirs)
-        self._eng_rate_cache: dict[str, tuple[int, float | None]] = {}
+        # prompt tokens / observed TTFT (prompts of 256 tokens or more): its median as of each refresh
+        self._ttft_rate: RunningMedian[LogHistogram] = RunningMedian(self.acc.ttft_rate_hist, min_n=5, step=4)
+        self._eng_rate: dict[str, RunningMedian[LogHistogram]] = {}  # the same, per engine (streams that name theirs)
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
         self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
         # hears every engine, GPU and host line as it goes in (the HTML report's history charts),
@@ -229,18 +237,19 @@ class Analyzer:
                 gt.stalls.arrived(r, t)
             fold_arrive(r, t, cls)
             if prompt is not None:
-                self._prompt(r, prompt)
+                self._prompt(r, prompt, t)
         elif ev == "first_token":
             if prompt is not None and r.prompt_tokens is None:
                 r.prompt_tokens = int(prompt)
+                r.prompt_t = t
             if gt.first_token(r, t):
                 if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
-                    acc.ttft_rate_hist.add(r.prompt_tokens / (t - r.arrive_t))
+                    self._ttft_rate.add(r.prompt_tokens / (t - r.arrive_t), t)
                     if r.engine is not None:
                         eh = self._eng_rate.get(r.engine)
                         if eh is None:
-                            eh = self._eng_rate[r.engine] = LogHistogram(lo=1.0, bins=1000)
-                        eh.add(r.prompt_tokens / (t - r.arrive_t))
+                            eh = self._eng_rate[r.engine] = rate_sample()
+                        eh.add(r.prompt_tokens / (t - r.arrive_t), t)
             if not tokens_done:  # the fast path has already counted it and its gap
                 # a token event; a second "first_token" (resumed streams in some proxies) is still a gap
                 gt.token(rid, t, n)
@@ -251,7 +260,7 @@ class Analyzer:
         elif ev in ("finish", "cancel", "error"):
             if ev == "finish" and prompt is not None and r.prompt_tokens is None:
                 # a text prompt's length is known only from the usage block at its finish
-                self._prompt(r, prompt)
+                self._prompt(r, prompt, t)
             if gt.end(r, t, ev):
                 if r.arrive_t is not None:
                     acc.inflight = max(0, acc.inflight - 1)
@@ -275,8 +284,8 @@ class Analyzer:
                 r.engine_preempts.append(t)
         self._advance(t)
 
-    def _prompt(self, r: ReqState, prompt: Any) -> None:
-        """A request's prompt length, counted once into the measured prompt sizes."""
+    def _prompt(self, r: ReqState, prompt: Any, t: float) -> None:
+        """A request's prompt length (told at ``t``), counted once into the measured prompt sizes."""
         try:
             p = int(prompt)
         except (TypeError, ValueError, OverflowError):
@@ -284,6 +293,7 @@ class Analyzer:
         if p <= 0:
             return
         r.prompt_tokens = p
+        r.prompt_t = t
         acc = self.acc
         acc.prompt_hist.add(max(1.0, float(p)))
         acc.prompt_sum += p
@@ -302,6 +312,8 @@ class Analyzer:
             # the engine worked on this prompt from first scheduled to its first token (which the
             # client saw at first_t, a little after the engine made it)
             r.engine_prefill = (r.first_t - float(ttft), r.first_t)
+            r.engine_prefill_t = float(d["t"])
+            self.engine_times_from = min(self.engine_times_from, r.engine_prefill_t)
             self.prefill_spans.append((r, int(prompt)))
 
     def name_engine(self, rid: str, engine: Any) -> None:
@@ -404,8 +416,9 @@ class Analyzer:
         """Spikes that end after this wait (up to ``PREFILL_HOLD_S``) for evidence still to come: the
         engine's step log, where a witness runs, until it reaches them (its steps reach a trace a
         poll or two late); and once the run has engine-timed prefills, the report of a prefill they may
-        lie in (the earliest arrival of a stream with no first token yet, or one within the hold and
-        not finished). None: nothing to wait for."""
+        lie in or whose prompt its window counted (a settle time before the earliest arrival of a
+        stream with no first token yet, or of one within the hold and not finished). None: nothing
+        to wait for."""
         if not self.prefill_spans and not self.witness:
             return None
         asked, line = self._hold_cache
@@ -415,22 +428,26 @@ class Analyzer:
         if self.witness:
             line = min(idx.latest for idx in self.witness.values())
         if self.prefill_spans:
+            # a stream that arrives up to a settle time after a spike may still have its prompt
+            # counted in the spike's window (``Evidence.prompts_done_before``)
+            margin = self.settle
             for r in self.gaps.reqs.values():
                 if r.end_t is not None or r.arrive_t is None:
                     continue
                 if r.first_t is None or now - r.first_t <= PREFILL_HOLD_S:
-                    line = r.arrive_t if line is None else min(line, r.arrive_t)
+                    t = r.arrive_t - margin
+                    line = t if line is None else min(line, t)
         self._hold_cache = (now, line)
         return line
 
-    def prefill_span(self, g: Gap) -> tuple[float, float, int, str] | None:
+    def prefill_span(self, g: Gap, cut: Cutoff) -> tuple[float, float, int, str] | None:
         """Another request's engine-timed prefill covering at least half of stall ``g`` (the longest prompt)."""
         best = None
         for r, prompt in self.prefill_spans:
             eng = r.engine
             if r.id == g.request_id or (g.engine is not None and eng is not None and eng != g.engine):
                 continue
-            sp = r.engine_prefill  # set before it was queued here
+            sp = engine_prefill_of(r, cut)
             if sp is None:
                 continue
             a, b = sp
@@ -457,6 +474,9 @@ class Analyzer:
             tl.prune(keep_from - 60.0)
         for idx in self.witness.values():
             idx.prune(keep_from - 60.0)
+        for m in (gt.median, self._ttft_rate, *self._eng_rate.values(), self.request_times.rate,
+                  *self.request_times.by_engine.values()):
+            m.history.prune(keep_from - 60.0)
         spans = self.prefill_spans
         while spans and (spans[0][0].engine_prefill or (0.0, keep_from))[1] < keep_from - 60.0:
             spans.popleft()
@@ -480,9 +500,13 @@ class Analyzer:
     def _attribute(self, g: Gap) -> None:
         r = self.gaps.reqs.get(g.request_id)
         gt = self.gaps
-        ev = gather(g, gt.stalls, gt.median_gap(), gt.itl_target_s, self.timeline_for(g.engine), self.preempts, self.settle, r.engine_preempts if r else None,
-                    self.counted_at, self.prefill_rate(g.engine), r.last_spike if r else None,
-                    witness=self.witness_account(g), prefill_span=self.prefill_span(g) if self.prefill_spans else None)
+        # read as of the spike's cut-offs, not as of now: the same judgement on either path, whenever made
+        settle = max(MIN_SETTLE_S, 2.0 * self.timeline.interval_at(known_by(g)) + 0.5)
+        cut = cutoff(g, settle, self.engine_times_from)
+        ev = gather(g, gt.stalls, gt.median_gap(cut.facts), gt.itl_target_s, self.timeline_for(g.engine), self.preempts,
+                    settle, cut, r.engine_preempts if r else None, self.counted_at, self.prefill_rate(g.engine, cut.facts),
+                    r.last_spike if r else None, witness=self.witness_account(g),
+                    prefill_span=self.prefill_span(g, cut) if self.prefill_spans else None)
         f = classify(ev)
         if f.kind == "witness":
             self.witnessed_spikes += 1
@@ -519,32 +543,22 @@ class Analyzer:
             if p >= 512 and g.gap > base and len(acc.prefill_a) < 5000:
                 acc.prefill_a.append((g.gap - base) / p)
 
-    def prefill_rate(self, engine: str | None = None) -> float | None:
+    def prefill_rate(self, engine: str | None = None, t: float = math.inf) -> float | None:
         """A low estimate of the prefill rate: the median of prompt tokens / TTFT (TTFT
         includes queueing and the decode work of the same steps, so the true rate is higher). A
         prompt that this rate cannot make explain a stall certainly does not explain it.
         ``engine``: that engine's own rate (engines differ: another's faster prefill explains nothing).
         Where the engine reports its own per-request times, prompt tokens / the engine's TTFT is
-        used instead: still a low estimate, without the queueing (``RequestTimes``)."""
+        used instead: still a low estimate, without the queueing (``RequestTimes``). As known at
+        trace time ``t`` (by default: now)."""
         named = engine if self.gaps.stalls.multi else None
-        measured = self.request_times.prefill_rate(named)
+        measured = self.request_times.prefill_rate(named, t)
         if measured is not None:
             return measured
         if named is not None:
             h = self._eng_rate.get(named)
-            if h is None or h.n < 5:
-                return None
-            c = self._eng_rate_cache.get(named)
-            if c is None or h.n - c[0] > max(4, c[0] // 100):
-                c = self._eng_rate_cache[named] = (h.n, h.quantile(0.5))
-            return c[1]
-        h = self.acc.ttft_rate_hist
-        if h.n < 5:
-            return None
-        c = self._rate_cache
-        if c is None or h.n - c[0] > max(4, c[0] // 100):  # refreshed as the sample grows by 1 %
-            c = self._rate_cache = (h.n, h.quantile(0.5))
-        return c[1]
+            return None if h is None else h.at(t)
+        return self._ttft_rate.at(t)
 
     # ---- results --------------------------------------------------------------------------
     def state(self) -> AnalysisState:

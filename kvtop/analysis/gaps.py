@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtop.analysis.asof import RunningMedian
 from kvtop.analysis.stalls import StallIndex
 from kvtop.analysis.streams import RECENT, ReqState, StreamStore, fold_end, fold_resync, fold_token
 
@@ -220,7 +221,8 @@ class GapTracker:
         # a stream dropped from the store (capped) is no longer live for the co-stall search
         self.streams = StreamStore(max_requests, on_drop=self.stalls.forget)
         self.reqs = self.streams.by_id  # the hot paths look streams up here directly
-        self._median_cache: tuple[int, float | None] | None = None
+        # the run's median gap as of each refresh: a spike reads it as of its cut-off (``asof``)
+        self.median: RunningMedian[LogHistogram] = RunningMedian(self.hist)
         self._batch_marks: tuple[int, int] | None = None
 
     # ---- per-stream state --------------------------------------------------------------------
@@ -245,6 +247,8 @@ class GapTracker:
                 ng = self.n_gaps = self.n_gaps + 1
                 if not ng & 7:
                     self.hist.add(g)
+                    if self.hist.n >= self.median.next_n:
+                        self.median.added(t)
                 r.recent.append(g)
                 r.calm.append(g)
             r.recent_n.append(k)
@@ -265,6 +269,8 @@ class GapTracker:
         else:
             if not self.n_gaps & 7:
                 self.hist.add(g)
+                if self.hist.n >= self.median.next_n:
+                    self.median.added(t)
             if g >= LONG_FRACTION * tgt:
                 p = self._keep(_stream_gap(r, lt, t, g, ended_by, chunk_n), tgt)
                 if p is not None and ended_by == "token":
@@ -279,6 +285,8 @@ class GapTracker:
         med = vals[len(vals) // 2] if vals else None
         for x in self.warm:
             self.hist.add(x.gap)
+        if self.warm:
+            self.median.added(self.warm[-1].t_end)
         if med:
             self.itl_target_s = self.k * med
             self.target_source = f"derived: {self.k:g} x median gap of the first {len(vals)} gaps"
@@ -381,7 +389,8 @@ class GapTracker:
             file_valid = valid[pos]
             gfile = gaps[pos][file_valid]
             k = np.arange(self.n_gaps + 1, self.n_gaps + 1 + len(gfile))
-            self.hist.add_array(gfile[(k & 7) == 0])
+            sampled = (k & 7) == 0
+            self._sample(gfile[sampled], ts[file_valid][sampled])
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
         gz = np.where(valid, gaps, -np.inf)  # a stream's first event has no gap
@@ -444,15 +453,25 @@ class GapTracker:
             r.recent_n.extend(tail_n[a:b])
             r.calm.extend(calm_g[ca:cb])
 
+    def _sample(self, g: Any, t: Any) -> None:
+        """Gaps of the median's sample (file order) closed at times ``t``: added as ``token`` adds
+        them one by one, the median refreshed at the same sample sizes."""
+        i = 0
+        m = self.median
+        while i < len(g):
+            j = i + max(1, m.next_n - self.hist.n)
+            if j > len(g):
+                self.hist.add_array(g[i:])
+                return
+            self.hist.add_array(g[i:j])
+            m.added(float(t[j - 1]))
+            i = j
+
     # ---- queries -----------------------------------------------------------------------------
-    def median_gap(self) -> float | None:
-        n = self.hist.n
-        if n:
-            c = self._median_cache
-            # the median moves slowly: refresh it when the sample grew by 1 %
-            if c is None or n - c[0] > max(64, c[0] // 100):
-                c = self._median_cache = (n, self.hist.quantile(0.5))
-            return c[1]
+    def median_gap(self, t: float = math.inf) -> float | None:
+        """The run's median gap as known at trace time ``t`` (by default: now)."""
+        if self.hist.n:
+            return self.median.at(t)
         if self.warm:
             vals = sorted(x.gap for x in self.warm)
             return vals[len(vals) // 2]

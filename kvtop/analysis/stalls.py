@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvtop.analysis.asof import Cutoff, engine_prefill_of, prompt_of
 from kvtop.analysis.streams import ReqState
 
 if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
@@ -246,7 +247,7 @@ class StallIndex:
             i += 1
         return len(seen)
 
-    def prefilling(self, g: Gap, a: float, b: float) -> bool:
+    def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
         its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill
         of a long prompt between slow decode steps can take longer than its length at the measured
@@ -256,14 +257,14 @@ class StallIndex:
                 break
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
-            sp = r.engine_prefill
+            sp = engine_prefill_of(r, cut)
             if sp is not None and (sp[1] <= a or sp[0] >= b):
                 continue  # the engine's own times: it was queued, or done, all through [a, b]
             if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
                 return True
         return False
 
-    def prefilled_elsewhere(self, g: Gap, a: float, b: float) -> tuple[int, int]:
+    def prefilled_elsewhere(self, g: Gap, a: float, b: float, cut: Cutoff) -> tuple[int, int]:
         """First tokens (of the spike's engine) in (a, b] of prompts whose engine-timed prefill lies
         outside the spike (vLLM's per-request metrics): how many, and their prompt tokens."""
         ft = self.first_tokens
@@ -271,15 +272,16 @@ class StallIndex:
         n = tokens = 0
         while i < len(ft) and ft[i][0] <= b:
             r = ft[i][2]
-            sp = r.engine_prefill
-            if (sp is not None and r.prompt_tokens and (sp[1] <= g.t_start or sp[0] >= g.t_end)
+            sp = engine_prefill_of(r, cut)
+            p = prompt_of(r, cut)
+            if (sp is not None and p and (sp[1] <= g.t_start or sp[0] >= g.t_end)
                     and not (self.multi and ft[i][3] != g.engine)):
                 n += 1
-                tokens += r.prompt_tokens
+                tokens += p
             i += 1
         return n, tokens
 
-    def first_tokens_in(self, g: Gap, a: float, b: float) -> tuple[int, int, int]:
+    def first_tokens_in(self, g: Gap, a: float, b: float, cut: Cutoff) -> tuple[int, int, int]:
         """First tokens (of the spike's engine, its own stream's included) in [a, b]: how many, their
         prompt tokens, and how many of them came without a prompt length."""
         ft = self.first_tokens
@@ -288,7 +290,7 @@ class StallIndex:
         while i < len(ft) and ft[i][0] <= b:
             if not (self.multi and ft[i][3] != g.engine):
                 n += 1
-                p = ft[i][2].prompt_tokens
+                p = prompt_of(ft[i][2], cut)
                 if p:
                     tokens += p
                 else:
@@ -296,7 +298,7 @@ class StallIndex:
             i += 1
         return n, tokens, unsized
 
-    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float) -> tuple[str, int | None, int, int] | None:
+    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float, cut: Cutoff) -> tuple[str, int | None, int, int] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
         its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
         engine step get their first tokens together, and the step's length is their sum. Close: within
@@ -313,7 +315,7 @@ class StallIndex:
         multi, eng = self.multi, g.engine
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
             t, rid, r, e = ft[i]
-            p = r.prompt_tokens
+            p = prompt_of(r, cut)
             if rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng):
                 total += p or 0
                 n += 1

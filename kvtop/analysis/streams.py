@@ -110,6 +110,10 @@ class ReqState:
     # the engine's own prefill of its prompt (first scheduled to first token, vLLM's per-request
     # metrics), on kvtop's clock; known once its finish record reports it
     engine_prefill: tuple[float, float] | None = None
+    # when the prompt length and the engine's prefill became known (the trace time of the record
+    # that told): a spike's judgement reads only what was known by its cut-off (``asof``)
+    prompt_t: float = -math.inf
+    engine_prefill_t: float = -math.inf
     timeline: Timeline | None = None  # the request view's part, while a Core lists the stream
 
     def tokens_per_event(self) -> float:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from kvtop.analysis.asof import Cutoff
 from kvtop.analysis.attribution.causes import Cause, Finding
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.thresholds import (
@@ -69,6 +70,7 @@ class Evidence:
     tol: float  # how far after the stall a counter step still belongs to it (engines of unknown semantics)
     timeline: EngineTimeline  # engine records; counter units are claimed from it (a spike consumes what it claims)
     stalls: StallIndex  # the other streams
+    cut: Cutoff  # what this judgement may know of what came after the stall (``asof``)
     witness: Account | None = None  # the engine's own step log for this stall (a witness ran)
     # another request's prefill, engine-timed, covering at least half the stall: (start, end, prompt, id)
     prefill_span: tuple[float, float, int, str] | None = None
@@ -198,18 +200,18 @@ class Evidence:
         w = self.window
         a = w.t_base if w.t_base is not None else self.gap.t_start - self.scrape_interval
         b = self.gap.t_start + BURST_S
-        n, tokens, unsized = self.stalls.first_tokens_in(self.gap, a, b)
+        n, tokens, unsized = self.stalls.first_tokens_in(self.gap, a, b, self.cut)
         if w.t_prompt_end is not None and w.t_prompt_end > b:
             # and the prompts the window counted later whose prefill the engine itself timed
             # elsewhere (vLLM's per-request metrics): queued through the stall, prefilled after it
-            m, more = self.stalls.prefilled_elsewhere(self.gap, b, w.t_prompt_end)
+            m, more = self.stalls.prefilled_elsewhere(self.gap, b, w.t_prompt_end, self.cut)
             n, tokens = n + m, tokens + more
         return n, tokens, unsized
 
     @cached_property
     def prefill_observed_in(self) -> bool:
         """Another observed request was between its arrival and its first token during the stall."""
-        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end)
+        return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end, self.cut)
 
     @cached_property
     def end_prompt_excess(self) -> float:
@@ -318,10 +320,11 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> flo
 
 
 def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | None, timeline: EngineTimeline,
-           preempts: bool, settle: float, engine_preempts: list[float] | None = None, counted_at: str | None = None,
+           preempts: bool, settle: float, cut: Cutoff, engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Spike | None = None,
            witness: Account | None = None, prefill_span: tuple[float, float, int, str] | None = None) -> Evidence:
-    """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end).
+    """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end),
+    from what was known by its cut-offs (``cut``).
 
     ``median`` is the run's median gap, ``target`` the ITL target. ``timeline`` holds the engine
     records of the engine that served the stream (the caller picks it); the other streams are those
@@ -336,14 +339,14 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
         co, co_med, fresh, together = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
-    si = timeline.scrape_interval
-    ft = stalls.first_token_near(g, median, BURST_S)
+    si = timeline.interval_at(cut.facts)
+    ft = stalls.first_token_near(g, median, BURST_S, cut)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
         co_stalled=co, co_fresh=fresh, co_together=together, co_gap_median=co_med, prev_spike=prev_spike,
         first_token=FirstToken(*ft) if ft else None,
-        typical_prompt_delta=timeline.typical_prompt_delta(), prefill_rate=prefill_rate, scrape_interval=si,
+        typical_prompt_delta=timeline.typical_prompt_delta(cut.facts), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
-        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, witness=witness,
+        has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, cut=cut, witness=witness,
         prefill_span=prefill_span)

@@ -23,14 +23,21 @@ internal stats); per-request counts come from ``vllm:request_num_preemptions`` (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtop.analysis.asof import RunningMedian
 from kvtop.analysis.gaps import LogHistogram
 from kvtop.model.analysis import EngineRequestTimes
 
 MAX_SAMPLES = 5000
 QUEUED_S = 0.1  # a request that waited this long before it was first scheduled queued (not just a step)
+
+
+def rate_sample() -> RunningMedian[LogHistogram]:
+    """A prefill rate's sample: tokens/s from 1 up, its median from 5 samples on."""
+    return RunningMedian(LogHistogram(lo=1.0, bins=1000), min_n=5, step=4)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -60,9 +67,9 @@ class RequestTimes:
     queue: list[float] = field(default_factory=list)
     outside_ttft: list[float] = field(default_factory=list)  # observed TTFT - queue - engine TTFT
     tail_gap: list[float] = field(default_factory=list)  # observed first..last token span - the engine's
-    rate: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=1000))  # prompt tokens / engine TTFT
-    by_engine: dict[str, LogHistogram] = field(default_factory=dict)
-    _cache: dict[str | None, tuple[int, float | None]] = field(default_factory=dict)
+    # prompt tokens / engine TTFT: its median as of each refresh, of all requests and by engine
+    rate: RunningMedian[LogHistogram] = field(default_factory=lambda: rate_sample())
+    by_engine: dict[str, RunningMedian[LogHistogram]] = field(default_factory=dict)
 
     def finish(self, d: dict[str, Any], prompt_tokens: int | None, arrive_t: float | None, first_t: float | None,
                last_t: float | None, engine: str | None) -> None:
@@ -78,26 +85,23 @@ class RequestTimes:
                 self.queue.append(float(q))
         if isinstance(ttft, (int, float)) and ttft > 0:
             if prompt_tokens:
-                self.rate.add(prompt_tokens / ttft)
+                t = float(d["t"])
+                self.rate.add(prompt_tokens / ttft, t)
                 if engine is not None:
                     h = self.by_engine.get(engine)
                     if h is None:
-                        h = self.by_engine[engine] = LogHistogram(lo=1.0, bins=1000)
-                    h.add(prompt_tokens / ttft)
+                        h = self.by_engine[engine] = rate_sample()
+                    h.add(prompt_tokens / ttft, t)
             if keep and arrive_t is not None and first_t is not None and isinstance(q, (int, float)):
                 self.outside_ttft.append((first_t - arrive_t) - q - ttft)
         if keep and isinstance(dec, (int, float)) and first_t is not None and last_t is not None:
             self.tail_gap.append((last_t - first_t) - dec)
 
-    def prefill_rate(self, engine: str | None = None) -> float | None:
-        """Median prompt tokens / engine TTFT (of ``engine``'s requests when given); None under 5 samples."""
+    def prefill_rate(self, engine: str | None = None, t: float = math.inf) -> float | None:
+        """Median prompt tokens / engine TTFT (of ``engine``'s requests when given) as known at trace
+        time ``t``; None under 5 samples."""
         h = self.rate if engine is None else self.by_engine.get(engine)
-        if h is None or h.n < 5:
-            return None
-        c = self._cache.get(engine)
-        if c is None or h.n - c[0] > max(4, c[0] // 100):
-            c = self._cache[engine] = (h.n, h.quantile(0.5))
-        return c[1]
+        return None if h is None else h.at(t)
 
     def report(self) -> EngineRequestTimes | None:
         if not self.requests:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import partial
 
+from kvtop.analysis.asof import PREFILL_HOLD_S
 from kvtop.analysis.attribution import host, preemption, prefill, slow_decode, unknown
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
     KV_HIGH,
-    PREFILL_HOLD_S,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,

@@ -38,8 +38,3 @@ FITTED_FILE = "fitted.json"
 _FITTED: dict[str, Any] = json.loads(resources.files(__package__).joinpath(FITTED_FILE).read_text(encoding="utf-8"))
 CONFIDENCE: dict[str, float] = {k: float(v) for k, v in _FITTED["confidence"].items()}
 DISCOUNT: dict[str, float] = {k: float(v) for k, v in _FITTED["discount"].items()}
-
-# A spike that may lie in another request's prefill waits this long past its end for the engine's
-# report of that prefill (vLLM puts a request's times on its final chunk): with per-request metrics
-# on, attribution lags by at most this.
-PREFILL_HOLD_S = 10.0

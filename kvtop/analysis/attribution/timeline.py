@@ -7,12 +7,16 @@ unit, so two spikes never explain themselves with the same preemption.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
 from kvtop.model.records import EngineKey
+
+INTERVALS = 64  # scrape intervals the usual interval is the median of
+PROMPT_DELTAS = 256  # scrape intervals the usual prompt rise is the median of
 
 
 @dataclass
@@ -74,8 +78,11 @@ class EngineTimeline:
         self.keys: dict[EngineKey, _Key] = {}
         # (t_prev, t, units left, units) per scrape where the counter rose, time-ordered
         self.steps: deque[list[float]] = deque()
-        self.intervals: deque[float] = deque(maxlen=64)
-        self.prompt_deltas: deque[float] = deque(maxlen=256)
+        # (scrape time, figure): the usual interval and prompt rise are medians of the last
+        # INTERVALS / PROMPT_DELTAS of them, read as of a spike's cut-off (``asof``); the deques keep
+        # more, for a spike judged a block of records later
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=4 * INTERVALS)
+        self.prompt_deltas: deque[tuple[float, float]] = deque(maxlen=4 * PROMPT_DELTAS)
         self.has_counter = False
         # stall spans already explained by the prompt tokens of one scrape interval (keyed by the
         # scrape that closes it): those tokens are a finite amount of prefill time, not a licence
@@ -87,7 +94,7 @@ class EngineTimeline:
         if k is None:
             k = self.keys[key] = _Key()
         if k.last_t is not None and t > k.last_t:
-            self.intervals.append(t - k.last_t)
+            self.intervals.append((t, t - k.last_t))
         if pre is not None:
             self.has_counter = True
             d = _inc(k.last_pre, pre)
@@ -98,7 +105,7 @@ class EngineTimeline:
         if prompt is not None:
             d = _inc(k.last_prompt, prompt)
             if k.last_prompt is not None:
-                self.prompt_deltas.append(d)
+                self.prompt_deltas.append((t, d))
             k.prompt_cum += d
             k.last_prompt = prompt
         k.last_t = t
@@ -162,10 +169,12 @@ class EngineTimeline:
 
     @property
     def scrape_interval(self) -> float:
-        if not self.intervals:
-            return 1.0
-        s = sorted(self.intervals)
-        return s[len(s) // 2]
+        """The usual interval between scrapes, of the latest ones (1 s before any)."""
+        return self.interval_at(math.inf)
+
+    def interval_at(self, t: float) -> float:
+        """The usual scrape interval as known at trace time ``t``."""
+        return _median_upto(self.intervals, t, INTERVALS, 1.0)
 
     # -- queries ----------------------------------------------------------------------------
     def claim_counter(self, a: float, b: float, tol: float) -> float | None:
@@ -337,8 +346,17 @@ class EngineTimeline:
                 tot = (tot or 0.0) + k.prompt[i] - k.prompt[i - 1]
         return tot
 
-    def typical_prompt_delta(self) -> float:
-        if not self.prompt_deltas:
-            return 0.0
-        s = sorted(self.prompt_deltas)
-        return s[len(s) // 2]
+    def typical_prompt_delta(self, t: float = math.inf) -> float:
+        """The prompt tokens a scrape interval usually adds, as known at trace time ``t``."""
+        return _median_upto(self.prompt_deltas, t, PROMPT_DELTAS, 0.0)
+
+
+def _median_upto(xs: deque[tuple[float, float]], t: float, n: int, empty: float) -> float:
+    """The median of the last ``n`` figures of ``xs`` (time-ordered) read by ``t``."""
+    j = len(xs)
+    while j and xs[j - 1][0] > t:
+        j -= 1
+    if not j:
+        return empty
+    s = sorted(xs[i][1] for i in range(max(0, j - n), j))
+    return s[len(s) // 2]
