@@ -11,6 +11,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
 from kvtop.model.records import EngineKey
@@ -358,5 +359,5 @@ def _median_upto(xs: deque[tuple[float, float]], t: float, n: int, empty: float)
         j -= 1
     if not j:
         return empty
-    s = sorted(xs[i][1] for i in range(max(0, j - n), j))
+    s = sorted(v for _, v in islice(xs, max(0, j - n), j))
     return s[len(s) // 2]
