@@ -6,6 +6,7 @@ path, ``json`` over ``trace_time``) give the same two files."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from kvtop.model import token_columns as TC
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.model.trace import TraceWriter, make_header
+from kvtop.sources.sse import StreamRecorder
 
 # every optional field but n: a token record carrying any of them is not a plain token line
 OPTIONAL = [f.name for f in dataclasses.fields(RequestRecord) if f.name not in ("t", "id", "event", "n")]
@@ -83,6 +85,44 @@ def test_token_lines_and_sidecar_are_the_general_writers(recs: list[RequestRecor
         general = _written(d, "general.jsonl", [None if r is None else to_dict(r) for r in recs], header)
     assert fast[0] == general[0]
     assert fast[1] == general[1]
+
+
+@st.composite
+def stream(draw: st.DrawFn) -> tuple[str, list[bytes]]:
+    """One response's SSE reads: token chunks with random texts, then a last chunk with usage."""
+    rid = draw(IDS)
+    texts = draw(st.lists(st.one_of(st.sampled_from(["", "a", " the", '"', "\\", "\n"]), st.text(max_size=8)),
+                          min_size=1, max_size=25))
+    reads = [b"data: " + json.dumps({"id": rid, "object": "text_completion", "model": "m",
+                                     "choices": [{"index": 0, "text": x, "logprobs": None, "finish_reason": None}]},
+                                    separators=(",", ":")).encode() + b"\n\n" for x in texts]
+    last = {"id": rid, "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": draw(st.integers(0, 9000)), "completion_tokens": len(texts)}}
+    reads.append(b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n")
+    return rid, reads
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(stream(), min_size=1, max_size=4), st.lists(TIMES, min_size=1, max_size=20))
+def test_recorded_streams_are_written_as_the_general_writer_writes_them(
+        streams: list[tuple[str, list[bytes]]], times: list[float]) -> None:
+    """Streams through the recorder, interleaved, at times of every precision: the trace and sidecar
+    the records make are those their dicts make through the general path."""
+    recs: list[RequestRecord] = []
+    recorders = [(StreamRecorder(rid, recs.append, 200, True), list(reads)) for rid, reads in streams]
+    i = 0
+    while any(reads for _, reads in recorders):
+        for r, reads in recorders:
+            if reads:
+                t = times[i % len(times)]
+                r.feed(reads.pop(0), t if isinstance(t, float) else float(t))
+                i += 1
+    header = make_header(engine={}, recorder="test")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        fast = _written(d, "fast.jsonl", list(recs), header)
+        general = _written(d, "general.jsonl", [to_dict(r) for r in recs], header)
+    assert fast == general
 
 
 def test_a_token_record_with_any_other_field_set_is_written_whole() -> None:
