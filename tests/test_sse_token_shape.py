@@ -60,18 +60,22 @@ def chunk(draw: st.DrawFn) -> bytes:
     return b"data: " + json.dumps(obj, separators=sep, ensure_ascii=draw(st.booleans())).encode() + b"\n\n"
 
 
-def _records(cls: type[StreamRecorder], events: list[bytes]) -> list[RequestRecord]:
+def _records(cls: type[StreamRecorder], events: list[bytes | None]) -> list[RequestRecord]:
+    """``None``: bytes lost there (passive capture's hole)."""
     out: list[RequestRecord] = []
     rec = cls("r", out.append, 200, True)
     for i, ev in enumerate(events):
-        rec.feed(ev, float(i))
+        if ev is None:
+            rec.hole()
+        else:
+            rec.feed(ev, float(i))
     rec.feed(b"data: [DONE]\n\n", float(len(events)))
     return out
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(chunk(), min_size=1, max_size=30))
-def test_the_token_shortcut_records_what_the_parser_does(events: list[bytes]) -> None:
+@given(st.lists(st.one_of(chunk(), chunk(), chunk(), chunk(), st.none()), min_size=1, max_size=30))
+def test_the_token_shortcut_records_what_the_parser_does(events: list[bytes | None]) -> None:
     assert _records(StreamRecorder, events) == _records(FullParser, events)
 
 
@@ -81,3 +85,19 @@ def test_a_plain_stream_is_counted_token_by_token() -> None:
     recs = _records(StreamRecorder, ev)
     assert [r.event for r in recs] == ["first_token"] + ["token"] * 49 + ["finish"]
     assert sum(r.n or 0 for r in recs) == 50 and [r.t for r in recs[:50]] == [float(i) for i in range(50)]
+
+
+def test_a_text_that_could_end_its_string_early_goes_to_the_parser() -> None:
+    """After a plain chunk has taught the shortcut its shape, raw texts holding what could end or
+    break the JSON string (a quote, a line break, a trailing backslash, the two shapes overlapping)
+    are counted as the parser counts them, not as one token each."""
+    head = b'data: {"id":"c","choices":[{"index":0,"text":"'
+    tail = b'","logprobs":null,"finish_reason":null}]}\n\n'
+    hostile = [b'a"b', b"a\nb", b"a\rb", b"a\\", b"\n", b'"', b"\\"]
+    for text in hostile:
+        events: list[bytes | None] = [head + b"x" + tail, head + text + tail, head + b"y" + tail]
+        assert _records(StreamRecorder, events) == _records(FullParser, events), text
+    overlap: list[bytes | None] = [head + b"x" + tail, head + tail[1:]]  # starts with one, ends with the other
+    assert _records(StreamRecorder, overlap) == _records(FullParser, overlap)
+    plain: list[bytes | None] = [head + b"x" + tail, head + b"y" + tail]
+    assert sum(r.n or 0 for r in _records(StreamRecorder, plain)) == 2

@@ -257,49 +257,74 @@ class TraceWriter:
         pend += TC.RECORD.pack(pos, t, code, len(line) - 1, n, TC.FIRST if ft else TC.TOKEN)
         pend += TC.RECORD.pack(pos + id_at, 0.0, code, id_len, 0, TC.ID)
 
+    def _token_column(self, line: str, tr: str, mid: str, rid: str, n: int) -> None:
+        """Note the token line ``line`` (time text ``tr``, ``mid`` its id part) in the sidecar."""
+        pos = self._pos
+        self._pos = pos + len(line)
+        self._last = line
+        tt = float(tr)
+        jlen = len(mid) - len(_ID_KEY) - len(_TOKEN_N_KEY)  # the id's JSON string, quotes included
+        code = self._codes.get(rid)
+        # the fast path's limits (kvtop.model.token_columns.token_entry), known here
+        if (code is not None and 0 <= n <= 99 and len(tr) < TC.T_WIDTH and T_MIN <= tt <= T_MAX
+                and jlen - 2 < TC.ID_WIDTH):
+            self._pending += _pack(pos, tt, code, len(line) - 1, n, TC.TOKEN)
+        elif (0 <= n <= 99 and len(tr) < TC.T_WIDTH and 0 < jlen - 2 < TC.ID_WIDTH
+              and T_MIN <= tt <= T_MAX and "\\" not in mid):
+            self._add(line, pos, (tt, 29 + len(tr), jlen - 2, n, False))
+
     def write(self, rec: Record | dict[str, Any]) -> None:
-        if isinstance(rec, dict):
-            d = rec
-        elif type(rec) is RequestRecord:
-            # The hot path: one per streamed chunk.
-            if (rec.event == "token" and type(rec.n) is int and type(rec.t) is float and math.isfinite(rec.t)
+        if type(rec) is RequestRecord:
+            # The hot path: one per streamed chunk. Every optional field is checked: one set would
+            # be written by the general path below, which this line must equal byte for byte.
+            t = rec.t
+            n = rec.n
+            if (rec.event == "token" and type(n) is int and type(t) is float
                     and rec.prompt_tokens is None and rec.cls is None and rec.source is None
                     and rec.finish_reason is None and rec.status is None and rec.error is None
-                    and rec.completion_tokens is None):
-                ids = self._ids
-                jid = ids.get(rec.id)
-                if jid is None:
-                    if len(ids) >= 4096:
-                        ids.clear()
-                    jid = ids[rec.id] = _encode(rec.id)
-                tt = trace_time(rec.t)
-                tr = repr(tt)
-                line = f'{{"kind":"request","t":{tr},"id":{jid},"event":"token","n":{rec.n}}}\n'
-                self._f.write(line)
-                self.count += 1
-                if self._cols is not None:
-                    pos = self._pos
-                    self._pos = pos + len(line)
-                    self._last = line
-                    code = self._codes.get(rec.id)
-                    # the fast path's limits (kvtop.model.token_columns.token_entry), known here
-                    if (code is not None and 0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and T_MIN <= tt <= T_MAX
-                            and len(jid) - 2 < TC.ID_WIDTH):
-                        self._pending += _pack(pos, tt, code, len(line) - 1, rec.n, TC.TOKEN)
-                    elif (0 <= rec.n <= 99 and len(tr) < TC.T_WIDTH and 0 < len(jid) - 2 < TC.ID_WIDTH
-                          and T_MIN <= tt <= T_MAX and "\\" not in jid):
-                        self._add(line, pos, (tt, 29 + len(tr), len(jid) - 2, rec.n, False))
-                if time.monotonic() - self._last_flush >= self.flush_interval_s:
-                    self.flush()
-                return
+                    and rec.completion_tokens is None and rec.incomplete is None and rec.engine is None
+                    and rec.engine_queue_s is None and rec.engine_ttft_s is None and rec.engine_decode_s is None):
+                if 1e-3 <= t < 4e9:
+                    # repr(trace_time(t)) (run-clock and Unix times) at a third of its cost: ``round``
+                    # to 6 decimals is slow. Both round the exact binary value to 6 decimals the same
+                    # way (CPython's dtoa, mode 3); below 2**32 two floats are less than 1e-6 apart,
+                    # so no other text of 6 decimals or fewer reads back as the rounded float: that
+                    # decimal is the shortest text that does, which is ``repr`` (from 1e-3 up,
+                    # without an exponent). tests/test_trace_fastline.py pins the two together.
+                    tr = f"{t:.6f}".rstrip("0")
+                    if tr[-1] == ".":
+                        tr += "0"
+                elif math.isfinite(t):
+                    tr = repr(trace_time(t))
+                else:
+                    tr = ""
+                if tr:
+                    # the general path's line, built from its parts: the id's part is kept per id
+                    rid = rec.id
+                    ids = self._ids
+                    mid = ids.get(rid)
+                    if mid is None:
+                        if len(ids) >= 4096:
+                            ids.clear()
+                        mid = ids[rid] = _ID_KEY + _encode(rid) + _TOKEN_N_KEY
+                    line = f"{_TOKEN_HEAD}{tr}{mid}{n}}}\n"
+                    self._f.write(line)
+                    self.count += 1
+                    if self._cols is not None:
+                        self._token_column(line, tr, mid, rid, n)
+                    if time.monotonic() - self._last_flush >= self.flush_interval_s:
+                        self.flush()
+                    return
             d = _request_dict(rec)
+        elif isinstance(rec, dict):
+            d = rec
         else:
             d = to_dict(rec)
-        t = d.get("t")
-        if type(t) is float:
+        dt = d.get("t")
+        if type(dt) is float:
             if d is rec:
                 d = dict(d)  # the caller's dict stays as it was
-            d["t"] = trace_time(t)
+            d["t"] = trace_time(dt)
         try:
             line = _encode(d)
         except ValueError:
@@ -353,6 +378,11 @@ class TraceWriter:
 
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _pack = TC.RECORD.pack
+# a token line's fixed parts: head, the time, _ID_KEY, the id's JSON string, _TOKEN_N_KEY, n, "}"
+_TOKEN_HEAD = '{"kind":"request","t":'
+_ID_KEY = ',"id":'
+_TOKEN_N_KEY = ',"event":"token","n":'
+
 # every optional field, in declaration order (as ``to_dict``): a field added to RequestRecord is
 # written without touching this list (a hand-kept list once dropped ``incomplete``)
 _REQUEST_OPTIONAL = tuple(f.name for f in dataclasses.fields(RequestRecord) if f.name not in ("t", "id", "event"))
