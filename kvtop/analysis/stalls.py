@@ -305,7 +305,9 @@ class StallIndex:
         two of the stream's gaps (``median_gap``, the run's, for a stream without a baseline), and not
         delivered with the token that opened the stall (within ``opening_s`` of its start): those came
         out of the step before the stall, whose prefill was over when it began (a short stall right
-        after a batch of prompts was admitted had their first tokens at its start)."""
+        after a batch of prompts was admitted had their first tokens at its start). Nor a prompt whose
+        prefill the engine itself timed outside the stall (vLLM's per-request metrics): scored against
+        real vLLM's own step log, such first tokens were almost never the stall's cause."""
         base = g.stream_baseline or median_gap or 0.02
         delta = max(0.05, 2.0 * base)
         ft = self.first_tokens
@@ -316,7 +318,9 @@ class StallIndex:
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
             t, rid, r, e = ft[i]
             p = prompt_of(r, cut)
-            if rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng):
+            sp = engine_prefill_of(r, cut)
+            if (rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng)
+                    and (sp is None or (sp[1] > g.t_start and sp[0] < g.t_end))):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
