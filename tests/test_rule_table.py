@@ -385,6 +385,28 @@ def test_shared_prefill():
     assert ask("shared-prefill", evidence(slow, first_token=first_token(3000), **shared())) is None
 
 
+def test_an_unchecked_prefill_signal_does_not_explain_a_gap_like_the_streams_others():
+    """A stall about as long as the stream's own recent gaps (under REL_SLOW x them) is its pace, not an
+    event: a first token of unknown prompt length at its end, or a victim resuming with a counter step,
+    does not make it prefill (scored against real vLLM's own step log, such calls were mostly decode
+    steps of an engine that had slowed, while a delivery burst had kept the stream's fastest gap short).
+    A prompt the measured rate checks still explains it."""
+    # 60 ms gaps of late, one 20 ms gap among them (its decode-only pace); this one 90 ms: 1.5x them
+    like = gap(length=0.09, stream_baseline=0.06, fast_baseline=0.02, after=[0.02, 0.06, 0.06])
+    assert ask("shared-prefill", evidence(like, first_token=first_token(1000), **shared())) is None
+    f = ask("shared-prefill", evidence(like, first_token=first_token(1000), prefill_rate=2000.0, **shared()))
+    assert f is not None and f.key == "prefill/shared-checked"
+    out = gap(length=0.15, stream_baseline=0.06, fast_baseline=0.02, after=[0.02, 0.06, 0.06])  # 2.5x them
+    f = ask("shared-prefill", evidence(out, first_token=first_token(1000), **shared()))
+    assert f is not None and f.key == "prefill/shared"
+    # a victim's re-prefill (a counter step as victim v, silent since 1 s, resumes) on such a gap
+    like = gap(t_start=5.91, length=0.09, stream_baseline=0.06, fast_baseline=0.02, after=[0.02, 0.06, 0.06])
+    assert ask("recompute", evidence(like, engine(pre_steps={6.5: 1}), stalls=victim_resumed(like), **shared())) is None
+    out = gap(t_start=5.85, length=0.15, stream_baseline=0.06, fast_baseline=0.02, after=[0.02, 0.06, 0.06])
+    f = ask("recompute", evidence(out, engine(pre_steps={6.5: 1}), stalls=victim_resumed(out), **shared()))
+    assert f is not None and f.key == "prefill/recompute"
+
+
 def test_dominant():
     # 0.5 s gap ended by q's first token; 40 ms gaps after it (the engine runs 2x slower than its
     # 20 ms stall-free pace), so 3000 tokens at 2000/s slowed 2x are 3 s: the step was mostly prefill

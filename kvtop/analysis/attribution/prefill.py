@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import REL_SLOW
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
@@ -32,6 +33,17 @@ PACE_NEAR = 0.95
 # with a counter step at its end is as often a host or API-server hang that fell between kvtop's
 # scrape beats, so it gets its own, lower, confidence ("prefill/recompute-long").
 RECOMPUTE_STEP_S = 0.3
+
+
+def _outlier(ev: Evidence) -> bool:
+    """The stall stands out from the stream's own recent gaps (``REL_SLOW``). A gap about as long as
+    them is the engine's pace (all gaps lifted) unless a prompt that the measured rate checks explains
+    it: scored against real vLLM's own step log, such gaps called prefill on an unchecked signal (a
+    first token of unknown prompt length, a victim resuming) were mostly decode steps of an engine
+    that had slowed (a fast delivery burst had kept the stream's fastest gap, its decode-only pace,
+    short)."""
+    rel = ev.rel
+    return not (ev.baseline_is_stream and rel is not None and rel < REL_SLOW)
 
 
 def _explains(ev: Evidence, tokens: float) -> bool | None:
@@ -119,6 +131,8 @@ def signals(ev: Evidence) -> Signals:
             out.append(f"the scrape interval in which it ended added {extra:.0f} prompt tokens more than usual")
     if checked and ev.prefill_rate:
         out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
+    elif out and not _outlier(ev):
+        return Signals([], False, None)  # a signal no rate could check, on a gap like the stream's others
     return Signals(out, checked, claim)
 
 
@@ -164,7 +178,7 @@ def span(ev: Evidence) -> Finding | None:
 def recompute(ev: Evidence) -> Finding | Signs | None:
     """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
     and re-prefilled (its recompute tokens are in no counter)."""
-    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter):
+    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter) or not _outlier(ev):
         return None
     d = ev.counter_delta()
     if d < 1:
