@@ -94,6 +94,57 @@ def test_ids_read_in_place_group_as_numpy_unique_does():
     assert uniq.tolist() == want.tolist() and codes.tolist() == inv.ravel().tolist()
 
 
+def test_ids_group_as_numpy_unique_does_when_their_hashes_collide(monkeypatch):
+    """Ids are grouped by 32 bits of a hash: ids whose hashes collide (here all of them, the mixing
+    constant zeroed) still get np.unique's distinct ids and codes."""
+    import random
+
+    import numpy as np
+
+    rnd = random.Random(9)
+    ids = [(f"r{rnd.randrange(300)}" * rnd.randint(1, 3)).encode() for _ in range(4000)]
+    buf = b"".join(b'"' + i + b'"\n' for i in ids)
+    arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
+    starts = np.cumsum([0] + [len(i) + 3 for i in ids[:-1]]) + 1
+    ends = starts + np.array([len(i) for i in ids])
+    want, inv = np.unique(np.array(ids, dtype=f"S{max(map(len, ids))}"), return_inverse=True)
+    for mix in (fastscan._MIX, np.uint64(0)):
+        monkeypatch.setattr(fastscan, "_MIX", mix)
+        uniq, codes = fastscan._unique_at(arr, starts, ends)
+        assert uniq.tolist() == want.tolist() and codes.tolist() == inv.ravel().tolist()
+
+
+def test_short_times_read_in_one_word_equal_float_of_their_text():
+    """Times of up to 8 bytes parsed inside one 8-byte integer: float(text) for every number the
+    writer makes and for the odd ones (leading zeros, no digit after the dot, signs, exponents),
+    NaN for what is no number, bit for bit what the wider byte-row reading gives."""
+    import math
+    import random
+
+    import numpy as np
+
+    rnd = random.Random(4)
+    fields = [b"0", b"0.5", b"5.", b".5", b"1.2.3", b"", b"007.5", b"99999999", b"1234.567", b"-1.5", b"1e3",
+              b"null", b"12345678", b"9.999999", b"0.000001", b"1 2", b"inf"]
+    for _ in range(20000):
+        r = rnd.random()
+        if r < 0.6:
+            fields.append(repr(round(rnd.uniform(0, 10 ** rnd.randint(0, 7)), rnd.randint(0, 6))).encode()[:8])
+        else:
+            fields.append(bytes(rnd.choice(b"0123456789....-e+ x:/") for _ in range(rnd.randint(1, 8))))
+    buf = b"".join(f + b",\n" for f in fields)
+    arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
+    starts = np.cumsum([0] + [len(f) + 2 for f in fields[:-1]])
+    lens = np.array([len(f) for f in fields])
+    got = fastscan._times8(arr, starts, lens)
+    wide = fastscan._times(fastscan._field(arr, starts, starts + lens), lens)
+    assert got.view(np.uint64).tolist() == wide.view(np.uint64).tolist()
+    for f, v in zip(fields, got.tolist(), strict=True):
+        want = fastscan._float_or_nan(f)
+        assert v == want or (math.isnan(v) and math.isnan(want)), f
+    assert sum(math.isnan(v) for v in got.tolist()) > 100  # junk was tried
+
+
 def test_field_ends_are_found_as_bytes_find_finds_them():
     """The 8-bytes-at-a-time search gives str.find's answer within the window, -1 and a cleared
     row where the byte is absent."""

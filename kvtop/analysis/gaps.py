@@ -57,7 +57,14 @@ class LogHistogram:
         return min(len(self.counts) - 1, int(math.log(v / self._lo) * self._scale))
 
     def add(self, v: float, k: int = 1) -> None:
-        self.counts[self.index(v)] += k
+        # ``index``, inline: five of these a request on the analysis's serial path
+        if v <= self._lo:
+            i = 0
+        else:
+            i = int(math.log(v / self._lo) * self._scale)
+            if i >= len(self.counts):
+                i = len(self.counts) - 1
+        self.counts[i] += k
         self.n += k
 
     def add_array(self, values: Any) -> None:
@@ -69,8 +76,11 @@ class LogHistogram:
         lo = self._lo
         idx = np.clip((np.log(np.maximum(values, lo) / lo) * self._scale).astype(np.int64), 0, len(self.counts) - 1)
         idx[values <= lo] = 0
-        for i, c in zip(*np.unique(idx, return_counts=True), strict=True):
-            self.counts[int(i)] += int(c)
+        # a count per bin (no sort of the values), added where there is one
+        per = np.bincount(idx, minlength=len(self.counts))
+        counts = self.counts
+        for i in np.flatnonzero(per).tolist():
+            counts[i] += int(per[i])
         self.n += len(values)
 
     def value_at(self, i: int) -> float:
@@ -361,12 +371,16 @@ class GapTracker:
         assert tgt is not None, "add_batch needs the ITL target (derived from the first gaps)"
         # few streams per block: a 16-bit key gets numpy's radix sort instead of a merge sort
         order = np.argsort(codes.astype(np.uint16) if len(ids) <= 1 << 16 else codes, kind="stable")
-        c_s = codes[order]
+        # the sorted codes are each code repeated its count of times (no gather of every code)
+        per = np.bincount(codes, minlength=len(ids))
+        c_s = np.repeat(np.arange(len(ids)), per)
         t_s = ts[order]
         n_s = ns[order]
         m = len(c_s)
-        gstart = np.flatnonzero(np.r_[True, c_s[1:] != c_s[:-1]])
-        gend = np.r_[gstart[1:], m]
+        gend = np.cumsum(per)[per > 0]
+        gstart = np.empty_like(gend)
+        gstart[:1] = 0
+        gstart[1:] = gend[:-1]
         by_id = self.reqs
         reqs = [by_id.get(rid) or self.req(rid) for rid in ids]
         last = np.array([math.nan if r.last_t is None else r.last_t for r in reqs], dtype=np.float64)
@@ -384,13 +398,11 @@ class GapTracker:
         nvalid = int(np.count_nonzero(valid))
         # the median sample: every 8th gap in file order, as the per-event path takes it
         if nvalid:
-            pos = np.empty(m, dtype=np.int64)
-            pos[order] = np.arange(m)
-            file_valid = valid[pos]
-            gfile = gaps[pos][file_valid]
-            k = np.arange(self.n_gaps + 1, self.n_gaps + 1 + len(gfile))
-            sampled = (k & 7) == 0
-            self._sample(gfile[sampled], ts[file_valid][sampled])
+            gfile = np.empty(m)
+            gfile[order] = gaps  # back in file order
+            # the valid gaps numbered on from n_gaps + 1: those numbered a multiple of 8
+            at = np.flatnonzero(~np.isnan(gfile))[-(self.n_gaps + 1) % 8::8]
+            self._sample(gfile[at], ts[at])
         self.n_gaps += nvalid
         long_thr = LONG_FRACTION * tgt
         gz = np.where(valid, gaps, -np.inf)  # a stream's first event has no gap
