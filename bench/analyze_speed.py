@@ -266,11 +266,12 @@ def main() -> int:
               + (f"   spikes {r['spikes']}, verdict {r['verdict']}" if "spikes" in r else "")
               + (", sidecar read" if r.get("sidecar") else "")
               + (f", {r['workers']} parse workers" if r.get("workers") else ""))
-    kv = [r["seconds"] for r in runs[tools[0][0]]]
-    for name, rs in runs.items():
-        if not name.startswith("kvtop") and len(rs) == len(kv):
-            ahead = sum(a < b["seconds"] for a, b in zip(kv, rs, strict=True))
-            print(f"kvtop (sidecar) ahead of {name.split(' ')[0]} in {ahead} of {len(kv)} rounds")
+    for label, (kvname, _, _) in (("sidecar", tools[0]), ("JSONL only", tools[1])):
+        kv = [r["seconds"] for r in runs[kvname]]
+        for name, rs in runs.items():
+            if not name.startswith("kvtop") and len(rs) == len(kv):
+                ahead = sum(a < b["seconds"] for a, b in zip(kv, rs, strict=True))
+                print(f"kvtop ({label}) ahead of {name.split(' ')[0]} in {ahead} of {len(kv)} rounds")
     print("kvtop: the whole analysis; peers: the gaps alone, from the JSONL. The sidecar figure includes reading the\n"
           "sidecar and parsing every non-token line of the JSONL; 'JSONL only' ignores the sidecar. Streaming: every\n"
           "line read, checked and fed one at a time.")
