@@ -36,6 +36,35 @@ def test_histogram_batch_add_fills_the_same_bins_as_one_by_one() -> None:
     assert many.quantile(0.5) == one.quantile(0.5)
 
 
+def test_histogram_quantile_is_the_first_bin_whose_running_count_reaches_it() -> None:
+    """The quantile skips whole blocks of bins; it is still the first non-empty bin at which the
+    running count reaches q of the sample, for samples on one side of a block edge or spread
+    over all of them, q = 0 and q = 1 included."""
+    import math
+    import random
+
+    def walk(h: LogHistogram, q: float) -> float | None:
+        acc = 0
+        for i, c in enumerate(h.counts):
+            acc += c
+            if acc >= q * h.n and c:
+                return h.value_at(i)
+        return None
+
+    rnd = random.Random(2)
+    tried = set()
+    for _ in range(200):
+        h = LogHistogram(bins=rnd.choice([64, 100, 800, 1200]))
+        centre, spread = rnd.choice([1e-5, 0.025, 5.0, 1e4]), rnd.choice([0.01, 1.0, 4.0])
+        for _ in range(rnd.randint(1, 400)):
+            h.add(rnd.lognormvariate(math.log(centre), spread))
+        for q in (0.0, 1e-9, 0.01, 0.5, 0.9, 0.99, 1.0):
+            assert h.quantile(q) == walk(h, q)
+        tried.add(next(i for i, c in enumerate(h.counts) if c) // 64)
+    assert len(tried) > 3  # samples that start in several blocks of bins
+    assert LogHistogram().quantile(0.5) is None
+
+
 def test_store_drops_the_oldest_ended_stream_first_and_says_which() -> None:
     dropped: list[str] = []
     s = StreamStore(max_requests=2, on_drop=dropped.append)
