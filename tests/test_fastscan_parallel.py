@@ -114,35 +114,40 @@ def test_ids_group_as_numpy_unique_does_when_their_hashes_collide(monkeypatch):
         assert uniq.tolist() == want.tolist() and codes.tolist() == inv.ravel().tolist()
 
 
-def test_short_times_read_in_one_word_equal_float_of_their_text():
-    """Times of up to 8 bytes parsed inside one 8-byte integer: float(text) for every number the
-    writer makes and for the odd ones (leading zeros, no digit after the dot, signs, exponents),
-    NaN for what is no number, bit for bit what the wider byte-row reading gives."""
+@pytest.mark.parametrize("width", [8, 16])
+def test_times_read_in_words_equal_float_of_their_text(width):
+    """Times of up to 16 bytes parsed inside 8-byte integers (one where every time of the chunk
+    fits in 8): float(text) for every number the writer makes (milli- to microseconds, up to the
+    largest time a trace holds) and for the odd ones (leading zeros, no digit after the dot, signs,
+    exponents), NaN for what is no number, bit for bit what the byte-row reading gives."""
     import math
     import random
 
     import numpy as np
 
-    rnd = random.Random(4)
+    rnd = random.Random(width)
     fields = [b"0", b"0.5", b"5.", b".5", b"1.2.3", b"", b"007.5", b"99999999", b"1234.567", b"-1.5", b"1e3",
-              b"null", b"12345678", b"9.999999", b"0.000001", b"1 2", b"inf"]
+              b"null", b"12345678", b"9.999999", b"0.000001", b"1 2", b"inf", b"1000000000", b"999999999.999999",
+              b"12345678.1234567", b"1234567890123456", b"0.123456789012345", b"12345678.", b"123456789.5.5"]
     for _ in range(20000):
         r = rnd.random()
         if r < 0.6:
-            fields.append(repr(round(rnd.uniform(0, 10 ** rnd.randint(0, 7)), rnd.randint(0, 6))).encode()[:8])
+            fields.append(repr(round(rnd.uniform(0, 10 ** rnd.randint(0, 9)), rnd.randint(0, 6))).encode())
         else:
-            fields.append(bytes(rnd.choice(b"0123456789....-e+ x:/") for _ in range(rnd.randint(1, 8))))
+            fields.append(bytes(rnd.choice(b"0123456789....-e+ x:/") for _ in range(rnd.randint(1, width))))
+    fields = [f[:width] for f in fields]
     buf = b"".join(f + b",\n" for f in fields)
     arr = np.frombuffer(buf + bytes(fastscan.PAD), np.uint8)
     starts = np.cumsum([0] + [len(f) + 2 for f in fields[:-1]])
     lens = np.array([len(f) for f in fields])
-    got = fastscan._times8(arr, starts, lens)
-    wide = fastscan._times(fastscan._field(arr, starts, starts + lens), lens)
-    assert got.view(np.uint64).tolist() == wide.view(np.uint64).tolist()
+    got = fastscan._times_swar(arr, starts, lens)
+    rows = fastscan._times(fastscan._field(arr, starts, starts + lens), lens)
+    assert got.view(np.uint64).tolist() == rows.view(np.uint64).tolist()
     for f, v in zip(fields, got.tolist(), strict=True):
         want = fastscan._float_or_nan(f)
         assert v == want or (math.isnan(v) and math.isnan(want)), f
     assert sum(math.isnan(v) for v in got.tolist()) > 100  # junk was tried
+    assert max(map(len, fields)) == width
 
 
 def test_field_ends_are_found_as_bytes_find_finds_them():
