@@ -111,19 +111,21 @@ class HeaderAnalysis(TypedDict, total=False):
     model: str
     kv_bytes_per_token: float
     itl_target_s: float
+    interval_s: float  # the scrape period it was recorded with
 
 
 def make_core(label: str, itl_target_s: float | None = None, window_s: float = 60.0, analysis: bool = True,
               adapter: str | None = None, model: str | None = None,
-              kv_bytes_per_token: float | None = None) -> Core:
+              kv_bytes_per_token: float | None = None, interval_s: float | None = None) -> Core:
     """A Core with the live analysis attached (spikes, causes, verdict) unless ``analysis`` is False;
-    ``adapter``, ``model`` and ``kv_bytes_per_token`` tell the cost model what is known of the engine."""
+    ``adapter``, ``model`` and ``kv_bytes_per_token`` tell the cost model what is known of the engine;
+    ``interval_s`` how often its engines are scraped."""
     live = None
     if analysis:
         from kvtop.analysis.live import LiveAnalyzer  # see the note on imports above
 
         live = LiveAnalyzer(itl_target_s=itl_target_s, adapter=adapter, model=model,
-                            kv_bytes_per_token=kv_bytes_per_token)
+                            kv_bytes_per_token=kv_bytes_per_token, interval_s=interval_s)
     return Core(window_s=window_s, itl_target_s=itl_target_s, source_label=label, analysis=live)
 
 
@@ -174,7 +176,7 @@ def live_feed(opts: SourceOptions, label: str = "live", window_s: float = 60.0, 
     from kvtop.feeds.sources import PassiveCapture
 
     if core is None:
-        core = make_core(label, opts.itl_target_s, window_s=window_s, analysis=analysis)
+        core = make_core(label, opts.itl_target_s, window_s=window_s, analysis=analysis, interval_s=opts.interval_s)
     sources = live_sources(opts, probe_max_tokens)
     runner = LiveRunner(core, sources, interval_s=opts.interval_s, sinks=sinks, timeout_s=opts.timeout_s,
                         one_owner_per_request=any(isinstance(s, PassiveCapture) for s in sources),
@@ -247,7 +249,7 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
 
     def factory() -> Core:
         return make_core(label, target, adapter=known.get("adapter"), model=known.get("model"),
-                         kv_bytes_per_token=known.get("kv_bytes_per_token"))
+                         kv_bytes_per_token=known.get("kv_bytes_per_token"), interval_s=known.get("interval_s"))
 
     feed.core = factory()
     feed.core_factory = factory
@@ -267,11 +269,14 @@ def _analysis_from_header(header: dict[str, Any]) -> HeaderAnalysis:
         bpt = kv.get("bytes_per_token")
         if isinstance(bpt, (int, float)) and not isinstance(bpt, bool) and bpt > 0:
             out["kv_bytes_per_token"] = float(bpt)
-    from kvtop.analysis.analyzer import header_itl_target  # see the note on imports above
+    from kvtop.analysis.analyzer import header_interval, header_itl_target  # see the note on imports above
 
     target = header_itl_target(header)
     if target is not None:
         out["itl_target_s"] = target
+    iv = header_interval(header)
+    if iv is not None:
+        out["interval_s"] = iv
     return out
 
 

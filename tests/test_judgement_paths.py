@@ -82,3 +82,38 @@ def test_a_running_figure_is_read_as_of_a_time():
     h.record(6.0, 3.0)
     h.prune(before=7.0)
     assert (h.at(6.5), h.at(100.0)) == (3.0, 3.0)
+
+
+def _coarse_trace(path: Path, interval_s: float | None) -> None:
+    """Eight streams at 20 ms a token; r3 silent from 2 s to 4 s (preempted, resumed); the engine scraped
+    every 15 s, the counter stepping at the first scrape after the resume (vLLM counts at resume)."""
+    from tests.test_attribution import stream_records
+
+    head: dict[str, object] = {"kind": "header", "format": "kvtop-trace", "version": 1,
+                               "started_at": "2026-12-02T00:00:00Z", "engine": {"adapter": "vllm"}}
+    if interval_s is not None:
+        head["interval_s"] = interval_s
+    recs = stream_records(dur=50.0, silent={"r3": (2.0, 4.0)})
+    for k, t in enumerate((0.5, 15.5, 30.5, 45.5)):
+        recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://x", "engine": "0", "kv_usage": 0.97,
+                     "running": 8, "waiting": 0, "preemptions_total": float(k >= 1), "prompt_tokens_total": 4000.0})
+    recs.sort(key=lambda d: d["t"])
+    path.write_text("\n".join(json.dumps(d) for d in [head, *recs]) + "\n")
+
+
+def test_the_first_stall_of_a_coarsely_scraped_trace_waits_for_the_recorders_scrape_period(tmp_path: Path) -> None:
+    """Before two scrapes are read, the usual scrape interval is the recorder's own (the header's
+    ``interval_s``): a stall in the first interval waits for the scrape that shows its counter step."""
+    p = tmp_path / "coarse.jsonl"
+    _coarse_trace(p, 15.0)
+    fast, streaming = (analyze_trace(str(p), itl_target_s=0.1, fast=f).spikes for f in (True, False))
+    assert _key(fast) == _key(streaming)
+    (r3,) = [s for s in fast if s.request_id == "r3"]
+    assert r3.cause == "preemption" and r3.rule == "counter", r3.evidence
+    # without it, 1 s is assumed: the stall is judged long before the counter's scrape, on both paths
+    # alike, on the KV gauge alone (`unread`: no scrape after it yet), at a confidence that says so
+    _coarse_trace(p, None)
+    fast, streaming = (analyze_trace(str(p), itl_target_s=0.1, fast=f).spikes for f in (True, False))
+    assert _key(fast) == _key(streaming)
+    (r3,) = [s for s in fast if s.request_id == "r3"]
+    assert r3.rule == "unread" and r3.confidence < 0.9

@@ -60,6 +60,14 @@ def header_itl_target(h: dict[str, Any]) -> float | None:
     return None
 
 
+def header_interval(h: dict[str, Any]) -> float | None:
+    """The scrape period a trace was recorded with (its header's ``interval_s``); None if absent."""
+    iv = h.get("interval_s")
+    if isinstance(iv, (int, float)) and not isinstance(iv, bool) and 0 < iv < 3600:
+        return float(iv)
+    return None
+
+
 class Analyzer:
     def __init__(self, itl_target_s: float | None = None, k: float = G.K_TARGET, preempts: bool = True,
                  max_requests: int | None = None, keep_spikes: int = 10_000, horizon_s: float = 120.0,
@@ -139,6 +147,9 @@ class Analyzer:
         name = (h.get("engine") or {}).get("adapter")
         if name and self.counted_at is None:
             self.counted_at = engine_semantics(name)[2]
+        iv = header_interval(h)
+        if iv is not None:
+            self.timeline.interval_s = iv  # the recorder's scrape period, until scrapes show theirs
         if self.gaps.itl_target_s is None:
             tgt = header_itl_target(h)
             if tgt is not None:
@@ -336,7 +347,7 @@ class Analyzer:
         if addr is not None:
             tl = self.timelines.get(addr)
             if tl is None:
-                tl = self.timelines[addr] = EngineTimeline(horizon_s=self.timeline.horizon_s)
+                tl = self.timelines[addr] = EngineTimeline(self.timeline.horizon_s, self.timeline.interval_s)
             tl.add(*point)
         acc = self.acc
         if key not in acc.engine_first:

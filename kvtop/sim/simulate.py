@@ -194,8 +194,11 @@ class Simulation:
         self._advance_to(t_end, inclusive=False)
 
 
-def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: float) -> dict[str, Any]:
+def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: float,
+                 interval_s: float | None = None) -> dict[str, Any]:
+    """``interval_s``: the scrape period of its engine records, as ``kvtop record`` notes its own."""
     e = workload.engine
+    extra: dict[str, Any] = {} if interval_s is None else {"interval_s": interval_s}
     return make_header(
         engine={"adapter": "vllm", "url": SIM_URL, "model": e.model, "version": SIM_VERSION},
         kv={"bytes_per_token": e.bytes_per_token, "block_size": e.block_size, "capacity_tokens": e.capacity_tokens},
@@ -203,6 +206,7 @@ def trace_header(workload: Workload, seed: int, policy: str | None, duration_s: 
              "preemption_mode": e.preemption_mode, "duration_s": duration_s, "itl_target_s": e.itl_target_s,
              "max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
              "chunked_prefill": e.chunked_prefill},
+        **extra,
     )
 
 
@@ -219,7 +223,7 @@ def _token_lines(t: float, seqs: list[Seq]) -> str:
 def simulate_to_trace(workload: Workload, seed: int, duration_s: float, path: str, policy: str | None = None,
                       scrape_interval_s: float = 1.0, requests: list[RequestSpec] | None = None,
                       tick: Callable[[float], bool] | None = None) -> SimResult:
-    with TraceWriter(path, trace_header(workload, seed, policy, duration_s)) as w:
+    with TraceWriter(path, trace_header(workload, seed, policy, duration_s, scrape_interval_s)) as w:
         f = w._f  # same file, same buffering: token lines are appended in time order with the rest
 
         def tokens(t: float, seqs: list[Seq]) -> int:

@@ -74,8 +74,11 @@ def _inc(prev: float | None, cur: float | None) -> float:
 class EngineTimeline:
     """Bounded engine evidence: per-instance points and a pool of preemption-counter steps."""
 
-    def __init__(self, horizon_s: float = 600.0):
+    def __init__(self, horizon_s: float = 600.0, interval_s: float = 1.0):
         self.horizon_s = horizon_s
+        # the interval before two scrapes were read: the recorder's own (a trace header's
+        # ``interval_s``), else 1 s; a first stall judged with the wrong one misses its counter step
+        self.interval_s = interval_s
         self.keys: dict[EngineKey, _Key] = {}
         # (t_prev, t, units left, units) per scrape where the counter rose, time-ordered
         self.steps: deque[list[float]] = deque()
@@ -170,12 +173,12 @@ class EngineTimeline:
 
     @property
     def scrape_interval(self) -> float:
-        """The usual interval between scrapes, of the latest ones (1 s before any)."""
+        """The usual interval between scrapes, of the latest ones (``interval_s`` before two were read)."""
         return self.interval_at(math.inf)
 
     def interval_at(self, t: float) -> float:
         """The usual scrape interval as known at trace time ``t``."""
-        return _median_upto(self.intervals, t, INTERVALS, 1.0)
+        return _median_upto(self.intervals, t, INTERVALS, self.interval_s)
 
     # -- queries ----------------------------------------------------------------------------
     def claim_counter(self, a: float, b: float, tol: float) -> float | None:
