@@ -73,7 +73,8 @@ def _fast_state(conn: Connection) -> FastState | None:
     if pn is not None and pa is not None and 0 < ((pa - pn) & 0xFFFFFFFF) < 0x80000000:
         return None
     ex = http._s_ex
-    return conn, flow, peer, ex.rec if ex is not None else None, pn
+    rec = ex.rec if ex is not None else None
+    return conn, flow, peer, rec.feed if rec is not None else None, pn
 
 
 def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler, offset: float) -> tuple[int, int]:
@@ -87,7 +88,7 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
     pkt_unpack = _FRAME.unpack_from
     v4_unpack = _V4_PORTS.unpack_from
     lines = _size_lines
-    wait = HOLE_WAIT_S
+    wait, plain, ack_only = HOLE_WAIT_S, _PLAIN_MASK, ACK  # locals: read per packet
     swept = reasm._swept  # only this loop's calls move it (the general path's may sweep): re-read after them
     segments = nbytes = 0
     for ring, p, n in blocks:
@@ -114,7 +115,7 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
             h = a + 20 + (hf >> 12) * 4
             # from the server, ACK set, none of FIN, SYN and RST (they change what the connection
             # does), some payload
-            if sport == port and (hf & _PLAIN_MASK) == ACK and e > h:
+            if sport == port and (hf & plain) == ack_only and e > h:
                 # the addresses and ports as they lie in the headers: one slice, hashed once
                 key = ring[a + 12:a + 24]
                 f = fast.get(key)
@@ -125,7 +126,7 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
                         if f is not None:
                             fast[key] = f
                 if f is not None:
-                    conn, flow, peer, rec, pn = f
+                    conn, flow, peer, feed, pn = f
                     if flow.next == seq:
                         length = e - h
                         known = lines.get(length)
@@ -145,8 +146,8 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
                             if ack != pa and (pa is None or 0 < ((ack - pa) & 0xFFFFFFFF) < 0x80000000):
                                 peer.acked = ack
                             flow.next = (seq + length) & 0xFFFFFFFF
-                            if rec is not None:
-                                rec.feed(ring[start:e - 2], t)
+                            if feed is not None:
+                                feed(ring[start:e - 2], t)
                             if t - swept > wait:
                                 reasm.sweep(t)
                                 swept = reasm._swept

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Callable
 
 from kvtop.sources.capture.http import CaptureStats, HttpConnection
-from kvtop.sources.sse import Emit, StreamRecorder
+from kvtop.sources.sse import Emit
 
 FIN, SYN, RST, ACK = 0x01, 0x02, 0x04, 0x10
 OOO_CAP = 8 << 20  # bytes held out of order per direction before the gap is declared a hole
@@ -57,7 +58,7 @@ class Connection:
         self.last_t = t
 
 
-FastState = tuple[Connection, _Flow, _Flow, StreamRecorder | None, int | None]
+FastState = tuple[Connection, _Flow, _Flow, Callable[[bytes, float], None] | None, int | None]
 
 
 def fast_key(key: tuple[bytes, int, bytes], port: int) -> bytes:
@@ -89,7 +90,7 @@ class Reassembler:
         self.cls = cls
         self.conns: dict[tuple[bytes, int, bytes], Connection] = {}
         # What the streaming fast path (fastpath.py) reads of an IPv4 connection whose server side
-        # is in step between chunks: (connection, server flow, client flow, the response's recorder,
+        # is in step between chunks: (connection, server flow, client flow, its recorder's ``feed``,
         # the client's next sequence number or None when any acknowledgement will do), keyed by the
         # server's packets' address and port bytes (``fast_key``). Entries are made there and
         # dropped here before anything else touches the connection (every segment the general path
