@@ -28,8 +28,10 @@ from kvtop.sources.capture.tcp import ACK, FIN, HOLE_WAIT_S, RST, SYN, Connectio
 # FIN, SYN and RST
 _PLAIN_MASK = ACK | FIN | SYN | RST
 _SIZE = _Chunked.SIZE
-# packets.py's IPv4 and TCP header fields without the addresses, which the fast path reads as one key
-_V4_PORTS = struct.Struct("!BxH5xB10xHHIIH")
+# packets.py's IPv4 and TCP header fields, the addresses and ports read as one bytes object: the key
+# of ``Reassembler.fast``
+_V4_KEY = struct.Struct("!BxH5xB2x12sIIH")
+_PORTS = struct.Struct("!HH")
 # a tpacket3_hdr's next_offset, sec, nsec, snaplen and (past len, status and mac) net
 _FRAME = struct.Struct("@IIII10xH")
 
@@ -86,7 +88,8 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
     fast = reasm.fast
     seg = reasm.segment
     pkt_unpack = _FRAME.unpack_from
-    v4_unpack = _V4_PORTS.unpack_from
+    v4_unpack = _V4_KEY.unpack_from
+    ports_unpack = _PORTS.unpack_from
     lines = _size_lines
     wait, plain, ack_only = HOLE_WAIT_S, _PLAIN_MASK, ACK  # locals: read per packet
     swept = reasm._swept  # only this loop's calls move it (the general path's may sweep): re-read after them
@@ -98,7 +101,7 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
             p += nxt
             t = sec + nsec * 1e-9 + offset
             if snap >= 40:
-                vihl, total, proto, sport, dport, seq, ack, hf = v4_unpack(ring, a)
+                vihl, total, proto, key, seq, ack, hf = v4_unpack(ring, a)
             if snap < 40 or vihl != 0x45:  # not IPv4 without options: the general decoder
                 d = decode(ring[a:a + snap])
                 if d is not None:
@@ -113,14 +116,13 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
             nbytes += snap
             e = a + (total if 0 < total <= snap else snap)
             h = a + 20 + (hf >> 12) * 4
-            # from the server, ACK set, none of FIN, SYN and RST (they change what the connection
-            # does), some payload
-            if sport == port and (hf & plain) == ack_only and e > h:
-                # the addresses and ports as they lie in the headers: one slice, hashed once
-                key = ring[a + 12:a + 24]
+            # ACK set, none of FIN, SYN and RST (they change what the connection does), some
+            # payload; an entry's key is a server packet's (its source port is the server's)
+            if (hf & plain) == ack_only and e > h:
                 f = fast.get(key)
                 if f is None:
-                    conn = conns.get((ring[a + 16:a + 20], dport, ring[a + 12:a + 16]))
+                    sport, dport = ports_unpack(ring, a + 20)
+                    conn = conns.get((key[4:8], dport, key[:4])) if sport == port else None
                     if conn is not None:
                         f = _fast_state(conn)
                         if f is not None:
@@ -152,6 +154,7 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
                                 reasm.sweep(t)
                                 swept = reasm._swept
                             continue
-            seg(t, ring[a + 12:a + 16], sport, ring[a + 16:a + 20], dport, seq, ack, hf & 0x3F, ring[h:e])
+            sport, dport = ports_unpack(ring, a + 20)
+            seg(t, key[:4], sport, key[4:8], dport, seq, ack, hf & 0x3F, ring[h:e])
             swept = reasm._swept
     return segments, nbytes
