@@ -7,7 +7,8 @@ The traffic is what the fast path must recognise (one whole SSE chunk per segmen
 with everything it must leave to the general path: split and merged chunks, size lines in upper
 case or with leading zeros or extensions, chunk sizes at a hex digit boundary, lost, repeated and
 reordered segments, client bytes lost behind a later acknowledgement, resets, FINs, content-length
-and non-recorded responses, IPv4 options, IPv6 and non-TCP packets.
+and non-recorded responses, IPv4 options, IPv6 and non-TCP packets. The last cases each reach one
+way the fast path's per-connection entry (``Reassembler.fast``) must be dropped or never made.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import struct
 import pytest
 
 from kvtop.model.records import RequestRecord
+from kvtop.sources.capture import tcp
 from kvtop.sources.capture.fastpath import drain_ring
 from kvtop.sources.capture.opener import RING_BLOCK, RING_BLOCKS
 from kvtop.sources.capture.packets import PacketSocket, decode
 from kvtop.sources.capture.source import CaptureSource
-from kvtop.sources.capture.tcp import ACK, FIN, RST, SYN, Reassembler
+from kvtop.sources.capture.tcp import ACK, FIN, IDLE_S, RST, SYN, Reassembler
 
 PORT = 8000
 SERVER = bytes([10, 0, 0, 1])
@@ -435,3 +437,76 @@ def test_a_block_whose_reading_failed_is_not_read_again() -> None:
     assert cap.poll() == 0
     assert [r.event for r in out] == ["arrive", "first_token", "token"]
     assert struct.unpack_from("@I", ring, 8)[0] == 0  # back to the kernel
+
+
+def test_a_connection_forgotten_while_idle_is_not_read_through_its_fast_entry() -> None:
+    # a stream silent for IDLE_S ends (capture_lost) when another connection's packet sweeps; a
+    # later chunk of it belongs to no connection (joined mid-stream), it is no token of the old one
+    a = streaming(41010, "idle-a")
+    b = streaming(41011, "idle-b")
+    a.emit(False, ACK | PSH, token_chunk(0), 1.1)
+    b.emit(False, ACK | PSH, token_chunk(0), 1.1)
+    b.emit(False, ACK | PSH, token_chunk(1), 2.0 + IDLE_S)  # its sweep forgets a
+    a.emit(False, ACK | PSH, token_chunk(1), 2.1 + IDLE_S)
+    got, fast, _ = both_ways(sorted(a.out + b.out, key=lambda p: p[0]))
+    assert [(r.event, r.n, r.error) for r in got if r.id == "idle-a"] == [
+        ("arrive", None, None), ("first_token", 1, None), ("error", None, "capture_lost")]
+    assert fast.stats.joined_mid_stream == 1
+
+
+def test_a_connection_evicted_for_a_new_one_is_not_read_through_its_fast_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # at MAX_CONNECTIONS a new connection evicts the oldest eighth without ending their streams:
+    # the evicted one's next chunk is read as a stranger's, not fed to its old recorder
+    monkeypatch.setattr(tcp, "MAX_CONNECTIONS", 8)
+    conns = [streaming(41020 + i, f"ev-{i}") for i in range(8)]
+    for i, c in enumerate(conns):
+        c.emit(False, ACK | PSH, token_chunk(0), 1.1 + i / 100)  # ev-0 is the least recently seen
+    late = streaming(41030, "ev-8")  # at 1.0, its SYN, ..., so it comes last by time: moved to 1.5
+    late.out = [(1.5, p) for _, p in late.out]
+    conns[0].emit(False, ACK | PSH, token_chunk(1), 1.6)
+    got, fast, _ = both_ways(sorted([p for c in conns + [late] for p in c.out], key=lambda p: p[0]))
+    assert [(r.event, r.n) for r in got if r.id == "ev-0"] == [("arrive", None), ("first_token", 1)]
+    assert fast.stats.joined_mid_stream == 1
+
+
+def test_client_bytes_that_end_the_parse_after_a_swept_hole_end_the_fast_path_too() -> None:
+    # a pipelined request whose body lost a segment: the rest waits, the server acknowledges only
+    # what came in order, and after HOLE_WAIT_S the sweep declares the hole inside that body and
+    # delivers what waited, whose bytes after the body are no HTTP: the connection is no longer
+    # parsed, so the stream's later chunks are no tokens
+    c = streaming(41040, "swept-a")
+    c.emit(False, ACK | PSH, token_chunk(0), 1.1)
+    c.emit(True, ACK | PSH, b"POST /v1/completions HTTP/1.1\r\nX-Request-Id: swept-b\r\n"
+           b"Content-Length: 40\r\n\r\n", 1.2)
+    acked = c.cseq
+    c.cseq = (c.cseq + 20) & 0xFFFFFFFF  # lost
+    c.emit(True, ACK | PSH, b"x" * 20 + b"\x16\x03\x01 not a request line\r\n\r\n", 1.3)
+    for i in range(1, 40):
+        c.emit(False, ACK | PSH, token_chunk(i), 1.3 + i / 10, ack=acked)
+    got, fast, general = both_ways(c.out)
+    assert fast.stats.holes == 1
+    assert [r.event for r in got if r.id == "swept-b"] == ["arrive"]
+    tokens = sum(r.n or 0 for r in got if r.id == "swept-a")
+    assert 10 < tokens < 30  # up to the sweep after HOLE_WAIT_S, none after
+    assert general < len(c.out) - 10
+
+
+def test_an_acknowledgement_past_two_client_losses_declares_both_holes() -> None:
+    # a pipelined request body of 60 bytes: 20 lost, 20 seen, 20 lost; the server's next chunk
+    # acknowledges all of it. The first hole is declared up to the bytes seen; the acknowledgement,
+    # already the client's highest when the next chunk repeats it, still reaches past the second
+    # loss, which ends the connection's parse there
+    c = streaming(41050, "twice-a")
+    c.emit(False, ACK | PSH, token_chunk(0), 1.1)
+    c.emit(True, ACK | PSH, b"POST /v1/completions HTTP/1.1\r\nX-Request-Id: twice-b\r\n"
+           b"Content-Length: 60\r\n\r\n", 1.2)
+    c.cseq = (c.cseq + 20) & 0xFFFFFFFF  # lost
+    c.emit(True, ACK | PSH, b"y" * 20, 1.3)
+    c.cseq = (c.cseq + 20) & 0xFFFFFFFF  # lost
+    for i in range(1, 6):
+        c.emit(False, ACK | PSH, token_chunk(i), 1.3 + i / 10)
+    got, fast, _ = both_ways(c.out)
+    assert fast.stats.holes == 2
+    assert [(r.event, r.n, r.error) for r in got if r.id == "twice-a"] == [
+        ("arrive", None, None), ("first_token", 1, None), ("token", 1, None), ("error", None, "capture_lost")]

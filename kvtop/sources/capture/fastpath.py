@@ -21,13 +21,17 @@ import struct
 from collections.abc import Iterable
 
 from kvtop.sources.capture.http import _Chunked
-from kvtop.sources.capture.packets import _V4, decode
-from kvtop.sources.capture.tcp import FIN, HOLE_WAIT_S, RST, SYN, Reassembler
+from kvtop.sources.capture.packets import decode
+from kvtop.sources.capture.tcp import ACK, FIN, HOLE_WAIT_S, RST, SYN, Connection, FastState, Reassembler
 
-# the flags of a plain data segment may include PSH (and URG, which TCP ignores here); any of these
-# changes what the connection does
-_NOT_PLAIN = FIN | SYN | RST
+# the flags of a plain data segment are ACK and maybe PSH (and URG, which TCP ignores here): none of
+# FIN, SYN and RST
+_PLAIN_MASK = ACK | FIN | SYN | RST
 _SIZE = _Chunked.SIZE
+# packets.py's IPv4 and TCP header fields, the addresses and ports read as one bytes object: the key
+# of ``Reassembler.fast``
+_V4_KEY = struct.Struct("!BxH5xB2x12sIIH")
+_PORTS = struct.Struct("!HH")
 # a tpacket3_hdr's next_offset, sec, nsec, snaplen and (past len, status and mac) net
 _FRAME = struct.Struct("@IIII10xH")
 
@@ -43,9 +47,36 @@ def _size_line(payload: int) -> bytes:
     return b""
 
 
-# payload length -> its one-chunk size line: a stream's events come in a handful of lengths
-_size_lines: dict[int, bytes] = {}
+# payload length -> its one-chunk size line and the line's length: a stream's events come in a
+# handful of lengths
+_size_lines: dict[int, tuple[bytes, int]] = {}
 _LINES_CAP = 4096
+
+
+def _fast_state(conn: Connection) -> FastState | None:
+    """What the fast path reads of ``conn`` (``Reassembler.fast``) while its server side is in step
+    between two chunks of a chunked response: nothing waiting, no FIN, the decoder at a size line and
+    not searching for a boundary, the parser alive; None in any other state. Outside the fast path's
+    own updates (the next sequence number, the client's acknowledged bytes, the idle clock) none of
+    this changes until the general path reads a segment of the connection, which drops the entry."""
+    flow = conn.s
+    http = conn.http
+    body = http._s_body
+    if flow.next is None or flow.ooo or flow.fin_seq is not None or body is None or http.dead:
+        return None
+    ch = body.chunked
+    if ch is None or ch.state != _SIZE or ch.line or ch.resync is not None:
+        return None
+    peer = conn.c
+    pn = None if peer.next is None or peer.closed else peer.next
+    pa = peer.acked
+    # an acknowledgement already past the client bytes we hold is a hole the general path declares;
+    # otherwise the client's highest acknowledgement needs no check against pn when it comes again
+    if pn is not None and pa is not None and 0 < ((pa - pn) & 0xFFFFFFFF) < 0x80000000:
+        return None
+    ex = http._s_ex
+    rec = ex.rec if ex is not None else None
+    return conn, flow, peer, rec.feed if rec is not None else None, pn
 
 
 def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler, offset: float) -> tuple[int, int]:
@@ -54,11 +85,14 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
     general path counts them. ``offset`` moves the kernel's times onto the run clock."""
     port = reasm.port
     conns = reasm.conns
+    fast = reasm.fast
     seg = reasm.segment
     pkt_unpack = _FRAME.unpack_from
-    v4_unpack = _V4.unpack_from
+    v4_unpack = _V4_KEY.unpack_from
+    ports_unpack = _PORTS.unpack_from
     lines = _size_lines
-    state_size, not_plain, wait = _SIZE, _NOT_PLAIN, HOLE_WAIT_S  # locals: read per packet
+    wait, plain, ack_only = HOLE_WAIT_S, _PLAIN_MASK, ACK  # locals: read per packet
+    swept = reasm._swept  # only this loop's calls move it (the general path's may sweep): re-read after them
     segments = nbytes = 0
     for ring, p, n in blocks:
         for _ in range(n):
@@ -66,59 +100,61 @@ def drain_ring(blocks: Iterable[tuple[mmap.mmap, int, int]], reasm: Reassembler,
             a = p + net
             p += nxt
             t = sec + nsec * 1e-9 + offset
-            if snap < 40 or ring[a] != 0x45:  # not IPv4 without options: the general decoder
+            if snap >= 40:
+                vihl, total, proto, key, seq, ack, hf = v4_unpack(ring, a)
+            if snap < 40 or vihl != 0x45:  # not IPv4 without options: the general decoder
                 d = decode(ring[a:a + snap])
                 if d is not None:
                     segments += 1
                     nbytes += snap
                     seg(t, *d)
+                    swept = reasm._swept
                 continue
-            _, total, proto, src, dst, sport, dport, seq, ack, hf = v4_unpack(ring, a)
             if proto != 6:
                 continue
             segments += 1
             nbytes += snap
             e = a + (total if 0 < total <= snap else snap)
             h = a + 20 + (hf >> 12) * 4
-            flags = hf & 0x3F
-            if sport == port and flags & 0x10 and not flags & not_plain and e > h:  # 0x10: ACK
-                conn = conns.get((dst, dport, src))
-                if conn is not None:
-                    flow = conn.s
-                    peer = conn.c
-                    pn = peer.next
-                    http = conn.http
-                    body = http._s_body
-                    # in order with nothing waiting and no FIN seen; an ack that reaches past the
-                    # client bytes we hold is a hole (the general path declares it)
-                    if (flow.next == seq and not flow.ooo and flow.fin_seq is None and body is not None
-                            and (ack == pn or pn is None or peer.closed
-                                 or not 0 < ((ack - pn) & 0xFFFFFFFF) < 0x80000000)
-                            and not http.dead):
-                        ch = body.chunked
-                        # between chunks, no size line begun, not searching for a boundary
-                        if ch is not None and ch.state == state_size and not ch.line and ch.resync is None:
-                            length = e - h
-                            size_line = lines.get(length)
-                            if size_line is None:
-                                size_line = _size_line(length)
-                                if len(lines) < _LINES_CAP:
-                                    lines[length] = size_line
-                            start = h + len(size_line)
-                            # exactly one whole chunk, its CRLF last
-                            if size_line and ring[h:start] == size_line and ring[e - 2] == 13 and ring[e - 1] == 10:
-                                conn.last_t = t
-                                pa = peer.acked
-                                if ack != pa and (pa is None or 0 < ((ack - pa) & 0xFFFFFFFF) < 0x80000000):
-                                    peer.acked = ack
-                                flow.next = (seq + length) & 0xFFFFFFFF
-                                ex = http._s_ex
-                                if ex is not None:
-                                    rec = ex.rec
-                                    if rec is not None:
-                                        rec.feed(ring[start:e - 2], t)
-                                if t - reasm._swept > wait:
-                                    reasm.sweep(t)
-                                continue
-            seg(t, src, sport, dst, dport, seq, ack, flags, ring[h:e])
+            # ACK set, none of FIN, SYN and RST (they change what the connection does), some
+            # payload; an entry's key is a server packet's (its source port is the server's)
+            if (hf & plain) == ack_only and e > h:
+                f = fast.get(key)
+                if f is None:
+                    sport, dport = ports_unpack(ring, a + 20)
+                    conn = conns.get((key[4:8], dport, key[:4])) if sport == port else None
+                    if conn is not None:
+                        f = _fast_state(conn)
+                        if f is not None:
+                            fast[key] = f
+                if f is not None:
+                    conn, flow, peer, feed, pn = f
+                    if flow.next == seq:
+                        length = e - h
+                        known = lines.get(length)
+                        if known is None:
+                            line = _size_line(length)
+                            known = line, len(line)
+                            if len(lines) < _LINES_CAP:
+                                lines[length] = known
+                        size_line, start = known
+                        start += h
+                        pa = peer.acked
+                        # exactly one whole chunk, its CRLF last; an acknowledgement that reaches
+                        # past the client bytes we hold is a hole (the general path declares it)
+                        if (start > h and ring[h:start] == size_line and ring[e - 2] == 13 and ring[e - 1] == 10
+                                and (ack == pa or pn is None or not 0 < ((ack - pn) & 0xFFFFFFFF) < 0x80000000)):
+                            conn.last_t = t
+                            if ack != pa and (pa is None or 0 < ((ack - pa) & 0xFFFFFFFF) < 0x80000000):
+                                peer.acked = ack
+                            flow.next = (seq + length) & 0xFFFFFFFF
+                            if feed is not None:
+                                feed(ring[start:e - 2], t)
+                            if t - swept > wait:
+                                reasm.sweep(t)
+                                swept = reasm._swept
+                            continue
+            sport, dport = ports_unpack(ring, a + 20)
+            seg(t, key[:4], sport, key[4:8], dport, seq, ack, hf & 0x3F, ring[h:e])
+            swept = reasm._swept
     return segments, nbytes

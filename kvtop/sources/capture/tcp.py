@@ -12,6 +12,8 @@ end; the parser is told how many bytes were lost so it can skip them or mark the
 from __future__ import annotations
 
 import socket
+import struct
+from collections.abc import Callable
 
 from kvtop.sources.capture.http import CaptureStats, HttpConnection
 from kvtop.sources.sse import Emit
@@ -21,6 +23,7 @@ OOO_CAP = 8 << 20  # bytes held out of order per direction before the gap is dec
 HOLE_WAIT_S = 1.0  # a real retransmission comes well within this; a capture drop never does
 IDLE_S = 600.0  # a connection with no packet for this long is forgotten
 MAX_CONNECTIONS = 65536
+_PORTS = struct.Struct("!HH")
 _METHOD_STARTS = (b"POST ", b"GET ", b"PUT ", b"DELETE ", b"HEAD ", b"OPTIONS ", b"PATCH ")
 
 
@@ -55,6 +58,16 @@ class Connection:
         self.last_t = t
 
 
+FastState = tuple[Connection, _Flow, _Flow, Callable[[bytes, float], None] | None, int | None]
+
+
+def fast_key(key: tuple[bytes, int, bytes], port: int) -> bytes:
+    """A connection's ``Reassembler.fast`` key: its server's packets' source and destination
+    addresses and ports, as they lie in the IPv4 and TCP headers."""
+    client, cport, server = key
+    return server + client + _PORTS.pack(port, cport)
+
+
 def server_address(addr: bytes, port: int) -> str | None:
     """``host:port`` of the server end (the engine the captured requests went to)."""
     try:
@@ -76,6 +89,14 @@ class Reassembler:
         self.stats = stats if stats is not None else CaptureStats()
         self.cls = cls
         self.conns: dict[tuple[bytes, int, bytes], Connection] = {}
+        # What the streaming fast path (fastpath.py) reads of an IPv4 connection whose server side
+        # is in step between chunks: (connection, server flow, client flow, its recorder's ``feed``,
+        # the client's next sequence number or None when any acknowledgement will do), keyed by the
+        # server's packets' address and port bytes (``fast_key``). Entries are made there and
+        # dropped here before anything else touches the connection (every segment the general path
+        # reads, a hole declared or a connection forgotten by ``sweep``, eviction), so an entry is
+        # never read stale.
+        self.fast: dict[bytes, FastState] = {}
         self._swept = 0.0
 
     def segment(self, t: float, src: bytes, sport: int, dst: bytes, dport: int, seq: int, ack: int, flags: int,
@@ -88,6 +109,7 @@ class Reassembler:
             from_client = False
         else:
             return
+        self._unfast(key)
         conn = self.conns.get(key)
         if flags & SYN:
             if from_client and not flags & ACK:
@@ -135,6 +157,10 @@ class Reassembler:
             self._side_closed(key, conn, from_client, t)
         if t - self._swept > HOLE_WAIT_S:
             self.sweep(t)
+
+    def _unfast(self, key: tuple[bytes, int, bytes]) -> None:
+        if len(key[0]) == 4:
+            self.fast.pop(fast_key(key, self.port), None)
 
     # -- one direction --------------------------------------------------------------------------
     def _sync(self, conn: Connection, flow: _Flow, from_client: bool, seq: int, payload: bytes) -> bool:
@@ -260,6 +286,7 @@ class Reassembler:
             oldest = sorted(self.conns, key=lambda k: self.conns[k].last_t)[: MAX_CONNECTIONS // 8]
             for k in oldest:
                 del self.conns[k]
+                self._unfast(k)
         conn = Connection(HttpConnection(self.emit, self.stats, self.cls, server_address(key[2], self.port)), t)
         self.conns[key] = conn
         self.stats.connections += 1
@@ -272,10 +299,12 @@ class Reassembler:
         for key, conn in self.conns.items():
             for flow, client in ((conn.c, True), (conn.s, False)):
                 if flow.ooo and flow.next is not None and t - flow.ooo_since >= HOLE_WAIT_S:
+                    self._unfast(key)
                     self._hole_to(conn, flow, client, self._first_ooo(flow), t)
             if t - conn.last_t > idle_s:
                 stale.append(key)
         for key in stale:
+            self._unfast(key)
             conn = self.conns.pop(key)
             if conn.http.pending:
                 # silent for IDLE_S with a stream open: its end was lost, so it ends here, incomplete
