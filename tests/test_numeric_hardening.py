@@ -110,3 +110,12 @@ def test_kv_usage_above_one_is_clamped_or_dropped():
     assert sanitize_record(EngineRecord(t=0, adapter="x", kv_usage=1.02)).kv_usage == 1.0
     r = sanitize_record(EngineRecord(t=0, adapter="x", kv_usage=1e308))
     assert r.kv_usage is None and "kv_usage=1e+308" in r.warnings[0]
+
+
+def test_a_kv_block_of_no_tokens_is_dropped_with_a_warning():
+    """Found by the page fuzz (a Triton page whose `tokens_per` read 0): a block size under one token is
+    no block, and a snapshot carrying it failed its own schema."""
+    for v in (0, 0.5):
+        r = sanitize_record(EngineRecord(t=0, adapter="x", block_size=v, kv_capacity_tokens=0))  # type: ignore[arg-type]
+        assert r.block_size is None and r.kv_capacity_tokens == 0 and f"block_size={v}" in r.warnings[0]
+    assert sanitize_record(EngineRecord(t=0, adapter="x", block_size=1)).block_size == 1

@@ -28,6 +28,7 @@ _NON_NEGATIVE = (
     "offload_in_seconds_total",
 )
 _INTS = ("kv_capacity_tokens", "block_size", "offload_capacity_bytes")
+_INT_MIN = {"block_size": 1}  # a KV block holds at least one token (the snapshot schema says so too)
 # 2**53: beyond it floats stop being exact integers; no real capacity is that large.
 _INT_MAX = float(1 << 53)
 
@@ -87,6 +88,8 @@ def sanitize_record(rec: EngineRecord) -> EngineRecord:
         v = getattr(rec, name)
         if v is not None:
             iv = as_int(v)
+            if iv is not None and iv < _INT_MIN.get(name, 0):
+                iv = None
             if iv is None:
                 bad.append(f"{name}={_show(v)}")
             setattr(rec, name, iv)
