@@ -158,7 +158,11 @@ class Analyzer:
 
     @property
     def settle(self) -> float:
-        return max(MIN_SETTLE_S, 2.0 * self.timeline.scrape_interval + 0.5)
+        return self.settle_at(math.inf)
+
+    def settle_at(self, t: float) -> float:
+        """How long after its end a spike is judged, by the scrape interval as known at trace time ``t``."""
+        return max(MIN_SETTLE_S, 2.0 * self.timeline.interval_at(t) + 0.5)
 
     # ---- ingest ---------------------------------------------------------------------------
     def feed_dict(self, d: dict[str, Any]) -> None:
@@ -512,7 +516,7 @@ class Analyzer:
         r = self.gaps.reqs.get(g.request_id)
         gt = self.gaps
         # read as of the spike's cut-offs, not as of now: the same judgement on either path, whenever made
-        settle = max(MIN_SETTLE_S, 2.0 * self.timeline.interval_at(known_by(g)) + 0.5)
+        settle = self.settle_at(known_by(g))
         cut = cutoff(g, settle, self.engine_times_from)
         ev = gather(g, gt.stalls, gt.median_gap(cut.facts), gt.itl_target_s, self.timeline_for(g.engine), self.preempts,
                     settle, cut, r.engine_preempts if r else None, self.counted_at, self.prefill_rate(g.engine, cut.facts),

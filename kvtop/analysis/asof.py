@@ -51,7 +51,7 @@ def cutoff(g: Gap, settle: float, engine_times_from: float) -> Cutoff:
     judges it (``settle`` after its end), the run has shown that its engine sends them (the first
     finish record that carried them, at ``engine_times_from``): before that nothing told it to wait."""
     wait = engine_times_from <= g.t_end + settle
-    return Cutoff(g.t_end + MIN_SETTLE_S, g.t_end + PREFILL_HOLD_S if wait else -math.inf)
+    return Cutoff(known_by(g), g.t_end + PREFILL_HOLD_S if wait else -math.inf)
 
 
 def prompt_of(r: ReqState, cut: Cutoff) -> int | None:
@@ -62,6 +62,11 @@ def prompt_of(r: ReqState, cut: Cutoff) -> int | None:
         return None
     t = r.prompt_t
     return p if t <= cut.facts or (r.engine_prefill is not None and t <= cut.engine) else None
+
+
+def outside(span: tuple[float, float], a: float, b: float) -> bool:
+    """An engine-timed prefill ``span`` that lies wholly outside [a, b] (queued or done all through it)."""
+    return span[1] <= a or span[0] >= b
 
 
 def engine_prefill_of(r: ReqState, cut: Cutoff) -> tuple[float, float] | None:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvtop.analysis.asof import Cutoff, engine_prefill_of, prompt_of
+from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of
 from kvtop.analysis.streams import ReqState
 
 if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
@@ -258,7 +258,7 @@ class StallIndex:
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
             sp = engine_prefill_of(r, cut)
-            if sp is not None and (sp[1] <= a or sp[0] >= b):
+            if sp is not None and outside(sp, a, b):
                 continue  # the engine's own times: it was queued, or done, all through [a, b]
             if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
                 return True
@@ -274,7 +274,7 @@ class StallIndex:
             r = ft[i][2]
             sp = engine_prefill_of(r, cut)
             p = prompt_of(r, cut)
-            if (sp is not None and p and (sp[1] <= g.t_start or sp[0] >= g.t_end)
+            if (sp is not None and p and outside(sp, g.t_start, g.t_end)
                     and not (self.multi and ft[i][3] != g.engine)):
                 n += 1
                 tokens += p
@@ -320,7 +320,7 @@ class StallIndex:
             p = prompt_of(r, cut)
             sp = engine_prefill_of(r, cut)
             if (rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng)
-                    and (sp is None or (sp[1] > g.t_start and sp[0] < g.t_end))):
+                    and (sp is None or not outside(sp, g.t_start, g.t_end))):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
