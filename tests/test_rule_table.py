@@ -371,6 +371,29 @@ def test_longer():
     assert f.lines[:2] == ["silent 1.3x longer than the other stalled streams", "preemption counter stepped at t=6.50s"]
     assert ask("longer", evidence(tl=engine(pre_steps={6.5: 1}), **shared(co_gap_median=1.9))) is None  # 1.05x
     assert ask("longer", evidence(**shared(co_gap_median=1.5))) is None  # no counter step
+    # longer than the company by less than one decode step (20 ms): a busy step's jitter
+    assert ask("longer", evidence(gap(4.0, 0.05), engine(pre_steps={4.5: 1}), **shared(co_gap_median=0.035))) is None
+    f = ask("longer", evidence(gap(4.0, 0.06), engine(pre_steps={4.5: 1}), **shared(co_gap_median=0.035)))
+    assert f is not None and f.key == "preemption/longer"
+
+
+def test_the_company_a_silence_is_compared_with_fell_silent_with_it():
+    """Stream r3 silent 4.0-4.2 s; stream d stalled with it (4.1-4.22 s, the step that re-prefilled
+    the victims); e and f, preempted long before (since 2.5 and 3.0 s), resumed at 4.2 s. Their long
+    silences are not the company's: r3 stayed silent 1.7x longer than d, a victim too (on a real vLLM
+    run such a victim had read as 1.0x a median lifted by the waiting ones and taken for the
+    re-prefill it stalled behind)."""
+    st = StallIndex()
+    for rid, a, b in (("d", 4.10, 4.22), ("e", 2.5, 4.2), ("f", 3.0, 4.2)):
+        st.add_long(gap(a, b - a, request_id=rid))
+    stalled, med, fresh, _ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
+    assert (stalled, fresh) == (3, 1) and med == pytest.approx(0.12)
+    # none fell silent with it: the median of all of them
+    st = StallIndex()
+    for rid, a, b in (("e", 2.5, 4.2), ("f", 3.0, 4.3)):
+        st.add_long(gap(a, b - a, request_id=rid))
+    stalled, med, fresh, _ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
+    assert (stalled, fresh) == (2, 0) and med == pytest.approx(1.7)
 
 
 def test_shared_prefill():

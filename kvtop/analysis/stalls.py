@@ -154,7 +154,8 @@ class StallIndex:
         return lo
 
     def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
-        """Other streams silent over at least half of the spike, the median of their silences, and
+        """Other streams silent over at least half of the spike, the median of their silences (of those
+        that fell silent with it, where any did), and
         how many of them fell silent with it (up to a second, or half its length, before it began)
         rather than long before (streams preempted earlier and still waiting), and how many of those
         also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
@@ -171,6 +172,7 @@ class StallIndex:
         lo = self._long_ending_from(a_end)  # candidates end at or after a + L/2
         seen = set()
         lens = []
+        fresh_lens = []
         fresh_from = g.t_start - min(half, 1.0)
         fresh = together = 0
         tol = max(0.05, 0.25 * L)
@@ -188,6 +190,7 @@ class StallIndex:
                 lens.append(min(q.t_end, cap) - q.t_start)
                 if q.t_start >= fresh_from:
                     fresh += 1
+                    fresh_lens.append(lens[-1])
                     together += abs(q.t_end - g.t_end) <= tol
                 if enough is not None and len(seen) >= enough:
                     break  # every other active stream already found stalled
@@ -206,11 +209,15 @@ class StallIndex:
                         continue
                     seen.add(r.id)
                     lens.append(end - lt)
-                    fresh += lt >= fresh_from
+                    if lt >= fresh_from:
+                        fresh += 1
+                        fresh_lens.append(lens[-1])
         if not lens:
             return 0, None, 0, 0
-        lens.sort()
-        return len(seen), lens[len(lens) // 2], fresh, together
+        # the company a silence is compared with is the streams that fell silent with it: those
+        # silent since long before are victims still waiting, whose silences say nothing of this one's
+        comp = sorted(fresh_lens or lens)
+        return len(seen), comp[len(comp) // 2], fresh, together
 
     def victim_resumed(self, g: Gap) -> str | None:
         """Another stream, silent since before the spike began, whose silence ended with it (both

@@ -103,6 +103,11 @@ def longer_than_company(ev: Evidence) -> Finding | None:
     alone turned host hiccups that stall every stream into preemptions on a real vLLM."""
     if not (ev.preempts and ev.has_counter and ev.co_gap_median and ev.gap.gap > LONGER * ev.co_gap_median):
         return None
+    # a victim misses at least the step it was preempted in: a silence longer than the company's by
+    # less than one of the stream's decode steps is a busy step's jitter, not a turn spent waiting
+    pace = ev.decode_pace
+    if pace and ev.gap.gap - ev.co_gap_median < pace:
+        return None
     claim = ev.claim_counter()
     if claim is None:
         return None

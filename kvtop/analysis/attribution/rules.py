@@ -166,8 +166,10 @@ RULES: tuple[Rule, ...] = (
     Rule("alone-prefill", Cause.PREFILL, ("lone",), ALONE, prefill.lone, ("prefill/lone",),
          "a prefill signal as in `shared-prefill` that the measured rate cannot confirm (none measured yet)"),
     Rule("longer", Cause.PREEMPTION, ("longer",), SHARED, preemption.longer_than_company, ("preemption/longer",),
-         f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams, with a "
-         "counter unit claimed as in `lone-preemption`"),
+         f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams (those that "
+         "fell silent with it; streams silent since long before are victims still waiting) and longer by at least "
+         "one of its decode steps (a victim misses the step it was preempted in), with a counter unit claimed as "
+         "in `lone-preemption`"),
     Rule("shared-prefill", Cause.PREFILL, ("shared",), SHARED, prefill.shared,
          ("prefill/shared-checked", "prefill/shared"),
          "other requests' first tokens at its end (their prompts added up: prompts admitted in one step finish "
