@@ -29,8 +29,8 @@ PREFILL_SERVER = {"kv_bytes": 16 * 1024 * 1024, "max_model_len": 2048,
                   "extra": ("--max-num-batched-tokens", "256", "--enable-chunked-prefill")}
 
 
-def storm(url: str, model: str, n: int = 8, tokens: int = 600) -> None:
-    asyncio.run(run_streams(url, model, n, tokens, seed=11))
+def storm(url: str, model: str, n: int = 8, tokens: int = 600, seed: int = 11) -> None:
+    asyncio.run(run_streams(url, model, n, tokens, seed=seed))
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict, delay: float, cancel_after: int | None = None,
