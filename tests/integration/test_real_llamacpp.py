@@ -43,18 +43,29 @@ def test_autodetects_llamacpp_adapter(llama):
 
 def test_token_rates_nonzero_under_load(llama):
     out: list = []
-    # llama.cpp's token counters move when a request finishes: the streams must end inside the window
-    # (they take 2-5 s on an idle box; twice they outlasted a 14 s window on a box whose two cores other
-    # builds kept busy, so the window leaves room for a slow host)
-    th = threading.Thread(target=lambda: out.extend(
-        load.drive(llama.url, MODEL, 4, 60, seed=3, delays=[1.0] * 4)))
+    done = threading.Event()
+
+    # llama.cpp's token counters move when a request finishes: the streams must end inside the
+    # snapshot's window. One batch started with the snapshot ended before kvtop's first scrape on a
+    # box whose two cores other jobs kept busy (kvtop took longer to start than the streams to run),
+    # so batches follow one another until the snapshot is done
+    def drive() -> None:
+        seed = 3  # new prompts each batch: llama.cpp would reuse a cached prompt and count none of it
+        while not done.is_set():
+            out.extend(load.drive(llama.url, MODEL, 4, 60, seed=seed, delays=[1.0] * 4))
+            seed += 100
+
+    th = threading.Thread(target=drive)
     th.start()
-    r = kvtop("snapshot", "--url", llama.url, "--duration", "30", "--interval", "0.5", "--format", "json",
-              "--no-gpu")
-    th.join(timeout=120)
+    try:
+        r = kvtop("snapshot", "--url", llama.url, "--duration", "20", "--interval", "0.5", "--format", "json",
+                  "--no-gpu")
+    finally:
+        done.set()
+        th.join(timeout=120)
     assert r.returncode == 0, r.stderr
     [eng] = json.loads(r.stdout)["engines"]
-    assert all(x.completion_tokens == 60 for x in out), [x.completion_tokens for x in out]
+    assert out and all(x.completion_tokens == 60 for x in out), [x.completion_tokens for x in out]
     assert eng["generation_tokens_per_s"] and eng["generation_tokens_per_s"] > 0
     assert eng["prompt_tokens_per_s"] and eng["prompt_tokens_per_s"] > 0
 
