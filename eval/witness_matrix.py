@@ -11,6 +11,7 @@ Targets: a loose 100 ms and a tight one, ``TIGHT_K`` x the median decode-only st
 measured (operators set 2-3x the decode step).
 
     python -m eval.witness_matrix TRACE [TRACE ...] [--json out.json]
+    python -m eval.witness_matrix --rounds O          # rounds shipped in eval/witness_rounds/ (A-O, "all")
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
+from eval import witnessed
 from eval.scoring import precision_recall
 from kvtop.analysis.scan import analyze_trace
 
@@ -117,10 +119,19 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.witness_matrix", description=__doc__.split("\n\n")[0])
-    ap.add_argument("traces", nargs="+")
+    ap.add_argument("traces", nargs="*")
+    ap.add_argument("--rounds", default=None, metavar="SPEC",
+                    help="also score the witnessed rounds shipped in eval/witness_rounds/: A-G, H,K, all")
     ap.add_argument("--json", default=None, metavar="FILE")
     args = ap.parse_args(argv)
-    rows = matrix(args.traces)
+    if not args.traces and not args.rounds:
+        ap.error("give traces or --rounds")
+    try:
+        rounds = witnessed.select(args.rounds) if args.rounds else []
+    except ValueError as e:
+        ap.error(str(e))
+    with witnessed.traces(rounds) as shipped:
+        rows = matrix(args.traces + shipped)
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -206,6 +206,8 @@ def test_cancelled_victim_is_preemption_without_a_counter_step():
 
 
 def test_prefill_interference_all_streams_stall_with_new_first_token():
+    from kvtop.analysis.attribution.thresholds import CONFIDENCE
+
     recs = stream_records(silent={f"r{i}": (4.0, 4.62) for i in range(8)})
     recs += [{"kind": "request", "t": 3.9, "id": "rag", "event": "arrive", "prompt_tokens": 12000},
              {"kind": "request", "t": 4.61, "id": "rag", "event": "first_token", "n": 1}]
@@ -214,7 +216,10 @@ def test_prefill_interference_all_streams_stall_with_new_first_token():
     spikes = list(an.spikes)
     assert len(spikes) == 8
     assert {g.cause for g in spikes} == {"prefill_interference"}
-    assert all(g.confidence >= 0.75 for g in spikes)
+    # the confidence each rule has earned on the real engine's witnessed rounds (a shared stall at
+    # a long prompt's first token is right about half the time there), never higher
+    assert all(g.confidence == CONFIDENCE[g.rule_key] for g in spikes)
+    assert all(g.rule_key and g.rule_key.startswith("prefill/") for g in spikes)
     rep = build_report(an)
     assert rep.verdict.action == "chunked_prefill"
     assert rep.causes["prefill_interference"].share == 1.0

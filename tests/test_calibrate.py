@@ -58,6 +58,49 @@ def test_the_shipped_fitted_file_is_what_calibrate_writes_for_the_confidences_th
     shipped = resources.files("kvtop.analysis.attribution").joinpath("fitted.json").read_text(encoding="utf-8")
     how = json.loads(shipped)["how"]
     assert fitted_json(thresholds.CONFIDENCE, thresholds.DISCOUNT, how) == shipped
-    assert thresholds.CONFIDENCE["prefill/recompute-long"] == pytest.approx(0.113)
+    # the engine-cause rules the witnessed rounds judged often enough carry the real engine's fit
+    assert "real vLLM's step log (witness rounds A-G" in how["prefill/shared-checked"]
+    assert thresholds.CONFIDENCE["prefill/shared-checked"] == pytest.approx(0.594)
     assert thresholds.DISCOUNT == {"coarse": 0.99, "sparse": 0.99, "chunked": 0.99}
     assert set(how) == set(thresholds.CONFIDENCE) and how["preemption/unread"] == "set"
+
+
+def test_the_real_engine_refits_only_the_engine_cause_rules_it_judged_often_enough():
+    from eval.calibrate import MIN_FIT, fit_witness
+
+    conf = {"prefill/shared": 0.86, "prefill/recompute": 0.66, "preemption/unread": 0.5, "slow/pace": 0.9}
+    disc = {"coarse": 0.8}
+    how = {k: "set" for k in conf}
+    # the step log judged 40 shared calls (half right, half of them coarse), too few recompute calls,
+    # and slow-decode calls, which it does not refit
+    cs = [Call("prefill/shared", ("coarse",) if i % 2 else (), i < 20) for i in range(40)]
+    cs += [Call("prefill/recompute", (), False) for _ in range(MIN_FIT - 1)]
+    cs += [Call("preemption/unread", (), False) for _ in range(50)]
+    cs += [Call("slow/pace", (), False) for _ in range(50)]
+    fit_witness(conf, disc, how, cs, "witness rounds A-G")
+    # 20 right where the base predicts 20 x 1 + 20 x 0.8 = 36 base units: 20 / 36
+    assert conf["prefill/shared"] == pytest.approx(20 / (20 + 20 * 0.8))
+    assert "real vLLM" in how["prefill/shared"] and "A-G" in how["prefill/shared"]
+    assert conf["prefill/recompute"] == 0.66 and how["prefill/recompute"] == "set"
+    assert conf["preemption/unread"] == 0.5 and conf["slow/pace"] == 0.9
+
+
+def test_witnessed_rounds_are_chosen_by_letter_and_read_as_traces_with_the_engines_steps():
+    import json
+    import os
+
+    from eval import witnessed
+
+    assert witnessed.select("A-C,O") == ["A", "B-21", "C-31", "O-161"]
+    assert witnessed.select("all") == witnessed.names() and len(witnessed.names()) >= 15
+    with pytest.raises(ValueError, match="no witnessed round 'Z'"):
+        witnessed.select("Z")
+    with witnessed.traces(["O-161"]) as paths:
+        assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
+            "mixed-161.jsonl", "prefill-161.jsonl", "storm10x500-161.jsonl", "storm8x900-161.jsonl"]
+        with open(paths[0]) as f:
+            recs = [json.loads(line) for line in f]
+        kept = paths
+    assert recs[0]["kind"] == "header" and recs[0]["engine"]["version"] == "0.32.0"
+    assert sum(r["kind"] == "step" for r in recs) > 100 and sum(r["kind"] == "request" for r in recs) > 100
+    assert not any(os.path.exists(p) for p in kept)  # the temporary copies are gone
