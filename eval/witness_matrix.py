@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -97,6 +98,36 @@ def matrix(paths: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def workload(trace: str) -> str:
+    """A trace's workload: its file name without the round's seed ("storm8x900-161.jsonl" -> "storm8x900")."""
+    return re.sub(r"(-\d+)?\.jsonl$", "", trace)
+
+
+def pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows summed per workload and over all of them, at 100 ms and at the tight target (each
+    trace's own 2.5x step): precision and recall of the pooled counts, not a mean of ratios."""
+    sums: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        tgt = "100 ms" if r["target_s"] == LOOSE_S else f"{TIGHT_K:g}x decode step"
+        for name in (workload(r["trace"]), "all"):
+            acc = sums.setdefault((name, tgt), {"trace": name, "target": tgt, "traces": 0, "neither": 0,
+                                                "neither_called_engine": 0, "neither_called_prefill": 0,
+                                                "spikes": 0, "not_witnessed": 0,
+                                                **{c: {"tp": 0, "predicted": 0, "actual": 0} for c in ENGINE_CAUSES}})
+            acc["traces"] += 1
+            for k in ("neither", "neither_called_engine", "neither_called_prefill", "spikes", "not_witnessed"):
+                acc[k] += r[k]
+            for c in ENGINE_CAUSES:
+                for k in ("tp", "predicted", "actual"):
+                    acc[c][k] += r[c][k]
+    for acc in sums.values():
+        for c in ENGINE_CAUSES:
+            d = acc[c]
+            d["precision"] = d["tp"] / d["predicted"] if d["predicted"] else None
+            d["recall"] = d["tp"] / d["actual"] if d["actual"] else None
+    return [sums[k] for k in sorted(sums, key=lambda k: (k[0] == "all", k))]
+
+
 def _num(x: float | None) -> str:
     return "  —  " if x is None else f"{x:5.2f}"
 
@@ -133,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     with witnessed.traces(rounds) as shipped:
         rows = matrix(args.traces + shipped)
     print(render(rows))
+    if len(rows) > 2:
+        print(f"\npooled ({len({r['trace'] for r in rows})} traces)")
+        print(render(pool(rows)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

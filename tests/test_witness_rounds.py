@@ -1,0 +1,59 @@
+"""kvtop's inference judged by a real engine, without the engine: the witnessed vLLM rounds shipped in
+eval/witness_rounds/ (real vLLM 0.32 whose scheduler logged every step, see that folder's README) are
+analysed with their step records left out and each spike's cause is scored against the log, at
+100 ms and at 2.5x each trace's median decode step.
+
+The floors are a guard against regressions, a few points under what the final code of the change
+that shipped the rounds measured (docs/real-engines.md section 7 has the figures and says which rounds
+were read while rules were chosen); they are not where a threshold was tuned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from eval import witnessed
+from eval.witness_matrix import matrix, pool
+
+
+@pytest.fixture(scope="module")
+def pooled() -> dict[tuple[str, str], dict[str, Any]]:
+    with witnessed.traces(witnessed.select("all")) as paths:
+        rows = matrix(paths)
+    return {(r["trace"], r["target"]): r for r in pool(rows)}
+
+
+LOOSE, TIGHT = "100 ms", "2.5x decode step"
+
+
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.97, 0.87), (TIGHT, 0.95, 0.85)])
+def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_called_one(pooled, target, p, r):
+    got = pooled[("all", target)]["preemption"]
+    assert got["actual"] >= 600  # every round's storms and mixed runs were read
+    assert got["precision"] >= p and got["recall"] >= r, got
+
+
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.9, 0.78), (TIGHT, 0.82, 0.87)])
+def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
+    got = pooled[("all", target)]["prefill_interference"]
+    assert got["precision"] >= p and got["recall"] >= r, got
+    # where prompts are long and chunked, the calls are nearly all right at both targets
+    chunked = pooled[("prefill", target)]["prefill_interference"]
+    assert chunked["precision"] >= 0.95 and chunked["recall"] >= 0.95, chunked
+
+
+@pytest.mark.parametrize("target", [LOOSE, TIGHT])
+def test_ordinary_slow_steps_are_rarely_blamed_on_an_engine_cause(pooled, target):
+    # the issue's bound is 5 %: decode steps and time outside the engine called preemption or prefill
+    got = pooled[("all", target)]
+    assert got["neither"] > 8000 and got["neither_called_engine"] <= 0.02 * got["neither"], got
+
+
+def test_the_round_recorded_after_the_rules_were_final_scores_as_well():
+    # round O was recorded after the last preemption change and scored once: it was read by no rule
+    with witnessed.traces(witnessed.select("O")) as paths:
+        rows = {(r["trace"], r["target"]): r for r in pool(matrix(paths))}
+    for target in (LOOSE, TIGHT):
+        pre = rows[("all", target)]["preemption"]
+        assert pre["actual"] >= 40 and pre["precision"] >= 0.9 and pre["recall"] >= 0.9, (target, pre)
