@@ -202,6 +202,24 @@ def recompute(ev: Evidence) -> Finding | Signs | None:
     return ev.found(Cause.PREFILL, key, lines, "recompute", sparse_matters=False)
 
 
+def resumed(ev: Evidence) -> Finding | None:
+    """The only decoding stream stalled while the others waited, and one of them resumed as the stall
+    ended: that waiting stream's re-prefill (a preemption victim's recompute, in no prompt counter)
+    held the step the lone decoder waited for. Scored against real vLLM's step log, these were the
+    recompute steps of a storm's survivors; the stream's own pace must keep the target."""
+    if not ev.preempts or not ev.resumed or not _outlier(ev):
+        return None
+    pace = ev.decode_pace
+    if ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target:
+        return None
+    victim = ev.stalls.victim_resumed(ev.gap)
+    if victim is None:
+        return None
+    return ev.found(Cause.PREFILL, "prefill/resumed", [
+        f"request {victim}, silent since before it (a waiting victim), resumed as it ended: its re-prefill held "
+        "the only decoding stream's step"], "recompute", sparse_matters=False)
+
+
 def dominant(ev: Evidence) -> Finding | None:
     """Another request's first token ends a gap that is the longest around it and at least
     ``PREFILL_DOMINANT`` x the stream's pace before it and its decode-only pace right after it (the
