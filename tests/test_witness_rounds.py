@@ -34,7 +34,7 @@ def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_call
     assert got["precision"] >= p and got["recall"] >= r, got
 
 
-@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.9, 0.78), (TIGHT, 0.82, 0.87)])
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.88, 0.85), (TIGHT, 0.82, 0.9)])
 def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
     got = pooled[("all", target)]["prefill_interference"]
     assert got["precision"] >= p and got["recall"] >= r, got
