@@ -114,24 +114,20 @@ def calls(path: str, itl_target_s: float) -> list[Call]:
 
 def witness_calls(path: str) -> list[Call]:
     """The engine-cause calls of kvtop's inference on one witnessed trace (its step records left
-    out), each judged by the engine's own log, at 100 ms and at 2.5x its decode step."""
-    from eval.witness_matrix import LOOSE_S, TIGHT_K, decode_step_s, without_witness
-    from kvtop.analysis.scan import analyze_trace
+    out), each judged by the engine's own log, at the witness matrix's two targets."""
+    from eval.witness_matrix import spike_key, targets, truth, without_witness
 
-    dec = decode_step_s(path)
     out = []
-    for tgt in (LOOSE_S, *([TIGHT_K * dec] if dec else [])):
-        with tempfile.TemporaryDirectory() as tmp:
-            blind = without_witness(path, tmp)
-            truth_rep = analyze_trace(path, itl_target_s=tgt, fast=False)
-            an = analyze(blind, tgt)
-        truth = {(s.request_id, round(s.t_end, 6)): str(s.cause) for s in truth_rep.spikes if s.rule == "witness"}
-        for g in an.spikes:
-            if g.cause == "unknown" or g.rule_key is None or not g.rule_key.startswith(ENGINE_RULES):
-                continue
-            t = truth.get((g.request_id, round(g.t_end, 6)))
-            if t is not None:
-                out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))
+    with tempfile.TemporaryDirectory() as tmp:
+        blind = without_witness(path, tmp)
+        for _, tgt in targets(path):
+            causes, _ = truth(path, tgt)
+            for g in analyze(blind, tgt).spikes:
+                if g.cause == "unknown" or g.rule_key is None or not g.rule_key.startswith(ENGINE_RULES):
+                    continue
+                t = causes.get(spike_key(g))
+                if t is not None:
+                    out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))
     return out
 
 

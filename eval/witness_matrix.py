@@ -59,28 +59,50 @@ def without_witness(path: str, out_dir: str) -> str:
     return out
 
 
+def spike_key(s: Any) -> tuple[str, float]:
+    """How a spike of the inference is matched with the witness's: its stream and its end."""
+    return (s.request_id, round(s.t_end, 6))
+
+
+def truth(path: str, target_s: float) -> tuple[dict[tuple[str, float], str], int]:
+    """The cause the engine's log gives each spike of the witnessed trace at this target, and how
+    many spikes it did not cover."""
+    rep = analyze_trace(path, itl_target_s=target_s, fast=False)
+    return ({spike_key(s): str(s.cause) for s in rep.spikes if s.rule == "witness"},
+            sum(1 for s in rep.spikes if s.rule != "witness"))
+
+
+def targets(path: str) -> list[tuple[str, float]]:
+    """The targets a trace is scored at: 100 ms, and ``TIGHT_K`` x its median decode-only step."""
+    dec = decode_step_s(path)
+    out = [("100 ms", LOOSE_S)]
+    if dec:
+        out.append((f"{TIGHT_K * dec * 1e3:.1f} ms ({TIGHT_K:g}x a {dec * 1e3:.1f} ms step)", TIGHT_K * dec))
+    return out
+
+
 def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any]:
-    """Inference vs the witness on one trace at one target."""
+    """Inference vs the witness on one trace at one target (``blind``: the trace without its step
+    records, when already written)."""
     with tempfile.TemporaryDirectory() as tmp:
         blind = blind or without_witness(path, tmp)
-        truth_rep = analyze_trace(path, itl_target_s=target_s, fast=False)
+        causes, not_covered = truth(path, target_s)
         inf_rep = analyze_trace(blind, itl_target_s=target_s, fast=False)
-    truth = {(s.request_id, round(s.t_end, 6)): s.cause for s in truth_rep.spikes if s.rule == "witness"}
     pairs: list[tuple[str, str | None]] = []
     unmatched = 0
     for s in inf_rep.spikes:
-        t = truth.get((s.request_id, round(s.t_end, 6)))
+        t = causes.get(spike_key(s))
         if t is None:
             unmatched += 1
             continue
-        pairs.append((str(s.cause), str(t)))
+        pairs.append((str(s.cause), t))
     res: dict[str, Any] = dict(precision_recall(pairs, ENGINE_CAUSES))
     neither = [(p, t) for p, t in pairs if t not in ENGINE_CAUSES]  # t is never None here
     res["neither"] = len(neither)
     res["neither_called_engine"] = sum(1 for p, _ in neither if p in ENGINE_CAUSES)
     res["neither_called_prefill"] = sum(1 for p, _ in neither if p == "prefill_interference")
     res["spikes"] = len(pairs)
-    res["not_witnessed"] = unmatched + sum(1 for s in truth_rep.spikes if s.rule != "witness")
+    res["not_witnessed"] = unmatched + not_covered
     res["target_s"] = target_s
     res["truth_causes"] = {c: sum(1 for _, t in pairs if t == c) for c in sorted({str(t) for _, t in pairs})}
     return res
@@ -89,12 +111,10 @@ def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any
 def matrix(paths: list[str]) -> list[dict[str, Any]]:
     rows = []
     for p in paths:
-        dec = decode_step_s(p)
-        targets = [("100 ms", LOOSE_S)]
-        if dec:
-            targets.append((f"{TIGHT_K * dec * 1e3:.1f} ms ({TIGHT_K:g}x a {dec * 1e3:.1f} ms step)", TIGHT_K * dec))
-        for name, tgt in targets:
-            rows.append({"trace": os.path.basename(p), "target": name, **score(p, tgt)})
+        with tempfile.TemporaryDirectory() as tmp:
+            blind = without_witness(p, tmp)  # once per trace, for both targets
+            for name, tgt in targets(p):
+                rows.append({"trace": os.path.basename(p), "target": name, **score(p, tgt, blind)})
     return rows
 
 

@@ -18,10 +18,22 @@ from eval.witness_matrix import matrix, pool
 
 
 @pytest.fixture(scope="module")
-def pooled() -> dict[tuple[str, str], dict[str, Any]]:
-    with witnessed.traces(witnessed.select("all")) as paths:
-        rows = matrix(paths)
-    return {(r["trace"], r["target"]): r for r in pool(rows)}
+def by_round() -> dict[str, list[dict[str, Any]]]:
+    """Every shipped round's matrix rows, scored once for the whole module."""
+    out = {}
+    for r in witnessed.names():
+        with witnessed.traces([r]) as paths:
+            out[r] = matrix(paths)
+    return out
+
+
+def _pooled(by_round: dict[str, list[dict[str, Any]]], rounds: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(r["trace"], r["target"]): r for r in pool([row for x in rounds for row in by_round[x]])}
+
+
+@pytest.fixture(scope="module")
+def pooled(by_round: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return _pooled(by_round, witnessed.names())
 
 
 LOOSE, TIGHT = "100 ms", "2.5x decode step"
@@ -37,8 +49,9 @@ def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_call
 @pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.76, 0.87), (TIGHT, 0.76, 0.9)])
 def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
     # round P's prefill workload ran on a box so loaded that its decode steps alone took about the
-    # 100 ms target, and kvtop calls those steps inside a prefill prefill (docs/real-engines.md 7.3):
-    # it pulls the pooled precision down from about 0.9, and is in these floors
+    # 100 ms target, and kvtop blames the decode steps inside another request's prefill on that
+    # prefill (docs/real-engines.md 7.3): it pulls the pooled precision down from about 0.9, and is
+    # in these floors
     got = pooled[("all", target)]["prefill_interference"]
     assert got["precision"] >= p and got["recall"] >= r, got
     # where prompts are long and chunked, the prefill stalls are all found at both targets
@@ -53,10 +66,9 @@ def test_ordinary_slow_steps_are_rarely_blamed_on_an_engine_cause(pooled, target
     assert got["neither"] > 9000 and got["neither_called_engine"] <= 0.03 * got["neither"], got
 
 
-def test_the_rounds_recorded_after_the_preemption_rules_were_final_score_as_well():
+def test_the_rounds_recorded_after_the_preemption_rules_were_final_score_as_well(by_round):
     # rounds O-T were recorded after the last preemption change; no preemption rule was read on them
-    with witnessed.traces(witnessed.select("O-T")) as paths:
-        rows = {(r["trace"], r["target"]): r for r in pool(matrix(paths))}
+    rows = _pooled(by_round, witnessed.select("O-T"))
     for target in (LOOSE, TIGHT):
         pre = rows[("all", target)]["preemption"]
         assert pre["actual"] >= 250 and pre["precision"] >= 0.95 and pre["recall"] >= 0.92, (target, pre)

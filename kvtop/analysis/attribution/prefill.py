@@ -46,6 +46,13 @@ def _outlier(ev: Evidence) -> bool:
     return not (ev.baseline_is_stream and rel is not None and rel < REL_SLOW)
 
 
+def _pace_misses(ev: Evidence) -> bool:
+    """The stream's own decode pace already misses the target (``PACE_NEAR``): its spike would have
+    been one without any prefill (slow decode)."""
+    pace = ev.decode_pace
+    return bool(ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target)
+
+
 def _explains(ev: Evidence, tokens: float) -> bool | None:
     """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
     if not ev.prefill_rate or not tokens:
@@ -97,8 +104,7 @@ def signals(ev: Evidence) -> Signals:
     out: list[str] = []
     checked = False
     claim: tuple[float, float] | None = None
-    pace = ev.decode_pace
-    if ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target:
+    if _pace_misses(ev):
         return Signals(out, checked, None)
     ft = ev.first_token
     if ft is not None:
@@ -209,8 +215,7 @@ def resumed(ev: Evidence) -> Finding | None:
     recompute steps of a storm's survivors; the stream's own pace must keep the target."""
     if not ev.preempts or not ev.resumed or not _outlier(ev):
         return None
-    pace = ev.decode_pace
-    if ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target:
+    if _pace_misses(ev):
         return None
     victim = ev.stalls.victim_resumed(ev.gap)
     if victim is None:
