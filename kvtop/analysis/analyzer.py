@@ -343,8 +343,10 @@ class Analyzer:
             self._advance(t)
             return
         key = (d.get("url"), d.get("engine"))
+        ttft = d.get("ttft")
+        firsts = ttft.get("count") if isinstance(ttft, dict) else None
         point = (t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
-                 d.get("prompt_tokens_total"))
+                 d.get("prompt_tokens_total"), firsts if isinstance(firsts, (int, float)) else None)
         self.timeline.add(*point)
         url = d.get("url")
         addr = engine_address(url) if isinstance(url, str) else None

@@ -271,6 +271,25 @@ class StallIndex:
                 return True
         return False
 
+    def pending_through(self, g: Gap, a: float, b: float, cut: Cutoff) -> int:
+        """Other requests (of the spike's engine) that arrived by ``a`` and had no first token by
+        ``b``: in prefill, or queued, all through [a, b] (not one the engine's own times place
+        outside it)."""
+        n = 0
+        for t, r in self.arrivals:
+            if t > a:
+                break
+            if r.id == g.request_id or (self.multi and r.engine != g.engine):
+                continue
+            sp = engine_prefill_of(r, cut)
+            if sp is not None and outside(sp, a, b):
+                continue
+            if r.first_t is None:
+                n += r.end_t is None or r.end_t > b
+                continue
+            n += r.first_t > b
+        return n
+
     def prefilled_elsewhere(self, g: Gap, a: float, b: float, cut: Cutoff) -> tuple[int, int]:
         """First tokens (of the spike's engine) in (a, b] of prompts whose engine-timed prefill lies
         outside the spike (vLLM's per-request metrics): how many, and their prompt tokens."""

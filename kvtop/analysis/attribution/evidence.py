@@ -214,11 +214,41 @@ class Evidence:
         return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end, self.cut)
 
     @cached_property
+    def prefill_observed_through(self) -> bool:
+        """More observed requests were waiting for their first token all through the stall (arrived
+        before it, none before its end, within a step's delivery ``BURST_S``) than the engine's
+        queue held around it: one of them was in prefill through it (chunks of a long prompt). One
+        that arrived late in the stall, or got its first token inside it, had no step of its prompt
+        span the stall; the queue's waiting requests (vLLM's ``waiting`` gauge) had none at all."""
+        g = self.gap
+        n = self.stalls.pending_through(g, g.t_start, g.t_end - BURST_S, self.cut)
+        return n > (self.timeline.waiting_through(g.t_start, g.t_end) or 0.0)
+
+    @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
         prefill completes as the streams it held resume, so its prompt is counted there."""
         d = self.timeline.prompt_at(self.gap.t_end)
         return max(0.0, (d or 0.0) - self.typical_prompt_delta)
+
+    @cached_property
+    def unseen_prompts(self) -> float | None:
+        """Prefills the engine completed over the prompt window beyond the first tokens kvtop saw
+        there (its TTFT count less the observed first tokens): prompts of requests kvtop does not
+        observe. None where the engine reports no such count."""
+        w = self.window
+        if w.first_delta is None or w.t_base is None or w.t_prompt_end is None:
+            return None
+        return w.first_delta - self.stalls.first_tokens_in(self.gap, w.t_base, w.t_prompt_end, self.cut)[0]
+
+    @cached_property
+    def unseen_prompts_at_end(self) -> float | None:
+        """As ``unseen_prompts``, over the scrape interval in which the stall ended."""
+        f = self.timeline.firsts_at(self.gap.t_end)
+        if f is None:
+            return None
+        n, a, b = f
+        return n - self.stalls.first_tokens_in(self.gap, a, b, self.cut)[0]
 
     @property
     def prompt_excess(self) -> float:

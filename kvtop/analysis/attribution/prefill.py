@@ -61,6 +61,13 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
     return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
 
 
+def _all_seen(ev: Evidence, unseen: float | None) -> bool:
+    """kvtop saw the first token of every prompt the engine counted (``Evidence.unseen_prompts``),
+    and none of those requests could have been in prefill all through the stall: a prompt-counter
+    rise then points at no prefill that a first-token signal does not already place elsewhere."""
+    return unseen is not None and unseen <= 0 and not ev.prefill_observed_through
+
+
 class Signals(NamedTuple):
     lines: list[str]  # the signals, in words
     checked: bool  # one was checked against the measured prefill rate
@@ -117,7 +124,7 @@ def signals(ev: Evidence) -> Signals:
                           if ft.requests > 1 else ""))
     # what of the window's prompt rise prompts kvtop saw finish can leave to another prefill
     unexplained = _unexplained_rise(ev) if not out else None
-    if ev.prompt_jump:
+    if ev.prompt_jump and (out or not _all_seen(ev, ev.unseen_prompts)):
         excess = ev.prompt_excess if unexplained is None else min(ev.prompt_excess, unexplained)
         ok = _explains(ev, excess) if excess else False
         span = _budget(ev, excess) if ok is not False else None
@@ -125,7 +132,7 @@ def signals(ev: Evidence) -> Signals:
             checked |= ok is True
             claim = claim if out else span  # a first token at its end needs no interval's budget
             out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
-    if not out and ev.prefill_rate:
+    if not out and ev.prefill_rate and not _all_seen(ev, ev.unseen_prompts_at_end):
         # no first token seen (its request may be unobserved) and no jump over the whole window:
         # the interval in which the stall ended still added more prompt tokens than usual, enough
         # at the measured rate to explain it

@@ -188,7 +188,11 @@ RULES: tuple[Rule, ...] = (
          "only for what the prompts kvtop saw finish (first tokens, the stalled stream's own included) between "
          "the window's first scrape and the stall's start, and those the engine's own times (vLLM's per-request "
          "metrics) place outside the stall, leave of it (nothing, if one has no known length), unless a request "
-         "it sees was waiting for its first token during the stall (by the engine's times, where it gave them)"),
+         "it sees was waiting for its first token during the stall (by the engine's times, where it gave them). "
+         "A rise with no first token at the stall's end (the jump, the end interval) counts only where the engine's "
+         "own first-token count (its TTFT histogram) shows prompts kvtop did not see, or a request kvtop sees waited "
+         "for its first token all through the stall beyond what the engine's queue (`waiting`) held: otherwise "
+         "every prompt of the rise is placed by its own first token"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "

@@ -33,6 +33,9 @@ class EngineWindow:
     t_base: float | None = None  # the scrape the gauges are compared with (at or before the start)
     t_state: float | None = None  # the last scrape read for gauges
     t_prompt_end: float | None = None  # the last scrape the prompt increase reaches
+    # first tokens the engine counted over the prompt window (its TTFT histogram's count); None
+    # where an instance does not report one
+    first_delta: float | None = None
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -54,14 +57,17 @@ class _Key:
 
     last_pre: float | None = None
     last_prompt: float | None = None
+    last_first: float | None = None
     last_t: float | None = None
     pre_cum: float = 0.0
     prompt_cum: float = 0.0
+    first_cum: float = 0.0
     t: list[float] = field(default_factory=list)
     running: list[float | None] = field(default_factory=list)
     waiting: list[float | None] = field(default_factory=list)
     kv: list[float | None] = field(default_factory=list)
     prompt: list[float] = field(default_factory=list)
+    first: list[float | None] = field(default_factory=list)  # cumulative engine first-token count
     head: int = 0
 
 
@@ -93,7 +99,7 @@ class EngineTimeline:
         self.prefill_claims: dict[float, list[tuple[float, float]]] = {}
 
     def add(self, t: float, key: EngineKey, running: float | None, waiting: float | None,
-            kv: float | None, pre: float | None, prompt: float | None) -> None:
+            kv: float | None, pre: float | None, prompt: float | None, first: float | None = None) -> None:
         k = self.keys.get(key)
         if k is None:
             k = self.keys[key] = _Key()
@@ -112,12 +118,16 @@ class EngineTimeline:
                 self.prompt_deltas.append((t, d))
             k.prompt_cum += d
             k.last_prompt = prompt
+        if first is not None:
+            k.first_cum += _inc(k.last_first, first)
+            k.last_first = first
         k.last_t = t
         k.t.append(t)
         k.running.append(running)
         k.waiting.append(waiting)
         k.kv.append(kv)
         k.prompt.append(k.prompt_cum)
+        k.first.append(None if first is None else k.first_cum)
         if len(k.t) - k.head > 4096 or (k.head > 2048):
             self._compact(k, t)
 
@@ -126,7 +136,7 @@ class EngineTimeline:
         if cut > k.head:
             k.head = cut
         if k.head > 2048:
-            for name in ("t", "running", "waiting", "kv", "prompt"):
+            for name in ("t", "running", "waiting", "kv", "prompt", "first"):
                 lst = getattr(k, name)
                 del lst[: k.head]
             k.head = 0
@@ -298,6 +308,19 @@ class EngineTimeline:
                 tot = (tot or 0.0) + (k.running[i] or 0.0)
         return tot
 
+    def waiting_through(self, a: float, b: float) -> float | None:
+        """Requests the engine held queued all through [a, b], as far as its gauges tell: the lower
+        of the waiting gauge at the last scrape by ``a`` and the first at or after ``b`` (summed over
+        instances; None where none frames the span)."""
+        tot = None
+        for k in self.keys.values():
+            i = bisect_right(k.t, a, k.head) - 1
+            j = bisect_left(k.t, b, k.head)
+            if i < k.head or j >= len(k.t) or k.waiting[i] is None or k.waiting[j] is None:
+                continue
+            tot = (tot or 0.0) + min(k.waiting[i] or 0.0, k.waiting[j] or 0.0)
+        return tot
+
     def counter_delta(self, a: float, b: float) -> float:
         return sum(st[2] for st in self.steps if a <= st[1] <= b)
 
@@ -308,6 +331,7 @@ class EngineTimeline:
         gauges after the end show the engine after the stream resumed (or the next stall), not why
         it stopped."""
         out = EngineWindow()
+        firsts: float | None = 0.0
         for k in self.keys.values():
             if not k.t:
                 continue
@@ -336,8 +360,12 @@ class EngineTimeline:
             if i1 - 1 > i0:
                 out.prompt_delta += k.prompt[i1 - 1] - k.prompt[i0]
                 out.intervals += i1 - 1 - i0
+                f0, f1 = k.first[i0], k.first[i1 - 1]
+                if firsts is not None:
+                    firsts = None if f0 is None or f1 is None else firsts + f1 - f0
                 te = k.t[i1 - 1]
                 out.t_prompt_end = te if out.t_prompt_end is None else max(out.t_prompt_end, te)
+        out.first_delta = firsts if out.intervals else None
         return out
 
     def prompt_at(self, t: float) -> float | None:
@@ -349,6 +377,21 @@ class EngineTimeline:
             if k.head < i < len(k.t):
                 tot = (tot or 0.0) + k.prompt[i] - k.prompt[i - 1]
         return tot
+
+    def firsts_at(self, t: float) -> tuple[float, float, float] | None:
+        """The engine's first-token count over the scrape interval in which ``t`` falls, and that
+        interval (all instances; None before two scrapes frame it, or where one reports no count)."""
+        tot, a, b = 0.0, math.inf, -math.inf
+        for k in self.keys.values():
+            i = bisect_left(k.t, t, k.head)
+            if not k.head < i < len(k.t):
+                continue
+            f0, f1 = k.first[i - 1], k.first[i]
+            if f0 is None or f1 is None:
+                return None
+            tot += f1 - f0
+            a, b = min(a, k.t[i - 1]), max(b, k.t[i])
+        return None if b < a else (tot, a, b)
 
     def typical_prompt_delta(self, t: float = math.inf) -> float:
         """The prompt tokens a scrape interval usually adds, as known at trace time ``t``."""
