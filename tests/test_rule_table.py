@@ -99,20 +99,24 @@ def test_host():
 
 
 def test_delivery_continued():
-    # a spike starting 1 ms after the end of the stream's delivery stall is the same disruption
+    # a spike starting 1 ms after the end of the stream's delivery stall, ended by a few held tokens,
+    # is the same disruption
     prev = judged(gap(t_start=1.0, length=2.999), Cause.UNKNOWN, "delivery")
-    f = ask("delivery-continued", evidence(prev_spike=prev))
+    f = ask("delivery-continued", evidence(gap(burst_n=3), prev_spike=prev))
     assert f is not None and f.key == "unknown/delivery-continued" and f.kind == "delivery" and f.confidence == 0.5
     assert f.lines == ["it began where the stream's delivery stall ended: the same disruption"]
-    prev = judged(gap(t_start=1.0, length=2.99), Cause.UNKNOWN, "delivery")  # 10 ms before: no
+    # ended by a single token, it buffered nothing: the engine made no token for the stream meanwhile
+    # (a preemption victim whose held-back tokens were flushed as it was preempted resumes with one)
     assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    prev = judged(gap(t_start=1.0, length=2.99), Cause.UNKNOWN, "delivery")  # 10 ms before: no
+    assert ask("delivery-continued", evidence(gap(burst_n=3), prev_spike=prev)) is None
     # the previous spike 1 ms before was a host hang, not a delivery stall
     prev = judged(gap(t_start=1.0, length=2.999), Cause.UNKNOWN, "host")
-    assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    assert ask("delivery-continued", evidence(gap(burst_n=3), prev_spike=prev)) is None
     # a 2 s silence right after a 1 s delivery stall outlasts it: a stall of its own (a preemption
     # victim whose held-back tokens were flushed just before it was preempted), not the same one
     prev = judged(gap(t_start=3.0, length=0.999), Cause.UNKNOWN, "delivery")
-    assert ask("delivery-continued", evidence(prev_spike=prev)) is None
+    assert ask("delivery-continued", evidence(gap(burst_n=3), prev_spike=prev)) is None
     assert ask("delivery-continued", evidence(gap(burst_n=40))) is None  # no previous spike
 
 

@@ -79,11 +79,15 @@ def continued(ev: Evidence) -> Finding | None:
     """A spike starting where the stream's delivery stall ended is the same disruption, unless it
     outlasts that stall: what held the stream back then was released by the burst that ended it, and a
     longer silence after it is a stall of its own (a preemption victim's tokens flushed just before
-    it was preempted)."""
+    it was preempted). Nor when it ended with a single token: a hold buffers what the engine made
+    meanwhile, so nothing was held (scored against real vLLM's step log, such spikes were the engine's
+    decode steps, or that victim's wait)."""
     g = ev.gap
     p = ev.prev_spike
     if p is None or p.kind != "delivery" or g.t_start - p.t_end > BURST_S or g.gap > p.candidate.gap:
         return None
+    if g.ended_by == "token" and g.burst_n <= 1:
+        return None  # it buffered nothing: the engine made no token for the stream meanwhile
     return ev.found(Cause.UNKNOWN, "unknown/delivery-continued",
                     ["it began where the stream's delivery stall ended: the same disruption"], "delivery", weighed=False)
 

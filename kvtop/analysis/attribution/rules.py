@@ -115,7 +115,8 @@ RULES: tuple[Rule, ...] = (
          "preemption victim waits through a hang of the API server). Asked before any engine cause"),
     Rule("delivery-continued", Cause.UNKNOWN, ("delivery",), ANY, host.continued, ("unknown/delivery-continued",),
          f"the spike starts within {BURST_S * 1e3:g} ms of where the stream's previous spike, a `delivery` stall, "
-         "ended, and is no longer than it: the same disruption (a longer silence after the burst is a stall of its own)"),
+         "ended, is no longer than it and did not end with a single token: the same disruption (a longer silence after "
+         "the burst is a stall of its own; one token at its end buffered nothing)"),
     Rule("delivery", Cause.UNKNOWN, ("delivery",), ANY, host.delivery, ("unknown/delivery",),
          f"the stall ended with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within "
          f"{BURST_S * 1e3:g} ms of its end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or "
