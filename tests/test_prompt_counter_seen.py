@@ -86,3 +86,53 @@ def test_both_paths_agree(tmp_path):
     slow = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1, fast=False)
     assert [(s.request_id, s.t_end, s.cause, s.rule) for s in fast.spikes] == \
         [(s.request_id, s.t_end, s.cause, s.rule) for s in slow.spikes]
+
+
+def _write_steady(path: Path) -> None:
+    """Decoders a, b, c (2,000-token prompts) at 20 ms a token from t=1; an observed 2,000-token request
+    admitted in every scrape interval but the one in which every decoder stalls 250 ms (4.2-4.45), where
+    a 2,000-token prompt kvtop never saw completes: that interval adds no more than the usual one."""
+    recs: list[dict] = []
+    for i, rid in enumerate(("a", "b", "c")):
+        recs.append({"kind": "request", "t": 0.9, "id": rid, "event": "arrive", "source": "proxy",
+                     "prompt_tokens": 2000})
+        times = [1.0 + 0.02 * k + 0.001 * i for k in range(161)]  # 1.00 .. 4.20
+        times += [4.45 + 0.02 * k + 0.001 * i for k in range(200)]
+        recs.append({"kind": "request", "t": times[0], "id": rid, "event": "first_token", "n": 1})
+        recs += [{"kind": "request", "t": t, "id": rid, "event": "token", "n": 1} for t in times[1:]]
+        recs.append({"kind": "request", "t": times[-1] + 0.01, "id": rid, "event": "finish", "prompt_tokens": 2000,
+                     "completion_tokens": len(times)})
+    observed = [k for k in range(1, 8) if k != 3]
+    for k in observed:
+        rid = f"o{k}"
+        recs.append({"kind": "request", "t": k + 0.6, "id": rid, "event": "arrive", "source": "proxy",
+                     "prompt_tokens": 2000})
+        recs.append({"kind": "request", "t": k + 0.8, "id": rid, "event": "first_token", "n": 1})
+        recs.append({"kind": "request", "t": k + 0.9, "id": rid, "event": "finish", "prompt_tokens": 2000,
+                     "completion_tokens": 3})
+    for j in range(9):
+        t = 0.5 + j
+        firsts = 3 + sum(k + 0.8 < t for k in observed) + (t > 4.45)
+        prompt = 6000 + 2000 * sum(k + 0.8 < t for k in observed) + 2000 * (t > 4.45)
+        recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://127.0.0.1:8000", "engine": "0",
+                     "up": True, "kv_usage": 0.2, "running": 3, "waiting": 0, "preemptions_total": 0,
+                     "prompt_tokens_total": prompt,
+                     "ttft": {"buckets": [[0.5, firsts], ["+Inf", firsts]], "count": firsts, "sum": 0.2 * firsts}})
+    recs.sort(key=lambda d: d["t"])
+    with open(path, "w") as f:
+        f.write(json.dumps(HEADER) + "\n")
+        for d in recs:
+            f.write(json.dumps(d) + "\n")
+
+
+def test_an_unseen_prompt_in_a_quiet_interval_is_measured_against_the_prompts_kvtop_saw(tmp_path):
+    """Beyond the usual rise, the stall's interval added nothing (2,000 tokens, as usual); against the
+    prompts kvtop saw complete there (none), its 2,000 tokens are an unseen prefill of 100 ms at the
+    measured 20,000 tokens/s (a, b, c: 2,000 tokens in 0.1 s): enough for the 230 ms stall's excess
+    over the decoders' pace."""
+    _write_steady(tmp_path / "t.jsonl")
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1)
+    stalls = [s for s in rep.spikes if abs(s.t_end - 4.45) < 0.01]
+    assert len(stalls) == 3
+    assert {(str(s.cause), s.rule) for s in stalls} == {("prefill_interference", "shared")}
+    assert all("added 2000 prompt tokens more than usual" in " ".join(s.evidence) for s in stalls)

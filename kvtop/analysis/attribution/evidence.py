@@ -227,9 +227,16 @@ class Evidence:
     @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
-        prefill completes as the streams it held resume, so its prompt is counted there."""
-        d = self.timeline.prompt_at(self.gap.t_end)
-        return max(0.0, (d or 0.0) - self.typical_prompt_delta)
+        prefill completes as the streams it held resume, so its prompt is counted there. Where the
+        engine counts first tokens and kvtop knows the length of every prompt it saw finish there,
+        the usual is those prompts instead: the rest is what the prompts kvtop did not see added."""
+        d = self.timeline.prompt_at(self.gap.t_end) or 0.0
+        f = self.timeline.firsts_at(self.gap.t_end)
+        if f is not None and f[0] > 0:
+            n, tokens, unsized = self.stalls.first_tokens_in(self.gap, f[1], f[2], self.cut)
+            if n < f[0] and not unsized:
+                return max(0.0, d - tokens)
+        return max(0.0, d - self.typical_prompt_delta)
 
     @cached_property
     def unseen_prompts(self) -> float | None:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import REL_SLOW
+from kvtop.analysis.gaps import BURST_S
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
@@ -84,7 +85,7 @@ def _budget(ev: Evidence, tokens: float) -> tuple[float, float] | None:
     g = ev.gap
     excess = max(0.0, g.gap - (ev.decode_pace or 0.0))
     span = (g.t_end - excess, g.t_end)
-    if ev.timeline.prefill_room(g.t_end, span, tokens / ev.prefill_rate, PREFILL_SHARE):
+    if ev.timeline.prefill_room(g.t_end, span, tokens / ev.prefill_rate, PREFILL_SHARE, BURST_S):
         return span
     return None
 

@@ -156,19 +156,21 @@ class EngineTimeline:
                 best = k.t[i]
         return best
 
-    def prefill_room(self, t: float, span: tuple[float, float], budget_s: float, share: float) -> bool:
+    def prefill_room(self, t: float, span: tuple[float, float], budget_s: float, share: float,
+                     same_step_s: float = 0.0) -> bool:
         """Whether the prompt tokens of the scrape interval around ``t`` (``budget_s`` of prefill at
         the measured rate) have enough left to cover ``share`` of ``span``: each stall they explained
         spent its whole span of them (a prefill that covers a stall is used up by it, however little of
         the stall it had to cover to explain it), and spans of streams stalled in the same step overlap
-        and count once, so a part of ``span`` already claimed costs nothing."""
+        and count once, so a part of ``span`` already claimed costs nothing (nor does one within
+        ``same_step_s`` of it: the streams of one step get their tokens that far apart)."""
         key = self._closing_scrape(t)
         if key is None:
             return True
         claims = self.prefill_claims.get(key, [])
         used = _union_length(claims)
         new = _union_length([*claims, span]) - used
-        return new <= 1e-9 or share * new <= budget_s - used + 1e-9
+        return new <= same_step_s + 1e-9 or share * new <= budget_s - used + 1e-9
 
     def claim_prefill(self, t: float, span: tuple[float, float]) -> None:
         key = self._closing_scrape(t)
