@@ -219,6 +219,42 @@ class StallIndex:
         comp = sorted(fresh_lens or lens)
         return len(seen), comp[len(comp) // 2], fresh, together
 
+    def silent_at(self, g: Gap, t: float, min_gap: float, now: float) -> int:
+        """Streams (of the spike's engine) between first token and end at ``t`` that were silent
+        across it, in a gap of at least ``min_gap`` (closed by ``now``, or still open then)."""
+        seen: set[str] = set()
+        lg = self.long
+        i = self._long_ending_from(t)
+        reach = t + self.long_max
+        multi, eng = self.multi, g.engine
+        while i < len(lg) and lg[i].t_end <= reach:
+            q = lg[i]
+            if q.t_start < t < q.t_end and q.gap >= min_gap and not (multi and q.engine != eng):
+                seen.add(q.request_id)
+            i += 1
+        # and streams with no token since before t: still silent now, or silent until they ended
+        for group in (self.live.values(), self.ended):
+            for r in group:
+                lt = r.last_t
+                if lt is None or lt >= t or r.id in seen or (multi and r.engine != eng):
+                    continue
+                end = now if r.end_t is None else r.end_t
+                if end > t and end - lt >= min_gap:
+                    seen.add(r.id)
+        return len(seen)
+
+    def pending_at(self, g: Gap, t: float) -> int:
+        """Requests (of the spike's engine) that had arrived by ``t`` and had no first token by then."""
+        n = 0
+        for ta, r in self.arrivals:
+            if ta > t:
+                break
+            if (self.multi and r.engine != g.engine) or (r.first_t is not None and r.first_t <= t):
+                continue
+            if r.end_t is None or r.end_t > t:
+                n += 1
+        return n
+
     def victim_resumed(self, g: Gap) -> str | None:
         """Another stream, silent since before the spike began, whose silence ended with it (both
         within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together", and

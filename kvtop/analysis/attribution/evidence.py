@@ -225,6 +225,26 @@ class Evidence:
         return n > (self.timeline.waiting_through(g.t_start, g.t_end) or 0.0)
 
     @cached_property
+    def queued_at(self) -> tuple[float, float, float, int] | None:
+        """A scrape inside the stall (a decode step from either end) whose gauges leave this stream no
+        place in the running batch: running no more than the observed streams flowing then (streams
+        between first token and end, less those silent across it), and waiting at least the silent
+        ones beyond the observed requests still without a first token. (time, running, waiting,
+        silent streams) of the first such scrape, or None."""
+        g = self.gap
+        edge = max(self.decode_pace or 0.0, BURST_S)
+        for t, running, waiting in self.timeline.gauges_in(g.t_start + edge, g.t_end - edge):
+            active = self.stalls.active_at(t, g.engine)
+            if not active:
+                continue
+            silent = self.stalls.silent_at(g, t, edge, self.cut.facts)
+            if silent < 1 or running > active - silent:
+                continue
+            if waiting >= silent + self.stalls.pending_at(g, t):
+                return t, running, waiting, silent
+        return None
+
+    @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
         prefill completes as the streams it held resume, so its prompt is counted there. Where the

@@ -116,6 +116,25 @@ def lone(ev: Evidence) -> Finding | Signs | None:
     return ev.found(Cause.PREEMPTION, "preemption/" + kind, lines + pev, kind, claim[1] if claim else None)
 
 
+def queued(ev: Evidence) -> Finding | None:
+    """The engine's own gauges, read while the stream was silent, leave it no place in the running
+    batch: no more requests were running than the streams kvtop saw flowing then, and the queue held
+    at least every silent stream (beyond the requests still waiting for a first token). A stream
+    mid-way through its output that sits in the queue was preempted; on vLLM V1, whose counter steps
+    only at the resume, this needs no counter step."""
+    if not ev.preempts:
+        return None
+    q = ev.queued_at
+    if q is None:
+        return None
+    t, running, waiting, silent = q
+    claim = ev.claim_counter() if ev.has_counter else None
+    return ev.found(Cause.PREEMPTION, "preemption/queued", [
+        f"at t={t:.2f}s the engine ran {running:.0f} request(s) and queued {waiting:.0f}, while {silent} stream(s) "
+        "kvtop sees mid-output, this one among them, were silent: no room in the running batch for it (it was "
+        "queued: preempted)"] + ([_step_line(ev, claim[0])] if claim else []), "queued", claim[1] if claim else None)
+
+
 def longer_than_company(ev: Evidence) -> Finding | None:
     """Every stream stalled (a prefill step, say) but this one stayed silent longer: a victim — only
     with a counter step to claim. KV sits near full through a whole storm, so "longer and KV high"

@@ -124,6 +124,12 @@ RULES: tuple[Rule, ...] = (
          f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a "
          "slow reader, API-server merging, the network); a resumed preemption victim emits one step's worth. Asked "
          "before any engine cause"),
+    Rule("queued", Cause.PREEMPTION, ("queued",), ANY, preemption.queued, ("preemption/queued",),
+         "a scrape inside the stall (a decode step from either end) read the engine's `running` gauge no higher "
+         "than the streams kvtop saw flowing then (streams between first token and end, less those silent across "
+         "it) and its `waiting` gauge at least the silent ones beyond the requests still without a first token: "
+         "this stream, mid-output and silent, was in the queue, i.e. preempted (vLLM V1 counts it only at resume; "
+         "a unit is claimed where one is left)"),
     # a chunked prefill slows every step it rides in: the stream's slower pace is the prefill's doing,
     # so the engine's own timing of another request's prefill is asked before the pace rules
     # (any stall: the streams riding in the same chunk steps get their tokens a few ms apart, so one

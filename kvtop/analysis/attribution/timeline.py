@@ -301,6 +301,19 @@ class EngineTimeline:
                 i += 1
         return best
 
+    def gauges_in(self, a: float, b: float) -> list[tuple[float, float, float]]:
+        """(scrape time, running, waiting) of each scrape in (a, b) (one instance's; several
+        instances' scrapes are listed apart, each with its own gauges)."""
+        out = []
+        for k in self.keys.values():
+            i = bisect_right(k.t, a, k.head)
+            while i < len(k.t) and k.t[i] < b:
+                r, w = k.running[i], k.waiting[i]
+                if r is not None and w is not None and len(self.keys) == 1:
+                    out.append((k.t[i], r, w))
+                i += 1
+        return out
+
     def running_at(self, t: float) -> float | None:
         """The running gauge summed over instances, from each one's last scrape at or before ``t``."""
         tot = None
