@@ -32,8 +32,8 @@ CHUNKED_TOKENS = 1.5  # tokens per event above which a stream counts as merged
 # Calibrated confidence: a finding's confidence is CONFIDENCE[its rule] x DISCOUNT[each weakness of
 # its evidence]. Both are data, fitted on traces with exact truth and written to fitted.json by
 # ``python -m eval.calibrate --write`` (docs/evaluation.md says how and on which traces). An unknown
-# makes no claim to be right or wrong, so its value is set, not fit; the three discounts sit at the
-# fit's cap (0.99) yet still move what reports show (one weakness reads 0.98), so they stay.
+# makes no claim to be right or wrong, so its value is set, not fit; a discount at the fit's cap
+# (0.99) still moves what reports show (one weakness reads 0.98), so it stays.
 FITTED_FILE = "fitted.json"
 _FITTED: dict[str, Any] = json.loads(resources.files(__package__).joinpath(FITTED_FILE).read_text(encoding="utf-8"))
 CONFIDENCE: dict[str, float] = {k: float(v) for k, v in _FITTED["confidence"].items()}
