@@ -39,14 +39,14 @@ def pooled(by_round: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], d
 LOOSE, TIGHT = "100 ms", "2.5x decode step"
 
 
-@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.97, 0.87), (TIGHT, 0.95, 0.85)])
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.97, 0.93), (TIGHT, 0.95, 0.91)])
 def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_called_one(pooled, target, p, r):
     got = pooled[("all", target)]["preemption"]
-    assert got["actual"] >= 850  # every round's storms and mixed runs were read
+    assert got["actual"] >= 1100  # every round's storms and mixed runs were read
     assert got["precision"] >= p and got["recall"] >= r, got
 
 
-@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.76, 0.87), (TIGHT, 0.76, 0.9)])
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.8, 0.88), (TIGHT, 0.8, 0.92)])
 def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
     # round P's prefill workload ran on a box so loaded that its decode steps alone took about the
     # 100 ms target, and kvtop blames the decode steps inside another request's prefill on that
@@ -63,7 +63,7 @@ def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
 def test_ordinary_slow_steps_are_rarely_blamed_on_an_engine_cause(pooled, target):
     # the issue's bound is 5 %: decode steps and time outside the engine called preemption or prefill
     got = pooled[("all", target)]
-    assert got["neither"] > 9000 and got["neither_called_engine"] <= 0.03 * got["neither"], got
+    assert got["neither"] > 9000 and got["neither_called_engine"] <= 0.025 * got["neither"], got
 
 
 def test_the_rounds_recorded_after_the_preemption_rules_were_final_score_as_well(by_round):
@@ -72,3 +72,17 @@ def test_the_rounds_recorded_after_the_preemption_rules_were_final_score_as_well
     for target in (LOOSE, TIGHT):
         pre = rows[("all", target)]["preemption"]
         assert pre["actual"] >= 250 and pre["precision"] >= 0.95 and pre["recall"] >= 0.92, (target, pre)
+
+
+def test_the_rounds_recorded_after_the_gauge_rules_meet_the_issues_targets(by_round):
+    # rounds U-Y were recorded after the rules that read the engine's gauges and first-token count
+    # (docs/real-engines.md 7.4) and scored once; issue 22's targets: preemption >= 0.95, prefill >=
+    # 0.9, other gaps called an engine cause <= 5 % (floors a few points under what they measured)
+    rows = _pooled(by_round, witnessed.select("U-Y"))
+    for target in (LOOSE, TIGHT):
+        pre = rows[("all", target)]["preemption"]
+        assert pre["actual"] >= 200 and pre["precision"] >= 0.95 and pre["recall"] >= 0.93, (target, pre)
+        pf = rows[("all", target)]["prefill_interference"]
+        assert pf["precision"] >= 0.87 and pf["recall"] >= 0.95, (target, pf)
+    tight = rows[("all", TIGHT)]
+    assert tight["neither_called_engine"] <= 0.05 * tight["neither"], tight
