@@ -16,6 +16,14 @@ HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at":
 STALL = (3.2, 3.45)  # every decoder waits 250 ms: a slow step, no prefill in it
 
 
+def _dump(path: Path, recs: list[dict]) -> None:
+    recs.sort(key=lambda d: d["t"])
+    with open(path, "w") as f:
+        f.write(json.dumps(HEADER) + "\n")
+        for d in recs:
+            f.write(json.dumps(d) + "\n")
+
+
 def _write(path: Path, *, unseen: int, counts: bool = True, long_arrives: float = 3.5, waiting: int = 0) -> None:
     """Three decoders at 20 ms a token from t=1 with a 250 ms stall at 3.2-3.45; an observed 600-token
     request arrives at ``long_arrives`` and gets its first token at 3.55; ``unseen`` prompts of 600
@@ -43,11 +51,7 @@ def _write(path: Path, *, unseen: int, counts: bool = True, long_arrives: float 
         if counts:
             d["ttft"] = {"buckets": [[0.1, firsts], ["+Inf", firsts]], "count": firsts, "sum": 0.05 * firsts}
         recs.append(d)
-    recs.sort(key=lambda d: d["t"])
-    with open(path, "w") as f:
-        f.write(json.dumps(HEADER) + "\n")
-        for d in recs:
-            f.write(json.dumps(d) + "\n")
+    _dump(path, recs)
 
 
 def _stall(path: Path) -> list[tuple[str, str | None]]:
@@ -118,11 +122,7 @@ def _write_steady(path: Path) -> None:
                      "up": True, "kv_usage": 0.2, "running": 3, "waiting": 0, "preemptions_total": 0,
                      "prompt_tokens_total": prompt,
                      "ttft": {"buckets": [[0.5, firsts], ["+Inf", firsts]], "count": firsts, "sum": 0.2 * firsts}})
-    recs.sort(key=lambda d: d["t"])
-    with open(path, "w") as f:
-        f.write(json.dumps(HEADER) + "\n")
-        for d in recs:
-            f.write(json.dumps(d) + "\n")
+    _dump(path, recs)
 
 
 def test_an_unseen_prompt_in_a_quiet_interval_is_measured_against_the_prompts_kvtop_saw(tmp_path):

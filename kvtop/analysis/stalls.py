@@ -243,18 +243,6 @@ class StallIndex:
                     seen.add(r.id)
         return len(seen)
 
-    def pending_at(self, g: Gap, t: float) -> int:
-        """Requests (of the spike's engine) that had arrived by ``t`` and had no first token by then."""
-        n = 0
-        for ta, r in self.arrivals:
-            if ta > t:
-                break
-            if (self.multi and r.engine != g.engine) or (r.first_t is not None and r.first_t <= t):
-                continue
-            if r.end_t is None or r.end_t > t:
-                n += 1
-        return n
-
     def victim_resumed(self, g: Gap) -> str | None:
         """Another stream, silent since before the spike began, whose silence ended with it (both
         within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together", and
@@ -307,19 +295,20 @@ class StallIndex:
                 return True
         return False
 
-    def pending_through(self, g: Gap, a: float, b: float, cut: Cutoff) -> int:
+    def pending_through(self, g: Gap, a: float, b: float, cut: Cutoff | None = None) -> int:
         """Other requests (of the spike's engine) that arrived by ``a`` and had no first token by
-        ``b``: in prefill, or queued, all through [a, b] (not one the engine's own times place
-        outside it)."""
+        ``b``: in prefill, or queued, all through [a, b]. With ``cut``, not one the engine's own times
+        (as known by then) place in prefill wholly outside [a, b]."""
         n = 0
         for t, r in self.arrivals:
             if t > a:
                 break
             if r.id == g.request_id or (self.multi and r.engine != g.engine):
                 continue
-            sp = engine_prefill_of(r, cut)
-            if sp is not None and outside(sp, a, b):
-                continue
+            if cut is not None:
+                sp = engine_prefill_of(r, cut)
+                if sp is not None and outside(sp, a, b):
+                    continue
             if r.first_t is None:
                 n += r.end_t is None or r.end_t > b
                 continue

@@ -240,7 +240,7 @@ class Evidence:
             silent = self.stalls.silent_at(g, t, edge, self.cut.facts)
             if silent < 1 or running > active - silent:
                 continue
-            if waiting >= silent + self.stalls.pending_at(g, t):
+            if waiting >= silent + self.stalls.pending_through(g, t, t):
                 return t, running, waiting, silent
         return None
 
