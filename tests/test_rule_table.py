@@ -489,22 +489,26 @@ def test_onset():
 
 def test_alone_resumed():
     # a storm's survivor, the only stream decoding, stalls 0.33 s while the others wait; victim v,
-    # waiting since 1 s, resumes as it ends: v's re-prefill (no counter step, no prompt counted)
+    # waiting since 1 s (the engine preempted at 1.5 s), resumes as it ends: v's re-prefill (no
+    # counter step at the stall, no prompt counted)
     g = gap(t_start=5.67, length=0.33)
-    f = ask("alone-resumed", evidence(g, stalls=victim_resumed(g), **alone()))
+    f = ask("alone-resumed", evidence(g, engine(pre_steps={1.5: 1}), stalls=victim_resumed(g), **alone()))
     assert f is not None and f.key == "prefill/resumed" and f.confidence == CONFIDENCE["prefill/resumed"]
     assert any("request v, silent since before it (a waiting victim), resumed as it ended" in x for x in f.lines)
     assert stall_of(evidence(g, stalls=victim_resumed(g), **alone())) is Stall.ALONE
+    # an engine that has not preempted within the minute has no waiting victim to resume: a stream
+    # silent as long is waiting for something else (real vLLM: a 203 ms decode step of both streams)
+    assert ask("alone-resumed", evidence(g, stalls=victim_resumed(g), **alone())) is None
     # no waiting stream came back with it: nothing ties the stall to a re-prefill
-    assert ask("alone-resumed", evidence(g, **alone())) is None
+    assert ask("alone-resumed", evidence(g, engine(pre_steps={1.5: 1}), **alone())) is None
     # an engine that never preempts has no victims to re-prefill
-    assert ask("alone-resumed", evidence(g, stalls=victim_resumed(g), preempts=False, **alone())) is None
+    assert ask("alone-resumed", evidence(g, engine(pre_steps={1.5: 1}), stalls=victim_resumed(g), preempts=False, **alone())) is None
     # the stream's own pace already misses the target: the spike is slow decode, whatever resumed
     slow = gap(t_start=5.67, length=0.33, stream_baseline=0.098, fast_baseline=0.098, after=[0.098] * 3)
-    assert ask("alone-resumed", evidence(slow, stalls=victim_resumed(slow), **alone())) is None
+    assert ask("alone-resumed", evidence(slow, engine(pre_steps={1.5: 1}), stalls=victim_resumed(slow), **alone())) is None
     # a gap about as long as the stream's others is its pace, not a stall
     like = gap(t_start=5.67, length=0.33, stream_baseline=0.3, fast_baseline=0.05)
-    assert ask("alone-resumed", evidence(like, stalls=victim_resumed(like), **alone())) is None
+    assert ask("alone-resumed", evidence(like, engine(pre_steps={1.5: 1}), stalls=victim_resumed(like), **alone())) is None
 
 
 def test_recompute():

@@ -34,6 +34,9 @@ PACE_NEAR = 0.95
 # with a counter step at its end is as often a host or API-server hang that fell between kvtop's
 # scrape beats, so it gets its own, lower, confidence ("prefill/recompute-long").
 RECOMPUTE_STEP_S = 0.3
+# A waiting stream that resumes is a preemption victim only where the engine preempted (its counter
+# stepped) within this long before the stall ended: the span the engine timeline keeps at the least.
+RESUMED_AFTER_S = 60.0
 
 
 def _outlier(ev: Evidence) -> bool:
@@ -225,6 +228,8 @@ def resumed(ev: Evidence) -> Finding | None:
         return None
     if _pace_misses(ev):
         return None
+    if ev.has_counter and ev.timeline.counter_delta(ev.gap.t_end - RESUMED_AFTER_S, ev.gap.t_end + ev.tol) < 1:
+        return None  # no preemption within the minute: no waiting victim to resume
     victim = ev.stalls.victim_resumed(ev.gap)
     if victim is None:
         return None

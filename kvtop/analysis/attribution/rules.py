@@ -226,7 +226,9 @@ RULES: tuple[Rule, ...] = (
     Rule("alone-resumed", Cause.PREFILL, ("recompute",), ALONE, prefill.resumed, ("prefill/resumed",),
          "on an engine that preempts, the only decoding stream stalled (the others silent since before it) and "
          "one of the waiting streams resumed as it ended (as in `recompute`): its re-prefill held the lone "
-         f"decoder's step; the stall ≥ {REL_SLOW:g}× the stream's recent gaps and its own pace within the target"),
+         f"decoder's step; the stall ≥ {REL_SLOW:g}× the stream's recent gaps and its own pace within the target, "
+         f"and the preemption counter stepped within {prefill.RESUMED_AFTER_S:g} s before its end (else no victim "
+         "was waiting)"),
     Rule("mass", Cause.PREEMPTION, ("mass",), SHARED, _mass, ("preemption/mass",),
          "streams fell silent together while the counter rose by ≥ 2 (and ≥ half of them), with no prefill "
          "signal; not on engines that count at resume, where each victim's step comes at its own resume"),
