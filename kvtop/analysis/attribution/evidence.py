@@ -245,17 +245,26 @@ class Evidence:
         return None
 
     @cached_property
+    def end_firsts(self) -> tuple[float, int, int, int] | None:
+        """The scrape interval in which the stall ended: the first tokens the engine counted there
+        (its TTFT histogram) and those kvtop saw there, with their prompt tokens and how many came
+        without a prompt length. None where the engine reports no such count."""
+        f = self.timeline.firsts_at(self.gap.t_end)
+        if f is None:
+            return None
+        n, tokens, unsized = self.stalls.first_tokens_in(self.gap, f[1], f[2], self.cut)
+        return f[0], n, tokens, unsized
+
+    @cached_property
     def end_prompt_excess(self) -> float:
         """Prompt tokens the scrape interval in which the stall ended added beyond the usual: a
         prefill completes as the streams it held resume, so its prompt is counted there. Where the
         engine counts first tokens and kvtop knows the length of every prompt it saw finish there,
         the usual is those prompts instead: the rest is what the prompts kvtop did not see added."""
         d = self.timeline.prompt_at(self.gap.t_end) or 0.0
-        f = self.timeline.firsts_at(self.gap.t_end)
-        if f is not None and f[0] > 0:
-            n, tokens, unsized = self.stalls.first_tokens_in(self.gap, f[1], f[2], self.cut)
-            if n < f[0] and not unsized:
-                return max(0.0, d - tokens)
+        f = self.end_firsts
+        if f is not None and f[1] < f[0] and not f[3]:
+            return max(0.0, d - f[2])
         return max(0.0, d - self.typical_prompt_delta)
 
     @cached_property
@@ -268,14 +277,11 @@ class Evidence:
             return None
         return w.first_delta - self.stalls.first_tokens_in(self.gap, w.t_base, w.t_prompt_end, self.cut)[0]
 
-    @cached_property
+    @property
     def unseen_prompts_at_end(self) -> float | None:
         """As ``unseen_prompts``, over the scrape interval in which the stall ended."""
-        f = self.timeline.firsts_at(self.gap.t_end)
-        if f is None:
-            return None
-        n, a, b = f
-        return n - self.stalls.first_tokens_in(self.gap, a, b, self.cut)[0]
+        f = self.end_firsts
+        return None if f is None else f[0] - f[1]
 
     @property
     def prompt_excess(self) -> float:

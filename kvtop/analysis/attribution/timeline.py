@@ -302,16 +302,19 @@ class EngineTimeline:
         return best
 
     def gauges_in(self, a: float, b: float) -> list[tuple[float, float, float]]:
-        """(scrape time, running, waiting) of each scrape in (a, b) (one instance's; several
-        instances' scrapes are listed apart, each with its own gauges)."""
+        """(scrape time, running, waiting) of each scrape in (a, b). Only for an engine of one
+        instance: with several, one instance's gauges cannot be set against streams kvtop cannot
+        place on an instance, so there are none."""
+        if len(self.keys) != 1:
+            return []
+        (k,) = self.keys.values()
         out = []
-        for k in self.keys.values():
-            i = bisect_right(k.t, a, k.head)
-            while i < len(k.t) and k.t[i] < b:
-                r, w = k.running[i], k.waiting[i]
-                if r is not None and w is not None and len(self.keys) == 1:
-                    out.append((k.t[i], r, w))
-                i += 1
+        i = bisect_right(k.t, a, k.head)
+        while i < len(k.t) and k.t[i] < b:
+            r, w = k.running[i], k.waiting[i]
+            if r is not None and w is not None:
+                out.append((k.t[i], r, w))
+            i += 1
         return out
 
     def running_at(self, t: float) -> float | None:
