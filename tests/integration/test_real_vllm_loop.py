@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kvtop.analysis.advice import chunking
 from testkit.engines import servers, witness_workloads
 from testkit.engines.kvtop_run import Recorder, kvtop, read_trace
 
@@ -149,3 +150,100 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     # batch of eight (p99 ITL 19 -> 24.1 ms in one run, within the target: goodput 0 -> 7 of 8); the
     # time over the target, asserted above, is what the contract pays for
     assert all(w.startswith(("p99 TTFT", "p99 ITL")) for w in c["worse"]), c["worse"]
+
+
+# The prefill-interference loop: the tier's prefill server (16 MiB of KV: nothing is preempted) with a
+# token budget that holds a whole 1,566-token prompt in one step, so every prompt stalls the decoding
+# streams for one long step.
+UNCHUNKED = ("--max-num-batched-tokens", "2048")
+
+
+@pytest.fixture(scope="module")
+def prefill_loop(vllm_install, trace_dir) -> dict:
+    py, model = vllm_install
+    ps = witness_workloads.PREFILL_SERVER
+    out: dict = {}
+    src = trace_dir / "prefill-loop-source.jsonl"
+    srv = servers.vllm_server(py, model, kv_bytes=ps["kv_bytes"], max_model_len=ps["max_model_len"], extra=UNCHUNKED)
+    try:
+        srv.start()
+        # A recording made while the box was busy elsewhere is run once more: with one core taken by a
+        # busy loop (by hand, 2026-12-03) 68 % of the decode gaps passed the 100 ms target, and the
+        # advisor rightly said no budget meets it there (disaggregate, no flag). A second such
+        # recording fails the test with that verdict.
+        for _ in range(2):
+            with Recorder(src, srv.url) as rec:
+                time.sleep(1.0)
+                witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME)
+                time.sleep(2.0)
+                assert rec.stop() == 0, rec.stderr()
+            r = kvtop("advise", "--trace", str(src), "--itl-target-ms", "100", "--format", "json")
+            assert r.returncode == 0, r.stderr
+            out["verdict"] = json.loads(r.stdout)
+            r = kvtop("advise", "--trace", str(src), "--itl-target-ms", "100", "--emit-flags")
+            assert r.returncode == 0, r.stderr
+            out["flags"] = shlex.split(r.stdout.strip())
+            if out["flags"]:
+                break
+        before = [trace_dir / f"prefill-loop-before{i}.jsonl" for i in (1, 2)]
+        out["replays"] = [_replay(src, srv.url, p) for p in before]
+    finally:
+        servers.cleanup(srv)
+    srv = servers.vllm_server(py, model, kv_bytes=ps["kv_bytes"], max_model_len=ps["max_model_len"],
+                              extra=UNCHUNKED + tuple(out["flags"]))
+    try:
+        srv.start()
+        after = [trace_dir / f"prefill-loop-after{i}.jsonl" for i in (1, 2)]
+        out["replays"] += [_replay(src, srv.url, p) for p in after]
+    finally:
+        servers.cleanup(srv)
+    r = kvtop("compare", str(before[0]), str(after[0]), "--also", str(before[1]), str(after[1]),
+              "--itl-target-ms", "100", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out["compare"] = json.loads(r.stdout)
+    (trace_dir / "prefill-loop-compare.json").write_text(r.stdout)
+    return out
+
+
+def test_the_advisor_chunks_the_long_prompts(prefill_loop):
+    """The recording's spikes are every decoding stream stalled while a whole prompt is prefilled (0.7-1.7 s
+    steps against a 100 ms target); the advisor prescribes the largest round budget whose worst step,
+    at the prefill rate the engine measured, stays 10 % under the target: one that splits each prompt."""
+    v = prefill_loop["verdict"]
+    assert v["action"] == "chunked_prefill", v["action"]
+    flags = prefill_loop["flags"]
+    assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) == 2, flags
+    budget = int(flags[1])
+    assert budget in chunking.LADDER and budget < 1498, budget  # the shortest long prompt is 1,498 tokens
+    assert v["numbers"]["chunk_worst_step"]["value"] <= 0.09
+
+
+def test_the_chunked_budget_measured_better_on_the_same_traffic(prefill_loop):
+    """Two runs by hand (2026-12-03, box otherwise idle; budget 64 both times): goodput at the 100 ms
+    ITL contract 16 -> 20 of 20, time over the target 11.8 s -> 0 and 15.4 s -> 0, p99 TTFT 1.19 s ->
+    519 ms and 1.08 s -> 573 ms, p99 end-to-end 6.94 -> 4.67 s and 8.3 -> 4.96 s: `improved`.
+
+    The advisor's stated price, TTFT +10 % (its cost model: each chunk re-reads the KV before it and
+    pays a step), was not paid on this engine: vLLM's own TTFT of the 1,500-token prompts fell from
+    0.68-1.05 s whole to 0.44-0.56 s in 64-token chunks, and the decoders' engine decode time from 8.1
+    to 4.8 s. This CPU engine prefills a long prompt faster in small pieces (tests/fixtures/loop
+    keeps one such run). A first tier run: `improved` too (goodput 16 -> 20, time over the target
+    20.7 s -> 75 ms), with p99 ITL 34.4 -> 40.3 ms named worse: the stalls became many chunk steps,
+    each a little longer than a decode step. So the outcome may be `improved`, or a trade-off whose
+    worse figures are the TTFT the advisor named as the price and a p99 ITL still under the target."""
+    c = prefill_loop["compare"]
+    print("\n[real-engines] prefill loop:", c.get("summary"), "| flags", prefill_loop["flags"])
+    print("[real-engines] prefill replay arrival spans (s), before 1, 2 / after 1, 2, by try:", prefill_loop["replays"])
+    a, b = c["a"], c["b"]
+    print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
+    assert a["offered"] == b["offered"] == 20 and a["completed"] == b["completed"] == 20, (a, b)
+    over_a, over_b = sum(a["over_target_s"].values()), sum(b["over_target_s"].values())
+    assert a["over_target_s"].get("prefill_interference", 0) > 0.5 * over_a > 0, a
+    assert over_b < 0.5 * over_a, (a, b)
+    assert b["goodput"] > a["goodput"], (a, b)
+    assert b["preemptions_per_completed"] == 0, b
+    assert c["outcome"] in ("improved", "trade_off"), c
+    # what may get worse: the TTFT the advisor named as the price, and p99 ITL within the target (each
+    # stall became ~25 steps of a 64-token chunk beside the decodes: 34.4 -> 40.3 ms in one tier run)
+    assert all(w.startswith(("p99 TTFT", "p99 ITL")) for w in c["worse"]), c["worse"]
+    assert b["itl_p99_s"] < 0.1, b
