@@ -369,3 +369,19 @@ def test_offloading_flags_from_a_run_without_gpu_records_say_to_confirm_a_gpu(tm
     assert note(device_total_bytes=80e9, device_free_bytes=40e9) == []
     base["engine_version"] = "kvtop-sim"
     assert note() == []
+
+
+def test_v1_swap_states_what_a_resume_already_finds_in_the_prefix_cache():
+    """The witness measures what a resumed request finds again without recompute (the real vLLM's storm:
+    128 of ~263 tokens a resume, its prefix cache's full blocks); the offloading pool can only add what it
+    reloads of the rest, and the verdict says so with the figure it read."""
+    with open("tests/scenarios/S1.json") as fh:
+        doc = json.load(fh)
+    doc.pop("expect")
+    seq = doc["preemption"]["seq_tokens"]
+    doc["preemption"]["resume_hit_tokens"] = seq // 4
+    reasons = " ".join(judge(doc)["reasons"])
+    assert (f"a resumed request finds {seq // 4:,} of its ~{seq:,} tokens again without recompute (given: its "
+            "prefix cache)") in reasons
+    doc["preemption"].pop("resume_hit_tokens")
+    assert "finds" not in " ".join(judge(doc)["reasons"])

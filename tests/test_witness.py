@@ -232,3 +232,42 @@ def test_a_steps_prefill_cost_is_its_time_beyond_a_decode_step_of_that_moment():
     acct = idx.account("a", ends[-3] + 0.001, ends[-2] + 0.001, target=0.1)
     assert acct is not None and acct.cause.value == "prefill_interference"
     assert acct.prefill_s == pytest.approx(0.127, abs=1e-6) and acct.decode_step_s == pytest.approx(0.008)
+
+
+def test_resumed_requests_restored_positions_reach_the_analysis(tmp_path):
+    """A victim resumed with 64 of its 130 positions still in the engine's prefix cache (two full
+    32-token blocks) recomputes the other 66; a second victim found nothing. The witness writes both
+    resumes (0 included), the reader keeps them, and analyze reports 64 restored of 64 + 66 + 90."""
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0")
+    log.step(10.0, 10.02, [("a", 1, 0, 0, 1), ("b", 1, 0, 0, 1)], ["c"], [], [], [])
+    log.step(10.5, 10.6, [("a", 67, 0, 66, 1)], [], ["a"], [], [], restored=[("a", 64)])
+    log.step(11.0, 11.1, [("b", 91, 0, 90, 1)], [], ["b"], [], [], restored=[("b", 0)])
+    log.close()
+    lines = [json.loads(x) for x in p.read_text().splitlines()[1:]]
+    assert lines[1]["rst"] == [[1, 64]] and lines[2]["rst"] == [[2, 0]] and "rst" not in lines[0]
+    recs = WitnessReader(str(p), 10.0 - 1.0, engine="http://127.0.0.1:8000", from_start=True).read()
+    assert [r.restored for r in recs] == [[], [["a", 64]], [["b", 0]]]
+    # the same steps in a trace: the run's resume costs, in JSON and in the text report
+    from kvtop.model.records import to_dict
+    steps = [to_dict(r) for r in recs]
+    assert "restored" not in steps[0] and steps[1]["restored"] == [["a", 64]]
+    _trace(tmp_path / "t.jsonl", [{k: v for k, v in s.items() if k != "kind"} for s in steps],
+           _decode("a", [1.0 + 0.02 * i for i in range(20)]))
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1)
+    assert rep.resume_costs is not None
+    assert rep.resume_costs.to_dict() == {"resumes": 2, "restored_tokens": 64, "recomputed_tokens": 156,
+                                          "restored_share": round(64 / 220, 4)}
+    # the cost model's h_res: what a resume finds again instead of recomputing, now measured
+    assert rep.verdict is not None
+    hit = rep.verdict.numbers["resume_hit_tokens"]
+    assert (hit.value, hit.source) == (32.0, "measured") and "mean of 2 resumes by the engine's witness" in hit.note
+    r = subprocess.run([sys.executable, "-m", "kvtop", "analyze", str(tmp_path / "t.jsonl"), "--itl-target-ms", "100"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("engine step log (witness): 2 resume(s) after preemption; positions had again without compute "
+            "(prefix cache or KV connector) 64, recomputed 156 (29% restored)") in r.stdout
+    # a witness file too old to say (resumes without `restored`) reports nothing rather than 0 %
+    old = [{k: v for k, v in s.items() if k not in ("kind", "restored")} for s in steps]
+    _trace(tmp_path / "o.jsonl", old, _decode("a", [1.0 + 0.02 * i for i in range(20)]))
+    assert analyze_trace(str(tmp_path / "o.jsonl"), itl_target_s=0.1).resume_costs is None

@@ -55,6 +55,7 @@ def test_witnessed_scheduler_logs_each_step_without_changing_it(fake_vllm, tmp_p
     assert steps[0]["r"] == [[1, 30, 30, 0, 1], [2, 5, 5, 0, 1]]
     assert steps[1]["d"] == [1] and "r" not in steps[1] and steps[1]["pre"] == [2]
     assert steps[2]["d"] == [1] and steps[2]["r"] == [[2, 6, 0, 5, 1]] and steps[2]["res"] == [2]
+    assert steps[2]["rst"] == [[2, 0]]  # nothing of b's was found again: every lost position recomputed
     assert steps[2]["fin"] == [[1, "length"]]
     assert all(st["t0"] <= st["t1"] for st in steps)
     assert steps[1]["t0"] >= steps[0]["t1"]  # a step starts when the one before it ended, at the earliest
@@ -101,3 +102,28 @@ def test_a_witness_failure_turns_the_witness_off_never_the_engine(fake_vllm, tmp
     (tmp_path / "no-such-dir").write_text("a file where a folder should be")
     s2 = WitnessScheduler(vllm_config=_cfg(True))
     assert isinstance(s2, _FakeAsync) and s2._kvw is None
+
+
+def test_a_resumed_request_found_in_the_prefix_cache_is_written_as_restored(fake_vllm, tmp_path, monkeypatch):
+    """vLLM sets a resumed request's computed positions to what its prefix cache (or a KV connector)
+    still held before scheduling it: those 32 are restored, the 8 after them recomputed."""
+    from kvtop.witness.vllm import WitnessScheduler
+
+    path = tmp_path / "w.jsonl"
+    monkeypatch.setenv("KVTOP_WITNESS_FILE", str(path))
+    s = WitnessScheduler(vllm_config=_cfg(True))
+    s.requests["v"] = SimpleNamespace(request_id="v", num_computed_tokens=0, num_prompt_tokens=40)
+    so1 = _so({"v": 40})
+    s._update_after_schedule(so1)
+    s.update_from_output(so1, {"made": {"v": 1}})
+    so2 = _so({}, preempted=["v"])
+    s._update_after_schedule(so2)
+    s.update_from_output(so2, {"made": {}})
+    s.requests["v"].num_computed_tokens = 32  # one full block found again
+    so3 = _so({"v": 9}, resumed=["v"])
+    s._update_after_schedule(so3)
+    s.update_from_output(so3, {"made": {"v": 1}})
+    s.shutdown()
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["res"] == [1] and last["rst"] == [[1, 32]]
+    assert last["r"] == [[1, 9, 0, 8, 1]]

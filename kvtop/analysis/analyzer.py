@@ -42,7 +42,7 @@ from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.stepcurve import StepCurve
 from kvtop.analysis.streams import ReqState, fold_arrive
 from kvtop.analysis.tally import Tally
-from kvtop.analysis.witness import Account, StepIndex
+from kvtop.analysis.witness import Account, ResumeTally, StepIndex
 from kvtop.model.engine_id import engine_address
 
 HOLD_REFRESH_S = 0.1  # the prefill hold line is recomputed at most this often (trace seconds)
@@ -87,6 +87,7 @@ class Analyzer:
         # the engines' own step logs (``step`` records from a witness), one per engine address
         self.witness: dict[str | None, StepIndex] = {}
         self.witnessed_spikes = 0
+        self.resumes = ResumeTally()
         # requests whose prefill the engine timed (vLLM per-request metrics: first scheduled to first
         # token, their ``engine_prefill``), with their prompt tokens, by the prefill's end
         self.prefill_spans: deque[tuple[ReqState, int]] = deque()
@@ -387,7 +388,7 @@ class Analyzer:
         idx = self.witness.get(addr)
         if idx is None:
             idx = self.witness[addr] = StepIndex()
-        idx.add(d)
+        self.resumes.add(d, idx.add(d))
         self._advance(d["t"])
 
     def witness_account(self, g: Gap) -> Account | None:
@@ -592,7 +593,7 @@ class Analyzer:
                 {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
             engine_request_times=self.request_times.report(),
             scrape_interval=self.timeline.scrape_interval if self.timeline.last_scrape is not None else None,
-            witnessed_spikes=self.witnessed_spikes)
+            witnessed_spikes=self.witnessed_spikes, resume_costs=self.resumes.report())
 
     def median_gap(self) -> float | None:
         return self.gaps.median_gap()

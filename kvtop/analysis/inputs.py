@@ -109,6 +109,13 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if ert is not None and ert.requests and ert.queue_s_p90 is not None:
         n["engine_queue_p90"] = Num(ert.queue_s_p90, "s", "measured",
                                     f"p90 of the engine's own queue time of {ert.requests} requests")
+    # what a resume finds again instead of recomputing (the cost model's h_res), where the engine's
+    # witness reported it: its prefix cache's full blocks of the victim (or a KV connector's load)
+    rc = st.resume_costs
+    if rc is not None and rc.resumes:
+        n["resume_hit_tokens"] = Num(rc.restored_tokens / rc.resumes, "tokens", "measured",
+                                     f"mean of {rc.resumes} resumes by the engine's witness: {rc.restored_tokens} "
+                                     f"positions had again without compute, {rc.recomputed_tokens} recomputed")
     if ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
                                 f"median prompt tokens / the engine's own TTFT of {ert.requests} requests")

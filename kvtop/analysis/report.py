@@ -192,6 +192,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         requests=requests,
         request_preemptions=st.request_preemptions,
         engine_request_times=st.engine_request_times,
+        resume_costs=st.resume_costs,
         verdict=verdict,
         warnings=tuple(warnings),
     )
@@ -255,6 +256,12 @@ def render_report_text(rep: AnalysisReport) -> str:
                      f"fewer on {rp.pinned_kvtop_fewer}); of the {rp.pinned_engine_preemptions} preemptions the "
                      f"engine counted on them kvtop found {rp.pinned_kvtop_found}, and called "
                      f"{rp.pinned_kvtop_extra} more")
+    rc = rep.resume_costs
+    if rc is not None:
+        share = rc.restored_share
+        lines.append(f"engine step log (witness): {rc.resumes} resume(s) after preemption; positions had again "
+                     f"without compute (prefix cache or KV connector) {rc.restored_tokens}, recomputed "
+                     f"{rc.recomputed_tokens}" + (f" ({share:.0%} restored)" if share is not None else ""))
     lines.append("")
     if rep.verdict is not None:
         lines.append(render_verdict_text(rep.verdict))

@@ -16,7 +16,7 @@ from kvtop.analysis.attribution.causes import Cause
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
-from kvtop.model.analysis import EngineRequestTimes, PreemptionCheck
+from kvtop.model.analysis import EngineRequestTimes, PreemptionCheck, ResumeCosts
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,4 @@ class AnalysisState:
     engine_request_times: EngineRequestTimes | None  # the engine's own per-request times vs observation
     scrape_interval: float | None = None  # the engine scrapes' usual interval (None: no scrapes)
     witnessed_spikes: int = 0  # spikes whose cause was read from the engine's own step log
+    resume_costs: ResumeCosts | None = None  # restored vs recomputed positions, where a witness said

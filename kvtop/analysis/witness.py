@@ -29,6 +29,7 @@ from statistics import median
 from typing import Any
 
 from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.model.analysis import ResumeCosts
 
 # the step that produced a token ends before the token's chunk reaches the client; the engine writes
 # wall-clock to the microsecond and kvtop's run clock is mapped onto it, so allow a little slack
@@ -99,16 +100,17 @@ class StepIndex:
     def __bool__(self) -> bool:
         return self.n > 0
 
-    def add(self, d: dict[str, Any]) -> None:
+    def add(self, d: dict[str, Any]) -> int:
+        """Index one ``step`` record; the positions it recomputed (0 for a record it cannot read)."""
         try:
             t0, t1 = float(d["t"]), float(d["end"])
             reqs = {str(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in d.get("reqs") or ()}
         except (KeyError, TypeError, ValueError, IndexError):
-            return
-        if t1 < self.latest:  # out of order (a second witness, a restart): keep the index sorted
-            return
+            return 0
         pf = sum(v[1] for v in reqs.values())
         rc = sum(v[2] for v in reqs.values())
+        if t1 < self.latest:  # out of order (a second witness, a restart): keep the index sorted
+            return rc
         then = median(self.decode_durs) if self.decode_durs else None
         step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc, then)
         i = self.base + len(self.steps)
@@ -121,6 +123,7 @@ class StepIndex:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
             self.decode_durs.append(t1 - t0)
+        return rc
 
     def prune(self, before: float) -> None:
         k = bisect.bisect_left(self.ends, before)
@@ -190,3 +193,28 @@ class StepIndex:
               tokens: int, dec: float | None) -> Account:
         return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
                        tokens, dec)
+
+
+class ResumeTally:
+    """Restored vs recomputed positions of resumed requests over a run (``ResumeCosts``): what the
+    engine's resume mechanism bought, read from the witness's ``restored`` entries."""
+
+    def __init__(self) -> None:
+        self.resumes = 0
+        self.restored = 0
+        self.recomputed = 0
+
+    def add(self, d: dict[str, Any], recomputed: int) -> None:
+        self.recomputed += recomputed
+        for r in d.get("restored") or ():
+            try:
+                n = int(r[1])
+            except (TypeError, ValueError, IndexError):
+                continue
+            if n >= 0:
+                self.resumes += 1
+                self.restored += n
+
+    def report(self) -> ResumeCosts | None:
+        """None where no resume was reported (no witness, or one too old to say)."""
+        return ResumeCosts(self.resumes, self.restored, self.recomputed) if self.resumes else None

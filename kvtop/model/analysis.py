@@ -280,6 +280,33 @@ class EngineRequestTimes:
                                   *(d.get(k) for k in _TIMES_KEYS[2:]))
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeCosts:
+    """What resuming preempted requests cost the engine, by its own step log (the witness): positions
+    it had again without computing them (its prefix cache's full blocks, or a KV connector's load,
+    e.g. vLLM V1's offloading connector) against positions it recomputed."""
+
+    resumes: int  # resumed requests the witness reported the restored positions of
+    restored_tokens: int
+    recomputed_tokens: int  # every recomputed position of the run
+
+    @property
+    def restored_share(self) -> float | None:
+        total = self.restored_tokens + self.recomputed_tokens
+        return self.restored_tokens / total if total else None
+
+    def to_dict(self) -> dict[str, Any]:
+        share = self.restored_share
+        return {"resumes": self.resumes, "restored_tokens": self.restored_tokens,
+                "recomputed_tokens": self.recomputed_tokens,
+                "restored_share": None if share is None else round(share, 4)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ResumeCosts:
+        return ResumeCosts(int(d.get("resumes") or 0), int(d.get("restored_tokens") or 0),
+                           int(d.get("recomputed_tokens") or 0))
+
+
 # The shape `kvtop analyze --format json` prints (kvtop/schemas/analysis.schema.json); the number
 # changes when a field changes meaning or goes away, not when one is added.
 ANALYSIS_SCHEMA = "kvtop-analysis/1"
@@ -308,6 +335,7 @@ class AnalysisReport:
     requests: tuple[RequestRow, ...] = ()
     request_preemptions: PreemptionCheck | None = None
     engine_request_times: EngineRequestTimes | None = None
+    resume_costs: ResumeCosts | None = None  # where a witness reported resumes
     verdict: Verdict | None = None
     warnings: tuple[str, ...] = ()
     pending_spikes: int | None = None
@@ -328,6 +356,7 @@ class AnalysisReport:
             "requests": [r.to_dict() for r in self.requests],
             "request_preemptions": self.request_preemptions.to_dict() if self.request_preemptions else None,
             "engine_request_times": self.engine_request_times.to_dict() if self.engine_request_times else None,
+            "resume_costs": self.resume_costs.to_dict() if self.resume_costs else None,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
             "warnings": list(self.warnings),
         }
@@ -339,6 +368,7 @@ class AnalysisReport:
     def from_dict(d: Mapping[str, Any]) -> AnalysisReport:
         rp = d.get("request_preemptions")
         et = d.get("engine_request_times")
+        rc = d.get("resume_costs")
         v = d.get("verdict")
         over = d.get("over_target_s")
         return AnalysisReport(
@@ -355,6 +385,7 @@ class AnalysisReport:
             requests=tuple(RequestRow.from_dict(r) for r in d.get("requests") or ()),
             request_preemptions=PreemptionCheck.from_dict(rp) if rp else None,
             engine_request_times=EngineRequestTimes.from_dict(et) if et else None,
+            resume_costs=ResumeCosts.from_dict(rc) if rc else None,
             verdict=Verdict.from_dict(v) if v else None,
             warnings=tuple(d.get("warnings") or ()),
             pending_spikes=d.get("pending_spikes"),

@@ -193,6 +193,9 @@ class StepRecord:
     resumed: list[str] = field(default_factory=list)  # scheduled again after a preemption
     finished: list[list[str]] = field(default_factory=list)  # [id, finish reason]
     aborted: list[str] = field(default_factory=list)  # aborted (the client went away) since the last step
+    # per resumed request: [id, positions the engine had again without computing them (its prefix
+    # cache's blocks, or a KV connector's load)]; absent where the witness did not say
+    restored: list[list[Any]] = field(default_factory=list)
 
 
 Record = GpuRecord | HostRecord | EngineRecord | RequestRecord | TruthRecord | StepRecord
@@ -217,7 +220,7 @@ def to_dict(rec: Record) -> dict[str, Any]:
                 out["class"] = v
                 continue
         if f.name in ("warnings", "notes", "extra", "pinned_signals", "preempted", "resumed", "finished",
-                      "aborted") and not v:
+                      "aborted", "restored") and not v:
             continue
         out[f.name] = v
     return out

@@ -122,6 +122,7 @@ class WitnessReader:
                 [n for n in map(name, d.get("res", ())) if n is not None],
                 [[n, str(x[1])] for x in d.get("fin", ()) if (n := name(x[0])) is not None],
                 [n for n in map(name, d.get("ab", ())) if n is not None],
+                [[n, int(x[1])] for x in d.get("rst", ()) if (n := name(x[0])) is not None],
             )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
             if line.strip():

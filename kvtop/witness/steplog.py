@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -110,9 +111,13 @@ class StepLog:
         self._handles.pop(rid, None)
 
     def step(self, t0: float, t1: float, reqs: list[tuple[str, int, int, int, int]], preempted: list[str],
-             resumed: list[str], finished: list[tuple[str, str]], aborted: list[str], idle: bool = False) -> None:
+             resumed: list[str], finished: list[tuple[str, str]], aborted: list[str], idle: bool = False,
+             restored: Sequence[tuple[str, int]] = ()) -> None:
         """One step: wall-clock start/end, per request (id, scheduled, prefill, recompute, tokens out).
-        ``idle``: no step follows soon (nothing left to run), so the reader gets it now.
+        ``idle``: no step follows soon (nothing left to run), so the reader gets it now. ``restored``:
+        per resumed request, the positions the engine had again without computing them (its prefix
+        cache, or a KV connector such as the offloading one, loaded them), written as ``rst`` for every
+        resumed request, 0 included, so a reader tells "none restored" from a file that does not say.
 
         Written by hand rather than by ``json.dumps``: it runs on every engine step, at a batch of
         hundreds. Requests go by number (``handle``): ``n`` maps the numbers first used in this line to
@@ -138,6 +143,8 @@ class StepLog:
             line += ',"pre":[' + ",".join(handle(x) for x in preempted) + "]"
         if resumed:
             line += ',"res":[' + ",".join(handle(x) for x in resumed) + "]"
+        if restored:
+            line += ',"rst":[' + ",".join(f"[{handle(x)},{n}]" for x, n in restored) + "]"
         if finished:
             line += ',"fin":[' + ",".join(f"[{handle(x)},{_encode(why)}]" for x, why in finished) + "]"
         if aborted:

@@ -41,7 +41,7 @@ class _Witness:
     requests: dict[str, Any]
     _kvw: StepLog | None = None
     _kvw_book: StepBook
-    _kvw_plans: dict[int, tuple[float, list[Any], list[str], list[str]]]
+    _kvw_plans: dict[int, tuple[float, list[Any], list[str], list[str], list[tuple[str, int]]]]
     _kvw_aborted: list[str]
     _kvw_last_end: float
 
@@ -84,7 +84,10 @@ class _Witness:
         cached = so.scheduled_cached_reqs
         resumed = sorted(getattr(cached, "resumed_req_ids", ()) or ())
         preempted = sorted(so.preempted_req_ids or ())
-        self._kvw_plans[id(so)] = (time.time(), plans, preempted, resumed)
+        # a resumed request's computed positions before its first step back are the ones the engine
+        # found again instead of recomputing: its prefix cache's blocks, or a KV connector's load
+        restored = [(rid, int(reqs[rid].num_computed_tokens)) for rid in resumed if rid in reqs]
+        self._kvw_plans[id(so)] = (time.time(), plans, preempted, resumed, restored)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t_out = time.time()
@@ -100,7 +103,7 @@ class _Witness:
         planned = self._kvw_plans.pop(id(so), None)
         if planned is None or self._kvw is None:
             return
-        t_sched, plans, preempted, resumed = planned
+        t_sched, plans, preempted, resumed, restored = planned
         made: dict[str, int] = {}
         finished: list[tuple[str, str]] = []
         for eco in outputs.values():
@@ -117,7 +120,7 @@ class _Witness:
         aborted, self._kvw_aborted = self._kvw_aborted, []
         # the engine going idle writes no further step that would push this one out
         idle = not getattr(self, "running", True) and not getattr(self, "waiting", True)
-        self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted, idle=idle)
+        self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted, idle=idle, restored=restored)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         done = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]

@@ -89,6 +89,21 @@ def test_steps_reach_the_trace_joined_to_every_proxied_stream(storm):
     assert all(0 <= s["end"] - s["t"] < 60 for s in steps)
 
 
+def test_each_resume_says_what_the_engine_had_again_without_recompute(storm):
+    """vLLM hands a resumed request the full blocks its prefix cache still holds of it (a KV connector
+    such as the offloading one would add what it loads back); the witness writes that for every resume
+    and analyze sums it against the positions recomputed (issue 24: recompute vs reloaded tokens)."""
+    steps = [r for r in storm["records"] if r.get("kind") == "step"]
+    resumed = sorted(rid for s in steps for rid in s.get("resumed", []))
+    restored = [x for s in steps for x in s.get("restored", [])]
+    assert resumed and sorted(r[0] for r in restored) == resumed
+    assert all(n % servers.VLLM_BLOCK_SIZE == 0 for _, n in restored), restored  # whole blocks only
+    rc = analyze(storm["trace"], "--itl-target-ms", "100")["resume_costs"]
+    print(f"\n[real-engines] resumes: {rc}")
+    assert rc["resumes"] == len(resumed) and rc["restored_tokens"] == sum(n for _, n in restored)
+    assert rc["recomputed_tokens"] == sum(q[3] for s in steps for q in s["reqs"]) > 0
+
+
 def test_with_the_witness_every_stall_is_read_not_inferred(storm):
     rep = analyze(storm["trace"], "--itl-target-ms", "100")
     spikes = rep["spikes"]

@@ -630,6 +630,13 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             swap_settings = swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names)
             if _is_v1_connector(s):
                 reasons.append(V1_CONNECTOR)
+                hit, seq = s.v("resume_hit_tokens"), s.v("seq_tokens")
+                if hit is not None and seq:
+                    by = ("measured by the engine's witness" if s.n["resume_hit_tokens"].source == "measured"
+                          else s.n["resume_hit_tokens"].source)
+                    reasons.append(f"a resumed request finds {float(hit):,.0f} of its ~{float(seq):,.0f} tokens again "
+                                   f"without recompute ({by}: its prefix cache); the pool pays off only by what "
+                                   "it reloads of the rest")
                 ver = str(s.v("engine_version") or "")
                 if s.basis != "given" and s.v("device_total_bytes") is None and not ver.startswith("kvtop-sim"):
                     # a recorded run of a real engine without GPU records

@@ -333,6 +333,7 @@ _FROM_REPORT = (
     ("inflight_peak", "traffic", "inflight_peak", 1.0),
     ("arrival_rate", "traffic", "arrivals_per_s", 1.0),
     ("preempted_peak", "preemption", "peak_preempted", 1.0),
+    ("resume_hit_tokens", "preemption", "resume_hit_tokens", 1.0),
     ("itl_target", "slo", "itl_ms", 1e3),
     ("decode_step", "observed", "decode_step_ms", 1e3),
     ("itl_p99", "observed", "itl_p99_ms", 1e3),
