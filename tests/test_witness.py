@@ -271,3 +271,50 @@ def test_resumed_requests_restored_positions_reach_the_analysis(tmp_path):
     old = [{k: v for k, v in s.items() if k not in ("kind", "restored")} for s in steps]
     _trace(tmp_path / "o.jsonl", old, _decode("a", [1.0 + 0.02 * i for i in range(20)]))
     assert analyze_trace(str(tmp_path / "o.jsonl"), itl_target_s=0.1).resume_costs is None
+
+
+def test_the_prefill_rate_is_the_engines_marginal_rate_where_its_witness_logged_the_steps(tmp_path):
+    """Six 64-token prompts whose engine TTFTs (300 ms) are mostly other work, and one resume that
+    recomputes 1,000 positions, on an engine that computes 2,000 prompt tokens/s beside 18 ms decode
+    steps. Prompt tokens / TTFT reads 213 tokens/s and would price each recompute ~9x too high; the
+    witness's steps say 1,384 tokens took 0.692 s beyond a decode-only step: 2,000 tokens/s."""
+    dec = 0.018
+    steps: list[dict] = []
+    extra: list[dict] = []
+    a_times: list[float] = []
+    t = 1.0
+    plan: list[tuple[float, list[list]]] = [(dec, [])] * 10
+    for i in range(6):
+        plan += [(dec + 64 / 2000, [[f"r{i}", 64, 64, 0, 1]])] + [(dec, [])] * 10
+    plan += [(dec + 1000 / 2000, [["v", 1000, 0, 1000, 1]])] + [(dec, [])] * 10
+    for d, more in plan:
+        steps.append({"t": round(t, 6), "end": round(t + d, 6), "reqs": [["a", 1, 0, 0, 1], *more]})
+        t += d
+        a_times.append(round(t + 0.001, 6))
+        for r in more:
+            if r[0].startswith("r"):
+                extra += [{"kind": "request", "t": round(t - 0.3, 6), "id": r[0], "event": "arrive", "source": "proxy"},
+                          {"kind": "request", "t": round(t + 0.001, 6), "id": r[0], "event": "first_token", "n": 1},
+                          {"kind": "request", "t": round(t + 0.002, 6), "id": r[0], "event": "finish",
+                           "prompt_tokens": 64, "completion_tokens": 1, "finish_reason": "length",
+                           "engine_queue_s": 0.0, "engine_ttft_s": 0.3, "engine_decode_s": 0.0}]
+    _trace(tmp_path / "t.jsonl", steps, _decode("a", a_times) + extra)
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.1)
+    assert rep.prefill_compute is not None
+    assert rep.prefill_compute.to_dict() == {"steps": 7, "tokens": 1384, "seconds": 0.692, "tokens_per_s": 2000.0}
+    assert rep.verdict is not None
+    rate = rep.verdict.numbers["prefill_rate"]
+    assert rate.source == "measured" and rate.value == pytest.approx(2000.0)
+    assert "engine's witness: 1384 prompt and recompute tokens in 7 steps" in rate.note
+    # without the engine's log the rate falls back to the engine's per-request figure, 64 / 0.3 s (to
+    # its median's histogram bin)
+    lines = [ln for ln in (tmp_path / "t.jsonl").read_text().splitlines() if '"kind": "step"' not in ln]
+    (tmp_path / "n.jsonl").write_text("\n".join(lines) + "\n")
+    rep2 = analyze_trace(str(tmp_path / "n.jsonl"), itl_target_s=0.1)
+    assert rep2.prefill_compute is None and rep2.verdict is not None
+    assert rep2.verdict.numbers["prefill_rate"].value == pytest.approx(64 / 0.3, rel=0.01)
+    r = subprocess.run([sys.executable, "-m", "kvtop", "analyze", str(tmp_path / "t.jsonl"), "--itl-target-ms", "100"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert ("engine step log (witness): 7 step(s) computed 1384 prompt and recompute tokens in 0.692 s beyond a "
+            "decode-only step (2,000 tokens/s)") in r.stdout

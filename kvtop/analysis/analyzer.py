@@ -42,7 +42,7 @@ from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.stepcurve import StepCurve
 from kvtop.analysis.streams import ReqState, fold_arrive
 from kvtop.analysis.tally import Tally
-from kvtop.analysis.witness import Account, ResumeTally, StepIndex
+from kvtop.analysis.witness import Account, ResumeTally, StepIndex, prefill_compute
 from kvtop.model.engine_id import engine_address
 
 HOLD_REFRESH_S = 0.1  # the prefill hold line is recomputed at most this often (trace seconds)
@@ -593,7 +593,8 @@ class Analyzer:
                 {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
             engine_request_times=self.request_times.report(),
             scrape_interval=self.timeline.scrape_interval if self.timeline.last_scrape is not None else None,
-            witnessed_spikes=self.witnessed_spikes, resume_costs=self.resumes.report())
+            witnessed_spikes=self.witnessed_spikes, resume_costs=self.resumes.report(),
+            prefill_compute=prefill_compute(self.witness.values()))
 
     def median_gap(self) -> float | None:
         return self.gaps.median_gap()

@@ -18,6 +18,7 @@ from kvtop.analysis.attribution import Cause
 from kvtop.analysis.state import AnalysisState
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
+MIN_COMPUTE_STEPS = 3  # witnessed prompt/recompute steps a measured prefill rate needs
 
 
 def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
@@ -99,8 +100,10 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if med:
         n["decode_step"] = Num(med, "s", "measured", "median inter-token gap")
 
-    # prefill rate: the engine's own (prompt tokens / its TTFT per request, the figure attribution
-    # uses: a low estimate, so a chunk budget sized on it errs small), else from prefill stalls (stall
+    # prefill rate: the engine's marginal rate where its witness logged the steps (PrefillCompute),
+    # else the engine's own per-request figure (prompt tokens / its TTFT, the figure attribution
+    # uses: a low estimate, so a chunk budget sized on it errs small, and far too low where a step's
+    # fixed cost fills the TTFT of short prompts: 3-21x under the witness on recompute storms), else from prefill stalls (stall
     # length per prompt token of the request that ended it; under chunked prefill a stall is one
     # chunk of the prompt, so this overstates the rate), else from TTFT of the least contended
     # long-prompt requests
@@ -116,7 +119,13 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["resume_hit_tokens"] = Num(rc.restored_tokens / rc.resumes, "tokens", "measured",
                                      f"mean of {rc.resumes} resumes by the engine's witness: {rc.restored_tokens} "
                                      f"positions had again without compute, {rc.recomputed_tokens} recomputed")
-    if ert is not None and ert.engine_prefill_tokens_per_s:
+    pc = st.prefill_compute
+    pc_rate = pc.tokens_per_s if pc is not None and pc.steps >= MIN_COMPUTE_STEPS else None
+    if pc is not None and pc_rate:
+        n["prefill_rate"] = Num(pc_rate, "tokens/s", "measured",
+                                f"engine's witness: {pc.tokens} prompt and recompute tokens in {pc.steps} steps, "
+                                f"{pc.seconds:.3g} s beyond a decode-only step")
+    elif ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
                                 f"median prompt tokens / the engine's own TTFT of {ert.requests} requests")
     elif len(pa) >= 3:

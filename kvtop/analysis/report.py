@@ -193,6 +193,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         request_preemptions=st.request_preemptions,
         engine_request_times=st.engine_request_times,
         resume_costs=st.resume_costs,
+        prefill_compute=st.prefill_compute,
         verdict=verdict,
         warnings=tuple(warnings),
     )
@@ -262,6 +263,10 @@ def render_report_text(rep: AnalysisReport) -> str:
         lines.append(f"engine step log (witness): {rc.resumes} resume(s) after preemption; positions had again "
                      f"without compute (prefix cache or KV connector) {rc.restored_tokens}, recomputed "
                      f"{rc.recomputed_tokens}" + (f" ({share:.0%} restored)" if share is not None else ""))
+    pc = rep.prefill_compute
+    if pc is not None and pc.tokens_per_s is not None:
+        lines.append(f"engine step log (witness): {pc.steps} step(s) computed {pc.tokens} prompt and recompute "
+                     f"tokens in {pc.seconds:.3g} s beyond a decode-only step ({pc.tokens_per_s:,.0f} tokens/s)")
     lines.append("")
     if rep.verdict is not None:
         lines.append(render_verdict_text(rep.verdict))

@@ -16,7 +16,7 @@ from kvtop.analysis.attribution.causes import Cause
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.streams import ReqState
 from kvtop.analysis.tally import Tally
-from kvtop.model.analysis import EngineRequestTimes, PreemptionCheck, ResumeCosts
+from kvtop.model.analysis import EngineRequestTimes, PreemptionCheck, PrefillCompute, ResumeCosts
 
 
 @dataclass(frozen=True)
@@ -47,3 +47,4 @@ class AnalysisState:
     scrape_interval: float | None = None  # the engine scrapes' usual interval (None: no scrapes)
     witnessed_spikes: int = 0  # spikes whose cause was read from the engine's own step log
     resume_costs: ResumeCosts | None = None  # restored vs recomputed positions, where a witness said
+    prefill_compute: PrefillCompute | None = None  # prompt/recompute steps' cost, where a witness logged them

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
 from kvtop.analysis.attribution.causes import Cause, Finding
-from kvtop.model.analysis import ResumeCosts
+from kvtop.model.analysis import PrefillCompute, ResumeCosts
 
 # the step that produced a token ends before the token's chunk reaches the client; the engine writes
 # wall-clock to the microsecond and kvtop's run clock is mapped onto it, so allow a little slack
@@ -96,6 +97,11 @@ class StepIndex:
         self.decode_durs: deque[float] = deque(maxlen=LOCAL_DECODE)  # the last decode-only steps
         self.latest = float("-inf")
         self.n = 0
+        # steps that computed prompt/recompute tokens after a decode-only step was seen: how many, their
+        # tokens, and their time beyond that decode-only step (PrefillCompute)
+        self.compute_steps = 0
+        self.compute_tokens = 0
+        self.compute_s = 0.0
 
     def __bool__(self) -> bool:
         return self.n > 0
@@ -123,6 +129,10 @@ class StepIndex:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
             self.decode_durs.append(t1 - t0)
+        elif then is not None:
+            self.compute_steps += 1
+            self.compute_tokens += pf + rc
+            self.compute_s += max(0.0, (t1 - t0) - then)
         return rc
 
     def prune(self, before: float) -> None:
@@ -193,6 +203,17 @@ class StepIndex:
               tokens: int, dec: float | None) -> Account:
         return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
                        tokens, dec)
+
+
+def prefill_compute(indexes: Iterable[StepIndex]) -> PrefillCompute | None:
+    """The engines' prompt/recompute steps over a run; None where no witness logged one."""
+    steps = tokens = 0
+    secs = 0.0
+    for idx in indexes:
+        steps += idx.compute_steps
+        tokens += idx.compute_tokens
+        secs += idx.compute_s
+    return PrefillCompute(steps, tokens, secs) if steps else None
 
 
 class ResumeTally:

@@ -307,6 +307,32 @@ class ResumeCosts:
                            int(d.get("recomputed_tokens") or 0))
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillCompute:
+    """What computing prompt and recompute tokens cost the engine, by its own step log (the witness):
+    the steps that ran such tokens, and their time beyond the decode-only step just before each. Its
+    rate is the engine's marginal prefill throughput, which prompt tokens / a request's TTFT cannot
+    give where a step's fixed cost or other prompts in the same step fill the TTFT (short prompts,
+    bursts, resumes)."""
+
+    steps: int
+    tokens: int  # prompt and recompute tokens those steps computed
+    seconds: float  # their time beyond a decode-only step
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = self.tokens_per_s
+        return {"steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 6),
+                "tokens_per_s": None if rate is None else round(rate, 1)}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> PrefillCompute:
+        return PrefillCompute(int(d.get("steps") or 0), int(d.get("tokens") or 0), float(d.get("seconds") or 0.0))
+
+
 # The shape `kvtop analyze --format json` prints (kvtop/schemas/analysis.schema.json); the number
 # changes when a field changes meaning or goes away, not when one is added.
 ANALYSIS_SCHEMA = "kvtop-analysis/1"
@@ -336,6 +362,7 @@ class AnalysisReport:
     request_preemptions: PreemptionCheck | None = None
     engine_request_times: EngineRequestTimes | None = None
     resume_costs: ResumeCosts | None = None  # where a witness reported resumes
+    prefill_compute: PrefillCompute | None = None  # where a witness logged prompt/recompute steps
     verdict: Verdict | None = None
     warnings: tuple[str, ...] = ()
     pending_spikes: int | None = None
@@ -357,6 +384,7 @@ class AnalysisReport:
             "request_preemptions": self.request_preemptions.to_dict() if self.request_preemptions else None,
             "engine_request_times": self.engine_request_times.to_dict() if self.engine_request_times else None,
             "resume_costs": self.resume_costs.to_dict() if self.resume_costs else None,
+            "prefill_compute": self.prefill_compute.to_dict() if self.prefill_compute else None,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
             "warnings": list(self.warnings),
         }
@@ -369,6 +397,7 @@ class AnalysisReport:
         rp = d.get("request_preemptions")
         et = d.get("engine_request_times")
         rc = d.get("resume_costs")
+        pc = d.get("prefill_compute")
         v = d.get("verdict")
         over = d.get("over_target_s")
         return AnalysisReport(
@@ -386,6 +415,7 @@ class AnalysisReport:
             request_preemptions=PreemptionCheck.from_dict(rp) if rp else None,
             engine_request_times=EngineRequestTimes.from_dict(et) if et else None,
             resume_costs=ResumeCosts.from_dict(rc) if rc else None,
+            prefill_compute=PrefillCompute.from_dict(pc) if pc else None,
             verdict=Verdict.from_dict(v) if v else None,
             warnings=tuple(d.get("warnings") or ()),
             pending_spikes=d.get("pending_spikes"),
