@@ -142,3 +142,37 @@ def test_save_scenario_without_kv_size_is_a_clear_error(tmp_path, kvtop_cli):
             w.write(d)
     r = kvtop_cli("analyze", str(trace), "--save-scenario", str(tmp_path / "s.json"))
     assert r.returncode == 2 and "KV size" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_swap_that_wins_only_on_a_low_prefill_rate_is_marginal_and_says_how_to_measure_it():
+    """S9 (Llama-3.1-8B, 3,000-token victims, blocking V0 swap at 4.92 GB/s: 159.7 ms of GPU time a
+    swap) at 8,000 prompt tokens/s: a recompute costs 396 ms there, so swap. Given, that rate stands;
+    read as prompt tokens / TTFT (a low estimate: 3-21x under the engine's own on storms), swap must
+    also win at 3x it, where a recompute costs 132 ms: it does not, so the verdict is marginal."""
+    import json
+
+    from kvtop.analysis.advice import scenario
+    from kvtop.analysis.advice.advisor import LOW_RHO, advise
+    from kvtop.analysis.advice.situation import Num
+
+    with open("tests/scenarios/S9.json") as fh:
+        doc = json.load(fh)
+    doc.pop("expect")
+    doc["prefill"]["tokens_per_s"] = 8000
+    given = advise(scenario.situation(doc))
+    assert (given.action, given.mechanism, given.marginal) == ("swap", "swap", False)
+    s = scenario.situation(doc)
+    s.n["prefill_rate"] = Num(8000.0, "tokens/s", "measured", LOW_RHO + "median prompt tokens / the engine's own TTFT")
+    low = advise(s)
+    assert (low.action, low.mechanism, low.marginal) == ("swap", "swap", True)
+    assert ("marginal: swap wins only at ρ = 8,000 tokens/s, a low estimate (prompt tokens / TTFT); at 3x that, "
+            "recompute costs 132.0 ms vs swap 159.7 ms") in " ".join(low.reasons)
+    # a swap that wins by far (S1: 4.1 s of recompute vs 8 ms) stays a clean swap on the same low reading
+    with open("tests/scenarios/S1.json") as fh:
+        s1 = json.load(fh)
+    s1.pop("expect")
+    s = scenario.situation(s1)
+    s.n["prefill_rate"] = Num(10000.0, "tokens/s", "measured", LOW_RHO + "median prompt tokens / the engine's own TTFT")
+    far = advise(s)
+    assert (far.action, far.marginal) == ("swap", False)
+    assert not any("a low estimate" in r for r in far.reasons)

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from kvtop.analysis.advice import versions
-from kvtop.analysis.advice.advisor import DEFAULT_RHO
+from kvtop.analysis.advice.advisor import DEFAULT_RHO, LOW_RHO
 from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.attribution import Cause
@@ -127,13 +127,13 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                 f"{pc.seconds:.3g} s beyond a decode-only step")
     elif ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
-                                f"median prompt tokens / the engine's own TTFT of {ert.requests} requests")
+                                f"{LOW_RHO}median prompt tokens / the engine's own TTFT of {ert.requests} requests")
     elif len(pa) >= 3:
         n["prefill_rate"] = Num(1.0 / pa[len(pa) // 2], "tokens/s", "measured",
                                 f"median of {len(pa)} prefill stalls / prompt tokens")
     elif acc.ttft_rate_hist.n >= MIN_SAMPLES:
         n["prefill_rate"] = Num(acc.ttft_rate_hist.quantile(0.9), "tokens/s", "measured",
-                                "p90 of prompt tokens / TTFT (least contended requests)")
+                                f"{LOW_RHO}p90 of prompt tokens / TTFT (least contended requests)")
     else:
         key = n["model_key"].value if "model_key" in n else ""
         if key in DEFAULT_RHO:

@@ -37,6 +37,14 @@ DEFAULT_RHO = {"llama-3.1-8b": 25_000.0, "llama-3.1-70b": 10_000.0, "qwen2.5-7b"
 GENERIC_RHO = 25_000.0
 GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unknown (assumed)
 
+# Prompt tokens / a request's TTFT reads the engine's prefill rate low: a step's fixed cost and the other
+# prompts of its steps fill the TTFT of short prompts. Against the engine's own step log (the witness),
+# that figure was 3.0-21.5x under the engine's marginal rate on the shipped recompute storms
+# (docs/witness.md). A swap chosen on such a rate (its note starts with LOW_RHO) must still win at
+# LOW_RHO_FACTOR times it, the least of that range, or the verdict says it may not.
+LOW_RHO = "a low estimate: "
+LOW_RHO_FACTOR = 3.0
+
 # Below this confidence a verdict is tentative: it says so and what would confirm it.
 CONFIDENCE_FLOOR = 0.5
 # A recommended length bound is rounded up to this many tokens (a round figure an operator types).
@@ -589,6 +597,14 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.append(f"cancel probability p = {x.p:.2f} vs break-even p* = {cost.p_star:.2f}")
         if marginal:
             reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
+        if mechanism == "swap" and not gates_fail and (s.n["prefill_rate"].note or "").startswith(LOW_RHO):
+            hi = _event(s, beta, beta_rank, a / LOW_RHO_FACTOR, k_att, bw)[1]
+            if hi.mechanism != "swap":
+                marginal = True
+                reasons.append(f"marginal: swap wins only at ρ = {1.0 / a:,.0f} tokens/s, a low estimate (prompt tokens "
+                               f"/ TTFT); at {LOW_RHO_FACTOR:g}x that, recompute costs {hi.c_rec * 1e3:.1f} ms vs swap "
+                               f"{hi.c_swap * 1e3:.1f} ms: measure ρ with kvtop's witness (docs/witness.md) "
+                               "before changing")
         if gates_fail:
             failed = [k for k, v in cost.gates.items() if v is False]
             why_failed = [m for m in cost.gate_notes if m.split(":", 1)[0] in failed]
