@@ -164,7 +164,7 @@ def test_saved_scenario_gives_analyzes_verdict(preset, tmp_path, kvtop_cli):
         b = json.loads(r.stdout)["verdict"]
 
         def key(v):
-            return v["action"], v["mechanism"], v["confidence"], v["tentative"], flags(v)
+            return v["action"], v["mechanism"], v["confidence"], v["tentative"], v["marginal"], flags(v)
 
         assert key(b) == key(a), (path.name, extra)
 

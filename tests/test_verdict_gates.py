@@ -152,7 +152,7 @@ def test_a_swap_that_wins_only_on_a_low_prefill_rate_is_marginal_and_says_how_to
     import json
 
     from kvtop.analysis.advice import scenario
-    from kvtop.analysis.advice.advisor import LOW_RHO, advise
+    from kvtop.analysis.advice.advisor import advise
     from kvtop.analysis.advice.situation import Num
 
     with open("tests/scenarios/S9.json") as fh:
@@ -162,17 +162,22 @@ def test_a_swap_that_wins_only_on_a_low_prefill_rate_is_marginal_and_says_how_to
     given = advise(scenario.situation(doc))
     assert (given.action, given.mechanism, given.marginal) == ("swap", "swap", False)
     s = scenario.situation(doc)
-    s.n["prefill_rate"] = Num(8000.0, "tokens/s", "measured", LOW_RHO + "median prompt tokens / the engine's own TTFT")
+    s.n["prefill_rate"] = Num(8000.0, "tokens/s", "measured", "median prompt tokens / the engine's own TTFT", low=True)
     low = advise(s)
     assert (low.action, low.mechanism, low.marginal) == ("swap", "swap", True)
     assert ("marginal: swap wins only at ρ = 8,000 tokens/s, a low estimate (prompt tokens / TTFT); at 3x that, "
             "recompute costs 132.0 ms vs swap 159.7 ms") in " ".join(low.reasons)
+    # a saved scenario says the rate is a lower bound, and advise weighs it the same
+    doc["prefill"]["tokens_per_s_low"] = True
+    scenario.validate(doc)
+    saved = advise(scenario.situation(doc))
+    assert (saved.action, saved.mechanism, saved.marginal) == ("swap", "swap", True)
     # a swap that wins by far (S1: 4.1 s of recompute vs 8 ms) stays a clean swap on the same low reading
     with open("tests/scenarios/S1.json") as fh:
         s1 = json.load(fh)
     s1.pop("expect")
     s = scenario.situation(s1)
-    s.n["prefill_rate"] = Num(10000.0, "tokens/s", "measured", LOW_RHO + "median prompt tokens / the engine's own TTFT")
+    s.n["prefill_rate"] = Num(10000.0, "tokens/s", "measured", "median prompt tokens / the engine's own TTFT", low=True)
     far = advise(s)
     assert (far.action, far.marginal) == ("swap", False)
     assert not any("a low estimate" in r for r in far.reasons)

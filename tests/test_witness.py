@@ -313,6 +313,13 @@ def test_the_prefill_rate_is_the_engines_marginal_rate_where_its_witness_logged_
     rep2 = analyze_trace(str(tmp_path / "n.jsonl"), itl_target_s=0.1)
     assert rep2.prefill_compute is None and rep2.verdict is not None
     assert rep2.verdict.numbers["prefill_rate"].value == pytest.approx(64 / 0.3, rel=0.01)
+    # that figure is a lower bound, said in the report and in a saved scenario; the witness's is not
+    from kvtop.analysis.advice.scenario import from_report
+    assert rep2.verdict.numbers["prefill_rate"].low and not rate.low
+    kv = 131072.0  # bytes per token: a saved scenario needs the KV size
+    saved = [from_report(analyze_trace(str(tmp_path / f), itl_target_s=0.1, kv_bytes=kv), f)["prefill"]
+             for f in ("n.jsonl", "t.jsonl")]
+    assert saved[0]["tokens_per_s_low"] is True and "tokens_per_s_low" not in saved[1]
     r = subprocess.run([sys.executable, "-m", "kvtop", "analyze", str(tmp_path / "t.jsonl"), "--itl-target-ms", "100"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from kvtop.analysis.advice import versions
-from kvtop.analysis.advice.advisor import DEFAULT_RHO, LOW_RHO
+from kvtop.analysis.advice.advisor import DEFAULT_RHO
 from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_bytes_per_token, lookup_model
 from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.attribution import Cause
@@ -103,10 +103,10 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     # prefill rate: the engine's marginal rate where its witness logged the steps (PrefillCompute),
     # else the engine's own per-request figure (prompt tokens / its TTFT, the figure attribution
     # uses: a low estimate, so a chunk budget sized on it errs small, and far too low where a step's
-    # fixed cost fills the TTFT of short prompts: 3-21x under the witness on recompute storms), else from prefill stalls (stall
-    # length per prompt token of the request that ended it; under chunked prefill a stall is one
-    # chunk of the prompt, so this overstates the rate), else from TTFT of the least contended
-    # long-prompt requests
+    # fixed cost fills the TTFT of short prompts: 3-21x under the witness on recompute storms), else
+    # from prefill stalls (stall length per prompt token of the request that ended it; under chunked
+    # prefill a stall is one chunk of the prompt, so this overstates the rate), else from TTFT of the
+    # least contended long-prompt requests (low again: queueing and other prompts are in a TTFT)
     pa = sorted(acc.prefill_a)
     ert = st.engine_request_times
     if ert is not None and ert.requests and ert.queue_s_p90 is not None:
@@ -120,20 +120,20 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                      f"mean of {rc.resumes} resumes by the engine's witness: {rc.restored_tokens} "
                                      f"positions had again without compute, {rc.recomputed_tokens} recomputed")
     pc = st.prefill_compute
-    pc_rate = pc.tokens_per_s if pc is not None and pc.steps >= MIN_COMPUTE_STEPS else None
-    if pc is not None and pc_rate:
-        n["prefill_rate"] = Num(pc_rate, "tokens/s", "measured",
+    if pc is not None and pc.steps >= MIN_COMPUTE_STEPS and pc.tokens_per_s:
+        n["prefill_rate"] = Num(pc.tokens_per_s, "tokens/s", "measured",
                                 f"engine's witness: {pc.tokens} prompt and recompute tokens in {pc.steps} steps, "
                                 f"{pc.seconds:.3g} s beyond a decode-only step")
     elif ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
-                                f"{LOW_RHO}median prompt tokens / the engine's own TTFT of {ert.requests} requests")
+                                f"median prompt tokens / the engine's own TTFT of {ert.requests} requests (a low "
+                                "estimate)", low=True)
     elif len(pa) >= 3:
         n["prefill_rate"] = Num(1.0 / pa[len(pa) // 2], "tokens/s", "measured",
                                 f"median of {len(pa)} prefill stalls / prompt tokens")
     elif acc.ttft_rate_hist.n >= MIN_SAMPLES:
         n["prefill_rate"] = Num(acc.ttft_rate_hist.quantile(0.9), "tokens/s", "measured",
-                                f"{LOW_RHO}p90 of prompt tokens / TTFT (least contended requests)")
+                                "p90 of prompt tokens / TTFT (least contended requests; a low estimate)", low=True)
     else:
         key = n["model_key"].value if "model_key" in n else ""
         if key in DEFAULT_RHO:

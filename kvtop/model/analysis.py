@@ -44,6 +44,7 @@ class Number:
     unit: str
     source: str
     note: str | None = None
+    low: bool = False  # a measured lower bound of the true figure
 
     def to_dict(self) -> dict[str, Any]:
         v = self.value
@@ -52,6 +53,8 @@ class Number:
         d: dict[str, Any] = {"value": v, "unit": self.unit, "source": self.source}
         if self.note:
             d["note"] = self.note
+        if self.low:
+            d["low"] = True
         return d
 
     @staticmethod
@@ -59,7 +62,7 @@ class Number:
         v = d.get("value")
         if key == DECIDED_BY and isinstance(v, list):
             v = tuple(Decision(str(x["gate"]), str(x["detail"])) for x in v)
-        return Number(v, str(d.get("unit", "")), str(d.get("source", "")), d.get("note"))
+        return Number(v, str(d.get("unit", "")), str(d.get("source", "")), d.get("note"), bool(d.get("low")))
 
 
 @dataclass(frozen=True, slots=True)

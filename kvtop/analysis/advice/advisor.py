@@ -40,9 +40,8 @@ GENERIC_K_ATT = 1.8781e-5  # an 8B-class model; used only when the model is unkn
 # Prompt tokens / a request's TTFT reads the engine's prefill rate low: a step's fixed cost and the other
 # prompts of its steps fill the TTFT of short prompts. Against the engine's own step log (the witness),
 # that figure was 3.0-21.5x under the engine's marginal rate on the shipped recompute storms
-# (docs/witness.md). A swap chosen on such a rate (its note starts with LOW_RHO) must still win at
-# LOW_RHO_FACTOR times it, the least of that range, or the verdict says it may not.
-LOW_RHO = "a low estimate: "
+# (docs/witness.md). A swap chosen on such a rate (``Num.low``) must still win at LOW_RHO_FACTOR times
+# it, the least of that range, or the verdict says it may not.
 LOW_RHO_FACTOR = 3.0
 
 # Below this confidence a verdict is tentative: it says so and what would confirm it.
@@ -597,7 +596,7 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
             reasons.append(f"cancel probability p = {x.p:.2f} vs break-even p* = {cost.p_star:.2f}")
         if marginal:
             reasons.append("marginal: within ±30 % of a break-even; measure α, BW and ρ on this host before changing")
-        if mechanism == "swap" and not gates_fail and (s.n["prefill_rate"].note or "").startswith(LOW_RHO):
+        if mechanism == "swap" and not gates_fail and s.n["prefill_rate"].low:
             hi = _event(s, beta, beta_rank, a / LOW_RHO_FACTOR, k_att, bw)[1]
             if hi.mechanism != "swap":
                 marginal = True

@@ -139,7 +139,7 @@ def situation(doc: dict[str, Any]) -> Situation:
 
     pf = doc.get("prefill", {})
     if "tokens_per_s" in pf:
-        n["prefill_rate"] = Num(float(pf["tokens_per_s"]), "tokens/s", "given")
+        n["prefill_rate"] = Num(float(pf["tokens_per_s"]), "tokens/s", "given", low=bool(pf.get("tokens_per_s_low")))
     if "k_att" in pf:
         n["k_att"] = Num(float(pf["k_att"]), "1/token", "given")
     if "free_tokens" in pf:
@@ -398,6 +398,8 @@ def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: i
             doc[fld] = v
         else:
             doc.setdefault(section, {})[fld] = v
+        if key == "prefill_rate" and n.low:
+            doc["prefill"]["tokens_per_s_low"] = True  # a lower bound: the advisor weighs a swap that hinges on it
     curve = nums.get("decode_curve")
     if curve and isinstance(curve.value, list) and curve.source in ("measured", "given"):
         doc.setdefault("observed", {})["decode_curve"] = [dict(p) for p in curve.value]

@@ -25,13 +25,14 @@ class Num:
     unit: str
     source: str  # measured | given | config | assumed | derived
     note: str | None = None
+    low: bool = False  # a measured lower bound of the true figure (a verdict that hinges on it says so)
 
     def to_number(self) -> Number:
         """The report's figure: floats to 6 significant digits (more is noise in a verdict)."""
         v = self.value
         if isinstance(v, float):
             v = float(f"{v:.6g}")
-        return Number(v, self.unit, self.source, self.note)
+        return Number(v, self.unit, self.source, self.note, self.low)
 
 
 @dataclass
