@@ -75,14 +75,24 @@ def test_the_rounds_recorded_after_the_preemption_rules_were_final_score_as_well
 
 
 def test_the_rounds_recorded_after_the_gauge_rules_meet_the_issues_targets(by_round):
-    # rounds U-Y were recorded after the rules that read the engine's gauges and first-token count
+    # rounds U-Z were recorded after the rules that read the engine's gauges and first-token count
     # (docs/real-engines.md 7.4) and scored once; issue 22's targets: preemption >= 0.95, prefill >=
     # 0.9, other gaps called an engine cause <= 5 % (floors a few points under what they measured)
-    rows = _pooled(by_round, witnessed.select("U-Y"))
+    rows = _pooled(by_round, witnessed.select("U-Z"))
     for target in (LOOSE, TIGHT):
         pre = rows[("all", target)]["preemption"]
-        assert pre["actual"] >= 200 and pre["precision"] >= 0.95 and pre["recall"] >= 0.93, (target, pre)
+        assert pre["actual"] >= 250 and pre["precision"] >= 0.95 and pre["recall"] >= 0.93, (target, pre)
         pf = rows[("all", target)]["prefill_interference"]
-        assert pf["precision"] >= 0.87 and pf["recall"] >= 0.95, (target, pf)
+        assert pf["precision"] >= 0.9 and pf["recall"] >= 0.95, (target, pf)
     tight = rows[("all", TIGHT)]
     assert tight["neither_called_engine"] <= 0.05 * tight["neither"], tight
+
+
+def test_an_engine_slowed_by_its_host_is_slow_decode_not_an_engine_cause(by_round):
+    # round Z's two prefill runs on a host with spinning processes ahead of vLLM: half or more of its
+    # decode-only steps, nearly all of the runs' time, took 120-150 ms (5 ms idle), and at the 100 ms
+    # target 2,402 stalls were the engine's own slow steps (docs/real-engines.md 7.5); kvtop called 4
+    # of them preemption or prefill
+    busy = _pooled(by_round, ["Z-271"])[("prefill-busyhost", LOOSE)]
+    assert busy["neither"] >= 2000 and busy["neither_called_engine"] <= 0.01 * busy["neither"], busy
+    assert busy["prefill_interference"]["recall"] >= 0.95, busy
