@@ -18,7 +18,7 @@ The rules that name an engine cause (``preemption/*``, ``prefill/*``) are then f
 real engine judged enough of their calls: on the witnessed vLLM rounds in eval/witness_rounds/
 (``--witness-fit``, rounds A-G by default), each call scored against the engine's own step log at
 100 ms and at 2.5x the decode step, the discounts divided out; their reliability is shown on the
-rounds held out (``--witness-held-out``, H-Z). The generators are worlds kvtop's authors wrote; where
+rounds held out (``--witness-held-out``, H-AB). The generators are worlds kvtop's authors wrote; where
 the real engine says a rule is right less often than they do, the real engine decides. Slow-decode
 rules keep the generators' fit: the log tells a decode step from time outside the engine less well.
 
@@ -28,7 +28,7 @@ rules keep the generators' fit: the log tells a decode step from time outside th
     python -m eval.calibrate --witness-fit none    # the generators alone
 
 Only ``--fit sim`` may ``--write``: the shipped numbers are fit on kvtop's simulator (the engine-cause
-rules on witnessed rounds A-G) and judged on the independent generator (and rounds H-Z), never
+rules on witnessed rounds A-G) and judged on the independent generator (and rounds H-AB), never
 chosen on the traces that report them.
 """
 
@@ -292,8 +292,8 @@ def main() -> int:
     ap.add_argument("--witness-fit", default="A-G", metavar="ROUNDS",
                     help="witnessed vLLM rounds (eval/witness_rounds/) that refit the engine-cause rules "
                          "(default A-G; none: the generators alone)")
-    ap.add_argument("--witness-held-out", default="H-Z", metavar="ROUNDS",
-                    help="witnessed rounds their reliability is shown on (default H-Z)")
+    ap.add_argument("--witness-held-out", default="H-AB", metavar="ROUNDS",
+                    help="witnessed rounds their reliability is shown on (default H-AB)")
     ap.add_argument("--write", action="store_true",
                     help="write kvtop/analysis/attribution/fitted.json (--fit sim only)")
     args = ap.parse_args()

@@ -14,24 +14,34 @@ from pathlib import Path
 ROOT = Path(__file__).with_name("witness_rounds")
 
 
+def _code(name: str) -> str:
+    """A round's letters: "B-21" -> "B" (after Z come AA, AB, ...)."""
+    return name.split("-")[0]
+
+
+def _order(code: str) -> tuple[int, str]:
+    return len(code), code
+
+
 def names() -> list[str]:
-    """Every round, in letter order ("A", "B-21", ...)."""
-    return sorted(p.name for p in ROOT.iterdir() if p.is_dir())
+    """Every round, in letter order ("A", "B-21", ..., "Z-271", "AA-301", ...)."""
+    return sorted((p.name for p in ROOT.iterdir() if p.is_dir()), key=lambda n: _order(_code(n)))
 
 
 def select(spec: str) -> list[str]:
-    """Rounds by letter: "all", "A-G" (a range), "H,K,O" or a mix ("A-C,K")."""
+    """Rounds by letter: "all", "A-G" (a range, in letter order: "U-AB" runs through Z), "H,K,O" or a
+    mix ("A-C,K")."""
     every = names()
-    by_letter = {n.split("-")[0]: n for n in every}
+    by_code = {_code(n): n for n in every}
     if spec.strip().lower() == "all":
         return every
     out: list[str] = []
     for part in (p.strip().upper() for p in spec.split(",") if p.strip()):
         lo, _, hi = part.partition("-")
-        letters = [chr(c) for c in range(ord(lo), ord(hi or lo) + 1)] if len(lo) == 1 and len(hi or lo) == 1 else []
-        if not letters or any(x not in by_letter for x in letters):
-            raise ValueError(f"no witnessed round {part!r} (rounds: {', '.join(sorted(by_letter))})")
-        out += [by_letter[x] for x in letters if by_letter[x] not in out]
+        hi = hi or lo
+        if lo not in by_code or hi not in by_code or _order(lo) > _order(hi):
+            raise ValueError(f"no witnessed round {part!r} (rounds: {', '.join(sorted(by_code, key=_order))})")
+        out += [n for n in every if _order(lo) <= _order(_code(n)) <= _order(hi) and n not in out]
     return out
 
 

@@ -94,8 +94,12 @@ def test_witnessed_rounds_are_chosen_by_letter_and_read_as_traces_with_the_engin
 
     assert witnessed.select("A-C,O") == ["A", "B-21", "C-31", "O-161"]
     assert witnessed.select("all") == witnessed.names() and len(witnessed.names()) >= 15
-    with pytest.raises(ValueError, match="no witnessed round 'Z'"):
-        witnessed.select("Z")
+    # after Z come AA, AB, ...: a range runs in that order
+    assert witnessed.select("Y-Z") == ["Y-261", "Z-271"]
+    with pytest.raises(ValueError, match="no witnessed round 'ZZ'"):
+        witnessed.select("ZZ")
+    with pytest.raises(ValueError, match="no witnessed round 'C-A'"):
+        witnessed.select("C-A")
     with witnessed.traces(["O-161"]) as paths:
         assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
             "mixed-161.jsonl", "prefill-161.jsonl", "storm10x500-161.jsonl", "storm8x900-161.jsonl"]
