@@ -39,7 +39,7 @@ def pooled(by_round: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, str], d
 LOOSE, TIGHT = "100 ms", "2.5x decode step"
 
 
-@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.97, 0.93), (TIGHT, 0.95, 0.91)])
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.97, 0.93), (TIGHT, 0.96, 0.93)])
 def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_called_one(pooled, target, p, r):
     got = pooled[("all", target)]["preemption"]
     assert got["actual"] >= 1100  # every round's storms and mixed runs were read
@@ -96,3 +96,25 @@ def test_an_engine_slowed_by_its_host_is_slow_decode_not_an_engine_cause(by_roun
     busy = _pooled(by_round, ["Z-271"])[("prefill-busyhost", LOOSE)]
     assert busy["neither"] >= 2000 and busy["neither_called_engine"] <= 0.01 * busy["neither"], busy
     assert busy["prefill_interference"]["recall"] >= 0.95, busy
+
+
+def test_a_victims_counter_unit_goes_to_the_victim_not_to_a_stream_that_stalled_with_the_others():
+    # round G's mixed load at its tight target (8.1 ms, 2.5x a 3.2 ms step): stream 8c64390d stalled with
+    # every other stream and stayed silent 5x its recent gaps, to 3.617 s; stream 98202577 stayed silent
+    # 6x its gaps while the others kept flowing, to 3.650 s, in the same 0.5 s scrape interval, which read
+    # one preemption-counter step. The engine's log: 98202577 was preempted, 8c64390d waited for another
+    # request's prefill. The unit is the longer turn's; the shorter shared silence was called preemption
+    # (rule `longer`) and the victim `unknown` before (docs/real-engines.md 7.5)
+    import tempfile
+
+    from eval.witness_matrix import spike_key, targets, truth, without_witness
+    from kvtop.analysis.scan import analyze_trace
+
+    with witnessed.traces(witnessed.select("G")) as paths, tempfile.TemporaryDirectory() as tmp:
+        (trace,) = [p for p in paths if "mixed" in p]
+        tight = targets(trace)[1][1]
+        logged, _ = truth(trace, tight)
+        rep = analyze_trace(without_witness(trace, tmp), itl_target_s=tight, fast=False)
+    got = {(s.request_id[:8], round(s.t_end, 3)): (str(s.cause), s.rule, logged.get(spike_key(s))) for s in rep.spikes}
+    assert got[("98202577", 3.65)] == ("preemption", "counter", "preemption")
+    assert got[("8c64390d", 3.617)] == ("prefill_interference", "shared", "prefill_interference")

@@ -278,6 +278,23 @@ class StallIndex:
             i += 1
         return len(seen)
 
+    def turns_after(self, g: Gap, a: float, b: float, rel: float) -> int:
+        """Other streams whose silence ended in (a, b] after the spike's end, longer than the spike
+        and at least ``rel`` times their stream's recent gaps: victims' turns (a wait and a
+        re-prefill) that an engine counting at resume counted in that interval."""
+        lg = self.long
+        i = self._long_ending_from(max(a, g.t_end))
+        seen: set[str] = set()
+        multi, eng = self.multi, g.engine
+        while i < len(lg) and lg[i].t_end <= b:
+            q = lg[i]
+            base = q.stream_baseline
+            if (q.t_end > g.t_end and q.t_end > a and q.gap > g.gap and base and q.gap >= rel * base
+                    and q.request_id != g.request_id and not (multi and q.engine != eng)):
+                seen.add(q.request_id)
+            i += 1
+        return len(seen)
+
     def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
         its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill

@@ -178,7 +178,9 @@ RULES: tuple[Rule, ...] = (
          f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams (those that "
          "fell silent with it; streams silent since long before are victims still waiting) and longer by at least "
          "one of its decode steps (a victim misses the step it was preempted in), and ≥ "
-         f"{preemption.REL_PREEMPT:g}× its recent gaps, with a counter unit claimed as in `lone-preemption`"),
+         f"{preemption.REL_PREEMPT:g}× its recent gaps, with a counter unit claimed as in `lone-preemption`; on an "
+         "engine that counts at resume, not a unit that a longer silence ending later in the same scrape interval "
+         f"(≥ {preemption.REL_PREEMPT:g}× its own stream's recent gaps: a victim's turn) owns first"),
     Rule("shared-prefill", Cause.PREFILL, ("shared",), SHARED, prefill.shared,
          ("prefill/shared-checked", "prefill/shared"),
          "other requests' first tokens at its end (their prompts added up: prompts admitted in one step finish "
