@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of
@@ -263,37 +263,28 @@ class StallIndex:
             i += 1
         return None
 
-    def resuming_after(self, g: Gap, a: float, b: float) -> int:
-        """Other streams, silent since before the spike began, whose silence ended in (a, b] and
-        after the spike's end: waiting victims that an engine counting at resume counts later."""
+    def _resumed_in(self, g: Gap, a: float, b: float) -> Iterator[Gap]:
+        """Other streams' long gaps (of the spike's engine) that ended in (a, b] and after the spike."""
         lg = self.long
         i = self._long_ending_from(max(a, g.t_end))
-        seen: set[str] = set()
         multi, eng = self.multi, g.engine
         while i < len(lg) and lg[i].t_end <= b:
             q = lg[i]
-            if (q.t_end > g.t_end and q.t_end > a and q.t_start < g.t_start and q.request_id != g.request_id
-                    and not (multi and q.engine != eng)):
-                seen.add(q.request_id)
+            if q.t_end > g.t_end and q.t_end > a and q.request_id != g.request_id and not (multi and q.engine != eng):
+                yield q
             i += 1
-        return len(seen)
+
+    def resuming_after(self, g: Gap, a: float, b: float) -> int:
+        """Other streams, silent since before the spike began, whose silence ended in (a, b] and
+        after the spike's end: waiting victims that an engine counting at resume counts later."""
+        return len({q.request_id for q in self._resumed_in(g, a, b) if q.t_start < g.t_start})
 
     def turns_after(self, g: Gap, a: float, b: float, rel: float) -> int:
         """Other streams whose silence ended in (a, b] after the spike's end, longer than the spike
         and at least ``rel`` times their stream's recent gaps: victims' turns (a wait and a
         re-prefill) that an engine counting at resume counted in that interval."""
-        lg = self.long
-        i = self._long_ending_from(max(a, g.t_end))
-        seen: set[str] = set()
-        multi, eng = self.multi, g.engine
-        while i < len(lg) and lg[i].t_end <= b:
-            q = lg[i]
-            base = q.stream_baseline
-            if (q.t_end > g.t_end and q.t_end > a and q.gap > g.gap and base and q.gap >= rel * base
-                    and q.request_id != g.request_id and not (multi and q.engine != eng)):
-                seen.add(q.request_id)
-            i += 1
-        return len(seen)
+        return len({q.request_id for q in self._resumed_in(g, a, b)
+                    if q.gap > g.gap and q.stream_baseline and q.gap >= rel * q.stream_baseline})
 
     def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
