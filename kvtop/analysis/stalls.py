@@ -274,17 +274,14 @@ class StallIndex:
                 yield q
             i += 1
 
-    def resuming_after(self, g: Gap, a: float, b: float) -> int:
-        """Other streams, silent since before the spike began, whose silence ended in (a, b] and
-        after the spike's end: waiting victims that an engine counting at resume counts later."""
-        return len({q.request_id for q in self._resumed_in(g, a, b) if q.t_start < g.t_start})
-
-    def turns_after(self, g: Gap, a: float, b: float, rel: float) -> int:
-        """Other streams whose silence ended in (a, b] after the spike's end, longer than the spike
-        and at least ``rel`` times their stream's recent gaps: victims' turns (a wait and a
-        re-prefill) that an engine counting at resume counted in that interval."""
+    def resuming_after(self, g: Gap, a: float, b: float, turn_rel: float | None = None) -> int:
+        """Other streams whose silence ended in (a, b] and after the spike's end, silent since before
+        the spike began: waiting victims that an engine counting at resume counts later. With
+        ``turn_rel``, also those whose silence was longer than the spike and at least ``turn_rel``
+        times their stream's recent gaps (a victim's turn: a wait and a re-prefill)."""
         return len({q.request_id for q in self._resumed_in(g, a, b)
-                    if q.gap > g.gap and q.stream_baseline and q.gap >= rel * q.stream_baseline})
+                    if q.t_start < g.t_start or (turn_rel is not None and q.gap > g.gap and q.stream_baseline
+                                                 and q.gap >= turn_rel * q.stream_baseline)})
 
     def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:

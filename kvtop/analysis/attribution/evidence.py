@@ -308,8 +308,10 @@ class Evidence:
             return a - STEP_EARLY_S, min(b, a + RETRACT_LAG_S), a
         return a - STEP_EARLY_S, b + STEP_EARLY_S, b
 
-    def claim_counter(self) -> tuple[float, float] | None:
-        """Claim one preemption-counter unit for this stall: (scrape time, interval length)."""
+    def claim_counter(self, yield_to_turns: float | None = None) -> tuple[float, float] | None:
+        """Claim one preemption-counter unit for this stall: (scrape time, interval length).
+        ``yield_to_turns`` (a weak claim): on an engine counting at resume, leave the unit also to
+        longer silences of at least that many of their stream's gaps that end later in the interval."""
         if self.counted_at is None:
             t = self.timeline.claim_counter(self.gap.t_start, self.gap.t_end, self.tol)
             return None if t is None else (t, self.scrape_interval)
@@ -320,7 +322,7 @@ class Evidence:
             # spikes are judged after this one; a short stall would take the unit a waiting victim's
             # resume stepped)
             st = self.timeline.unit_in(lo, hi, at)
-            if st is not None and self.stalls.resuming_after(self.gap, st[0], st[1]) >= st[2]:
+            if st is not None and self.stalls.resuming_after(self.gap, st[0], st[1], yield_to_turns) >= st[2]:
                 return None
         return self.timeline.claim_in(lo, hi, at)
 

@@ -148,15 +148,9 @@ def longer_than_company(ev: Evidence) -> Finding | None:
     pace = ev.decode_pace
     if pace and ev.gap.gap - ev.co_gap_median < pace:
         return None
-    if ev.counted_at == "resume" and ev.resumed:
-        # a silence a little longer than its company's is the weakest claim on a unit: a longer one
-        # that ends later in the same scrape interval, a victim's turn, owns it first (its spike is
-        # judged after this one)
-        lo, hi, at = ev.counter_window()
-        st = ev.timeline.unit_in(lo, hi, at)
-        if st is not None and ev.stalls.turns_after(ev.gap, st[0], st[1], REL_PREEMPT) >= st[2]:
-            return None
-    claim = ev.claim_counter()
+    # a silence a little longer than its company's is the weakest claim on a unit: a longer one that
+    # ends later in the same scrape interval, a victim's turn, owns it first (its spike is judged later)
+    claim = ev.claim_counter(yield_to_turns=REL_PREEMPT)
     if claim is None:
         return None
     return ev.found(Cause.PREEMPTION, "preemption/longer",
