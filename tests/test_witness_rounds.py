@@ -120,3 +120,37 @@ def test_a_victims_counter_unit_goes_to_the_victim_not_to_a_stream_that_stalled_
     got = {(s.request_id[:8], round(s.t_end, 3)): (str(s.cause), s.rule, logged.get(spike_key(s))) for s in rep.spikes}
     assert got[("98202577", 3.65)] == ("preemption", "counter", "preemption")
     assert got[("8c64390d", 3.617)] == ("prefill_interference", "shared", "prefill_interference")
+
+
+def _spikes(rnd: str, workload: str) -> tuple[float, dict[tuple[str, float], tuple[str, str, str | None, str]]]:
+    """A round's trace analysed without its step records at its tight target: (target, spikes by
+    stream and end as (cause, rule, the engine log's cause, the evidence))."""
+    import tempfile
+
+    from eval.witness_matrix import spike_key, targets, truth, without_witness
+    from kvtop.analysis.scan import analyze_trace
+
+    with witnessed.traces(witnessed.select(rnd)) as paths, tempfile.TemporaryDirectory() as tmp:
+        (trace,) = [p for p in paths if workload in p]
+        tight = targets(trace)[1][1]
+        logged, _ = truth(trace, tight)
+        rep = analyze_trace(without_witness(trace, tmp), itl_target_s=tight, fast=False)
+    return tight, {(s.request_id[:8], round(s.t_end, 3)): (str(s.cause), s.rule, logged.get(spike_key(s)),
+                                                         " / ".join(s.evidence)) for s in rep.spikes}
+
+
+def test_inside_a_prefill_an_engine_already_slow_with_no_prompt_in_flight_is_slow_decode():
+    # round P's prefill run, tight target (9.2 ms, 2.5x a 3.7 ms step): for its first 10 s the engine's
+    # decode-only steps took 80-160 ms (the step log), and the streams' gaps while no prompt was in
+    # flight said so. Request 87b475d9's prompt was being prefilled when stream 7334b257 stalled 194 ms
+    # to 8.657 s: its decode step (150 ms) is most of it. The engine's log: one 194 ms step, 141 ms of
+    # it decode and 53 ms the chunk's (docs/real-engines.md 7.6)
+    tight, got = _spikes("P", "prefill")
+    assert abs(tight - 0.0092) < 0.0002
+    cause, rule, logged, why = got[("7334b257", 8.657)]
+    assert (cause, logged) == ("slow_decode", "slow_decode")
+    assert "87b475d9c3ed43f4bdb58cea78319442's prefill" in why and "no prompt in flight took 151 ms" in why
+    # round L's prefill run at its tight target (9.1 ms): decode-only steps took 24 ms before the
+    # prompts came, chunk steps 80-110 ms; the prefill is the larger part and stays the cause
+    _, got = _spikes("L", "prefill")
+    assert got[("2f9a7c31", 4.439)][:3] == ("prefill_interference", "span", "prefill_interference")

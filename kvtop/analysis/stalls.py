@@ -283,6 +283,35 @@ class StallIndex:
                     if q.t_start < g.t_start or (turn_rel is not None and q.gap > g.gap and q.stream_baseline
                                                  and q.gap >= turn_rel * q.stream_baseline)})
 
+    def clean_gaps(self, g: Gap, cut: Cutoff, rel: float, want: int = 4, reach_s: float = 10.0,
+                   walk: int = 64) -> list[float] | None:
+        """The stream's own gaps before spike ``g`` during which no other request was between arrival
+        and first token (``prefilling``) and that were no spike of their own (under ``rel`` times the
+        stream's gaps before them): its decode-only steps, the last ``want`` of them within ``reach_s``
+        (and ``walk`` gaps). Only the stream's unbroken run of long gaps back from the spike is read
+        (the index keeps long gaps only): a shorter gap before them ends the run, and so does the
+        stream's first token. None when that run holds no such gap (the pace was never seen clean)."""
+        lg = self.long
+        rid, t = g.request_id, g.t_start
+        out: list[float] = []
+        for _ in range(walk):
+            if len(out) >= want or g.t_start - t > reach_s:
+                break
+            i = self._long_ending_from(t)
+            prev = None
+            while i < len(lg) and lg[i].t_end <= t:
+                if lg[i].request_id == rid:
+                    prev = lg[i]
+                    break
+                i += 1
+            if prev is None:
+                break  # a gap too short to be kept (the pace met half the target), or its first token
+            if prev.stream_baseline and prev.gap < rel * prev.stream_baseline and \
+                    not self.prefilling(prev, prev.t_start, prev.t_end, cut):
+                out.append(prev.gap)
+            t = prev.t_start
+        return out or None
+
     def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
         its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill

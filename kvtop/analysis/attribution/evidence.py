@@ -214,6 +214,13 @@ class Evidence:
         return self.stalls.prefilling(self.gap, self.gap.t_start, self.gap.t_end, self.cut)
 
     @cached_property
+    def clean_pace(self) -> float | None:
+        """The stream's decode-only step where it was last seen with no prompt in flight (the median
+        of its last clean gaps, ``StallIndex.clean_gaps``); None: never seen so."""
+        v = self.stalls.clean_gaps(self.gap, self.cut, REL_SLOW)
+        return sorted(v)[len(v) // 2] if v else None
+
+    @cached_property
     def prefill_observed_through(self) -> bool:
         """More observed requests were waiting for their first token all through the stall (arrived
         before it, none before its end, within a step's delivery ``BURST_S``) than the engine's

@@ -176,14 +176,22 @@ def shared(ev: Evidence) -> Finding | None:
     return _found(ev, sig, "prefill/shared-checked" if sig.checked else "prefill/shared", "shared")
 
 
-def span(ev: Evidence) -> Finding | None:
+def span(ev: Evidence) -> Finding | Signs | None:
     """The stall lies inside another request's prefill as the engine itself timed it (vLLM's
     per-request metrics: from first scheduled to first token), and no preemption was counted around
-    it. A chunked prefill slows every step it shares, so the stream's own pace is no alibi here."""
+    it. A chunked prefill slows every step it shares, so the stream's recent pace is no alibi here;
+    its decode steps as last seen with no prompt in flight are: where they already missed the target
+    and make up most of the stall, its cause is the engine's slow decode."""
     sp = ev.prefill_span
     if sp is None or (ev.has_counter and ev.counter_delta() > 0):
         return None
     a, b, prompt, rid = sp
+    step = ev.clean_pace if ev.target else None
+    if step and ev.decode_pace:
+        step = min(step, ev.decode_pace)  # no decode-only step is longer than a gap it made
+    if ev.target and step and step >= PACE_NEAR * ev.target and ev.gap.gap < 2 * step:
+        return Signs([f"inside request {rid}'s prefill, but this stream's decode steps with no prompt in flight "
+                      f"took {step * 1e3:.0f} ms (target {ev.target * 1e3:.0f} ms): most of the stall"])
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
     if ev.prefill_rate and prompt / ev.prefill_rate < PREFILL_SHARE * excess:
         return None  # too short a prompt for this stall

@@ -138,8 +138,10 @@ RULES: tuple[Rule, ...] = (
          "another request's prefill, as the engine timed it (vLLM `--enable-per-request-metrics`: its first "
          "token less its engine TTFT), covers ≥ half the stall; no preemption counted around the stall; its "
          f"prompt at the measured rate covers ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the "
-         f"stream's pace. Spikes that may lie in a prefill not yet reported wait up to {PREFILL_HOLD_S:g} s past "
-         "their end for it (vLLM reports a request's times on its final chunk)"),
+         f"stream's pace; not where the stream's decode steps as last seen with no prompt in flight (the median of "
+         "its last clean gaps, at most its fastest recent gap) already missed the target and make up over half the "
+         "stall (its cause is then the engine's slow decode). Spikes that may lie in a prefill not yet reported "
+         f"wait up to {PREFILL_HOLD_S:g} s past their end for it (vLLM reports a request's times on its final chunk)"),
     Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
          f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
          f"(look-ahead, below) are < 1/{REL_SLOW:g} of it. `slow/lifted-run`: the stream has no gaps of its own "
