@@ -46,12 +46,11 @@ def test_preemptions_the_engine_logged_are_found_and_few_stalls_are_wrongly_call
     assert got["precision"] >= p and got["recall"] >= r, got
 
 
-@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.8, 0.88), (TIGHT, 0.8, 0.92)])
+@pytest.mark.parametrize(("target", "p", "r"), [(LOOSE, 0.88, 0.9), (TIGHT, 0.86, 0.92)])
 def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
-    # round P's prefill workload ran on a box so loaded that its decode steps alone took about the
-    # 100 ms target, and kvtop blames the decode steps inside another request's prefill on that
-    # prefill (docs/real-engines.md 7.3): it pulls the pooled precision down from about 0.9, and is
-    # in these floors
+    # measured 0.93 / 0.95 at 100 ms and 0.91 / 0.96 at the tight target (docs/real-engines.md 7.6);
+    # round P's prefill run, on an engine whose decode steps alone took about the 100 ms target, still
+    # has 72 and 78 of the false calls (stalls that its chunk steps and slow decode steps shared)
     got = pooled[("all", target)]["prefill_interference"]
     assert got["precision"] >= p and got["recall"] >= r, got
     # where prompts are long and chunked, the prefill stalls are all found at both targets
@@ -154,3 +153,18 @@ def test_inside_a_prefill_an_engine_already_slow_with_no_prompt_in_flight_is_slo
     # prompts came, chunk steps 80-110 ms; the prefill is the larger part and stays the cause
     _, got = _spikes("L", "prefill")
     assert got[("2f9a7c31", 4.439)][:3] == ("prefill_interference", "span", "prefill_interference")
+
+
+def test_a_first_token_a_step_after_the_stall_is_the_next_stalls_prefill_not_this_ones():
+    # round F's mixed load at its tight target (7.6 ms, 2.5x a 3.0 ms step): three streams stalled
+    # 10-13 ms to 3.023 s (the engine's log: three decode steps, no prompt), then 15-16 ms to 3.040 s,
+    # and request 0819243c's first token reached its client 24 ms after the first stall ended, with the
+    # second: its prompt was that stall's (the log says so). The first stall was called prefill on that
+    # first token before (docs/real-engines.md 7.6)
+    _, got = _spikes("F", "mixed")
+    for rid in ("b3a688b9", "caaf08ab", "a256aeea"):
+        cause, _, logged, why = got[(rid, 3.023)]
+        assert logged == "slow_decode" and cause != "prefill_interference" and "0819243c" not in why, (rid, cause)
+    cause, rule, logged, why = got[("b3a688b9", 3.04)]
+    assert (cause, rule, logged) == ("prefill_interference", "shared", "prefill_interference")
+    assert "request 0819243c746e4539abe8ffe4a7edb025 got its first token at the end of the stall" in why

@@ -390,7 +390,10 @@ class StallIndex:
         two of the stream's gaps (``median_gap``, the run's, for a stream without a baseline), and not
         delivered with the token that opened the stall (within ``opening_s`` of its start): those came
         out of the step before the stall, whose prefill was over when it began (a short stall right
-        after a batch of prompts was admitted had their first tokens at its start). Nor a prompt whose
+        after a batch of prompts was admitted had their first tokens at its start); nor one delivered
+        later after the stall's end than the stall was long: it came out of a later step (scored
+        against real vLLM's own step log at targets of a few decode steps, such first tokens, 10-40 ms
+        after a 10 ms stall, were almost all a prompt admitted just after it). Nor a prompt whose
         prefill the engine itself timed outside the stall (vLLM's per-request metrics): scored against
         real vLLM's own step log, such first tokens were almost never the stall's cause."""
         base = g.stream_baseline or median_gap or 0.02
@@ -404,7 +407,7 @@ class StallIndex:
             t, rid, r, e = ft[i]
             p = prompt_of(r, cut)
             sp = engine_prefill_of(r, cut)
-            if (rid != g.request_id and t > g.t_start + opening_s and not (multi and e != eng)
+            if (rid != g.request_id and t > g.t_start + opening_s and t <= g.t_end + g.gap and not (multi and e != eng)
                     and (sp is None or not outside(sp, g.t_start, g.t_end))):
                 total += p or 0
                 n += 1

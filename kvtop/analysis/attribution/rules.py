@@ -186,7 +186,8 @@ RULES: tuple[Rule, ...] = (
     Rule("shared-prefill", Cause.PREFILL, ("shared",), SHARED, prefill.shared,
          ("prefill/shared-checked", "prefill/shared"),
          "other requests' first tokens at its end (their prompts added up: prompts admitted in one step finish "
-         "together), a prompt-counter jump over the stall's evidence window, or (no first token seen: the "
+         "together; not one delivered later after its end than the stall was long, which came out of a later "
+         "step), a prompt-counter jump over the stall's evidence window, or (no first token seen: the "
          "request may be unobserved) the prompt tokens that the scrape interval in which the stall ended added "
          "beyond the usual (where the engine counts first tokens and kvtop knows the length of every prompt it "
          "saw finish there: beyond those prompts) explain it: those tokens at the **measured** prefill rate "
