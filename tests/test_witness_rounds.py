@@ -168,3 +168,17 @@ def test_a_first_token_a_step_after_the_stall_is_the_next_stalls_prefill_not_thi
     cause, rule, logged, why = got[("b3a688b9", 3.04)]
     assert (cause, rule, logged) == ("prefill_interference", "shared", "prefill_interference")
     assert "request 0819243c746e4539abe8ffe4a7edb025 got its first token at the end of the stall" in why
+
+
+def test_the_rounds_recorded_after_the_prefill_changes_meet_the_issues_targets(by_round):
+    # rounds AC-AD were recorded after the changes of docs/real-engines.md 7.6 and scored once
+    # (preemption 1.00 / 0.99 at both targets, prefill 1.00 / 1.00 and 0.97 / 0.99, 16 of 1,358 other gaps
+    # called an engine cause at the tight target); floors a few points under, at issue 22's targets
+    rows = _pooled(by_round, witnessed.select("AC-AD"))
+    for target in (LOOSE, TIGHT):
+        pre = rows[("all", target)]["preemption"]
+        assert pre["actual"] >= 100 and pre["precision"] >= 0.95 and pre["recall"] >= 0.95, (target, pre)
+        pf = rows[("all", target)]["prefill_interference"]
+        assert pf["actual"] >= 290 and pf["precision"] >= 0.92 and pf["recall"] >= 0.95, (target, pf)
+    tight = rows[("all", TIGHT)]
+    assert tight["neither"] >= 1000 and tight["neither_called_engine"] <= 0.03 * tight["neither"], tight
