@@ -286,13 +286,34 @@ class StallIndex:
     def clean_gaps(self, g: Gap, cut: Cutoff, rel: float, want: int = 4, reach_s: float = 10.0,
                    walk: int = 64) -> list[float] | None:
         """The stream's own gaps before spike ``g`` during which no other request was between arrival
-        and first token (``prefilling``) and that were no spike of their own (under ``rel`` times the
-        stream's gaps before them): its decode-only steps, the last ``want`` of them within ``reach_s``
-        (and ``walk`` gaps). Only the stream's unbroken run of long gaps back from the spike is read
-        (the index keeps long gaps only): a shorter gap before them ends the run, and so does the
-        stream's first token. None when that run holds no such gap (the pace was never seen clean)."""
+        and first token (as ``prefilling`` asks) and that were no spike of their own (under ``rel``
+        times the stream's gaps before them): its decode-only steps, the last ``want`` of them within
+        ``reach_s`` (and ``walk`` gaps). Only the stream's unbroken run of long gaps back from the spike
+        is read (the index keeps long gaps only): a shorter gap before them ends the run, and so does
+        the stream's first token. None when that run holds no such gap (the pace was never seen clean)."""
+        rid = g.request_id
+        # every other request's prompt window before the spike, once: (start, end) by start, and the
+        # latest end so far, so that each gap of the run asks in O(log n) (a window overlaps [a, b]
+        # when it starts by b and ends after a)
+        wins: list[tuple[float, float]] = []
+        for t, r in self.arrivals:
+            if t > g.t_start:
+                break
+            if r.id == rid or (self.multi and r.engine != g.engine):
+                continue
+            sp = engine_prefill_of(r, cut)
+            if sp is not None:
+                wins.append(sp)  # the engine's own times: queued, or done, outside them
+            else:
+                end = r.first_t if r.first_t is not None else r.end_t
+                wins.append((t, end if end is not None else float("inf")))
+        wins.sort()
+        starts = [w[0] for w in wins]
+        reach: list[float] = []
+        for w in wins:
+            reach.append(max(w[1], reach[-1]) if reach else w[1])
         lg = self.long
-        rid, t = g.request_id, g.t_start
+        t = g.t_start
         out: list[float] = []
         for _ in range(walk):
             if len(out) >= want or g.t_start - t > reach_s:
@@ -306,9 +327,10 @@ class StallIndex:
                 i += 1
             if prev is None:
                 break  # a gap too short to be kept (the pace met half the target), or its first token
-            if prev.stream_baseline and prev.gap < rel * prev.stream_baseline and \
-                    not self.prefilling(prev, prev.t_start, prev.t_end, cut):
-                out.append(prev.gap)
+            if prev.stream_baseline and prev.gap < rel * prev.stream_baseline:
+                k = bisect_right(starts, prev.t_end)
+                if not (k and reach[k - 1] > prev.t_start):
+                    out.append(prev.gap)
             t = prev.t_start
         return out or None
 
