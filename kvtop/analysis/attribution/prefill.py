@@ -186,10 +186,13 @@ def span(ev: Evidence) -> Finding | Signs | None:
     if sp is None or (ev.has_counter and ev.counter_delta() > 0):
         return None
     a, b, prompt, rid = sp
-    step = ev.clean_pace if ev.target else None
-    if step and ev.decode_pace:
-        step = min(step, ev.decode_pace)  # no decode-only step is longer than a gap it made
-    if ev.target and step and step >= PACE_NEAR * ev.target and ev.gap.gap < 2 * step:
+    pace, tgt = ev.decode_pace, ev.target
+    # no decode-only step is longer than a gap it made: the clean steps are read only where the
+    # stream's fastest recent gap leaves room for the guard below
+    step = ev.clean_pace if tgt and (not pace or (pace >= PACE_NEAR * tgt and ev.gap.gap < 2 * pace)) else None
+    if step and pace:
+        step = min(step, pace)
+    if tgt and step and step >= PACE_NEAR * tgt and ev.gap.gap < 2 * step:
         return Signs([f"inside request {rid}'s prefill, but this stream's decode steps with no prompt in flight "
                       f"took {step * 1e3:.0f} ms (target {ev.target * 1e3:.0f} ms): most of the stall"])
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
