@@ -194,7 +194,7 @@ def span(ev: Evidence) -> Finding | Signs | None:
         step = min(step, pace)
     if tgt and step and step >= PACE_NEAR * tgt and ev.gap.gap < 2 * step:
         return Signs([f"inside request {rid}'s prefill, but this stream's decode steps with no prompt in flight "
-                      f"took {step * 1e3:.0f} ms (target {ev.target * 1e3:.0f} ms): most of the stall"])
+                      f"took {step * 1e3:.0f} ms (target {tgt * 1e3:.0f} ms): most of the stall"])
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
     if ev.prefill_rate and prompt / ev.prefill_rate < PREFILL_SHARE * excess:
         return None  # too short a prompt for this stall
