@@ -182,3 +182,14 @@ def test_the_rounds_recorded_after_the_prefill_changes_meet_the_issues_targets(b
         assert pf["actual"] >= 290 and pf["precision"] >= 0.92 and pf["recall"] >= 0.95, (target, pf)
     tight = rows[("all", TIGHT)]
     assert tight["neither"] >= 1000 and tight["neither_called_engine"] <= 0.03 * tight["neither"], tight
+
+
+def test_a_victim_resuming_steps_after_a_short_stall_is_not_its_recompute():
+    # round G's mixed load at its tight target (8.1 ms): streams 45261003 and 07a4f70b stalled 8-10 ms
+    # to 3.000 s (the engine's log: one decode step); victim c1e4473a, silent since 2.938 s, resumed at
+    # 3.041 s, 41 ms later, with 07a4f70b's next stall. Its re-prefill was called the first stall's
+    # cause (rule `recompute`) before (docs/real-engines.md 7.6)
+    _, got = _spikes("G", "mixed")
+    for rid in ("45261003", "07a4f70b"):
+        cause, rule, logged, why = got[(rid, 3.0)]
+        assert logged == "slow_decode" and cause != "prefill_interference" and "c1e4473a" not in why, (rid, rule)

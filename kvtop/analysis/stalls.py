@@ -246,14 +246,16 @@ class StallIndex:
     def victim_resumed(self, g: Gap) -> str | None:
         """Another stream, silent since before the spike began, whose silence ended with it (both
         within a quarter of its length, >= 50 ms, the tolerance of ``co_stalled``'s "together", and
-        its end inside the spike): a
+        its end inside the spike, or after it by no more than the spike was long: a resume later than
+        that came out of a later step, as a late first token does in ``first_token_near``): a
         waiting victim that the engine resumed as the spike ended. Its id, or None."""
         L = g.t_end - g.t_start
         tol = max(0.05, 0.25 * L)
         lg = self.long
         i = self._long_ending_from(g.t_end - tol)
         multi, eng = self.multi, g.engine
-        while i < len(lg) and lg[i].t_end <= g.t_end + tol:
+        late = min(tol, L)
+        while i < len(lg) and lg[i].t_end <= g.t_end + late:
             q = lg[i]
             # its silence ended inside the spike (a short spike's tolerance reaches back past its
             # start: a silence that ended before the spike began was resumed by an earlier step)

@@ -222,7 +222,7 @@ RULES: tuple[Rule, ...] = (
          ("prefill/recompute", "prefill/recompute-long"),
          "on an engine that counts preemptions at resume (vLLM V1), the counter stepped at its end with no new "
          "prompt and a victim was seen resuming as it ended (another stream, silent since before it, came back "
-         "with it: within a quarter of its length, ≥ 50 ms, and inside it): that victim's re-prefill (recompute tokens are in no "
+         "with it: within a quarter of its length, ≥ 50 ms, and inside it; after its end by no more than its length): that victim's re-prefill (recompute tokens are in no "
          f"counter), on a stall ≥ {REL_SLOW:g}× the stream's own recent gaps. A counter step with no victim seen is no call: in a storm the counter steps near almost any "
          "stall (scored against real vLLM's own step log, such steps were almost always another stall's). A stall "
          "longer than one "
