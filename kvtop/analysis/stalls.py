@@ -11,6 +11,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of
@@ -293,27 +294,12 @@ class StallIndex:
         ``reach_s`` (and ``walk`` gaps). Only the stream's unbroken run of long gaps back from the spike
         is read (the index keeps long gaps only): a shorter gap before them ends the run, and so does
         the stream's first token. None when that run holds no such gap (the pace was never seen clean)."""
-        rid = g.request_id
-        # every other request's prompt window before the spike, once: (start, end) by start, and the
-        # latest end so far, so that each gap of the run asks in O(log n) (a window overlaps [a, b]
-        # when it starts by b and ends after a)
-        wins: list[tuple[float, float]] = []
-        for t, r in self.arrivals:
-            if t > g.t_start:
-                break
-            if r.id == rid or (self.multi and r.engine != g.engine):
-                continue
-            sp = engine_prefill_of(r, cut)
-            if sp is not None:
-                wins.append(sp)  # the engine's own times: queued, or done, outside them
-            else:
-                end = r.first_t if r.first_t is not None else r.end_t
-                wins.append((t, end if end is not None else float("inf")))
-        wins.sort()
+        # every other request's prompt window before the spike, once, by start, with the latest end
+        # so far: each gap of the run then asks in O(log n) whether one overlapped it
+        wins = sorted(self._prompt_windows(g, g.t_start, cut))
         starts = [w[0] for w in wins]
-        reach: list[float] = []
-        for w in wins:
-            reach.append(max(w[1], reach[-1]) if reach else w[1])
+        reach = list(accumulate((w[1] for w in wins), max))
+        rid = g.request_id
         lg = self.long
         t = g.t_start
         out: list[float] = []
@@ -330,28 +316,34 @@ class StallIndex:
             if prev is None:
                 break  # a gap too short to be kept (the pace met half the target), or its first token
             if prev.stream_baseline and prev.gap < rel * prev.stream_baseline:
-                k = bisect_right(starts, prev.t_end)
+                k = bisect_left(starts, prev.t_end)  # windows that start before it ends (``outside``)
                 if not (k and reach[k - 1] > prev.t_start):
                     out.append(prev.gap)
             t = prev.t_start
         return out or None
+
+    def _prompt_windows(self, g: Gap, until: float, cut: Cutoff) -> Iterator[tuple[float, float]]:
+        """Other requests (of the spike's engine) that arrived by ``until``: when each was in prefill or
+        waiting for it. The engine's own times where it gave them (queued, or done, outside them),
+        else from arrival to first token (to its end without one; still open: infinity)."""
+        for t, r in self.arrivals:
+            if t > until:
+                break
+            if r.id == g.request_id or (self.multi and r.engine != g.engine):
+                continue
+            sp = engine_prefill_of(r, cut)
+            if sp is not None:
+                yield sp
+            else:
+                end = r.first_t if r.first_t is not None else r.end_t
+                yield t, end if end is not None else float("inf")
 
     def prefilling(self, g: Gap, a: float, b: float, cut: Cutoff) -> bool:
         """Another request (of the spike's engine) arrived by ``b`` and had no first token by ``a``:
         its prompt was still being prefilled (or waited for it) during [a, b]. (A chunked prefill
         of a long prompt between slow decode steps can take longer than its length at the measured
         rate, so a late first token does not tell a queued request from one in prefill.)"""
-        for t, r in self.arrivals:
-            if t > b:
-                break
-            if r.id == g.request_id or (self.multi and r.engine != g.engine):
-                continue
-            sp = engine_prefill_of(r, cut)
-            if sp is not None and outside(sp, a, b):
-                continue  # the engine's own times: it was queued, or done, all through [a, b]
-            if r.first_t > a if r.first_t is not None else (r.end_t is None or r.end_t > a):
-                return True
-        return False
+        return any(not outside(w, a, b) for w in self._prompt_windows(g, b, cut))
 
     def pending_through(self, g: Gap, a: float, b: float, cut: Cutoff | None = None) -> int:
         """Other requests (of the spike's engine) that arrived by ``a`` and had no first token by

@@ -186,13 +186,16 @@ def span(ev: Evidence) -> Finding | Signs | None:
     if sp is None or (ev.has_counter and ev.counter_delta() > 0):
         return None
     a, b, prompt, rid = sp
-    pace, tgt = ev.decode_pace, ev.target
-    # no decode-only step is longer than a gap it made: the clean steps are read only where the
-    # stream's fastest recent gap leaves room for the guard below
-    step = ev.clean_pace if tgt and (not pace or (pace >= PACE_NEAR * tgt and ev.gap.gap < 2 * pace)) else None
-    if step and pace:
-        step = min(step, pace)
-    if tgt and step and step >= PACE_NEAR * tgt and ev.gap.gap < 2 * step:
+    tgt = ev.target or 0.0
+
+    def most(step: float) -> bool:  # a decode step that misses the target and is over half the stall
+        return tgt > 0 and step >= PACE_NEAR * tgt and ev.gap.gap < 2 * step
+
+    # no decode-only step is longer than a gap it made (the fastest recent one): asked first, it
+    # spares reading the clean steps
+    pace = ev.decode_pace
+    if tgt and (not pace or most(pace)) and (clean := ev.clean_pace) and most(clean):
+        step = min(clean, pace) if pace else clean
         return Signs([f"inside request {rid}'s prefill, but this stream's decode steps with no prompt in flight "
                       f"took {step * 1e3:.0f} ms (target {tgt * 1e3:.0f} ms): most of the stall"])
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
