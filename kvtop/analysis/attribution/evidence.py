@@ -270,9 +270,16 @@ class Evidence:
         the usual is those prompts instead: the rest is what the prompts kvtop did not see added."""
         d = self.timeline.prompt_at(self.gap.t_end) or 0.0
         f = self.end_firsts
-        if f is not None and f[1] < f[0] and not f[3]:
+        if f is not None and self.end_excess_unseen:
             return max(0.0, d - f[2])
         return max(0.0, d - self.typical_prompt_delta)
+
+    @property
+    def end_excess_unseen(self) -> bool:
+        """``end_prompt_excess`` is what prompts kvtop did not see added: the engine counted more first
+        tokens there than kvtop saw, and kvtop knows the length of each one it saw."""
+        f = self.end_firsts
+        return f is not None and f[1] < f[0] and not f[3]
 
     @cached_property
     def unseen_prompts(self) -> float | None:

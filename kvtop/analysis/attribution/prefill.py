@@ -118,8 +118,12 @@ def signals(ev: Evidence) -> Signals:
     if _pace_misses(ev):
         return Signals(out, checked, None)
     ft = ev.first_token
+    ft_short = 0  # a first token at its end whose prompt alone is too short to explain it
     if ft is not None:
         ok = _explains(ev, ft.total_prompt_tokens)
+        if ok is False and ev.end_excess_unseen:
+            # prompts kvtop did not see may have finished in the same step: they add to it
+            ft_short = ft.total_prompt_tokens
         if ok is not False:
             checked |= ok is True
             out.append(f"request {ft.request_id} got its first token at the end of the stall"
@@ -141,11 +145,13 @@ def signals(ev: Evidence) -> Signals:
         # the interval in which the stall ended still added more prompt tokens than usual, enough
         # at the measured rate to explain it
         extra = ev.end_prompt_excess if unexplained is None else min(ev.end_prompt_excess, unexplained)
-        span = _budget(ev, extra) if extra and _explains(ev, extra) else None
+        span = _budget(ev, extra + ft_short) if extra and _explains(ev, extra + ft_short) else None
         if span is not None:
             checked = True
             claim = span
-            out.append(f"the scrape interval in which it ended added {extra:.0f} prompt tokens more than usual")
+            out.append(f"the scrape interval in which it ended added {extra:.0f} prompt tokens more than usual"
+                       + (f" (beyond the prompts kvtop saw), besides request {ft.request_id}'s {ft_short} with its "
+                          "first token at the stall's end" if ft is not None and ft_short else ""))
     if checked and ev.prefill_rate:
         out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
     elif out and not _outlier(ev):

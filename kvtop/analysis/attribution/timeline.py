@@ -163,11 +163,15 @@ class EngineTimeline:
         spent its whole span of them (a prefill that covers a stall is used up by it, however little of
         the stall it had to cover to explain it), and spans of streams stalled in the same step overlap
         and count once, so a part of ``span`` already claimed costs nothing (nor does one within
-        ``same_step_s`` of it: the streams of one step get their tokens that far apart)."""
+        ``same_step_s`` of it: the streams of one step get their tokens that far apart), and a span
+        ending where a claimed one ends is that step's (the streams' paces, and so their spans' starts,
+        differ) and costs nothing."""
         key = self._closing_scrape(t)
         if key is None:
             return True
         claims = self.prefill_claims.get(key, [])
+        if any(abs(c[1] - span[1]) <= same_step_s for c in claims):
+            return True
         used = _union_length(claims)
         new = _union_length([*claims, span]) - used
         return new <= same_step_s + 1e-9 or share * new <= budget_s - used + 1e-9
