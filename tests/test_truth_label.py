@@ -1,0 +1,35 @@
+"""The generator's truth labels a spike as the witness does on the real vLLM: a request the engine
+preempted between the spike's two tokens stalled for its preemption, whatever else overlapped."""
+
+from __future__ import annotations
+
+import json
+
+from eval.truth import label_span, truth_intervals
+
+
+def _trace(tmp_path, victim_end: float | None) -> str:
+    """One stream, held 11.77-14.66 s by a slow reader; the engine preempted it at 12.0 s."""
+    recs = [{"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z"},
+            {"kind": "truth", "t": 12.0, "event": "victim", "request_id": "r",
+             "data": {"t_preempt": 12.0, "t_end": victim_end, "outcome": "resumed" if victim_end else "cancelled"}},
+            {"kind": "truth", "t": 14.66, "event": "stall", "request_id": "r",
+             "data": {"t_start": 11.77, "t_end": 14.66, "cause": "slow_reader", "hold_s": 2.89}}]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(p)
+
+
+def test_a_hold_that_hid_a_victims_wait_is_the_preemptions(tmp_path):
+    truth = truth_intervals(_trace(tmp_path, 12.4))
+    # 0.4 s of the 2.9 s silence were the engine's preemption: the hold overlaps more, the log says preempted
+    assert label_span("r", 11.77, 14.66, truth) == "preemption"
+    # a gap of the same hold after the victim resumed is the reader's
+    assert label_span("r", 12.5, 14.66, truth) == "slow_reader"
+    # a victim window that reaches 1 ms into the gap is the clocks' offset, not a preemption inside it
+    assert label_span("r", 12.399, 14.66, truth) == "slow_reader"
+
+
+def test_a_victim_never_resumed_is_preempted_to_the_end(tmp_path):
+    truth = truth_intervals(_trace(tmp_path, None))
+    assert label_span("r", 13.0, 14.66, truth) == "preemption"
