@@ -9,7 +9,7 @@ bench/witness_overhead.py.
     python -m bench.witness_runs [--out DIR] [--only storm,prefill,mixed] [--round SEED ...] [--burn N]
 
 ``--round SEED`` records a round of variant workloads instead (``witness_workloads.round_of``: two
-storms, a denser mixed load, more long prompts); docs/real-engines.md §7.1 scored rounds 21, 31, 41
+storms, a denser mixed load, the same with half its clients past kvtop's proxy, more long prompts); docs/real-engines.md §7.1 scored rounds 21, 31, 41
 and 51. ``--only`` then picks among the round's workloads (``storm8x900,prefill``). ``--burn N`` keeps
 N processes spinning on the CPU while the workloads run: an engine slowed by its host, whose
 decode-only steps alone may miss the target (docs/real-engines.md §7.5).
@@ -32,10 +32,10 @@ from testkit.engines import servers, witness_workloads
 from testkit.engines.kvtop_run import Recorder
 
 
-def record(srv: servers.Server, wfile: Path, trace: Path, drive) -> Path:  # type: ignore[no-untyped-def]
+def record(srv: servers.Server, wfile: Path, trace: Path, drive: witness_workloads.Drive) -> Path:
     with Recorder(trace, srv.url, extra=("--witness", str(wfile))) as rec:
         time.sleep(1.0)
-        drive(rec.proxy_url, servers.VLLM_MODEL_NAME)
+        drive(rec.proxy_url, servers.VLLM_MODEL_NAME, srv.url)
         time.sleep(2.5)
         rc = rec.stop()
     if rc != 0:
@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     py, model = servers.setup_vllm()
     traces: list[str] = []
-    plans = [("storm", {}, [("storm", witness_workloads.storm), ("mixed", witness_workloads.mixed)]),
-             ("prefill", witness_workloads.PREFILL_SERVER, [("prefill", witness_workloads.prefill_heavy)])]
+    plans: list[tuple[str, dict, list[tuple[str, witness_workloads.Drive]]]] = [
+        ("storm", {}, [("storm", lambda u, m, _e: witness_workloads.storm(u, m)),
+                       ("mixed", lambda u, m, _e: witness_workloads.mixed(u, m))]),
+        ("prefill", witness_workloads.PREFILL_SERVER,
+         [("prefill", lambda u, m, _e: witness_workloads.prefill_heavy(u, m))])]
     if args.round:
         rounds = [witness_workloads.round_of(s) for s in args.round]
         plans = [("storm", {}, [r for small, _ in rounds for r in small]),
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             continue
         wfile = out / f"witness-{label}.jsonl"
-        srv = servers.vllm_server(py, model, witness=wfile, **kw)  # type: ignore[arg-type]
+        srv = servers.vllm_server(py, model, witness=wfile, **kw)
         burners: list[multiprocessing.Process] = []
         try:
             srv.start(timeout=600)

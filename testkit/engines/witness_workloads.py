@@ -10,8 +10,8 @@ returns when every stream ended:
   slowly (their stalls are outside the engine).
 
 ``round_of(seed)`` is one round of variants of them with other prompts and shapes (docs/real-engines.md
-§7.1 scores five such rounds): two storms (8 x 900, 10 x 500), a denser mixed load and a prefill load
-with more, shorter-spaced prompts.
+§7.1 scores five such rounds): two storms (8 x 900, 10 x 500), a denser mixed load (also with half its
+clients past kvtop's proxy: ``mixedhalf``) and a prefill load with more, shorter-spaced prompts.
 """
 
 from __future__ import annotations
@@ -72,8 +72,10 @@ def prefill_heavy(url: str, model: str, decoders: int = 4, long_prompts: int = 6
 
 
 async def _mixed(url: str, model: str, n: int, seed: int = 9, every_s: float = 0.4, cancel_after: int = 120,
-                 pause: float = 0.05, tokens: tuple[int, ...] = (350,)) -> None:
+                 pause: float = 0.05, tokens: tuple[int, ...] = (350,), unseen_via: str | None = None) -> None:
+    """``unseen_via``: the engine's own URL, to which every other client goes past kvtop's proxy."""
     u = url.rstrip("/") + "/v1/completions"
+    direct = unseen_via.rstrip("/") + "/v1/completions" if unseen_via else u
     async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
                                  limits=httpx.Limits(max_connections=n + 4)) as client:
         tasks = []
@@ -81,7 +83,9 @@ async def _mixed(url: str, model: str, n: int, seed: int = 9, every_s: float = 0
             cancel = cancel_after if i % 5 == 1 else None  # every fifth client gives up mid-stream
             slow = pause if i % 5 == 3 else 0.0  # and another reads slowly
             body = _body(model, prompt(i, seed=seed), tokens[i % len(tokens)])
-            tasks.append(asyncio.create_task(_one(client, u, body, every_s * i, cancel_after=cancel, read_pause=slow)))
+            to = direct if i % 2 else u
+            tasks.append(asyncio.create_task(_one(client, to, body, every_s * i, cancel_after=cancel,
+                                                  read_pause=slow)))
         await asyncio.gather(*tasks)
 
 
@@ -100,22 +104,27 @@ async def _prefill_round(url: str, model: str, seed: int, decoders: int, long_pr
         await asyncio.gather(*tasks)
 
 
-Drive = Callable[[str, str], None]
+# a workload: (kvtop's proxy URL, the model, the engine's own URL) -> when every stream ended
+Drive = Callable[[str, str, str], None]
 
 
 def round_of(seed: int) -> tuple[list[tuple[str, Drive]], list[tuple[str, Drive]]]:
     """One round of variant workloads, named ``<workload>-<seed>``: those for the small-cache server
-    and those for ``PREFILL_SERVER``."""
+    and those for ``PREFILL_SERVER``. ``mixedhalf`` is ``mixed`` with every other client going to the
+    engine past kvtop's proxy: kvtop sees half the traffic (as behind one of two frontends), the
+    witness all of it."""
     def storm_of(s: int, n: int, tokens: int) -> Drive:
-        return lambda url, model: asyncio.run(run_streams(url, model, n, tokens, seed=s))
+        return lambda url, model, _engine: asyncio.run(run_streams(url, model, n, tokens, seed=s))
 
-    def mixed_of(url: str, model: str) -> None:
-        asyncio.run(_mixed(url, model, 14, seed=seed, every_s=0.3, cancel_after=100 + 20 * (seed % 3), pause=0.04,
-                           tokens=(300, 310, 320, 330)))
+    def mixed_of(half: bool) -> Drive:
+        def drive(url: str, model: str, engine: str) -> None:
+            asyncio.run(_mixed(url, model, 14, seed=seed, every_s=0.3, cancel_after=100 + 20 * (seed % 3),
+                               pause=0.04, tokens=(300, 310, 320, 330), unseen_via=engine if half else None))
+        return drive
 
-    def prefill_of(url: str, model: str) -> None:
+    def prefill_of(url: str, model: str, _engine: str) -> None:
         asyncio.run(_prefill_round(url, model, seed, decoders=5, long_prompts=8, every_s=0.8))
 
     small = [(f"storm8x900-{seed}", storm_of(seed, 8, 900)), (f"storm10x500-{seed}", storm_of(seed + 1, 10, 500)),
-             (f"mixed-{seed}", mixed_of)]
+             (f"mixed-{seed}", mixed_of(False)), (f"mixedhalf-{seed}", mixed_of(True))]
     return small, [(f"prefill-{seed}", prefill_of)]
