@@ -450,3 +450,24 @@ def test_fast_path_knows_each_streams_largest_step_across_chunk_boundaries(tmp_p
 
     assert key(fast) == key(slow)
     assert ("r3", 4.21, "unknown", "delivery", 4) in key(slow)
+
+
+def test_a_victim_that_resumed_before_a_later_hang_began_is_no_host_stall():
+    # r3 is preempted at 4.45 s and resumes at 4.90 s while the others flow (the counter steps at its
+    # resume); from 5.0 s the API server hangs and every stream waits until 6.4 s, so the scrape due at
+    # 5.5 s is answered then. Most of r3's silence lies in that late scrape interval, and the last
+    # on-time reply (4.5 s) leaves only 50 ms of it before the hang could have begun; but the other
+    # streams still got tokens until 5.0 s: the hang began after r3 had resumed
+    silent = {f"r{i}": (5.0, 6.4) for i in range(8)}
+    recs = [d for d in stream_records(silent=silent)
+            if not (d["id"] == "r3" and d["event"] == "token" and 4.45 < d["t"] < 4.9)]
+    eng = engine_records(kv=0.97, pre_steps=(5.5,))
+    for d in eng:
+        if d["t"] == pytest.approx(5.5):
+            d["t"] = 6.4
+    an = run(recs + eng)
+    g = [g for g in an.spikes if g.request_id == "r3" and g.t_end < 5.0][0]
+    assert (str(g.cause), g.kind) == ("preemption", "counter"), g.evidence
+    # the hang's own stalls stay the host's
+    hung = [g for g in an.spikes if g.t_start >= 4.95]
+    assert len(hung) == 8 and {g.kind for g in hung} == {"host"}

@@ -277,6 +277,23 @@ class StallIndex:
                 yield q
             i += 1
 
+    def last_silent_from(self, g: Gap, t: float, tol: float, cut: Cutoff) -> float | None:
+        """The latest moment another stream (of the spike's engine) fell silent among those whose
+        silence, begun before ``t`` - ``tol``, ended within ``tol`` of ``t``: a hang of the host or the API server that released them
+        then began no earlier (that stream was still receiving tokens). None: no such silence known
+        by the cut-off."""
+        lg = self.long
+        i = self._long_ending_from(t - tol)
+        multi, eng = self.multi, g.engine
+        best = None
+        while i < len(lg) and lg[i].t_end <= t + tol:
+            q = lg[i]
+            if q.t_start < t - tol and q.request_id != g.request_id and q.t_end <= cut.facts and not (
+                    multi and q.engine != eng):
+                best = q.t_start if best is None else max(best, q.t_start)
+            i += 1
+        return best
+
     def resuming_after(self, g: Gap, a: float, b: float, turn_rel: float | None = None) -> int:
         """Other streams whose silence ended in (a, b] and after the spike's end, silent since before
         the spike began: waiting victims that an engine counting at resume counts later. With

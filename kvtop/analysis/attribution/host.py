@@ -42,13 +42,19 @@ def scrapes_stalled(ev: Evidence) -> bool:
 
 def calm_outside(ev: Evidence) -> float:
     """How long the stream was silent while kvtop's scrapes were answered on time: before the hang
-    could have begun (the last reply before the first late one) and after its late reply (beyond
-    the skew of one release)."""
+    could have begun (the last reply before the first late one, or later: the last token another
+    stream released with the late reply received before it fell silent) and after its late reply
+    (beyond the skew of one release)."""
     span = ev.timeline.hang_span(ev.gap.t_start, ev.gap.t_end, ev.scrape_interval + HOST_LATE_MIN_S)
     if span is None:
         return 0.0
-    # streams come back within HELD_REPLY_S of the late reply when the same hang held both
-    return max(0.0, span[0] - ev.gap.t_start) + max(0.0, ev.gap.t_end - span[1] - HELD_REPLY_S)
+    # streams come back within HELD_REPLY_S of the late reply when the same hang held both; one that
+    # still got tokens after the last on-time reply shows the hang had not begun
+    began = span[0]
+    other = ev.stalls.last_silent_from(ev.gap, span[1], HELD_REPLY_S, ev.cut)
+    if other is not None:
+        began = max(began, other)
+    return max(0.0, began - ev.gap.t_start) + max(0.0, ev.gap.t_end - span[1] - HELD_REPLY_S)
 
 
 def line(ev: Evidence) -> str:

@@ -110,8 +110,9 @@ RULES: tuple[Rule, ...] = (
          f"fell due inside the stall was answered ≥ {host.HOST_LATE_MIN_S:g} s late within {host.HELD_REPLY_S:g} s "
          "of the stall's end (however little of the stall was left when it fell due, the reply waited for the same "
          "hang): the host or the engine's API server hung; not when the stream was silent for the ITL target while "
-         "kvtop's scrapes were answered on time (before the last reply ahead of the late one, and after the late "
-         f"reply beyond {host.HELD_REPLY_S:g} s): without the hang it would still have missed the target (a "
+         "kvtop's scrapes were answered on time (before the last reply ahead of the late one, or before the last "
+         "token another stream released with the late reply got ahead of its silence: the hang had not begun, and "
+         f"after the late reply beyond {host.HELD_REPLY_S:g} s): without the hang it would still have missed the target (a "
          "preemption victim waits through a hang of the API server). Asked before any engine cause"),
     Rule("delivery-continued", Cause.UNKNOWN, ("delivery",), ANY, host.continued, ("unknown/delivery-continued",),
          f"the spike starts within {BURST_S * 1e3:g} ms of where the stream's previous spike, a `delivery` stall, "
