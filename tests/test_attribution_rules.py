@@ -471,3 +471,29 @@ def test_a_victim_that_resumed_before_a_later_hang_began_is_no_host_stall():
     # the hang's own stalls stay the host's
     hung = [g for g in an.spikes if g.t_start >= 4.95]
     assert len(hung) == 8 and {g.kind for g in hung} == {"host"}
+
+
+def _held_to_the_end(finish: bool) -> list[dict]:
+    """r3 stops reading at 4.0 s (a slow reader) while the engine makes its last 9 tokens; at 7.0 s it
+    reads them in three chunks within a millisecond and, with ``finish``, the stream's end; without,
+    it goes on at its pace. Another stream's victim resumes meanwhile: the counter steps at 7.5 s."""
+    recs = [d for d in stream_records() if not (d["id"] == "r3" and d["t"] > 4.0)]
+    recs += [{"kind": "request", "t": 7.0 + 0.0003 * i, "id": "r3", "event": "token", "n": 3} for i in range(3)]
+    if finish:
+        recs.append({"kind": "request", "t": 7.0008, "id": "r3", "event": "finish", "completion_tokens": 210})
+    else:
+        recs += [{"kind": "request", "t": round(7.0 + 0.02 * k, 6), "id": "r3", "event": "token", "n": 1}
+                 for k in range(1, 100)]
+    return recs + engine_records(kv=0.97, pre_steps=(7.5,))
+
+
+def test_a_held_burst_that_ends_the_stream_is_a_delivery_stall_however_short():
+    # the 9 tokens are 180 ms of the stream's pace, under a quarter of the 3 s silence: a burst that
+    # explains so little is no delivery stall while the stream goes on (the engine was not making its
+    # tokens then), but one that came with the stream's end held everything the engine made before it
+    # finished: the silence was the reader's
+    g = _one(run(_held_to_the_end(finish=True)), "r3")
+    assert (str(g.cause), g.kind) == ("unknown", "delivery"), g.evidence
+    assert g.candidate.finished
+    g = _one(run(_held_to_the_end(finish=False)), "r3")
+    assert g.kind != "delivery" and not g.candidate.finished

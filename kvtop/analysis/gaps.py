@@ -134,6 +134,7 @@ class Gap:
     step_n_max: int
     burst_n: int  # tokens delivered within BURST_S of the end (the closing event included)
     after: tuple[float, ...] = ()  # the stream's following gaps (look-ahead)
+    finished: bool = False  # the stream finished with the burst that ended the gap (look-ahead)
 
 
 def _median(v: Sequence[float]) -> float | None:
@@ -170,6 +171,7 @@ class Pending:
     gap: Gap
     burst_n: int = 0
     after: list[float] = field(default_factory=list)
+    finished: bool = False
 
     def __post_init__(self) -> None:
         self.burst_n = self.gap.chunk_n
@@ -185,9 +187,14 @@ class Pending:
         self.after.append(g)
         return len(self.after) >= LOOKAHEAD
 
+    def finish(self, t: float) -> None:
+        """The stream finished at ``t``: with the burst that ended the spike, if within ``BURST_S``."""
+        if not self.after and t - self.gap.t_end <= BURST_S:
+            self.finished = True
+
     def settled(self) -> Gap:
         """The spike with its look-ahead, as attribution reads it."""
-        return replace(self.gap, burst_n=self.burst_n, after=tuple(self.after))
+        return replace(self.gap, burst_n=self.burst_n, after=tuple(self.after), finished=self.finished)
 
 
 def _batch_look(watch: list[Pending], spikes: list[tuple[int, Pending]], t_s: Any, n_s: Any, gaps: Any, g0: int,
@@ -350,6 +357,9 @@ class GapTracker:
             return False
         if r.first_t is not None:
             self.stalls.stream_ended(r, t)
+        if how == "finish":
+            for w in r.watch:
+                w.finish(t)
         if how == "cancel" and r.last_t is not None and t - r.last_t > 0:
             self.gap(r, r.last_t, t, t - r.last_t, "cancel")
         return True

@@ -108,9 +108,10 @@ def delivery(ev: Evidence) -> Finding | None:
     if g.ended_by != "token" or g.burst_n < BURST_MIN_TOKENS or (
             g.burst_n < BURST_REL * usual and g.burst_n <= g.step_n_max):
         return None
-    # the buffered tokens at the stream's own pace (baseline per event / tokens per event)
+    # the buffered tokens at the stream's own pace (baseline per event / tokens per event) cover a
+    # share of the stall, unless the stream finished with them: the engine had made its last token
     pace = (ev.baseline or 0.0) / usual
-    if pace and g.burst_n * pace < BURST_EXPLAINS * g.gap:
+    if pace and g.burst_n * pace < BURST_EXPLAINS * g.gap and not g.finished:
         return None
     return ev.found(Cause.UNKNOWN, "unknown/delivery", [
         f"the stall ended with {g.burst_n} tokens delivered at once (the stream usually gets {usual:.1f} per event,"

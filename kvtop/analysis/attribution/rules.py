@@ -122,8 +122,9 @@ RULES: tuple[Rule, ...] = (
          f"the stall ended with a buffered burst: ≥ {host.BURST_MIN_TOKENS} tokens delivered within "
          f"{BURST_S * 1e3:g} ms of its end that are ≥ {host.BURST_REL:g}× the stream's usual tokens per event or "
          f"more than any one of its recent {RECENT} events carried (more than one engine step: k + 1 tokens with "
-         f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace (a "
-         "slow reader, API-server merging, the network); a resumed preemption victim emits one step's worth. Asked "
+         f"speculative decoding), covering ≥ {_pct(host.BURST_EXPLAINS)} of the stall at the stream's own pace "
+         "unless the stream finished with it (the engine had made its last token) (a slow reader, API-server "
+         "merging, the network); a resumed preemption victim emits one step's worth. Asked "
          "before any engine cause"),
     Rule("queued", Cause.PREEMPTION, ("queued",), ANY, preemption.queued, ("preemption/queued",),
          "a scrape inside the stall (a decode step from either end) read the engine's `running` gauge no higher "
