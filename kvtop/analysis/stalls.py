@@ -279,9 +279,9 @@ class StallIndex:
 
     def last_silent_from(self, g: Gap, t: float, tol: float, cut: Cutoff) -> float | None:
         """The latest moment another stream (of the spike's engine) fell silent among those whose
-        silence, begun before ``t`` - ``tol``, ended within ``tol`` of ``t``: a hang of the host or the API server that released them
-        then began no earlier (that stream was still receiving tokens). None: no such silence known
-        by the cut-off."""
+        silence, begun before ``t`` - ``tol``, ended within ``tol`` of ``t``: a hang of the host or the
+        API server that released them then began no earlier (that stream was still receiving
+        tokens). None: no such silence known by the cut-off."""
         lg = self.long
         i = self._long_ending_from(t - tol)
         multi, eng = self.multi, g.engine
