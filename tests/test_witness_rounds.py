@@ -205,3 +205,18 @@ def test_with_half_the_traffic_past_kvtop_preemptions_are_found_and_prefill_at_1
     assert pf["precision"] >= 0.8 and pf["recall"] >= 0.5, pf
     tight = rows[("mixedhalf", TIGHT)]
     assert tight["neither_called_engine"] <= 0.05 * tight["neither"], tight
+
+
+def test_the_round_recorded_after_every_change_of_the_third_stop_meets_the_issues_targets(by_round):
+    # round AH (all five workloads, mixedhalf included) was recorded after the changes and the refit of
+    # docs/real-engines.md 7.7 and scored once: preemption 1.00 / 0.97 at both targets (60, 63), prefill
+    # 0.98 / 1.00 (99) and 0.95 / 0.98 (282), 14 of 730 other gaps called an engine cause at the tight
+    # target; floors a few points under
+    rows = _pooled(by_round, witnessed.select("AH"))
+    for target, pf_p in ((LOOSE, 0.93), (TIGHT, 0.9)):
+        pre = rows[("all", target)]["preemption"]
+        assert pre["actual"] >= 55 and pre["precision"] >= 0.95 and pre["recall"] >= 0.93, (target, pre)
+        pf = rows[("all", target)]["prefill_interference"]
+        assert pf["actual"] >= 90 and pf["precision"] >= pf_p and pf["recall"] >= 0.95, (target, pf)
+    tight = rows[("all", TIGHT)]
+    assert tight["neither"] >= 600 and tight["neither_called_engine"] <= 0.03 * tight["neither"], tight
