@@ -9,10 +9,11 @@ bench/witness_overhead.py.
     python -m bench.witness_runs [--out DIR] [--only storm,prefill,mixed] [--round SEED ...] [--burn N]
 
 ``--round SEED`` records a round of variant workloads instead (``witness_workloads.round_of``: two
-storms, a denser mixed load, the same with half its clients past kvtop's proxy, more long prompts); docs/real-engines.md §7.1 scored rounds 21, 31, 41
-and 51. ``--only`` then picks among the round's workloads (``storm8x900,prefill``). ``--burn N`` keeps
-N processes spinning on the CPU while the workloads run: an engine slowed by its host, whose
-decode-only steps alone may miss the target (docs/real-engines.md §7.5).
+storms, a denser mixed load, the same with half its clients past kvtop's proxy, more long prompts);
+docs/real-engines.md §7.1 scored rounds 21, 31, 41 and 51. ``--only`` then picks among the round's
+workloads (``storm8x900,prefill``). ``--burn N`` keeps N processes spinning on the CPU while the
+workloads run: an engine slowed by its host, whose decode-only steps alone may miss the target
+(docs/real-engines.md §7.5).
 """
 
 from __future__ import annotations
