@@ -252,47 +252,35 @@ class StallIndex:
         waiting victim that the engine resumed as the spike ended. Its id, or None."""
         L = g.t_end - g.t_start
         tol = max(0.05, 0.25 * L)
-        lg = self.long
-        i = self._long_ending_from(g.t_end - tol)
-        multi, eng = self.multi, g.engine
-        late = min(tol, L)
-        while i < len(lg) and lg[i].t_end <= g.t_end + late:
-            q = lg[i]
+        for q in self._others_ending_in(g, g.t_end - tol, g.t_end + min(tol, L)):
             # its silence ended inside the spike (a short spike's tolerance reaches back past its
             # start: a silence that ended before the spike began was resumed by an earlier step)
-            if q.request_id != g.request_id and q.t_start <= g.t_start - tol and q.t_end > g.t_start and \
-                    not (multi and q.engine != eng):
+            if q.t_start <= g.t_start - tol and q.t_end > g.t_start:
                 return q.request_id
-            i += 1
         return None
 
-    def _resumed_in(self, g: Gap, a: float, b: float) -> Iterator[Gap]:
-        """Other streams' long gaps (of the spike's engine) that ended in (a, b] and after the spike."""
+    def _others_ending_in(self, g: Gap, a: float, b: float) -> Iterator[Gap]:
+        """Other streams' long gaps (of the spike's engine) that ended in [a, b], by end."""
         lg = self.long
-        i = self._long_ending_from(max(a, g.t_end))
+        i = self._long_ending_from(a)
         multi, eng = self.multi, g.engine
         while i < len(lg) and lg[i].t_end <= b:
             q = lg[i]
-            if q.t_end > g.t_end and q.t_end > a and q.request_id != g.request_id and not (multi and q.engine != eng):
+            if q.request_id != g.request_id and not (multi and q.engine != eng):
                 yield q
             i += 1
+
+    def _resumed_in(self, g: Gap, a: float, b: float) -> Iterator[Gap]:
+        """Other streams' long gaps (of the spike's engine) that ended in (a, b] and after the spike."""
+        return (q for q in self._others_ending_in(g, max(a, g.t_end), b) if q.t_end > g.t_end and q.t_end > a)
 
     def last_silent_from(self, g: Gap, t: float, tol: float, cut: Cutoff) -> float | None:
         """The latest moment another stream (of the spike's engine) fell silent among those whose
         silence, begun before ``t`` - ``tol``, ended within ``tol`` of ``t``: a hang of the host or the
         API server that released them then began no earlier (that stream was still receiving
         tokens). None: no such silence known by the cut-off."""
-        lg = self.long
-        i = self._long_ending_from(t - tol)
-        multi, eng = self.multi, g.engine
-        best = None
-        while i < len(lg) and lg[i].t_end <= t + tol:
-            q = lg[i]
-            if q.t_start < t - tol and q.request_id != g.request_id and q.t_end <= cut.facts and not (
-                    multi and q.engine != eng):
-                best = q.t_start if best is None else max(best, q.t_start)
-            i += 1
-        return best
+        return max((q.t_start for q in self._others_ending_in(g, t - tol, t + tol)
+                    if q.t_start < t - tol and q.t_end <= cut.facts), default=None)
 
     def resuming_after(self, g: Gap, a: float, b: float, turn_rel: float | None = None) -> int:
         """Other streams whose silence ended in (a, b] and after the spike's end, silent since before
