@@ -47,7 +47,7 @@ def engine(dur: float = 10.0, kv: float = 0.5, running: float = 8, pre_steps: di
 
 def gap(t_start: float = 4.0, length: float = 2.0, **kw: Any) -> Gap:
     """Stream r3's gap from ``t_start``; its pace before and after is PACE unless ``kw`` says otherwise."""
-    fields: dict[str, Any] = {"stream_baseline": PACE, "fast_baseline": PACE, "calm_baseline": PACE,
+    fields: dict[str, Any] = {"stream_baseline": PACE, "fast_baseline": PACE, "calm_baseline": PACE, "gaps_before": 8,
                               "after": (PACE,) * 3, "tokens_before": 200, "step_n_max": 1, "burst_n": 1,
                               "ended_by": "token", "chunk_n": 1, "tokens_per_event": 1.0, "engine": None}
     rid = kw.pop("request_id", "r3")

@@ -129,6 +129,7 @@ class Gap:
     calm_baseline: float | None  # median of the stream's previous stall-free gaps (within the target)
     engine: str | None  # the stream's engine (ReqState.engine): other streams are compared on it only
     fast_baseline: float | None  # the shortest of the stream's recent gaps (its decode-only pace, at most)
+    gaps_before: int  # how many of the stream's recent gaps (at most RECENT) its baselines rest on
     # the most tokens one of the stream's recent events carried: one engine step's worth at most
     # (k + 1 with speculative decoding), unless the API server already merged steps before the gap
     step_n_max: int
@@ -156,7 +157,7 @@ def candidate(rid: str, engine: str | None, t_start: float, t_end: float, gap: f
     else:
         tpe = tokens / events if events else 1.0
     return Gap(rid, t_start, t_end, gap, _median(recent), tokens, ended_by, chunk_n, tpe, _median(calm), engine,
-               min(recent) if recent else None, max(recent_n, default=0), chunk_n)
+               min(recent) if recent else None, len(recent), max(recent_n, default=0), chunk_n)
 
 
 def _stream_gap(r: ReqState, lt: float, t: float, g: float, ended_by: str, chunk_n: int) -> Gap:

@@ -154,6 +154,25 @@ class StallIndex:
                 hi = mid
         return lo
 
+    def company_pace(self, g: Gap, seasoned: int) -> float | None:
+        """The decode-only pace of the batch as the other streams silent over at least half of spike
+        ``g`` had seen it: the median of their fastest recent gaps, of those with ``seasoned`` gaps or
+        more behind them (every running request takes each step). None: no such stream."""
+        half = 0.5 * (g.t_end - g.t_start)
+        lg = self.long
+        reach = g.t_start + half + self.long_max  # a gap ending later began after a + L/2
+        paces: dict[str, float] = {}
+        for i in range(self._long_ending_from(g.t_start + half), len(lg)):
+            q = lg[i]
+            if q.t_end > reach:
+                break
+            if q.request_id == g.request_id or q.request_id in paces or (self.multi and q.engine != g.engine):
+                continue
+            if q.fast_baseline and q.gaps_before >= seasoned and min(q.t_end, g.t_end) - max(q.t_start, g.t_start) >= half:
+                paces[q.request_id] = q.fast_baseline
+        v = sorted(paces.values())
+        return v[len(v) // 2] if v else None
+
     def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
         """Other streams silent over at least half of the spike, the median of their silences (of those
         that fell silent with it, where any did), and

@@ -30,8 +30,13 @@ from kvtop.analysis.attribution.thresholds import (
     STEP_EARLY_S,
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
-from kvtop.analysis.gaps import BURST_S, Gap
+from kvtop.analysis.gaps import BURST_S, LOOKAHEAD, Gap
 from kvtop.analysis.stalls import StallIndex
+
+# A stream with fewer gaps behind a spike than its look-ahead holds after it is too young to have
+# shown a decode-only step of its own: its first steps are often those that prefilled the prompts
+# admitted with it (``Evidence.decode_pace``).
+YOUNG_GAPS = LOOKAHEAD
 
 if TYPE_CHECKING:
     from kvtop.analysis.witness import Account
@@ -74,6 +79,8 @@ class Evidence:
     witness: Account | None = None  # the engine's own step log for this stall (a witness ran)
     # another request's prefill, engine-timed, covering at least half the stall: (start, end, prompt, id)
     prefill_span: tuple[float, float, int, str] | None = None
+    # a young stream's (``YOUNG_GAPS``): the decode-only pace of the older streams stalled with it
+    company_pace: float | None = None
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -120,8 +127,11 @@ class Evidence:
     def decode_pace(self) -> float | None:
         """The stream's decode-only pace, at most: its fastest recent gap (a run of prefill steps lifts
         the median of its gaps, never the fastest of them); for a stream too new to have one, the
-        fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed)."""
-        return decode_pace(self.gap, self.baseline, self.baseline_is_stream)
+        fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed).
+        A stream with fewer than ``YOUNG_GAPS`` gaps behind it takes no faster a pace than the older
+        streams stalled with it had (``company_pace``): its first gaps are often the steps that
+        prefilled the prompts admitted with it, and its fastest gap is then one of those."""
+        return decode_pace(self.gap, self.baseline, self.baseline_is_stream, self.company_pace)
 
     @property
     def pace_known(self) -> bool:
@@ -390,10 +400,13 @@ class Evidence:
         return out
 
 
-def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool) -> float | None:
-    """See ``Evidence.decode_pace``."""
+def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool, company: float | None = None) -> float | None:
+    """See ``Evidence.decode_pace``; ``company``: ``Evidence.company_pace``."""
     f = g.fast_baseline
     if f and baseline_is_stream:
+        if company is not None:
+            # not below the stream's own look-ahead: an engine that just slowed shows it only ahead
+            return min(f, max(company, min(g.after))) if g.after else min(f, company)
         return f
     return min(g.after) if g.after else baseline
 
@@ -413,7 +426,8 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
     act = stalls.active_at(0.5 * (a + b), g.engine)
     base = g.stream_baseline or median
     after = sorted(g.after)
-    pace = decode_pace(g, base, bool(g.stream_baseline))
+    company = stalls.company_pace(g, YOUNG_GAPS) if g.stream_baseline and g.gaps_before < YOUNG_GAPS else None
+    pace = decode_pace(g, base, bool(g.stream_baseline), company)
     if pace and g.gap < REL_SLOW * pace and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
         co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
     else:
@@ -428,4 +442,4 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         typical_prompt_delta=timeline.typical_prompt_delta(cut.facts), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
         has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, cut=cut, witness=witness,
-        prefill_span=prefill_span)
+        prefill_span=prefill_span, company_pace=company)
