@@ -348,6 +348,15 @@ def test_a_counter_unit_goes_to_the_waiting_victim_that_resumes_after_a_short_st
     # nor is one that resumed before r3 did (its own spike, judged first, took its unit)
     f = ask("lone-preemption", evidence(tl=engine(pre_steps={6.5: 1}), stalls=with_victim(1.0, 5.8)))
     assert f is not None and f.key == "preemption/counter"
+    # nor one whose silence, begun before r3's, was 4x its stream's gaps (600 ms ones): a step it
+    # shared, no victim's wait and re-prefill (``REL_PREEMPT``, the bar r3's own claim has to clear)
+    st = StallIndex()
+    st.add_long(gap(3.9, 2.4, request_id="v", stream_baseline=0.6, fast_baseline=0.6))
+    f = ask("lone-preemption", evidence(tl=engine(pre_steps={6.5: 1}), stalls=st))
+    assert f is not None and f.key == "preemption/counter"
+    st = StallIndex()
+    st.add_long(gap(3.3, 3.0, request_id="v", stream_baseline=0.6, fast_baseline=0.6))  # 5x: a victim's turn
+    assert isinstance(row("lone-preemption").explain(evidence(tl=engine(pre_steps={6.5: 1}), stalls=st)), Signs)
 
 
 def test_a_silence_of_a_few_of_the_streams_gaps_is_no_victims_turn():

@@ -301,14 +301,18 @@ class StallIndex:
         return max((q.t_start for q in self._others_ending_in(g, t - tol, t + tol)
                     if q.t_start < t - tol and q.t_end <= cut.facts), default=None)
 
-    def resuming_after(self, g: Gap, a: float, b: float, turn_rel: float | None = None) -> int:
+    def resuming_after(self, g: Gap, a: float, b: float, wait_rel: float, turn_rel: float | None = None) -> int:
         """Other streams whose silence ended in (a, b] and after the spike's end, silent since before
-        the spike began: waiting victims that an engine counting at resume counts later. With
-        ``turn_rel``, also those whose silence was longer than the spike and at least ``turn_rel``
-        times their stream's recent gaps (a victim's turn: a wait and a re-prefill)."""
+        the spike began for at least ``wait_rel`` times their stream's recent gaps: waiting victims
+        that an engine counting at resume counts later (a shorter silence was a step they shared,
+        no victim's wait). With ``turn_rel``, also those whose silence was longer than the spike and
+        at least ``turn_rel`` times their stream's recent gaps (a victim's turn: a wait and a re-prefill)."""
+        def turn(q: Gap, rel: float) -> bool:
+            return not q.stream_baseline or q.gap >= rel * q.stream_baseline
+
         return len({q.request_id for q in self._resumed_in(g, a, b)
-                    if q.t_start < g.t_start or (turn_rel is not None and q.gap > g.gap and q.stream_baseline
-                                                 and q.gap >= turn_rel * q.stream_baseline)})
+                    if (q.t_start < g.t_start and turn(q, wait_rel))
+                    or (turn_rel is not None and q.gap > g.gap and q.stream_baseline and turn(q, turn_rel))})
 
     def clean_gaps(self, g: Gap, cut: Cutoff, rel: float, want: int = 4, reach_s: float = 10.0,
                    walk: int = 64) -> list[float] | None:

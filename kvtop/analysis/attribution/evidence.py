@@ -22,6 +22,7 @@ from kvtop.analysis.attribution.thresholds import (
     KV_HIGH,
     PROMPT_JUMP_MIN,
     PROMPT_JUMP_REL,
+    REL_PREEMPT,
     REL_SLOW,
     RESUME_LEAD_S,
     RETRACT_LAG_S,
@@ -344,9 +345,9 @@ class Evidence:
             # the engine counts each victim as it resumes: streams silent since before this stall
             # began that resume after it inside the same scrape interval own its units first (their
             # spikes are judged after this one; a short stall would take the unit a waiting victim's
-            # resume stepped)
+            # resume stepped), where their silence was long enough for a victim's turn
             st = self.timeline.unit_in(lo, hi, at)
-            if st is not None and self.stalls.resuming_after(self.gap, st[0], st[1], yield_to_turns) >= st[2]:
+            if st is not None and self.stalls.resuming_after(self.gap, st[0], st[1], REL_PREEMPT, yield_to_turns) >= st[2]:
                 return None
         return self.timeline.claim_in(lo, hi, at)
 

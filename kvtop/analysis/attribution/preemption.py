@@ -16,17 +16,13 @@ from __future__ import annotations
 
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
+from kvtop.analysis.attribution.thresholds import REL_PREEMPT
 
 # KV usage this close to full while every other stream keeps flowing: a victim the counter never
 # counts (cancelled while preempted) pins it there.
 KV_FULL = 0.95
 # a co-stalled stream silent this much longer than the others: it was preempted too
 LONGER = 1.2
-# A victim is silent through its wait for re-admission and the step that re-prefills it. A silence
-# under this many of the stream's recent gaps was no such turn: on the witnessed vLLM rounds A-L the
-# preemption calls on such gaps (the counter steps near almost any stall in a storm) were right 5 of 86
-# times, above it 1,001 of 1,010 (held out, rounds M-N: 0 of 9 and 144 of 145).
-REL_PREEMPT = 5.0
 
 
 def reported(ev: Evidence) -> Finding | None:

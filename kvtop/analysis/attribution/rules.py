@@ -22,6 +22,7 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
     KV_HIGH,
+    REL_PREEMPT,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,
@@ -164,8 +165,9 @@ RULES: tuple[Rule, ...] = (
          "(`preempt_counted_at`). Each unit is claimed once; a step read from an interval that does not overlap "
          "the stall is somebody else's, however coarse the scrapes. On an engine that counts at resume, the "
          "streams silent since before the stall began that resume after it in the same interval own its units "
-         "first (their spikes are judged later). **No claim for a stream that resumed after a silence under "
-         f"{preemption.REL_PREEMPT:g}× its recent gaps**: a victim is silent through its wait and the step that "
+         f"first (their spikes are judged later), where that silence was ≥ {REL_PREEMPT:g}× their stream's "
+         "recent gaps (a shorter one was a step they shared, no victim's wait). **No claim for a stream that resumed after a silence under "
+         f"{REL_PREEMPT:g}× its recent gaps**: a victim is silent through its wait and the step that "
          "re-prefills it. **No claim when no other observed stream "
          "was decoding**: the step may belong to a stream kvtop does not see, and an engine-wide stall looks "
          f"the same from one stream. `state`, `cancelled`: KV ≥ {KV_HIGH:g} with running dropping (beyond the "
@@ -182,9 +184,9 @@ RULES: tuple[Rule, ...] = (
          f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams (those that "
          "fell silent with it; streams silent since long before are victims still waiting) and longer by at least "
          "one of its decode steps (a victim misses the step it was preempted in), and ≥ "
-         f"{preemption.REL_PREEMPT:g}× its recent gaps, with a counter unit claimed as in `lone-preemption`; on an "
+         f"{REL_PREEMPT:g}× its recent gaps, with a counter unit claimed as in `lone-preemption`; on an "
          "engine that counts at resume, not a unit that a longer silence ending later in the same scrape interval "
-         f"(≥ {preemption.REL_PREEMPT:g}× its own stream's recent gaps: a victim's turn) owns first"),
+         f"(≥ {REL_PREEMPT:g}× its own stream's recent gaps: a victim's turn) owns first"),
     Rule("shared-prefill", Cause.PREFILL, ("shared",), SHARED, prefill.shared,
          ("prefill/shared-checked", "prefill/shared"),
          "other requests' first tokens at its end (their prompts added up: prompts admitted in one step finish "
