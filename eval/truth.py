@@ -15,6 +15,10 @@ missed the target).
 A spike of a request the engine preempted between its two tokens is a preemption, whatever else
 overlapped it: the rule of the witness that judges kvtop on the real vLLM (docs/witness.md). A slow
 reader's hold that hid a victim's wait is then the preemption's, as the engine's log would call it.
+"Between its two tokens" is in the engine's time, as the witness maps each chunk to the step that
+produced it: the spike's closing token was made after the victim resumed (its start was read before
+the resume, its end after it). A token made before the preemption that a hold delivered late closes
+a gap the engine never preempted inside, however much of the victim's wait the hold overlapped.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from kvtop.model.trace import TraceReader
 
 TRUTH_CAUSES = ("preemption", "prefill_interference")
 PREEMPTED = "preempted"  # a victim's window in the engine (a ``victim`` record): read by ``label_span`` only
-# a preempted window overlapping a spike by less than this is the clocks' offset between the engine
-# and the client (delivery latency), not a preemption between its tokens
+RESUMED = "resumed"  # ... of a victim that resumed: it ends with the token the resume made
+# a preempted window overlapping a spike by less than this (a resume this close to its ends) is the
+# clocks' offset between the engine and the client (delivery latency), not a preemption between its
+# tokens
 PREEMPTED_MIN_S = 0.002
 # stalls that happen between the engine and the client: never the engine's doing
 NON_ENGINE_CAUSES = ("slow_reader", "api_merge", "api_stall", "host_pause")
@@ -65,7 +71,9 @@ def truth_intervals(path: str, engine_wide: bool = False) -> Truth:
                 out[a].append(Stall(data["t_start"], data["t_end"], "prefill_interference"))
         elif ev == "victim" and rid:
             end = data.get("t_end")
-            out[rid].append(Stall(data.get("t_preempt", d["t"]), float("inf") if end is None else end, PREEMPTED))
+            resumed = data.get("outcome") == "resumed" and end is not None
+            out[rid].append(Stall(data.get("t_preempt", d["t"]), float("inf") if end is None else end,
+                                  RESUMED if resumed else PREEMPTED))
         elif ev == "stall" and rid:
             out[rid].append(Stall(data["t_start"], data["t_end"], data["cause"]))
         elif ev == "slow_step" and engine_wide:
@@ -84,12 +92,16 @@ def label_span(request_id: str, t_start: float, t_end: float,
     a preemption wherever the request was preempted inside it."""
     own = truth.get(request_id, ())
     for a, b, cause in own:
-        if cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S:
+        if cause == RESUMED:
+            # the resume's token (made at b) came after the spike's first token and by its last
+            if t_start + PREEMPTED_MIN_S < b <= t_end + PREEMPTED_MIN_S:
+                return "preemption"
+        elif cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S:
             return "preemption"
     best, best_ov = None, 0.0
     for a, b, cause in own:
         ov = min(b, t_end) - max(a, t_start)
-        if ov > best_ov and cause != PREEMPTED:
+        if ov > best_ov and cause not in (PREEMPTED, RESUMED):
             best, best_ov = cause, ov
     for a, b, cause in truth.get(ANY_STREAM, ()):
         ov = min(b, t_end) - max(a, t_start)

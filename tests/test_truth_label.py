@@ -33,3 +33,20 @@ def test_a_hold_that_hid_a_victims_wait_is_the_preemptions(tmp_path):
 def test_a_victim_never_resumed_is_preempted_to_the_end(tmp_path):
     truth = truth_intervals(_trace(tmp_path, None))
     assert label_span("r", 13.0, 14.66, truth) == "preemption"
+
+
+def test_a_token_made_before_the_preemption_and_held_back_closes_no_preemption(tmp_path):
+    """The API server held the stream 4.65-5.70 s; the engine preempted it at 5.10 s and resumed it at
+    20.74 s. The burst at 5.70 s carried tokens made before 5.10 s: the witness maps that chunk to the
+    step that made its last token, before the preemption, so the gap 4.65-5.70 s is the hold's (it
+    overlaps 0.6 s of the victim's wait), and the preemption is the gap that ends with the resume's token."""
+    recs = [{"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z"},
+            {"kind": "truth", "t": 5.097, "event": "victim", "request_id": "r",
+             "data": {"t_preempt": 5.097, "t_end": 20.7359, "outcome": "resumed"}},
+            {"kind": "truth", "t": 5.7023, "event": "stall", "request_id": "r",
+             "data": {"t_start": 4.6488, "t_end": 5.7023, "cause": "api_stall", "hold_s": 1.041}}]
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    truth = truth_intervals(str(p))
+    assert label_span("r", 4.6488, 5.7023, truth) == "api_stall"
+    assert label_span("r", 5.7023, 20.7363, truth) == "preemption"
