@@ -3,10 +3,10 @@ request's prefill in time, and the stalls inside it are that prefill's, whatever
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvtop.analysis.scan import analyze_trace
+from tests.trace_files import write_trace
 
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-02T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
@@ -43,11 +43,7 @@ def _write(path: Path, engine_times: bool) -> None:
         recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://127.0.0.1:8000", "engine": "0",
                      "up": True, "kv_usage": 0.2, "running": 3, "waiting": 0, "preemptions_total": 0,
                      "prompt_tokens_total": prompt_total})
-    recs.sort(key=lambda d: d["t"])
-    with open(path, "w") as f:
-        f.write(json.dumps(HEADER) + "\n")
-        for d in recs:
-            f.write(json.dumps(d) + "\n")
+    write_trace(path, HEADER, recs)
 
 
 def test_stalls_inside_an_engine_timed_prefill_are_that_prefills(tmp_path):

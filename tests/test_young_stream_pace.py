@@ -5,10 +5,10 @@ an engine that just slowed shows it only in the gaps ahead."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kvtop.analysis.scan import analyze_trace
+from tests.trace_files import write_trace
 
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
@@ -54,11 +54,7 @@ def _trace(path: Path, step_after: float) -> None:
         recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://127.0.0.1:8000", "engine": "0",
                      "up": True, "kv_usage": 0.3, "running": 4, "waiting": 0, "preemptions_total": 0,
                      "prompt_tokens_total": prompts})
-    recs.sort(key=lambda d: d["t"])
-    with open(path, "w") as f:
-        f.write(json.dumps(HEADER) + "\n")
-        for d in recs:
-            f.write(json.dumps(d) + "\n")
+    write_trace(path, HEADER, recs)
 
 
 def _second_stall(path: Path) -> dict[str, tuple[str, str, list[str]]]:
