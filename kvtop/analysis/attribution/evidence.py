@@ -129,9 +129,10 @@ class Evidence:
         """The stream's decode-only pace, at most: its fastest recent gap (a run of prefill steps lifts
         the median of its gaps, never the fastest of them); for a stream too new to have one, the
         fastest gap of its look-ahead (the run's median gap says nothing about an engine that slowed).
-        A stream with fewer than ``YOUNG_GAPS`` gaps behind it takes no faster a pace than the older
-        streams stalled with it had (``company_pace``): its first gaps are often the steps that
-        prefilled the prompts admitted with it, and its fastest gap is then one of those."""
+        A stream with fewer than ``YOUNG_GAPS`` gaps behind it takes no slower a pace than the older
+        streams stalled with it had (``company_pace``), nor a faster one than its look-ahead's: its
+        first gaps are often the steps that prefilled the prompts admitted with it, and its fastest
+        gap is then one of those."""
         return decode_pace(self.gap, self.baseline, self.baseline_is_stream, self.company_pace)
 
     @property
