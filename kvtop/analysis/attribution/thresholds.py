@@ -17,9 +17,10 @@ PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enoug
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
 STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's start (scrape skew)
 # A victim is silent through its wait for re-admission and the step that re-prefills it. A silence
-# under this many of the stream's recent gaps was no such turn (no claim on a counter unit, no waiting victim a unit is left to): on the witnessed vLLM rounds A-L the
-# preemption calls on such gaps (the counter steps near almost any stall in a storm) were right 5 of 86
-# times, above it 1,001 of 1,010 (held out, rounds M-N: 0 of 9 and 144 of 145).
+# under this many of the stream's recent gaps was no such turn (it claims no counter unit, and no unit
+# is left waiting for it): on the witnessed vLLM rounds A-L the preemption calls on such gaps (the
+# counter steps near almost any stall in a storm) were right 5 of 86 times, above it 1,001 of 1,010
+# (held out, rounds M-N: 0 of 9 and 144 of 145).
 REL_PREEMPT = 5.0
 
 # When the counter steps (the engine adapter's ``preempt_counted_at``): vLLM V1 counts a preemption
