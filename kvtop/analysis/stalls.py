@@ -154,23 +154,30 @@ class StallIndex:
                 hi = mid
         return lo
 
+    def _over_half(self, g: Gap) -> Iterator[Gap]:
+        """Other streams' long gaps (of the spike's engine) silent over at least half of spike ``g``,
+        the first of each stream's."""
+        half = 0.5 * (g.t_end - g.t_start)
+        a_end = g.t_start + half
+        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
+        lg = self.long
+        seen = set()
+        multi, eng = self.multi, g.engine
+        for i in range(self._long_ending_from(a_end), len(lg)):  # candidates end at or after a + L/2
+            q = lg[i]
+            if q.t_end > reach:
+                break
+            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
+                continue
+            if min(q.t_end, g.t_end) - max(q.t_start, g.t_start) >= half:
+                seen.add(q.request_id)
+                yield q
+
     def company_pace(self, g: Gap, seasoned: int) -> float | None:
         """The decode-only pace of the batch as the other streams silent over at least half of spike
         ``g`` had seen it: the median of their fastest recent gaps, of those with ``seasoned`` gaps or
         more behind them (every running request takes each step). None: no such stream."""
-        half = 0.5 * (g.t_end - g.t_start)
-        lg = self.long
-        reach = g.t_start + half + self.long_max  # a gap ending later began after a + L/2
-        paces: dict[str, float] = {}
-        for i in range(self._long_ending_from(g.t_start + half), len(lg)):
-            q = lg[i]
-            if q.t_end > reach:
-                break
-            if q.request_id == g.request_id or q.request_id in paces or (self.multi and q.engine != g.engine):
-                continue
-            if q.fast_baseline and q.gaps_before >= seasoned and min(q.t_end, g.t_end) - max(q.t_start, g.t_start) >= half:
-                paces[q.request_id] = q.fast_baseline
-        v = sorted(paces.values())
+        v = sorted(q.fast_baseline for q in self._over_half(g) if q.fast_baseline and q.gaps_before >= seasoned)
         return v[len(v) // 2] if v else None
 
     def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
@@ -187,33 +194,23 @@ class StallIndex:
         L = g.t_end - g.t_start
         half = 0.5 * L
         cap = g.t_end + settle
-        lg = self.long
         a_end = g.t_start + half
-        lo = self._long_ending_from(a_end)  # candidates end at or after a + L/2
         seen = set()
         lens = []
         fresh_lens = []
         fresh_from = g.t_start - min(half, 1.0)
         fresh = together = 0
         tol = max(0.05, 0.25 * L)
-        reach = a_end + self.long_max  # a gap ending later began after a + L/2: it cannot cover half
         multi, eng = self.multi, g.engine
-        for i in range(lo, len(lg)):
-            q = lg[i]
-            if q.t_end > reach:
-                break
-            if q.request_id == g.request_id or q.request_id in seen or (multi and q.engine != eng):
-                continue
-            ov = min(q.t_end, g.t_end) - max(q.t_start, g.t_start)
-            if ov >= half:
-                seen.add(q.request_id)
-                lens.append(min(q.t_end, cap) - q.t_start)
-                if q.t_start >= fresh_from:
-                    fresh += 1
-                    fresh_lens.append(lens[-1])
-                    together += abs(q.t_end - g.t_end) <= tol
-                if enough is not None and len(seen) >= enough:
-                    break  # every other active stream already found stalled
+        for q in self._over_half(g):
+            seen.add(q.request_id)
+            lens.append(min(q.t_end, cap) - q.t_start)
+            if q.t_start >= fresh_from:
+                fresh += 1
+                fresh_lens.append(lens[-1])
+                together += abs(q.t_end - g.t_end) <= tol
+            if enough is not None and len(seen) >= enough:
+                break  # every other active stream already found stalled
         if enough is None or len(seen) < enough:
             groups: tuple[Iterable[ReqState], ...] = (self.live.values(), self.ended)
             for group in groups:
