@@ -149,6 +149,24 @@ def test_retransmitted_and_overlapping_segments_count_once():
     assert r.stats.retransmits == 2
 
 
+def test_a_segment_seen_again_at_once_is_a_copy_not_a_retransmission():
+    """A bridge and its veth both hand over each packet, microseconds apart: each token and each
+    connection once, and the copies are not counted as retransmissions (the capture's health)."""
+    r, out = capture()
+    w = Wire(r)
+    w.pkt(True, SYN, b"", t=0.0002, seq=w.cseq - 1)  # the SYN's copy
+    w.send(request(), 1.0)
+    w.pkt(True, ACK | 0x08, request(), 1.0003, seq=w.cseq - len(request()))
+    seq = w.reply(SSE_HEAD + chunk(event()), 1.1)
+    w.pkt(False, ACK | 0x08, SSE_HEAD + chunk(event()), 1.1002, seq=seq)
+    seq = w.reply(chunk(event()), 1.2)
+    w.pkt(False, ACK | 0x08, chunk(event()), 1.5, seq=seq)  # 300 ms later: a real retransmission
+    w.reply(chunk(DONE) + LAST, 1.6)
+    toks = [e for e in events(out) if e[0] in ("first_token", "token")]
+    assert toks == [("first_token", 1.1, 1), ("token", 1.2, 1)]
+    assert (r.stats.connections, r.stats.copies, r.stats.retransmits) == (1, 3, 1)
+
+
 def test_reordered_segments_are_delivered_in_order_when_the_gap_fills():
     r, out = capture()
     w = Wire(r)

@@ -51,6 +51,9 @@ class CaptureStats:
     holes: int = 0
     hole_bytes: int = 0
     retransmits: int = 0
+    # a packet seen again within COPY_S on a second interface (a container's veth and its bridge):
+    # the same segment twice, not a retransmission
+    copies: int = 0
     out_of_order: int = 0
     joined_mid_stream: int = 0
     lost_connections: int = 0  # a hole we could not resynchronise after: the rest is not observed

@@ -21,6 +21,8 @@ from kvtop.sources.sse import Emit
 FIN, SYN, RST, ACK = 0x01, 0x02, 0x04, 0x10
 OOO_CAP = 8 << 20  # bytes held out of order per direction before the gap is declared a hole
 HOLE_WAIT_S = 1.0  # a real retransmission comes well within this; a capture drop never does
+# A bridged interface and its member each hand the packet socket the same packet, microseconds apart
+COPY_S = 0.001
 IDLE_S = 600.0  # a connection with no packet for this long is forgotten
 MAX_CONNECTIONS = 65536
 _PORTS = struct.Struct("!HH")
@@ -113,6 +115,9 @@ class Reassembler:
         conn = self.conns.get(key)
         if flags & SYN:
             if from_client and not flags & ACK:
+                if conn is not None and conn.c.next == (seq + 1) & 0xFFFFFFFF:
+                    self.stats.copies += 1  # the same connection attempt again (a copy or a SYN resent)
+                    return
                 if conn is not None:
                     self._close(key, conn, t, reset=True)
                 conn = self._new(key, t)
@@ -124,7 +129,7 @@ class Reassembler:
             if not payload or flags & RST:
                 return
             conn = self._new(key, t)
-        conn.last_t = t
+        prev_t, conn.last_t = conn.last_t, t
         flow, peer = (conn.c, conn.s) if from_client else (conn.s, conn.c)
         if flags & ACK:
             # _diff(a, b) > 0 written out: this runs for every packet
@@ -150,7 +155,7 @@ class Reassembler:
                 if nxt is None and not self._sync(conn, flow, from_client, seq, payload):
                     self.stats.joined_mid_stream += 1
                     return
-                self._data(conn, flow, from_client, seq, payload, t)
+                self._data(conn, flow, from_client, seq, payload, t, prev_t)
         if flags & FIN:
             flow.fin_seq = (seq + len(payload)) & 0xFFFFFFFF
         if flow.fin_seq is not None and flow.next is not None and flow.next == flow.fin_seq and not flow.closed:
@@ -173,10 +178,16 @@ class Reassembler:
             flow.next = seq
         return ok
 
-    def _data(self, conn: Connection, flow: _Flow, from_client: bool, seq: int, payload: bytes, t: float) -> None:
+    def _data(self, conn: Connection, flow: _Flow, from_client: bool, seq: int, payload: bytes, t: float,
+              prev_t: float) -> None:
         assert flow.next is not None
         d = _diff(seq, flow.next)
         if d < 0:
+            if d + len(payload) == 0 and t - prev_t < COPY_S:
+                # the segment just delivered, again at once: one packet seen on a second interface
+                # (a retransmission comes after a timeout or the peer's duplicate acks, never this soon)
+                self.stats.copies += 1
+                return
             self.stats.retransmits += 1
             if d + len(payload) <= 0:
                 return
