@@ -11,8 +11,9 @@ bench/witness_overhead.py.
 ``--round SEED`` records a round of variant workloads instead (``witness_workloads.round_of``: two
 storms, a denser mixed load, the same with half its clients past kvtop's proxy, more long prompts);
 docs/real-engines.md §7.1 scored rounds 21, 31, 41 and 51. ``--only`` then picks among the round's
-workloads (``storm8x900,prefill``). ``--burn N`` keeps N processes spinning on the CPU while the
-workloads run: an engine slowed by its host, whose decode-only steps alone may miss the target
+workloads (``storm8x900,prefill``). ``--only shortprompts`` (also in a round) records
+``witness_workloads.short_prompts``: a growing batch while chat-sized prompts arrive (§7.9).
+``--burn N`` keeps N processes spinning on the CPU while the workloads run: an engine slowed by its host, whose decode-only steps alone may miss the target
 (docs/real-engines.md §7.5).
 """
 
@@ -67,12 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     plans: list[tuple[str, dict, list[tuple[str, witness_workloads.Drive]]]] = [
         ("storm", {}, [("storm", lambda u, m, _e: witness_workloads.storm(u, m)),
                        ("mixed", lambda u, m, _e: witness_workloads.mixed(u, m))]),
+        ("shortprompts", witness_workloads.SHORT_PROMPTS_SERVER,
+         [("shortprompts", lambda u, m, _e: witness_workloads.short_prompts(u, m))]),
         ("prefill", witness_workloads.PREFILL_SERVER,
          [("prefill", lambda u, m, _e: witness_workloads.prefill_heavy(u, m))])]
     if args.round:
         rounds = [witness_workloads.round_of(s) for s in args.round]
         plans = [("storm", {}, [r for small, _ in rounds for r in small]),
-                 ("prefill", witness_workloads.PREFILL_SERVER, [r for _, pf in rounds for r in pf])]
+                 ("prefill", witness_workloads.PREFILL_SERVER, [r for _, pf in rounds for r in pf]),
+                 ("shortprompts", witness_workloads.SHORT_PROMPTS_SERVER,
+                  [(f"shortprompts-{s}", witness_workloads.short_prompts_of(s)) for s in args.round])]
         if args.only is None:
             only = {name.rsplit("-", 1)[0] for _, _, runs in plans for name, _ in runs}
     for label, kw, runs in plans:

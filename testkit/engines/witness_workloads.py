@@ -104,8 +104,42 @@ async def _prefill_round(url: str, model: str, seed: int, decoders: int, long_pr
         await asyncio.gather(*tasks)
 
 
+# room for every stream of ``short_prompts`` (nothing preempted), the tiny model
+SHORT_PROMPTS_SERVER = {"kv_bytes": 16 * 1024 * 1024, "max_model_len": 2048}
+
+
+async def _short_prompts(url: str, model: str, seed: int, decoders: int, tokens: int, stagger_s: float,
+                         prompts: int, every_s: float, words: tuple[int, ...]) -> None:
+    u = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
+                                 limits=httpx.Limits(max_connections=decoders + prompts + 4)) as client:
+        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=seed), tokens), stagger_s * i))
+                 for i in range(decoders)]
+        tasks += [asyncio.create_task(_one(client, u, _body(model, prompt(decoders + k, n_words=words[k % len(words)],
+                                                                          seed=seed), 3), 0.5 + every_s * k))
+                  for k in range(prompts)]
+        await asyncio.gather(*tasks)
+
+
+def short_prompts(url: str, model: str, seed: int = 3, decoders: int = 16, tokens: int = 600, stagger_s: float = 0.4,
+                  prompts: int = 80, every_s: float = 0.15, words: tuple[int, ...] = (0, 1, 2)) -> None:
+    """Decoders joining one by one (each step longer than the last as the batch grows) while
+    chat-turn-sized prompts (about ten tokens) arrive every ``every_s``: a prompt's step is a decode
+    step plus a part of a few ms, so late in the run, with the decode-only steps near the tight target,
+    that part may decide whether a step misses it (``SHORT_PROMPTS_SERVER``; docs/real-engines.md §7.9)."""
+    asyncio.run(_short_prompts(url, model, seed, decoders, tokens, stagger_s, prompts, every_s, words))
+
+
+
 # a workload: (kvtop's proxy URL, the model, the engine's own URL) -> when every stream ended
 Drive = Callable[[str, str, str], None]
+
+
+def short_prompts_of(seed: int) -> Drive:
+    """A round's ``short_prompts`` (``SHORT_PROMPTS_SERVER``): its own prompts, batch and arrival rate."""
+    def drive(url: str, model: str, _engine: str) -> None:
+        short_prompts(url, model, seed=seed, decoders=14 + seed % 3, every_s=0.12 + 0.02 * (seed % 3))
+    return drive
 
 
 def round_of(seed: int) -> tuple[list[tuple[str, Drive]], list[tuple[str, Drive]]]:
