@@ -69,6 +69,21 @@ def outside(span: tuple[float, float], a: float, b: float) -> bool:
     return span[1] <= a or span[0] >= b
 
 
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``spans`` (an empty one, end before start, counts nothing)."""
+    total, cur = 0.0, None
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = (a, b)
+        else:
+            cur = (cur[0], max(cur[1], b))
+    return total + (cur[1] - cur[0] if cur is not None else 0.0)
+
+
 def engine_prefill_of(r: ReqState, cut: Cutoff) -> tuple[float, float] | None:
     """``r``'s engine-timed prefill, if its finish record reported it by ``cut.engine``."""
     return r.engine_prefill if r.engine_prefill is not None and r.engine_prefill_t <= cut.engine else None

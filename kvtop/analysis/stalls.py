@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of
+from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of, union_length
 from kvtop.analysis.streams import ReqState
 
 if TYPE_CHECKING:  # types only: the gap tracker (gaps.py) owns an index and fills it
@@ -424,7 +424,8 @@ class StallIndex:
             i += 1
         return n, tokens, unsized
 
-    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float, cut: Cutoff) -> tuple[str, int | None, int, int] | None:
+    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float,
+                         cut: Cutoff) -> tuple[str, int | None, int, int, float | None] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
         its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
         engine step get their first tokens together, and the step's length is their sum. Close: within
@@ -436,13 +437,16 @@ class StallIndex:
         against real vLLM's own step log at targets of a few decode steps, such first tokens, 10-40 ms
         after a 10 ms stall, were almost all a prompt admitted just after it). Nor a prompt whose
         prefill the engine itself timed outside the stall (vLLM's per-request metrics): scored against
-        real vLLM's own step log, such first tokens were almost never the stall's cause."""
+        real vLLM's own step log, such first tokens were almost never the stall's cause. Last: how
+        much of the stall the engine spent on their prefills by its own times (the union of their
+        engine-timed prefills within the stall), None where one of them is not engine-timed."""
         base = g.stream_baseline or median_gap or 0.02
         delta = max(0.05, 2.0 * base)
         ft = self.first_tokens
         i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
         best: tuple[str, int | None] | None = None
         total = n = 0
+        timed: list[tuple[float, float]] | None = []
         multi, eng = self.multi, g.engine
         while i < len(ft) and ft[i][0] <= g.t_end + delta:
             t, rid, r, e = ft[i]
@@ -454,8 +458,12 @@ class StallIndex:
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
                     best = (rid, p)
+                if sp is None:
+                    timed = None
+                elif timed is not None:
+                    timed.append((max(sp[0], g.t_start), min(sp[1], g.t_end)))
             i += 1
-        return None if best is None else (best[0], best[1], total, n)
+        return None if best is None else (best[0], best[1], total, n, None if timed is None else union_length(timed))
 
     def prune(self, keep_from: float, ended_before: float) -> None:
         """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""

@@ -51,6 +51,9 @@ class FirstToken:
     prompt_tokens: int | None
     total_prompt_tokens: int = 0  # of every first token at the end (admitted in the same step)
     requests: int = 1
+    # the stall's time the engine spent on their prefills by its own times (vLLM's per-request
+    # metrics); None where one of them is not engine-timed
+    engine_prefill_s: float | None = None
 
 
 @dataclass

@@ -72,6 +72,20 @@ def _all_seen(ev: Evidence, unseen: float | None) -> bool:
     return unseen is not None and unseen <= 0 and not ev.prefill_observed_through
 
 
+def _timed_part_short(ev: Evidence, engine_prefill_s: float | None) -> bool:
+    """The witness's test, with the engine's own times for the prompts: the engine spent
+    ``engine_prefill_s`` of the stall on steps that prefilled them (vLLM's per-request metrics), each
+    of which also ran the stream's decode, so their part of the stall is at most that less one
+    decode-only step (the stream's pace). Where the stall less even that part still misses the target,
+    the prompts are not why it missed: a gap of two engine steps in one of which a ten-token prompt
+    ran is the engine's own steps (or time outside it), whatever the prompt at the measured rate
+    (a low estimate) would cover."""
+    tgt, pace = ev.target, ev.decode_pace
+    if engine_prefill_s is None or not tgt or not pace:
+        return False
+    return ev.gap.gap - max(0.0, engine_prefill_s - pace) > tgt
+
+
 class Signals(NamedTuple):
     lines: list[str]  # the signals, in words
     checked: bool  # one was checked against the measured prefill rate
@@ -119,7 +133,8 @@ def signals(ev: Evidence) -> Signals:
         return Signals(out, checked, None)
     ft = ev.first_token
     ft_short = 0  # a first token at its end whose prompt alone is too short to explain it
-    if ft is not None:
+    # no signal where the engine's own times leave the stall missing the target without them
+    if ft is not None and not _timed_part_short(ev, ft.engine_prefill_s):
         ok = _explains(ev, ft.total_prompt_tokens)
         if ok is False and ev.end_excess_unseen:
             # prompts kvtop did not see may have finished in the same step: they add to it
@@ -275,6 +290,8 @@ def dominant(ev: Evidence) -> Finding | None:
     if pace <= 0 or pace >= ev.target or g.gap < PREFILL_DOMINANT * max(pace, before) or g.gap < max(g.after):
         return None
     ft = ev.first_token
+    if _timed_part_short(ev, ft.engine_prefill_s):
+        return None
     # the measured rate was read at the calm pace: an engine stepping k times slower now prefills k
     # times slower too, and the prompts must still cover their share of the stall
     slow = max(1.0, pace / g.calm_baseline) if g.calm_baseline else 1.0

@@ -210,7 +210,11 @@ RULES: tuple[Rule, ...] = (
          "A rise with no first token at the stall's end (the jump, the end interval) counts only where the engine's "
          "own first-token count (its TTFT histogram) shows prompts kvtop did not see, or a request kvtop sees waited "
          "for its first token all through the stall beyond what the engine's queue (`waiting`) held: otherwise "
-         "every prompt of the rise is placed by its own first token"),
+         "every prompt of the rise is placed by its own first token. **A first token at its end is no signal where "
+         "the engine timed its prompt's prefill** (vLLM's per-request metrics) **and the stall, less the part of it "
+         "the engine spent on that prefill less one of the stream's decode steps (the part's most), still misses the "
+         "target**: the prompt is not why it missed (the witness's own test; on real vLLM such gaps were two "
+         "engine steps, one of which ran a ten-token prompt)"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "
@@ -218,7 +222,9 @@ RULES: tuple[Rule, ...] = (
          "much as the engine's pace is now slower than its stall-free pace, cover ≥ "
          f"{_pct(prefill.PREFILL_SHARE)} of the excess; not where the stream's own decode-only pace before it "
          "was already near the target (as in `shared-prefill`). A mostly-prefill step on an engine running "
-         "slower (throttled clocks, a flood of short requests), which the slow-decode rules would otherwise take"),
+         "slower (throttled clocks, a flood of short requests), which the slow-decode rules would otherwise take; "
+         "not where the engine's own times for the prompts leave the stall missing the target without them "
+         "(as in `shared-prefill`)"),
     Rule("onset", Cause.SLOW_DECODE, ("onset", "continued"), ANY, slow_decode.onset, ("slow/onset", "slow/continued"),
          f"the ≥ 2 gaps after it are more than 1/{REL_SLOW:g} as long as it: a new, slower pace, not a stall "
          "(asked after the prefill rules: a run of prefill steps lifts a few gaps too); `continued`: near a "

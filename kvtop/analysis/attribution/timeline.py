@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+from kvtop.analysis.asof import union_length
 from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
 from kvtop.model.records import EngineKey
 
@@ -36,19 +37,6 @@ class EngineWindow:
     # first tokens the engine counted over the prompt window (its TTFT histogram's count); None
     # where an instance does not report one
     first_delta: float | None = None
-
-
-def _union_length(spans: list[tuple[float, float]]) -> float:
-    """Total length of the union of ``spans``."""
-    total, cur = 0.0, None
-    for a, b in sorted(spans):
-        if cur is None or a > cur[1]:
-            if cur is not None:
-                total += cur[1] - cur[0]
-            cur = (a, b)
-        else:
-            cur = (cur[0], max(cur[1], b))
-    return total + (cur[1] - cur[0] if cur is not None else 0.0)
 
 
 @dataclass
@@ -172,8 +160,8 @@ class EngineTimeline:
         claims = self.prefill_claims.get(key, [])
         if any(abs(c[1] - span[1]) <= same_step_s for c in claims):
             return True
-        used = _union_length(claims)
-        new = _union_length([*claims, span]) - used
+        used = union_length(claims)
+        new = union_length([*claims, span]) - used
         return new <= same_step_s + 1e-9 or share * new <= budget_s - used + 1e-9
 
     def claim_prefill(self, t: float, span: tuple[float, float]) -> None:
