@@ -51,7 +51,8 @@ def test_prefill_stalls_the_engine_logged_are_found(pooled, target, p, r):
     # measured 0.93 / 0.95 at 100 ms and 0.91 / 0.96 at the tight target (docs/real-engines.md 7.6);
     # round P's prefill run, on an engine whose decode steps alone took about the 100 ms target, still
     # has 72 and 78 of the false calls (stalls that its chunk steps and slow decode steps shared);
-    # round AI's chat-sized prompts (below) bring the tight target's precision to 0.88 (7.9)
+    # rounds AI and AJ's chat-sized prompts (below): the tight target's precision over all 36 rounds is
+    # 0.90 (7.10)
     got = pooled[("all", target)]["prefill_interference"]
     assert got["precision"] >= p and got["recall"] >= r, got
     # where prompts are long and chunked, the prefill stalls are all found at both targets
@@ -223,13 +224,17 @@ def test_the_round_recorded_after_every_change_of_the_third_stop_meets_the_issue
     assert tight["neither"] >= 600 and tight["neither_called_engine"] <= 0.03 * tight["neither"], tight
 
 
-def test_chat_sized_prompts_on_a_growing_batch_are_found_though_overcalled_at_the_tight_target(by_round):
-    # round AI (docs/real-engines.md 7.9): prompts of about ten tokens, each adding 1-4 ms to a 5-9 ms
-    # step, seldom decide whether a gap misses a target of 2.5x the step, but kvtop's measured prefill
-    # rate (a low estimate: 1,364 tokens/s there) lets such a prompt explain a gap of two steps. Measured
-    # 0.60 / 0.98 (675 calls): a floor against regression, and the distance to issue 22's 0.9 on record
-    rows = _pooled(by_round, witnessed.select("AI"))
-    pf = rows[("shortprompts", TIGHT)]["prefill_interference"]
-    assert pf["actual"] >= 300 and pf["recall"] >= 0.95 and pf["precision"] >= 0.5, pf
-    loose = rows[("shortprompts", LOOSE)]
-    assert loose["neither_called_engine"] == 0, loose  # at 100 ms no ordinary step is blamed on a prompt
+def test_chat_sized_prompts_on_a_growing_batch_are_found_and_rarely_overcalled(by_round):
+    # rounds AI and AJ (docs/real-engines.md 7.9-7.10): prompts of about ten tokens, each adding 0-4 ms
+    # to a 5-9 ms step, seldom decide whether a gap misses a target of 2.5x the step. The measured
+    # prefill rate (a low estimate) let such a prompt explain a gap of two steps (precision 0.60 on AI,
+    # 0.63 on AJ); the engine's own times for the prompt now bound its part (0.81 on AI, where it was
+    # chosen; 0.75 on AJ, recorded after it). Floors against regression, short of issue 22's 0.9
+    for rounds, precision, others in (("AI", 0.77, 0.07), ("AJ", 0.7, 0.11)):
+        rows = _pooled(by_round, witnessed.select(rounds))
+        got = rows[("shortprompts", TIGHT)]
+        pf = got["prefill_interference"]
+        assert pf["actual"] >= 300 and pf["recall"] >= 0.93 and pf["precision"] >= precision, (rounds, pf)
+        assert got["neither_called_engine"] <= others * got["neither"], (rounds, got)
+        loose = rows[("shortprompts", LOOSE)]
+        assert loose["neither_called_engine"] <= 3, (rounds, loose)  # at 100 ms a prompt is rarely blamed
