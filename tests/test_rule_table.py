@@ -174,7 +174,7 @@ def test_first_tokens_delivered_with_the_token_that_opened_a_stall_are_not_at_it
     g = gap(t_start=1.8215, length=0.033, stream_baseline=0.016, fast_baseline=0.004)
     assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) is None
     st.first_token(ReqState("s", prompt_tokens=60), 1.8542)  # admitted in the step that ended it
-    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("s", 60, 60, 1)
+    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("s", 60, 60, 1, None)
 
 
 def test_a_first_token_whose_prefill_the_engine_timed_after_the_stall_is_not_its_cause():
@@ -186,14 +186,16 @@ def test_a_first_token_whose_prefill_the_engine_timed_after_the_stall_is_not_its
     x = ReqState("x", prompt_tokens=69, first_t=g.t_end + 0.004)
     st = StallIndex()
     st.first_token(x, g.t_end + 0.004)
-    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("x", 69, 69, 1)  # no engine times: as is
+    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("x", 69, 69, 1, None)  # no engine times: as is
     x.engine_prefill = (g.t_end + 0.001, g.t_end + 0.004)  # the engine prefilled it after the stall
     assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) is None
     x.engine_prefill = (g.t_start + 0.002, g.t_end + 0.004)  # from inside the stall: it may be the cause
-    assert st.first_token_near(g, None, BURST_S, KNOWS_ALL) == ("x", 69, 69, 1)
+    near = st.first_token_near(g, None, BURST_S, KNOWS_ALL)
+    # ... and the engine spent the stall's last 7.7 ms on it (at most the prompt's part, with a decode step)
+    assert near is not None and near[:4] == ("x", 69, 69, 1) and near[4] == pytest.approx(g.gap - 0.002)
     # times reported after the spike's cut-off are unknown to its judgement, whenever it is made
     x.engine_prefill, x.engine_prefill_t = (g.t_end + 0.001, g.t_end + 0.004), g.t_end + 30.0
-    assert st.first_token_near(g, None, BURST_S, cutoff(g, 2.5, engine_times_from=g.t_end)) == ("x", 69, 69, 1)
+    assert st.first_token_near(g, None, BURST_S, cutoff(g, 2.5, engine_times_from=g.t_end)) == ("x", 69, 69, 1, None)
 
 
 def test_alone_prefill():
@@ -299,14 +301,14 @@ def test_a_prompt_length_learned_after_the_first_token_sizes_it():
     st.first_token(s_req, 6.01)
     g = gap()
     cut = cutoff(g, 2.5, math.inf)
-    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1)
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1, None)
     s_req.prompt_tokens, s_req.prompt_t = 60, g.t_end + 1.0  # told by its finish, a second after the stall
-    assert st.first_token_near(g, None, BURST_S, cut) == ("s", 60, 60, 1)
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", 60, 60, 1, None)
     assert st.first_tokens_in(g, 5.0, 7.0, cut) == (1, 60, 0)
     # told after the spike's cut-off: its judgement does not know it, whenever it is made (the live
     # path judges it a settle time after its end, `analyze` perhaps a block of records later)
     s_req.prompt_t = cut.facts + 0.5
-    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1)
+    assert st.first_token_near(g, None, BURST_S, cut) == ("s", None, 0, 1, None)
     assert st.first_tokens_in(g, 5.0, 7.0, cut) == (1, 0, 1)
 
 
