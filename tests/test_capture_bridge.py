@@ -21,15 +21,14 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import aiohttp
 import pytest
 from conftest import REPO
 
-from kvtop.model.records import RequestRecord
-from kvtop.sources.capture import CaptureSource, CaptureUnavailable, check_capture
+from kvtop.sources.capture import CaptureUnavailable, check_capture
+from tests.capture_run import capturing
 
 PROMPT = "bridge-capture prompt: never in any record 91c2"
 STREAMS = 12
@@ -87,7 +86,6 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
     sim = await asyncio.create_subprocess_exec(
         "ip", "netns", "exec", bridged_namespace, sys.executable, "-m", "kvtop", "sim-server",
         "--preset", "healthy", "--host", ENGINE_IP, stdout=asyncio.subprocess.PIPE, env=env)
-    got: list[RequestRecord] = []
     received: dict[str, int] = {}
     try:
         assert sim.stdout is not None
@@ -96,13 +94,7 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
         assert m, line
         url = m[1]
         port = int(url.rsplit(":", 1)[1])
-        t0 = time.monotonic()
-        cap = CaptureSource(port, got.append, lambda: time.monotonic() - t0)
-        stop = asyncio.Event()
-        task = asyncio.create_task(cap.run(stop))
-        try:
-            await asyncio.sleep(0.2)
-
+        async with capturing(port, settle_s=0.2) as (got, cap):
             async def one(s: aiohttp.ClientSession, i: int) -> None:
                 rid = f"br-{i}"
                 body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": OUTPUT,
@@ -120,9 +112,6 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
             async with aiohttp.ClientSession() as s:
                 await asyncio.wait_for(asyncio.gather(*(one(s, i) for i in range(STREAMS))), 90)
             await asyncio.sleep(0.5)
-        finally:
-            stop.set()
-            await task
     finally:
         sim.terminate()
         await sim.wait()

@@ -184,11 +184,9 @@ async def test_capture_sees_what_the_proxy_sees(tmp_path: Path) -> None:
 
 async def test_capture_follows_ipv6_loopback(tmp_path: Path) -> None:
     """The in-kernel filter's IPv6 branch: a stream served on ::1 is captured like one on 127.0.0.1."""
-    import time
-
     from kvtop.sim.server import SimServer
     from kvtop.sim.workload import load_preset
-    from kvtop.sources.capture import CaptureSource
+    from tests.capture_run import capturing
 
     sim = SimServer(load_preset("healthy"), seed=1, host="::1")
     try:
@@ -196,23 +194,16 @@ async def test_capture_follows_ipv6_loopback(tmp_path: Path) -> None:
     except OSError as e:
         pytest.skip(f"no IPv6 loopback here: {e}")
     port = int(url.rsplit(":", 1)[1])
-    got: list = []
-    t0 = time.monotonic()
-    cap = CaptureSource(port, got.append, lambda: time.monotonic() - t0)
-    stop = asyncio.Event()
-    task = asyncio.create_task(cap.run(stop))
     try:
-        await asyncio.sleep(0.1)
-        body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 15,
-                "kvtop": {"prompt_tokens": 20, "output_tokens": 15}}
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "v6"}) as r:
-                assert r.status == 200
-                await r.read()
-        await asyncio.sleep(0.2)
+        async with capturing(port) as (got, cap):
+            body = {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 15,
+                    "kvtop": {"prompt_tokens": 20, "output_tokens": 15}}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "v6"}) as r:
+                    assert r.status == 200
+                    await r.read()
+            await asyncio.sleep(0.2)
     finally:
-        stop.set()
-        await task
         await sim.stop()
     events = [r.event for r in got]
     assert {r.id for r in got} == {"v6"} and events[0] == "arrive" and events[-1] == "finish"
