@@ -13,8 +13,8 @@ storms, a denser mixed load, the same with half its clients past kvtop's proxy, 
 docs/real-engines.md §7.1 scored rounds 21, 31, 41 and 51. ``--only`` then picks among the round's
 workloads (``storm8x900,prefill``). ``--only shortprompts`` (also in a round) records
 ``witness_workloads.short_prompts``: a growing batch while chat-sized prompts arrive (§7.9).
-``--burn N`` keeps N processes spinning on the CPU while the workloads run: an engine slowed by its host, whose decode-only steps alone may miss the target
-(docs/real-engines.md §7.5).
+``--burn N`` keeps N processes spinning on the CPU while the workloads run: an engine slowed by its
+host, whose decode-only steps alone may miss the target (docs/real-engines.md §7.5).
 """
 
 from __future__ import annotations

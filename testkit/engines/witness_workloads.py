@@ -130,7 +130,6 @@ def short_prompts(url: str, model: str, seed: int = 3, decoders: int = 16, token
     asyncio.run(_short_prompts(url, model, seed, decoders, tokens, stagger_s, prompts, every_s, words))
 
 
-
 # a workload: (kvtop's proxy URL, the model, the engine's own URL) -> when every stream ended
 Drive = Callable[[str, str, str], None]
 
