@@ -85,6 +85,7 @@ class Evidence:
     prefill_span: tuple[float, float, int, str] | None = None
     # a young stream's (``YOUNG_GAPS``): the decode-only pace of the older streams stalled with it
     company_pace: float | None = None
+    run_median: float | None = None  # the run's median gap so far (every stream's)
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -447,4 +448,4 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         typical_prompt_delta=timeline.typical_prompt_delta(cut.facts), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
         has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, cut=cut, witness=witness,
-        prefill_span=prefill_span, company_pace=company)
+        prefill_span=prefill_span, company_pace=company, run_median=median)

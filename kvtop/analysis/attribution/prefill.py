@@ -57,12 +57,28 @@ def _pace_misses(ev: Evidence) -> bool:
     return bool(ev.target and ev.pace_known and pace and pace >= PACE_NEAR * ev.target)
 
 
+def _slower(ev: Evidence, pace: float | None = None) -> float:
+    """How many times slower the engine steps now than it usually did (its decode-only pace now,
+    by default the stream's, over the run's median gap so far): the measured rate was read mostly at
+    the usual pace, and an engine stepping k times slower (throttled, or its host busy) prefills k
+    times slower too. A stream's own calm gaps would not tell: one that began after the engine slowed
+    has only slow ones."""
+    pace = pace or ev.decode_pace
+    usual = ev.run_median
+    return max(1.0, pace / usual) if pace and usual else 1.0
+
+
+def _prefill_s(ev: Evidence, tokens: float, pace: float | None = None) -> float:
+    """The prefill time of ``tokens`` at the measured rate, slowed as the engine is (``_slower``)."""
+    return tokens * _slower(ev, pace) / ev.prefill_rate if ev.prefill_rate else 0.0
+
+
 def _explains(ev: Evidence, tokens: float) -> bool | None:
     """Whether ``tokens`` of prefill explain the stall (None: no measured rate to tell)."""
     if not ev.prefill_rate or not tokens:
         return None
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
-    return tokens / ev.prefill_rate >= PREFILL_SHARE * excess
+    return _prefill_s(ev, tokens) >= PREFILL_SHARE * excess
 
 
 def _all_seen(ev: Evidence, unseen: float | None) -> bool:
@@ -102,7 +118,7 @@ def _budget(ev: Evidence, tokens: float) -> tuple[float, float] | None:
     g = ev.gap
     excess = max(0.0, g.gap - (ev.decode_pace or 0.0))
     span = (g.t_end - excess, g.t_end)
-    if ev.timeline.prefill_room(g.t_end, span, tokens / ev.prefill_rate, PREFILL_SHARE, BURST_S):
+    if ev.timeline.prefill_room(g.t_end, span, _prefill_s(ev, tokens), PREFILL_SHARE, BURST_S):
         return span
     return None
 
@@ -168,7 +184,10 @@ def signals(ev: Evidence) -> Signals:
                        + (f" (beyond the prompts kvtop saw), besides request {ft.request_id}'s {ft_short} with its "
                           "first token at the stall's end" if ft is not None and ft_short else ""))
     if checked and ev.prefill_rate:
-        out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s that prefill covers the stall")
+        k = _slower(ev)
+        out.append(f"at the measured {ev.prefill_rate:.0f} prompt tokens/s"
+                   + (f", {k:.1f}x slower as the engine now steps," if k > 1.05 else "")
+                   + " that prefill covers the stall")
     elif out and not _outlier(ev):
         return Signals([], False, None)  # a signal no rate could check, on a gap like the stream's others
     return Signals(out, checked, claim)
@@ -220,7 +239,7 @@ def span(ev: Evidence) -> Finding | Signs | None:
         return Signs([f"inside request {rid}'s prefill, but this stream's decode steps with no prompt in flight "
                       f"took {step * 1e3:.0f} ms (target {tgt * 1e3:.0f} ms): most of the stall"])
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
-    if ev.prefill_rate and prompt / ev.prefill_rate < PREFILL_SHARE * excess:
+    if ev.prefill_rate and _prefill_s(ev, prompt) < PREFILL_SHARE * excess:
         return None  # too short a prompt for this stall
     return ev.found(Cause.PREFILL, "prefill/span", [
         f"request {rid}'s prompt ({prompt} tokens) was being prefilled from t={a:.2f}s to {b:.2f}s (the engine's "
@@ -292,10 +311,9 @@ def dominant(ev: Evidence) -> Finding | None:
     ft = ev.first_token
     if _timed_part_short(ev, ft.engine_prefill_s):
         return None
-    # the measured rate was read at the calm pace: an engine stepping k times slower now prefills k
-    # times slower too, and the prompts must still cover their share of the stall
-    slow = max(1.0, pace / g.calm_baseline) if g.calm_baseline else 1.0
-    if ev.prefill_rate and ft.total_prompt_tokens * slow / ev.prefill_rate < PREFILL_SHARE * (g.gap - pace):
+    # on an engine that slowed (seen here in the pace after the gap), the prompts at the slowed rate
+    # must still cover their share
+    if ev.prefill_rate and _prefill_s(ev, ft.total_prompt_tokens, pace) < PREFILL_SHARE * (g.gap - pace):
         return None
     return ev.found(Cause.PREFILL, "prefill/dominant", [
         f"request {ft.request_id} got its first token at the end of the gap"
