@@ -73,3 +73,55 @@ def test_a_gap_the_prompt_made_miss_the_target_is_its_prefill(tmp_path):
     # 14 ms less up to 14 - 5 = 9 ms of prompt meets 12 ms: the prompt is why it missed (the engine's
     # times put its prefill over the whole stall: rule prefill-span)
     assert got == {("prefill_interference", "span")}, got
+
+
+def _write_with_rate(path: Path) -> None:
+    """The two-step stall alone, on an engine that counts first tokens (its TTFT histogram) and with
+    a measured prefill rate (five early 2,000-token prompts, 10,000 tokens/s): the prompt ending it,
+    queued since before it, is long enough that the scrape interval's prompt rise at that rate would
+    explain the stall, and the engine's own times still place most of the stall outside it."""
+    recs: list[dict] = []
+    firsts: list[float] = []
+    for i in range(5):
+        rid, t = f"r{i}", 0.05 + 0.1 * i
+        recs.append({"kind": "request", "t": t, "id": rid, "event": "arrive", "source": "proxy", "prompt_tokens": 2000})
+        recs.append({"kind": "request", "t": t + 0.2, "id": rid, "event": "first_token", "n": 1})
+        recs.append({"kind": "request", "t": t + 0.201, "id": rid, "event": "finish", "prompt_tokens": 2000,
+                     "completion_tokens": 1})
+        firsts.append(t + 0.2)
+    for i, rid in enumerate(("a", "b", "c")):
+        off = 0.0002 * i
+        times = [1.0 + STEP * k for k in range(201)]  # 1.000 .. 2.000
+        times += [TWO_STEPS[1] + STEP * k for k in range(397)]  # 2.020 .. 4.000
+        recs.append({"kind": "request", "t": 0.9, "id": rid, "event": "arrive", "source": "proxy"})
+        recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
+        recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
+        recs.append({"kind": "request", "t": 4.2, "id": rid, "event": "finish", "prompt_tokens": 30,
+                     "completion_tokens": len(times)})
+        firsts.append(times[0] + off)
+    first = TWO_STEPS[1] + 0.0008
+    recs.append({"kind": "request", "t": 1.97, "id": "p1", "event": "arrive", "source": "proxy"})
+    recs.append({"kind": "request", "t": first, "id": "p1", "event": "first_token", "n": 1})
+    recs.append({"kind": "request", "t": first + 0.011, "id": "p1", "event": "finish", "prompt_tokens": 60,
+                 "completion_tokens": 3, "engine_queue_s": 0.0, "engine_ttft_s": 0.008, "engine_decode_s": 0.01})
+    firsts.append(first)
+    for k in range(10):  # scrapes; vLLM counts a prompt's tokens when its prefill completes
+        t = 0.25 + 0.5 * k
+        n = sum(1 for f in firsts if f <= t)
+        prompt_total = 2000 * sum(1 for f in firsts[:5] if f <= t) + 30 * sum(1 for f in firsts[5:8] if f <= t) + \
+            (60 if first <= t else 0)
+        recs.append({"kind": "engine", "t": t, "adapter": "vllm", "url": "http://127.0.0.1:8000", "engine": "0",
+                     "up": True, "kv_usage": 0.2, "running": 3, "waiting": 0, "preemptions_total": 0,
+                     "prompt_tokens_total": prompt_total, "ttft": {"count": n, "sum": 0.2 * n, "buckets": []}})
+    write_trace(path, HEADER, recs)
+
+
+def test_a_prompt_the_engines_times_placed_is_not_counted_again_in_the_intervals_rise(tmp_path):
+    _write_with_rate(tmp_path / "t.jsonl")
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=TARGET)
+    got = {(s.cause, s.rule) for s in rep.spikes if abs(s.t_end - TWO_STEPS[1]) < 0.001}
+    # the engine counted no first token kvtop did not see, and the one request waiting through the
+    # stall is the prompt whose own part the engine bounded at 3 ms: the interval's 60 prompt tokens
+    # are that prompt's, not another's (before, they explained the stall: prefill/shared via the
+    # interval's rise)
+    assert got and all(cause != "prefill_interference" for cause, _ in got), got

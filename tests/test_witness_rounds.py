@@ -230,12 +230,13 @@ def test_chat_sized_prompts_on_a_growing_batch_are_found_and_rarely_overcalled(b
     # prefill rate (a low estimate) let such a prompt explain a gap of two steps (precision 0.60 on AI,
     # 0.63 on AJ); the engine's own times for the prompt now bound its part (0.81 on AI, where it was
     # chosen; 0.75 on AJ, recorded after it; 0.82 on AK, recorded later). Floors against regression,
-    # short of issue 22's 0.9
-    for rounds, precision, others in (("AI", 0.77, 0.07), ("AJ", 0.7, 0.11), ("AK", 0.78, 0.08)):
+    # short of issue 22's 0.9. Since 7.13 such a prompt no longer counts in the interval's rise either:
+    # AI 0.81 / 0.95 -> 0.83 / 0.92, AK (held out) 0.82 / 0.96 -> 0.85 / 0.96
+    for rounds, precision, others in (("AI", 0.8, 0.07), ("AJ", 0.7, 0.11), ("AK", 0.8, 0.08)):
         rows = _pooled(by_round, witnessed.select(rounds))
         got = rows[("shortprompts", TIGHT)]
         pf = got["prefill_interference"]
-        assert pf["actual"] >= 300 and pf["recall"] >= 0.93 and pf["precision"] >= precision, (rounds, pf)
+        assert pf["actual"] >= 300 and pf["recall"] >= 0.9 and pf["precision"] >= precision, (rounds, pf)
         assert got["neither_called_engine"] <= others * got["neither"], (rounds, got)
         loose = rows[("shortprompts", LOOSE)]
         assert loose["neither_called_engine"] <= 3, (rounds, loose)  # at 100 ms a prompt is rarely blamed

@@ -236,15 +236,16 @@ class Evidence:
         v = self.stalls.clean_gaps(self.gap, self.cut, REL_SLOW)
         return sorted(v)[len(v) // 2] if v else None
 
-    @cached_property
-    def prefill_observed_through(self) -> bool:
+    def prefill_observed_through(self, judged: int = 0) -> bool:
         """More observed requests were waiting for their first token all through the stall (arrived
         before it, none before its end, within a step's delivery ``BURST_S``) than the engine's
         queue held around it: one of them was in prefill through it (chunks of a long prompt). One
         that arrived late in the stall, or got its first token inside it, had no step of its prompt
-        span the stall; the queue's waiting requests (vLLM's ``waiting`` gauge) had none at all."""
+        span the stall; the queue's waiting requests (vLLM's ``waiting`` gauge) had none at all.
+        ``judged`` of them are left out: the first tokens at the stall's end whose part of it the
+        engine's own times already bounded."""
         g = self.gap
-        n = self.stalls.pending_through(g, g.t_start, g.t_end - BURST_S, self.cut)
+        n = self.stalls.pending_through(g, g.t_start, g.t_end - BURST_S, self.cut) - judged
         return n > (self.timeline.waiting_through(g.t_start, g.t_end) or 0.0)
 
     @cached_property

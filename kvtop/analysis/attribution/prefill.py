@@ -81,11 +81,13 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
     return _prefill_s(ev, tokens) >= PREFILL_SHARE * excess
 
 
-def _all_seen(ev: Evidence, unseen: float | None) -> bool:
+def _all_seen(ev: Evidence, unseen: float | None, judged: int = 0) -> bool:
     """kvtop saw the first token of every prompt the engine counted (``Evidence.unseen_prompts``),
     and none of those requests could have been in prefill all through the stall: a prompt-counter
-    rise then points at no prefill that a first-token signal does not already place elsewhere."""
-    return unseen is not None and unseen <= 0 and not ev.prefill_observed_through
+    rise then points at no prefill that a first-token signal does not already place elsewhere.
+    ``judged``: requests whose first token ends the stall and whose part of it the engine's own
+    times already bounded (``_timed_part_short``): their prefill is no unseen one."""
+    return unseen is not None and unseen <= 0 and not ev.prefill_observed_through(judged)
 
 
 def _timed_part_short(ev: Evidence, engine_prefill_s: float | None) -> bool:
@@ -149,8 +151,11 @@ def signals(ev: Evidence) -> Signals:
         return Signals(out, checked, None)
     ft = ev.first_token
     ft_short = 0  # a first token at its end whose prompt alone is too short to explain it
-    # no signal where the engine's own times leave the stall missing the target without them
-    if ft is not None and not _timed_part_short(ev, ft.engine_prefill_s):
+    # no signal where the engine's own times leave the stall missing the target without them; nor
+    # do those prompts then count in the interval's rise (the engine placed them)
+    timed_short = ft is not None and _timed_part_short(ev, ft.engine_prefill_s)
+    judged = ft.requests if ft is not None and timed_short else 0
+    if ft is not None and not timed_short:
         ok = _explains(ev, ft.total_prompt_tokens)
         if ok is False and ev.end_excess_unseen:
             # prompts kvtop did not see may have finished in the same step: they add to it
@@ -171,11 +176,13 @@ def signals(ev: Evidence) -> Signals:
             checked |= ok is True
             claim = claim if out else span  # a first token at its end needs no interval's budget
             out.append(f"prompt tokens rose by {ev.window.prompt_delta:.0f} around the stall")
-    if not out and ev.prefill_rate and not _all_seen(ev, ev.unseen_prompts_at_end):
+    if not out and ev.prefill_rate and not _all_seen(ev, ev.unseen_prompts_at_end, judged):
         # no first token seen (its request may be unobserved) and no jump over the whole window:
         # the interval in which the stall ended still added more prompt tokens than usual, enough
         # at the measured rate to explain it
         extra = ev.end_prompt_excess if unexplained is None else min(ev.end_prompt_excess, unexplained)
+        if judged and ft is not None and not ev.end_excess_unseen:  # (else they are already out of it)
+            extra = max(0.0, extra - ft.total_prompt_tokens)
         span = _budget(ev, extra + ft_short) if extra and _explains(ev, extra + ft_short) else None
         if span is not None:
             checked = True

@@ -217,7 +217,8 @@ RULES: tuple[Rule, ...] = (
          "the engine timed its prompt's prefill** (vLLM's per-request metrics) **and the stall, less the part of it "
          "the engine spent on that prefill less one of the stream's decode steps (the part's most), still misses the "
          "target**: the prompt is not why it missed (the witness's own test; on real vLLM such gaps were two "
-         "engine steps, one of which ran a ten-token prompt)"),
+         "engine steps, one of which ran a ten-token prompt); nor is that request then one that waited through "
+         "the stall, nor its prompt part of the end interval's rise beyond the usual"),
     Rule("dominant", Cause.PREFILL, ("dominant",), SHARED, prefill.dominant, ("prefill/dominant",),
          "another request's first token at its end, and the gap is the longest around it and ≥ "
          f"{prefill.PREFILL_DOMINANT:g}× both the stream's pace before it and its decode-only pace after it (the "
