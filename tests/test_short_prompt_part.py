@@ -21,18 +21,27 @@ TWO_STEPS = (2.000, 2.020, 0.008)  # a decode step and the prompt's 8 ms step: 2
 ONE_STEP = (3.000, 3.014, 0.014)  # the prompt's step alone, 9 ms of it the prompt's: 14 ms
 
 
-def _write(path: Path) -> None:
-    recs: list[dict] = []
+def _streams(recs: list[dict], times: list[float], arrive: float) -> list[float]:
+    """Three decoding streams a, b, c with tokens at ``times`` (each 0.2 ms after the one before it);
+    their first-token times."""
+    firsts = []
     for i, rid in enumerate(("a", "b", "c")):
         off = 0.0002 * i
-        times = [1.0 + STEP * k for k in range(201)]  # 1.000 .. 2.000
-        times += [TWO_STEPS[1] + STEP * k for k in range(197)]  # 2.020 .. 3.000
-        times += [ONE_STEP[1] + STEP * k for k in range(200)]  # 3.014 .. 4.009
-        recs.append({"kind": "request", "t": 0.5, "id": rid, "event": "arrive", "source": "proxy"})
+        recs.append({"kind": "request", "t": arrive, "id": rid, "event": "arrive", "source": "proxy"})
         recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
         recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
         recs.append({"kind": "request", "t": 4.2, "id": rid, "event": "finish", "prompt_tokens": 30,
                      "completion_tokens": len(times)})
+        firsts.append(times[0] + off)
+    return firsts
+
+
+def _write(path: Path) -> None:
+    recs: list[dict] = []
+    times = [1.0 + STEP * k for k in range(201)]  # 1.000 .. 2.000
+    times += [TWO_STEPS[1] + STEP * k for k in range(197)]  # 2.020 .. 3.000
+    times += [ONE_STEP[1] + STEP * k for k in range(200)]  # 3.014 .. 4.009
+    _streams(recs, times, 0.5)
     for rid, (_, end, ttft) in (("p1", TWO_STEPS), ("p2", ONE_STEP)):
         first = end + 0.0008
         recs.append({"kind": "request", "t": end - 0.05, "id": rid, "event": "arrive", "source": "proxy"})
@@ -89,16 +98,9 @@ def _write_with_rate(path: Path) -> None:
         recs.append({"kind": "request", "t": t + 0.201, "id": rid, "event": "finish", "prompt_tokens": 2000,
                      "completion_tokens": 1})
         firsts.append(t + 0.2)
-    for i, rid in enumerate(("a", "b", "c")):
-        off = 0.0002 * i
-        times = [1.0 + STEP * k for k in range(201)]  # 1.000 .. 2.000
-        times += [TWO_STEPS[1] + STEP * k for k in range(397)]  # 2.020 .. 4.000
-        recs.append({"kind": "request", "t": 0.9, "id": rid, "event": "arrive", "source": "proxy"})
-        recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
-        recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
-        recs.append({"kind": "request", "t": 4.2, "id": rid, "event": "finish", "prompt_tokens": 30,
-                     "completion_tokens": len(times)})
-        firsts.append(times[0] + off)
+    times = [1.0 + STEP * k for k in range(201)]  # 1.000 .. 2.000
+    times += [TWO_STEPS[1] + STEP * k for k in range(397)]  # 2.020 .. 4.000
+    firsts += _streams(recs, times, 0.9)
     first = TWO_STEPS[1] + 0.0008
     recs.append({"kind": "request", "t": 1.97, "id": "p1", "event": "arrive", "source": "proxy"})
     recs.append({"kind": "request", "t": first, "id": "p1", "event": "first_token", "n": 1})
