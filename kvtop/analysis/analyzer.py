@@ -36,6 +36,7 @@ from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes, rate_sample
 from kvtop.analysis.attribution.spike import Spike
+from kvtop.analysis.engine_rate import RATE_MIN_PROMPT, EnginePrefillRate
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
@@ -108,9 +109,10 @@ class Analyzer:
         self.scrapes: deque[Scrape] = deque(maxlen=50_000)
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
-        # prompt tokens / observed TTFT (prompts of 256 tokens or more): its median as of each refresh
+        # prompt tokens / observed TTFT (prompts of RATE_MIN_PROMPT tokens or more): its median as of each refresh
         self._ttft_rate: RunningMedian[LogHistogram] = RunningMedian(self.acc.ttft_rate_hist, min_n=5, step=4)
         self._eng_rate: dict[str, RunningMedian[LogHistogram]] = {}  # the same, per engine (streams that name theirs)
+        self.engine_rate = EnginePrefillRate()  # the engine's own counters: whoever sent the prompts
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
         self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
         # hears every engine, GPU and host line as it goes in (the HTML report's history charts),
@@ -259,7 +261,7 @@ class Analyzer:
                 r.prompt_tokens = int(prompt)
                 r.prompt_t = t
             if gt.first_token(r, t):
-                if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= 256 and t > r.arrive_t:
+                if r.arrive_t is not None and r.prompt_tokens and r.prompt_tokens >= RATE_MIN_PROMPT and t > r.arrive_t:
                     self._ttft_rate.add(r.prompt_tokens / (t - r.arrive_t), t)
                     if r.engine is not None:
                         eh = self._eng_rate.get(r.engine)
@@ -351,6 +353,7 @@ class Analyzer:
         self.timeline.add(*point)
         url = d.get("url")
         addr = engine_address(url) if isinstance(url, str) else None
+        self.engine_rate.add(t, key, addr, d.get("prompt_tokens_total"), ttft)
         if addr is not None:
             tl = self.timelines.get(addr)
             if tl is None:
@@ -495,6 +498,7 @@ class Analyzer:
         for m in (gt.median, self._ttft_rate, *self._eng_rate.values(), self.request_times.rate,
                   *self.request_times.by_engine.values()):
             m.history.prune(keep_from - 60.0)
+        self.engine_rate.prune(keep_from - 60.0)
         spans = self.prefill_spans
         while spans and (spans[0][0].engine_prefill or (0.0, keep_from))[1] < keep_from - 60.0:
             spans.popleft()
@@ -575,8 +579,10 @@ class Analyzer:
             return measured
         if named is not None:
             h = self._eng_rate.get(named)
-            return None if h is None else h.at(t)
-        return self._ttft_rate.at(t)
+            sampled = None if h is None else h.at(t)
+        else:
+            sampled = self._ttft_rate.at(t)
+        return sampled if sampled is not None else self.engine_rate.at(t, named)
 
     # ---- results --------------------------------------------------------------------------
     def state(self) -> AnalysisState:

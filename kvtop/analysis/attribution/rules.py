@@ -28,6 +28,7 @@ from kvtop.analysis.attribution.thresholds import (
     SHARED_FRESH,
     STEP_EARLY_S,
 )
+from kvtop.analysis.engine_rate import RATE_MIN_PROMPT
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.streams import RECENT
 
@@ -197,7 +198,9 @@ RULES: tuple[Rule, ...] = (
          "beyond the usual (where the engine counts first tokens and kvtop knows the length of every prompt it "
          "saw finish there: beyond those prompts, and then a first token at its end whose prompt alone falls short "
          "adds that prompt to them: prompts of one step) explain it: those tokens at the **measured** prefill rate "
-         "(median prompt tokens / TTFT, a low estimate; on an engine that slowed, slowed as much as the stream's "
+         "(median prompt tokens / TTFT, a low estimate; where kvtop has none, the engine's prompt tokens over its "
+         f"TTFT histogram's sum, if its prompts average ≥ {RATE_MIN_PROMPT} tokens; on an engine that slowed, slowed as "
+         "much as the stream's "
          "decode-only pace is now slower than the run's median gap: an engine stepping k times slower prefills k "
          f"times slower too) cover ≥ {_pct(prefill.PREFILL_SHARE)} of the stall's excess over the stream's "
          f"decode-only pace, and that pace is under {_pct(prefill.PACE_NEAR)} of the target (else the spike is "
