@@ -244,9 +244,15 @@ class Evidence:
         span the stall; the queue's waiting requests (vLLM's ``waiting`` gauge) had none at all.
         ``judged`` of them are left out: the first tokens at the stall's end whose part of it the
         engine's own times already bounded."""
+        pending, queued = self._pending_through
+        return pending - judged > queued
+
+    @cached_property
+    def _pending_through(self) -> tuple[int, float]:
+        """(observed requests with no first token all through the stall, the engine's queue then)."""
         g = self.gap
-        n = self.stalls.pending_through(g, g.t_start, g.t_end - BURST_S, self.cut) - judged
-        return n > (self.timeline.waiting_through(g.t_start, g.t_end) or 0.0)
+        return (self.stalls.pending_through(g, g.t_start, g.t_end - BURST_S, self.cut),
+                self.timeline.waiting_through(g.t_start, g.t_end) or 0.0)
 
     @cached_property
     def queued_at(self) -> tuple[float, float, float, int] | None:
