@@ -36,7 +36,7 @@ from kvtop.analysis.attribution.aggregate import Scrape
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes, rate_sample
 from kvtop.analysis.attribution.spike import Spike
-from kvtop.analysis.engine_rate import RATE_MIN_PROMPT, EnginePrefillRate
+from kvtop.analysis.attribution.thresholds import RATE_MIN_PROMPT, RATE_MIN_PROMPTS
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
@@ -110,9 +110,8 @@ class Analyzer:
         self._hold = False  # the fast path holds attribution until a whole chunk is in
         self.acc = Tally()  # measured inputs (kvtop/analysis/inputs.py reads them)
         # prompt tokens / observed TTFT (prompts of RATE_MIN_PROMPT tokens or more): its median as of each refresh
-        self._ttft_rate: RunningMedian[LogHistogram] = RunningMedian(self.acc.ttft_rate_hist, min_n=5, step=4)
+        self._ttft_rate: RunningMedian[LogHistogram] = RunningMedian(self.acc.ttft_rate_hist, min_n=RATE_MIN_PROMPTS, step=4)
         self._eng_rate: dict[str, RunningMedian[LogHistogram]] = {}  # the same, per engine (streams that name theirs)
-        self.engine_rate = EnginePrefillRate()  # the engine's own counters: whoever sent the prompts
         self.request_preemptions = RequestPreemptions()  # vLLM's per-request histogram vs observed finishes
         self.request_times = RequestTimes()  # vLLM's per-request metrics (finish records) vs observation
         # hears every engine, GPU and host line as it goes in (the HTML report's history charts),
@@ -348,12 +347,13 @@ class Analyzer:
         key = (d.get("url"), d.get("engine"))
         ttft = d.get("ttft")
         firsts = ttft.get("count") if isinstance(ttft, dict) else None
+        ttft_sum = ttft.get("sum") if isinstance(ttft, dict) else None
         point = (t, key, d.get("running"), d.get("waiting"), d.get("kv_usage"), d.get("preemptions_total"),
-                 d.get("prompt_tokens_total"), firsts if isinstance(firsts, (int, float)) else None)
+                 d.get("prompt_tokens_total"), firsts if isinstance(firsts, (int, float)) else None,
+                 ttft_sum if isinstance(ttft_sum, (int, float)) else None)
         self.timeline.add(*point)
         url = d.get("url")
         addr = engine_address(url) if isinstance(url, str) else None
-        self.engine_rate.add(t, key, addr, d.get("prompt_tokens_total"), ttft)
         if addr is not None:
             tl = self.timelines.get(addr)
             if tl is None:
@@ -498,7 +498,6 @@ class Analyzer:
         for m in (gt.median, self._ttft_rate, *self._eng_rate.values(), self.request_times.rate,
                   *self.request_times.by_engine.values()):
             m.history.prune(keep_from - 60.0)
-        self.engine_rate.prune(keep_from - 60.0)
         spans = self.prefill_spans
         while spans and (spans[0][0].engine_prefill or (0.0, keep_from))[1] < keep_from - 60.0:
             spans.popleft()
@@ -582,7 +581,10 @@ class Analyzer:
             sampled = None if h is None else h.at(t)
         else:
             sampled = self._ttft_rate.at(t)
-        return sampled if sampled is not None else self.engine_rate.at(t, named)
+        if sampled is not None:
+            return sampled
+        tl = self.timeline if named is None else self.timelines.get(named)
+        return None if tl is None else tl.prefill_rate_at(t)
 
     # ---- results --------------------------------------------------------------------------
     def state(self) -> AnalysisState:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.analysis.asof import RunningMedian
+from kvtop.analysis.attribution.thresholds import RATE_MIN_PROMPTS
 from kvtop.analysis.gaps import LogHistogram
 from kvtop.model.analysis import EngineRequestTimes
 
@@ -37,7 +38,7 @@ QUEUED_S = 0.1  # a request that waited this long before it was first scheduled 
 
 def rate_sample() -> RunningMedian[LogHistogram]:
     """A prefill rate's sample: tokens/s from 1 up, its median from 5 samples on."""
-    return RunningMedian(LogHistogram(lo=1.0, bins=1000), min_n=5, step=4)
+    return RunningMedian(LogHistogram(lo=1.0, bins=1000), min_n=RATE_MIN_PROMPTS, step=4)
 
 
 def _median(xs: list[float]) -> float | None:

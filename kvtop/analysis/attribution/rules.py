@@ -22,13 +22,13 @@ from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
     KV_HIGH,
+    RATE_MIN_PROMPT,
     REL_PREEMPT,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,
     STEP_EARLY_S,
 )
-from kvtop.analysis.engine_rate import RATE_MIN_PROMPT
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.streams import RECENT
 

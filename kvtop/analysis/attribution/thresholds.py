@@ -16,6 +16,11 @@ SHARED_FRESH = 0.5  # this share of the other active streams falling silent and 
 PROMPT_JUMP_MIN = 512  # prompt tokens: a smaller rise is no prefill large enough to stall decoding
 PROMPT_JUMP_REL = 1.5  # ... and it must be this much above what the scrapes add at the usual rate
 STEP_EARLY_S = 0.25  # a counter step may be read this long before the stall's start (scrape skew)
+# A prefill rate read from prompts and their TTFT: a prompt shorter than this spends its TTFT on the
+# step it rode in, not on its prefill (kvtop's own TTFT sample takes no shorter prompt, the engine's
+# counters are read only where its prompts average at least this); read from this many prompts on.
+RATE_MIN_PROMPT = 256
+RATE_MIN_PROMPTS = 5
 # A victim is silent through its wait for re-admission and the step that re-prefills it. A silence
 # under this many of the stream's recent gaps was no such turn (it claims no counter unit, and no unit
 # is left waiting for it): on the witnessed vLLM rounds A-L the preemption calls on such gaps (the

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from kvtop.analysis.asof import union_length
-from kvtop.analysis.attribution.thresholds import STEP_EARLY_S
+from kvtop.analysis.attribution.thresholds import RATE_MIN_PROMPT, RATE_MIN_PROMPTS, STEP_EARLY_S
 from kvtop.model.records import EngineKey
 
 INTERVALS = 64  # scrape intervals the usual interval is the median of
@@ -46,16 +46,22 @@ class _Key:
     last_pre: float | None = None
     last_prompt: float | None = None
     last_first: float | None = None
+    last_ttft: float | None = None
     last_t: float | None = None
     pre_cum: float = 0.0
     prompt_cum: float = 0.0
     first_cum: float = 0.0
+    ttft_cum: float = 0.0
+    # the prompt, first-token and TTFT-sum counters as first read: with the cumulative lists, what the
+    # engine counted since it started (its prefills before kvtop began included)
+    base: list[float | None] = field(default_factory=lambda: [None, None, None])
     t: list[float] = field(default_factory=list)
     running: list[float | None] = field(default_factory=list)
     waiting: list[float | None] = field(default_factory=list)
     kv: list[float | None] = field(default_factory=list)
     prompt: list[float] = field(default_factory=list)
     first: list[float | None] = field(default_factory=list)  # cumulative engine first-token count
+    ttft: list[float | None] = field(default_factory=list)  # cumulative sum of the engine's TTFT histogram
     head: int = 0
 
 
@@ -87,7 +93,8 @@ class EngineTimeline:
         self.prefill_claims: dict[float, list[tuple[float, float]]] = {}
 
     def add(self, t: float, key: EngineKey, running: float | None, waiting: float | None,
-            kv: float | None, pre: float | None, prompt: float | None, first: float | None = None) -> None:
+            kv: float | None, pre: float | None, prompt: float | None, first: float | None = None,
+            ttft: float | None = None) -> None:
         k = self.keys.get(key)
         if k is None:
             k = self.keys[key] = _Key()
@@ -109,6 +116,12 @@ class EngineTimeline:
         if first is not None:
             k.first_cum += _inc(k.last_first, first)
             k.last_first = first
+        if ttft is not None:
+            k.ttft_cum += _inc(k.last_ttft, ttft)
+            k.last_ttft = ttft
+        for i, v in enumerate((prompt, first, ttft)):
+            if k.base[i] is None and v is not None:
+                k.base[i] = v
         k.last_t = t
         k.t.append(t)
         k.running.append(running)
@@ -116,6 +129,7 @@ class EngineTimeline:
         k.kv.append(kv)
         k.prompt.append(k.prompt_cum)
         k.first.append(None if first is None else k.first_cum)
+        k.ttft.append(None if ttft is None else k.ttft_cum)
         if len(k.t) - k.head > 4096 or (k.head > 2048):
             self._compact(k, t)
 
@@ -124,7 +138,7 @@ class EngineTimeline:
         if cut > k.head:
             k.head = cut
         if k.head > 2048:
-            for name in ("t", "running", "waiting", "kv", "prompt", "first"):
+            for name in ("t", "running", "waiting", "kv", "prompt", "first", "ttft"):
                 lst = getattr(k, name)
                 del lst[: k.head]
             k.head = 0
@@ -387,6 +401,24 @@ class EngineTimeline:
             if k.head < i < len(k.t):
                 tot = (tot or 0.0) + k.prompt[i] - k.prompt[i - 1]
         return tot
+
+    def prefill_rate_at(self, t: float) -> float | None:
+        """The engine's own prefill rate as of ``t``: the prompt tokens it counted since it started
+        over the sum of its TTFT histogram (all instances), whoever sent the prompts. TTFT holds
+        queueing and the decode work of the steps that prefilled, so it is a low estimate, like
+        kvtop's own sample; None before ``RATE_MIN_PROMPTS`` first tokens, or where the prompts
+        average under ``RATE_MIN_PROMPT`` tokens (on real vLLM, prompts of 50-75 tokens read a rate so
+        low that it explained nearly any stall: docs/real-engines.md 7.11)."""
+        p = n = s = 0.0
+        for k in self.keys.values():
+            i = bisect_right(k.t, t, k.head) - 1
+            if i < k.head or k.first[i] is None or k.ttft[i] is None or None in k.base:
+                continue
+            b0, b1, b2 = k.base
+            p += (b0 or 0.0) + k.prompt[i]
+            n += (b1 or 0.0) + (k.first[i] or 0.0)
+            s += (b2 or 0.0) + (k.ttft[i] or 0.0)
+        return p / s if n >= RATE_MIN_PROMPTS and s > 0 and p >= RATE_MIN_PROMPT * n else None
 
     def firsts_at(self, t: float) -> tuple[float, float, float] | None:
         """The engine's first-token count over the scrape interval in which ``t`` falls, and that
