@@ -85,9 +85,8 @@ def analyze(path: str, itl_target_s: float) -> Analyzer:
     from kvtop.analysis import fastscan
 
     reader = TraceReader(path)
-    preempts, _, counted_at, _ = engine_semantics((reader.header.get("engine") or {}).get("adapter"))
-    an = Analyzer(itl_target_s=itl_target_s, preempts=preempts)
-    an.counted_at = counted_at
+    an = Analyzer(itl_target_s=itl_target_s)
+    an.use_engine(engine_semantics((reader.header.get("engine") or {}).get("adapter")))
     an.set_header(reader.header)
     if fastscan.available():
         reader.close()

@@ -65,6 +65,9 @@ class VllmAdapter(EngineAdapter):
     )
     preempts = True
     preempt_counted_at = "resume"  # V1 counts a preemption when the victim is scheduled again
+    # --scheduling-policy fcfs (the default) admits the waiting queue in arrival order and stops at
+    # the first request it cannot place; "priority" orders by each request's priority, then arrival
+    admits_in_order = True
     version_path = "/version"  # {"version": "0.32.0"}: the advisor picks the flags of that version
     settings = {
         Setting.MAX_SEQS: "--max-num-seqs",

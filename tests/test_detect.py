@@ -142,6 +142,7 @@ def test_plugins_describe_prints_what_the_adapter_reads(engine, capsys):
     d = json.loads(capsys.readouterr().out)
     cls = load_adapter(engine)
     assert d["fields"] == sorted(cls.fields) and d["preempts"] is cls.preempts
+    assert d["admits_in_order"] is cls.admits_in_order
     # the advisor names the engine's own flag; the description must carry it
     for setting, flag in cls.settings.items():
         assert d["settings"][setting.value] == flag

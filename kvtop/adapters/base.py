@@ -94,6 +94,12 @@ class EngineAdapter(ABC):
     # scheduled again, never for one cancelled while waiting), "retract" (SGLang counts when it
     # happens) or None (unknown). The attribution rules read a stall's counter evidence by it.
     preempt_counted_at: ClassVar[Literal["resume", "retract"] | None] = None
+    # True where the engine admits waiting prompts in arrival order within a request class (a
+    # priority tier: kvtop reads it as the request's class), so a prompt that came later, no shorter
+    # and of the same class, cannot finish its prefill first: the attribution then knows an earlier
+    # request's first token, delivered late, came out of a step no later than the later one's.
+    # False where the engine may reorder (SGLang's longest-prefix-match policy) or nobody checked.
+    admits_in_order: ClassVar[bool] = False
     # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).

@@ -37,7 +37,7 @@ from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes, rate_sample
 from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.thresholds import RATE_MIN_PROMPT, RATE_MIN_PROMPTS
-from kvtop.analysis.engines import engine_semantics
+from kvtop.analysis.engines import EngineSemantics, engine_semantics
 from kvtop.analysis.gaps import Gap, GapTracker, LogHistogram
 from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.stepcurve import StepCurve
@@ -79,6 +79,7 @@ class Analyzer:
         self.horizon_s = horizon_s
         self.use_request_preempts = use_request_preempts
         self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
+        self.in_order = False  # the engine admits prompts in arrival order (its adapter says)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
         # the same engine records by engine address (``engine_address`` of their url): a spike on a
@@ -144,11 +145,18 @@ class Analyzer:
         return self.gaps.n_gaps
 
     # ---- setup ----------------------------------------------------------------------------
+    def use_engine(self, sem: EngineSemantics) -> None:
+        """Judge by the semantics of this engine's adapter."""
+        self.preempts = sem.preempts
+        self.counted_at = sem.counted_at
+        self.in_order = sem.in_order
+
     def set_header(self, h: dict[str, Any]) -> None:
         self.header = h
         name = (h.get("engine") or {}).get("adapter")
         if name and self.counted_at is None:
-            self.counted_at = engine_semantics(name)[2]
+            sem = engine_semantics(name)
+            self.counted_at, self.in_order = sem.counted_at, sem.in_order
         iv = header_interval(h)
         if iv is not None:
             self.timeline.interval_s = iv  # the recorder's scrape period, until scrapes show theirs
@@ -526,7 +534,7 @@ class Analyzer:
         cut = cutoff(g, settle, self.engine_times_from)
         ev = gather(g, gt.stalls, gt.median_gap(cut.facts), gt.itl_target_s, self.timeline_for(g.engine), self.preempts,
                     settle, cut, r.engine_preempts if r else None, self.counted_at, self.prefill_rate(g.engine, cut.facts),
-                    r.last_spike if r else None, witness=self.witness_account(g),
+                    r.last_spike if r else None, witness=self.witness_account(g), in_order=self.in_order,
                     prefill_span=self.prefill_span(g, cut) if self.prefill_spans else None)
         f = classify(ev)
         if f.kind == "witness":

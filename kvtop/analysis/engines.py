@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvtop.plugin import PluginError, load_adapter
 
 
-def engine_semantics(name: str | None) -> tuple[bool, dict[str, str], str | None, str | None]:
-    """(preempts, setting names, when its preemption counter steps, warning) from the adapter named
-    ``name``. The counting moment is "resume" (vLLM V1: when the victim is scheduled again),
-    "retract" (SGLang) or None (not stated: any step near the stall counts)."""
+class EngineSemantics(NamedTuple):
+    """What an engine's adapter says about it (``kvtop.adapters.base.Adapter``)."""
+
+    preempts: bool  # it ever preempts a running request
+    settings: dict[str, str]  # its spelling of each setting the advisor names
+    counted_at: str | None  # when its preemption counter steps: "resume", "retract", None (not stated)
+    in_order: bool  # it admits prompts in arrival order within a request class (``admits_in_order``)
+    warning: str | None  # why the adapter could not be read
+
+
+def engine_semantics(name: str | None) -> EngineSemantics:
+    """The semantics of the adapter named ``name``. The counting moment is "resume" (vLLM V1: when
+    the victim is scheduled again), "retract" (SGLang) or None (not stated: any step near the stall
+    counts)."""
     if not name:
-        return True, {}, None, None
+        return EngineSemantics(True, {}, None, False, None)
     try:
         cls = load_adapter(name)
     except PluginError as e:
-        return True, {}, None, f"engine-specific settings unavailable: {e}"
+        return EngineSemantics(True, {}, None, False, f"engine-specific settings unavailable: {e}")
     counted = cls.preempt_counted_at
     settings: dict[str, str] = {k: v for k, v in cls.settings.items()}
-    return (bool(cls.preempts), settings,
-            counted if counted in ("resume", "retract") else None, None)
-
+    return EngineSemantics(bool(cls.preempts), settings, counted if counted in ("resume", "retract") else None,
+                           bool(cls.admits_in_order), None)

@@ -63,10 +63,10 @@ class LiveAnalyzer:
 
     def _set_adapter(self, name: str) -> None:
         self._adapter = name
-        preempts, self._settings, counted_at, warn = engine_semantics(name)
-        self.an.preempts = preempts
-        self.an.counted_at = counted_at
-        self._warn = [warn] if warn else []
+        sem = engine_semantics(name)
+        self._settings = sem.settings
+        self.an.use_engine(sem)
+        self._warn = [sem.warning] if sem.warning else []
 
     def feed(self, rec: Record) -> None:
         an = self.an

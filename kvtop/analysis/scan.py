@@ -55,9 +55,10 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
     reader = TraceReader(path)
     header = reader.header
     eng = (header.get("engine") or {}).get("adapter")
-    preempts, settings, counted_at, warn = engine_semantics(eng)
-    an = Analyzer(itl_target_s=itl_target_s, preempts=preempts, use_request_preempts=use_request_preempts)
-    an.counted_at = counted_at
+    sem = engine_semantics(eng)
+    settings, warn = sem.settings, sem.warning
+    an = Analyzer(itl_target_s=itl_target_s, use_request_preempts=use_request_preempts)
+    an.use_engine(sem)
     an.set_header(header)
     an.observe = observe
     warnings = [warn] if warn else []

@@ -34,6 +34,7 @@ def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
         vs.append(v)
 
 
+
 class StallIndex:
     def __init__(self) -> None:
         self.long: list[Gap] = []  # long gaps by t_end (co-stall search)
@@ -424,8 +425,8 @@ class StallIndex:
             i += 1
         return n, tokens, unsized
 
-    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float,
-                         cut: Cutoff) -> tuple[str, int | None, int, int, float | None] | None:
+    def first_token_near(self, g: Gap, median_gap: float | None, opening_s: float, cut: Cutoff,
+                         in_order: bool = False) -> tuple[str, int | None, int, int, float | None] | None:
         """Other requests' first tokens close to the spike's end: (the one with the longest prompt,
         its prompt tokens, the prompt tokens of all of them, how many). Prompts admitted in one
         engine step get their first tokens together, and the step's length is their sum. Close: within
@@ -437,7 +438,11 @@ class StallIndex:
         against real vLLM's own step log at targets of a few decode steps, such first tokens, 10-40 ms
         after a 10 ms stall, were almost all a prompt admitted just after it). Nor a prompt whose
         prefill the engine itself timed outside the stall (vLLM's per-request metrics): scored against
-        real vLLM's own step log, such first tokens were almost never the stall's cause. Last: how
+        real vLLM's own step log, such first tokens were almost never the stall's cause. Nor, on an
+        engine that admits prompts in arrival order (``in_order``), one that a later request
+        overtook (``overtaken``): its prefill was over before the stall began, and its first token
+        was only delivered late (scored against real vLLM's own step log, the stragglers of a burst
+        of arrivals whose first tokens came a step after the others' were all decode steps). Last: how
         much of the stall the engine spent on their prefills by its own times (the union of their
         engine-timed prefills within the stall), None where one of them is not engine-timed."""
         base = g.stream_baseline or median_gap or 0.02
@@ -453,7 +458,8 @@ class StallIndex:
             p = prompt_of(r, cut)
             sp = engine_prefill_of(r, cut)
             if (rid != g.request_id and t > g.t_start + opening_s and t <= g.t_end + g.gap and not (multi and e != eng)
-                    and (sp is None or not outside(sp, g.t_start, g.t_end))):
+                    and (sp is None or not outside(sp, g.t_start, g.t_end))
+                    and not (in_order and self.overtaken(r, g, g.t_start + opening_s, cut))):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
@@ -464,6 +470,25 @@ class StallIndex:
                     timed.append((max(sp[0], g.t_start), min(sp[1], g.t_end)))
             i += 1
         return None if best is None else (best[0], best[1], total, n, None if timed is None else union_length(timed))
+
+    def overtaken(self, r: ReqState, g: Gap, by: float, cut: Cutoff) -> bool:
+        """A request (of the spike's engine) that arrived after ``r``, of the same class and with a
+        prompt no shorter (either length unknown: ``r``'s only), had its first token by ``by``. On an
+        engine that admits prompts in arrival order, ``r``'s prefill was then over by ``by`` too: a
+        later prompt cannot finish first unless it is shorter (a long prompt's chunks leave room for
+        a short one in the same step) or of a class a priority policy puts first."""
+        ra = r.arrive_t
+        if ra is None:
+            return False
+        pr = prompt_of(r, cut)
+        for t, q in reversed(self.arrivals):
+            if t <= ra:
+                break
+            if (q.first_t is not None and q.first_t <= by and q.cls == r.cls
+                    and not (self.multi and q.engine != g.engine)
+                    and (pr is None or (prompt_of(q, cut) or 0) >= pr)):
+                return True
+        return False
 
     def prune(self, keep_from: float, ended_before: float) -> None:
         """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""

@@ -34,6 +34,7 @@ def _describe(name: str) -> dict[str, Any]:
         "fields": sorted(cls.fields),
         "preempts": cls.preempts,
         "preempt_counted_at": cls.preempt_counted_at,
+        "admits_in_order": cls.admits_in_order,
         "extra_paths": list(cls.extra_paths),
         "settings": {s.value: flag for s, flag in cls.settings.items()},
     }
@@ -43,6 +44,7 @@ def _print_description(d: dict[str, Any]) -> None:
     print(f"{d['name']}: {d['description']}")
     counted = f" (counted at {d['preempt_counted_at']})" if d["preempts"] and d["preempt_counted_at"] else ""
     print(f"preempts: {'yes' if d['preempts'] else 'never'}{counted}")
+    print(f"admits prompts in arrival order: {'yes' if d['admits_in_order'] else 'not known'}")
     if d["extra_paths"]:
         print("also reads: " + ", ".join(d["extra_paths"]))
     print("fields: " + ", ".join(d["fields"]))

@@ -427,7 +427,8 @@ def decode_pace(g: Gap, baseline: float | None, baseline_is_stream: bool, compan
 def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | None, timeline: EngineTimeline,
            preempts: bool, settle: float, cut: Cutoff, engine_preempts: list[float] | None = None, counted_at: str | None = None,
            prefill_rate: float | None = None, prev_spike: Spike | None = None,
-           witness: Account | None = None, prefill_span: tuple[float, float, int, str] | None = None) -> Evidence:
+           witness: Account | None = None, prefill_span: tuple[float, float, int, str] | None = None,
+           in_order: bool = False) -> Evidence:
     """Build the evidence for spike ``g`` (called once it has settled: ``settle`` after its end),
     from what was known by its cut-offs (``cut``).
 
@@ -446,7 +447,7 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
     else:
         co, co_med, fresh, together = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.interval_at(cut.facts)
-    ft = stalls.first_token_near(g, median, BURST_S, cut)
+    ft = stalls.first_token_near(g, median, BURST_S, cut, in_order)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
