@@ -183,6 +183,18 @@ def test_a_straggler_of_a_burst_whose_first_token_came_late_is_not_the_next_step
         assert logged == "slow_decode" and cause != "prefill_interference" and "359215d4" not in why, (rid, cause)
 
 
+def test_a_victim_resuming_as_two_decode_steps_end_did_not_hold_them_with_its_re_prefill():
+    # round U's 8 x 900 storm at its tight target (7.3 ms, 2.5x a 2.9 ms step): three victims resumed at
+    # 12.96 s; the two decoding streams' next gaps, 7-8 ms to 12.967 s (2x their recent gaps), ended as
+    # another stream came back, and likewise at 14.903 s. The engine's log: two decode steps each, no
+    # recompute token in them (vLLM re-prefills a victim resumed soon from its cached blocks). They
+    # were called prefill/recompute before (docs/real-engines.md 7.17)
+    _, got = _spikes("U", "storm8x900")
+    for key in (("5440e550", 12.967), ("ccb4feba", 12.967), ("ccb4feba", 14.903)):
+        cause, _, logged, _ = got[key]
+        assert logged == "slow_decode" and cause != "prefill_interference", (key, cause)
+
+
 def test_the_rounds_recorded_after_the_prefill_changes_meet_the_issues_targets(by_round):
     # rounds AC-AD were recorded after the changes of docs/real-engines.md 7.6 and scored once
     # (preemption 1.00 / 0.99 at both targets, prefill 1.00 / 1.00 and 0.97 / 0.99, 16 of 1,358 other gaps

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
-from kvtop.analysis.attribution.thresholds import REL_SLOW
+from kvtop.analysis.attribution.thresholds import REL_RECOMPUTE, REL_SLOW
 from kvtop.analysis.gaps import BURST_S
 
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
@@ -48,6 +48,12 @@ def _outlier(ev: Evidence) -> bool:
     short)."""
     rel = ev.rel
     return not (ev.baseline_is_stream and rel is not None and rel < REL_SLOW)
+
+
+def _holds_a_turn(ev: Evidence) -> bool:
+    """The stall is long enough to have held a resumed victim's re-prefill (``REL_RECOMPUTE``)."""
+    rel = ev.rel
+    return not (ev.baseline_is_stream and rel is not None and rel < REL_RECOMPUTE)
 
 
 def _pace_misses(ev: Evidence) -> bool:
@@ -256,7 +262,7 @@ def span(ev: Evidence) -> Finding | Signs | None:
 def recompute(ev: Evidence) -> Finding | Signs | None:
     """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
     and re-prefilled (its recompute tokens are in no counter)."""
-    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter) or not _outlier(ev):
+    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter) or not _outlier(ev) or not _holds_a_turn(ev):
         return None
     d = ev.counter_delta()
     if d < 1:
@@ -285,7 +291,7 @@ def resumed(ev: Evidence) -> Finding | None:
     ended: that waiting stream's re-prefill (a preemption victim's recompute, in no prompt counter)
     held the step the lone decoder waited for. Scored against real vLLM's step log, these were the
     recompute steps of a storm's survivors; the stream's own pace must keep the target."""
-    if not ev.preempts or not ev.resumed or not _outlier(ev):
+    if not ev.preempts or not ev.resumed or not _outlier(ev) or not _holds_a_turn(ev):
         return None
     if _pace_misses(ev):
         return None

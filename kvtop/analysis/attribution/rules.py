@@ -24,6 +24,7 @@ from kvtop.analysis.attribution.thresholds import (
     KV_HIGH,
     RATE_MIN_PROMPT,
     REL_PREEMPT,
+    REL_RECOMPUTE,
     REL_SLOW,
     RESUME_LEAD_S,
     SHARED_FRESH,
@@ -244,7 +245,8 @@ RULES: tuple[Rule, ...] = (
          "on an engine that counts preemptions at resume (vLLM V1), the counter stepped at its end with no new "
          "prompt and a victim was seen resuming as it ended (another stream, silent since before it, came back "
          "with it: within a quarter of its length, ≥ 50 ms, and inside it; after its end by no more than its length): that victim's re-prefill (recompute tokens are in no "
-         f"counter), on a stall ≥ {REL_SLOW:g}× the stream's own recent gaps. A counter step with no victim seen is no call: in a storm the counter steps near almost any "
+         f"counter), on a stall ≥ {REL_RECOMPUTE:g}× the stream's own recent gaps (a victim resumed as a shorter one "
+         "ended re-prefilled from the prefix cache: real vLLM's log held no recompute token in such stalls). A counter step with no victim seen is no call: in a storm the counter steps near almost any "
          "stall (scored against real vLLM's own step log, such steps were almost always another stall's). A stall "
          "longer than one "
          f"re-prefill step ({prefill.RECOMPUTE_STEP_S:g} s) takes `prefill/recompute-long`, a much lower "
@@ -252,7 +254,7 @@ RULES: tuple[Rule, ...] = (
     Rule("alone-resumed", Cause.PREFILL, ("recompute",), ALONE, prefill.resumed, ("prefill/resumed",),
          "on an engine that preempts, the only decoding stream stalled (the others silent since before it) and "
          "one of the waiting streams resumed as it ended (as in `recompute`): its re-prefill held the lone "
-         f"decoder's step; the stall ≥ {REL_SLOW:g}× the stream's recent gaps and its own pace within the target, "
+         f"decoder's step; the stall ≥ {REL_RECOMPUTE:g}× the stream's recent gaps and its own pace within the target, "
          f"and the preemption counter stepped within {prefill.RESUMED_AFTER_S:g} s before its end (else no victim "
          "was waiting)"),
     Rule("mass", Cause.PREEMPTION, ("mass",), SHARED, _mass, ("preemption/mass",),

@@ -27,6 +27,12 @@ RATE_MIN_PROMPTS = 5
 # counter steps near almost any stall in a storm) were right 5 of 86 times, above it 1,001 of 1,010
 # (held out, rounds M-N: 0 of 9 and 144 of 145).
 REL_PREEMPT = 5.0
+# A victim resuming as a stall of under this many of the stream's recent gaps ended did not hold it
+# with its re-prefill (vLLM keeps a preempted request's blocks hashed, so a victim resumed soon after
+# re-prefills from the prefix cache): on the witnessed vLLM rounds A-AL at 2.5x the decode step, the
+# recompute readings of such stalls (two decode steps, mostly) were right 9 of 39 times, and real
+# vLLM's log held no recompute token in the steps of the wrong ones; from 3x to 5x, 37 of 84.
+REL_RECOMPUTE = 3.0
 
 # When the counter steps (the engine adapter's ``preempt_counted_at``): vLLM V1 counts a preemption
 # when the victim is scheduled again, then re-prefills it and emits a token; SGLang counts at
