@@ -440,26 +440,19 @@ class StallIndex:
         prefill the engine itself timed outside the stall (vLLM's per-request metrics): scored against
         real vLLM's own step log, such first tokens were almost never the stall's cause. Nor, on an
         engine that admits prompts in arrival order (``in_order``), one that a later request
-        overtook (``overtaken``): its prefill was over before the stall began, and its first token
+        overtook (``overtaker``): its prefill was over before the stall began, and its first token
         was only delivered late (scored against real vLLM's own step log, the stragglers of a burst
         of arrivals whose first tokens came a step after the others' were all decode steps). Last: how
         much of the stall the engine spent on their prefills by its own times (the union of their
         engine-timed prefills within the stall), None where one of them is not engine-timed."""
-        base = g.stream_baseline or median_gap or 0.02
-        delta = max(0.05, 2.0 * base)
-        ft = self.first_tokens
-        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
         best: tuple[str, int | None] | None = None
         total = n = 0
         timed: list[tuple[float, float]] | None = []
-        multi, eng = self.multi, g.engine
-        while i < len(ft) and ft[i][0] <= g.t_end + delta:
-            t, rid, r, e = ft[i]
+        for rid, r in self._first_tokens_at_end(g, median_gap, opening_s):
             p = prompt_of(r, cut)
             sp = engine_prefill_of(r, cut)
-            if (rid != g.request_id and t > g.t_start + opening_s and t <= g.t_end + g.gap and not (multi and e != eng)
-                    and (sp is None or not outside(sp, g.t_start, g.t_end))
-                    and not (in_order and self.overtaken(r, g, g.t_start + opening_s, cut))):
+            if ((sp is None or not outside(sp, g.t_start, g.t_end))
+                    and not (in_order and self.overtaker(r, g, g.t_start + opening_s, cut))):
                 total += p or 0
                 n += 1
                 if best is None or (p or 0) > (best[1] or 0):
@@ -468,10 +461,34 @@ class StallIndex:
                     timed = None
                 elif timed is not None:
                     timed.append((max(sp[0], g.t_start), min(sp[1], g.t_end)))
-            i += 1
         return None if best is None else (best[0], best[1], total, n, None if timed is None else union_length(timed))
 
-    def overtaken(self, r: ReqState, g: Gap, by: float, cut: Cutoff) -> bool:
+    def _first_tokens_at_end(self, g: Gap, median_gap: float | None, opening_s: float) -> Iterator[tuple[str, ReqState]]:
+        """Other requests (of the spike's engine) whose first tokens came close to its end, as
+        ``first_token_near`` reads close, before it asks where their prefills were."""
+        base = g.stream_baseline or median_gap or 0.02
+        delta = max(0.05, 2.0 * base)
+        ft = self.first_tokens
+        i = bisect_left(ft, (g.t_end - delta,), self.ft_head)
+        while i < len(ft) and ft[i][0] <= g.t_end + delta:
+            t, rid, r, e = ft[i]
+            if (rid != g.request_id and t > g.t_start + opening_s and t <= g.t_end + g.gap
+                    and not (self.multi and e != g.engine)):
+                yield rid, r
+            i += 1
+
+    def late_first_token(self, g: Gap, median_gap: float | None, opening_s: float,
+                         cut: Cutoff) -> tuple[str, str] | None:
+        """A first token at the spike's end that a later request beat (``overtaker``), and that
+        request: (its request, the overtaker's). What ``first_token_near`` leaves out on an engine
+        that admits prompts in arrival order, for the answer to say why."""
+        for rid, r in self._first_tokens_at_end(g, median_gap, opening_s):
+            q = self.overtaker(r, g, g.t_start + opening_s, cut)
+            if q is not None:
+                return rid, q
+        return None
+
+    def overtaker(self, r: ReqState, g: Gap, by: float, cut: Cutoff) -> str | None:
         """A request (of the spike's engine) that arrived after ``r``, of the same class and with a
         prompt no shorter (either length unknown: ``r``'s only), had its first token by ``by``. On an
         engine that admits prompts in arrival order, ``r``'s prefill was then over by ``by`` too: a
@@ -479,7 +496,7 @@ class StallIndex:
         a short one in the same step) or of a class a priority policy puts first."""
         ra = r.arrive_t
         if ra is None:
-            return False
+            return None
         pr = prompt_of(r, cut)
         for t, q in reversed(self.arrivals):
             if t <= ra:
@@ -487,8 +504,8 @@ class StallIndex:
             if (q.first_t is not None and q.first_t <= by and q.cls == r.cls
                     and not (self.multi and q.engine != g.engine)
                     and (pr is None or (prompt_of(q, cut) or 0) >= pr)):
-                return True
-        return False
+                return q.id
+        return None
 
     def prune(self, keep_from: float, ended_before: float) -> None:
         """Drop evidence older than ``keep_from``; ended streams that ended before ``ended_before``."""

@@ -86,6 +86,7 @@ class Evidence:
     # a young stream's (``YOUNG_GAPS``): the decode-only pace of the older streams stalled with it
     company_pace: float | None = None
     run_median: float | None = None  # the run's median gap so far (every stream's)
+    in_order: bool = False  # the engine admits prompts in arrival order (its adapter's ``admits_in_order``)
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -400,6 +401,18 @@ class Evidence:
             conf *= DISCOUNT[n]
         return Finding(cause, conf, lines + why, kind, key=key, discounts=names)
 
+    def late_first_token_line(self) -> list[str]:
+        """Why a first token at the stall's end was not read as its prefill, where a later request
+        beat it (``StallIndex.late_first_token``): for the answer that no signal explained it."""
+        if not self.in_order:
+            return []
+        late = self.stalls.late_first_token(self.gap, self.run_median, BURST_S, self.cut)
+        if late is None:
+            return []
+        return [f"request {late[0]}'s first token came at its end, but request {late[1]}, which arrived after it, "
+                "had its first token before the stall began: this engine admits prompts in arrival order, so that "
+                "prefill was over (its first token was delivered late)"]
+
     def context_lines(self) -> list[str]:
         """How the stall compares with its stream and with the other streams (leads every answer)."""
         out = []
@@ -456,4 +469,4 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
         typical_prompt_delta=timeline.typical_prompt_delta(cut.facts), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,
         has_counter=timeline.has_counter, tol=1.5 * si + 0.25, timeline=timeline, stalls=stalls, cut=cut, witness=witness,
-        prefill_span=prefill_span, company_pace=company, run_median=median)
+        prefill_span=prefill_span, company_pace=company, run_median=median, in_order=in_order)

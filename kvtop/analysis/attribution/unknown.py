@@ -17,10 +17,11 @@ def lone(ev: Evidence) -> Finding:
     else:
         why = ("a lone stall without preemption evidence (no counter step, KV not near full, "
                "no running/waiting change)" if ev.preempts else "a lone stall (this engine never preempts)")
-    return ev.found(Cause.UNKNOWN, "unknown/lone", [why], "lone", weighed=False)
+    return ev.found(Cause.UNKNOWN, "unknown/lone", [why] + ev.late_first_token_line(), "lone", weighed=False)
 
 
 def shared(ev: Evidence) -> Finding:
     """Every decoding stream stalled together and no rule explained it."""
     return ev.found(Cause.UNKNOWN, "unknown/shared",
-                    ["all streams stalled together without a prefill or preemption signal"], "shared", weighed=False)
+                    ["all streams stalled together without a prefill or preemption signal"]
+                    + ev.late_first_token_line(), "shared", weighed=False)
