@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtop.analysis.scan import analyze_trace
-from tests.trace_files import write_trace
+from tests.trace_files import decoding_streams, write_trace
 
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
@@ -23,12 +23,7 @@ def _write(path: Path, prompt: int) -> None:
     recs: list[dict] = []
     times = [1.0 + 0.02 * k for k in range(251)]  # 1.00 .. 6.00
     times += [STALL[1] + 0.02 * k for k in range(186)]  # 6.30 .. 10.00
-    for i, rid in enumerate(("a", "b", "c")):
-        off = 0.0002 * i
-        recs.append({"kind": "request", "t": 0.95, "id": rid, "event": "arrive", "source": "proxy"})
-        recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
-        recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
-        recs.append({"kind": "request", "t": 10.1, "id": rid, "event": "finish", "completion_tokens": len(times)})
+    decoding_streams(recs, times, 0.95, 10.1)
     for k in range(11):
         t = 0.5 + k
         n, tokens, ttft = 5, 5 * prompt, 1.0  # the unobserved prompts before the streams began

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtop.analysis.scan import analyze_trace
-from tests.trace_files import write_trace
+from tests.trace_files import decoding_streams, write_trace
 
 STEP = 0.005
 TARGET = 0.012
@@ -21,12 +21,7 @@ BURST = 1.9  # when the two prompts arrived: the straggler first, then the one t
 def _write(path: Path, adapter: str, classes: tuple[str | None, str | None] = (None, None)) -> None:
     recs: list[dict] = []
     times = [1.0 + STEP * k for k in range(201)] + [STALL[1] + STEP * k for k in range(200)]
-    for i, rid in enumerate(("a", "b", "c")):
-        off = 0.0002 * i
-        recs.append({"kind": "request", "t": 0.5, "id": rid, "event": "arrive", "source": "proxy"})
-        recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
-        recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
-        recs.append({"kind": "request", "t": 3.1, "id": rid, "event": "finish", "completion_tokens": len(times)})
+    decoding_streams(recs, times, 0.5, 3.1)
     # the straggler's first token came out of the step that ended at 1.995, with the overtaker's, but
     # reached the client only with the next step's tokens, at the stall's end
     for rid, arrive, first, cls in (("late", BURST, STALL[1] + 0.0008, classes[0]),

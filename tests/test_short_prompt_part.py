@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvtop.analysis.scan import analyze_trace
-from tests.trace_files import write_trace
+from tests.trace_files import decoding_streams, write_trace
 
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 0.5}
@@ -22,18 +22,8 @@ ONE_STEP = (3.000, 3.014, 0.014)  # the prompt's step alone, 9 ms of it the prom
 
 
 def _streams(recs: list[dict], times: list[float], arrive: float) -> list[float]:
-    """Three decoding streams a, b, c with tokens at ``times`` (each 0.2 ms after the one before it);
-    their first-token times."""
-    firsts = []
-    for i, rid in enumerate(("a", "b", "c")):
-        off = 0.0002 * i
-        recs.append({"kind": "request", "t": arrive, "id": rid, "event": "arrive", "source": "proxy"})
-        recs.append({"kind": "request", "t": times[0] + off, "id": rid, "event": "first_token", "n": 1})
-        recs += [{"kind": "request", "t": t + off, "id": rid, "event": "token", "n": 1} for t in times[1:]]
-        recs.append({"kind": "request", "t": 4.2, "id": rid, "event": "finish", "prompt_tokens": 30,
-                     "completion_tokens": len(times)})
-        firsts.append(times[0] + off)
-    return firsts
+    """Three decoding streams a, b, c of 30-token prompts; their first-token times."""
+    return decoding_streams(recs, times, arrive, 4.2, prompt_tokens=30)
 
 
 def _write(path: Path) -> None:
