@@ -172,7 +172,8 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
         # advisor rightly said no budget meets it there (disaggregate, no flag). A second such
         # recording fails the test with that verdict.
         for _ in range(2):
-            with Recorder(src, srv.url) as rec:
+            # the second recording replaces the first (--force: the same path, a fresh trace)
+            with Recorder(src, srv.url, extra=("--force",)) as rec:
                 time.sleep(1.0)
                 witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME)
                 time.sleep(2.0)
