@@ -56,19 +56,23 @@ def _body(model: str, text: str, max_tokens: int) -> dict:
             "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
-async def _prefill_heavy(url: str, model: str, decoders: int, long_prompts: int, every_s: float) -> None:
+async def _prefill_heavy(url: str, model: str, decoders: int, long_prompts: int, every_s: float,
+                         fresh: int = 0) -> None:
     u = url.rstrip("/") + "/v1/completions"
     async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
                                  limits=httpx.Limits(max_connections=decoders + long_prompts + 4)) as client:
-        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=5), 500), 0.0))
+        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=5 + 1000 * fresh), 500), 0.0))
                  for i in range(decoders)]
-        tasks += [asyncio.create_task(_one(client, u, _body(model, long_prompt(280, seed=20 + k), 4),
+        tasks += [asyncio.create_task(_one(client, u, _body(model, long_prompt(280, seed=20 + k + 1000 * fresh), 4),
                                            1.0 + every_s * k)) for k in range(long_prompts)]
         await asyncio.gather(*tasks)
 
 
-def prefill_heavy(url: str, model: str, decoders: int = 4, long_prompts: int = 6, every_s: float = 1.5) -> None:
-    asyncio.run(_prefill_heavy(url, model, decoders, long_prompts, every_s))
+def prefill_heavy(url: str, model: str, decoders: int = 4, long_prompts: int = 6, every_s: float = 1.5,
+                  fresh: int = 0) -> None:
+    """``fresh``: another set of prompts of the same lengths (an engine that served the first set holds
+    them in its prefix cache and would prefill them in a few ms)."""
+    asyncio.run(_prefill_heavy(url, model, decoders, long_prompts, every_s, fresh))
 
 
 async def _mixed(url: str, model: str, n: int, seed: int = 9, every_s: float = 0.4, cancel_after: int = 120,

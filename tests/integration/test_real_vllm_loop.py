@@ -171,11 +171,12 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
         # busy loop (by hand, 2026-12-03) 68 % of the decode gaps passed the 100 ms target, and the
         # advisor rightly said no budget meets it there (disaggregate, no flag). A second such
         # recording fails the test with that verdict.
-        for _ in range(2):
-            # the second recording replaces the first (--force: the same path, a fresh trace)
+        for attempt in range(2):
+            # the second recording replaces the first (--force), with prompts the engine has not seen:
+            # the first set sits in its prefix cache (1,500-token prompts then took 5-23 ms, no stall)
             with Recorder(src, srv.url, extra=("--force",)) as rec:
                 time.sleep(1.0)
-                witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME)
+                witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME, fresh=attempt)
                 time.sleep(2.0)
                 assert rec.stop() == 0, rec.stderr()
             r = kvtop("advise", "--trace", str(src), "--itl-target-ms", "100", "--format", "json")
