@@ -80,6 +80,7 @@ class Analyzer:
         self.use_request_preempts = use_request_preempts
         self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
         self.in_order = False  # the engine admits prompts in arrival order (its adapter says)
+        self.semantics: EngineSemantics | None = None  # its adapter's semantics, once named (``use_engine``)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
         # the same engine records by engine address (``engine_address`` of their url): a spike on a
@@ -146,7 +147,8 @@ class Analyzer:
 
     # ---- setup ----------------------------------------------------------------------------
     def use_engine(self, sem: EngineSemantics) -> None:
-        """Judge by the semantics of this engine's adapter."""
+        """Judge by the semantics of this engine's adapter (the header's, or one named later)."""
+        self.semantics = sem
         self.preempts = sem.preempts
         self.counted_at = sem.counted_at
         self.in_order = sem.in_order
@@ -154,8 +156,10 @@ class Analyzer:
     def set_header(self, h: dict[str, Any]) -> None:
         self.header = h
         name = (h.get("engine") or {}).get("adapter")
-        if name and self.counted_at is None:
-            sem = engine_semantics(name)
+        if name and self.semantics is None:
+            # the header names the engine: its counting moment and admission order; whether it
+            # preempts at all stays the caller's (``Analyzer(preempts=...)`` or ``use_engine``)
+            sem = self.semantics = engine_semantics(name)
             self.counted_at, self.in_order = sem.counted_at, sem.in_order
         iv = header_interval(h)
         if iv is not None:

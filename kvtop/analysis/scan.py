@@ -58,7 +58,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
     sem = engine_semantics(eng)
     settings, warn = sem.settings, sem.warning
     an = Analyzer(itl_target_s=itl_target_s, use_request_preempts=use_request_preempts)
-    an.use_engine(sem)
+    an.use_engine(sem)  # read once: set_header finds it
     an.set_header(header)
     an.observe = observe
     warnings = [warn] if warn else []

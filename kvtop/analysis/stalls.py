@@ -34,7 +34,6 @@ def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
         vs.append(v)
 
 
-
 class StallIndex:
     def __init__(self) -> None:
         self.long: list[Gap] = []  # long gaps by t_end (co-stall search)

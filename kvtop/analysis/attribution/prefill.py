@@ -39,21 +39,16 @@ RECOMPUTE_STEP_S = 0.3
 RESUMED_AFTER_S = 60.0
 
 
-def _outlier(ev: Evidence) -> bool:
-    """The stall stands out from the stream's own recent gaps (``REL_SLOW``). A gap about as long as
-    them is the engine's pace (all gaps lifted) unless a prompt that the measured rate checks explains
-    it: scored against real vLLM's own step log, such gaps called prefill on an unchecked signal (a
-    first token of unknown prompt length, a victim resuming) were mostly decode steps of an engine
-    that had slowed (a fast delivery burst had kept the stream's fastest gap, its decode-only pace,
-    short)."""
+def _outlier(ev: Evidence, rel_min: float = REL_SLOW) -> bool:
+    """The stall stands out from the stream's own recent gaps (``rel_min`` of them: ``REL_SLOW``, or
+    ``REL_RECOMPUTE`` for a victim's re-prefill, which a shorter stall held none of: a victim resumed
+    that soon came from the prefix cache). A gap about as long as them is the engine's pace (all gaps
+    lifted) unless a prompt that the measured rate checks explains it: scored against real vLLM's own
+    step log, such gaps called prefill on an unchecked signal (a first token of unknown prompt length,
+    a victim resuming) were mostly decode steps of an engine that had slowed (a fast delivery burst had
+    kept the stream's fastest gap, its decode-only pace, short)."""
     rel = ev.rel
-    return not (ev.baseline_is_stream and rel is not None and rel < REL_SLOW)
-
-
-def _holds_a_turn(ev: Evidence) -> bool:
-    """The stall is long enough to have held a resumed victim's re-prefill (``REL_RECOMPUTE``)."""
-    rel = ev.rel
-    return not (ev.baseline_is_stream and rel is not None and rel < REL_RECOMPUTE)
+    return not (ev.baseline_is_stream and rel is not None and rel < rel_min)
 
 
 def _pace_misses(ev: Evidence) -> bool:
@@ -262,7 +257,7 @@ def span(ev: Evidence) -> Finding | Signs | None:
 def recompute(ev: Evidence) -> Finding | Signs | None:
     """A shared stall ending with a counter step on an engine that counts at resume: a victim resumed
     and re-prefilled (its recompute tokens are in no counter)."""
-    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter) or not _outlier(ev) or not _holds_a_turn(ev):
+    if not (ev.preempts and ev.counted_at == "resume" and ev.has_counter) or not _outlier(ev, REL_RECOMPUTE):
         return None
     d = ev.counter_delta()
     if d < 1:
@@ -291,7 +286,7 @@ def resumed(ev: Evidence) -> Finding | None:
     ended: that waiting stream's re-prefill (a preemption victim's recompute, in no prompt counter)
     held the step the lone decoder waited for. Scored against real vLLM's step log, these were the
     recompute steps of a storm's survivors; the stream's own pace must keep the target."""
-    if not ev.preempts or not ev.resumed or not _outlier(ev) or not _holds_a_turn(ev):
+    if not ev.preempts or not ev.resumed or not _outlier(ev, REL_RECOMPUTE):
         return None
     if _pace_misses(ev):
         return None
