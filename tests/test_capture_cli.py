@@ -135,10 +135,11 @@ async def test_record_with_capture_and_proxy_counts_each_request_once(tmp_path: 
 
 
 def _has_packet_socket(pid: int) -> bool:
-    """Whether process ``pid`` holds an open packet socket (its capture is listening)."""
+    """Whether process ``pid`` holds a packet socket that receives (its capture is listening: the
+    R column; the socket exists unbound while its filter and ring are set up)."""
     try:
-        lines = Path("/proc/net/packet").read_text().splitlines()[1:]
-        inodes = {f"socket:[{ln.split()[-1]}]" for ln in lines if ln.strip()}
+        rows = [ln.split() for ln in Path("/proc/net/packet").read_text().splitlines()[1:]]
+        inodes = {f"socket:[{r[-1]}]" for r in rows if len(r) >= 9 and r[5] == "1"}
         fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return False

@@ -91,8 +91,10 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def _packet_socket_inodes(pid: int) -> set[str]:
-    lines = Path("/proc/net/packet").read_text().splitlines()[1:]
-    inodes = {f"socket:[{ln.split()[-1]}]" for ln in lines if ln.strip()}
+    """The packet sockets ``pid`` holds that receive (the R column: one exists unbound while its
+    filter and ring are set up)."""
+    rows = [ln.split() for ln in Path("/proc/net/packet").read_text().splitlines()[1:]]
+    inodes = {f"socket:[{r[-1]}]" for r in rows if len(r) >= 9 and r[5] == "1"}
     held = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:

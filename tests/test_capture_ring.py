@@ -3,6 +3,7 @@ out and decoding it gives, on the same loopback traffic (IPv4 and IPv6, data, SY
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -75,3 +76,39 @@ def test_ring_segments_equal_packets_decoded_one_by_one() -> None:
     assert all(abs(a[0] - b[0]) < 0.01 for a, b in zip(got, want, strict=True))
     if srv6 is not None:
         assert any(len(s[2]) == 16 for s in got)  # IPv6 went through the generic decoder
+
+
+def _receiving(sock: socket.socket) -> bool:
+    """Whether the kernel delivers packets to ``sock`` (its row's R column in /proc/net/packet)."""
+    inode = str(os.fstat(sock.fileno()).st_ino)
+    rows = [ln.split() for ln in open("/proc/net/packet").read().splitlines()[1:]]
+    return any(r[-1] == inode and r[5] == "1" for r in rows if len(r) >= 9)
+
+
+def test_the_capture_receives_only_once_its_ring_holds_what_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting up the ring purges what the socket queued before it, and the kernel takes 10-180 ms
+    to allocate the 64 MiB ring: a socket already receiving then lost a request's headers that an
+    operator sent once the capture showed as open (the stream was counted as joined mid-way)."""
+    from kvtop.sources.capture import opener
+
+    seen: list[bool] = []
+    make_ring = opener.make_ring
+
+    def watched(sock: socket.socket) -> None:
+        seen.append(_receiving(sock))
+        make_ring(sock)
+
+    monkeypatch.setattr(opener, "make_ring", watched)
+    srv, port = _serve(socket.AF_INET, "127.0.0.1")
+    cap = PacketSocket(port)
+    try:
+        assert seen == [False], "the socket received before its ring was in place"
+        assert cap.uses_ring and _receiving(cap.sock)
+        _talk(socket.AF_INET, "127.0.0.1", srv, port)
+        time.sleep(0.3)  # past the ring's block timeout
+        segs = cap.read_segments()
+        # the whole exchange from its SYN: 40 requests and 40 answers with data
+        assert segs[0][8] & 0x02 and sum(1 for s in segs if s[9]) == 80, [s[8] for s in segs[:4]]
+    finally:
+        cap.close()
+        srv.close()

@@ -1,14 +1,14 @@
 """The capture's privileged half: open the packet socket, hand it over, exit.
 
-    kvtop-capture-python -I .../kvtop/sources/capture/opener.py PORT FD
+    kvtop-capture-python -I .../kvtop/sources/capture/opener.py PORT FD [ring]
     kvtop-capture-python -I -m kvtop.sources.capture.opener --exec PORT -- kvtop agent ...
 
 kvtop runs this file (not the module: ``-I`` and a path import nothing of kvtop and honour no
 ``PYTHON*`` variable) with the one interpreter that holds ``CAP_NET_RAW`` when kvtop itself cannot
 open an ``AF_PACKET`` socket. It creates the socket, attaches the port's BPF filter and locks it
 (``SO_LOCK_FILTER``: the unprivileged holder of the descriptor cannot widen it to the rest of the
-host's traffic), drops what was queued before the filter took hold, sends the descriptor back over
-the Unix socket ``FD`` (``SCM_RIGHTS``) and exits. The HTTP parser then reads untrusted bytes in a
+host's traffic), with ``ring`` also gives it its receive ring, only then starts it receiving, sends
+the descriptor back over the Unix socket ``FD`` (``SCM_RIGHTS``) and exits. The HTTP parser then reads untrusted bytes in a
 process without the capability. Standard library only (an import-linter contract keeps it so).
 
 Replies on ``FD``: ``ok`` with the descriptor, or ``error <reason>`` without one; exit 0 or 1.
@@ -126,10 +126,16 @@ def filter_code(port: int, lo_ifindex: int) -> bytes:
     return b"".join(_ins(int(str(op)), jump(jt, i), jump(jf, i), int(str(k))) for i, (op, jt, jf, k) in enumerate(flat))
 
 
-def open_filtered(port: int) -> socket.socket:
-    """A packet socket on every interface that sees only ``port``'s TCP (filter attached and locked,
-    nothing queued from before the filter). ``PermissionError`` without ``CAP_NET_RAW``."""
-    sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_ALL))
+def open_filtered(port: int, ring: bool = False) -> socket.socket:
+    """A packet socket on every interface that sees only ``port``'s TCP (filter attached and locked)
+    and, with ``ring``, holds its receive ring where the kernel grants one. ``PermissionError``
+    without ``CAP_NET_RAW``.
+
+    It is created listening to no protocol and starts receiving only when everything is in place:
+    a socket opened on ``ETH_P_ALL`` queues the host's unfiltered traffic until the filter holds,
+    and setting up a ring afterwards purges its queue, which lost the first 10-180 ms of the port's
+    traffic (a request's headers: its stream then counted as joined mid-way)."""
+    sock = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, 0)
     try:
         try:
             lo = socket.if_nametoindex("lo")
@@ -148,16 +154,26 @@ def open_filtered(port: int) -> socket.socket:
         # the queue that holds the port's traffic until kvtop reads it (up to the host's rmem_max)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
         sock.setblocking(False)
-        # packets queued before the filter was attached are unfiltered: drop them
-        while True:
+        if ring:
             try:
-                sock.recv(SNAPLEN)
-            except BlockingIOError:
-                break
+                make_ring(sock)
+            except OSError:
+                pass  # the queue serves instead
+        _receive_everywhere(sock)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _receive_everywhere(sock: socket.socket) -> None:
+    """Bind ``sock`` to every interface's traffic (``ETH_P_ALL``, interface index 0): Python's
+    ``bind`` for ``AF_PACKET`` needs one interface's name."""
+    addr = struct.pack("=HHiHBB8s", socket.AF_PACKET, socket.htons(ETH_P_ALL), 0, 0, 0, 0, b"")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.bind(sock.fileno(), ctypes.c_char_p(addr), len(addr)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 SOL_PACKET, PACKET_RX_RING, PACKET_VERSION, TPACKET_V3 = 263, 5, 10, 2
@@ -204,13 +220,9 @@ def exec_with_socket(port: int, command: list[str]) -> int:
     ``CAP_NET_RAW`` (a file capability, or systemd's ambient set) and where the child a plain
     kvtop would spawn could not gain it (``no_new_privs``)."""
     try:
-        sock = open_filtered(port)
-        try:
-            # the ring now, not when kvtop has started: it holds seconds of traffic where the
-            # socket's queue (rmem_max without CAP_NET_ADMIN) holds a few hundred packets
-            make_ring(sock)
-        except OSError:
-            pass  # kvtop reads the queue instead
+        # the ring now, not when kvtop has started: it holds seconds of traffic where the socket's
+        # queue (rmem_max without CAP_NET_ADMIN) holds a few hundred packets
+        sock = open_filtered(port, ring=True)
         fd = sock.detach()
         os.set_inheritable(fd, True)
         drop_capabilities()
@@ -240,8 +252,11 @@ def main(argv: list[str]) -> int:
             print("usage: opener.py --exec PORT [--] COMMAND [ARG...]  (PORT 1-65535)", file=sys.stderr)
             return 2
         return exec_with_socket(int(argv[1]), rest)
+    ring = argv[2:] == ["ring"]
+    if ring:
+        argv = argv[:2]
     if len(argv) != 2 or not all(a.isdigit() for a in argv):
-        print("usage: opener.py PORT FD | opener.py --exec PORT [--] COMMAND [ARG...]", file=sys.stderr)
+        print("usage: opener.py PORT FD [ring] | opener.py --exec PORT [--] COMMAND [ARG...]", file=sys.stderr)
         return 2
     port, fd = int(argv[0]), int(argv[1])
     if not 0 < port < 65536:
@@ -250,7 +265,7 @@ def main(argv: list[str]) -> int:
     chan = socket.socket(fileno=fd)
     try:
         try:
-            sock = open_filtered(port)
+            sock = open_filtered(port, ring=ring)
         except OSError as e:
             chan.sendall(f"error {e.strerror or e}".encode())
             return 1

@@ -131,7 +131,7 @@ def _handed_socket(port: int) -> socket.socket | None:
     return sock
 
 
-def _from_opener(port: int) -> socket.socket:
+def _from_opener(port: int, ring: bool) -> socket.socket:
     """The packet socket opened by ``kvtop-capture-python`` running ``opener.py`` and passed back
     over a Unix socket pair (``SCM_RIGHTS``): this process never holds the capability."""
     how = CaptureUnavailable(HOW_TO_GRANT.format(python=sys.executable))
@@ -145,7 +145,7 @@ def _from_opener(port: int) -> socket.socket:
                 # -I: the privileged interpreter ignores PYTHON* variables, the user's site and the
                 # script's folder; it runs one standard-library file
                 subprocess.run([exe, "-I", os.path.join(os.path.dirname(__file__), "opener.py"), str(port),
-                                str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                str(theirs.fileno()), *(["ring"] if ring else [])], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=OPENER_TIMEOUT_S,
                                check=False)
             ours.setblocking(False)
@@ -175,13 +175,13 @@ class PacketSocket:
             if handed is not None:
                 sock, self.opened_by = handed, "opener --exec"
             else:
-                sock, self.opened_by = open_filtered(port), "self"
+                sock, self.opened_by = open_filtered(port, ring=ring), "self"
         except PermissionError:
             if _handed:  # started by opener --exec, for another port: say so rather than how to grant
                 opened = ", ".join(str(p) for p in sorted(_handed))
                 raise CaptureUnavailable(f"the capture opener (--exec) opened port {opened}, not {port}: give "
                                          "--exec and --capture the same port") from None
-            sock = _from_opener(port)
+            sock = _from_opener(port, ring)
             self.opened_by = CAPTURE_PYTHON
         except OSError as e:
             raise CaptureUnavailable(f"cannot open a packet socket: {e.strerror or e}") from None
@@ -227,8 +227,8 @@ class PacketSocket:
             try:
                 make_ring(self.sock)
             except OSError as e:
-                # EBUSY: opener --exec made the ring already (same geometry): map it
-                if e.errno != errno.EBUSY or self.opened_by == "self":
+                # EBUSY: whoever opened the socket made the ring already (same geometry): map it
+                if e.errno != errno.EBUSY:
                     raise
             self._ring = mmap.mmap(self.sock.fileno(), RING_BLOCK * RING_BLOCKS, mmap.MAP_SHARED,
                                    mmap.PROT_READ | mmap.PROT_WRITE)
