@@ -582,8 +582,12 @@ def test_pace():
 def test_the_unknowns_say_what_was_missing():
     f = ask("lone-unknown", evidence())
     assert f is not None and f.key == "unknown/lone" and f.confidence == 0.3
-    assert f.lines == ["a lone stall without preemption evidence (no counter step, KV not near full, "
+    assert f.lines == ["a lone stall without enough preemption evidence (no counter step, KV not near full, "
                        "no running/waiting change)"]
+    # a sign seen is not named as missing (KV near full: it leads the answer already)
+    f = ask("lone-unknown", evidence(tl=engine(kv=0.97)))
+    assert f is not None and f.lines == ["a lone stall without enough preemption evidence (no counter step, "
+                                         "no running/waiting change)"]
     f = ask("lone-unknown", evidence(preempts=False, **alone()))
     assert f is not None and f.lines == ["the only active stream stalled, so nothing tells the engine apart "
                                          "from the host (this engine never preempts)"]
@@ -603,7 +607,7 @@ def test_classify_leads_with_the_context_and_the_signs_a_row_saw():
         "gap is 100x this stream's recent gaps", "0/7 other active streams stalled over the same interval",
         "KV usage 0.97", "waiting rose",
         "the stream resumed but the counter did not step at its resume (this engine counts there)",
-        "a lone stall without preemption evidence (no counter step, KV not near full, no running/waiting change)"]
+        "a lone stall without enough preemption evidence (no counter step)"]
     # the rows asked before any stall kind (reported, lifted) answer without the context
     assert classify(evidence(engine_reported_preempt=True)).lines == [
         "engine reported a preempt event for this request inside the gap"]

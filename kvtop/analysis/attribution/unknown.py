@@ -14,9 +14,16 @@ def lone(ev: Evidence) -> Finding:
             "" if ev.preempts else " (this engine never preempts)")
     elif ev.alone:
         why = "the other streams were silent since before it: nothing tells the engine apart from the host"
+    elif not ev.preempts:
+        why = "a lone stall (this engine never preempts)"
     else:
-        why = ("a lone stall without preemption evidence (no counter step, KV not near full, "
-               "no running/waiting change)" if ev.preempts else "a lone stall (this engine never preempts)")
+        # only what is absent: the signs seen (KV near full, a rising queue) lead the answer already
+        missing = [m for m, seen in (("no counter step", ev.has_counter and ev.counter_delta() > 0),
+                                     ("KV not near full", ev.kv_high),
+                                     ("no running/waiting change", ev.running_drop or ev.window.waiting_rise))
+                   if not seen]
+        why = (f"a lone stall without enough preemption evidence ({', '.join(missing)})" if missing else
+               "a lone stall: the preemption signs above do not tie a victim's turn to it")
     return ev.found(Cause.UNKNOWN, "unknown/lone", [why] + ev.late_first_token_line(), "lone", weighed=False)
 
 
