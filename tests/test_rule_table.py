@@ -395,6 +395,12 @@ def test_lone_preemption_state_and_its_signs():
     out = row("lone-preemption").explain(evidence(tl=engine(kv=0.97, waiting_rise=(4.5, 6.5))))
     assert out == Signs(["KV usage 0.97", "waiting rose",
                          "the stream resumed but the counter did not step at its resume (this engine counts there)"])
+    # the counter stepped at its resume, but an earlier stall took the step: said so, not "did not step"
+    ev = evidence(tl=engine(kv=0.97, pre_steps={6.5: 1}))
+    assert ev.claim_counter() is not None  # another stall's claim on the one unit
+    out = row("lone-preemption").explain(ev)
+    assert out == Signs(["KV usage 0.97", "the counter stepped at its resume, but each step there is another "
+                         "stall's (claimed by, or left to, streams that resumed in the same scrape interval)"])
     # nobody else decoding: a counter step may belong to an unobserved stream, never claimed
     out = row("lone-preemption").explain(evidence(tl=engine(pre_steps={6.5: 1}), **alone()))
     assert isinstance(out, Signs) and out.lines[0].startswith("the counter stepped, but no other observed stream")

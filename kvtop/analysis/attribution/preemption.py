@@ -99,7 +99,11 @@ def lone(ev: Evidence) -> Finding | Signs | None:
     strong = claim is not None or (state_ok and ev.kv_high and (ev.running_drop or w.waiting_rise)) or kv_full_flowing
     if not strong:
         if ev.counted_at == "resume" and ev.resumed and ev.has_counter and signs and not brief:
-            pev.append("the stream resumed but the counter did not step at its resume (this engine counts there)")
+            if ev.counter_delta() <= 0:
+                pev.append("the stream resumed but the counter did not step at its resume (this engine counts there)")
+            elif not blind:
+                pev.append("the counter stepped at its resume, but each step there is another stall's (claimed by, "
+                           "or left to, streams that resumed in the same scrape interval)")
         return Signs(pev)
     lines = []
     if flowing is not None and flowing > 0:
