@@ -120,7 +120,7 @@ def witness_calls(path: str) -> list[Call]:
     with tempfile.TemporaryDirectory() as tmp:
         blind = without_witness(path, tmp)
         for _, tgt in targets(path):
-            causes, _ = truth(path, tgt)
+            causes, _, _ = truth(path, tgt)
             for g in analyze(blind, tgt).spikes:
                 if g.cause == "unknown" or g.rule_key is None or not g.rule_key.startswith(ENGINE_RULES):
                     continue

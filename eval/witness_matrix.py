@@ -64,12 +64,14 @@ def spike_key(s: Any) -> tuple[str, float]:
     return (s.request_id, round(s.t_end, 6))
 
 
-def truth(path: str, target_s: float) -> tuple[dict[tuple[str, float], str], int]:
-    """The cause the engine's log gives each spike of the witnessed trace at this target, and how
-    many spikes it did not cover."""
+def truth(path: str, target_s: float) -> tuple[dict[tuple[str, float], str], int, set[tuple[str, float]]]:
+    """The cause the engine's log gives each spike of the witnessed trace at this target, how many
+    spikes it did not cover, and those whose cause it could not tell (the engine's pace changed
+    around a prompt step and the cause depends on which pace: ``witness-ambiguous``; scored by no one)."""
     rep = analyze_trace(path, itl_target_s=target_s, fast=False)
     return ({spike_key(s): str(s.cause) for s in rep.spikes if s.rule == "witness"},
-            sum(1 for s in rep.spikes if s.rule != "witness"))
+            sum(1 for s in rep.spikes if s.rule not in ("witness", "witness-ambiguous")),
+            {spike_key(s) for s in rep.spikes if s.rule == "witness-ambiguous"})
 
 
 def targets(path: str) -> list[tuple[str, float]]:
@@ -86,14 +88,17 @@ def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any
     records, when already written)."""
     with tempfile.TemporaryDirectory() as tmp:
         blind = blind or without_witness(path, tmp)
-        causes, not_covered = truth(path, target_s)
+        causes, not_covered, untold = truth(path, target_s)
         inf_rep = analyze_trace(blind, itl_target_s=target_s, fast=False)
     pairs: list[tuple[str, str | None]] = []
-    unmatched = 0
+    unmatched = ambiguous = 0
     for s in inf_rep.spikes:
         t = causes.get(spike_key(s))
         if t is None:
-            unmatched += 1
+            if spike_key(s) in untold:
+                ambiguous += 1
+            else:
+                unmatched += 1
             continue
         pairs.append((str(s.cause), t))
     res: dict[str, Any] = dict(precision_recall(pairs, ENGINE_CAUSES))
@@ -103,6 +108,7 @@ def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any
     res["neither_called_prefill"] = sum(1 for p, _ in neither if p == "prefill_interference")
     res["spikes"] = len(pairs)
     res["not_witnessed"] = unmatched + not_covered
+    res["ambiguous"] = ambiguous
     res["target_s"] = target_s
     res["truth_causes"] = {c: sum(1 for _, t in pairs if t == c) for c in sorted({str(t) for _, t in pairs})}
     return res
@@ -132,11 +138,12 @@ def pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for name in (workload(r["trace"]), "all"):
             acc = sums.setdefault((name, tgt), {"trace": name, "target": tgt, "traces": 0, "neither": 0,
                                                 "neither_called_engine": 0, "neither_called_prefill": 0,
-                                                "spikes": 0, "not_witnessed": 0,
+                                                "spikes": 0, "not_witnessed": 0, "ambiguous": 0,
                                                 **{c: {"tp": 0, "predicted": 0, "actual": 0} for c in ENGINE_CAUSES}})
             acc["traces"] += 1
-            for k in ("neither", "neither_called_engine", "neither_called_prefill", "spikes", "not_witnessed"):
-                acc[k] += r[k]
+            for k in ("neither", "neither_called_engine", "neither_called_prefill", "spikes", "not_witnessed",
+                      "ambiguous"):
+                acc[k] += r.get(k, 0)
             for c in ENGINE_CAUSES:
                 for k in ("tp", "predicted", "actual"):
                     acc[c][k] += r[c][k]
@@ -164,7 +171,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             f" ({r['neither_called_engine'] / r['neither']:.0%})" if r["neither"] else "")
         out.append(f"{r['trace'][:28]:<28} {r['target']:<34} {_pr(r['preemption']):<28} "
                    f"{_pr(r['prefill_interference']):<28} {nn:<22} {r['spikes']}"
-                   + (f" (+{r['not_witnessed']} not witnessed)" if r["not_witnessed"] else ""))
+                   + (f" (+{r['not_witnessed']} not witnessed)" if r["not_witnessed"] else "")
+                   + (f" (+{r['ambiguous']} the log cannot tell)" if r.get("ambiguous") else ""))
     return "\n".join(out)
 
 

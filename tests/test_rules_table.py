@@ -32,7 +32,7 @@ def test_the_generator_prints_one_row_per_rule_in_order():
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| order")]
     assert [r.split(" | ")[0] for r in rows] == [f"| {i}" for i in range(1, 22)]
     # the engine's own log first: where a witness covers the stall, nothing is inferred
-    assert rows[0].startswith("| 1 | `witness` | as logged (`witness`) | any stall |")
+    assert rows[0].startswith("| 1 | `witness` | as logged (`witness`, `witness-ambiguous`) | any stall |")
     assert rows[0].endswith("| 1.000 (read, not inferred) |")
     assert rows[1].startswith("| 2 | `reported` | preemption (`reported`) | any stall |")
     assert [r.split(" | ")[1] for r in rows[2:5]] == ["`host`", "`delivery-continued`", "`delivery`"]

@@ -234,6 +234,35 @@ def test_a_steps_prefill_cost_is_its_time_beyond_a_decode_step_of_that_moment():
     assert acct.prefill_s == pytest.approx(0.127, abs=1e-6) and acct.decode_step_s == pytest.approx(0.008)
 
 
+def test_a_prompt_step_where_the_engine_changed_pace_is_no_cause_the_log_can_tell():
+    """Real vLLM on a contended host (round B's mixed): 8 ms decode steps, then two of 101 and 112 ms,
+    the step that also ran a 68-token prompt (139 ms), and decode steps of 128-143 ms after it. Read
+    against the decode steps before it (mostly fast) the prompt took 129 ms of the step; against those
+    after it, 11 ms: prefill at 100 ms one way, slow decode the other, so the log says it cannot tell
+    (before: "prefill_interference", at confidence 1.0)."""
+    dec = [["a", 1, 0, 0, 1]]
+    with_prompt = [["a", 1, 0, 0, 1], ["c", 68, 68, 0, 1]]
+    slow = [(0.128, dec), (0.135, dec), (0.143, dec), (0.136, dec)]
+    idx, ends = _index([(0.008, dec)] * 30 + [(0.101, dec), (0.112, dec), (0.139, with_prompt)] + slow)
+    acct = idx.account("a", ends[-6] + 0.001, ends[-5] + 0.001, target=0.1)
+    assert acct is not None and acct.cause.value == "unknown" and acct.kind == "ambiguous"
+    f = acct.finding()
+    assert f.kind == "witness-ambiguous" and f.confidence == 1.0
+    assert ("a decode-only step took 8.0 ms just before and 135.5 ms just after, so the prompts took 3-131 ms "
+            "beyond decode steps") in f.lines[1]
+    # the engine sped up instead (132 ms decode steps, then 10 ms): against those before it the 102 ms
+    # prompt step held no prefill, against those after it 92 ms of it: the log cannot tell either
+    idx, ends = _index([(0.132, dec)] * 10 + [(0.102, with_prompt)] + [(0.010, dec)] * 10)
+    acct = idx.account("a", ends[-12] + 0.001, ends[-11] + 0.001, target=0.1)
+    assert acct is not None and acct.kind == "ambiguous"
+    # where the cause is the same read either way, it stands: a 300 ms prompt step between 8 ms and
+    # 20 ms decode steps is prefill whichever (280-292 ms of it)
+    idx, ends = _index([(0.008, dec)] * 30 + [(0.300, with_prompt)] + [(0.020, dec)] * 10)
+    acct = idx.account("a", ends[-12] + 0.001, ends[-11] + 0.001, target=0.1)
+    assert acct is not None and acct.cause.value == "prefill_interference"
+    assert acct.prefill_s == pytest.approx(0.292, abs=1e-6)
+
+
 def test_resumed_requests_restored_positions_reach_the_analysis(tmp_path):
     """A victim resumed with 64 of its 130 positions still in the engine's prefix cache (two full
     32-token blocks) recomputes the other 66; a second victim found nothing. The witness writes both

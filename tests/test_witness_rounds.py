@@ -120,7 +120,7 @@ def _spikes(rnd: str, workload: str) -> tuple[float, dict[tuple[str, float], tup
     with witnessed.traces(witnessed.select(rnd)) as paths, tempfile.TemporaryDirectory() as tmp:
         (trace,) = [p for p in paths if workload in p]
         tight = targets(trace)[1][1]
-        logged, _ = truth(trace, tight)
+        logged, _, _ = truth(trace, tight)
         rep = analyze_trace(without_witness(trace, tmp), itl_target_s=tight, fast=False)
     return tight, {(s.request_id[:8], round(s.t_end, 3)): (str(s.cause), s.rule, logged.get(spike_key(s)),
                                                          " / ".join(s.evidence)) for s in rep.spikes}

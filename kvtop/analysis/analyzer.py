@@ -33,6 +33,7 @@ from kvtop.analysis.asof import (
 )
 from kvtop.analysis.attribution import ALL, Cause, EngineTimeline, classify, gather
 from kvtop.analysis.attribution.aggregate import Scrape
+from kvtop.analysis.attribution.causes import WITNESS_KINDS
 from kvtop.analysis.attribution.request_preemptions import RequestPreemptions
 from kvtop.analysis.attribution.request_times import RequestTimes, rate_sample
 from kvtop.analysis.attribution.spike import Spike
@@ -541,7 +542,7 @@ class Analyzer:
                     r.last_spike if r else None, witness=self.witness_account(g), in_order=self.in_order,
                     prefill_span=self.prefill_span(g, cut) if self.prefill_spans else None)
         f = classify(ev)
-        if f.kind == "witness":
+        if f.kind in WITNESS_KINDS:
             self.witnessed_spikes += 1
         spike = Spike(g, f)
         self.n_spikes += 1

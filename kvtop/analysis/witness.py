@@ -13,7 +13,10 @@ step that produced the token before the stall and the one that produced the toke
    (client gap minus engine interval: API server, network, a slow reader), and the engine's own decode
    steps. The cause is the part without which the gap would have met the target (prefill first, then
    outside), else the largest part → **prefill_interference**, **unknown** (`delivery`: outside the
-   engine) or **slow_decode**.
+   engine) or **slow_decode**. Where the engine's decode-only steps just after such a step took a time
+   that none of the ``LOCAL_DECODE`` before it took (the engine slowed or sped up there), the step's
+   decode part is known only between the two: if the cause depends on which, the log cannot tell it →
+   **unknown** (``witness-ambiguous``, saying so).
 
 This is exact only as far as the witness saw: a request the engine did not log under the stream's id
 (no ``X-Request-Id`` join), or a stall whose steps have not arrived yet, gets no answer here and goes
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
-from kvtop.analysis.attribution.causes import Cause, Finding
+from kvtop.analysis.attribution.causes import WITNESS_KINDS, Cause, Finding
 from kvtop.model.analysis import PrefillCompute, ResumeCosts
 
 # the step that produced a token ends before the token's chunk reaches the client; the engine writes
@@ -40,6 +43,10 @@ MATCH_SLACK_S = 0.002
 # looked like prefill while the decode-only steps beside it took as long (the stream's own window of
 # recent gaps has the same length)
 LOCAL_DECODE = 8
+# ... and the decode-only steps after it that end within this long of it say whether the engine's
+# pace held there: a stall is judged at least MIN_SETTLE_S (2 s) after its end, by when the live and
+# the offline analysis have both read them
+AFTER_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +58,7 @@ class Step:
     prefill: int  # prompt tokens in the step, all requests
     recompute: int  # recomputed tokens in the step, all requests
     decode_then: float | None  # a decode-only step just before it (median of the last LOCAL_DECODE)
+    decode_range: tuple[float, float] | None  # the shortest and the longest of those steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +75,22 @@ class Account:
     steps: int
     prompt_tokens: int  # others' prompt + recompute tokens in those steps
     decode_step_s: float | None  # a decode-only step just before the stall
+    # where the pace changed around a prompt step: (the least and the most time the prompt steps took
+    # beyond a decode-only step, a decode-only step just after them)
+    shift: tuple[float, float, float] | None = None
 
     def finding(self) -> Finding:
         ms = 1e3
         lines = [f"engine step log (witness): {self.steps} step(s) between this request's two tokens, "
                  f"{self.engine_s * ms:.0f} ms in the engine of a {self.gap * ms:.0f} ms gap"]
+        if self.kind == "ambiguous" and self.shift is not None:
+            lo, hi, after = self.shift
+            lines.append(f"other requests' prompt/recompute tokens: {self.prompt_tokens}, in steps whose decode part "
+                         f"is not known: a decode-only step took {(self.decode_step_s or 0.0) * ms:.1f} ms just before "
+                         f"and {after * ms:.1f} ms just after, so the prompts took {lo * ms:.0f}-{hi * ms:.0f} ms "
+                         "beyond decode steps, and at this target the cause depends on which (the engine's pace "
+                         "changed there)")
+            return Finding(self.cause, 1.0, lines, WITNESS_KINDS[1])
         if self.kind == "preempted":
             lines.append("the engine preempted this request between the two tokens")
         elif self.kind == "recompute":
@@ -82,7 +101,7 @@ class Account:
                          f"{self.outside_s * ms:.0f} ms; decode steps: {self.decode_s * ms:.0f} ms"
                          + (f" (a decode-only step took {self.decode_step_s * ms:.1f} ms just before)"
                             if self.decode_step_s else ""))
-        return Finding(self.cause, 1.0, lines, "witness")
+        return Finding(self.cause, 1.0, lines, WITNESS_KINDS[0])
 
 
 class StepIndex:
@@ -95,6 +114,7 @@ class StepIndex:
         self.by_req: dict[str, list[int]] = {}  # request -> indexes (absolute) of steps that produced its tokens
         self.base = 0  # absolute index of steps[0]
         self.decode_durs: deque[float] = deque(maxlen=LOCAL_DECODE)  # the last decode-only steps
+        self.decode_idx: list[int] = []  # absolute indexes of the decode-only steps (``decode_after``)
         self.latest = float("-inf")
         self.n = 0
         # steps that computed prompt/recompute tokens after a decode-only step was seen: how many, their
@@ -117,8 +137,10 @@ class StepIndex:
         rc = sum(v[2] for v in reqs.values())
         if t1 < self.latest:  # out of order (a second witness, a restart): keep the index sorted
             return rc
-        then = median(self.decode_durs) if self.decode_durs else None
-        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc, then)
+        durs = self.decode_durs
+        then = median(durs) if durs else None
+        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc, then,
+                    (min(durs), max(durs)) if durs else None)
         i = self.base + len(self.steps)
         self.steps.append(step)
         self.ends.append(t1)
@@ -129,6 +151,7 @@ class StepIndex:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
             self.decode_durs.append(t1 - t0)
+            self.decode_idx.append(i)
         elif then is not None:
             self.compute_steps += 1
             self.compute_tokens += pf + rc
@@ -142,6 +165,7 @@ class StepIndex:
         del self.steps[:k]
         del self.ends[:k]
         self.base += k
+        del self.decode_idx[:bisect.bisect_left(self.decode_idx, self.base)]
         for rid in list(self.by_req):
             idx = self.by_req[rid]
             j = bisect.bisect_left(idx, self.base)
@@ -149,6 +173,20 @@ class StepIndex:
                 del self.by_req[rid]
             elif j:
                 del idx[:j]
+
+    def decode_after(self, i: int) -> float | None:
+        """The median of the decode-only steps after step ``i`` (absolute index), up to
+        ``LOCAL_DECODE`` of them, that ended within ``AFTER_S`` of it; None where none has."""
+        steps, base = self.steps, self.base
+        until = steps[i - base].t1 + AFTER_S
+        k = bisect.bisect_right(self.decode_idx, i)
+        durs = []
+        for j in self.decode_idx[k:k + LOCAL_DECODE]:
+            s = steps[j - base]
+            if s.t1 > until:
+                break
+            durs.append(s.t1 - s.t0)
+        return median(durs) if durs else None
 
     def _producer(self, rid: str, t: float) -> int | None:
         """The last step that produced a token of ``rid`` and ended by ``t`` (absolute index)."""
@@ -173,8 +211,12 @@ class StepIndex:
         between = self.steps[a - self.base + 1: b - self.base + 1]
         dec = between[0].decode_then if between else None
         prefill_s = 0.0
+        # the prompt steps' time beyond a decode-only step, read against the slower and the faster of
+        # the steps before and after each (where they differ), and the last "after" read
+        lo = hi = 0.0
+        after_last = None
         tokens = 0
-        for s in between:
+        for i, s in enumerate(between, a + 1):
             if rid in s.preempted:
                 return self._acct(Cause.PREEMPTION, "preempted", gap, engine_s, 0.0, between, 0, dec)
             mine = s.reqs.get(rid)
@@ -184,25 +226,45 @@ class StepIndex:
             others = s.prefill + s.recompute - own_pf
             if others > 0:
                 tokens += others
-                prefill_s += max(0.0, (s.t1 - s.t0) - (s.decode_then or 0.0))
+                dur, before = s.t1 - s.t0, s.decode_then or 0.0
+                prefill_s += max(0.0, dur - before)
+                # the pace changed at it where the decode-only steps after it took a time that none of
+                # those before it took (a spread within theirs is the pace's own jitter)
+                after = self.decode_after(i)
+                rng = s.decode_range
+                shifted = after is not None and rng is not None and not rng[0] <= after <= rng[1]
+                after_last = after if shifted else after_last
+                refs = (before, after if shifted and after is not None else before)
+                lo += max(0.0, dur - max(refs))
+                hi += max(0.0, dur - min(refs))
         prefill_s = min(prefill_s, engine_s)
         outside_s = max(0.0, gap - engine_s)
-        decode_s = max(0.0, engine_s - prefill_s)
         tgt = target if target is not None else 0.0
-        if prefill_s > 0 and gap - prefill_s <= tgt:
-            cause, kind = Cause.PREFILL, "prefill"
-        elif outside_s > 0 and gap - outside_s <= tgt:
-            cause, kind = Cause.UNKNOWN, "outside"
-        else:
-            part = max((prefill_s, 0), (outside_s, 1), (decode_s, 2))[1]
-            cause, kind = ((Cause.PREFILL, "prefill"), (Cause.UNKNOWN, "outside"), (Cause.SLOW_DECODE, "decode"))[part]
-        return Account(cause, kind, gap, engine_s, prefill_s, outside_s, decode_s, len(between), tokens, dec)
+        cause, kind = _decide(gap, engine_s, prefill_s, outside_s, tgt)
+        if hi - lo > 0 and {_decide(gap, engine_s, min(p, engine_s), outside_s, tgt) for p in (lo, hi)} != {(cause, kind)}:
+            return Account(Cause.UNKNOWN, "ambiguous", gap, engine_s, prefill_s, outside_s,
+                           max(0.0, engine_s - prefill_s), len(between), tokens, dec,
+                           (min(lo, engine_s), min(hi, engine_s), after_last or 0.0))
+        return Account(cause, kind, gap, engine_s, prefill_s, outside_s, max(0.0, engine_s - prefill_s), len(between),
+                       tokens, dec)
 
     @staticmethod
     def _acct(cause: Cause, kind: str, gap: float, engine_s: float, prefill_s: float, between: list[Step],
               tokens: int, dec: float | None) -> Account:
         return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
                        tokens, dec)
+
+
+def _decide(gap: float, engine_s: float, prefill_s: float, outside_s: float, tgt: float) -> tuple[Cause, str]:
+    """The cause of a gap from where its time went: the part without which it met the target
+    (prefill first, then outside), else the largest part."""
+    decode_s = max(0.0, engine_s - prefill_s)
+    if prefill_s > 0 and gap - prefill_s <= tgt:
+        return Cause.PREFILL, "prefill"
+    if outside_s > 0 and gap - outside_s <= tgt:
+        return Cause.UNKNOWN, "outside"
+    part = max((prefill_s, 0), (outside_s, 1), (decode_s, 2))[1]
+    return ((Cause.PREFILL, "prefill"), (Cause.UNKNOWN, "outside"), (Cause.SLOW_DECODE, "decode"))[part]
 
 
 def prefill_compute(indexes: Iterable[StepIndex]) -> PrefillCompute | None:

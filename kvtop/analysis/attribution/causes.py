@@ -24,6 +24,10 @@ class Cause(str, Enum):
 # in the order reports list them
 ALL = (Cause.PREEMPTION, Cause.PREFILL, Cause.SLOW_DECODE, Cause.UNKNOWN)
 
+# the ``rule`` of a spike read from the engine's own step log (a witness): its cause, or that the log
+# cannot tell it (kvtop/analysis/witness.py)
+WITNESS_KINDS = ("witness", "witness-ambiguous")
+
 
 @dataclass
 class Finding:

@@ -17,7 +17,7 @@ from functools import partial
 
 from kvtop.analysis.asof import PREFILL_HOLD_S
 from kvtop.analysis.attribution import host, preemption, prefill, slow_decode, unknown
-from kvtop.analysis.attribution.causes import Cause, Finding, Signs
+from kvtop.analysis.attribution.causes import WITNESS_KINDS, Cause, Finding, Signs
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
@@ -97,11 +97,14 @@ def _witness(ev: Evidence) -> Finding | None:
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("witness", None, ("witness",), ANY, _witness, (),
+    Rule("witness", None, WITNESS_KINDS, ANY, _witness, (),
          "the engine's own step log (a witness: `--witness`) covers the stall: preempted or recomputed between "
          "its two tokens → preemption; else the part of the gap without which it met the target — other requests' "
-         "prompt/recompute steps → prefill_interference, time outside the engine → unknown; else the largest part "
-         "(decode steps → slow_decode). Exact: confidence 1.0. See [The engine as witness](witness.md)",
+         "prompt/recompute steps (their time beyond the decode-only steps just before them) → "
+         "prefill_interference, time outside the engine → unknown; else the largest part (decode steps → "
+         "slow_decode). Exact: confidence 1.0. `witness-ambiguous` (unknown): the decode-only steps just after a "
+         "prompt step took a time that none of the 8 before it took (the engine's pace changed there), and the "
+         "cause depends on which the step's decode part was. See [The engine as witness](witness.md)",
          context=False),
     Rule("reported", Cause.PREEMPTION, ("reported",), ANY, preemption.reported, ("preemption/reported",),
          "the engine or adapter reported a `preempt` event for this request inside the gap", context=False),
