@@ -21,6 +21,11 @@ from kvtop.analysis.gaps import BURST_S
 # A prefill explains a stall only when its tokens at the measured prefill rate cover this share of
 # the stall's excess over the stream's pace.
 PREFILL_SHARE = 0.3
+# A prompt the engine prefilled in under this many of the stream's decode steps ran beside its decode
+# in a step or two (a chat-sized prompt): its part of a stall is bounded by the engine's own times
+# (``span``; the bound of ``_timed_part_short``, chosen on round AI, docs/real-engines.md 7.10 and 7.19).
+# Over a longer prefill a stall spans chunk steps whose decode part one decode step does not bound.
+SHORT_PREFILL_STEPS = 3.0
 # A gap this many times the decode-only pace after it, ended by another request's first token: the
 # step was mostly prefill (its decode part alone would have kept the pace).
 PREFILL_DOMINANT = 2.0
@@ -249,6 +254,18 @@ def span(ev: Evidence) -> Finding | Signs | None:
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
     if ev.prefill_rate and _prefill_s(ev, prompt) < PREFILL_SHARE * excess:
         return None  # too short a prompt for this stall
+    # a prompt the engine prefilled within a few of the stream's decode steps ran in a step beside the
+    # stream's own decode: its part of the stall is at most the prefill's time inside the stall less
+    # one decode step (the shorter of the stream's fastest recent gap and its decode-only step with no
+    # prompt in flight); where the stall less even that misses the target, the prompt is not why
+    if tgt and pace and b - a < SHORT_PREFILL_STEPS * pace and (clean := ev.clean_pace):
+        step = min(pace, clean)
+        inside = min(b, ev.gap.t_end) - max(a, ev.gap.t_start)
+        if ev.gap.gap - max(0.0, inside - step) > tgt:
+            return Signs([f"request {rid}'s prompt ({prompt} tokens) was prefilled inside the stall, but in "
+                          f"{max(0.0, inside) * 1e3:.0f} ms of it (the engine's own times), one decode step "
+                          f"({step * 1e3:.0f} ms) of which was the stream's own: without it the stall still misses "
+                          "the target"])
     return ev.found(Cause.PREFILL, "prefill/span", [
         f"request {rid}'s prompt ({prompt} tokens) was being prefilled from t={a:.2f}s to {b:.2f}s (the engine's "
         "own times for it): the stall lies inside that prefill"], "span", sparse_matters=False)

@@ -149,7 +149,11 @@ RULES: tuple[Rule, ...] = (
          "the stall's excess over the "
          f"stream's pace; not where the stream's decode steps as last seen with no prompt in flight (the median of "
          "its last clean gaps, at most its fastest recent gap) already missed the target and make up over half the "
-         "stall (its cause is then the engine's slow decode). Spikes that may lie in a prefill not yet reported "
+         "stall (its cause is then the engine's slow decode); nor where the engine prefilled the prompt in under "
+         f"{prefill.SHORT_PREFILL_STEPS:g} of the stream's decode steps (a chat-sized prompt, in a step beside the "
+         "stream's decode) and the stall, less the prefill's time inside it less one decode step (the shorter of "
+         "the stream's fastest recent gap and its clean decode step), still misses the target. Spikes that may "
+         "lie in a prefill not yet reported "
          f"wait up to {PREFILL_HOLD_S:g} s past their end for it (vLLM reports a request's times on its final chunk)"),
     Rule("lifted", Cause.SLOW_DECODE, ("lifted",), ANY, slow_decode.lifted, ("slow/lifted", "slow/lifted-run"),
          f"the gap is < {REL_SLOW:g}× the stream's **decode-only pace** (below), unless the gaps that follow it "
