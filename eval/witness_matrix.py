@@ -27,6 +27,7 @@ from typing import Any
 
 from eval import witnessed
 from eval.scoring import precision_recall
+from kvtop.analysis.attribution.causes import WITNESS_KINDS
 from kvtop.analysis.scan import analyze_trace
 
 TIGHT_K = 2.5
@@ -69,9 +70,10 @@ def truth(path: str, target_s: float) -> tuple[dict[tuple[str, float], str], int
     spikes it did not cover, and those whose cause it could not tell (the engine's pace changed
     around a prompt step and the cause depends on which pace: ``witness-ambiguous``; scored by no one)."""
     rep = analyze_trace(path, itl_target_s=target_s, fast=False)
-    return ({spike_key(s): str(s.cause) for s in rep.spikes if s.rule == "witness"},
-            sum(1 for s in rep.spikes if s.rule not in ("witness", "witness-ambiguous")),
-            {spike_key(s) for s in rep.spikes if s.rule == "witness-ambiguous"})
+    told, untold = WITNESS_KINDS
+    return ({spike_key(s): str(s.cause) for s in rep.spikes if s.rule == told},
+            sum(1 for s in rep.spikes if s.rule not in WITNESS_KINDS),
+            {spike_key(s) for s in rep.spikes if s.rule == untold})
 
 
 def targets(path: str) -> list[tuple[str, float]]:
@@ -143,7 +145,7 @@ def pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             acc["traces"] += 1
             for k in ("neither", "neither_called_engine", "neither_called_prefill", "spikes", "not_witnessed",
                       "ambiguous"):
-                acc[k] += r.get(k, 0)
+                acc[k] += r[k]
             for c in ENGINE_CAUSES:
                 for k in ("tp", "predicted", "actual"):
                     acc[c][k] += r[c][k]
@@ -172,7 +174,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         out.append(f"{r['trace'][:28]:<28} {r['target']:<34} {_pr(r['preemption']):<28} "
                    f"{_pr(r['prefill_interference']):<28} {nn:<22} {r['spikes']}"
                    + (f" (+{r['not_witnessed']} not witnessed)" if r["not_witnessed"] else "")
-                   + (f" (+{r['ambiguous']} the log cannot tell)" if r.get("ambiguous") else ""))
+                   + (f" (+{r['ambiguous']} the log cannot tell)" if r["ambiguous"] else ""))
     return "\n".join(out)
 
 

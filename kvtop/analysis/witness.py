@@ -26,7 +26,6 @@ to the inference rules.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import median
@@ -57,8 +56,6 @@ class Step:
     preempted: frozenset[str]
     prefill: int  # prompt tokens in the step, all requests
     recompute: int  # recomputed tokens in the step, all requests
-    decode_then: float | None  # a decode-only step just before it (median of the last LOCAL_DECODE)
-    decode_range: tuple[float, float] | None  # the shortest and the longest of those steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +110,7 @@ class StepIndex:
         self.ends: list[float] = []
         self.by_req: dict[str, list[int]] = {}  # request -> indexes (absolute) of steps that produced its tokens
         self.base = 0  # absolute index of steps[0]
-        self.decode_durs: deque[float] = deque(maxlen=LOCAL_DECODE)  # the last decode-only steps
-        self.decode_idx: list[int] = []  # absolute indexes of the decode-only steps (``decode_after``)
+        self.decode_idx: list[int] = []  # absolute indexes of the decode-only steps (``decode_near``)
         self.latest = float("-inf")
         self.n = 0
         # steps that computed prompt/recompute tokens after a decode-only step was seen: how many, their
@@ -137,10 +133,7 @@ class StepIndex:
         rc = sum(v[2] for v in reqs.values())
         if t1 < self.latest:  # out of order (a second witness, a restart): keep the index sorted
             return rc
-        durs = self.decode_durs
-        then = median(durs) if durs else None
-        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc, then,
-                    (min(durs), max(durs)) if durs else None)
+        step = Step(t0, t1, reqs, frozenset(str(x) for x in d.get("preempted") or ()), pf, rc)
         i = self.base + len(self.steps)
         self.steps.append(step)
         self.ends.append(t1)
@@ -150,12 +143,11 @@ class StepIndex:
             if v[3] > 0:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
-            self.decode_durs.append(t1 - t0)
             self.decode_idx.append(i)
-        elif then is not None:
+        elif (before := self.decode_near(i)[0]):
             self.compute_steps += 1
             self.compute_tokens += pf + rc
-            self.compute_s += max(0.0, (t1 - t0) - then)
+            self.compute_s += max(0.0, (t1 - t0) - median(before))
         return rc
 
     def prune(self, before: float) -> None:
@@ -174,19 +166,22 @@ class StepIndex:
             elif j:
                 del idx[:j]
 
-    def decode_after(self, i: int) -> float | None:
-        """The median of the decode-only steps after step ``i`` (absolute index), up to
-        ``LOCAL_DECODE`` of them, that ended within ``AFTER_S`` of it; None where none has."""
-        steps, base = self.steps, self.base
+    def decode_near(self, i: int) -> tuple[list[float], list[float]]:
+        """The durations of the decode-only steps around step ``i`` (absolute index): the last
+        ``LOCAL_DECODE`` before it, and up to as many after it that ended within ``AFTER_S`` of it
+        (those read so far)."""
+        steps, base, dix = self.steps, self.base, self.decode_idx
+        k = bisect.bisect_left(dix, i)
+        before = [steps[j - base].t1 - steps[j - base].t0 for j in dix[max(0, k - LOCAL_DECODE):k]]
         until = steps[i - base].t1 + AFTER_S
-        k = bisect.bisect_right(self.decode_idx, i)
-        durs = []
-        for j in self.decode_idx[k:k + LOCAL_DECODE]:
+        after = []
+        k = bisect.bisect_right(dix, i, lo=k)
+        for j in dix[k:k + LOCAL_DECODE]:
             s = steps[j - base]
             if s.t1 > until:
                 break
-            durs.append(s.t1 - s.t0)
-        return median(durs) if durs else None
+            after.append(s.t1 - s.t0)
+        return before, after
 
     def _producer(self, rid: str, t: float) -> int | None:
         """The last step that produced a token of ``rid`` and ended by ``t`` (absolute index)."""
@@ -209,7 +204,8 @@ class StepIndex:
         sa, sb = self.steps[a - self.base], self.steps[b - self.base]
         engine_s = max(0.0, sb.t1 - sa.t1)
         between = self.steps[a - self.base + 1: b - self.base + 1]
-        dec = between[0].decode_then if between else None
+        first = self.decode_near(a + 1)[0] if between else []
+        dec = median(first) if first else None
         prefill_s = 0.0
         # the prompt steps' time beyond a decode-only step, read against the slower and the faster of
         # the steps before and after each (where they differ), and the last "after" read
@@ -226,13 +222,13 @@ class StepIndex:
             others = s.prefill + s.recompute - own_pf
             if others > 0:
                 tokens += others
-                dur, before = s.t1 - s.t0, s.decode_then or 0.0
+                near_before, near_after = self.decode_near(i)
+                dur, before = s.t1 - s.t0, median(near_before) if near_before else 0.0
                 prefill_s += max(0.0, dur - before)
                 # the pace changed at it where the decode-only steps after it took a time that none of
                 # those before it took (a spread within theirs is the pace's own jitter)
-                after = self.decode_after(i)
-                rng = s.decode_range
-                shifted = after is not None and rng is not None and not rng[0] <= after <= rng[1]
+                after = median(near_after) if near_after else None
+                shifted = after is not None and bool(near_before) and not min(near_before) <= after <= max(near_before)
                 after_last = after if shifted else after_last
                 refs = (before, after if shifted and after is not None else before)
                 lo += max(0.0, dur - max(refs))

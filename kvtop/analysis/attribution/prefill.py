@@ -96,15 +96,15 @@ def _all_seen(ev: Evidence, unseen: float | None, judged: int = 0) -> bool:
     return unseen is not None and unseen <= 0 and not ev.prefill_observed_through(judged)
 
 
-def _timed_part_short(ev: Evidence, engine_prefill_s: float | None) -> bool:
+def _timed_part_short(ev: Evidence, engine_prefill_s: float | None, step: float | None = None) -> bool:
     """The witness's test, with the engine's own times for the prompts: the engine spent
     ``engine_prefill_s`` of the stall on steps that prefilled them (vLLM's per-request metrics), each
     of which also ran the stream's decode, so their part of the stall is at most that less one
     decode-only step (the stream's pace). Where the stall less even that part still misses the target,
     the prompts are not why it missed: a gap of two engine steps in one of which a ten-token prompt
     ran is the engine's own steps (or time outside it), whatever the prompt at the measured rate
-    (a low estimate) would cover."""
-    tgt, pace = ev.target, ev.decode_pace
+    (a low estimate) would cover. ``step``: the decode step to take off, where not the stream's pace."""
+    tgt, pace = ev.target, step or ev.decode_pace
     if engine_prefill_s is None or not tgt or not pace:
         return False
     return ev.gap.gap - max(0.0, engine_prefill_s - pace) > tgt
@@ -261,7 +261,7 @@ def span(ev: Evidence) -> Finding | Signs | None:
     if tgt and pace and b - a < SHORT_PREFILL_STEPS * pace and (clean := ev.clean_pace):
         step = min(pace, clean)
         inside = min(b, ev.gap.t_end) - max(a, ev.gap.t_start)
-        if ev.gap.gap - max(0.0, inside - step) > tgt:
+        if _timed_part_short(ev, inside, step):
             return Signs([f"request {rid}'s prompt ({prompt} tokens) was prefilled inside the stall, but in "
                           f"{max(0.0, inside) * 1e3:.0f} ms of it (the engine's own times), one decode step "
                           f"({step * 1e3:.0f} ms) of which was the stream's own: without it the stall still misses "

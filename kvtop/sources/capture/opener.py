@@ -8,8 +8,8 @@ kvtop runs this file (not the module: ``-I`` and a path import nothing of kvtop 
 open an ``AF_PACKET`` socket. It creates the socket, attaches the port's BPF filter and locks it
 (``SO_LOCK_FILTER``: the unprivileged holder of the descriptor cannot widen it to the rest of the
 host's traffic), with ``ring`` also gives it its receive ring, only then starts it receiving, sends
-the descriptor back over the Unix socket ``FD`` (``SCM_RIGHTS``) and exits. The HTTP parser then reads untrusted bytes in a
-process without the capability. Standard library only (an import-linter contract keeps it so).
+the descriptor back over the Unix socket ``FD`` (``SCM_RIGHTS``) and exits. The HTTP parser then
+reads untrusted bytes in a process without the capability. Standard library only (an import-linter contract keeps it so).
 
 Replies on ``FD``: ``ok`` with the descriptor, or ``error <reason>`` without one; exit 0 or 1.
 

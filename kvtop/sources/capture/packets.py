@@ -208,11 +208,8 @@ class PacketSocket:
                     self._queued.extend(batch)
             if ring:
                 self._open_ring()
-            if self.opened_by == "self":
-                self.stats()  # counts from before the filter held: not this capture's
-                self.kernel_drops = 0
-            # a handed-over socket's counts since it was opened are this capture's losses: the first
-            # check reads them
+            # the socket receives only once its filter holds (``open_filtered``): its counts since then,
+            # whoever opened it, are this capture's losses, which the first check reads
         except BaseException:
             sock.close()
             raise
