@@ -97,5 +97,5 @@ def test_one_stream_through_the_tracker_feeds_the_store_and_the_stall_index() ->
     assert gt.stalls.active_at(0.3) == 3 and gt.stalls.active_at(0.6) == 2
     assert gt.stalls.departures(0.5, 0.6) == 1
     # of the others, z was silent over the same interval (fell silent and came back with it), y was not
-    n, median, fresh, together = gt.stalls.co_stalled(sx, settle=2.0)
+    n, median, fresh, together, _, _ = gt.stalls.co_stalled(sx, settle=2.0)
     assert (n, round(median or 0, 6), fresh, together) == (1, 0.4, 1, 1)

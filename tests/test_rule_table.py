@@ -420,6 +420,24 @@ def test_longer():
     assert f is not None and f.key == "preemption/longer"
 
 
+def test_a_victim_silent_steps_before_a_long_re_prefill():
+    """The others stalled 0.80 s in a re-prefill of thousands of tokens (4.15-4.95 s); r3 went silent
+    at 4.0 s, 7 of its 20 ms steps earlier, and came back with them: 1.19x their silence, under
+    ``LONGER``, but the steps it missed while the others decoded are a victim's."""
+    tl = engine(pre_steps={5.5: 1})
+    around = {"co_gap_median": 0.80, "co_start": 4.15, "co_end": 4.95}
+    f = ask("longer", evidence(gap(4.0, 0.95), tl, **shared(**around)))
+    assert f is not None and f.key == "preemption/longer"
+    assert f.lines[:2] == ["silent 150 ms before the other stalled streams, and back with them",
+                           "preemption counter stepped at t=5.50s"]
+    # as long, but longer because it came back 0.15 s after them (a held-back token): no victim's sign
+    assert ask("longer", evidence(gap(4.0, 0.95), tl, **shared(co_gap_median=0.80, co_start=4.0, co_end=4.80))) is None
+    # silent one step before them (25 ms, the step it was preempted in is one any stream may miss)
+    assert ask("longer", evidence(gap(4.125, 0.825), tl, **shared(**around))) is None
+    # no counter step to claim
+    assert ask("longer", evidence(gap(4.0, 0.95), **shared(**around))) is None
+
+
 def test_the_company_a_silence_is_compared_with_fell_silent_with_it():
     """Stream r3 silent 4.0-4.2 s; stream d stalled with it (4.1-4.22 s, the step that re-prefilled
     the victims); e and f, preempted long before (since 2.5 and 3.0 s), resumed at 4.2 s. Their long
@@ -429,13 +447,13 @@ def test_the_company_a_silence_is_compared_with_fell_silent_with_it():
     st = StallIndex()
     for rid, a, b in (("d", 4.10, 4.22), ("e", 2.5, 4.2), ("f", 3.0, 4.2)):
         st.add_long(gap(a, b - a, request_id=rid))
-    stalled, med, fresh, _ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
+    stalled, med, fresh, *_ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
     assert (stalled, fresh) == (3, 1) and med == pytest.approx(0.12)
     # none fell silent with it: the median of all of them
     st = StallIndex()
     for rid, a, b in (("e", 2.5, 4.2), ("f", 3.0, 4.3)):
         st.add_long(gap(a, b - a, request_id=rid))
-    stalled, med, fresh, _ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
+    stalled, med, fresh, *_ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
     assert (stalled, fresh) == (2, 0) and med == pytest.approx(1.7)
 
 
@@ -694,7 +712,7 @@ def test_a_long_gap_that_closes_late_is_still_found_by_the_co_stall_search():
     for rid, a, b in (("a", 0.9923, 1.0086), ("b", 0.9925, 1.0090), ("c", 0.9917, 1.0076), ("d", 0.9915, 1.0152)):
         st.add_long(gap(a, b - a, request_id=rid))  # c ends before a and b but arrives after them
     assert [g.t_end for g in st.long] == sorted(g.t_end for g in st.long)
-    stalled, _, _, _ = st.co_stalled(spike, settle=2.0)
+    stalled = st.co_stalled(spike, settle=2.0).stalled
     assert stalled == 4
 
 

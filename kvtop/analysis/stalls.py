@@ -12,7 +12,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtop.analysis.asof import Cutoff, engine_prefill_of, outside, prompt_of, union_length
 from kvtop.analysis.streams import ReqState
@@ -32,6 +32,17 @@ def _step(ts: list[float], vs: list[int], t: float, v: int) -> None:
     else:
         ts.append(t)
         vs.append(v)
+
+
+class Company(NamedTuple):
+    """The other streams stalled with a spike (``StallIndex.co_stalled``)."""
+
+    stalled: int  # silent over at least half of it
+    gap_median: float | None  # the median length of their silences (those that fell silent with it, where any did)
+    fresh: int  # ... that fell silent with it rather than long before
+    together: int  # ... and came back with it
+    start: float | None  # the median moment the compared silences began
+    end: float | None  # ... and ended (cut where the spike is judged)
 
 
 class StallIndex:
@@ -180,7 +191,7 @@ class StallIndex:
         v = sorted(q.fast_baseline for q in self._over_half(g) if q.fast_baseline and q.gaps_before >= seasoned)
         return v[len(v) // 2] if v else None
 
-    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> tuple[int, float | None, int, int]:
+    def co_stalled(self, g: Gap, settle: float, enough: int | None = None) -> Company:
         """Other streams silent over at least half of the spike, the median of their silences (of those
         that fell silent with it, where any did), and
         how many of them fell silent with it (up to a second, or half its length, before it began)
@@ -196,18 +207,18 @@ class StallIndex:
         cap = g.t_end + settle
         a_end = g.t_start + half
         seen = set()
-        lens = []
-        fresh_lens = []
+        spans: list[tuple[float, float]] = []
+        fresh_spans: list[tuple[float, float]] = []
         fresh_from = g.t_start - min(half, 1.0)
         fresh = together = 0
         tol = max(0.05, 0.25 * L)
         multi, eng = self.multi, g.engine
         for q in self._over_half(g):
             seen.add(q.request_id)
-            lens.append(min(q.t_end, cap) - q.t_start)
+            spans.append((q.t_start, min(q.t_end, cap)))
             if q.t_start >= fresh_from:
                 fresh += 1
-                fresh_lens.append(lens[-1])
+                fresh_spans.append(spans[-1])
                 together += abs(q.t_end - g.t_end) <= tol
             if enough is not None and len(seen) >= enough:
                 break  # every other active stream already found stalled
@@ -225,16 +236,18 @@ class StallIndex:
                     if min(end, g.t_end) - max(lt, g.t_start) < half:
                         continue
                     seen.add(r.id)
-                    lens.append(end - lt)
+                    spans.append((lt, end))
                     if lt >= fresh_from:
                         fresh += 1
-                        fresh_lens.append(lens[-1])
-        if not lens:
-            return 0, None, 0, 0
+                        fresh_spans.append(spans[-1])
+        if not spans:
+            return Company(0, None, 0, 0, None, None)
         # the company a silence is compared with is the streams that fell silent with it: those
         # silent since long before are victims still waiting, whose silences say nothing of this one's
-        comp = sorted(fresh_lens or lens)
-        return len(seen), comp[len(comp) // 2], fresh, together
+        comp = fresh_spans or spans
+        m = len(comp) // 2
+        lens = sorted(b - a for a, b in comp)
+        return Company(len(seen), lens[m], fresh, together, sorted(a for a, _ in comp)[m], sorted(b for _, b in comp)[m])
 
     def silent_at(self, g: Gap, t: float, min_gap: float, now: float) -> int:
         """Streams (of the spike's engine) between first token and end at ``t`` that were silent

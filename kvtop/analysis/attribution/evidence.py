@@ -32,7 +32,7 @@ from kvtop.analysis.attribution.thresholds import (
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
 from kvtop.analysis.gaps import BURST_S, LOOKAHEAD, Gap
-from kvtop.analysis.stalls import StallIndex
+from kvtop.analysis.stalls import Company, StallIndex
 
 # A stream with fewer gaps behind a spike than its look-ahead holds after it is too young to have
 # shown a decode-only step of its own: its first steps are often those that prefilled the prompts
@@ -87,6 +87,8 @@ class Evidence:
     company_pace: float | None = None
     run_median: float | None = None  # the run's median gap so far (every stream's)
     in_order: bool = False  # the engine admits prompts in arrival order (its adapter's ``admits_in_order``)
+    co_start: float | None = None  # the median moment the compared silences (``co_gap_median``'s) began
+    co_end: float | None = None  # ... and ended
 
     # engine readings, read from the timeline when a rule first asks (most spikes never need them)
     @cached_property
@@ -456,15 +458,16 @@ def gather(g: Gap, stalls: StallIndex, median: float | None, target: float | Non
     company = stalls.company_pace(g, YOUNG_GAPS) if g.stream_baseline and g.gaps_before < YOUNG_GAPS else None
     pace = decode_pace(g, base, bool(g.stream_baseline), company)
     if pace and g.gap < REL_SLOW * pace and not (after and g.gap >= REL_SLOW * after[len(after) // 2]):
-        co, co_med, fresh, together = 0, None, 0, 0  # slow decode (see slow_decode.lifted): no need to look for company
+        co = Company(0, None, 0, 0, None, None)  # slow decode (see slow_decode.lifted): no need to look for company
     else:
-        co, co_med, fresh, together = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
+        co = stalls.co_stalled(g, settle, None if act is None else max(1, act - 1))
     si = timeline.interval_at(cut.facts)
     ft = stalls.first_token_near(g, median, BURST_S, cut, in_order)
     return Evidence(
         gap=g, preempts=preempts, counted_at=counted_at, baseline=base, baseline_is_stream=bool(g.stream_baseline),
         engine_reported_preempt=reported, active_others=None if act is None else max(0, act - 1),
-        co_stalled=co, co_fresh=fresh, co_together=together, co_gap_median=co_med, prev_spike=prev_spike,
+        co_stalled=co.stalled, co_fresh=co.fresh, co_together=co.together,
+        co_gap_median=co.gap_median, co_start=co.start, co_end=co.end, prev_spike=prev_spike,
         first_token=FirstToken(*ft) if ft else None,
         typical_prompt_delta=timeline.typical_prompt_delta(cut.facts), prefill_rate=prefill_rate, scrape_interval=si,
         target=target,

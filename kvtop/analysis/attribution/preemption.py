@@ -23,6 +23,8 @@ from kvtop.analysis.attribution.thresholds import REL_PREEMPT
 KV_FULL = 0.95
 # a co-stalled stream silent this much longer than the others: it was preempted too
 LONGER = 1.2
+# ... or fell silent this many of its decode steps before them and came back with them
+LEAD_STEPS = 2.0
 
 
 def reported(ev: Evidence) -> Finding | None:
@@ -135,18 +137,43 @@ def queued(ev: Evidence) -> Finding | None:
         "queued: preempted)"] + ([_step_line(ev, claim[0])] if claim else []), "queued", claim[1] if claim else None)
 
 
-def longer_than_company(ev: Evidence) -> Finding | None:
-    """Every stream stalled (a prefill step, say) but this one stayed silent longer: a victim — only
-    with a counter step to claim. KV sits near full through a whole storm, so "longer and KV high"
-    alone turned host hiccups that stall every stream into preemptions on a real vLLM."""
-    if not (ev.preempts and ev.has_counter and ev.co_gap_median and ev.gap.gap > LONGER * ev.co_gap_median):
+def _silent_first(ev: Evidence) -> float | None:
+    """The stream fell silent ``LEAD_STEPS`` decode steps or more before its company and came back
+    with it (within half a step): the victim of a re-prefill. A victim misses the steps from its
+    preemption to its re-prefill; the others stall only in the re-prefill, whose thousands of tokens
+    can make it so long that the missed steps are well under ``LONGER`` of it. The step is the
+    slower of the stream's pace and its company's: a stream whose recent gaps were merged chunks
+    has a pace that makes any lead many steps."""
+    a, b, co = ev.co_start, ev.co_end, ev.co_gap_median
+    pace = ev.decode_pace
+    if a is None or b is None or co is None or not pace:
         return None
+    pace = max(pace, ev.stalls.company_pace(ev.gap, 0) or 0.0)
+    g = ev.gap
+    lead = a - g.t_start
+    if lead >= LEAD_STEPS * pace and g.gap - co >= LEAD_STEPS * pace and abs(g.t_end - b) <= 0.5 * pace:
+        return lead
+    return None
+
+
+def longer_than_company(ev: Evidence) -> Finding | None:
+    """Every stream stalled (a prefill step, say) but this one stayed silent longer, or fell silent
+    steps before them (``_silent_first``): a victim — only with a counter step to claim. KV sits near full through a whole storm, so "longer and KV high"
+    alone turned host hiccups that stall every stream into preemptions on a real vLLM."""
+    co = ev.co_gap_median
+    if not (ev.preempts and ev.has_counter and co):
+        return None
+    first = None  # how long before the company it fell silent, where that and not its length tells
+    if ev.gap.gap <= LONGER * co:
+        first = _silent_first(ev)
+        if first is None:
+            return None
     if _brief(ev):
         return None
     # a victim misses at least the step it was preempted in: a silence longer than the company's by
     # less than one of the stream's decode steps is a busy step's jitter, not a turn spent waiting
     pace = ev.decode_pace
-    if pace and ev.gap.gap - ev.co_gap_median < pace:
+    if pace and ev.gap.gap - co < pace:
         return None
     # a silence a little longer than its company's is the weakest claim on a unit: a longer one that
     # ends later in the same scrape interval, a victim's turn, owns it first (its spike is judged later)
@@ -154,7 +181,8 @@ def longer_than_company(ev: Evidence) -> Finding | None:
     if claim is None:
         return None
     return ev.found(Cause.PREEMPTION, "preemption/longer",
-                    [f"silent {ev.gap.gap / ev.co_gap_median:.1f}x longer than the other stalled streams",
+                    [f"silent {ev.gap.gap / co:.1f}x longer than the other stalled streams" if first is None else
+                     f"silent {first * 1000:.0f} ms before the other stalled streams, and back with them",
                      f"preemption counter stepped at t={claim[0]:.2f}s"]
                     + ([f"KV usage {ev.window.kv_max:.2f}"] if ev.kv_high else []), "longer", claim[1])
 

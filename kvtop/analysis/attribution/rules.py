@@ -193,7 +193,10 @@ RULES: tuple[Rule, ...] = (
     Rule("longer", Cause.PREEMPTION, ("longer",), SHARED, preemption.longer_than_company, ("preemption/longer",),
          f"this stream stayed silent > {preemption.LONGER:g}× longer than the other stalled streams (those that "
          "fell silent with it; streams silent since long before are victims still waiting) and longer by at least "
-         "one of its decode steps (a victim misses the step it was preempted in), and ≥ "
+         "one of its decode steps (a victim misses the step it was preempted in) — or fell silent "
+         f"≥ {preemption.LEAD_STEPS:g} decode steps (its own or its company's, the slower) before them, came back "
+         "with them (within half a step) and is longer by those steps (a victim's missed steps before a re-prefill "
+         f"too long for {preemption.LONGER:g}× to show them) — and ≥ "
          f"{REL_PREEMPT:g}× its recent gaps, with a counter unit claimed as in `lone-preemption`; on an "
          "engine that counts at resume, not a unit that a longer silence ending later in the same scrape interval "
          f"(≥ {REL_PREEMPT:g}× its own stream's recent gaps: a victim's turn) owns first"),
