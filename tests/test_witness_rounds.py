@@ -273,9 +273,9 @@ def test_chat_sized_prompts_on_a_growing_batch_are_found_and_rarely_overcalled(b
     # AI 0.81 / 0.95 -> 0.83 / 0.92, AK (held out) 0.82 / 0.96 -> 0.85 / 0.96
     # AL (recorded after 7.15, held out): 0.79 / 0.96, 82 of 1,452 others; AM (after 7.17): 0.80 / 0.93, 102
     # of 1,682; AN (after 7.18): 0.75 / 0.96, 105 of 1,568 (0.78, 91, since 7.19); AO (after 7.19): 0.78 / 0.97,
-    # 84 of 1,439
+    # 84 of 1,439; AP (after 7.20): 0.86 / 0.97, 61 of 1,476
     for rounds, precision, others in (("AI", 0.8, 0.07), ("AJ", 0.7, 0.11), ("AK", 0.8, 0.08), ("AL", 0.75, 0.08),
-                                      ("AM", 0.75, 0.08), ("AN", 0.7, 0.08), ("AO", 0.75, 0.08)):
+                                      ("AM", 0.75, 0.08), ("AN", 0.7, 0.08), ("AO", 0.75, 0.08), ("AP", 0.8, 0.08)):
         rows = _pooled(by_round, witnessed.select(rounds))
         got = rows[("shortprompts", TIGHT)]
         pf = got["prefill_interference"]
@@ -286,15 +286,15 @@ def test_chat_sized_prompts_on_a_growing_batch_are_found_and_rarely_overcalled(b
 
 
 @pytest.mark.parametrize(("last", "prefills", "tight_recall"), [("AK", 150, 0.95), ("AL", 150, 0.95), ("AM", 120, 0.95),
-                                                           ("AN", 200, 0.9), ("AO", 200, 0.95)])
+                                                           ("AN", 200, 0.9), ("AO", 200, 0.95), ("AP", 200, 0.95)])
 def test_the_round_recorded_last_meets_the_issues_targets_at_100_ms(by_round, last, prefills, tight_recall):
-    # rounds AK (docs/real-engines.md 7.12), AL (7.15), AM (7.17), AN (7.18) and AO (7.19) were each
-    # recorded after every rule of their stop and scored once: at 100 ms preemption 48 of 48, 49 of 49, 54
-    # of 54, 63 of 65, 67 of 68, none wrongly called, prefill 202 of 202, 172 of 172, 142 of 144, 232 of
-    # 232, 223 of 223; at the tight target preemption 54 of 54, 52 of 54, 55 of 57, 64 of 68 (AN: 0.94,
-    # short of the issue's 0.95: two victims read as a co-victim's recompute, two in a storm of five), 67
-    # of 69, prefill 0.86 / 0.95, 0.85 / 0.95, 0.85 / 0.94, 0.84 / 0.96, 0.86 / 0.98 (their chat-sized
-    # prompts, above)
+    # rounds AK (docs/real-engines.md 7.12), AL (7.15), AM (7.17), AN (7.18), AO (7.19) and AP (7.20) were
+    # each recorded after every rule of their stop and scored once: at 100 ms preemption 48 of 48, 49 of 49,
+    # 54 of 54, 63 of 65, 67 of 68, 49 of 49, none wrongly called, prefill 202 of 202, 172 of 172, 142 of
+    # 144, 232 of 232, 223 of 223, 217 of 217; at the tight target preemption 54 of 54, 52 of 54, 55 of 57,
+    # 64 of 68 (AN: 0.94, short of the issue's 0.95: two victims read as a co-victim's recompute, two in a
+    # storm of five), 67 of 69, 51 of 52 (one wrong), prefill 0.86 / 0.95, 0.85 / 0.95, 0.85 / 0.94, 0.84 /
+    # 0.96, 0.86 / 0.98, 0.90 / 0.96 (their chat-sized prompts, above)
     rows = _pooled(by_round, witnessed.select(last))
     for target in (LOOSE, TIGHT):
         pre = rows[("all", target)]["preemption"]

@@ -24,7 +24,7 @@ KV_FULL = 0.95
 # a co-stalled stream silent this much longer than the others: it was preempted too
 LONGER = 1.2
 # ... or fell silent this many of its decode steps before them and came back with them
-LEAD_STEPS = 2.0
+LEAD_STEPS = 1.75
 
 
 def reported(ev: Evidence) -> Finding | None:
