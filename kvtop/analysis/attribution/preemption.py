@@ -158,8 +158,9 @@ def _silent_first(ev: Evidence) -> float | None:
 
 def longer_than_company(ev: Evidence) -> Finding | None:
     """Every stream stalled (a prefill step, say) but this one stayed silent longer, or fell silent
-    steps before them (``_silent_first``): a victim — only with a counter step to claim. KV sits near full through a whole storm, so "longer and KV high"
-    alone turned host hiccups that stall every stream into preemptions on a real vLLM."""
+    steps before them (``_silent_first``): a victim — only with a counter step to claim. KV sits
+    near full through a whole storm, so "longer and KV high" alone turned host hiccups that stall
+    every stream into preemptions on a real vLLM."""
     co = ev.co_gap_median
     if not (ev.preempts and ev.has_counter and co):
         return None
