@@ -197,7 +197,8 @@ class StallIndex:
         how many of them fell silent with it (up to a second, or half its length, before it began)
         rather than long before (streams preempted earlier and still waiting), and how many of those
         also came back with it (their silence ended within a quarter of its length, >= 50 ms, of its
-        end: one engine-wide or delivery event, not victims resuming one by one).
+        end: one engine-wide or delivery event, not victims resuming one by one), and the median
+        moments the compared silences began and ended (a victim fell silent steps before them).
 
         A silence counts as seen when the spike is judged (``settle`` after its end): closed gaps up
         to then, and streams still silent then (preempted streams often resume much later). Lengths
