@@ -15,6 +15,7 @@ from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.rules import ALONE, ANY, LONE, RULES, SHARED, Rule, Stall, stall_of
 from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
+from kvtop.analysis.attribution.timeline import EngineTimeline
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.stalls import StallIndex
 from kvtop.analysis.streams import ReqState
@@ -424,18 +425,29 @@ def test_a_victim_silent_steps_before_a_long_re_prefill():
     """The others stalled 0.80 s in a re-prefill of thousands of tokens (4.15-4.95 s); r3 went silent
     at 4.0 s, 7 of its 20 ms steps earlier, and came back with them: 1.19x their silence, under
     ``LONGER``, but the steps it missed while the others decoded are a victim's."""
-    tl = engine(pre_steps={5.5: 1})
+    def unit() -> EngineTimeline:  # one counter unit at the resume, for each call to claim
+        return engine(pre_steps={5.5: 1})
+
     around = {"co_gap_median": 0.80, "co_start": 4.15, "co_end": 4.95}
-    f = ask("longer", evidence(gap(4.0, 0.95), tl, **shared(**around)))
+    f = ask("longer", evidence(gap(4.0, 0.95), unit(), **shared(**around)))
     assert f is not None and f.key == "preemption/longer"
     assert f.lines[:2] == ["silent 150 ms before the other stalled streams, and back with them",
                            "preemption counter stepped at t=5.50s"]
-    # as long, but longer because it came back 0.15 s after them (a held-back token): no victim's sign
-    assert ask("longer", evidence(gap(4.0, 0.95), tl, **shared(co_gap_median=0.80, co_start=4.0, co_end=4.80))) is None
+    # as long, but it came back 50 ms after them (a held-back token): no victim's sign, lead or not
+    late = {"co_gap_median": 0.80, "co_start": 4.10, "co_end": 4.90}
+    assert ask("longer", evidence(gap(4.0, 0.95), unit(), **shared(**late))) is None
     # silent one step before them (25 ms, the step it was preempted in is one any stream may miss)
-    assert ask("longer", evidence(gap(4.125, 0.825), tl, **shared(**around))) is None
+    assert ask("longer", evidence(gap(4.125, 0.825), unit(), **shared(**around))) is None
     # no counter step to claim
     assert ask("longer", evidence(gap(4.0, 0.95), **shared(**around))) is None
+    # a stream whose recent gaps were merged chunks (2 ms apart) led by 30 ms: 15 of its own steps but
+    # 1.5 of the 20 ms steps its company kept, and the slower pace counts
+    merged = gap(4.12, 0.83, stream_baseline=0.002, fast_baseline=0.002, calm_baseline=0.002, after=(0.002,) * 3)
+    company = StallIndex()
+    for rid in ("d", "e", "f"):
+        company.add_long(gap(4.15, 0.80, request_id=rid))
+    assert ask("longer", evidence(merged, unit(), stalls=company, **shared(**around))) is None
+    assert ask("longer", evidence(merged, unit(), **shared(**around))) is not None  # its own pace alone: a lead
 
 
 def test_the_company_a_silence_is_compared_with_fell_silent_with_it():
@@ -447,8 +459,10 @@ def test_the_company_a_silence_is_compared_with_fell_silent_with_it():
     st = StallIndex()
     for rid, a, b in (("d", 4.10, 4.22), ("e", 2.5, 4.2), ("f", 3.0, 4.2)):
         st.add_long(gap(a, b - a, request_id=rid))
-    stalled, med, fresh, *_ = st.co_stalled(gap(4.0, 0.2), settle=2.0)
-    assert (stalled, fresh) == (3, 1) and med == pytest.approx(0.12)
+    co = st.co_stalled(gap(4.0, 0.2), settle=2.0)
+    assert (co.stalled, co.fresh) == (3, 1) and co.gap_median == pytest.approx(0.12)
+    # the company fell silent 0.1 s after r3 and came back 20 ms after it (``longer``'s lead)
+    assert (co.start, co.end) == (pytest.approx(4.10), pytest.approx(4.22))
     # none fell silent with it: the median of all of them
     st = StallIndex()
     for rid, a, b in (("e", 2.5, 4.2), ("f", 3.0, 4.3)):
