@@ -20,11 +20,13 @@ HEAD = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "
 
 def _trace(path: Path, n: int = 40, stalled: int = 0, stall_s: float = 0.5, preempts: int = 0,
            errors: int = 0, every_s: float = 0.5, tokens: int = 30, gap_s: float = 0.02,
-           ttfts: list[float] | None = None, stalls: list[float] | None = None) -> Path:
+           ttfts: list[float] | None = None, stalls: list[float] | None = None,
+           prefix_hit: float | None = None) -> Path:
     """``n`` requests every ``every_s``, ``tokens`` tokens ``gap_s`` apart; the first ``stalled`` stall
     ``stall_s`` once mid-stream (the engine counts ``preempts`` preemptions over the run); the last
     ``errors`` are answered with an error instead. ``ttfts`` / ``stalls``: request i's time to first
-    token (default 50 ms) and mid-stream stall, one each."""
+    token (default 50 ms) and mid-stream stall, one each. ``prefix_hit``: the share of the 1,000
+    prompt tokens a second the engine's prefix cache counts as hits (no such counters when None)."""
     recs: list[dict[str, Any]] = []
     for i in range(n):
         rid, t0 = f"r{i}", i * every_s
@@ -46,6 +48,8 @@ def _trace(path: Path, n: int = 40, stalled: int = 0, stall_s: float = 0.5, pree
     for s in range(int(end) + 1):
         recs.append({"kind": "engine", "t": float(s), "adapter": "vllm", "url": "http://127.0.0.1:8000", "up": True,
                      "preemptions_total": round(preempts * s / end), "running": 3, "waiting": 0})
+        if prefix_hit is not None:
+            recs[-1].update(prefix_queries_total=1000.0 * s, prefix_hits_total=round(1000.0 * s * prefix_hit))
     recs.sort(key=lambda d: d["t"])
     path.write_text("\n".join(json.dumps(d) for d in [HEAD, *recs]) + "\n")
     return path
@@ -246,3 +250,38 @@ def test_compare_cli_says_trade_off_in_its_last_line(tmp_path: Path):
     assert out[-1].startswith("result: trade-off: better on the ITL contract") and "worse outside it: p99 TTFT" in out[-1]
     assert any(x.startswith("end-to-end p50 / p99") for x in out) and any(x.startswith("output tokens/s") for x in out)
     assert "TTFT: none (--ttft-target-ms)" in out[2]
+
+
+def test_a_replay_the_prefix_cache_served_is_named_not_pooled(tmp_path: Path):
+    """A trace replay's prompts share no prefix, so a run whose prompts the engine's prefix cache served
+    had been sent them before: in a CI run of the real-vLLM prefill loop, the second `before` replay
+    on the same engine with the same --seed took 18 ms to first token where the first took 0.3-1.3 s,
+    no stream stalled, and the pooled `before` hid the budget's goodput gain (16 -> 16 of 20). Runs of
+    one configuration whose cache shares differ by more than 25 points are not comparable; sides that
+    differ get a note (the change may be prefix caching itself), printed above the result line."""
+    a1 = _trace(tmp_path / "a1.jsonl", stalled=20, preempts=20, prefix_hit=0.0)
+    a2 = _trace(tmp_path / "a2.jsonl", prefix_hit=0.97)  # the same prompts again: served from the cache, no stall
+    b1 = _trace(tmp_path / "b1.jsonl", stalled=2, prefix_hit=0.0)
+    b2 = _trace(tmp_path / "b2.jsonl", stalled=2, prefix_hit=0.02)
+    c = compare([str(a1), str(a2)], [str(b1), str(b2)], itl_target_s=0.1)
+    assert c.outcome == "not_comparable", c.summary
+    assert c.a.prefix_hit_shares == [0.0, 0.97] and c.b.prefix_hit_shares == [0.0, 0.02]
+    assert len(c.reasons) == 1 and c.reasons[0].startswith("the engine's prefix cache served 0% / 97% of the prompt "
+                                                           "tokens in A's runs"), c.reasons
+    jsonschema.validate(c.to_dict(), SCHEMA)
+    # runs of one configuration alike: compared, no note
+    a3 = _trace(tmp_path / "a3.jsonl", stalled=20, preempts=20, prefix_hit=0.01)
+    ok = compare([str(a1), str(a3)], [str(b1), str(b2)], itl_target_s=0.1)
+    assert ok.outcome == "improved" and ok.notes == [], ok.summary
+    # one side served from the cache: compared, with a note above the result line
+    noted = compare(str(a2), str(b1), itl_target_s=0.1)
+    assert noted.outcome != "not_comparable" and len(noted.notes) == 1, noted.to_dict()
+    assert noted.notes[0].startswith("the engine's prefix cache served 97% of A's prompt tokens and 0% of B's")
+    r = run_kvtop("compare", str(a2), str(b1), "--itl-target-ms", "100")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-2].startswith("note: the engine's prefix cache served 97% of A's") and lines[-1].startswith("result: ")
+    assert any(ln.startswith("prefix cache served") and "97%" in ln for ln in lines), r.stdout
+    # a trace without the counters says nothing of the cache
+    plain = compare(str(_trace(tmp_path / "p1.jsonl")), str(_trace(tmp_path / "p2.jsonl")), itl_target_s=0.1)
+    assert plain.a.prefix_hit_shares == [None] and not plain.notes and "prefix cache" not in json.dumps(plain.reasons)

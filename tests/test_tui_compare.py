@@ -89,3 +89,15 @@ def test_compare_option_errors_are_one_line(tmp_path: Path):
         r = run_kvtop(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert msg in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_compare_notes_reach_the_result_line(pair):
+    """What `kvtop compare` notes beside its outcome (one side served from the prefix cache) is in the
+    console's result line too, after the contract; none when compare noted nothing."""
+    from kvtop.views.tui.compare import result_text
+
+    doc = dict(pair.figures)
+    assert doc["notes"] == [] and "note:" not in result_text(doc)
+    doc["notes"] = ["the engine's prefix cache served 97% of A's prompt tokens and 0% of B's"]
+    line = result_text(doc)
+    assert line.index("(contract: ") < line.index("note: the engine's prefix cache served 97% of A's"), line

@@ -16,10 +16,12 @@ verdict, the ITL target it judged against and the time over target by cause):
   that only moves waiting around (a stall mid-stream becomes a queue before the first token) leaves
   unchanged;
 * preemptions per completed request: the engine's counter increases (request ``preempt`` events
-  where no engine was scraped, e.g. a simulated run).
+  where no engine was scraped, e.g. a simulated run);
+* the share of prompt tokens the engine's prefix cache served, per run (the analysis' figure).
 
 The decision, B against A, in this order: *not comparable* when the offered load or mix differ
-beyond ``Tolerance``; *worse* when B completes or meets the contract less often, or sheds (cancels,
+beyond ``Tolerance``, or one side's runs differ in what the prefix cache served (an engine sent
+prompts it had seen); *worse* when B completes or meets the contract less often, or sheds (cancels,
 errors) more — a policy that buys latency by shedding load is not better; *improved* when goodput
 rises or a latency/preemption figure falls by the margin (10 %) and nothing worsens by it;
 *trade-off* when B is better on the contract but a figure the contract does not judge (p99 TTFT
@@ -57,10 +59,15 @@ class Tolerance:
     # simulated server differed by up to 6 % in p99 TTFT
     better_frac: float = 0.10
     shed_share: float = 0.02  # cancels + errors, share of offered, may rise by at most this much
+    # the share of prompt tokens the engine's prefix cache served may differ by this much (absolute) between
+    # runs of one configuration: a trace replay's prompts share no prefix, so a run served from the cache was
+    # sent prompts the engine had seen (the same `kvtop load --seed` twice on one engine: 0 % and ~100 %)
+    prefix_share: float = 0.25
 
     def to_dict(self) -> dict[str, float]:
         return {"requests_frac": self.requests_frac, "rate_frac": self.rate_frac, "prompt_frac": self.prompt_frac,
-                "class_share": self.class_share, "better_frac": self.better_frac, "shed_share": self.shed_share}
+                "class_share": self.class_share, "better_frac": self.better_frac, "shed_share": self.shed_share,
+                "prefix_share": self.prefix_share}
 
 
 @dataclass
@@ -89,6 +96,14 @@ class RunFigures:
     verdict: dict[str, Any] | None = None
     runs: list[str] = field(default_factory=list)  # every trace pooled into these figures, ``path`` first
     run_span_max_s: float = 0.0  # the longest one run's arrivals took: a burst is judged per run
+    # per run: the engine's prefix cache hits / queries over it (the analysis' ``prefix_hit_share``; None
+    # where the trace has no such counters)
+    prefix_hit_shares: list[float | None] = field(default_factory=list)
+
+    @property
+    def prefix_hit_share(self) -> float | None:
+        known = [x for x in self.prefix_hit_shares if x is not None]
+        return sum(known) / len(known) if known else None
 
     @property
     def rate_per_s(self) -> float | None:
@@ -121,6 +136,7 @@ class RunFigures:
             "output_tokens_per_s": _r(self.output_tokens_per_s),
             "preemptions": self.preemptions, "preemptions_per_completed": _r(self.preemptions_per_completed),
             "over_target_s": {k: _r(v) for k, v in sorted(self.over_target_s.items())},
+            "prefix_hit_shares": [_r(x) for x in self.prefix_hit_shares],
             "verdict": self.verdict,
         }
 
@@ -154,8 +170,12 @@ def run_figures(path: str | Sequence[str], ttft_target_s: float | None,
     for k, p in enumerate(paths):
         report = first if k == 0 else analyze_trace(p, itl_target_s=itl_t)
         _read_run(fig, p, ttft_target_s, itl_t, pool)
-        for cause, secs in (report.finite().over_target_s or {}).items():
+        fin = report.finite()
+        for cause, secs in (fin.over_target_s or {}).items():
             fig.over_target_s[cause] = fig.over_target_s.get(cause, 0.0) + secs
+        share = fin.verdict.numbers.get("prefix_hit_share") if fin.verdict is not None else None
+        fig.prefix_hit_shares.append(float(share.value) if share is not None and isinstance(share.value, (int, float))
+                                     else None)
     fig.prompt_mean = pool.prompt_sum / pool.prompt_n if pool.prompt_n else None
     fig.ttft_p50_s, fig.ttft_p99_s = pool.ttft.quantile(0.5), pool.ttft.quantile(0.99)
     fig.itl_p50_s, fig.itl_p99_s = pool.itl.quantile(0.5), pool.itl.quantile(0.99)
@@ -305,7 +325,27 @@ def comparability(a: RunFigures, b: RunFigures, tol: Tolerance) -> list[str]:
         sa, sb = a.classes.get(c, 0) / a.offered, b.classes.get(c, 0) / b.offered
         if abs(sb - sa) > tol.class_share:
             why.append(f"class {c} is {sa:.0%} of A and {sb:.0%} of B (tolerance ±{tol.class_share * 100:.0f} points)")
+    for name, f in (("A", a), ("B", b)):
+        # runs of one configuration and one traffic: a run the prefix cache served, beside one it did not,
+        # skipped the very prefills the others paid for
+        known = [x for x in f.prefix_hit_shares if x is not None]
+        if len(known) >= 2 and max(known) - min(known) > tol.prefix_share:
+            why.append(f"the engine's prefix cache served {' / '.join(f'{x:.0%}' for x in known)} of the prompt "
+                       f"tokens in {name}'s runs (tolerance ±{tol.prefix_share * 100:.0f} points): the engine had "
+                       "seen a run's prompts before (`kvtop load` sends the same token ids for the same --seed); "
+                       "replay each run with its own --seed")
     return why
+
+
+def cache_notes(a: RunFigures, b: RunFigures, tol: Tolerance) -> list[str]:
+    """What the outcome may owe to the prefix cache rather than the change: a note, not a refusal, as
+    the change may be prefix caching itself."""
+    sa, sb = a.prefix_hit_share, b.prefix_hit_share
+    if sa is None or sb is None or abs(sb - sa) <= tol.prefix_share:
+        return []
+    return [f"the engine's prefix cache served {sa:.0%} of A's prompt tokens and {sb:.0%} of B's: unless the "
+            "change was to prefix caching, one engine had seen these prompts before (replay with a new --seed, "
+            "or restart the engine)"]
 
 
 @dataclass
@@ -320,6 +360,7 @@ class Comparison:
     ttft_target_s: float | None
     itl_target_s: float | None
     outside_contract: list[str] = field(default_factory=list)  # the entries of ``worse`` the contract does not judge
+    notes: list[str] = field(default_factory=list)  # what the outcome may owe to something other than the change
 
     @property
     def summary(self) -> str:
@@ -355,7 +396,7 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"outcome": self.outcome, "summary": self.summary, "reasons": self.reasons, "better": self.better,
-                "worse": self.worse, "outside_contract": self.outside_contract,
+                "worse": self.worse, "outside_contract": self.outside_contract, "notes": self.notes,
                 "ttft_target_s": self.ttft_target_s, "itl_target_s": self.itl_target_s,
                 "tolerance": self.tolerance.to_dict(), "a": self.a.to_dict(), "b": self.b.to_dict()}
 
@@ -449,7 +490,8 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
         outcome = "improved"  # goodput already judges the contract's own figures per request
     else:
         outcome = "mixed"
-    return Comparison(a, b, outcome, [], better, worse, tol, ttft_target_s, itl_target_s, outside_worse)
+    return Comparison(a, b, outcome, [], better, worse, tol, ttft_target_s, itl_target_s, outside_worse,
+                      cache_notes(a, b, tol))
 
 
 def _g(v: float) -> str:
@@ -489,6 +531,8 @@ def render_text(c: Comparison) -> str:
         ("time over target", _lost(a.over_target_s), _lost(b.over_target_s)),
         ("verdict", _verdict(a.verdict), _verdict(b.verdict)),
     ]
+    if a.prefix_hit_share is not None or b.prefix_hit_share is not None:
+        rows.insert(-2, ("prefix cache served", _shares(a), _shares(b)))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows + [("", "A", "")])
     targets = [f"ITL {c.itl_target_s * 1e3:.0f} ms" if c.itl_target_s is not None else "ITL: none"]
@@ -499,6 +543,7 @@ def render_text(c: Comparison) -> str:
            f"{'':{w0}}  {'A':<{w1}}  B"]
     out += [f"{k:{w0}}  {x:<{w1}}  {y}" for k, x, y in rows]
     out.append("")
+    out += [f"note: {n}" for n in c.notes]
     out.append("result: " + c.summary)
     return "\n".join(out)
 
@@ -510,6 +555,11 @@ def _runs(f: RunFigures) -> str:
 def _rate(f: RunFigures) -> str:
     v = f.output_tokens_per_s
     return "n/a" if v is None else f"{v:.0f} ({f.output_tokens} in {f.makespan_s:.3g} s)"
+
+
+def _shares(f: RunFigures) -> str:
+    """The prefix cache's share of prompt tokens, per run where several are pooled."""
+    return " / ".join("n/a" if x is None else f"{x:.0%}" for x in f.prefix_hit_shares) or "n/a"
 
 
 def _fmt(v: float | None) -> str:

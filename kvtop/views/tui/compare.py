@@ -178,7 +178,8 @@ def result_text(doc: dict[str, Any]) -> str:
     targets = [f"ITL {units.duration_short(doc['itl_target_s'])}" if doc.get("itl_target_s") else "ITL: none",
                f"TTFT {units.duration_short(doc['ttft_target_s'])}" if doc.get("ttft_target_s")
                else "TTFT: none"]
-    return f"[b ${var}]{word}[/] {escape(detail)} {render.muted('(contract: ' + ', '.join(targets) + ')')}"
+    notes = "".join(" " + render.muted(escape("note: " + str(n))) for n in doc.get("notes") or ())
+    return f"[b ${var}]{word}[/] {escape(detail)} {render.muted('(contract: ' + ', '.join(targets) + ')')}{notes}"
 
 
 class CompareApp(App[int]):
