@@ -24,6 +24,11 @@ from testkit.engines.kvtop_run import Recorder, kvtop_env, read_trace
 pytestmark = pytest.mark.real_engine
 
 N_STREAMS, N_TOKENS, CANCEL_AFTER = 4, 200, 10
+# Stream 0 asks for far more than it reads: the engine must still be generating when the proxy
+# closes its upstream connection. With 200 tokens the tiny model finished the whole response
+# (~0.6 s) while the proxy on a loaded 2-core box had not yet relayed the tenth, so the wire
+# rightly showed a complete response and no cancel.
+CANCELLED_MAX_TOKENS = 900
 PROMPT_MARK = "capture-tier-marker"
 
 
@@ -40,7 +45,7 @@ async def _drive(base: str) -> None:
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10)) as client:
         async def one(i: int) -> None:
             body = {"model": servers.VLLM_MODEL_NAME, "prompt": f"{PROMPT_MARK} {i} once upon a time",
-                    "max_tokens": N_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True,
+                    "max_tokens": N_TOKENS if i else CANCELLED_MAX_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True,
                     "stream_options": {"include_usage": True}}
             async with client.stream("POST", url, json=body, headers={"X-Request-Id": f"real-cap-{i}"}) as r:
                 assert r.status_code == 200
