@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -157,6 +158,13 @@ async def test_load_replays_a_trace_on_the_simulated_server(tmp_path: Path):
     assert 5 <= got <= 8, got  # a few more may be on their way when the client hangs up
     # the healthy engine answers well within 0.95 s (1.9 s halved), so the client that gave up waiting does not
     assert ends["gaveup"]["event"] == "finish"
+    # what the engine's prefix cache served, from its own counters scraped before the first request and
+    # after the last: the simulator caches only the prefixes a request declares, so none of the replay's
+    # 601 prompt tokens, and no hint about --seed
+    served = re.search(rb"prefix cache served (\d+)% of the ([\d,]+) prompt tokens it was asked for\n", err)
+    assert served is not None, err.decode()
+    assert served[1] == b"0" and served[2] == b"601"
+    assert b"--seed" not in err
 
 
 async def test_load_workload_is_bounded_and_ctrl_c_leaves_a_valid_trace(tmp_path: Path):
@@ -234,3 +242,20 @@ async def test_load_every_request_refused_exits_1(tmp_path: Path):
     assert proc.returncode == 1 and b"every request failed" in err and b"Traceback" not in err
     errors = [d for d in TraceReader(out).dicts() if d.get("event") == "error"]
     assert [e["status"] for e in errors] == [400, 400]
+
+
+def test_the_prefix_cache_line_sums_engines_and_survives_a_restart():
+    from kvtop.commands.load import _PrefixCounters
+    from kvtop.model.records import EngineRecord
+
+    cache = _PrefixCounters()
+    assert cache.line() is None  # an engine without the counters: no line
+    for t, url, hits, queries in ((0.0, "a", 1000, 1000), (0.0, "b", 400, 500), (5.0, "a", 1500, 1600),
+                                  (5.0, "b", 100, 150),  # b restarted: its counters began again from zero
+                                  (9.0, "a", 1900, 2000), (9.0, "b", 300, 350)):
+        cache(EngineRecord(t, "vllm", url=url, prefix_hits_total=hits, prefix_queries_total=queries))
+    # a: 900 of 1,000 tokens; b since its restart: 300 of 350
+    assert cache.line() == (
+        "the engine's prefix cache served 89% of the 1,350 prompt tokens it was asked for (a repeat of a run with "
+        "the same --seed on this engine finds its prompts cached: give each replay its own --seed to measure its "
+        "prefills)")

@@ -8,6 +8,7 @@ documented default (docs/kv-science.md §12) used because the trace did not show
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from kvtop.analysis.advice import versions
@@ -21,20 +22,37 @@ MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
 MIN_COMPUTE_STEPS = 3  # witnessed prompt/recompute steps a measured prefill rate needs
 
 
-def _delta(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
+def _delta(first: Mapping[str, Any], last: Mapping[str, Any], key: str) -> float | None:
     a, b = first.get(key), last.get(key)
     if a is None or b is None:
         return None
     return float(b - a if b >= a else b)
 
 
-def sum_delta(st: AnalysisState, key: str) -> float | None:
+def counters_delta(firsts: Mapping[Any, Mapping[str, Any]], lasts: Mapping[Any, Mapping[str, Any]],
+                   key: str) -> float | None:
+    """A counter's increase from each engine's first scrape to its last, summed over the engines."""
     tot = None
-    for k, first in st.tally.engine_first.items():
-        d = _delta(first, st.tally.engine_last[k], key)
+    for k, first in firsts.items():
+        d = _delta(first, lasts[k], key)
         if d is not None:
             tot = (tot or 0.0) + d
     return tot
+
+
+def sum_delta(st: AnalysisState, key: str) -> float | None:
+    return counters_delta(st.tally.engine_first, st.tally.engine_last, key)
+
+
+def prefix_served(firsts: Mapping[Any, Mapping[str, Any]],
+                  lasts: Mapping[Any, Mapping[str, Any]]) -> tuple[float, float] | None:
+    """(prompt tokens the engines' prefix caches served, prompt tokens they were asked for) between
+    each engine's first and last scrape; None where the engines count neither or were asked for none."""
+    hits = counters_delta(firsts, lasts, "prefix_hits_total")
+    queries = counters_delta(firsts, lasts, "prefix_queries_total")
+    if hits is None or not queries:
+        return None
+    return hits, queries
 
 
 def _peak_overlap(spans: list[tuple[float, float]]) -> int:
@@ -182,9 +200,9 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                               "mean prompt + generated tokens of preemption victims")
 
     # shared prefixes
-    hits, queries = sum_delta(st, "prefix_hits_total"), sum_delta(st, "prefix_queries_total")
-    if hits is not None and queries:
-        share = hits / queries
+    served = prefix_served(acc.engine_first, acc.engine_last)
+    if served is not None:
+        share = served[0] / served[1]
         n["prefix_hit_share"] = Num(share, "", "measured", "prefix cache hits / queries")
         if "seq_tokens" in n and share > 0:
             n["shared_tokens"] = Num(share * n["seq_tokens"].value, "tokens", "derived",

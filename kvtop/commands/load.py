@@ -131,6 +131,8 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
             rec.cls = classes.get(rec.id)
 
     runner.sinks.append(label)
+    cache = _PrefixCounters()
+    runner.sinks.append(cache)
     header_load = {"source": plan.source, "source_kind": plan.kind, "target": redact_url(opts.urls[0]),
                    "rate_scale": args.rate_scale, "requests_planned": len(plan.requests), "seed": args.seed,
                    "prompt": args.prompt_mode}
@@ -145,7 +147,9 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
             raise UsageError(f"cannot listen on 127.0.0.1 for the recording proxy: {e.strerror or e}") from None
         proxy = runner.source("proxy")
         assert isinstance(proxy, ProxyRecorder) and proxy.url is not None
-        run_task = asyncio.create_task(runner.run(duration_s=duration, stop=stop))
+        # a last scrape once the client is done: the trace's engine counters (and the prefix-cache line)
+        # then cover the whole run, not all but its last scrape interval
+        run_task = asyncio.create_task(runner.run(duration_s=duration, stop=stop, final_poll=True))
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -195,7 +199,46 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
         if st.sent and st.errors == st.sent:
             print(f"kvtop load: every request failed: is {redact_url(opts.urls[0])} serving?", file=sys.stderr)
             return 1
+        line = cache.line()
+        if line:
+            print(f"kvtop load: {line}", file=sys.stderr)
     return 0
+
+
+# The prompts are a function of --seed: a second run of one plan with the same seed on the same engine
+# finds them in its prefix cache, and its prefills (and the stalls they cause) are not measured.
+CACHED_HINT_SHARE = 0.5
+
+
+class _PrefixCounters:
+    """Each engine's first and last prefix-cache counters over the run (a sink of the run's records)."""
+
+    def __init__(self) -> None:
+        self.firsts: dict[tuple[str | None, str | None], dict[str, float]] = {}
+        self.lasts: dict[tuple[str | None, str | None], dict[str, float]] = {}
+
+    def __call__(self, rec: Record) -> None:
+        from kvtop.model.records import EngineRecord
+
+        if not isinstance(rec, EngineRecord) or rec.prefix_hits_total is None or rec.prefix_queries_total is None:
+            return
+        key = (rec.url, rec.engine)
+        c = {"prefix_hits_total": rec.prefix_hits_total, "prefix_queries_total": rec.prefix_queries_total}
+        self.firsts.setdefault(key, c)
+        self.lasts[key] = c
+
+    def line(self) -> str | None:
+        from kvtop.analysis.inputs import prefix_served
+
+        served = prefix_served(self.firsts, self.lasts)
+        if served is None:
+            return None
+        share = served[0] / served[1]
+        text = f"the engine's prefix cache served {share:.0%} of the {served[1]:,.0f} prompt tokens it was asked for"
+        if share >= CACHED_HINT_SHARE:
+            text += (" (a repeat of a run with the same --seed on this engine finds its prompts cached: give each "
+                     "replay its own --seed to measure its prefills)")
+        return text
 
 
 async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
