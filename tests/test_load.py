@@ -97,6 +97,10 @@ def test_prompt_ids_have_the_length_and_share_only_the_group_prefix():
     a.prefix_tokens = b.prefix_tokens = 40
     pa, pb = prompt_ids(a, 1), prompt_ids(b, 1)
     assert pa[:40] == pb[:40] and pa[40:44] != pb[40:44] and len(pa) == 200
+    # what a cold prefix cache can serve of the plan: b's 40 shared tokens of the six requests' 601
+    assert plan.shared_share() == 40 / 601
+    a.prefix_tokens = 200  # a prefix as long as the prompt is no shared prefix: nothing to repeat
+    assert prompt_ids(a, 1) == ia and plan.shared_share() == 0.0
 
 
 def _write(path: Path, recs: list[dict[str, Any]]) -> None:
@@ -259,3 +263,8 @@ def test_the_prefix_cache_line_sums_engines_and_survives_a_restart():
         "the engine's prefix cache served 89% of the 1,350 prompt tokens it was asked for (a repeat of a run with "
         "the same --seed on this engine finds its prompts cached: give each replay its own --seed to measure its "
         "prefills)")
+    # a plan whose own shared prefixes repeat 80% of its prompt tokens: 89% served is the plan, no hint
+    planned = _PrefixCounters(0.8)
+    planned.firsts, planned.lasts = cache.firsts, cache.lasts
+    assert planned.line() == ("the engine's prefix cache served 89% of the 1,350 prompt tokens it was asked for; "
+                              "the plan's shared prefixes repeat 80%")

@@ -54,16 +54,16 @@ class LoadStats:
 def prompt_ids(req: LoadRequest, seed: int) -> list[int]:
     rng = random.Random(f"{seed}/{req.id}")
     head: list[int] = []
-    if req.prefix_id and 0 < req.prefix_tokens < req.prompt_tokens:
+    if req.shared_prefix:
         g = random.Random(f"{seed}/prefix/{req.prefix_id}")
-        head = [g.randrange(TOKEN_ID_LO, TOKEN_ID_HI) for _ in range(req.prefix_tokens)]
+        head = [g.randrange(TOKEN_ID_LO, TOKEN_ID_HI) for _ in range(req.shared_prefix)]
     return head + [rng.randrange(TOKEN_ID_LO, TOKEN_ID_HI) for _ in range(req.prompt_tokens - len(head))]
 
 
 def prompt_text(req: LoadRequest) -> str:
     head: list[str] = []
-    if req.prefix_id and 0 < req.prefix_tokens < req.prompt_tokens:
-        head = [req.prefix_id] * req.prefix_tokens
+    if req.shared_prefix and req.prefix_id is not None:
+        head = [req.prefix_id] * req.shared_prefix
     # a request-unique word right after the shared part: no prefix sharing beyond it
     return " ".join([*head, req.id, *(["tok"] * (req.prompt_tokens - len(head) - 1))])
 

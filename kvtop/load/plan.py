@@ -56,6 +56,11 @@ class LoadRequest:
     prefix_id: str | None = None
     prefix_tokens: int = 0
 
+    @property
+    def shared_prefix(self) -> int:
+        """Leading prompt tokens this request shares with the others of its prefix group (0: none)."""
+        return self.prefix_tokens if self.prefix_id and 0 < self.prefix_tokens < self.prompt_tokens else 0
+
 
 @dataclass
 class Plan:
@@ -78,6 +83,19 @@ class Plan:
                 None if r.patience_s is None else r.patience_s / rate_scale,
                 tuple((k, s / rate_scale) for k, s in r.pauses), r.prefix_id, r.prefix_tokens))
         return Plan(out, self.source, self.kind, self.skipped_no_prompt, self.skipped_probe, list(self.notes))
+
+    def shared_share(self) -> float:
+        """The share of the plan's prompt tokens that repeat an earlier request's shared prefix: the
+        most a prefix cache that had seen none of the plan can serve of it."""
+        seen: set[str] = set()
+        shared = total = 0
+        for r in sorted(self.requests, key=lambda r: r.t):
+            total += r.prompt_tokens
+            if r.shared_prefix and r.prefix_id is not None:
+                if r.prefix_id in seen:
+                    shared += r.shared_prefix
+                seen.add(r.prefix_id)
+        return shared / total if total else 0.0
 
     def limited(self, max_requests: int | None) -> Plan:
         if max_requests is None or max_requests >= len(self.requests):
