@@ -165,6 +165,8 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     a, b = c["a"], c["b"]
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] == 16 and a["completed"] == b["completed"] == a["offered"], (a, b)
+    # every measured replay prefilled prompts the engine had not seen (its own counters say so)
+    assert max(a["prefix_hit_shares"] + b["prefix_hit_shares"]) < 0.05, (a, b)
     assert b["preemptions_per_completed"] == 0 < a["preemptions_per_completed"], (a, b)
     assert sum(b["over_target_s"].values()) < 0.5 * sum(a["over_target_s"].values()), (a, b)
     assert b["goodput"] >= a["goodput"] and t["b"]["goodput"] >= t["a"]["goodput"], (a, b)
@@ -267,6 +269,7 @@ def test_the_chunked_budget_measured_better_on_the_same_traffic(prefill_loop):
     a, b = c["a"], c["b"]
     print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
     assert a["offered"] == b["offered"] == 20 and a["completed"] == b["completed"] == 20, (a, b)
+    assert max(a["prefix_hit_shares"] + b["prefix_hit_shares"]) < 0.05, (a, b)  # cold prefills only
     over_a, over_b = sum(a["over_target_s"].values()), sum(b["over_target_s"].values())
     # of the time over the target that the analysis gives an engine cause, most is the prefill the
     # budget addresses; a stall kvtop reads as the host hanging (its own scrape answered late, nothing
