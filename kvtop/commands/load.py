@@ -205,13 +205,6 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     return 0
 
 
-# The prompts are a function of --seed: a second run of one plan with the same seed on the same engine
-# finds them in its prefix cache, and its prefills (and the stalls they cause) are not measured. The
-# cache served this much more of the prompt tokens than the plan's own shared prefixes account for:
-# `compare`'s bound on runs that may be pooled.
-CACHED_HINT_EXCESS = 0.25
-
-
 class _PrefixCounters:
     """Each engine's first and last prefix-cache counters over the run (a sink of the run's records);
     ``planned``: the share of the plan's prompt tokens its shared prefixes repeat."""
@@ -232,6 +225,7 @@ class _PrefixCounters:
         self.lasts[key] = c
 
     def line(self) -> str | None:
+        from kvtop.analysis.compare import Tolerance
         from kvtop.analysis.inputs import prefix_served
 
         served = prefix_served(self.firsts, self.lasts)
@@ -241,7 +235,10 @@ class _PrefixCounters:
         text = f"the engine's prefix cache served {share:.0%} of the {served[1]:,.0f} prompt tokens it was asked for"
         if self.planned:
             text += f"; the plan's shared prefixes repeat {self.planned:.0%}"
-        if share - self.planned >= CACHED_HINT_EXCESS:
+        # The prompts are a function of --seed: a second run of one plan with the same seed on the same
+        # engine finds them in its prefix cache, and its prefills (and their stalls) go unmeasured. Beyond
+        # what the plan's own shared prefixes account for by `compare`'s bound on runs it may pool, say so.
+        if share - self.planned > Tolerance().prefix_share:
             text += (" (a repeat of a run with the same --seed on this engine finds its prompts cached: give each "
                      "replay its own --seed to measure its prefills)")
         return text
