@@ -26,7 +26,7 @@ pytestmark = pytest.mark.real_engine
 N_STREAMS, N_TOKENS, CANCEL_AFTER = 4, 200, 10
 # Stream 0 asks for far more than it reads: the engine must still be generating when the proxy
 # closes its upstream connection. With 200 tokens the tiny model finished the whole response
-# (~0.6 s) while the proxy on a loaded 2-core box had not yet relayed the tenth, so the wire
+# while the proxy on a loaded 2-core box had not yet relayed the tenth, so the wire
 # rightly showed a complete response and no cancel.
 CANCELLED_MAX_TOKENS = 900
 PROMPT_MARK = "capture-tier-marker"

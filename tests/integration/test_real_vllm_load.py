@@ -45,6 +45,8 @@ def test_a_replay_repeated_with_its_seed_is_named_as_served_from_the_cache(vllm,
         assert r.returncode == 0, r.stderr
         runs.append(r.stderr)
     first, again, other = (_served(e) for e in runs)
+    print(f"\n[real-engines] load's prefix cache served, seed 4242, again, 4343: {first[0]}%, {again[0]}%, "
+          f"{other[0]}% of {first[1]} prompt tokens")
     # every prompt token counted, scraped before the first request and after the last
     assert first[1] == again[1] == other[1] == N * PROMPT
     # a new seed: token ids the engine never saw, nothing cached, no hint
