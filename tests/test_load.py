@@ -194,6 +194,21 @@ async def test_load_workload_is_bounded_and_ctrl_c_leaves_a_valid_trace(tmp_path
     assert any(evs[-1].get("error") == "proxy_stopped" for evs in reqs.values())
 
 
+async def test_load_duration_cuts_streams_off_without_calling_them_errors(tmp_path: Path):
+    # the storm's long streams are still going when --duration ends the run: they were cut off by the
+    # run's end, and the run is a success (exit 0), not "every request failed"
+    out = tmp_path / "out.jsonl"
+    async with SimServer(load_preset("preemption-storm"), speed=2.0) as srv:
+        proc = await _kvtop("load", "--preset", "preemption-storm", "--url", srv.url, "-o", str(out),
+                            "--duration", "3", "--no-gpu", "--no-host")
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    summary = re.search(rb"sent (\d+)/\d+, .*errors (\d+).*cut off by the stop (\d+)", err)
+    assert summary is not None, err.decode()
+    assert int(summary[1]) > 0 and summary[2] == b"0" and int(summary[3]) > 0, err.decode()
+    assert b"every request failed" not in err and b"Traceback" not in err
+
+
 async def test_load_max_requests(tmp_path: Path):
     src, out = tmp_path / "src.jsonl", tmp_path / "out.jsonl"
     _write(src, _source_records())
@@ -215,7 +230,10 @@ def test_load_bad_input_is_one_line(tmp_path: Path):
         (["--from", str(tmp_path / "missing.jsonl"), "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl")],
          "missing.jsonl"),
         (["--from", str(empty), "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl")], "no request"),
-        (["--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(src)], "already exists"),
+        (["--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(empty)], "already exists"),
+        # not even --force lets the new run overwrite the recording it replays
+        (["--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(src)], "the trace being replayed"),
+        (["--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(src), "--force"], "the trace being replayed"),
         (["--from", str(src), "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl"), "--rate-scale", "0"],
          "--rate-scale"),
         (["--preset", "nope", "--url", "http://127.0.0.1:9", "-o", str(tmp_path / "o.jsonl")], "unknown preset"),

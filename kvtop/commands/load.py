@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
         raise UsageError("--proxy-workers must be between 1 and 64")
+    if args.source and _same_file(args.source, args.output):
+        raise UsageError(f"-o {args.output} is the trace being replayed: write the new run to another file")
     check_output(args.output, args.force)
     try:
         if args.source:
@@ -108,6 +111,13 @@ def run(args: argparse.Namespace) -> int:
     # the recording proxy on an ephemeral loopback port in front of the target: the load goes through it
     opts = dataclasses.replace(opts, proxy_listen=("127.0.0.1", 0), proxy_workers=args.proxy_workers)
     return asyncio.run(_load(args, opts, plan, duration))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing: nothing to overwrite, or the plan's own error says so
+        return False
 
 
 async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, duration: float | None) -> int:
@@ -139,6 +149,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     writer, _ = await open_trace(runner, opts, args.output, args.force, "kvtop load", load=header_load)
     tty = sys.stderr.isatty()
     client: LoadClient | None = None
+    timer: asyncio.TimerHandle | None = None
     try:
         try:
             await runner.start()
@@ -149,7 +160,11 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
         assert isinstance(proxy, ProxyRecorder) and proxy.url is not None
         # a last scrape once the client is done: the trace's engine counters (and the prefix-cache line)
         # then cover the whole run, not all but its last scrape interval
-        run_task = asyncio.create_task(runner.run(duration_s=duration, stop=stop, final_poll=True))
+        # --duration ends the run through `stop`, as Ctrl-C does: the client then knows the streams the
+        # proxy cuts when it stops were cut off by the run's end, not failed
+        if duration is not None:
+            timer = loop.call_later(duration, stop.set)
+        run_task = asyncio.create_task(runner.run(duration_s=None, stop=stop, final_poll=True))
         tasks = [asyncio.create_task(_flush_loop(writer, stop))]
         headers = {"Authorization": f"Bearer {opts.token}"} if opts.token else None
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -185,6 +200,8 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
                 await client.close()
         await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        if timer is not None:
+            timer.cancel()
         stop.set()
         writer.close()
     if tty:

@@ -95,6 +95,7 @@ class LoadClient:
         self.stats = LoadStats(planned=len(plan.requests))
         self.t0 = time.monotonic()
         self.stopped = False  # the run was stopped: streams that end now were cut off, not finished
+        self._stop: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def elapsed(self) -> float:
@@ -104,6 +105,7 @@ class LoadClient:
         """Send the plan until it is done or ``stop`` is set; streams still open then stay open until
         ``close`` (the recorder stops first, so it records them as cut off by kvtop, not by a client)."""
         self.t0 = time.monotonic()
+        self._stop = stop
         sem = asyncio.Semaphore(self.max_concurrency)
         tasks = self._tasks
         try:
@@ -193,15 +195,19 @@ class LoadClient:
                         await asyncio.sleep(pauses.pop(0)[1])  # a slow reader: the stream waits in the buffers
                 self._ended(st, counter.ended or counter.tokens > 0)
         except (aiohttp.ClientError, OSError) as e:
-            if self.stopped:
+            if self._was_stopped():
                 st.cut_off += 1
             else:
                 st.error(type(e).__name__)
         finally:
             st.in_flight -= 1
 
+    def _was_stopped(self) -> bool:
+        # the stop event, not only `stopped`: the proxy may cut a stream before `run` has returned
+        return self.stopped or (self._stop is not None and self._stop.is_set())
+
     def _ended(self, st: LoadStats, got: bool) -> None:
-        if self.stopped:
+        if self._was_stopped():
             st.cut_off += 1
         elif got:
             st.finished += 1
