@@ -218,3 +218,21 @@ def test_snapshot_without_a_url_looks_on_the_usual_ports_like_the_console(tmp_pa
     assert r.stderr == (f"kvtop snapshot: no engine found on 127.0.0.1 ports {closed}; GPU and host only "
                         "(point it at one with --url http://HOST:PORT)\n")
     assert "host" in r.stdout.lower()
+
+
+@pytest.mark.parametrize("args", [
+    ("analyze", "{trace}", "--kv-bytes-per-token", "nan"),
+    ("analyze", "{trace}", "--kv-bytes-per-token", "inf"),
+    ("replay", "{trace}", "--headless", "--speed", "nan"),
+    ("demo", "--headless", "--duration", "2", "--speed", "inf"),  # it never reached its duration
+    ("demo", "--headless", "--duration", "2", "--speed", "1000"),  # the generator fell behind the clock
+])
+def test_numbers_that_are_not_finite_or_out_of_reach_are_refused(args: tuple[str, ...], tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    if "{trace}" in args:
+        sim = run_kvtop("simulate", "--preset", "healthy", "--duration", "2", "-o", str(trace), timeout=60)
+        assert sim.returncode == 0, sim.stderr
+    r = run_kvtop(*(a.replace("{trace}", str(trace)) for a in args), timeout=60)
+    assert r.returncode == 2, r.stderr
+    flag = next(a for a in args if a in ("--kv-bytes-per-token", "--speed"))
+    assert flag in _one_line(r)

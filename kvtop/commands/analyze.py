@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -69,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.model.trace import TraceError
 
     target = itl_target_s(args, {})
-    if args.kv_bytes_per_token is not None and args.kv_bytes_per_token <= 0:
-        raise UsageError("--kv-bytes-per-token must be positive")
+    kvb = args.kv_bytes_per_token
+    if kvb is not None and not (math.isfinite(kvb) and kvb > 0):
+        raise UsageError(f"--kv-bytes-per-token must be a positive number, not {kvb:g}")
     if args.tp < 1:
         raise UsageError("--tp must be >= 1")
     if args.otlp_endpoint:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 
 from kvtop.commands._longrun import interrupted_note
@@ -40,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     # loaded only when the command runs: the parser imports every command module
     from kvtop.model.trace import TraceError
 
-    if args.speed is not None and args.speed < 0:
-        raise UsageError("--speed must be >= 0")
+    if args.speed is not None and not (math.isfinite(args.speed) and args.speed >= 0):
+        raise UsageError(f"--speed must be a number >= 0, not {args.speed:g}")
     target = itl_target_s(args, {})
     console = not args.headless and args.until is None and sys.stdout.isatty() and sys.stdin.isatty()
     speed = args.speed if args.speed is not None else (1.0 if console else 0.0)
