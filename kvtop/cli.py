@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     setup(level_from(args.verbose, args.quiet, args.log_level,
                      default="info" if getattr(args, "command", None) == "agent" else "warning"), args.log_format)
     try:
+        config = getattr(args, "config", None)
+        if config is not None and not os.path.exists(config):
+            # every command, also those that read no setting of it: a named file that is not there is a typo
+            raise UsageError(f"config file not found: {config}")
         if args.plugin:
             # the adapter registry (entry points) only when --plugin is given: start-up time
             from kvtop.plugin import PluginError, load_plugin_file

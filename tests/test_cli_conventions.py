@@ -236,3 +236,23 @@ def test_numbers_that_are_not_finite_or_out_of_reach_are_refused(args: tuple[str
     assert r.returncode == 2, r.stderr
     flag = next(a for a in args if a in ("--kv-bytes-per-token", "--speed"))
     assert flag in _one_line(r)
+
+
+@pytest.mark.parametrize("args,says", [
+    # a Prometheus window given with a trace file was ignored without a word
+    (("analyze", "{trace}", "--start", "now-1h"), "--start applies to --prometheus"),
+    (("analyze", "{trace}", "--selector", 'job="vllm"'), "--selector applies to --prometheus"),
+    (("analyze", "--prometheus", "http://127.0.0.1:9", "--start", "nan"), "must be finite"),
+    # a config file named on the command line that is not there, for a command that reads none of it
+    (("--config", "{missing}", "plugins"), "config file not found"),
+    (("analyze", "{trace}", "--config", "{missing}"), "config file not found"),
+])
+def test_flags_that_would_be_ignored_are_refused(args: tuple[str, ...], says: str, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    if "{trace}" in args:
+        sim = run_kvtop("simulate", "--preset", "healthy", "--duration", "2", "-o", str(trace), timeout=60)
+        assert sim.returncode == 0, sim.stderr
+    r = run_kvtop(*(a.replace("{trace}", str(trace)).replace("{missing}", str(tmp_path / "nope.toml"))
+                    for a in args), timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert says in _one_line(r)

@@ -34,10 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace file (JSON Lines, or a .jsonl.gz agent segment) written by kvtop record / simulate / agent")
     p.add_argument("--prometheus", metavar="URL", default=None,
                    help="analyze the engines a Prometheus server holds instead of a trace (aggregate basis)")
-    p.add_argument("--start", default="now-1h", metavar="TIME",
+    # None (not the defaults) until --prometheus reads them: given with a trace file they are refused
+    p.add_argument("--start", default=None, metavar="TIME",
                    help="with --prometheus: start (now-1h, unix seconds or RFC 3339; default now-1h)")
-    p.add_argument("--end", default="now", metavar="TIME", help="with --prometheus: end (default now)")
-    p.add_argument("--step", default="15s", metavar="SECONDS", help="with --prometheus: evaluation step (default 15s)")
+    p.add_argument("--end", default=None, metavar="TIME", help="with --prometheus: end (default now)")
+    p.add_argument("--step", default=None, metavar="SECONDS", help="with --prometheus: evaluation step (default 15s)")
     p.add_argument("--selector", default=None, metavar="MATCHERS",
                    help='with --prometheus: extra label matchers, e.g. job="vllm",cluster="eu1"')
     p.add_argument("--timeout", default="30s", metavar="SECONDS", help="with --prometheus: per-query timeout")
@@ -91,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
         return _prometheus(args, target)
     if args.trace is None:
         raise UsageError("give a trace file, or --prometheus URL to analyze what Prometheus holds")
+    given = [f for f, v in (("--start", args.start), ("--end", args.end), ("--step", args.step),
+                            ("--selector", args.selector)) if v is not None]
+    if given:
+        raise UsageError(f"{given[0]} applies to --prometheus; a trace file is analysed whole")
     cfg = None
     if args.model_config:
         try:
@@ -204,16 +209,18 @@ def _prometheus(args: argparse.Namespace, target: float | None) -> int:
         raise UsageError("give either a trace file or --prometheus, not both")
     now = time.time()
     try:
-        start, end = parse_time(args.start, now), parse_time(args.end, now)
+        start, end = parse_time(args.start or "now-1h", now), parse_time(args.end or "now", now)
         parse_selector(args.selector)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    step = parse_seconds(args.step, "--step")
+    step = parse_seconds(args.step or "15s", "--step")
     timeout = timeout_s(args, {}, 30.0)
+    if not (math.isfinite(start) and math.isfinite(end)):
+        raise UsageError("--start and --end must be finite times")
     if not end > start:
         raise UsageError("--end must be after --start")
     if not 0 < step <= 3600:
-        raise UsageError("--step must be between 0 and 3600 seconds")
+        raise UsageError("--step must be > 0 and at most 3600 seconds")
     if (end - start) / step > 11000:
         raise UsageError(f"{(end - start) / step:.0f} steps: Prometheus answers at most 11000 per query; raise --step")
     client = PromClient(args.prometheus, timeout_s=timeout, auth=prometheus_auth(args, load_config(getattr(args, "config", None))))
