@@ -243,6 +243,7 @@ def test_numbers_that_are_not_finite_or_out_of_reach_are_refused(args: tuple[str
     (("analyze", "{trace}", "--start", "now-1h"), "--start applies to --prometheus"),
     (("analyze", "{trace}", "--selector", 'job="vllm"'), "--selector applies to --prometheus"),
     (("analyze", "--prometheus", "http://127.0.0.1:9", "--start", "nan"), "must be finite"),
+    (("tui", "--replay", "{trace}", "--url", "http://127.0.0.1:9"), "--replay shows a recorded trace"),
     # a config file named on the command line that is not there, for a command that reads none of it
     (("--config", "{missing}", "plugins"), "config file not found"),
     (("analyze", "{trace}", "--config", "{missing}"), "config file not found"),

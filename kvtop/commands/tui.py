@@ -73,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if theme is not None and theme not in known:
         raise UsageError(f"unknown theme {theme!r}; choose one of: {', '.join(known)}")
 
+    if args.replay and (getattr(args, "url", None) or getattr(args, "prometheus", None)):
+        # the console shows one run: a recording, or live engines (it said nothing and showed the recording)
+        raise UsageError("--replay shows a recorded trace; give it without --url / --prometheus")
     if getattr(args, "prometheus", None):
         return prometheus_console(args, cfg, theme)
     if args.compare is not None:
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--compare B needs --replay A (the baseline run)")
         ttft = args.ttft_target_ms
         if ttft is not None and not 0 < ttft <= 3_600_000:
-            raise UsageError("--ttft-target-ms must be between 0 and 3600000 ms")
+            raise UsageError("--ttft-target-ms must be > 0 and at most 3600000 ms")
         return compare_console(Path(args.replay), Path(args.compare), theme=theme, itl_target_s=itl_target_s(args, cfg),
                                ttft_target_s=None if ttft is None else ttft / 1e3)
     if args.ttft_target_ms is not None:
