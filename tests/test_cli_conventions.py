@@ -257,3 +257,24 @@ def test_flags_that_would_be_ignored_are_refused(args: tuple[str, ...], says: st
                     for a in args), timeout=60)
     assert r.returncode == 2, r.stderr
     assert says in _one_line(r)
+
+
+def test_snapshot_keeps_its_samples_when_the_engine_dies_in_the_window() -> None:
+    # the engine answers the first scrapes, then goes away: the report covers what was sampled and
+    # shows the engine down (it was "could not read any engine", exit 1, and no report at all)
+    s = PageServer().start()
+    s.route("/metrics", [vllm_page(running=2, preemptions=0), vllm_page(running=3, preemptions=4)])
+    timer = threading.Timer(1.5, s.stop)
+    timer.start()
+    try:
+        r = run_kvtop("snapshot", "--url", s.url, "--duration", "3", "--interval", "0.25", "--timeout", "0.5",
+                      "--format", "json", "--no-gpu", "--no-host", timeout=60)
+    finally:
+        timer.cancel()
+        timer.join()
+    assert r.returncode == 0, r.stderr
+    eng = json.loads(r.stdout)["engines"][0]
+    assert eng["up"] is False and eng["error"], eng
+    # what it said while up is kept, marked stale
+    assert eng["preemptions_total"] == 4 and eng["running"] == 3 and eng["stale_s"] > 0.5, eng
+    assert len(s.routes["/metrics"].hits) >= 3  # it was read before it went away

@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
         snap, engines=tuple(sorted(snap.engines, key=lambda e: (order.get(e.url, len(order)), e.engine or "")))
     )
 
-    if urls and not any(e.up for e in snap.engines):
+    # an engine that answered at some point of the window gives a report (its last error shown in it);
+    # only a window in which no engine ever answered is a failed run
+    if urls and not first_t:
         down = next((e for e in snap.engines if e.error), None)
         why = f"{down.url}: {down.error}" if down else "no engine answered"
         many = "" if len(urls) == 1 else f" (none of {len(urls)} engines)"

@@ -30,7 +30,7 @@ def probe_rate(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--probe takes streams per second, not {text!r}") from None
     if not 0 < rate <= 100:
-        raise argparse.ArgumentTypeError(f"--probe must be between 0 and 100 per second, not {rate:g}")
+        raise argparse.ArgumentTypeError(f"--probe must be > 0 and at most 100 per second, not {rate:g}")
     return rate
 
 
