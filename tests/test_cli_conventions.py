@@ -278,3 +278,26 @@ def test_snapshot_keeps_its_samples_when_the_engine_dies_in_the_window() -> None
     # what it said while up is kept, marked stale
     assert eng["preemptions_total"] == 4 and eng["running"] == 3 and eng["stale_s"] > 0.5, eng
     assert len(s.routes["/metrics"].hits) >= 3  # it was read before it went away
+
+
+def test_compare_and_advise_read_what_analyze_reads_and_refuse_the_rest_in_one_line(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    sim = run_kvtop("simulate", "--preset", "preemption-storm", "--duration", "20", "-o", str(trace), timeout=60)
+    assert sim.returncode == 0, sim.stderr
+    # an agent's --trace-dir (one segment of its run here): analyze read it, compare and advise said
+    # "no such trace file"
+    seg_dir = tmp_path / "segments"
+    seg_dir.mkdir()
+    (seg_dir / "kvtop-20261205T120000.000000Z.jsonl").write_bytes(trace.read_bytes())
+    verdict = run_kvtop("advise", "--trace", str(trace), timeout=60)
+    r = run_kvtop("advise", "--trace", str(seg_dir), timeout=60)
+    assert r.returncode == 0 and r.stdout == verdict.stdout and "verdict:" in r.stdout, r.stderr
+    r = run_kvtop("compare", str(trace), str(seg_dir), "--format", "json", timeout=60)
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    assert c["outcome"] == "no_change" and c["a"]["completed"] == c["b"]["completed"] > 0, c["summary"]
+    # a file that is not a trace: one line, exit 2 (it was a 28-line traceback, exit 1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    r = run_kvtop("compare", str(trace), str(empty), timeout=60)
+    assert r.returncode == 2 and "is not a kvtop trace" in _one_line(r)

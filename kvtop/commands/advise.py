@@ -66,10 +66,10 @@ def _from_trace(args: argparse.Namespace) -> int:
     from kvtop.analysis.scan import analyze_trace
     from kvtop.model.trace import TraceError
 
-    if not Path(args.trace).is_file():
+    if not Path(args.trace).exists():  # a file, or an agent's --trace-dir of segments (as analyze reads)
         raise UsageError(f"{args.trace}: no such trace file")
     if args.itl_target_ms is not None and not 0 < args.itl_target_ms <= 3_600_000:
-        raise UsageError("--itl-target-ms must be between 0 and 3600000")
+        raise UsageError("--itl-target-ms must be > 0 and at most 3600000")
     try:
         report = analyze_trace(args.trace, itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
     except TraceError as e:

@@ -38,20 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvtop.analysis.compare import compare, render_text  # the analysis: only when the command runs
+    from kvtop.model.trace import TraceError
 
     runs_a = [args.a, *(x for x, _ in args.also)]
     runs_b = [args.b, *(y for _, y in args.also)]
     for name in (*runs_a, *runs_b):
-        if not Path(name).is_file():
+        if not Path(name).exists():  # a file, or an agent's --trace-dir of segments (as analyze reads)
             raise UsageError(f"{name}: no such trace file")
     for flag, v in (("--ttft-target-ms", args.ttft_target_ms), ("--itl-target-ms", args.itl_target_ms)):
         if v is not None and not 0 < v <= 3_600_000:
-            raise UsageError(f"{flag} must be between 0 and 3600000 ms")
+            raise UsageError(f"{flag} must be > 0 and at most 3600000 ms")
     try:
         c = compare(runs_a, runs_b,
                     ttft_target_s=None if args.ttft_target_ms is None else args.ttft_target_ms / 1e3,
                     itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
-    except ValueError as e:
+    except (ValueError, TraceError) as e:
         raise UsageError(str(e)) from None
     if args.format == "json":
         print(json.dumps(c.to_dict(), indent=2, allow_nan=False))
