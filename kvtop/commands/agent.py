@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -131,9 +133,14 @@ def run(args: argparse.Namespace) -> int:
         if d.exists() and not d.is_dir():
             raise UsageError(f"--trace-dir {d} is not a directory")
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            # request timings are operational data: a directory kvtop creates is the agent user's alone
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # a directory that takes no file (/proc/self, read-only, full) fails now, not record by record
+            fd, probe = tempfile.mkstemp(prefix=".kvtop-probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
         except OSError as e:
-            raise UsageError(f"cannot create --trace-dir {d}: {e.strerror or e}") from None
+            raise UsageError(f"cannot write to --trace-dir {d}: {e.strerror or e}") from None
 
     opts = AgentOptions(
         sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,

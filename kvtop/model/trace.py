@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, cast
 
+from kvtop.errors import RunFailure
 from kvtop.model import jsonio
 from kvtop.model import token_columns as TC
 from kvtop.model.records import (
@@ -198,8 +199,27 @@ def make_header(
     }
 
 
+class TraceWriteError(RunFailure, OSError):
+    """Writing an opened trace failed (a full disk, a quota): the run failed, exit 1, in one line
+    (``cannot write PATH: No space left on device``) from every command that writes a trace. Still
+    an ``OSError``: a caller that goes on after a failed write (the agent's rotating trace) catches it
+    as one. What was flushed before stays a readable trace (a torn last line is skipped)."""
+
+    def __init__(self, path: str | os.PathLike[str], err: OSError):
+        self.message = f"cannot write {path}: {err.strerror or err}"
+        super().__init__(self.message)
+        self.errno = err.errno  # for a caller that tells ENOSPC from the rest
+        self.strerror = err.strerror
+
+    def __str__(self) -> str:
+        return self.message  # not OSError's "[Errno 28] ...": the line the CLI prints
+
+
 class TraceWriter:
-    """Append-only trace writer. Safe to call ``write`` from one thread at a time."""
+    """Append-only trace writer. Safe to call ``write`` from one thread at a time.
+
+    Opening the file raises ``OSError`` (the path is wrong: a usage error); a write, flush or close
+    that fails after that raises ``TraceWriteError`` (the run failed)."""
 
     def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], flush_interval_s: float = 1.0,
                  columns: bool = False):
@@ -215,10 +235,17 @@ class TraceWriter:
         self._cols: IO[bytes] | None = None
         if new:
             head = json.dumps(header, separators=(",", ":")) + "\n"
-            self._f.write(head)
-            if columns:
-                self._open_columns(head)
-            self.flush()
+            try:
+                try:
+                    self._f.write(head)
+                except OSError as e:
+                    raise TraceWriteError(self.path, e) from e
+                if columns:
+                    self._open_columns(head)
+                self.flush()
+            except BaseException:
+                self._discard()  # no open file left behind by a writer the caller never got
+                raise
 
     def _open_columns(self, head: str) -> None:
         # every line is ASCII (the JSON encoders escape the rest): a line's bytes are its characters
@@ -308,7 +335,10 @@ class TraceWriter:
                             ids.clear()
                         mid = ids[rid] = _ID_KEY + _encode(rid) + _TOKEN_N_KEY
                     line = f"{_TOKEN_HEAD}{tr}{mid}{n}}}\n"
-                    self._f.write(line)
+                    try:
+                        self._f.write(line)
+                    except OSError as e:  # the buffer spilled onto a full disk
+                        raise TraceWriteError(self.path, e) from e
                     self.count += 1
                     if self._cols is not None:
                         self._token_column(line, tr, mid, rid, n)
@@ -330,7 +360,10 @@ class TraceWriter:
         except ValueError:
             # NaN/Infinity are not JSON (jq and most parsers reject them): unknown is null.
             line = _encode(_finite(d))
-        self._f.write(line + "\n")
+        try:
+            self._f.write(line + "\n")
+        except OSError as e:  # the buffer spilled onto a full disk
+            raise TraceWriteError(self.path, e) from e
         self.count += 1
         if self._cols is not None:
             ev = d.get("event")
@@ -342,7 +375,10 @@ class TraceWriter:
             self.flush()
 
     def flush(self) -> None:
-        self._f.flush()
+        try:
+            self._f.flush()
+        except OSError as e:
+            raise TraceWriteError(self.path, e) from e
         self._last_flush = time.monotonic()
         if self._cols is not None:
             self._flush_columns()
@@ -362,12 +398,31 @@ class TraceWriter:
 
     def close(self) -> None:
         if not self._f.closed:
-            self.flush()
-            os.fsync(self._f.fileno())
+            try:
+                self.flush()
+                try:
+                    os.fsync(self._f.fileno())
+                except OSError as e:
+                    raise TraceWriteError(self.path, e) from e
+            except BaseException:
+                # the file is closed even so (no descriptor leaks per failed segment of a long run):
+                # what the buffer still holds cannot be written, the trace ends at its last flush
+                self._discard()
+                raise
             self._f.close()
         if self._cols is not None:
             self._cols.close()
             self._cols = None
+
+    def _discard(self) -> None:
+        """Close the files, dropping what could not be written (the failure is being raised)."""
+        for f in (self._f, self._cols):
+            if f is not None:
+                try:
+                    f.close()  # flushes once more, and closes the descriptor even when that fails
+                except OSError:
+                    pass
+        self._cols = None
 
     def __enter__(self) -> TraceWriter:
         return self

@@ -14,6 +14,7 @@ the agent's event loop (which also serves the proxy) must not stall on it.
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import shutil
 import threading
@@ -25,6 +26,9 @@ from typing import Any
 
 from kvtop.model.records import Record
 from kvtop.model.trace import ACTIVE_SUFFIX, DONE_SUFFIX, SEGMENT_PREFIX, TraceWriter, latest_run
+
+log = logging.getLogger(__name__)
+OPEN_RETRY_S = 5.0  # how long a directory that took no segment is left alone
 
 __all__ = ["RotatingTrace", "latest_run", "segments"]
 
@@ -59,6 +63,10 @@ class RotatingTrace:
         self._n = 0
         self.write_errors = 0
         self.last_error: str | None = None
+        # after a segment could not be opened (a full disk) the next try waits: one empty file and
+        # one warning per try, not one per record
+        self._retry_at = 0.0
+        self._failing = False
         # a segment left uncompressed by a previous agent that died: compress it now
         for stale in sorted(self.dir.glob(f"{SEGMENT_PREFIX}*{ACTIVE_SUFFIX}")):
             self._compress_later(stale)
@@ -70,10 +78,27 @@ class RotatingTrace:
     def _open(self) -> TraceWriter:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
         path = self.dir / f"{SEGMENT_PREFIX}{stamp}{ACTIVE_SUFFIX}"
-        w = TraceWriter(path, self._header(), flush_interval_s=self.flush_interval_s)
+        try:
+            w = TraceWriter(path, self._header(), flush_interval_s=self.flush_interval_s)
+        except OSError:
+            self._retry_at = self._clock() + OPEN_RETRY_S
+            try:
+                if path.stat().st_size == 0:
+                    path.unlink()  # a segment that holds not even its header is no segment
+            except OSError:
+                pass
+            raise
         os.chmod(path, 0o600)  # also in a directory someone else made world-readable
         self._opened_at = self._clock()
         return w
+
+    def _failed(self, e: Exception) -> None:
+        self.write_errors += 1
+        self.last_error = str(e)
+        if not self._failing:  # once per run of failures: the agent keeps serving /metrics meanwhile
+            self._failing = True
+            log.warning("trace segments in %s: %s; records are dropped (kvtop_dropped_records_total) until "
+                        "writing works again", self.dir, e)
 
     def write(self, rec: Record) -> None:
         """Append one record (rotating first when the segment is full or old). Never raises:
@@ -89,11 +114,14 @@ class RotatingTrace:
                 self.rotate()
                 w = None
             if w is None:
+                if self._clock() < self._retry_at:
+                    self.write_errors += 1
+                    return
                 w = self._writer = self._open()
             w.write(rec)
+            self._failing = False
         except (OSError, ValueError) as e:
-            self.write_errors += 1
-            self.last_error = str(e)
+            self._failed(e)
 
     def flush_if_due(self) -> None:
         w = self._writer
@@ -104,8 +132,7 @@ class RotatingTrace:
                 else:
                     w.flush_if_due()
             except OSError as e:
-                self.write_errors += 1
-                self.last_error = str(e)
+                self._failed(e)
 
     def rotate(self) -> None:
         w, self._writer = self._writer, None

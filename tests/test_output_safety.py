@@ -1,0 +1,97 @@
+"""A full disk or an unwritable directory costs records, never the run's output or the console:
+one line and exit 1 for a recorder, a counted warning and no spray of empty files for the agent."""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import stat
+from pathlib import Path
+
+import pytest
+from conftest import run_kvtop
+
+import kvtop.model.trace as trace_mod
+import kvtop.model.trace_rotate as rotate_mod
+from kvtop.errors import RunFailure
+from kvtop.model.records import RequestRecord
+from kvtop.model.trace import TraceReader, TraceWriteError, TraceWriter, make_header
+
+
+class _FullDisk(io.RawIOBase):
+    """A file whose disk fills after ``room`` bytes (as a quota or a full partition answers)."""
+
+    def __init__(self, room: int):
+        self.room = room
+        self.data = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # noqa: ANN001
+        if len(self.data) + len(b) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.data += b
+        return len(b)
+
+
+def _rec(i: int) -> RequestRecord:
+    return RequestRecord(t=i * 0.01, id=f"r{i}", event="token", n=1)
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_what_was_flushed_stays_a_trace(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    w = TraceWriter(path, make_header(recorder="kvtop record"))
+    for i in range(10):
+        w.write(_rec(i))
+    w.flush()
+    disk = _FullDisk(room=0)
+    w._f = io.TextIOWrapper(io.BufferedWriter(disk, 64), encoding="ascii", newline="")
+    with pytest.raises(TraceWriteError) as err:
+        for i in range(10, 1000):
+            w.write(_rec(i))
+    # the CLI prints str(e) after "kvtop: error:" and exits 1 (a RunFailure), never a traceback
+    assert str(err.value) == f"cannot write {path}: No space left on device"
+    assert isinstance(err.value, RunFailure) and err.value.errno == errno.ENOSPC
+    with pytest.raises(TraceWriteError):
+        w.close()
+    assert [d["id"] for d in TraceReader(path).dicts() if d.get("kind") == "request"] == [f"r{i}" for i in range(10)]
+
+
+def test_the_agent_drops_records_on_a_full_disk_with_one_warning_and_no_empty_segments(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    now = [0.0]
+
+    class NoRoom(TraceWriter):
+        def __init__(self, path, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+            Path(path).touch()  # the file is created, its header does not fit
+            raise TraceWriteError(path, OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(rotate_mod, "TraceWriter", NoRoom)
+    rt = rotate_mod.RotatingTrace(tmp_path, lambda: make_header(recorder="kvtop agent"), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvtop"):
+        for i in range(3000):  # a probe's tokens over a few seconds
+            now[0] = i * 0.001
+            rt.write(_rec(i))
+    assert rt.write_errors == 3000
+    assert list(tmp_path.iterdir()) == []  # it was 3,273 empty segment files in 6 s
+    warned = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+    assert len(warned) == 1 and "kvtop_dropped_records_total" in warned[0].getMessage()
+    # room again: the next try after the back-off opens a segment and the records flow
+    monkeypatch.setattr(rotate_mod, "TraceWriter", trace_mod.TraceWriter)
+    now[0] = 3.0 + rotate_mod.OPEN_RETRY_S
+    rt.write(_rec(5000))
+    rt.close()
+    assert rt.write_errors == 3000 and rt.rotations == 1
+
+
+def test_agent_trace_dir_is_private_when_created_and_refused_when_it_takes_no_file(tmp_path: Path):
+    d = tmp_path / "traces"
+    r = run_kvtop("agent", "--url", "http://127.0.0.1:9", "--listen", "127.0.0.1:0", "--trace-dir", str(d),
+                  "--duration", "1", "--no-gpu", "--no-host", timeout=60)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700, r.stderr  # README: the directory 0700, segments 0600
+    r = run_kvtop("agent", "--url", "http://127.0.0.1:9", "--trace-dir", "/proc/self", "--duration", "1",
+                  "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "cannot write to --trace-dir" in r.stderr
