@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -207,6 +208,33 @@ def add_token_options(p: Any) -> None:
                    help="read the bearer token for /metrics from FILE (also KVTOP_TOKEN_FILE / token_file)")
 
 
+_HOST = re.compile(r"[A-Za-z0-9._~:-]+")  # a name, IPv4, or IPv6 without its brackets (as httpx gives it)
+
+
+def http_url(url: str, flag: str = "URL") -> str:
+    """``url`` as given (``host:port`` gets ``http://``), checked the way a connection will read it:
+    http(s), a host, a port 1-65535; else a one-line UsageError naming ``flag`` (a malformed URL was a
+    traceback from deep in the HTTP client, a port over 65535 an error about a TaskGroup)."""
+    import httpx
+
+    from kvtop.errors import UsageError
+
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        parsed = httpx.URL(text)
+    except (httpx.InvalidURL, ValueError, TypeError) as e:
+        raise UsageError(f"{flag} {url!r} is not a valid URL: {e}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise UsageError(f"{flag} takes only http:// and https:// URLs, not {url!r}")
+    if not parsed.host or not _HOST.fullmatch(parsed.host):
+        raise UsageError(f"{flag} {url!r} names no valid host")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise UsageError(f"{flag} {url!r}: port {parsed.port} is outside 1-65535")
+    return text
+
+
 def engine_bases(urls: list[str]) -> list[str]:
     """Base URLs of the engines the user named; one-line UsageError for anything else."""
     from kvtop.errors import UsageError
@@ -214,11 +242,10 @@ def engine_bases(urls: list[str]) -> list[str]:
 
     bases = []
     for u in urls:
+        http_url(u, "--url")
         try:
             base, _ = split_url(u)
         except Exception:
             raise UsageError(f"not a valid URL: {u!r}") from None
-        if not base.startswith(("http://", "https://")):
-            raise UsageError(f"only http:// and https:// URLs are supported, not {u!r}")
         bases.append(base)
     return bases

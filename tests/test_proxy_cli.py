@@ -73,7 +73,7 @@ def test_proxy_command_bad_input(tmp_path: Path):
         for args, msg in (
             (["--upstream", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}"], "cannot listen"),
             (["--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:http"], "port"),
-            (["--upstream", "ftp://127.0.0.1:8000"], "http(s) URL"),
+            (["--upstream", "ftp://127.0.0.1:8000"], "takes only http:// and https://"),
             (["--upstream", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{port}", "--workers", "2"],
              "cannot listen"),
             (["--upstream", "http://127.0.0.1:9", "--workers", "0"], "--workers"),

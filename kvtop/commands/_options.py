@@ -14,7 +14,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvtop.config import add_token_options, engine_bases, parse_seconds, resolve, resolve_token
+from kvtop.config import add_token_options, engine_bases, http_url, parse_seconds, resolve, resolve_token
 from kvtop.errors import RunFailure, UsageError
 from kvtop.pipeline import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, SourceOptions
 from kvtop.sources.capture.options import add_capture_argument, resolve_capture_port
@@ -177,8 +177,10 @@ def _secret_file(path: str, what: str) -> str:
 def prometheus_auth(args: argparse.Namespace, cfg: dict[str, Any]) -> PromAuth:
     """--token/--token-file, --prometheus-user + password, --prometheus-ca-file, --prometheus-header
     (flag > environment > config), checked: one-line UsageError, never echoing a secret."""
-    from kvtop.sources.promapi import PromAuth  # httpx: only for --prometheus
+    from kvtop.sources.promapi import PromAuth, PromError, tls_context  # httpx: only for --prometheus
 
+    if getattr(args, "prometheus", None):
+        args.prometheus = http_url(args.prometheus, "--prometheus")  # every command that reads Prometheus comes here
     token = resolve_token(args, cfg)
     user = resolve(args, cfg, "prometheus_user")
     password = None
@@ -200,6 +202,10 @@ def prometheus_auth(args: argparse.Namespace, cfg: dict[str, Any]) -> PromAuth:
                 pass
         except OSError as e:
             raise UsageError(f"cannot read --prometheus-ca-file {ca}: {e.strerror or e}") from None
+        try:
+            tls_context(str(ca))  # a file that holds no certificate is the user's to fix, before any query
+        except PromError as e:
+            raise UsageError(str(e)) from None
     headers: list[tuple[str, str]] = []
     for h in resolve(args, cfg, "prometheus_headers", [], attr="prometheus_header"):
         name, sep, value = str(h).partition(":")
@@ -342,3 +348,20 @@ def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
         except OSError as e:
             raise UsageError(f"--witness {path}: {e.strerror}") from None
     return path
+
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def refuse_self_proxy(listen: tuple[str, int], upstream: str, up_flag: str, listen_flag: str) -> None:
+    """A one-line UsageError where a recording proxy on ``listen`` would forward to itself (each
+    request would open another until the descriptors ran out)."""
+    from yarl import URL
+
+    u = URL(http_url(upstream, up_flag))
+    host, port = listen
+    if u.port != port:
+        return
+    every = host in ("0.0.0.0", "::", "")  # a wildcard listener answers on loopback too
+    if u.host == host or (u.host in _LOOPBACK and (host in _LOOPBACK or every)):
+        raise UsageError(f"{up_flag} {upstream} is the proxy's own {listen_flag} address: it would forward to itself")

@@ -20,6 +20,7 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     first_scrape,
+    refuse_self_proxy,
     require_capture,
     source_options,
 )
@@ -119,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         proxy_listen = parse_listen(args.proxy_listen) if args.proxy_listen else None
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if proxy_listen is not None:
+        refuse_self_proxy(proxy_listen, src.urls[0], "--url", "--proxy-listen")
     otlp_url = None
     if args.otlp_endpoint:
         from kvtop import otlp

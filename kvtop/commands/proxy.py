@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from kvtop.commands._options import refuse_self_proxy
+from kvtop.config import http_url
 from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import recording_proxy
@@ -53,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-    if "://" not in args.upstream:
-        args.upstream = "http://" + args.upstream  # host:port, as the other commands take it
+    args.upstream = http_url(args.upstream, "--upstream")  # host:port gets http://, as the other commands take it
     if not 1 <= args.workers <= 64:
         raise UsageError("--workers must be between 1 and 64")
     u = URL(args.upstream)
     if u.scheme not in ("http", "https") or not u.host:
         raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
+    refuse_self_proxy((host, port), args.upstream, "--upstream", "--listen")
     try:
         args.loop = resolve_loop(args.loop)
     except LoopUnavailable as e:

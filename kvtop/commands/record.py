@@ -20,6 +20,7 @@ from kvtop.commands._options import (
     add_host_options,
     add_probe_option,
     first_scrape,
+    refuse_self_proxy,
     require_capture,
     source_options,
 )
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
             listen = parse_listen(args.proxy_listen)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if opts.urls:
+            refuse_self_proxy(listen, opts.urls[0], "--url", "--proxy-listen")
         opts = dataclasses.replace(opts, proxy_listen=listen, proxy_workers=args.proxy_workers)
     return asyncio.run(_record(args, opts, duration=duration))
 

@@ -41,7 +41,7 @@ class PromAuth:
                 f"headers={[k for k, _ in self.headers]})")
 
 
-def _tls(ca_file: str | None) -> ssl.SSLContext | bool:
+def tls_context(ca_file: str | None) -> ssl.SSLContext | bool:
     if ca_file is None:
         return True
     try:
@@ -79,7 +79,7 @@ class PromClient:
             self._headers["Authorization"] = f"Bearer {token}"
         basic = httpx.BasicAuth(auth.username, auth.password or "") if auth.username is not None else None
         # redirects stay on: a query frontend may redirect; httpx drops Authorization on a cross-origin hop
-        self._client = client or httpx.Client(timeout=timeout_s, follow_redirects=True, verify=_tls(auth.ca_file),
+        self._client = client or httpx.Client(timeout=timeout_s, follow_redirects=True, verify=tls_context(auth.ca_file),
                                               auth=basic)
         self.queries = 0
 
