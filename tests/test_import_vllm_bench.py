@@ -193,3 +193,19 @@ def test_non_finite_summary_figures_do_not_refuse_the_file(tmp_path, capsys) -> 
     capsys.readouterr()
     assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 2
     assert "request 1 has a start time or TTFT" in capsys.readouterr().err
+
+
+def test_an_existing_trace_is_kept_unless_force(tmp_path, capsys) -> None:
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(bench_result(n=3)[0]))
+    out = tmp_path / "recorded.jsonl"
+    recorded = '{"kind":"header","format":"kvtop-trace","version":1}\n' + '{"kind":"request"}\n' * 500
+    out.write_text(recorded)
+    capsys.readouterr()
+    # an 18,912-line recording became an 11-line import without a word
+    assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 2
+    assert "already exists (use --force to overwrite)" in capsys.readouterr().err
+    assert out.read_text() == recorded
+    assert main(["import", "vllm-bench", str(src), "-o", str(out), "--force"]) == 0
+    lines = _lines(out)
+    assert lines[0]["recorder"] != "kvtop record" and all(d["id"].startswith("bench-") for d in lines[1:])

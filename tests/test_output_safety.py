@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import logging
+import os
 import stat
 from pathlib import Path
 
@@ -95,3 +96,24 @@ def test_agent_trace_dir_is_private_when_created_and_refused_when_it_takes_no_fi
                   "--no-gpu", "--no-host", timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "cannot write to --trace-dir" in r.stderr
+
+
+def test_force_replaces_a_trace_file_never_a_device_or_pipe(tmp_path: Path):
+    from kvtop.commands._options import replace_output
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    replace_output(str(fifo))  # as root, `-o /dev/null --force` deleted the device node
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    old = tmp_path / "old.jsonl"
+    old.write_text("{}\n")
+    replace_output(str(old))
+    assert not old.exists()
+
+
+def test_proxy_record_refuses_a_trace_it_would_append_a_second_run_to(tmp_path: Path):
+    old = tmp_path / "old.jsonl.gz"
+    old.write_bytes(b"\x1f\x8b" + b"\x00" * 100)  # appended to, a gzip trace became unreadable
+    r = run_kvtop("proxy", "--upstream", "http://127.0.0.1:9", "--record", str(old), timeout=60)
+    assert r.returncode == 2 and "already exists (use --force to overwrite)" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and old.read_bytes() == b"\x1f\x8b" + b"\x00" * 100

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
+import io
 import json
+import logging
 import os
 import time
 import zlib
@@ -155,3 +158,43 @@ def test_the_trace_directory_reads_as_the_latest_run_joined_in_order(tmp_path):
 def test_an_empty_trace_directory_is_a_one_line_error(tmp_path):
     r = run_kvtop("analyze", str(tmp_path))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no kvtop trace segments" in r.stderr
+
+
+class _FullDisk(io.RawIOBase):
+    """A disk that takes no more bytes (a partition that filled while a segment was open)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # noqa: ANN001
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(tmp_path, caplog):  # noqa: ANN001
+    now = [0.0]
+    rt = RotatingTrace(tmp_path, lambda: make_header(engine={"adapter": "vllm"}, recorder="kvtop agent"),
+                       clock=lambda: now[0])
+    for i in range(10):
+        rt.write(RequestRecord(t=i * 0.01, id=f"r{i}", event="token", n=1))
+    w = rt._writer
+    assert w is not None
+    w.flush()
+    w._f.close()
+    w._f = io.TextIOWrapper(io.BufferedWriter(_FullDisk(), 64), encoding="ascii", newline="")
+    with caplog.at_level(logging.WARNING, logger="kvtop"):
+        for i in range(10, 3010):  # 3 s of a probe's tokens on the full disk
+            now[0] = i * 0.001
+            rt.write(RequestRecord(t=i * 0.01, id=f"r{i}", event="token", n=1))
+        # it was one warning per record, on and off with the write buffer: 1,413 lines for 20,000 records
+        full = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+        assert len(full) == 1 and "kvtop_dropped_records_total" in full[0].getMessage()
+        assert rt.write_errors == 3000
+        now[0] = 10.0  # past the back-off, with room again: a new segment, said once
+        rt.write(RequestRecord(t=50.0, id="after", event="token", n=1))
+        assert sum("writing again" in r.getMessage() for r in caplog.records) == 1
+    rt.close()
+    segs = segments(tmp_path)
+    assert len(segs) == 2 and sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in segs)
+    # every record flushed before the disk filled is kept, and the first one after it
+    assert [d["id"] for d in TraceReader(segs[0]).dicts()] == [f"r{i}" for i in range(10)]
+    assert [d["id"] for d in TraceReader(segs[1]).dicts()] == ["after"]

@@ -99,6 +99,9 @@ class RunFigures:
     # per run: the engine's prefix cache hits / queries over it (the analysis' ``prefix_hit_share``; None
     # where the trace has no such counters)
     prefix_hit_shares: list[float | None] = field(default_factory=list)
+    # the analysis' warnings on each run (skipped lines, a cut .gz...), as analyze prints them; for
+    # the command to print, not part of the figures (the JSON schema has no place for them)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def prefix_hit_share(self) -> float | None:
@@ -169,6 +172,7 @@ def run_figures(path: str | Sequence[str], ttft_target_s: float | None,
     pool = _Pool()
     for k, p in enumerate(paths):
         report = first if k == 0 else analyze_trace(p, itl_target_s=itl_t)
+        fig.warnings.extend(report.warnings)
         _read_run(fig, p, ttft_target_s, itl_t, pool)
         fin = report.finite()
         for cause, secs in (fin.over_target_s or {}).items():

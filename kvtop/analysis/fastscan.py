@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple, TypeGuard
 
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.model import token_columns as TC
-from kvtop.model.trace import GZIP_MAGIC, open_binary
+from kvtop.model.trace import GZIP_MAGIC, open_binary, stream_problems
 from kvtop.model.validate import MAX_LINE_BYTES, T_MAX, T_MIN, parse_line
 
 try:
@@ -99,6 +99,8 @@ def scan(path: str, an: Analyzer, chunk_bytes: int = CHUNK, tick: Callable[[int]
                 continue
             carry = buf[cut + 1:]
             skipped += _chunk(an, buf[: cut + 1])
+        if notes is not None:
+            notes.extend(f"{path}: {p}" for p in stream_problems(f))  # why a .gz read ended early
     return skipped
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import re
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtop.config import add_token_options, engine_bases, http_url, parse_seconds, resolve, resolve_token
@@ -365,3 +366,24 @@ def refuse_self_proxy(listen: tuple[str, int], upstream: str, up_flag: str, list
     every = host in ("0.0.0.0", "::", "")  # a wildcard listener answers on loopback too
     if u.host == host or (u.host in _LOOPBACK and (host in _LOOPBACK or every)):
         raise UsageError(f"{up_flag} {upstream} is the proxy's own {listen_flag} address: it would forward to itself")
+
+
+def check_output(output: str, force: bool) -> None:
+    """A trace file a command is about to write: refused (one line) where it would append a second
+    run to a trace (the old header's clock would time the new records). With ``force`` the caller
+    replaces it with ``replace_output``."""
+    out = Path(output)
+    if out.is_dir():
+        raise UsageError(f"{output} is a directory")
+    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
+        raise UsageError(f"cannot write {output}: directory {out.parent} does not exist")
+    if out.exists() and out.stat().st_size > 0 and not force:
+        raise UsageError(f"{output} already exists (use --force to overwrite)")
+
+
+def replace_output(output: str) -> None:
+    """Remove the trace ``--force`` overwrites (writers append). Only a regular file: run as root,
+    ``-o /dev/null --force`` would otherwise delete the device."""
+    p = Path(output)
+    if p.is_file():
+        p.unlink()

@@ -77,6 +77,10 @@ def _from_trace(args: argparse.Namespace) -> int:
     verdict = report.finite().verdict
     if verdict is None:
         raise UsageError(f"{args.trace}: no verdict (the trace has no request timings or engine histograms)")
+    # what analyze prints under its report (skipped lines, a cut .gz...): the verdict rests on what
+    # was read, so say what was not; on stderr, where --emit-flags and --format json leave stdout clean
+    for w in report.warnings:
+        print(f"kvtop: warning: {w}", file=sys.stderr)
     if args.emit_flags:
         return _emit(verdict)
     if args.format == "json":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from kvtop.errors import UsageError
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
                     itl_target_s=None if args.itl_target_ms is None else args.itl_target_ms / 1e3)
     except (ValueError, TraceError) as e:
         raise UsageError(str(e)) from None
+    # each run's reading warnings, as analyze gives them (an adapter's note repeats per run: once here)
+    for w in dict.fromkeys([*c.a.warnings, *c.b.warnings]):
+        print(f"kvtop: warning: {w}", file=sys.stderr)
     if args.format == "json":
         print(json.dumps(c.to_dict(), indent=2, allow_nan=False))
     else:

@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvtop.commands._options import check_output, replace_output
 from kvtop.errors import UsageError
 
 NAME = "import"
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm-bench: the JSON of `vllm bench serve --save-result --save-detailed`")
     p.add_argument("file", help="the benchmark's result file")
     p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (JSON Lines)")
+    p.add_argument("--force", action="store_true", help="overwrite TRACE if it already exists")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,10 +44,11 @@ def run(args: argparse.Namespace) -> int:
         doc = vllm_bench.read(src)
     except vllm_bench.BenchFileError as e:
         raise UsageError(str(e)) from None
+    check_output(args.output, args.force)  # an older trace under this name was replaced without a word
     header = vllm_bench.header(doc, src.name)
     n = 0
     try:
-        out.unlink(missing_ok=True)  # the writer appends: an older trace under this name is replaced
+        replace_output(args.output)  # the writer appends
         with TraceWriter(out, header) as w:
             for rec in vllm_bench.records(doc):
                 w.write(rec)

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvtop.commands._options import add_engine_options, add_host_options, source_options
+from kvtop.commands._options import add_engine_options, add_host_options, check_output, source_options
 from kvtop.config import load_config, parse_seconds
 from kvtop.errors import UsageError
 from kvtop.model.sanitize import redact_url
@@ -76,7 +76,6 @@ def _loopback(url: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtop.commands.record import check_output
     from kvtop.load.plan import PlanError, plan_from_trace, plan_from_workload
     from kvtop.sim.workload import load_preset, load_workload_file
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
-from kvtop.commands._options import refuse_self_proxy
+from kvtop.commands._options import check_output, refuse_self_proxy, replace_output
 from kvtop.config import http_url
 from kvtop.errors import RunFailure, UsageError
 from kvtop.model.sanitize import redact_url
@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:8001", metavar="HOST:PORT",
                    help="address to listen on (default 127.0.0.1:8001; 0.0.0.0 only if you say so)")
     p.add_argument("--upstream", required=True, metavar="URL", help="engine base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--record", metavar="FILE", help="append request records to this trace file (JSONL)")
+    p.add_argument("--record", metavar="FILE", help="write request records to this trace file (JSONL)")
+    p.add_argument("--force", action="store_true", help="overwrite the --record FILE if it already exists")
     p.add_argument("--class", dest="cls", metavar="LABEL", help="class label for every proxied request")
     p.add_argument("--quiet", action="store_true", help="no per-request line on stderr")
     p.add_argument("--workers", type=int, default=1, metavar="N",
@@ -55,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
+    if args.record:
+        # appended under an older header, the records would be timed by that run's clock
+        check_output(args.record, args.force)
     args.upstream = http_url(args.upstream, "--upstream")  # host:port gets http://, as the other commands take it
     if not 1 <= args.workers <= 64:
         raise UsageError("--workers must be between 1 and 64")
@@ -80,6 +84,8 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
     writer = None
     if args.record:
         try:
+            if args.force:
+                replace_output(args.record)
             writer = TraceWriter(args.record, make_header(engine={"adapter": None, "url": redact_url(args.upstream)},
                                                           recorder="kvtop proxy",
                                                           clock_t0_unix=clock_origin_unix(clock)))

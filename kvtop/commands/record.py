@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtop.commands._longrun import EngineWatch, Progress
@@ -19,8 +18,10 @@ from kvtop.commands._options import (
     add_engine_options,
     add_host_options,
     add_probe_option,
+    check_output,
     first_scrape,
     refuse_self_proxy,
+    replace_output,
     require_capture,
     source_options,
 )
@@ -193,7 +194,7 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
                                "clock_t0_unix": clock_origin_unix(runner.now), **extra}
     try:
         if force:
-            Path(output).unlink(missing_ok=True)
+            replace_output(output)
         # with the token sidecar (kvtop.model.token_columns): `kvtop analyze` reads it instead of
         # parsing the token lines
         writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S,
@@ -205,17 +206,6 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     for rec in first:
         runner.emit(rec)
     return writer, engine
-
-
-def check_output(output: str, force: bool) -> None:
-    out = Path(output)
-    if out.is_dir():
-        raise UsageError(f"{output} is a directory")
-    if not out.parent.is_dir():  # a usage error, said before any engine is scraped
-        raise UsageError(f"cannot write {output}: directory {out.parent} does not exist")
-    if out.exists() and out.stat().st_size > 0 and not force:
-        # Appending would restart the trace clock mid-file under the old header.
-        raise UsageError(f"{output} already exists (use --force to overwrite)")
 
 
 async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],

@@ -85,14 +85,15 @@ class _Gunzip(io.RawIOBase):
 
     An agent killed while compressing leaves a cut segment; a flipped bit fails zlib's check or its
     CRC. Every reader (the streaming reader and the fast path alike) keeps each byte decompressed
-    before that point (``gzip.open`` dropped a whole read's worth, up to a megabyte, at the cut): the
-    stream ends with a line no parser accepts, so each counts one malformed line and says so, as for
-    a torn last line. Concatenated members (``cat a.gz b.gz``) read as one stream, as gzip reads them."""
+    before that point (``gzip.open`` dropped a whole read's worth, up to a megabyte, at the cut): a
+    torn last line is skipped and counted as after a crash, and ``problem`` says why the stream
+    ended early (``stream_problems``) -- a cut that falls between two lines tears none, and would
+    otherwise go unsaid. Concatenated members (``cat a.gz b.gz``) read as one stream, as gzip reads them."""
 
-    DAMAGED = b"\n\x00damaged gzip data\n"
     CHUNK = 1 << 16
 
     def __init__(self, raw: IO[bytes]):
+        self.problem: str | None = None
         self._raw = raw
         self._z = zlib.decompressobj(wbits=31)
         self._fed = False  # the current member has had input (so an end of file here is a cut)
@@ -110,15 +111,16 @@ class _Gunzip(io.RawIOBase):
             if not data:
                 self._done = True
                 if self._fed and not self._z.eof:
-                    self._out = self.DAMAGED
+                    self.problem = "the compressed data ends early (the .gz file was cut): every whole line before the cut was read"
                 return
             self._fed = True
             before = self._z.copy()
             try:
                 self._out = self._z.decompress(data, 1 << 20)
-            except zlib.error:
+            except zlib.error as e:
                 self._done = True
-                self._out = self._salvage(before, data) + self.DAMAGED
+                self._out = self._salvage(before, data)
+                self.problem = f"the compressed data is damaged ({e}): every whole line before the damage was read"
                 return
             self._pending = self._z.unconsumed_tail
             if self._z.eof:
@@ -151,24 +153,47 @@ class _Gunzip(io.RawIOBase):
         super().close()
 
 
+def stream_problems(f: IO[bytes]) -> list[str]:
+    """Why a stream from ``open_binary`` ended before its file's end (a cut or damaged gzip file,
+    or segment of a directory), as far as it has been read: one line each, for the reader's warning."""
+    raw = getattr(f, "raw", None)
+    if isinstance(raw, _Gunzip):
+        return [raw.problem] if raw.problem else []
+    if isinstance(raw, _Joined):
+        return raw.problems + raw.current_problems()
+    return []
+
+
 class _Joined(io.RawIOBase):
     """Segments read back to back; every segment after the first loses its header line."""
 
     def __init__(self, paths: list[Path]):
         self._paths = list(paths)
         self._cur: IO[bytes] | None = None
+        self._cur_name = ""
         self._first = True
+        self.problems: list[str] = []  # of the segments read to their end, each named
 
     def readable(self) -> bool:
         return True
 
-    def _next(self) -> bool:
+    def current_problems(self) -> list[str]:
+        if self._cur is None:
+            return []
+        return [f"segment {self._cur_name}: {p}" for p in stream_problems(self._cur)]
+
+    def _end_segment(self) -> None:
         if self._cur is not None:
+            self.problems += self.current_problems()
             self._cur.close()
             self._cur = None
+
+    def _next(self) -> bool:
+        self._end_segment()
         if not self._paths:
             return False
         p = self._paths.pop(0)
+        self._cur_name = p.name
         self._cur = _gunzip(p) if is_gzip(p) else open(p, "rb")
         if not self._first:
             self._cur.readline()
@@ -183,13 +208,10 @@ class _Joined(io.RawIOBase):
             n = self._cur.readinto(b)  # type: ignore[attr-defined]
             if n:
                 return int(n)
-            self._cur.close()
-            self._cur = None
+            self._end_segment()
 
     def close(self) -> None:
-        if self._cur is not None:
-            self._cur.close()
-            self._cur = None
+        self._end_segment()
         super().close()
 
 
@@ -509,7 +531,8 @@ class TraceReader:
         self.skipped = 0
         self.unknown_kinds = 0
         try:
-            self._f: IO[str] = io.TextIOWrapper(open_binary(self.path), encoding="utf-8", errors="replace")
+            self._bin = open_binary(self.path)
+            self._f: IO[str] = io.TextIOWrapper(self._bin, encoding="utf-8", errors="replace")
         except OSError as e:
             raise TraceError(f"cannot open trace {self.path}: {e.strerror or e}") from None
         try:
@@ -525,6 +548,8 @@ class TraceReader:
             header = jsonio.loads(first, "trace", self.path, allow_nan=True)
         except jsonio.InputError:
             self._f.close()
+            if stream_problems(self._bin):  # a .gz cut inside its header: unreadable, not of another kind
+                raise TraceError(f"cannot read trace {self.path}: its gzip data is cut or damaged in the first line") from None
             raise TraceError(f"{self.path} is not a kvtop trace (first line is not a JSON header)") from None
         if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
             self._f.close()
@@ -615,6 +640,7 @@ class TraceReader:
             parts.append(f"skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)")
         if self.header_dropped:
             parts.append("ignored wrong-typed header field(s): " + ", ".join(self.header_dropped))
+        parts += stream_problems(self._bin)
         return f"{self.path}: " + "; ".join(parts) if parts else None
 
 

@@ -67,6 +67,7 @@ class RotatingTrace:
         # one warning per try, not one per record
         self._retry_at = 0.0
         self._failing = False
+        self._unsaved: list[Path] = []  # closed segments whose compression failed (the disk was full)
         # a segment left uncompressed by a previous agent that died: compress it now
         for stale in sorted(self.dir.glob(f"{SEGMENT_PREFIX}*{ACTIVE_SUFFIX}")):
             self._compress_later(stale)
@@ -90,11 +91,31 @@ class RotatingTrace:
             raise
         os.chmod(path, 0o600)  # also in a directory someone else made world-readable
         self._opened_at = self._clock()
+        if self._failing:
+            # the header reached the disk: the streak is over (a buffered write that "succeeds" proves
+            # nothing, it only filled the buffer). Segments closed meanwhile are compressed now.
+            self._failing = False
+            log.warning("trace segments in %s: writing again", self.dir)
+            unsaved, self._unsaved = self._unsaved, []
+            for old in unsaved:
+                if old.exists():
+                    self._compress_later(old)
         return w
 
     def _failed(self, e: Exception) -> None:
         self.write_errors += 1
         self.last_error = str(e)
+        w, self._writer = self._writer, None
+        if w is not None:
+            # A segment that failed a write is closed and kept as it is on disk (a complete trace up
+            # to its last flush), and the next one waits for the back-off: kept open, every record
+            # would try the full disk again and the warning would come and go with the write buffer.
+            self._retry_at = self._clock() + OPEN_RETRY_S
+            try:
+                w.close()
+            except (OSError, ValueError):
+                pass  # TraceWriter.close closes the file even so
+            self._compress_later(w.path)
         if not self._failing:  # once per run of failures: the agent keeps serving /metrics meanwhile
             self._failing = True
             log.warning("trace segments in %s: %s; records are dropped (kvtop_dropped_records_total) until "
@@ -119,7 +140,6 @@ class RotatingTrace:
                     return
                 w = self._writer = self._open()
             w.write(rec)
-            self._failing = False
         except (OSError, ValueError) as e:
             self._failed(e)
 
@@ -138,9 +158,12 @@ class RotatingTrace:
         w, self._writer = self._writer, None
         if w is None:
             return
-        w.close()
-        self.rotations += 1
-        self._compress_later(w.path)
+        try:
+            w.close()
+        finally:
+            # also after a failed last flush: what reached the disk is a trace to keep
+            self.rotations += 1
+            self._compress_later(w.path)
 
     def _compress_later(self, path: Path) -> None:
         t = threading.Thread(target=self._compress, args=(path,), name="kvtop trace gzip", daemon=True)
@@ -162,6 +185,8 @@ class RotatingTrace:
             self.write_errors += 1
             self.last_error = f"compressing {path.name}: {e}"
             tmp.unlink(missing_ok=True)
+            # the plain segment stays, complete: compressed when writing works again (or at the next start)
+            self._unsaved.append(path)
             return
         self._prune()
 
