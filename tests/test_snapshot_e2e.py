@@ -127,7 +127,7 @@ def test_exit_1_html_page(server):
     [
         (["--format", "xml"], "invalid choice"),
         (["--duration", "abc"], "--duration must be a number of seconds"),
-        (["--duration", "-1"], "--duration must be between"),
+        (["--duration", "-1"], "--duration must be > 0"),
         (["--interval", "0"], "--interval must be between"),
         (["--url", "ftp://x"], "only http:// and https://"),
         (["--adapter", "nope"], "unknown adapter 'nope'"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -43,9 +44,12 @@ def seconds_arg(text: str) -> float:
     """argparse ``type=`` for every duration and interval option: the one syntax (``10``, ``10s``,
     ``500ms``, ``2m``, ``1h``) that config.parse_seconds reads, so each command accepts the same."""
     try:
-        return parse_seconds(text, "a duration")
+        v = parse_seconds(text, "a duration")
     except UsageError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if v < 0:  # `replay --until -1` was accepted and meant nothing
+        raise argparse.ArgumentTypeError(f"a duration is not negative: {text!r}")
+    return v
 
 
 def add_engine_options(p: argparse.ArgumentParser, *, url_help: str | None = None) -> None:
@@ -231,8 +235,8 @@ def itl_target_s(args: argparse.Namespace, cfg: dict[str, Any]) -> float | None:
     itl_ms = resolve(args, cfg, "itl_target_ms")
     if itl_ms is None:
         return None
-    if not itl_ms > 0:
-        raise UsageError(f"--itl-target-ms must be positive, not {itl_ms:g}")
+    if not (itl_ms > 0 and math.isfinite(itl_ms)):  # inf printed "ITL target: unknown" and judged nothing
+        raise UsageError(f"--itl-target-ms must be a positive number, not {itl_ms:g}")
     return float(itl_ms) / 1000.0
 
 
@@ -247,7 +251,7 @@ def timeout_s(args: argparse.Namespace, cfg: dict[str, Any], default: float = DE
     """--timeout (or config) in seconds, checked once for every command."""
     v = parse_seconds(resolve(args, cfg, "timeout", default), "--timeout")
     if not 0 < v <= 600:
-        raise UsageError(f"--timeout must be between 0 and 600 seconds, not {v:g}")
+        raise UsageError(f"--timeout must be > 0 and at most 600 seconds, not {v:g}")
     return v
 
 
@@ -279,7 +283,7 @@ def source_options(args: argparse.Namespace, cfg: dict[str, Any]) -> SourceOptio
             raise UsageError(str(e)) from None
     probe = getattr(args, "probe", None)
     if probe is not None and not 0 < probe <= 100:
-        raise UsageError(f"--probe must be between 0 and 100 per second, not {probe:g}")
+        raise UsageError(f"--probe must be > 0 and at most 100 per second, not {probe:g}")
     capture = getattr(args, "capture", None)
     if capture == 0 and urls:  # 0: the first engine's port (the console may still discover one)
         capture = resolve_capture_port(capture, engine_bases(list(urls))[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 
@@ -35,8 +36,13 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sim.server import SimServer
     from kvtop.sim.workload import load_preset, load_workload_file
 
-    if not args.speed > 0:
-        raise UsageError("--speed must be > 0")
+    if not (args.speed > 0 and math.isfinite(args.speed)):
+        raise UsageError(f"--speed must be a positive number, not {args.speed:g}")
+    if args.duration is not None and not args.duration > 0:
+        raise UsageError(f"--duration must be positive, not {args.duration:g}")
+    if not args.host.strip():
+        # an empty host binds every interface; loopback unless the user names an address
+        raise UsageError("--host is empty: give an address (127.0.0.1 by default; 0.0.0.0 for every interface)")
     if not 0 <= args.port <= 65535:
         raise UsageError("--port must be between 0 and 65535")
     wl = load_workload_file(args.workload) if args.workload else load_preset(args.preset or "healthy")

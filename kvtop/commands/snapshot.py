@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
     fmt = resolve(args, cfg, "format", "text")
     if not 0 < duration <= 86400:
-        raise UsageError(f"--duration must be between 0 and 86400 seconds, not {duration:g}")
+        raise UsageError(f"--duration must be > 0 and at most 86400 seconds, not {duration:g}")
     if fmt not in ("json", "text"):
         raise UsageError(f"format must be json or text, not {fmt!r}")
     opts, none_found = discovered(opts, cfg)
