@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,17 @@ def wait_for_line(stream, pattern: str, timeout_s: float = 30.0) -> re.Match[str
     if not found:
         raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s: {''.join(seen)[-2000:]}")
     return found[0]
+
+
+@contextlib.contextmanager
+def logged(logger: logging.Logger, level: int = logging.WARNING) -> Iterator[list[logging.LogRecord]]:
+    """The records ``logger`` emits inside the block. A handler on the logger itself, not pytest's
+    caplog: the CLI's log setup (tests that run ``main()``) stops "kvtop" propagating to the root."""
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import errno
 import io
-import logging
 import os
 import stat
 from pathlib import Path
 
 import pytest
-from conftest import run_kvtop
+from conftest import logged, run_kvtop
 
 import kvtop.model.trace as trace_mod
 import kvtop.model.trace_rotate as rotate_mod
@@ -61,7 +60,7 @@ def test_a_full_disk_is_one_line_naming_the_file_and_what_was_flushed_stays_a_tr
 
 
 def test_the_agent_drops_records_on_a_full_disk_with_one_warning_and_no_empty_segments(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     now = [0.0]
 
     class NoRoom(TraceWriter):
@@ -71,13 +70,13 @@ def test_the_agent_drops_records_on_a_full_disk_with_one_warning_and_no_empty_se
 
     monkeypatch.setattr(rotate_mod, "TraceWriter", NoRoom)
     rt = rotate_mod.RotatingTrace(tmp_path, lambda: make_header(recorder="kvtop agent"), clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="kvtop"):
+    with logged(rotate_mod.log) as seen:
         for i in range(3000):  # a probe's tokens over a few seconds
             now[0] = i * 0.001
             rt.write(_rec(i))
     assert rt.write_errors == 3000
     assert list(tmp_path.iterdir()) == []  # it was 3,273 empty segment files in 6 s
-    warned = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+    warned = [r for r in seen if "No space left on device" in r.getMessage()]
     assert len(warned) == 1 and "kvtop_dropped_records_total" in warned[0].getMessage()
     # room again: the next try after the back-off opens a segment and the records flow
     monkeypatch.setattr(rotate_mod, "TraceWriter", trace_mod.TraceWriter)

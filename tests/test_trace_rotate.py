@@ -6,17 +6,17 @@ import errno
 import gzip
 import io
 import json
-import logging
 import os
 import time
 import zlib
 
-from conftest import run_kvtop
+from conftest import logged, run_kvtop
 
 from kvtop.feeds.replay import last_record_time
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.model.trace import TraceReader, make_header
 from kvtop.model.trace_rotate import RotatingTrace, latest_run, segments
+from kvtop.model.trace_rotate import log as rotate_log
 from kvtop.sim.simulate import Simulation
 from kvtop.sim.workload import load_preset
 
@@ -170,7 +170,7 @@ class _FullDisk(io.RawIOBase):
         raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(tmp_path, caplog):  # noqa: ANN001
+def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(tmp_path):  # noqa: ANN001
     now = [0.0]
     rt = RotatingTrace(tmp_path, lambda: make_header(engine={"adapter": "vllm"}, recorder="kvtop agent"),
                        clock=lambda: now[0])
@@ -180,18 +180,19 @@ def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(
     assert w is not None
     w.flush()
     w._f.close()
-    w._f = io.TextIOWrapper(io.BufferedWriter(_FullDisk(), 64), encoding="ascii", newline="")
-    with caplog.at_level(logging.WARNING, logger="kvtop"):
+    # unbuffered: the full disk answers the first record (the buffers would take a few first)
+    w._f = io.TextIOWrapper(io.BufferedWriter(_FullDisk(), 1), encoding="ascii", newline="", write_through=True)
+    with logged(rotate_log) as seen:
         for i in range(10, 3010):  # 3 s of a probe's tokens on the full disk
             now[0] = i * 0.001
             rt.write(RequestRecord(t=i * 0.01, id=f"r{i}", event="token", n=1))
         # it was one warning per record, on and off with the write buffer: 1,413 lines for 20,000 records
-        full = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+        full = [r for r in seen if "No space left on device" in r.getMessage()]
         assert len(full) == 1 and "kvtop_dropped_records_total" in full[0].getMessage()
         assert rt.write_errors == 3000
         now[0] = 10.0  # past the back-off, with room again: a new segment, said once
         rt.write(RequestRecord(t=50.0, id="after", event="token", n=1))
-        assert sum("writing again" in r.getMessage() for r in caplog.records) == 1
+        assert sum("writing again" in r.getMessage() for r in seen) == 1
     rt.close()
     segs = segments(tmp_path)
     assert len(segs) == 2 and sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in segs)

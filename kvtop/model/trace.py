@@ -172,6 +172,7 @@ class _Joined(io.RawIOBase):
         self._cur: IO[bytes] | None = None
         self._cur_name = ""
         self._first = True
+        self._ended_line = True  # the current segment's bytes so far end with a newline (or are none)
         self.problems: list[str] = []  # of the segments read to their end, each named
 
     def readable(self) -> bool:
@@ -205,10 +206,17 @@ class _Joined(io.RawIOBase):
             if self._cur is None and not self._next():
                 return 0
             assert self._cur is not None
-            n = self._cur.readinto(b)  # type: ignore[attr-defined]
+            n = int(self._cur.readinto(b))  # type: ignore[attr-defined]
             if n:
-                return int(n)
+                self._ended_line = b[n - 1] == 10
+                return n
             self._end_segment()
+            if not self._ended_line:
+                # a segment cut mid-line: its torn line ends here, or the next segment's first
+                # record would be read as the rest of it and lost with it
+                self._ended_line = True
+                b[0] = 10
+                return 1
 
     def close(self) -> None:
         self._end_segment()
