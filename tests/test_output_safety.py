@@ -116,3 +116,16 @@ def test_proxy_record_refuses_a_trace_it_would_append_a_second_run_to(tmp_path: 
     r = run_kvtop("proxy", "--upstream", "http://127.0.0.1:9", "--record", str(old), timeout=60)
     assert r.returncode == 2 and "already exists (use --force to overwrite)" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and old.read_bytes() == b"\x1f\x8b" + b"\x00" * 100
+
+
+def test_a_pipe_as_the_trace_is_refused_before_anything_blocks_on_it(tmp_path: Path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    # simulate and import blocked on it for good (simulate even through SIGTERM)
+    for args in (("simulate", "--preset", "healthy", "--duration", "2", "-o", str(fifo)),
+                 ("import", "vllm-bench", str(tmp_path / "r.json"), "-o", str(fifo))):
+        if args[0] == "import":
+            (tmp_path / "r.json").write_text(
+                '{"ttfts": [0.1], "itls": [[0.02]], "start_times": [1.0], "model_id": "m"}')
+        r = run_kvtop(*args, timeout=30)
+        assert r.returncode == 2 and "is a pipe or socket" in r.stderr, r.stderr

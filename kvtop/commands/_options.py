@@ -381,6 +381,8 @@ def check_output(output: str, force: bool) -> None:
         raise UsageError(f"{output} is a directory")
     if not out.parent.is_dir():  # a usage error, said before any engine is scraped
         raise UsageError(f"cannot write {output}: directory {out.parent} does not exist")
+    if out.is_fifo() or out.is_socket():  # a writer would block on it until someone reads
+        raise UsageError(f"{output} is a pipe or socket: give a trace file path")
     if out.exists() and out.stat().st_size > 0 and not force:
         raise UsageError(f"{output} already exists (use --force to overwrite)")
 

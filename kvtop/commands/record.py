@@ -178,7 +178,7 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     names the adapter and model; a dead URL fails now, exit 1, no trace), the header (``recorder``, the
     poll interval, the run clock's origin, ``extra``), then every record the runner emits. ``kvtop
     record`` and ``kvtop load`` both record through this."""
-    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header
+    from kvtop.model.trace import TraceWriteError, TraceWriter, clock_origin_unix, make_header
 
     first = await first_scrape(runner)
     # an engine that stops answering mid-recording (or never did, of several) is said on stderr
@@ -199,6 +199,9 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
         # parsing the token lines
         writer = TraceWriter(output, make_header(engine=engine, kv=kv, **head), flush_interval_s=FLUSH_INTERVAL_S,
                              columns=True)
+    except TraceWriteError:  # the header met a full disk: the run failed (exit 1), not its arguments
+        await runner.aclose()
+        raise
     except OSError as e:
         await runner.aclose()
         raise UsageError(f"cannot write {output}: {e.strerror or e}") from None

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
-from kvtop.commands._options import seconds_arg
+from kvtop.commands._options import check_output, seconds_arg
 from kvtop.errors import UsageError
 
 NAME = "simulate"
@@ -49,10 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
         wl = apply_engine_flags(wl, args.engine_flags)
     out = Path(args.output)
-    if out.exists() and out.stat().st_size > 0:
-        raise UsageError(f"{out} already exists (refusing to append a second run to it)")
-    if not out.parent.is_dir():
-        raise UsageError(f"directory {out.parent} does not exist")
+    check_output(args.output, force=False)  # never a second run appended, nor a pipe to block on
     specs = None
     if args.arrivals_from:
         specs = requests_from_trace(args.arrivals_from, wl, args.seed, args.duration)
