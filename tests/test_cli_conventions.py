@@ -249,6 +249,11 @@ def test_numbers_that_are_not_finite_or_out_of_reach_are_refused(args: tuple[str
     (("analyze", "{trace}", "--selector", 'job="vllm"'), "--selector applies to --prometheus"),
     (("analyze", "--prometheus", "http://127.0.0.1:9", "--start", "nan"), "must be finite"),
     (("tui", "--replay", "{trace}", "--url", "http://127.0.0.1:9"), "--replay shows a recorded trace"),
+    (("agent", "--url", "http://127.0.0.1:9", "--trace-max-size", "1M"), "give --trace-dir DIR too"),
+    (("record", "-o", "{missing}.jsonl", "--url", "http://127.0.0.1:9", "--proxy-workers", "2"),
+     "give --proxy-listen HOST:PORT too"),
+    (("snapshot", "--url", "http://127.0.0.1:9", "--selector", 'job="x"'), "--selector picks the series"),
+    (("advise", "--scenario", "{missing}.json", "--itl-target-ms", "50"), "a scenario file sets its own"),
     # a config file named on the command line that is not there, for a command that reads none of it
     (("--config", "{missing}", "plugins"), "config file not found"),
     (("analyze", "{trace}", "--config", "{missing}"), "config file not found"),

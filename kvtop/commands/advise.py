@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.trace:
         return _from_trace(args)
+    if args.itl_target_ms is not None:  # the scenario states its own target; the flag changed nothing
+        raise UsageError("--itl-target-ms judges a --trace; a scenario file sets its own ITL target")
     try:
         doc = scenario.load(args.scenario)
         cause, verdict = scenario.judge(doc)

@@ -74,13 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of each probe stream (default 32)")
     p.add_argument("--trace-dir", dest="trace_dir", default=None, metavar="DIR",
                    help="keep a rotating trace here (compressed segments `kvtop replay` opens)")
-    p.add_argument("--trace-max-size", dest="trace_max_size", type=_size, default=64 << 20, metavar="SIZE",
+    p.add_argument("--trace-max-size", dest="trace_max_size", type=_size, default=None, metavar="SIZE",
                    help="start a new segment past this size (default 64M)")
-    p.add_argument("--trace-max-age", dest="trace_max_age", default="10m", metavar="SECONDS",
+    p.add_argument("--trace-max-age", dest="trace_max_age", default=None, metavar="SECONDS",
                    help="start a new segment after this long (default 10m)")
-    p.add_argument("--trace-keep-size", dest="trace_keep_size", type=_size, default=1 << 30, metavar="SIZE",
+    p.add_argument("--trace-keep-size", dest="trace_keep_size", type=_size, default=None, metavar="SIZE",
                    help="delete the oldest segments beyond this total (default 1G)")
-    p.add_argument("--trace-keep-age", dest="trace_keep_age", default="24h", metavar="SECONDS",
+    p.add_argument("--trace-keep-age", dest="trace_keep_age", default=None, metavar="SECONDS",
                    help="delete segments older than this (default 24h)")
     p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
                    help="export one OpenTelemetry span per finished request, a stall event per spike, over OTLP/HTTP "
@@ -111,8 +111,16 @@ def run(args: argparse.Namespace) -> int:
     wait = parse_seconds(args.wait_for_engine, "--wait-for-engine")
     if not 0 <= wait <= 86400:
         raise UsageError(f"--wait-for-engine must be between 0 and 86400 seconds, not {wait:g}")
-    max_age = parse_seconds(args.trace_max_age, "--trace-max-age")
-    keep_age = parse_seconds(args.trace_keep_age, "--trace-keep-age")
+    # None until given: a segment limit without --trace-dir bounds nothing and is refused
+    limits = {"--trace-max-size": args.trace_max_size, "--trace-max-age": args.trace_max_age,
+              "--trace-keep-size": args.trace_keep_size, "--trace-keep-age": args.trace_keep_age}
+    given = [f for f, v in limits.items() if v is not None]
+    if given and not args.trace_dir:
+        raise UsageError(f"{given[0]} bounds the trace segments: give --trace-dir DIR too")
+    max_age = parse_seconds(args.trace_max_age or "10m", "--trace-max-age")
+    keep_age = parse_seconds(args.trace_keep_age or "24h", "--trace-keep-age")
+    max_size = args.trace_max_size if args.trace_max_size is not None else 64 << 20
+    keep_size = args.trace_keep_size if args.trace_keep_size is not None else 1 << 30
     if not max_age > 0 or not keep_age > 0:
         raise UsageError("--trace-max-age and --trace-keep-age must be positive")
     try:
@@ -147,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = AgentOptions(
         sources=dataclasses.replace(src, proxy_listen=proxy_listen), listen=listen,
-        probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=args.trace_max_size, trace_max_age_s=max_age,
-        trace_keep_bytes=args.trace_keep_size, trace_keep_age_s=keep_age, otlp_endpoint=otlp_url,
+        probe_max_tokens=args.probe_max_tokens, trace_dir=args.trace_dir, trace_max_bytes=max_size, trace_max_age_s=max_age,
+        trace_keep_bytes=keep_size, trace_keep_age_s=keep_age, otlp_endpoint=otlp_url,
     )
     return asyncio.run(_main(opts, duration, wait))
 

@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
         raise UsageError("--proxy-workers must be between 1 and 64")
+    if args.proxy_workers != 1 and not args.proxy_listen:
+        raise UsageError("--proxy-workers sizes the recording proxy: give --proxy-listen HOST:PORT too")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     engine_bases(list(opts.urls))

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(getattr(args, "config", None))
     if getattr(args, "prometheus", None):
         return _prometheus(args, cfg)
+    if getattr(args, "selector", None):
+        raise UsageError("--selector picks the series of --prometheus; with --url there is none to pick")
     opts = source_options(args, cfg)
     duration = parse_seconds(resolve(args, cfg, "duration", DEFAULT_DURATION_S), "--duration")
     fmt = resolve(args, cfg, "format", "text")
