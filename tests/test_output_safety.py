@@ -129,3 +129,55 @@ def test_a_pipe_as_the_trace_is_refused_before_anything_blocks_on_it(tmp_path: P
                 '{"ttfts": [0.1], "itls": [[0.02]], "start_times": [1.0], "model_id": "m"}')
         r = run_kvtop(*args, timeout=30)
         assert r.returncode == 2 and "is a pipe or socket" in r.stderr, r.stderr
+
+
+_DISK_FILLS = """
+import sys
+import kvtop.model.trace as t
+real = t.TraceWriter.write
+def write(self, rec, _n=[0]):
+    _n[0] += 1
+    if _n[0] > 20:  # the disk fills after 20 records
+        raise t.TraceWriteError(self.path, OSError(28, "No space left on device"))
+    return real(self, rec)
+t.TraceWriter.write = write
+from kvtop.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_proxy_keeps_forwarding_when_its_trace_disk_fills(tmp_path: Path):
+    import asyncio
+    import signal
+    import socket
+    import sys
+
+    import httpx
+    from conftest import REPO
+
+    from kvtop.sim.server import SimServer
+    from kvtop.sim.workload import load_preset
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "p.jsonl"
+    async with SimServer(load_preset("healthy"), speed=10.0) as srv:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _DISK_FILLS, "proxy", "--upstream", srv.url, "--listen", f"127.0.0.1:{port}",
+            "--record", str(out), "--quiet", env=env, stderr=asyncio.subprocess.PIPE)
+        assert proc.stderr is not None
+        assert b"Ctrl-C to stop" in await asyncio.wait_for(proc.stderr.readline(), 30)
+        async with httpx.AsyncClient(timeout=30) as c:
+            body = {"model": "m", "prompt": "hi", "max_tokens": 16, "stream": True}
+            for _ in range(4):  # the disk fills during the first; every one is still answered whole
+                r = await c.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    assert text.count("still forwarding, no longer recording") == 1
+    assert "No space left on device;" in text and "record(s) after it not recorded" in text
+    assert TraceReader(out).header["recorder"] == "kvtop proxy"  # what was written before stays a trace

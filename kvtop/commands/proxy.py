@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
-    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header  # see run
+    from kvtop.model.trace import TraceWriteError, TraceWriter, clock_origin_unix, make_header  # see run
 
     t0 = time.monotonic()
 
@@ -93,9 +93,30 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
     summary = _Summary(sys.stderr) if not args.quiet else None
 
+    # a full disk stops the recording, never the traffic the proxy carries: one warning, the records
+    # after it counted, the exit status 1 at the end
+    failed: list[str] = []
+    dropped = [0]
+
+    def fail(e: TraceWriteError) -> None:
+        nonlocal writer
+        failed.append(str(e))
+        print(f"kvtop proxy: warning: {e}; still forwarding, no longer recording", file=sys.stderr, flush=True)
+        w, writer = writer, None
+        if w is not None:
+            try:
+                w.close()
+            except OSError:
+                pass
+
     def emit(rec: RequestRecord) -> None:
         if writer is not None:
-            writer.write(rec)
+            try:
+                writer.write(rec)
+            except TraceWriteError as e:
+                fail(e)
+        if failed:
+            dropped[0] += 1
         if summary is not None:
             summary(rec)
 
@@ -120,11 +141,19 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
             except asyncio.TimeoutError:
                 pass
             if writer is not None:
-                writer.flush_if_due()  # an idle proxy still gets its last records onto disk
+                try:
+                    writer.flush_if_due()  # an idle proxy still gets its last records onto disk
+                except TraceWriteError as e:
+                    fail(e)
     finally:
         await proxy.stop()
         if writer is not None:
-            writer.close()
+            try:
+                writer.close()
+            except TraceWriteError as e:
+                failed.append(str(e))
+    if failed:
+        raise RunFailure(f"{failed[0]}; {dropped[0]} record(s) after it not recorded (the traffic was forwarded)")
     print(f"kvtop proxy: stopped after {proxy.requests_seen} recorded request(s)", file=sys.stderr)
     return 0
 
