@@ -44,7 +44,7 @@ def test_bad_arguments_are_one_line_exit_2(tmp_path):
         (("tui", "--interval", "0"), "--interval must be between 0.05 and 3600"),
         (("tui", "--theme", "nope", "--url", "http://127.0.0.1:1"), "unknown theme 'nope'; choose one of: kvtop, kvtop-low"),
         (("tui", "--replay", str(tmp_path / "missing.jsonl")), "trace file not found"),
-        (("tui", "--itl-target-ms", "-1"), "--itl-target-ms must be positive"),
+        (("tui", "--itl-target-ms", "-1"), "--itl-target-ms must be a positive number"),
     ):
         r = run_kvtop(*args)
         assert r.returncode == 2, (args, r.stderr)
