@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ipaddress
 import math
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -355,20 +357,61 @@ def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
     return path
 
 
-_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+_Addr = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _addresses(host: str) -> set[_Addr | str]:
+    """The sockets a host name stands for, as far as is certain without DNS: an IP as itself (0.0.0.0
+    and :: connect to loopback on Linux; ::ffff:a.b.c.d is IPv4), ``localhost`` as the hosts file
+    says (127.0.0.1 only on some machines: the name alone does not prove ::1), any other name as
+    itself, compared by name."""
+    h = host.strip("[]").lower()
+    if h == "localhost":
+        try:
+            found = {str(ai[4][0]) for ai in socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)}
+        except OSError:
+            return {h}
+    else:
+        found = {h}
+    out: set[_Addr | str] = set()
+    for a in found:
+        try:
+            ip = ipaddress.ip_address(a.split("%", 1)[0])
+        except ValueError:
+            out.add(a)
+            continue
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_unspecified:  # connecting to 0.0.0.0 / :: reaches this host's loopback
+            ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+        out.add(ip)
+    return out
+
+
+def _answers(listen_host: str, target: _Addr | str) -> bool:
+    """Whether a listener bound to ``listen_host`` answers a connection to ``target``. A wildcard
+    answers loopback of its own family only (asyncio sets IPV6_V6ONLY on ::); other local addresses
+    would need the interface list, so only loopback counts as certain."""
+    h = listen_host.strip("[]").lower()
+    if h == "":
+        return isinstance(target, ipaddress.IPv4Address | ipaddress.IPv6Address) and target.is_loopback
+    if h in ("0.0.0.0", "::"):
+        return (isinstance(target, ipaddress.IPv4Address | ipaddress.IPv6Address) and target.is_loopback
+                and target.version == (4 if h == "0.0.0.0" else 6))
+    return target in _addresses(h)
 
 
 def refuse_self_proxy(listen: tuple[str, int], upstream: str, up_flag: str, listen_flag: str) -> None:
     """A one-line UsageError where a recording proxy on ``listen`` would forward to itself (each
-    request would open another until the descriptors ran out)."""
+    request would open another until the descriptors ran out). Only a certain loop is refused:
+    127.0.0.1 and ::1 are different sockets, and an engine may well serve on the other one."""
     from yarl import URL
 
     u = URL(http_url(upstream, up_flag))
     host, port = listen
-    if u.port != port:
+    if u.port != port or u.host is None:
         return
-    every = host in ("0.0.0.0", "::", "")  # a wildcard listener answers on loopback too
-    if u.host == host or (u.host in _LOOPBACK and (host in _LOOPBACK or every)):
+    if any(_answers(host, t) for t in _addresses(u.host)):
         raise UsageError(f"{up_flag} {upstream} is the proxy's own {listen_flag} address: it would forward to itself")
 
 

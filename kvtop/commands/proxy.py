@@ -44,9 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # the proxy (aiohttp, yarl) loads only when the command runs: the parser imports every command module
-    from yarl import URL
-
+    # the proxy (aiohttp) loads only when the command runs: the parser imports every command module
     from kvtop.sources.proxy import parse_listen
     from kvtop.sources.proxy.eventloop import LoopUnavailable, resolve_loop
     from kvtop.sources.proxy.eventloop import run as run_loop
@@ -62,9 +60,6 @@ def run(args: argparse.Namespace) -> int:
     args.upstream = http_url(args.upstream, "--upstream")  # host:port gets http://, as the other commands take it
     if not 1 <= args.workers <= 64:
         raise UsageError("--workers must be between 1 and 64")
-    u = URL(args.upstream)
-    if u.scheme not in ("http", "https") or not u.host:
-        raise UsageError(f"--upstream must be an http(s) URL, got {args.upstream!r}")
     refuse_self_proxy((host, port), args.upstream, "--upstream", "--listen")
     try:
         args.loop = resolve_loop(args.loop)
