@@ -436,3 +436,11 @@ def replace_output(output: str) -> None:
     p = Path(output)
     if p.is_file():
         p.unlink()
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether an output would overwrite an input (a missing file is no input to lose)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from kvtop.commands._options import check_output, replace_output
+from kvtop.commands._options import check_output, replace_output, same_file
 from kvtop.errors import UsageError
 
 NAME = "import"
@@ -34,11 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.model.trace import TraceWriter
 
     src, out = Path(args.file), Path(args.output)
-    try:
-        same = out.exists() and src.exists() and os.path.samefile(src, out)
-    except OSError:
-        same = False
-    if same:
+    if same_file(src, out):
         raise UsageError("-o names the result file itself: choose another trace file")
     try:
         doc = vllm_bench.read(src)

@@ -6,12 +6,17 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
-import os
 import signal
 import sys
 from typing import TYPE_CHECKING
 
-from kvtop.commands._options import add_engine_options, add_host_options, check_output, source_options
+from kvtop.commands._options import (
+    add_engine_options,
+    add_host_options,
+    check_output,
+    same_file,
+    source_options,
+)
 from kvtop.config import load_config, parse_seconds
 from kvtop.errors import UsageError
 from kvtop.model.sanitize import redact_url
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
         raise UsageError("--proxy-workers must be between 1 and 64")
-    if args.source and _same_file(args.source, args.output):
+    if args.source and same_file(args.source, args.output):
         raise UsageError(f"-o {args.output} is the trace being replayed: write the new run to another file")
     check_output(args.output, args.force)
     try:
@@ -110,13 +115,6 @@ def run(args: argparse.Namespace) -> int:
     # the recording proxy on an ephemeral loopback port in front of the target: the load goes through it
     opts = dataclasses.replace(opts, proxy_listen=("127.0.0.1", 0), proxy_workers=args.proxy_workers)
     return asyncio.run(_load(args, opts, plan, duration))
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either is missing: nothing to overwrite, or the plan's own error says so
-        return False
 
 
 async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, duration: float | None) -> int:
