@@ -83,7 +83,7 @@ class Agent:
         snap = self.core.snapshot(now)
         if self.trace is not None:
             self.trace.flush_if_due()
-            self.metrics.dropped = self.trace.write_errors + int(self.runner.sink_failed)
+            self.metrics.dropped = self.trace.dropped + int(self.runner.sink_failed)
         analysis = self.core.analysis
         self.metrics.update(snap, analysis.counters() if analysis is not None else None,
                             stale_after_s=max(10.0, 5 * self.opts.interval_s), analysis_lag_s=analysis.lag(now) if analysis is not None else 0.0)

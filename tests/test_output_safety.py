@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -34,6 +35,39 @@ class _FullDisk(io.RawIOBase):
             raise OSError(errno.ENOSPC, "No space left on device")
         self.data += b
         return len(b)
+
+
+class _FillingDisk(io.RawIOBase):
+    """A trace file on a disk that fills after ``room`` more bytes: the bytes before land in the file,
+    the write at the edge is short, every later one fails (as write(2) answers on a full partition)."""
+
+    def __init__(self, path: Path, room: int):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self.room = room
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, b) -> int:  # noqa: ANN001
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = os.write(self.fd, bytes(b[: self.room]))
+        self.room -= n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
+def _fill_after(w: TraceWriter, room: int) -> None:
+    """From now on ``w`` writes through its usual 64 KiB buffer to a disk with ``room`` bytes left."""
+    w._f.close()
+    w._f = io.TextIOWrapper(io.BufferedWriter(_FillingDisk(w.path, room), 1 << 16), encoding="ascii", newline="")
 
 
 def _rec(i: int) -> RequestRecord:
@@ -74,7 +108,7 @@ def test_the_agent_drops_records_on_a_full_disk_with_one_warning_and_no_empty_se
         for i in range(3000):  # a probe's tokens over a few seconds
             now[0] = i * 0.001
             rt.write(_rec(i))
-    assert rt.write_errors == 3000
+    assert rt.dropped == 3000
     assert list(tmp_path.iterdir()) == []  # it was 3,273 empty segment files in 6 s
     warned = [r for r in seen if "No space left on device" in r.getMessage()]
     assert len(warned) == 1 and "kvtop_dropped_records_total" in warned[0].getMessage()
@@ -83,7 +117,42 @@ def test_the_agent_drops_records_on_a_full_disk_with_one_warning_and_no_empty_se
     now[0] = 3.0 + rotate_mod.OPEN_RETRY_S
     rt.write(_rec(5000))
     rt.close()
-    assert rt.write_errors == 3000 and rt.rotations == 1
+    assert rt.dropped == 3000 and rt.rotations == 1
+
+
+def test_every_record_the_agent_took_is_in_its_segment_or_counted_dropped_when_the_disk_fills(tmp_path: Path):
+    now = [0.0]
+    rt = rotate_mod.RotatingTrace(tmp_path, lambda: make_header(recorder="kvtop agent"), clock=lambda: now[0])
+    for i in range(10):
+        rt.write(_rec(i))
+    assert rt._writer is not None
+    rt._writer.flush()
+    _fill_after(rt._writer, room=5000)  # the first spill of the buffer finds 5,000 bytes of room
+    for i in range(10, 4000):  # about 170 KB of token lines: the 64 KiB buffer spills and the disk fills
+        rt.write(_rec(i))
+    rt.close()
+    (seg,) = rotate_mod.segments(tmp_path)
+    kept = [d["id"] for d in TraceReader(seg).dicts()]
+    assert kept == [f"r{i}" for i in range(len(kept))] and 10 < len(kept) < 200  # the flushed ones and 5,000 bytes
+    # the buffer's records when the disk filled were lost uncounted (1,101 of them here)
+    assert rt.dropped == 4000 - len(kept)
+
+
+def test_a_writer_that_failed_counts_what_its_buffer_could_not_put_on_disk(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    w = TraceWriter(path, make_header(recorder="kvtop record"))
+    for i in range(10):
+        w.write(_rec(i))
+    w.flush()
+    assert w.unsaved() == 0
+    _fill_after(w, room=len('{"t":0.1,"kind":"request","id":"r10","event":"token","n":1}\n') // 2)
+    for i in range(10, 20):
+        w.write(_rec(i))
+    assert w.unsaved() == 10  # accepted, still in the buffer
+    with pytest.raises(TraceWriteError):
+        w.close()  # the buffer's records meet the full disk (the first one torn in half)
+    assert [d["id"] for d in TraceReader(path).dicts() if d.get("kind") == "request"] == [f"r{i}" for i in range(10)]
+    assert w.unsaved() == 10
 
 
 def test_agent_trace_dir_is_private_when_created_and_refused_when_it_takes_no_file(tmp_path: Path):
@@ -179,5 +248,8 @@ async def test_proxy_keeps_forwarding_when_its_trace_disk_fills(tmp_path: Path):
     text = err.decode()
     assert proc.returncode == 1 and "Traceback" not in text, text
     assert text.count("still forwarding, no longer recording") == 1
-    assert "No space left on device;" in text and "record(s) after it not recorded" in text
-    assert TraceReader(out).header["recorder"] == "kvtop proxy"  # what was written before stays a trace
+    # the 20 records before the disk filled are in the trace; every later one is counted as not recorded
+    kept = sum(1 for d in TraceReader(out).dicts() if d.get("kind") == "request")
+    assert kept == 20 and TraceReader(out).header["recorder"] == "kvtop proxy"
+    m = re.search(r"No space left on device; (\d+) record\(s\) not recorded \(the traffic was forwarded\)", text)
+    assert m and int(m.group(1)) >= 4 * 3, text  # at least arrive, a token and the end of 4 requests

@@ -189,7 +189,7 @@ def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(
         # it was one warning per record, on and off with the write buffer: 1,413 lines for 20,000 records
         full = [r for r in seen if "No space left on device" in r.getMessage()]
         assert len(full) == 1 and "kvtop_dropped_records_total" in full[0].getMessage()
-        assert rt.write_errors == 3000
+        assert rt.dropped == 3000
         now[0] = 10.0  # past the back-off, with room again: a new segment, said once
         rt.write(RequestRecord(t=50.0, id="after", event="token", n=1))
         assert sum("writing again" in r.getMessage() for r in seen) == 1

@@ -103,6 +103,7 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
                 w.close()
             except OSError:
                 pass
+            dropped[0] += w.unsaved()  # what the write buffer held when the disk filled is lost too
 
     def emit(rec: RequestRecord) -> None:
         if writer is not None:
@@ -147,8 +148,9 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
                 writer.close()
             except TraceWriteError as e:
                 failed.append(str(e))
+                dropped[0] += writer.unsaved()
     if failed:
-        raise RunFailure(f"{failed[0]}; {dropped[0]} record(s) after it not recorded (the traffic was forwarded)")
+        raise RunFailure(f"{failed[0]}; {dropped[0]} record(s) not recorded (the traffic was forwarded)")
     print(f"kvtop proxy: stopped after {proxy.requests_seen} recorded request(s)", file=sys.stderr)
     return 0
 

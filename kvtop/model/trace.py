@@ -290,6 +290,9 @@ class TraceWriter:
         self._f: IO[str] = open(self.path, "a", encoding="utf-8", buffering=1 << 16, opener=_private)
         self._last_flush = time.monotonic()
         self.count = 0
+        # what the file held at the last flush that succeeded: records, and its size in bytes. After a
+        # failed write the records accepted since then that the file does not hold are ``unsaved()``
+        self._saved = (0, os.fstat(self._f.fileno()).st_size)
         self._ids: dict[str, str] = {}  # request id -> its JSON string, for the token fast path
         self._cols: IO[bytes] | None = None
         if new:
@@ -436,6 +439,8 @@ class TraceWriter:
     def flush(self) -> None:
         try:
             self._f.flush()
+            # one fstat a flush (a second apart): where the records accepted so far end on disk
+            self._saved = (self.count, os.fstat(self._f.fileno()).st_size)
         except OSError as e:
             raise TraceWriteError(self.path, e) from e
         self._last_flush = time.monotonic()
@@ -472,6 +477,22 @@ class TraceWriter:
         if self._cols is not None:
             self._cols.close()
             self._cols = None
+
+    def unsaved(self) -> int:
+        """Records this writer accepted (``count``) that its file does not hold as whole lines: after
+        a failed write, flush or close (a full disk), what the write buffer held and could not put on
+        disk. Read from the file itself (the lines after the last good flush), so a buffer that spilled
+        in part before the failure is counted right; a torn last line is unsaved (readers skip it)."""
+        n, size = self._saved
+        held = 0
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(size)
+                while chunk := f.read(1 << 20):
+                    held += chunk.count(b"\n")
+        except OSError:
+            pass  # the file is gone (pruned, moved): nothing after the last flush is known to be there
+        return max(0, self.count - n - held)
 
     def _discard(self) -> None:
         """Close the files, dropping what could not be written (the failure is being raised)."""

@@ -61,7 +61,7 @@ class RotatingTrace:
         self._compressing: list[threading.Thread] = []
         self.rotations = 0
         self._n = 0
-        self.write_errors = 0
+        self.dropped = 0  # records not kept: kvtop_dropped_records_total
         self.last_error: str | None = None
         # after a segment could not be opened (a full disk) the next try waits: one empty file and
         # one warning per try, not one per record
@@ -102,8 +102,9 @@ class RotatingTrace:
                     self._compress_later(old)
         return w
 
-    def _failed(self, e: Exception) -> None:
-        self.write_errors += 1
+    def _failed(self, e: Exception, record: bool = True) -> None:
+        """A write (``record``: of a record, which is dropped), flush or rotation failed."""
+        self.dropped += record
         self.last_error = str(e)
         w, self._writer = self._writer, None
         if w is not None:
@@ -115,6 +116,8 @@ class RotatingTrace:
                 w.close()
             except (OSError, ValueError):
                 pass  # TraceWriter.close closes the file even so
+            # the records the write buffer held when the disk filled are lost with it: dropped too
+            self.dropped += w.unsaved()
             self._compress_later(w.path)
         if not self._failing:  # once per run of failures: the agent keeps serving /metrics meanwhile
             self._failing = True
@@ -136,7 +139,7 @@ class RotatingTrace:
                 w = None
             if w is None:
                 if self._clock() < self._retry_at:
-                    self.write_errors += 1
+                    self.dropped += 1
                     return
                 w = self._writer = self._open()
             w.write(rec)
@@ -152,7 +155,7 @@ class RotatingTrace:
                 else:
                     w.flush_if_due()
             except OSError as e:
-                self._failed(e)
+                self._failed(e, record=False)
 
     def rotate(self) -> None:
         w, self._writer = self._writer, None
@@ -160,6 +163,9 @@ class RotatingTrace:
             return
         try:
             w.close()
+        except OSError:
+            self.dropped += w.unsaved()  # the buffer's records its last flush could not write
+            raise
         finally:
             # also after a failed last flush: what reached the disk is a trace to keep
             self.rotations += 1
@@ -182,7 +188,7 @@ class RotatingTrace:
             os.replace(tmp, done)  # readers never see a half-written .gz under the final name
             path.unlink()
         except OSError as e:
-            self.write_errors += 1
+            # no record is lost: the plain segment stays
             self.last_error = f"compressing {path.name}: {e}"
             tmp.unlink(missing_ok=True)
             # the plain segment stays, complete: compressed when writing works again (or at the next start)
@@ -215,8 +221,7 @@ class RotatingTrace:
         try:
             self.rotate()
         except OSError as e:
-            self.write_errors += 1
-            self.last_error = str(e)
+            self.last_error = str(e)  # rotate counted the records it could not write
         deadline = time.monotonic() + wait_s
         for t in self._compressing:
             t.join(max(0.0, deadline - time.monotonic()))
