@@ -14,9 +14,11 @@ from tests.trace_files import write_trace
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
 FAST, SLOW = 0.020, 0.080  # the decode step before and after the engine slowed, at t = 20 s
-STALL_S = 0.4  # about 25 s in, every stream waits 400 ms; a 300-token prompt's first token ends it
+STALL_S = 0.4  # about 25 s in, every stream waits 400 ms; a 700-token prompt's first token ends it
 RATE_PROMPT, RATE_TTFT = 2000, 0.2  # five early prompts: the measured rate, 10,000 tokens/s
-PROMPT = 300  # 30 ms at the measured rate, under 30 % of the 320 ms excess; 120 ms four times slower
+# 70 ms at the measured rate, under 30 % of the 320 ms excess; 280 ms four times slower (over three of the
+# slowed decode steps: no chat-sized prompt, whose high price is bounded by the target, 7.22)
+PROMPT = 700
 
 
 def _write(path: Path, slow: float) -> float:
@@ -66,8 +68,8 @@ def _stall(tmp_path: Path, slow: float) -> list:
 
 def test_a_prompt_on_an_engine_four_times_slower_prefills_four_times_slower(tmp_path):
     got = _stall(tmp_path, SLOW)
-    # at the measured 10,000 tokens/s the 300-token prompt (30 ms) covers under 30 % of the 320 ms
-    # excess, and the stall was `unknown`; four times slower it covers 120 ms
+    # at the measured 10,000 tokens/s the 700-token prompt (70 ms) covers under 30 % of the 320 ms
+    # excess, and the stall was `unknown`; four times slower it covers 280 ms
     assert {s.cause for s in got} == {"prefill_interference"}, [(s.cause, s.rule, s.evidence) for s in got]
     assert all(any("4.0x slower as the engine now steps" in e for e in s.evidence) for s in got), got[0].evidence
 
