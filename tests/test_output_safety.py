@@ -74,12 +74,18 @@ def _rec(i: int) -> RequestRecord:
     return RequestRecord(t=i * 0.01, id=f"r{i}", event="token", n=1)
 
 
-def test_a_full_disk_is_one_line_naming_the_file_and_what_was_flushed_stays_a_trace(tmp_path: Path):
-    path = tmp_path / "t.jsonl"
-    w = TraceWriter(path, make_header(recorder="kvtop record"))
+def _flushed_writer(tmp_path: Path) -> TraceWriter:
+    """A recorder's trace holding records r0-r9, flushed."""
+    w = TraceWriter(tmp_path / "t.jsonl", make_header(recorder="kvtop record"))
     for i in range(10):
         w.write(_rec(i))
     w.flush()
+    return w
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_what_was_flushed_stays_a_trace(tmp_path: Path):
+    w = _flushed_writer(tmp_path)
+    path = w.path
     disk = _FullDisk(room=0)
     w._f = io.TextIOWrapper(io.BufferedWriter(disk, 64), encoding="ascii", newline="")
     with pytest.raises(TraceWriteError) as err:
@@ -139,11 +145,8 @@ def test_every_record_the_agent_took_is_in_its_segment_or_counted_dropped_when_t
 
 
 def test_a_writer_that_failed_counts_what_its_buffer_could_not_put_on_disk(tmp_path: Path):
-    path = tmp_path / "t.jsonl"
-    w = TraceWriter(path, make_header(recorder="kvtop record"))
-    for i in range(10):
-        w.write(_rec(i))
-    w.flush()
+    w = _flushed_writer(tmp_path)
+    path = w.path
     assert w.unsaved() == 0
     _fill_after(w, room=len('{"t":0.1,"kind":"request","id":"r10","event":"token","n":1}\n') // 2)
     for i in range(10, 20):
