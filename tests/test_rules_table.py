@@ -39,3 +39,8 @@ def test_the_generator_prints_one_row_per_rule_in_order():
     # then the engine's own gauges putting the stream in the queue: before any inferred cause
     assert rows[5].split(" | ")[1:3] == ["`queued`", "preemption (`queued`)"]
     assert rows[-1].endswith("| `unknown/shared` 0.350 |")
+
+
+def test_every_threshold_in_the_rules_table_is_a_number_not_its_expression():
+    # a text part that lost its f prefix shows "{_pct(prefill.PACE_NEAR)}" where "95 %" belongs
+    assert "{" not in markdown() and "}" not in markdown()
