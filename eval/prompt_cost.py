@@ -15,25 +15,18 @@ analysis measured on the same trace without its step records. docs/real-engines.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
+from eval.witness_matrix import step_records, without_witness
 from kvtop.analysis.witness import StepIndex
 
 SIZES = ((1, 64, "<= 64"), (65, 255, "65-255"), (256, math.inf, ">= 256"))  # prompt tokens in the step
-
-
-def step_records(path: str) -> Iterator[dict[str, Any]]:
-    with open(path, "rb") as f:
-        for line in f:
-            if b'"kind":"step"' in line or b'"kind": "step"' in line:
-                yield json.loads(line)
 
 
 def prompt_parts(steps: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:
@@ -70,7 +63,6 @@ def by_size(parts: list[tuple[int, float]]) -> list[tuple[str, int, float | None
 def measured_rate(path: str) -> float | None:
     """The prefill rate kvtop's analysis measured over the trace without its step records."""
     from eval.calibrate import analyze
-    from eval.witness_matrix import without_witness
 
     with tempfile.TemporaryDirectory() as tmp:
         return analyze(without_witness(path, tmp), 0.1).prefill_rate()

@@ -23,6 +23,7 @@ import re
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from eval import witnessed
@@ -35,17 +36,25 @@ LOOSE_S = 0.100
 ENGINE_CAUSES = ("preemption", "prefill_interference")
 
 
+def _is_step(line: bytes) -> bool:
+    return b'"kind":"step"' in line or b'"kind": "step"' in line
+
+
+def step_records(path: str) -> Iterator[dict[str, Any]]:
+    """The witness's ``step`` records of a trace, in file order."""
+    with open(path, "rb") as f:
+        for line in f:
+            if _is_step(line):
+                yield json.loads(line)
+
+
 def decode_step_s(path: str) -> float | None:
     """Median duration of the witnessed steps that ran decode tokens only."""
     durs = []
-    with open(path, "rb") as f:
-        for line in f:
-            if b'"kind":"step"' not in line and b'"kind": "step"' not in line:
-                continue
-            d = json.loads(line)
-            reqs = d.get("reqs") or []
-            if reqs and not any(r[2] or r[3] for r in reqs):
-                durs.append(d["end"] - d["t"])
+    for d in step_records(path):
+        reqs = d.get("reqs") or []
+        if reqs and not any(r[2] or r[3] for r in reqs):
+            durs.append(d["end"] - d["t"])
     return statistics.median(durs) if durs else None
 
 
@@ -54,9 +63,8 @@ def without_witness(path: str, out_dir: str) -> str:
     out = os.path.join(out_dir, os.path.basename(path) + ".nowitness.jsonl")
     with open(path, "rb") as src, open(out, "wb") as dst:
         for line in src:
-            if b'"kind":"step"' in line or b'"kind": "step"' in line:
-                continue
-            dst.write(line)
+            if not _is_step(line):
+                dst.write(line)
     return out
 
 

@@ -84,7 +84,8 @@ def _explains(ev: Evidence, tokens: float) -> bool | None:
     if not ev.prefill_rate or not tokens:
         return None
     excess = ev.gap.gap - (ev.decode_pace or 0.0)
-    return _prefill_s(ev, tokens) >= PREFILL_SHARE * excess and not _priced_part_short(ev, tokens)
+    t = _prefill_s(ev, tokens)
+    return t >= PREFILL_SHARE * excess and not _priced_part_short(ev, t)
 
 
 def _all_seen(ev: Evidence, unseen: float | None, judged: int = 0) -> bool:
@@ -110,16 +111,15 @@ def _timed_part_short(ev: Evidence, engine_prefill_s: float | None, step: float 
     return ev.gap.gap - max(0.0, engine_prefill_s - pace) > tgt
 
 
-def _priced_part_short(ev: Evidence, tokens: float, step: float | None = None) -> bool:
-    """``_timed_part_short`` with the prompts' time at the measured rate where the engine gave none, for
-    a chat-sized prompt (priced under ``SHORT_PREFILL_STEPS`` decode steps): the rate is a low one (a
-    short prompt's TTFT is mostly the decode work of its step), so its price is a high one, and where
-    even that, less the decode step the prompt rode in, leaves the stall missing the target, the prompt
-    is not why it missed. Not for longer prompts: a cold engine's first prefills ran far slower than the
-    rate says (docs/real-engines.md 7.18)."""
-    step = step or ev.decode_pace
-    t = _prefill_s(ev, tokens, step)
-    return bool(step) and t < SHORT_PREFILL_STEPS * (step or 0.0) and _timed_part_short(ev, t, step)
+def _priced_part_short(ev: Evidence, priced_s: float) -> bool:
+    """``_timed_part_short`` with the prompts' time at the measured rate (``priced_s``) where the engine
+    gave none, for a chat-sized prompt (priced under ``SHORT_PREFILL_STEPS`` decode steps): the rate is a
+    low one (a short prompt's TTFT is mostly the decode work of its step), so its price is a high one,
+    and where even that, less the decode step the prompt rode in, leaves the stall missing the target,
+    the prompt is not why it missed. Not for longer prompts: a cold engine's first prefills ran far
+    slower than the rate says (docs/real-engines.md 7.18)."""
+    pace = ev.decode_pace
+    return bool(pace) and priced_s < SHORT_PREFILL_STEPS * (pace or 0.0) and _timed_part_short(ev, priced_s)
 
 
 class Signals(NamedTuple):
