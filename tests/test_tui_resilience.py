@@ -119,19 +119,25 @@ async def test_live_runner_feed_then_the_engine_goes_away():
     feed = live_feed(SourceOptions(urls=(url,), interval_s=0.1, timeout_s=0.5, gpu=False, host=False), core=core)
     app = KvtopApp(core, feed=feed, interval=0.1, taken_at=FIXED_TAKEN_AT)
     async with app.run_test(size=(140, 30)) as pilot:
+        # the engine panel and the banner are drawn in one tick, but the banner's first showing waits
+        # for a layout pass: wait for the whole screen, not its first line
+        def up(text: str) -> bool:
+            return "● vllm " + url in text and "GPUs disabled (--no-gpu)" in text
+
+        def down(text: str) -> bool:
+            return "✖ ENGINE DOWN" in text and "1 engine(s) down: " + url in text
+
         for _ in range(50):
             await pilot.pause(0.1)
-            if "● vllm " + url in screen_text(app):
+            if up(screen_text(app)):
                 break
-        text = screen_text(app)
-        assert "● vllm " + url in text and "GPUs disabled (--no-gpu)" in text
+        assert up(screen_text(app))
         srv.shutdown()
         srv.server_close()
         for _ in range(50):
             await pilot.pause(0.1)
-            if "ENGINE DOWN" in screen_text(app):
+            if down(screen_text(app)):
                 break
-        text = screen_text(app)
-        assert "✖ ENGINE DOWN" in text and "1 engine(s) down: " + url in text
+        assert down(screen_text(app))
         await pilot.press("5")
         assert "engine_down" in screen_text(app)
