@@ -16,9 +16,11 @@ a cause other than unknown) on the fitting generator and on the held-out one.
 
 The rules that name an engine cause (``preemption/*``, ``prefill/*``) are then fit again where the
 real engine judged enough of their calls: on the witnessed vLLM rounds in eval/witness_rounds/
-(``--witness-fit``, rounds A-G by default), each call scored against the engine's own step log at
-100 ms and at 2.5x the decode step, the discounts divided out; their reliability is shown on the
-rounds held out (``--witness-held-out``, H-AB). The generators are worlds kvtop's authors wrote; where
+(``--witness-fit``, every other round from the first by default), each call scored against the
+engine's own step log at 100 ms and at 2.5x the decode step, the discounts divided out, once on the
+calls at loose targets (their bases) and once on those at tight ones (``Evidence.tight_target``:
+their tight bases, ``confidence_tight``); their reliability is shown on the rounds held out
+(``--witness-held-out``, the other half). The generators are worlds kvtop's authors wrote; where
 the real engine says a rule is right less often than they do, the real engine decides. Slow-decode
 rules keep the generators' fit: the log tells a decode step from time outside the engine less well.
 
@@ -28,8 +30,8 @@ rules keep the generators' fit: the log tells a decode step from time outside th
     python -m eval.calibrate --witness-fit none    # the generators alone
 
 Only ``--fit sim`` may ``--write``: the shipped numbers are fit on kvtop's simulator (the engine-cause
-rules on witnessed rounds A-G) and judged on the independent generator (and rounds H-AB), never
-chosen on the traces that report them.
+rules on half the witnessed rounds) and judged on the independent generator (and the other half),
+never chosen on the traces that report them.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ KEEP_SET = ("preemption/unread", "prefill/span", "prefill/recompute-long")
 # the rules the witness refits: they name an engine cause, which the engine's step log states exactly
 ENGINE_RULES = ("preemption/", "prefill/")
 MIN_BIN = 50
+# the weight, in calls, of a rule's witnessed fit over both targets in its fit at one of them
+WITNESS_PRIOR = 50
+DRAWN = f" drawn toward its fit at any target ({WITNESS_PRIOR} calls' weight)"
 MAX_DISCOUNT = 0.99
 MAX_BASE = 0.99  # no rule is ever certain: a few thousand right calls do not make the next one sure
 MIN_BASE = 0.01  # ... nor certainly wrong: a few dozen wrong calls do not prove the next one is
@@ -78,6 +83,7 @@ class Call:
     key: str
     discounts: tuple[str, ...]
     right: bool
+    tight: bool = False  # judged at a tight target (``Evidence.tight_target``)
 
 
 def analyze(path: str, itl_target_s: float) -> Analyzer:
@@ -107,7 +113,7 @@ def calls(path: str, itl_target_s: float) -> list[Call]:
         if g.cause == "unknown" or g.rule_key is None:
             continue
         t = label({"request_id": g.request_id, "t_start": g.t_start, "t_end": g.t_end}, truth)
-        out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))
+        out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause), g.tight))
     return out
 
 
@@ -126,8 +132,30 @@ def witness_calls(path: str) -> list[Call]:
                     continue
                 t = causes.get(spike_key(g))
                 if t is not None:
-                    out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause)))
+                    out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause), g.tight))
     return out
+
+
+def witness_rounds(spec: str) -> list[str]:
+    """Witnessed rounds by letter (``witnessed.select``), ``odd`` / ``even`` (every other round in
+    letter order, from the first / the second: the rounds' workloads changed as they were added, so
+    halves taken this way hold the same mix where a run of letters holds one era's), or ``none``."""
+    from eval import witnessed
+
+    low = spec.lower()
+    if low == "none":
+        return []
+    if low in ("odd", "even"):
+        return witnessed.names()[low == "even"::2]
+    return witnessed.select(spec)
+
+
+def rounds_label(spec: str) -> str:
+    """How a ``witness_rounds`` spec reads in the output and in fitted.json's ``how``."""
+    low = spec.lower()
+    if low in ("odd", "even"):
+        return f"{low} (every other round, from {'A' if low == 'odd' else 'B'})"
+    return spec.upper()
 
 
 def witness_collect(rounds: list[str]) -> list[Call]:
@@ -141,18 +169,32 @@ def witness_collect(rounds: list[str]) -> list[Call]:
 
 
 def fit_witness(conf: dict[str, float], disc: dict[str, float], how: dict[str, str], cs: list[Call],
-                source: str) -> None:
+                source: str, tight: dict[str, float] | None = None, how_tight: dict[str, str] | None = None) -> None:
     """Refit, in place, the bases of the engine-cause rules with at least ``MIN_FIT`` witnessed calls
-    in ``cs`` (the discounts as fit, divided out)."""
-    by_key: dict[str, list[Call]] = defaultdict(list)
+    in ``cs`` (the discounts as fit, divided out): from the calls at loose targets into ``conf``, and
+    from those at tight targets into ``tight`` (where given; else all calls into ``conf``)."""
+    by_key: dict[tuple[str, bool], list[Call]] = defaultdict(list)
+    pooled: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # rule -> [right, predicted] at any target
     for c in cs:
-        by_key[c.key].append(c)
-    for k, xs in by_key.items():
+        by_key[(c.key, c.tight and tight is not None)].append(c)
+        pooled[c.key][0] += c.right
+        pooled[c.key][1] += discounted(c, disc)
+    for (k, at_tight), xs in by_key.items():
         if k == "preemption/unread" or not k.startswith(ENGINE_RULES) or len(xs) < MIN_FIT:
             continue
         pred = sum(discounted(c, disc) for c in xs)
-        conf[k] = max(MIN_BASE, min(MAX_BASE, sum(c.right for c in xs) / pred))
-        how[k] = f"fit on {len(xs)} calls judged by real vLLM's step log ({source}, discounts divided out)"
+        # a few dozen calls at one kind of target say less than the rule's calls at both: they move the
+        # rule's fit over both by their weight against WITNESS_PRIOR calls' worth of it
+        right_all, pred_all = pooled[k]
+        base = (sum(c.right for c in xs) + WITNESS_PRIOR * right_all / pred_all) / (pred + WITNESS_PRIOR)
+        base = max(MIN_BASE, min(MAX_BASE, base))
+        said = f"fit on {len(xs)} calls judged by real vLLM's step log ({source}"
+        if at_tight and tight is not None and how_tight is not None:
+            tight[k] = base
+            how_tight[k] = said + ", at tight targets" + DRAWN + ", discounts divided out)"
+        else:
+            conf[k] = base
+            how[k] = said + (", at loose targets" + DRAWN if tight is not None else "") + ", discounts divided out)"
 
 
 def traces(gen: str, seeds: list[int], intervals: list[float], d: str) -> Iterator[str]:
@@ -189,8 +231,11 @@ def collect(gen: str, seeds: list[int], intervals: list[float], itl_target_s: fl
     return out
 
 
-def stated(c: Call, conf: dict[str, float], disc: dict[str, float]) -> float:
-    return conf[c.key] * discounted(c, disc)
+def stated(c: Call, conf: dict[str, float], disc: dict[str, float], tight: dict[str, float] | None = None) -> float:
+    """The confidence the analysis states for the call: its rule's base (at a tight target, the tight
+    one where the rule has it), discounted."""
+    base = tight.get(c.key, conf[c.key]) if c.tight and tight else conf[c.key]
+    return base * discounted(c, disc)
 
 
 def discounted(c: Call, disc: dict[str, float]) -> float:
@@ -245,36 +290,45 @@ def fit(cs: list[Call], rare: list[Call] | None = None,
     return conf, disc, how
 
 
-def reliability(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> tuple[list[str], float]:
+def reliability(cs: list[Call], conf: dict[str, float], disc: dict[str, float],
+                tight: dict[str, float] | None = None) -> tuple[list[str], float]:
     """The table, and the worst error among bins with at least MIN_BIN spikes."""
-    return reliability_table([(stated(c, conf, disc), c.right) for c in cs], MIN_BIN)
+    return reliability_table([(stated(c, conf, disc, tight), c.right) for c in cs], MIN_BIN)
 
 
-def per_rule(cs: list[Call], conf: dict[str, float], disc: dict[str, float]) -> list[str]:
+def per_rule(cs: list[Call], conf: dict[str, float], disc: dict[str, float],
+             tight: dict[str, float] | None = None) -> list[str]:
+    """Stated and observed accuracy per rule (a rule's calls at tight targets on a line of their own)."""
     by: dict[str, list[Call]] = defaultdict(list)
     for c in cs:
-        by[c.key].append(c)
-    out = [f"{'rule':<24}{'calls':>7}{'stated':>8}{'observed':>10}"]
+        by[c.key + (" (tight)" if c.tight else "")].append(c)
+    out = [f"{'rule':<32}{'calls':>7}{'stated':>8}{'observed':>10}"]
     for k in sorted(by):
         xs = by[k]
-        out.append(f"{k:<24}{len(xs):>7}{sum(stated(c, conf, disc) for c in xs) / len(xs):>8.2f}"
+        out.append(f"{k:<32}{len(xs):>7}{sum(stated(c, conf, disc, tight) for c in xs) / len(xs):>8.2f}"
                    f"{sum(c.right for c in xs) / len(xs):>10.2f}")
     return out
 
 
-def fitted_json(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> str:
+def fitted_json(conf: dict[str, float], disc: dict[str, float], how: dict[str, str],
+                tight: dict[str, float] | None = None, how_tight: dict[str, str] | None = None) -> str:
     """The text of kvtop/analysis/attribution/fitted.json: the bases and discounts the analysis loads,
-    and how each base was obtained ("set", or "fit on N calls" and where they came from)."""
+    how each base was obtained ("set", or "fit on N calls" and where they came from), and the bases
+    at tight targets of the rules the real engine judged there often enough."""
+    tight, how_tight = tight or {}, how_tight or {}
     doc = {"confidence": {k: round(v, 3) for k, v in conf.items()},
+           "confidence_tight": {k: round(v, 3) for k, v in tight.items()},
            "discount": {k: round(v, 3) for k, v in disc.items()},
-           "how": {k: how[k] for k in conf}}
+           "how": {k: how[k] for k in conf},
+           "how_tight": {k: how_tight[k] for k in tight}}
     return json.dumps(doc, indent=1) + "\n"
 
 
-def write_fitted(conf: dict[str, float], disc: dict[str, float], how: dict[str, str]) -> None:
+def write_fitted(conf: dict[str, float], disc: dict[str, float], how: dict[str, str],
+                 tight: dict[str, float], how_tight: dict[str, str]) -> None:
     # the data file beside thresholds.py (the package's copy, so an editable install reads it at once)
     path = Path(thresholds.__file__).with_name(thresholds.FITTED_FILE)
-    path.write_text(fitted_json(conf, disc, how), encoding="utf-8")
+    path.write_text(fitted_json(conf, disc, how, tight, how_tight), encoding="utf-8")
     print(f"wrote {path}")
 
 
@@ -288,11 +342,12 @@ def main() -> int:
                          "(never the held-out seeds; none: those rules keep their set values)")
     ap.add_argument("--intervals", type=float, nargs="+", default=[1.0, 5.0, 15.0])
     ap.add_argument("--itl-target-ms", type=float, default=100.0, metavar="N")
-    ap.add_argument("--witness-fit", default="A-G", metavar="ROUNDS",
-                    help="witnessed vLLM rounds (eval/witness_rounds/) that refit the engine-cause rules "
-                         "(default A-G; none: the generators alone)")
-    ap.add_argument("--witness-held-out", default="H-AB", metavar="ROUNDS",
-                    help="witnessed rounds their reliability is shown on (default H-AB)")
+    ap.add_argument("--witness-fit", default="odd", metavar="ROUNDS",
+                    help="witnessed vLLM rounds (eval/witness_rounds/) that refit the engine-cause rules: letters "
+                         "(A-G, H,K), or odd / even: every other round, the first / the second (default odd; "
+                         "none: the generators alone)")
+    ap.add_argument("--witness-held-out", default="even", metavar="ROUNDS",
+                    help="witnessed rounds their reliability is shown on (default even)")
     ap.add_argument("--write", action="store_true",
                     help="write kvtop/analysis/attribution/fitted.json (--fit sim only)")
     args = ap.parse_args()
@@ -304,11 +359,9 @@ def main() -> int:
         print("calibrate: --rare-seeds must not overlap --held-out-seeds (a confidence is never judged on the "
               "traces it was fit on)", file=sys.stderr)
         return 2
-    from eval import witnessed
-
     try:
-        wfit = [] if args.witness_fit.lower() == "none" else witnessed.select(args.witness_fit)
-        wheld = [] if args.witness_held_out.lower() == "none" else witnessed.select(args.witness_held_out)
+        wfit = witness_rounds(args.witness_fit)
+        wheld = witness_rounds(args.witness_held_out)
     except ValueError as e:
         print(f"calibrate: {e}", file=sys.stderr)
         return 2
@@ -325,10 +378,12 @@ def main() -> int:
     rare_from = "no spare seeds" if not rs else f"{held} seeds " + (
         f"{rs[0]}-{rs[-1]}" if rs == list(range(rs[0], rs[-1] + 1)) else ",".join(map(str, rs)))
     conf, disc, how = fit(train, rare, rare_from)
+    tight: dict[str, float] = {}
+    how_tight: dict[str, str] = {}
     wtrain = witness_collect(wfit)
     wtest = witness_collect(wheld)
     if wfit:
-        fit_witness(conf, disc, how, wtrain, f"witness rounds {args.witness_fit.upper()}")
+        fit_witness(conf, disc, how, wtrain, f"witness rounds {rounds_label(args.witness_fit)}", tight, how_tight)
     print(f"fit on {args.fit} (seeds {args.seeds}, {len(train)} calls; rules it rarely exercises on {rare_from}, "
           f"{len(rare)} calls); held out: {held} (seeds {args.held_out_seeds}, {len(test)} calls); "
           f"scrapes {args.intervals} s, target {args.itl_target_ms:g} ms")
@@ -336,12 +391,17 @@ def main() -> int:
     print("fitted bases")
     for k, v in conf.items():
         print(f"  {k:<24}{v:>6.3f}  ({how[k]}; shipped {thresholds.CONFIDENCE.get(k, float('nan')):.3f})")
+    print("fitted bases at tight targets")
+    for k, v in tight.items():
+        print(f"  {k:<24}{v:>6.3f}  ({how_tight[k]}; shipped "
+              f"{thresholds.CONFIDENCE_TIGHT.get(k, thresholds.CONFIDENCE.get(k, float('nan'))):.3f})")
     print("fitted discounts  " + "  ".join(f"{k} {v:.3f} (shipped {thresholds.DISCOUNT[k]:.3f})" for k, v in disc.items()))
-    held_w = f"witnessed rounds {args.witness_held_out.upper()} (held out)"
+    held_w = f"witnessed rounds {rounds_label(args.witness_held_out)} (held out)"
     sets = [(f"{args.fit} (fitted on)", train, False), (f"{held} (held out)", test, True)]
     for name, cs, per in sets + ([(held_w, wtest, True)] if wtest else []):
-        for title, c, d in (("fitted", conf, disc), ("shipped", thresholds.CONFIDENCE, thresholds.DISCOUNT)):
-            lines, worst = reliability(cs, c, d)
+        for title, c, d, t in (("fitted", conf, disc, tight),
+                               ("shipped", thresholds.CONFIDENCE, thresholds.DISCOUNT, thresholds.CONFIDENCE_TIGHT)):
+            lines, worst = reliability(cs, c, d, t)
             print()
             print(f"reliability on {name}, {title} confidences: worst error {worst:.3f} in bins of >= {MIN_BIN} spikes")
             for line in lines:
@@ -349,11 +409,11 @@ def main() -> int:
         if per:
             print()
             print(f"per rule on {name}, fitted confidences")
-            for line in per_rule(cs, conf, disc):
+            for line in per_rule(cs, conf, disc, tight):
                 print("  " + line)
     print(f"\n{time.perf_counter() - t0:.0f} s")
     if args.write:
-        write_fitted(conf, disc, how)
+        write_fitted(conf, disc, how, tight, how_tight)
     return 0
 
 

@@ -56,14 +56,19 @@ def test_the_shipped_fitted_file_is_what_calibrate_writes_for_the_confidences_th
     from kvtop.analysis.attribution import thresholds
 
     shipped = resources.files("kvtop.analysis.attribution").joinpath("fitted.json").read_text(encoding="utf-8")
-    how = json.loads(shipped)["how"]
-    assert fitted_json(thresholds.CONFIDENCE, thresholds.DISCOUNT, how) == shipped
-    # the engine-cause rules the witnessed rounds judged often enough carry the real engine's fit
-    assert "real vLLM's step log (witness rounds A-G" in how["prefill/shared-checked"]
-    assert thresholds.CONFIDENCE["prefill/shared-checked"] == pytest.approx(0.877)
-    assert "real vLLM's step log (witness rounds A-G" in how["preemption/queued"]
-    assert thresholds.DISCOUNT == {"coarse": 0.99, "sparse": 0.99, "chunked": 0.963}
+    doc = json.loads(shipped)
+    how, how_tight = doc["how"], doc["how_tight"]
+    assert fitted_json(thresholds.CONFIDENCE, thresholds.DISCOUNT, how, thresholds.CONFIDENCE_TIGHT, how_tight) == shipped
+    # the engine-cause rules the witnessed rounds judged often enough carry the real engine's fit, at
+    # tight targets apart: a shared-stall prefill call checked by the measured rate was right about
+    # half the time there, nearly always at 100 ms (where the simulator's many such calls fit it)
+    assert "real vLLM's step log (witness rounds odd (every other round, from A), at tight targets" in how_tight["prefill/shared-checked"]
+    assert thresholds.CONFIDENCE_TIGHT["prefill/shared-checked"] == pytest.approx(0.563)
+    assert thresholds.CONFIDENCE["prefill/shared-checked"] == pytest.approx(0.99)
+    assert "real vLLM's step log (witness rounds odd (every other round, from A), at loose targets" in how["preemption/queued"]
+    assert thresholds.DISCOUNT == {"coarse": 0.99, "sparse": 0.99, "chunked": 0.967}
     assert set(how) == set(thresholds.CONFIDENCE) and how["preemption/unread"] == "set"
+    assert set(how_tight) == set(thresholds.CONFIDENCE_TIGHT) <= set(thresholds.CONFIDENCE)
 
 
 def test_the_real_engine_refits_only_the_engine_cause_rules_it_judged_often_enough():
@@ -84,6 +89,45 @@ def test_the_real_engine_refits_only_the_engine_cause_rules_it_judged_often_enou
     assert "real vLLM" in how["prefill/shared"] and "A-G" in how["prefill/shared"]
     assert conf["prefill/recompute"] == 0.66 and how["prefill/recompute"] == "set"
     assert conf["preemption/unread"] == 0.5 and conf["slow/pace"] == 0.9
+
+
+def test_calls_at_tight_targets_fit_a_base_of_their_own_drawn_toward_the_rules_fit_over_both():
+    from eval.calibrate import MIN_FIT, WITNESS_PRIOR, fit_witness, stated
+
+    conf = {"prefill/shared-checked": 0.9, "prefill/span": 0.9}
+    disc = {"coarse": 0.8}
+    how = {k: "set" for k in conf}
+    tight: dict[str, float] = {}
+    how_tight: dict[str, str] = {}
+    # shared-checked: 100 calls at 100 ms, all right; 200 at tight targets, 100 of them right
+    cs = [Call("prefill/shared-checked", (), True) for _ in range(100)]
+    cs += [Call("prefill/shared-checked", (), i < 100, True) for i in range(200)]
+    # span: plenty at tight targets, too few at loose ones to fit there
+    cs += [Call("prefill/span", (), i < 90, True) for i in range(100)]
+    cs += [Call("prefill/span", (), True) for _ in range(MIN_FIT - 1)]
+    fit_witness(conf, disc, how, cs, "witness rounds ODD", tight, how_tight)
+    pooled = 200 / 300
+    assert conf["prefill/shared-checked"] == pytest.approx((100 + WITNESS_PRIOR * pooled) / (100 + WITNESS_PRIOR))
+    assert tight["prefill/shared-checked"] == pytest.approx((100 + WITNESS_PRIOR * pooled) / (200 + WITNESS_PRIOR))
+    assert "at loose targets" in how["prefill/shared-checked"] and "at tight targets" in how_tight["prefill/shared-checked"]
+    assert conf["prefill/span"] == 0.9 and how["prefill/span"] == "set" and "prefill/span" in tight
+    # a call at a tight target states the tight base, one at a loose target the base
+    t = Call("prefill/shared-checked", ("coarse",), True, True)
+    assert stated(t, conf, disc, tight) == pytest.approx(tight["prefill/shared-checked"] * 0.8)
+    assert stated(Call("prefill/shared-checked", (), True), conf, disc, tight) == conf["prefill/shared-checked"]
+    # a rule without a tight base states its base at any target
+    assert stated(Call("prefill/lone", (), True, True), {"prefill/lone": 0.7}, disc, tight) == 0.7
+
+
+def test_the_witnessed_rounds_are_halved_every_other_round():
+    from eval import witnessed
+    from eval.calibrate import witness_rounds
+
+    odd, even = witness_rounds("odd"), witness_rounds("even")
+    every = witnessed.names()
+    assert odd[:3] == ["A", "C-31", "E-51"] and even[:3] == ["B-21", "D-41", "F-61"]
+    assert sorted(odd + even) == sorted(every) and not set(odd) & set(even)
+    assert witness_rounds("none") == [] and witness_rounds("A-C") == ["A", "B-21", "C-31"]
 
 
 def test_witnessed_rounds_are_chosen_by_letter_and_read_as_traces_with_the_engines_steps():

@@ -14,7 +14,7 @@ from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.rules import ALONE, ANY, LONE, RULES, SHARED, Rule, Stall, stall_of
-from kvtop.analysis.attribution.thresholds import CONFIDENCE, DISCOUNT
+from kvtop.analysis.attribution.thresholds import CONFIDENCE, CONFIDENCE_TIGHT, DISCOUNT
 from kvtop.analysis.attribution.timeline import EngineTimeline
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.stalls import StallIndex
@@ -36,7 +36,7 @@ def ask(key: str, ev: Evidence) -> Finding | None:
     if not isinstance(out, Finding):
         return None
     assert out.cause is r.cause and out.kind in r.kinds and out.key in r.confidence
-    want = CONFIDENCE[out.key]
+    want = CONFIDENCE_TIGHT.get(out.key, CONFIDENCE[out.key]) if out.tight else CONFIDENCE[out.key]
     for d in out.discounts:
         want *= DISCOUNT[d]
     assert out.confidence == pytest.approx(want)
@@ -481,6 +481,28 @@ def test_shared_prefill():
     assert ask("shared-prefill", evidence(**shared())) is None
     slow = gap(stream_baseline=0.096, fast_baseline=0.096)  # pace within 5 % of the target
     assert ask("shared-prefill", evidence(slow, first_token=first_token(3000), **shared())) is None
+
+
+def test_a_shared_prefill_call_at_a_tight_target_states_the_real_engines_odds_there():
+    """The same checked prefill call at a target of a few decode steps takes the rule's tight base: on
+    the witnessed vLLM rounds such calls were right about half the time where at 100 ms nearly always."""
+    from kvtop.analysis.attribution.thresholds import TIGHT_TARGET_REL
+
+    loose = ask("shared-prefill", evidence(first_token=first_token(3000), prefill_rate=2000.0, run_median=0.02,
+                                           **shared()))
+    assert loose is not None and not loose.tight
+    assert loose.confidence == CONFIDENCE["prefill/shared-checked"]
+    # the stream's decode step is 20 ms (the run's median gap too): a 50 ms target is 2.5 of them
+    assert 0.05 < TIGHT_TARGET_REL * 0.02
+    tight = ask("shared-prefill", evidence(first_token=first_token(3000), prefill_rate=2000.0, run_median=0.02,
+                                           target=0.05, **shared()))
+    assert tight is not None and tight.tight and tight.key == "prefill/shared-checked"
+    assert tight.confidence == CONFIDENCE_TIGHT["prefill/shared-checked"] < loose.confidence - 0.2
+    # a rule the real engine did not judge often enough at tight targets keeps its one base
+    assert "prefill/lone-checked" not in CONFIDENCE_TIGHT
+    f = ask("alone-prefill-checked", evidence(first_token=first_token(3000), prefill_rate=2000.0, run_median=0.02,
+                                              target=0.05, **alone()))
+    assert f is not None and f.tight and f.confidence == CONFIDENCE["prefill/lone-checked"]
 
 
 def test_an_unchecked_prefill_signal_does_not_explain_a_gap_like_the_streams_others():

@@ -39,6 +39,7 @@ class Finding:
     kind: str | None = None  # a finer name where it helps: "host", "delivery", "recompute", "onset"
     key: str | None = None  # its entry in thresholds.CONFIDENCE (the calibrated base confidence)
     discounts: tuple[str, ...] = ()  # thresholds.DISCOUNT entries applied (coarse, sparse, chunked)
+    tight: bool = False  # judged at a tight target: its base is thresholds.CONFIDENCE_TIGHT's, where it has one
 
 
 @dataclass

@@ -18,6 +18,7 @@ from kvtop.analysis.attribution.thresholds import (
     CHUNKED_TOKENS,
     COARSE_SCRAPE_S,
     CONFIDENCE,
+    CONFIDENCE_TIGHT,
     DISCOUNT,
     KV_HIGH,
     PROMPT_JUMP_MIN,
@@ -29,6 +30,7 @@ from kvtop.analysis.attribution.thresholds import (
     SHARED_FRESH,
     SPARSE_SHARE,
     STEP_EARLY_S,
+    TIGHT_TARGET_REL,
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
 from kvtop.analysis.gaps import BURST_S, LOOKAHEAD, Gap
@@ -398,10 +400,17 @@ class Evidence:
         """A finding of rule ``key`` with its calibrated confidence (see thresholds.CONFIDENCE),
         discounted for each weakness of the evidence (``weighed=False``: none apply)."""
         names, why = self.weaknesses(interval, sparse_matters) if weighed else ((), [])
-        conf = CONFIDENCE[key]
+        tight = self.tight_target
+        conf = CONFIDENCE_TIGHT.get(key, CONFIDENCE[key]) if tight else CONFIDENCE[key]
         for n in names:
             conf *= DISCOUNT[n]
-        return Finding(cause, conf, lines + why, kind, key=key, discounts=names)
+        return Finding(cause, conf, lines + why, kind, key=key, discounts=names, tight=tight)
+
+    @property
+    def tight_target(self) -> bool:
+        """The ITL target is under ``TIGHT_TARGET_REL`` x the run's median gap so far: a few decode steps
+        (its findings take ``CONFIDENCE_TIGHT``'s bases)."""
+        return bool(self.target and self.run_median and self.target < TIGHT_TARGET_REL * self.run_median)
 
     def late_first_token_line(self) -> list[str]:
         """Why a first token at the stall's end was not read as its prefill, where a later request

@@ -21,6 +21,7 @@ from kvtop.analysis.attribution.causes import WITNESS_KINDS, Cause, Finding, Sig
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.thresholds import (
     CONFIDENCE,
+    CONFIDENCE_TIGHT,
     KV_HIGH,
     RATE_MIN_PROMPT,
     REL_PREEMPT,
@@ -29,6 +30,7 @@ from kvtop.analysis.attribution.thresholds import (
     RESUME_LEAD_S,
     SHARED_FRESH,
     STEP_EARLY_S,
+    TIGHT_TARGET_REL,
 )
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.streams import RECENT
@@ -288,17 +290,22 @@ LEGEND = (
     "the stall, the counter rose once for each of them: vLLM resumes waiting victims as a batch), or when no "
     "other observed stream was decoding (**alone**: none active, or all silent since before it, preempted "
     "earlier and still waiting); otherwise it is **shared**. The first row that answers decides; the signs "
-    "a rule saw but found too weak lead the answer a later row gives."
+    "a rule saw but found too weak lead the answer a later row gives. A confidence marked *tight* is the "
+    f"rule's base where the ITL target is under {TIGHT_TARGET_REL:g}x the run's median gap (a few decode steps)."
 )
 
 
-def markdown(rules: tuple[Rule, ...] = RULES, confidence: dict[str, float] | None = None) -> str:
-    """The rules table as Markdown, from the rows and the calibrated confidences."""
+def markdown(rules: tuple[Rule, ...] = RULES, confidence: dict[str, float] | None = None,
+             tight: dict[str, float] | None = None) -> str:
+    """The rules table as Markdown, from the rows and the calibrated confidences (a rule's base at a
+    tight target beside its base, where it has one)."""
     conf = CONFIDENCE if confidence is None else confidence
+    tight = CONFIDENCE_TIGHT if tight is None else tight
     out = ["| order | key | cause (`rule`) | applies when | what it checks | confidence |",
            "|---|---|---|---|---|---|"]
     for i, r in enumerate(rules, 1):
         kinds = ", ".join(f"`{k}`" for k in r.kinds)
-        confs = ", ".join(f"`{k}` {conf[k]:.3f}" for k in r.confidence) or "1.000 (read, not inferred)"
+        confs = ", ".join(f"`{k}` {conf[k]:.3f}" + (f" (tight {tight[k]:.3f})" if k in tight else "")
+                          for k in r.confidence) or "1.000 (read, not inferred)"
         out.append(f"| {i} | `{r.key}` | {r.cause or 'as logged'} ({kinds}) | {r.when.says} | {r.checks} | {confs} |")
     return "\n".join(out) + "\n\n" + LEGEND + "\n"

@@ -58,3 +58,7 @@ class Spike:
     @property
     def discounts(self) -> tuple[str, ...]:
         return self.finding.discounts
+
+    @property
+    def tight(self) -> bool:
+        return self.finding.tight
