@@ -169,10 +169,11 @@ def witness_collect(rounds: list[str]) -> list[Call]:
 
 
 def fit_witness(conf: dict[str, float], disc: dict[str, float], how: dict[str, str], cs: list[Call],
-                source: str, tight: dict[str, float] | None = None, how_tight: dict[str, str] | None = None) -> None:
+                source: str, tight: tuple[dict[str, float], dict[str, str]] | None = None) -> None:
     """Refit, in place, the bases of the engine-cause rules with at least ``MIN_FIT`` witnessed calls
     in ``cs`` (the discounts as fit, divided out): from the calls at loose targets into ``conf``, and
-    from those at tight targets into ``tight`` (where given; else all calls into ``conf``)."""
+    from those at tight targets into ``tight``'s bases and their ``how`` (where given; else all calls
+    into ``conf``)."""
     by_key: dict[tuple[str, bool], list[Call]] = defaultdict(list)
     pooled: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # rule -> [right, predicted] at any target
     for c in cs:
@@ -189,9 +190,9 @@ def fit_witness(conf: dict[str, float], disc: dict[str, float], how: dict[str, s
         base = (sum(c.right for c in xs) + WITNESS_PRIOR * right_all / pred_all) / (pred + WITNESS_PRIOR)
         base = max(MIN_BASE, min(MAX_BASE, base))
         said = f"fit on {len(xs)} calls judged by real vLLM's step log ({source}"
-        if at_tight and tight is not None and how_tight is not None:
-            tight[k] = base
-            how_tight[k] = said + ", at tight targets" + DRAWN + ", discounts divided out)"
+        if at_tight and tight is not None:
+            tight[0][k] = base
+            tight[1][k] = said + ", at tight targets" + DRAWN + ", discounts divided out)"
         else:
             conf[k] = base
             how[k] = said + (", at loose targets" + DRAWN if tight is not None else "") + ", discounts divided out)"
@@ -234,8 +235,7 @@ def collect(gen: str, seeds: list[int], intervals: list[float], itl_target_s: fl
 def stated(c: Call, conf: dict[str, float], disc: dict[str, float], tight: dict[str, float] | None = None) -> float:
     """The confidence the analysis states for the call: its rule's base (at a tight target, the tight
     one where the rule has it), discounted."""
-    base = tight.get(c.key, conf[c.key]) if c.tight and tight else conf[c.key]
-    return base * discounted(c, disc)
+    return thresholds.base(c.key, c.tight, conf, tight or {}) * discounted(c, disc)
 
 
 def discounted(c: Call, disc: dict[str, float]) -> float:
@@ -383,7 +383,7 @@ def main() -> int:
     wtrain = witness_collect(wfit)
     wtest = witness_collect(wheld)
     if wfit:
-        fit_witness(conf, disc, how, wtrain, f"witness rounds {rounds_label(args.witness_fit)}", tight, how_tight)
+        fit_witness(conf, disc, how, wtrain, f"witness rounds {rounds_label(args.witness_fit)}", (tight, how_tight))
     print(f"fit on {args.fit} (seeds {args.seeds}, {len(train)} calls; rules it rarely exercises on {rare_from}, "
           f"{len(rare)} calls); held out: {held} (seeds {args.held_out_seeds}, {len(test)} calls); "
           f"scrapes {args.intervals} s, target {args.itl_target_ms:g} ms")

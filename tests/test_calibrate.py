@@ -105,7 +105,7 @@ def test_calls_at_tight_targets_fit_a_base_of_their_own_drawn_toward_the_rules_f
     # span: plenty at tight targets, too few at loose ones to fit there
     cs += [Call("prefill/span", (), i < 90, True) for i in range(100)]
     cs += [Call("prefill/span", (), True) for _ in range(MIN_FIT - 1)]
-    fit_witness(conf, disc, how, cs, "witness rounds ODD", tight, how_tight)
+    fit_witness(conf, disc, how, cs, "witness rounds ODD", (tight, how_tight))
     pooled = 200 / 300
     assert conf["prefill/shared-checked"] == pytest.approx((100 + WITNESS_PRIOR * pooled) / (100 + WITNESS_PRIOR))
     assert tight["prefill/shared-checked"] == pytest.approx((100 + WITNESS_PRIOR * pooled) / (200 + WITNESS_PRIOR))

@@ -14,7 +14,7 @@ from kvtop.analysis.attribution.causes import Cause, Finding, Signs
 from kvtop.analysis.attribution.classify import classify
 from kvtop.analysis.attribution.evidence import Evidence
 from kvtop.analysis.attribution.rules import ALONE, ANY, LONE, RULES, SHARED, Rule, Stall, stall_of
-from kvtop.analysis.attribution.thresholds import CONFIDENCE, CONFIDENCE_TIGHT, DISCOUNT
+from kvtop.analysis.attribution.thresholds import CONFIDENCE, CONFIDENCE_TIGHT, DISCOUNT, base
 from kvtop.analysis.attribution.timeline import EngineTimeline
 from kvtop.analysis.gaps import BURST_S
 from kvtop.analysis.stalls import StallIndex
@@ -36,7 +36,7 @@ def ask(key: str, ev: Evidence) -> Finding | None:
     if not isinstance(out, Finding):
         return None
     assert out.cause is r.cause and out.kind in r.kinds and out.key in r.confidence
-    want = CONFIDENCE_TIGHT.get(out.key, CONFIDENCE[out.key]) if out.tight else CONFIDENCE[out.key]
+    want = base(out.key, out.tight)
     for d in out.discounts:
         want *= DISCOUNT[d]
     assert out.confidence == pytest.approx(want)

@@ -17,8 +17,6 @@ from kvtop.analysis.attribution.spike import Spike
 from kvtop.analysis.attribution.thresholds import (
     CHUNKED_TOKENS,
     COARSE_SCRAPE_S,
-    CONFIDENCE,
-    CONFIDENCE_TIGHT,
     DISCOUNT,
     KV_HIGH,
     PROMPT_JUMP_MIN,
@@ -31,6 +29,7 @@ from kvtop.analysis.attribution.thresholds import (
     SPARSE_SHARE,
     STEP_EARLY_S,
     TIGHT_TARGET_REL,
+    base,
 )
 from kvtop.analysis.attribution.timeline import EngineTimeline, EngineWindow
 from kvtop.analysis.gaps import BURST_S, LOOKAHEAD, Gap
@@ -397,11 +396,11 @@ class Evidence:
 
     def found(self, cause: Cause, key: str, lines: list[str], kind: str, interval: float | None = None,
               sparse_matters: bool = True, weighed: bool = True) -> Finding:
-        """A finding of rule ``key`` with its calibrated confidence (see thresholds.CONFIDENCE),
+        """A finding of rule ``key`` with its calibrated confidence (``thresholds.base``),
         discounted for each weakness of the evidence (``weighed=False``: none apply)."""
         names, why = self.weaknesses(interval, sparse_matters) if weighed else ((), [])
         tight = self.tight_target
-        conf = CONFIDENCE_TIGHT.get(key, CONFIDENCE[key]) if tight else CONFIDENCE[key]
+        conf = base(key, tight)
         for n in names:
             conf *= DISCOUNT[n]
         return Finding(cause, conf, lines + why, kind, key=key, discounts=names, tight=tight)

@@ -62,3 +62,12 @@ CONFIDENCE: dict[str, float] = {k: float(v) for k, v in _FITTED["confidence"].it
 CONFIDENCE_TIGHT: dict[str, float] = {k: float(v) for k, v in _FITTED.get("confidence_tight", {}).items()}
 TIGHT_TARGET_REL = 3.0
 DISCOUNT: dict[str, float] = {k: float(v) for k, v in _FITTED["discount"].items()}
+
+
+def base(key: str, tight: bool, confidence: dict[str, float] | None = None,
+         confidence_tight: dict[str, float] | None = None) -> float:
+    """Rule ``key``'s base confidence, at a tight target (``tight``) its tight base where it has one;
+    from the shipped tables, or from the ones given (a fit being judged)."""
+    conf = CONFIDENCE if confidence is None else confidence
+    at_tight = CONFIDENCE_TIGHT if confidence_tight is None else confidence_tight
+    return at_tight.get(key, conf[key]) if tight else conf[key]
