@@ -140,8 +140,10 @@ H = TypeVar("H", bound=Median)
 
 class RunningMedian(Generic[H]):
     """The median of a growing sample (a histogram), refreshed as the sample grows by ``step`` or by
-    1 %, whichever is more (it moves slowly), from ``min_n`` on, with its history. The caller says
-    after each addition at which trace time it was made (``added``)."""
+    1 %, whichever is more (it moves slowly), from ``min_n`` on, with its history; while the sample is
+    smaller than ``step``, as often as it doubles (a run's first gaps, its first prompts' prefills among
+    them, would otherwise stand as its median for ``step`` samples). The caller says after each
+    addition at which trace time it was made (``added``)."""
 
     __slots__ = ("hist", "history", "step", "next_n")
 
@@ -162,7 +164,7 @@ class RunningMedian(Generic[H]):
             q = self.hist.quantile(0.5)
             if q is not None:
                 self.history.record(t, q)
-            self.next_n = n + max(self.step, n // 100) + 1
+            self.next_n = n + max(min(self.step, n), n // 100) + 1
 
     def at(self, t: float) -> float | None:
         return self.history.at(t)
