@@ -234,6 +234,29 @@ def test_a_steps_prefill_cost_is_its_time_beyond_a_decode_step_of_that_moment():
     assert acct.prefill_s == pytest.approx(0.127, abs=1e-6) and acct.decode_step_s == pytest.approx(0.008)
 
 
+def test_tokens_the_engine_made_on_pace_and_the_client_got_in_one_chunk_are_no_slow_decode():
+    """Real vLLM on round AB's mixed load (13.2 ms target, 6 ms decode steps): the engine made three
+    tokens of a stream 6-7 ms apart and its client got them in one chunk 20 ms after the one before (the
+    API server holds back a token whose text is incomplete). The engine never left the stream waiting
+    past the target: the gap was the tokens' wait outside its steps, not its decode (before: slow_decode,
+    at confidence 1.0, which points an operator at the batch size)."""
+    dec = [["a", 1, 0, 0, 1]]
+    idx, ends = _index([(0.006, dec)] * 20 + [(0.0065, dec)] * 3)
+    acct = idx.account("a", ends[-4] + 0.001, ends[-1] + 0.0012, target=0.0132)
+    assert acct is not None and acct.cause.value == "unknown" and acct.kind == "held"
+    assert (acct.made, round(acct.longest_s * 1e3, 1)) == (3, 6.5)
+    f = acct.finding()
+    assert f.kind == "witness" and f.confidence == 1.0
+    assert f.lines[1].startswith("the engine made 3 of this request's tokens in the gap, never more than 6 ms apart")
+    # one step that took as long, making one token: the engine's own decode
+    idx, ends = _index([(0.006, dec)] * 20 + [(0.0195, dec)])
+    acct = idx.account("a", ends[-2] + 0.001, ends[-1] + 0.0012, target=0.0132)
+    assert acct is not None and acct.cause.value == "slow_decode"
+    # three tokens, but the engine left the stream 14 ms without one (over the target) between them
+    idx, ends = _index([(0.006, dec)] * 20 + [(0.003, dec), (0.014, dec), (0.003, dec)])
+    acct = idx.account("a", ends[-4] + 0.001, ends[-1] + 0.0012, target=0.0132)
+    assert acct is not None and acct.cause.value == "slow_decode"
+
 def test_a_prompt_step_where_the_engine_changed_pace_is_no_cause_the_log_can_tell():
     """Real vLLM on a contended host (round B's mixed): 8 ms decode steps, then two of 101 and 112 ms,
     the step that also ran a 68-token prompt (139 ms), and decode steps of 128-143 ms after it. Read

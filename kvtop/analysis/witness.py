@@ -10,10 +10,13 @@ step that produced the token before the stall and the one that produced the toke
    recompute tokens (each such step's time beyond a decode-only step of that moment: the median of the
    last ``LOCAL_DECODE`` decode-only steps before it, so that an engine slowed by its host does not
    book its slowness to the prompt that happened to ride in one of its steps), the part outside the engine
-   (client gap minus engine interval: API server, network, a slow reader), and the engine's own decode
+   (client gap minus engine interval: API server, network, a slow reader), the part the request's own
+   tokens waited made (the engine produced some of them during the gap, never leaving the request
+   silent longer than its longest silence there; the client got them in one chunk: held by the API
+   server's output merging or detokenizer, the network or the reader), and the engine's own decode
    steps. The cause is the part without which the gap would have met the target (prefill first, then
-   outside), else the largest part → **prefill_interference**, **unknown** (`delivery`: outside the
-   engine) or **slow_decode**. Where the engine's decode-only steps just after such a step took a time
+   outside, then held), else the largest part → **prefill_interference**, **unknown** (`outside` or
+   `held`: outside the engine's steps) or **slow_decode**. Where the engine's decode-only steps just after such a step took a time
    that none of the ``LOCAL_DECODE`` before it took (the engine slowed or sped up there), the step's
    decode part is known only between the two: if the cause depends on which, the log cannot tell it →
    **unknown** (``witness-ambiguous``, saying so).
@@ -75,6 +78,8 @@ class Account:
     # where the pace changed around a prompt step: (the least and the most time the prompt steps took
     # beyond a decode-only step, a decode-only step just after them)
     shift: tuple[float, float, float] | None = None
+    made: int = 0  # this request's tokens the engine produced in the gap
+    longest_s: float = 0.0  # the longest the engine left it without a token there (from the token before)
 
     def finding(self) -> Finding:
         ms = 1e3
@@ -88,6 +93,12 @@ class Account:
                          "beyond decode steps, and at this target the cause depends on which (the engine's pace "
                          "changed there)")
             return Finding(self.cause, 1.0, lines, WITNESS_KINDS[1])
+        if self.kind == "held":
+            lines.append(f"the engine made {self.made} of this request's tokens in the gap, never more than "
+                         f"{self.longest_s * ms:.0f} ms apart, and the client got them in one chunk: the gap was "
+                         "their wait outside the engine's steps (the API server's output merging or detokenizer, "
+                         "the network, the reader), not the engine's pace")
+            return Finding(self.cause, 1.0, lines, WITNESS_KINDS[0])
         if self.kind == "preempted":
             lines.append("the engine preempted this request between the two tokens")
         elif self.kind == "recompute":
@@ -235,14 +246,29 @@ class StepIndex:
                 hi += max(0.0, dur - min(refs))
         prefill_s = min(prefill_s, engine_s)
         outside_s = max(0.0, gap - engine_s)
+        made, longest = self._made(rid, a, b)
         tgt = target if target is not None else 0.0
-        cause, kind = _decide(gap, engine_s, prefill_s, outside_s, tgt)
-        if hi - lo > 0 and {_decide(gap, engine_s, min(p, engine_s), outside_s, tgt) for p in (lo, hi)} != {(cause, kind)}:
+        cause, kind = _decide(gap, engine_s, prefill_s, outside_s, tgt, longest)
+        if hi - lo > 0 and ({_decide(gap, engine_s, min(p, engine_s), outside_s, tgt, longest) for p in (lo, hi)}
+                            != {(cause, kind)}):
             return Account(Cause.UNKNOWN, "ambiguous", gap, engine_s, prefill_s, outside_s,
                            max(0.0, engine_s - prefill_s), len(between), tokens, dec,
-                           (min(lo, engine_s), min(hi, engine_s), after_last or 0.0))
+                           (min(lo, engine_s), min(hi, engine_s), after_last or 0.0), made, longest)
         return Account(cause, kind, gap, engine_s, prefill_s, outside_s, max(0.0, engine_s - prefill_s), len(between),
-                       tokens, dec)
+                       tokens, dec, None, made, longest)
+
+    def _made(self, rid: str, a: int, b: int) -> tuple[int, float]:
+        """``rid``'s tokens produced by the steps after ``a`` through ``b`` (absolute indexes, both its
+        producers), and the longest the engine left it without one from ``a``'s end on."""
+        idx, base = self.by_req[rid], self.base
+        prev = self.steps[a - base].t1
+        made, longest = 0, 0.0
+        for i in idx[bisect.bisect_right(idx, a):bisect.bisect_right(idx, b)]:
+            s = self.steps[i - base]
+            made += s.reqs[rid][3]
+            longest = max(longest, s.t1 - prev)
+            prev = s.t1
+        return made, longest
 
     @staticmethod
     def _acct(cause: Cause, kind: str, gap: float, engine_s: float, prefill_s: float, between: list[Step],
@@ -251,14 +277,18 @@ class StepIndex:
                        tokens, dec)
 
 
-def _decide(gap: float, engine_s: float, prefill_s: float, outside_s: float, tgt: float) -> tuple[Cause, str]:
+def _decide(gap: float, engine_s: float, prefill_s: float, outside_s: float, tgt: float,
+            longest_s: float) -> tuple[Cause, str]:
     """The cause of a gap from where its time went: the part without which it met the target
-    (prefill first, then outside), else the largest part."""
+    (prefill first, then outside, then the wait of tokens made during it: had each reached the client
+    when made, its longest wait would have been ``longest_s``), else the largest part."""
     decode_s = max(0.0, engine_s - prefill_s)
     if prefill_s > 0 and gap - prefill_s <= tgt:
         return Cause.PREFILL, "prefill"
     if outside_s > 0 and gap - outside_s <= tgt:
         return Cause.UNKNOWN, "outside"
+    if longest_s <= tgt < gap:
+        return Cause.UNKNOWN, "held"
     part = max((prefill_s, 0), (outside_s, 1), (decode_s, 2))[1]
     return ((Cause.PREFILL, "prefill"), (Cause.UNKNOWN, "outside"), (Cause.SLOW_DECODE, "decode"))[part]
 
