@@ -42,7 +42,7 @@ def score_trace(path: str, itl_target_s: float) -> dict[str, Any]:
     rep = analyze_trace(path, itl_target_s=itl_target_s)
     truth = truth_intervals(path, engine_wide=True)
     spikes = rep.spikes
-    truths = [label_span(s.request_id, s.t_start, s.t_end, truth) for s in spikes]
+    truths = [label_span(s.request_id, s.t_start, s.t_end, truth, rep.itl_target_s) for s in spikes]
     ours = [s.cause for s in spikes]
     # the independent rule baseline reads spikes as `kvtop analyze --format json` prints them
     rules = baseline.classify([s.to_dict() for s in spikes], baseline.TraceIndex(path))

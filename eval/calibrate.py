@@ -112,7 +112,7 @@ def calls(path: str, itl_target_s: float) -> list[Call]:
         # an unknown makes no claim to be right or wrong about: its confidence is set, never fit
         if g.cause == "unknown" or g.rule_key is None:
             continue
-        t = label({"request_id": g.request_id, "t_start": g.t_start, "t_end": g.t_end}, truth)
+        t = label({"request_id": g.request_id, "t_start": g.t_start, "t_end": g.t_end}, truth, an.gaps.itl_target_s)
         out.append(Call(g.rule_key, tuple(g.discounts), t == str(g.cause), g.tight))
     return out
 

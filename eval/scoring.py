@@ -17,7 +17,8 @@ from kvtop.model.analysis import AnalysisReport
 def labelled(report: AnalysisReport,
              truth: Truth) -> list[tuple[str, str | None, float]]:
     """(predicted cause, true cause or None, stated confidence) per reported spike."""
-    return [(s.cause, label_span(s.request_id, s.t_start, s.t_end, truth), float(s.confidence or 0.0))
+    return [(s.cause, label_span(s.request_id, s.t_start, s.t_end, truth, report.itl_target_s),
+             float(s.confidence or 0.0))
             for s in report.spikes]
 
 

@@ -13,7 +13,9 @@ stream's overlapping gaps ``slow_decode`` (and wins a tie with a prefill stall: 
 missed the target).
 
 A spike of a request the engine preempted between its two tokens is a preemption, whatever else
-overlapped it: the rule of the witness that judges kvtop on the real vLLM (docs/witness.md). A slow
+overlapped it: the rule of the witness that judges kvtop on the real vLLM (docs/witness.md), which
+also leaves out (given the ITL target) a preemption the victim waited out within the target in a gap
+that would miss the target without that wait (a victim resumed soon, inside a hold of its stream). A slow
 reader's hold that hid a victim's wait is then the preemption's, as the engine's log would call it.
 "Between its two tokens" is in the engine's time, as the witness maps each chunk to the step that
 produced it: the spike's closing token was made after the victim resumed (its start was read before
@@ -81,22 +83,29 @@ def truth_intervals(path: str, engine_wide: bool = False) -> Truth:
     return out
 
 
-def label(spike: Mapping[str, Any], truth: Truth) -> str | None:
+def label(spike: Mapping[str, Any], truth: Truth, target: float | None = None) -> str | None:
     """The true cause of a spike given as ``{"request_id", "t_start", "t_end"}``."""
-    return label_span(spike["request_id"], spike["t_start"], spike["t_end"], truth)
+    return label_span(spike["request_id"], spike["t_start"], spike["t_end"], truth, target)
 
 
 def label_span(request_id: str, t_start: float, t_end: float,
-               truth: Truth) -> str | None:
+               truth: Truth, target: float | None = None) -> str | None:
     """The truth stall that overlaps [t_start, t_end] most: of the request itself, else engine-wide;
-    a preemption wherever the request was preempted inside it."""
+    a preemption wherever the request was preempted inside it, unless the victim's wait (preempt to
+    resume) met the ITL ``target`` and the gap less that wait still misses it."""
     own = truth.get(request_id, ())
+    gap = t_end - t_start
+
+    def counts(wait: float) -> bool:
+        return target is None or wait > target or gap - wait <= target
+
     for a, b, cause in own:
         if cause == RESUMED:
             # the resume's token (made at b) came after the spike's first token and by its last
-            if t_start + PREEMPTED_MIN_S < b <= t_end + PREEMPTED_MIN_S:
+            if t_start + PREEMPTED_MIN_S < b <= t_end + PREEMPTED_MIN_S and counts(b - a):
                 return "preemption"
-        elif cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S:
+        elif (cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S
+              and counts(min(b, t_end) - a)):
             return "preemption"
     best, best_ov = None, 0.0
     for a, b, cause in own:

@@ -50,3 +50,17 @@ def test_a_token_made_before_the_preemption_and_held_back_closes_no_preemption(t
     truth = truth_intervals(str(p))
     assert label_span("r", 4.6488, 5.7023, truth) == "api_stall"
     assert label_span("r", 5.7023, 20.7363, truth) == "preemption"
+
+
+def test_a_victim_resumed_within_the_target_inside_a_hold_did_not_break_it(tmp_path):
+    """The witness's rule, given the ITL target: a preemption the victim waited out within the target,
+    in a gap that misses the target without that wait, broke no target (real vLLM's round E: a
+    stream preempted and back within 60 ms of a 305 ms gap whose 77 tokens reached the client in one
+    chunk)."""
+    truth = truth_intervals(_trace(tmp_path, 12.06))  # preempted 12.00-12.06 s inside the 2.9 s hold
+    assert label_span("r", 11.77, 14.66, truth) == "preemption"  # no target given: as before
+    assert label_span("r", 11.77, 14.66, truth, target=0.1) == "slow_reader"
+    # a wait over the target is the preemption's whatever held the stream too
+    assert label_span("r", 11.77, 14.66, truth, target=0.05) == "preemption"
+    # ... as is one without which the gap would have met the target
+    assert label_span("r", 11.99, 12.1, truth, target=0.1) == "preemption"

@@ -257,6 +257,29 @@ def test_tokens_the_engine_made_on_pace_and_the_client_got_in_one_chunk_are_no_s
     acct = idx.account("a", ends[-4] + 0.001, ends[-1] + 0.0012, target=0.0132)
     assert acct is not None and acct.cause.value == "slow_decode"
 
+def test_a_victim_back_within_the_target_in_a_gap_held_outside_the_engine_is_no_preemption():
+    """Real vLLM on round E's mixed load at 100 ms: a stream preempted and back within 60 ms of a
+    305 ms gap whose 77 tokens reached the client in one chunk. Its preemption cost it less than the
+    target and the gap would have missed the target without it: the hold outside the engine's steps
+    is the cause (before: preemption, whatever else held the stream)."""
+    dec = [["a", 1, 0, 0, 1]]
+    idx, ends = _index([(0.01, dec)] * 20)
+    # a step that preempted it, one that recomputed its 29 positions and made a token, 20 more tokens
+    idx.add({"t": ends[-1], "end": ends[-1] + 0.01, "reqs": [["b", 1, 0, 0, 1]], "preempted": ["a"]})
+    ends.append(ends[-1] + 0.01)
+    for d, reqs in [(0.02, [["a", 30, 0, 29, 1]])] + [(0.01, dec)] * 20:
+        idx.add({"t": ends[-1], "end": ends[-1] + d, "reqs": reqs})
+        ends.append(ends[-1] + d)
+    acct = idx.account("a", ends[19] + 0.001, ends[-1] + 0.001, target=0.1)
+    assert acct is not None and acct.cause.value == "unknown" and acct.kind == "held"
+    assert acct.made == 21 and acct.longest_s == pytest.approx(0.03)
+    # the same preemption at a 20 ms target: its 30 ms wait missed it alone
+    acct = idx.account("a", ends[19] + 0.001, ends[-1] + 0.001, target=0.02)
+    assert acct is not None and acct.cause.value == "preemption" and acct.kind == "preempted"
+    # and a gap that ends with the resumed token: without the wait it would have met the target
+    acct = idx.account("a", ends[19] + 0.001, ends[21] + 0.001, target=0.025)
+    assert acct is not None and acct.cause.value == "preemption"
+
 def test_a_prompt_step_where_the_engine_changed_pace_is_no_cause_the_log_can_tell():
     """Real vLLM on a contended host (round B's mixed): 8 ms decode steps, then two of 101 and 112 ms,
     the step that also ran a 68-token prompt (139 ms), and decode steps of 128-143 ms after it. Read

@@ -5,7 +5,10 @@ by time (the step that produced a request's token ended before its chunk reached
 counting tokens (the API server holds back and merges tokens whose text is incomplete). Between the
 step that produced the token before the stall and the one that produced the token after it:
 
-1. the request was preempted, or recomputed its own KV → **preemption**;
+1. the request was preempted, or recomputed its own KV → **preemption**, unless its wait around that
+   (between the tokens the engine made it before and after) met the target and the gap would have
+   missed the target without it too (a victim back soon, inside a hold outside the engine: the
+   preemption broke no target, and the gap is read as in 2);
 2. else, of the time between the two tokens: the part the engine spent on other requests' prompt or
    recompute tokens (each such step's time beyond a decode-only step of that moment: the median of the
    last ``LOCAL_DECODE`` decode-only steps before it, so that an engine slowed by its host does not
@@ -31,6 +34,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 from statistics import median
 from typing import Any
 
@@ -223,14 +227,19 @@ class StepIndex:
         lo = hi = 0.0
         after_last = None
         tokens = 0
+        made, ends = self._made(rid, a, b)
+        longest = max((y - x for x, y in pairwise(ends)), default=0.0)
+        tgt = target if target is not None else 0.0
         for i, s in enumerate(between, a + 1):
-            if rid in s.preempted:
-                return self._acct(Cause.PREEMPTION, "preempted", gap, engine_s, 0.0, between, 0, dec)
             mine = s.reqs.get(rid)
-            if mine is not None and mine[2] > 0:
-                return self._acct(Cause.PREEMPTION, "recompute", gap, engine_s, 0.0, between, 0, dec)
-            own_pf = mine[1] if mine is not None else 0
-            others = s.prefill + s.recompute - own_pf
+            out = "preempted" if rid in s.preempted else "recompute" if mine is not None and mine[2] > 0 else None
+            # the request's wait around it (between the tokens the engine made it before and after):
+            # one it waited out within the target, in a gap that would miss the target without it too,
+            # broke no target (a victim resumed soon, inside a hold outside the engine)
+            if out is not None and ((wait := _around(ends, s.t1)) > tgt or gap - wait <= tgt):
+                return self._acct(Cause.PREEMPTION, out, gap, engine_s, 0.0, between, 0, dec)
+            own = mine[1] + mine[2] if mine is not None else 0
+            others = s.prefill + s.recompute - own
             if others > 0:
                 tokens += others
                 near_before, near_after = self.decode_near(i)
@@ -246,8 +255,6 @@ class StepIndex:
                 hi += max(0.0, dur - min(refs))
         prefill_s = min(prefill_s, engine_s)
         outside_s = max(0.0, gap - engine_s)
-        made, longest = self._made(rid, a, b)
-        tgt = target if target is not None else 0.0
         cause, kind = _decide(gap, engine_s, prefill_s, outside_s, tgt, longest)
         if hi - lo > 0 and ({_decide(gap, engine_s, min(p, engine_s), outside_s, tgt, longest) for p in (lo, hi)}
                             != {(cause, kind)}):
@@ -257,24 +264,30 @@ class StepIndex:
         return Account(cause, kind, gap, engine_s, prefill_s, outside_s, max(0.0, engine_s - prefill_s), len(between),
                        tokens, dec, None, made, longest)
 
-    def _made(self, rid: str, a: int, b: int) -> tuple[int, float]:
+    def _made(self, rid: str, a: int, b: int) -> tuple[int, list[float]]:
         """``rid``'s tokens produced by the steps after ``a`` through ``b`` (absolute indexes, both its
-        producers), and the longest the engine left it without one from ``a``'s end on."""
+        producers), and the ends of ``a`` and of those steps."""
         idx, base = self.by_req[rid], self.base
-        prev = self.steps[a - base].t1
-        made, longest = 0, 0.0
+        ends = [self.steps[a - base].t1]
+        made = 0
         for i in idx[bisect.bisect_right(idx, a):bisect.bisect_right(idx, b)]:
             s = self.steps[i - base]
             made += s.reqs[rid][3]
-            longest = max(longest, s.t1 - prev)
-            prev = s.t1
-        return made, longest
+            ends.append(s.t1)
+        return made, ends
 
     @staticmethod
     def _acct(cause: Cause, kind: str, gap: float, engine_s: float, prefill_s: float, between: list[Step],
               tokens: int, dec: float | None) -> Account:
         return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
                        tokens, dec)
+
+
+def _around(ends: list[float], t: float) -> float:
+    """The length of the wait between two of a request's tokens (their steps' ``ends``) that holds
+    trace time ``t`` (the last one where ``t`` is past them all)."""
+    k = min(max(1, bisect.bisect_left(ends, t)), len(ends) - 1)
+    return ends[k] - ends[k - 1] if len(ends) > 1 else 0.0
 
 
 def _decide(gap: float, engine_s: float, prefill_s: float, outside_s: float, tgt: float,
