@@ -181,6 +181,33 @@ def test_witness_gives_each_spike_its_logged_cause_with_confidence_one(tmp_path)
     assert rep2.spikes and all(s.rule != "witness" and (s.confidence or 0) < 1.0 for s in rep2.spikes)
 
 
+def test_the_report_says_how_many_spikes_were_tokens_held_outside_the_engine(tmp_path):
+    """Stream a at 20 ms a token: once the engine made three of its tokens on pace and the client got
+    them in one chunk 60 ms after the one before (held), once one 300 ms step made its token (slow
+    decode). At a 50 ms target the report says which of its unknowns the engine's log put outside its
+    steps, in text and JSON; without the log it says nothing of the kind."""
+    a_times = [1.0 + 0.02 * i for i in range(50)]  # 1.00 .. 1.98
+    made = a_times + [a_times[-1] + 0.02 * i for i in (1, 2, 3)]  # the engine's: 2.00, 2.02, 2.04
+    a_times += [made[-1] + 0.001] + [made[-1] + 0.001 + 0.02 * i for i in range(1, 20)]  # client: one chunk
+    made += a_times[-19:]
+    made += [made[-1] + 0.3] + [made[-1] + 0.3 + 0.02 * i for i in range(1, 10)]  # one 300 ms step
+    a_times += made[-10:]
+    steps = _steps(made, lambda t: [["a", 1, 0, 0, 1]])
+    slow = [st for st in steps if st["end"] == round(made[-10] - 0.001, 6)][0]
+    slow["t"] = round(made[-11] + 0.001, 6)
+    _trace(tmp_path / "t.jsonl", steps, _decode("a", a_times))
+    rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.05)
+    assert sorted(str(s.cause) for s in rep.spikes) == ["slow_decode", "unknown"]
+    assert rep.held_spikes == 1 and rep.to_dict()["held_spikes"] == 1
+    out = subprocess.run([sys.executable, "-m", "kvtop", "analyze", str(tmp_path / "t.jsonl"), "--itl-target-ms", "50"],
+                         capture_output=True, text=True, timeout=60).stdout
+    assert ("engine step log (witness): 1 of the 2 spikes were tokens the engine made on pace that reached the "
+            "client in one chunk") in out
+    lines = [ln for ln in (tmp_path / "t.jsonl").read_text().splitlines() if '"kind": "step"' not in ln]
+    (tmp_path / "n.jsonl").write_text("\n".join(lines) + "\n")
+    rep2 = analyze_trace(str(tmp_path / "n.jsonl"), itl_target_s=0.05)
+    assert rep2.spikes and rep2.held_spikes is None and rep2.to_dict()["held_spikes"] is None
+
 def test_the_request_detail_shows_the_engines_steps_and_its_preemption():
     from kvtop.core import Core
     from kvtop.model.records import RequestRecord, StepRecord

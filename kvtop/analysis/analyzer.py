@@ -91,6 +91,7 @@ class Analyzer:
         # the engines' own step logs (``step`` records from a witness), one per engine address
         self.witness: dict[str | None, StepIndex] = {}
         self.witnessed_spikes = 0
+        self.held_spikes = 0  # of them, tokens made on pace that reached the client in one chunk
         self.resumes = ResumeTally()
         # requests whose prefill the engine timed (vLLM per-request metrics: first scheduled to first
         # token, their ``engine_prefill``), with their prompt tokens, by the prefill's end
@@ -544,6 +545,8 @@ class Analyzer:
         f = classify(ev)
         if f.kind in WITNESS_KINDS:
             self.witnessed_spikes += 1
+            if ev.witness is not None and ev.witness.kind == "held":
+                self.held_spikes += 1
         spike = Spike(g, f)
         self.n_spikes += 1
         self.cause_counts[f.cause] += 1
@@ -614,7 +617,7 @@ class Analyzer:
                 {r.id: r.preempt_spikes for r in reqs.values() if r.ended_by == "finish"}),
             engine_request_times=self.request_times.report(),
             scrape_interval=self.timeline.scrape_interval if self.timeline.last_scrape is not None else None,
-            witnessed_spikes=self.witnessed_spikes, resume_costs=self.resumes.report(),
+            witnessed_spikes=self.witnessed_spikes, held_spikes=self.held_spikes, resume_costs=self.resumes.report(),
             prefill_compute=prefill_compute(self.witness.values()))
 
     def median_gap(self) -> float | None:

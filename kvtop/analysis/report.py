@@ -194,6 +194,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         engine_request_times=st.engine_request_times,
         resume_costs=st.resume_costs,
         prefill_compute=st.prefill_compute,
+        held_spikes=st.held_spikes if st.witnessed_spikes else None,
         verdict=verdict,
         warnings=tuple(warnings),
     )
@@ -267,6 +268,11 @@ def render_report_text(rep: AnalysisReport) -> str:
     if pc is not None and pc.tokens_per_s is not None:
         lines.append(f"engine step log (witness): {pc.steps} step(s) computed {pc.tokens} prompt and recompute "
                      f"tokens in {pc.seconds:.3g} s beyond a decode-only step ({pc.tokens_per_s:,.0f} tokens/s)")
+    if rep.held_spikes:
+        lines.append(f"engine step log (witness): {rep.held_spikes} of the {rep.spikes_total} spikes were tokens the "
+                     "engine made on pace that reached the client in one chunk (held outside its steps: the API "
+                     "server's output merging or detokenizer hold-back, the network, the reader), not the "
+                     "engine's pace")
     lines.append("")
     if rep.verdict is not None:
         lines.append(render_verdict_text(rep.verdict))

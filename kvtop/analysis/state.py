@@ -46,5 +46,6 @@ class AnalysisState:
     engine_request_times: EngineRequestTimes | None  # the engine's own per-request times vs observation
     scrape_interval: float | None = None  # the engine scrapes' usual interval (None: no scrapes)
     witnessed_spikes: int = 0  # spikes whose cause was read from the engine's own step log
+    held_spikes: int = 0  # of them, tokens the engine made on pace that reached the client in one chunk
     resume_costs: ResumeCosts | None = None  # restored vs recomputed positions, where a witness said
     prefill_compute: PrefillCompute | None = None  # prompt/recompute steps' cost, where a witness logged them

@@ -366,6 +366,9 @@ class AnalysisReport:
     engine_request_times: EngineRequestTimes | None = None
     resume_costs: ResumeCosts | None = None  # where a witness reported resumes
     prefill_compute: PrefillCompute | None = None  # where a witness logged prompt/recompute steps
+    # of the spikes a witness read, those whose tokens the engine made on pace and the client got in one
+    # chunk (held outside its steps); None where no witness read a spike
+    held_spikes: int | None = None
     verdict: Verdict | None = None
     warnings: tuple[str, ...] = ()
     pending_spikes: int | None = None
@@ -388,6 +391,7 @@ class AnalysisReport:
             "engine_request_times": self.engine_request_times.to_dict() if self.engine_request_times else None,
             "resume_costs": self.resume_costs.to_dict() if self.resume_costs else None,
             "prefill_compute": self.prefill_compute.to_dict() if self.prefill_compute else None,
+            "held_spikes": self.held_spikes,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
             "warnings": list(self.warnings),
         }
@@ -419,6 +423,7 @@ class AnalysisReport:
             engine_request_times=EngineRequestTimes.from_dict(et) if et else None,
             resume_costs=ResumeCosts.from_dict(rc) if rc else None,
             prefill_compute=PrefillCompute.from_dict(pc) if pc else None,
+            held_spikes=d.get("held_spikes"),
             verdict=Verdict.from_dict(v) if v else None,
             warnings=tuple(d.get("warnings") or ()),
             pending_spikes=d.get("pending_spikes"),
