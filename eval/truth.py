@@ -15,7 +15,9 @@ missed the target).
 A spike of a request the engine preempted between its two tokens is a preemption, whatever else
 overlapped it: the rule of the witness that judges kvtop on the real vLLM (docs/witness.md), which
 also leaves out (given the ITL target) a preemption the victim waited out within the target in a gap
-that would miss the target without that wait (a victim resumed soon, inside a hold of its stream). A slow
+that would miss the target without that wait (a victim resumed soon, inside a hold of its stream).
+The wait here runs from the preemption to the resume's token; the witness reads it from the token
+before, up to one decode step longer. A slow
 reader's hold that hid a victim's wait is then the preemption's, as the engine's log would call it.
 "Between its two tokens" is in the engine's time, as the witness maps each chunk to the step that
 produced it: the spike's closing token was made after the victim resumed (its start was read before
@@ -99,18 +101,22 @@ def label_span(request_id: str, t_start: float, t_end: float,
     def counts(wait: float) -> bool:
         return target is None or wait > target or gap - wait <= target
 
-    for a, b, cause in own:
+    waited_out = set()  # preemptions inside the spike that broke no target: never its cause
+    for i, (a, b, cause) in enumerate(own):
         if cause == RESUMED:
             # the resume's token (made at b) came after the spike's first token and by its last
-            if t_start + PREEMPTED_MIN_S < b <= t_end + PREEMPTED_MIN_S and counts(b - a):
+            if t_start + PREEMPTED_MIN_S < b <= t_end + PREEMPTED_MIN_S:
+                if counts(b - a):
+                    return "preemption"
+                waited_out.add(i)
+        elif cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S:
+            if counts(min(b, t_end) - a):
                 return "preemption"
-        elif (cause in ("preemption", PREEMPTED) and min(b, t_end) - max(a, t_start) >= PREEMPTED_MIN_S
-              and counts(min(b, t_end) - a)):
-            return "preemption"
+            waited_out.add(i)
     best, best_ov = None, 0.0
-    for a, b, cause in own:
+    for i, (a, b, cause) in enumerate(own):
         ov = min(b, t_end) - max(a, t_start)
-        if ov > best_ov and cause not in (PREEMPTED, RESUMED):
+        if ov > best_ov and cause not in (PREEMPTED, RESUMED) and i not in waited_out:
             best, best_ov = cause, ov
     for a, b, cause in truth.get(ANY_STREAM, ()):
         ov = min(b, t_end) - max(a, t_start)

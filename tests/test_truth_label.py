@@ -64,3 +64,15 @@ def test_a_victim_resumed_within_the_target_inside_a_hold_did_not_break_it(tmp_p
     assert label_span("r", 11.77, 14.66, truth, target=0.05) == "preemption"
     # ... as is one without which the gap would have met the target
     assert label_span("r", 11.99, 12.1, truth, target=0.1) == "preemption"
+
+
+def test_a_preemption_waited_out_within_the_target_does_not_come_back_as_the_longest_overlap(tmp_path):
+    """kvtop's simulator writes a preemption as a ``resume`` with its span: one the victim waited out
+    within the target, alone in the gap, leaves the gap no cause (it is not the overlap's winner)."""
+    p = tmp_path / "t.jsonl"
+    recs = [{"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-04T00:00:00Z"},
+            {"kind": "truth", "t": 12.06, "event": "resume", "request_id": "r", "data": {"t_start": 12.0, "t_end": 12.06}}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    truth = truth_intervals(str(p))
+    assert label_span("r", 11.77, 14.66, truth) == "preemption"
+    assert label_span("r", 11.77, 14.66, truth, target=0.1) is None

@@ -284,6 +284,7 @@ def test_tokens_the_engine_made_on_pace_and_the_client_got_in_one_chunk_are_no_s
     acct = idx.account("a", ends[-4] + 0.001, ends[-1] + 0.0012, target=0.0132)
     assert acct is not None and acct.cause.value == "slow_decode"
 
+
 def test_a_victim_back_within_the_target_in_a_gap_held_outside_the_engine_is_no_preemption():
     """Real vLLM on round E's mixed load at 100 ms: a stream preempted and back within 60 ms of a
     305 ms gap whose 77 tokens reached the client in one chunk. Its preemption cost it less than the

@@ -70,7 +70,7 @@ class Account:
     """Where the time between two tokens of one request went, by the engine's own log."""
 
     cause: Cause
-    kind: str  # "preempted", "recompute", "prefill", "outside", "decode"
+    kind: str  # "preempted", "recompute", "prefill", "outside", "held", "decode", "ambiguous"
     gap: float
     engine_s: float  # between the two producing steps' ends
     prefill_s: float  # of it, steps' time beyond a decode step where others' prompt/recompute tokens ran
@@ -237,7 +237,8 @@ class StepIndex:
             # one it waited out within the target, in a gap that would miss the target without it too,
             # broke no target (a victim resumed soon, inside a hold outside the engine)
             if out is not None and ((wait := _around(ends, s.t1)) > tgt or gap - wait <= tgt):
-                return self._acct(Cause.PREEMPTION, out, gap, engine_s, 0.0, between, 0, dec)
+                return Account(Cause.PREEMPTION, out, gap, engine_s, 0.0, max(0.0, gap - engine_s), engine_s,
+                               len(between), 0, dec, None, made, longest)
             own = mine[1] + mine[2] if mine is not None else 0
             others = s.prefill + s.recompute - own
             if others > 0:
@@ -275,12 +276,6 @@ class StepIndex:
             made += s.reqs[rid][3]
             ends.append(s.t1)
         return made, ends
-
-    @staticmethod
-    def _acct(cause: Cause, kind: str, gap: float, engine_s: float, prefill_s: float, between: list[Step],
-              tokens: int, dec: float | None) -> Account:
-        return Account(cause, kind, gap, engine_s, prefill_s, max(0.0, gap - engine_s), engine_s, len(between),
-                       tokens, dec)
 
 
 def _around(ends: list[float], t: float) -> float:
