@@ -13,11 +13,11 @@ step that produced the token before the stall and the one that produced the toke
    recompute tokens (each such step's time beyond a decode-only step of that moment: the median of the
    last ``LOCAL_DECODE`` decode-only steps before it, so that an engine slowed by its host does not
    book its slowness to the prompt that happened to ride in one of its steps), the part outside the engine
-   (client gap minus engine interval: API server, network, a slow reader), the part the request's own
-   tokens waited made (the engine produced some of them during the gap, never leaving the request
-   silent longer than its longest silence there; the client got them in one chunk: held by the API
-   server's output merging or detokenizer, the network or the reader), and the engine's own decode
-   steps. The cause is the part without which the gap would have met the target (prefill first, then
+   (client gap minus engine interval: API server, network, a slow reader), the wait of the request's
+   own tokens that the engine made during the gap and the client got in one chunk (had each arrived
+   when made, the request would have waited at most its longest engine-side silence there: held by
+   the API server's output merging or detokenizer, the network or the reader), and the engine's own
+   decode steps. The cause is the part without which the gap would have met the target (prefill first, then
    outside, then held), else the largest part → **prefill_interference**, **unknown** (`outside` or
    `held`: outside the engine's steps) or **slow_decode**. Where the engine's decode-only steps just after such a step took a time
    that none of the ``LOCAL_DECODE`` before it took (the engine slowed or sped up there), the step's

@@ -101,9 +101,11 @@ def _witness(ev: Evidence) -> Finding | None:
 RULES: tuple[Rule, ...] = (
     Rule("witness", None, WITNESS_KINDS, ANY, _witness, (),
          "the engine's own step log (a witness: `--witness`) covers the stall: preempted or recomputed between "
-         "its two tokens → preemption; else the part of the gap without which it met the target — other requests' "
+         "its two tokens → preemption (unless the request was back within the target and the gap misses it "
+         "without that wait too); else the part of the gap without which it met the target — other requests' "
          "prompt/recompute steps (their time beyond the decode-only steps just before them) → "
-         "prefill_interference, time outside the engine → unknown; else the largest part (decode steps → "
+         "prefill_interference, time outside the engine, or the wait of tokens the engine made on pace that "
+         "reached the client in one chunk (held) → unknown; else the largest part (decode steps → "
          "slow_decode). Exact: confidence 1.0. `witness-ambiguous` (unknown): the decode-only steps just after a "
          "prompt step took a time that none of the 8 before it took (the engine's pace changed there), and the "
          "cause depends on which the step's decode part was. See [The engine as witness](witness.md)",
