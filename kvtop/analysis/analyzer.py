@@ -299,6 +299,12 @@ class Analyzer:
                 if ev == "finish":
                     acc.finished += 1
                     self.request_preemptions.finish(t, rid, r.engine)
+                    if type(completion) is int and completion >= 0 and not r.lossy:
+                        r.merged = max(0, completion - r.tokens)
+                        acc.usage_streams += 1
+                        acc.usage_tokens += completion
+                        acc.merged_tokens += r.merged
+                        acc.merged_spikes += min(r.merged, r.spikes)
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -559,6 +565,8 @@ class Analyzer:
         acc = self.acc
         if r is not None:
             r.spikes += 1
+            if r.merged is not None and r.spikes <= r.merged:
+                acc.merged_spikes += 1  # judged after its stream finished, within its merged tokens
             r.last_cause = f.cause.value
             r.last_spike = spike
             if f.cause is Cause.PREEMPTION:

@@ -11,11 +11,13 @@ from kvtop.analysis.advice.situation import AGGREGATE_CONFIDENCE_SCALE, Num, Sit
 from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
+from kvtop.analysis.attribution.thresholds import TIGHT_TARGET_REL
 from kvtop.analysis.inputs import build_situation, sum_delta
 from kvtop.analysis.state import AnalysisState
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
+    MergedTokens,
     RequestRow,
     SpikeView,
     Verdict,
@@ -178,6 +180,12 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     crowded = _crowded_target(st, total) if basis == "requests" else None
     if crowded:
         warnings.append(crowded)
+    acc = st.tally
+    merged = (MergedTokens(acc.usage_streams, acc.usage_tokens, acc.merged_tokens, acc.merged_spikes)
+              if basis == "requests" and acc.usage_streams else None)
+    note = _merged_chunks(st, total, merged)
+    if note:
+        warnings.append(note)
     return AnalysisReport(
         basis=basis,
         itl_target_s=s.v("itl_target"),
@@ -195,6 +203,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         resume_costs=st.resume_costs,
         prefill_compute=st.prefill_compute,
         held_spikes=st.held_spikes if st.witnessed_spikes else None,
+        merged_tokens=merged,
         verdict=verdict,
         warnings=tuple(warnings),
     )
@@ -222,6 +231,28 @@ def _crowded_target(st: AnalysisState, spikes: int) -> str | None:
             "holds any, on average: the scrapes cannot tell which of them a prompt or a preemption caused, so those causes rest on "
             "first tokens, the engine's own per-request times and the streams' pace (less certain than at a looser "
             "target); kvtop's witness inside vLLM reads every stall exactly (docs/witness.md)")
+
+
+# fewer spikes than this share that can be merged chunks move no cause's share by much: no warning
+MERGED_SPIKES_NOTE = 0.05
+
+
+def _merged_chunks(st: AnalysisState, spikes: int, m: MergedTokens | None) -> str | None:
+    """At a target of a few decode steps a chunk that carries several tokens closes a gap that misses
+    it, whatever the engine did, and the client's chunks do not say which carried several: say how
+    many spikes can be such chunks (without a witness, which reads them)."""
+    tgt, med = st.itl_target_s, st.median_gap
+    if m is None or not m.tokens or not spikes or tgt is None or not med or st.witnessed_spikes:
+        return None
+    if tgt >= TIGHT_TARGET_REL * med or m.spikes_max < MERGED_SPIKES_NOTE * spikes:
+        return None
+    return (f"the engine counted {m.tokens:,} tokens more than the chunks of its {m.streams:,} finished streams carried "
+            f"({m.tokens / max(1, m.usage_tokens):.1%} of {m.usage_tokens:,}): they reached the client merged with "
+            "others (the API server merging outputs or holding back text until a character completes; speculative "
+            "decoding's extra tokens count the same), and a merged chunk closes a gap of two or more decode steps, "
+            f"which can miss a {tgt * 1e3:.0f} ms target ({tgt / med:.1f}x the median gap) however fast the engine "
+            f"stepped: up to {m.spikes_max:,} of the {spikes:,} spikes can be such chunks, whatever cause "
+            "they were given; the client cannot tell which (kvtop's witness inside vLLM reads them: docs/witness.md)")
 
 
 def _round(v: float | None, nd: int) -> float | None:

@@ -115,6 +115,10 @@ class ReqState:
     prompt_t: float = -math.inf
     engine_prefill_t: float = -math.inf
     timeline: Timeline | None = None  # the request view's part, while a Core lists the stream
+    # tokens the engine's usage counted at its finish beyond those its chunks numbered (None: no usage,
+    # or bytes of it were lost): tokens that reached the client merged with others
+    merged: int | None = None
+    lossy: bool = False  # tokens after a hole in the observed bytes: what the hole carried is not counted
 
     def tokens_per_event(self) -> float:
         return self.tokens / self.events if self.events else 1.0
@@ -137,6 +141,7 @@ def fold_token(r: ReqState, t: float, k: int) -> float | None:
 
 def fold_resync(r: ReqState, t: float, k: int) -> None:
     """Tokens after a hole in the observed bytes: counted, and the clock moves on without a gap."""
+    r.lossy = True
     r.last_t = t
     r.tokens += k
     r.events += 1

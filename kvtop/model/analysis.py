@@ -336,6 +336,30 @@ class PrefillCompute:
         return PrefillCompute(int(d.get("steps") or 0), int(d.get("tokens") or 0), float(d.get("seconds") or 0.0))
 
 
+@dataclass(frozen=True, slots=True)
+class MergedTokens:
+    """Tokens the engine counted (its usage at each stream's finish) beyond those the streams' chunks
+    numbered: they reached the client several to a chunk (the API server merging outputs, or holding
+    back text until a character completes; speculative decoding's extra tokens count the same). A
+    merged chunk closes a gap of as many decode steps, which a target of a few steps misses whatever
+    the engine did: ``spikes_max`` bounds how many spikes can be such chunks (per stream, the fewer of
+    its merged tokens and its spikes)."""
+
+    streams: int  # finished streams whose engine reported usage (none of their bytes lost)
+    usage_tokens: int  # the tokens the engine counted for them
+    tokens: int  # of them, tokens beyond what the chunks numbered
+    spikes_max: int  # spikes of those streams that can be merged chunks, at most
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"streams": self.streams, "usage_tokens": self.usage_tokens, "tokens": self.tokens,
+                "spikes_max": self.spikes_max}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> MergedTokens:
+        return MergedTokens(int(d.get("streams") or 0), int(d.get("usage_tokens") or 0), int(d.get("tokens") or 0),
+                            int(d.get("spikes_max") or 0))
+
+
 # The shape `kvtop analyze --format json` prints (kvtop/schemas/analysis.schema.json); the number
 # changes when a field changes meaning or goes away, not when one is added.
 ANALYSIS_SCHEMA = "kvtop-analysis/1"
@@ -369,6 +393,7 @@ class AnalysisReport:
     # of the spikes a witness read, those whose tokens the engine made on pace and the client got in one
     # chunk (held outside its steps); None where no witness read a spike
     held_spikes: int | None = None
+    merged_tokens: MergedTokens | None = None  # where the engine counted finished streams' tokens (usage)
     verdict: Verdict | None = None
     warnings: tuple[str, ...] = ()
     pending_spikes: int | None = None
@@ -392,6 +417,7 @@ class AnalysisReport:
             "resume_costs": self.resume_costs.to_dict() if self.resume_costs else None,
             "prefill_compute": self.prefill_compute.to_dict() if self.prefill_compute else None,
             "held_spikes": self.held_spikes,
+            "merged_tokens": self.merged_tokens.to_dict() if self.merged_tokens else None,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
             "warnings": list(self.warnings),
         }
@@ -405,6 +431,7 @@ class AnalysisReport:
         et = d.get("engine_request_times")
         rc = d.get("resume_costs")
         pc = d.get("prefill_compute")
+        mt = d.get("merged_tokens")
         v = d.get("verdict")
         over = d.get("over_target_s")
         return AnalysisReport(
@@ -424,6 +451,7 @@ class AnalysisReport:
             resume_costs=ResumeCosts.from_dict(rc) if rc else None,
             prefill_compute=PrefillCompute.from_dict(pc) if pc else None,
             held_spikes=d.get("held_spikes"),
+            merged_tokens=MergedTokens.from_dict(mt) if mt else None,
             verdict=Verdict.from_dict(v) if v else None,
             warnings=tuple(d.get("warnings") or ()),
             pending_spikes=d.get("pending_spikes"),
