@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvtop.analysis.live import LiveAnalyzer
 from kvtop.analysis.scan import analyze_trace
+from kvtop.model.records import from_dict
 
 STEP = 0.006  # the engine makes a token for every stream each 6 ms
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-02T00:00:00Z",
@@ -17,23 +19,27 @@ HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at":
 
 
 def _stream(rid: str, made: int, merge_every: int = 0, resync_at: int | None = None, slow_at: int | None = None,
-            end: str = "finish") -> tuple[list[dict], int]:
+            end: str = "finish", numbered: bool = False, **finish: object) -> tuple[list[dict], int]:
     """Stream ``rid``: the engine makes ``made`` tokens, one a step; every ``merge_every``-th reaches the
-    client in the next token's chunk (one event the proxy numbers as one token); ``resync_at``: the
-    chunk there follows a hole in the captured bytes; ``slow_at``: one 30 ms step before that token.
-    Returns its records and the tokens its chunks numbered."""
+    client in the next token's chunk (one event the proxy numbers as one token, or as two where the
+    chunks are ``numbered``: token ids, logprobs); ``resync_at``: the chunk there follows a hole in the
+    captured bytes; ``slow_at``: one 30 ms step before that token; ``finish``: the finish record's
+    fields (default: ended by length, with the engine's count). Returns its records and the tokens its
+    chunks numbered."""
     recs: list[dict] = [{"kind": "request", "t": 0.5, "id": rid, "event": "arrive", "source": "proxy"}]
-    t, counted = 1.0, 0
+    t, counted, held = 1.0, 0, 0
     for i in range(made):
         t += 0.030 if i == slow_at else STEP
         if merge_every and i % merge_every == merge_every // 2:
+            held += 1
             continue  # held: delivered with the next token
         ev = "first_token" if not counted else ("resync" if i == resync_at else "token")
-        recs.append({"kind": "request", "t": round(t, 6), "id": rid, "event": ev, "n": 1})
-        counted += 1
+        n = 1 + held if numbered else 1
+        recs.append({"kind": "request", "t": round(t, 6), "id": rid, "event": ev, "n": n})
+        counted, held = counted + n, 0
     done = {"kind": "request", "t": round(t + 0.001, 6), "id": rid, "event": end}
     if end == "finish":
-        done.update(finish_reason="length", completion_tokens=made)
+        done.update(finish or {"finish_reason": "length", "completion_tokens": made})
     recs.append(done)
     return recs, counted
 
@@ -89,3 +95,28 @@ def test_without_usage_nothing_is_counted_as_merged(tmp_path):
     assert rep.spikes_total == 20
     assert rep.merged_tokens is None and rep.to_dict()["merged_tokens"] is None
     assert not any("tokens more than the chunks" in w for w in rep.warnings)
+
+
+def test_what_the_engine_counts_and_never_sends_is_no_merge(tmp_path):
+    """a stopped: the engine counts its end-of-sequence token, sent as no text (its 10 merges stand); j
+    was answered without streaming (no chunks: its 500 tokens are no merges); h lost bytes after its
+    last chunk (its finish says incomplete); k's chunks number their tokens (logprobs), so its usage
+    shows nothing merged, but each of its 10 spikes closed on a chunk of two tokens."""
+    a, _ = _stream("a", 300, merge_every=30, finish_reason="stop", completion_tokens=301)
+    j = [{"kind": "request", "t": 0.5, "id": "j", "event": "arrive", "source": "proxy"},
+         {"kind": "request", "t": 2.0, "id": "j", "event": "finish", "finish_reason": "length", "completion_tokens": 500}]
+    h, _ = _stream("h", 300, finish_reason="length", completion_tokens=340, incomplete=True)
+    k, k_counted = _stream("k", 300, merge_every=30, numbered=True)
+    assert k_counted == 300
+    _write(tmp_path / "t.jsonl", [a, j, h, k])
+    for fast in (True, False):
+        rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.010, fast=fast)
+        assert rep.spikes_total == 20
+        assert rep.to_dict()["merged_tokens"] == {"streams": 2, "usage_tokens": 601, "tokens": 10, "spikes_max": 20}
+        assert any("up to 20 of the 20 spikes can be such chunks" in w for w in rep.warnings)
+    live = LiveAnalyzer(itl_target_s=0.010)  # the console's path, record by record
+    for d in sorted((d for s in (a, j, h, k) for d in s), key=lambda d: d["t"]):
+        live.feed(from_dict(d))
+    rep = live.report(now=20.0)
+    assert rep is not None and rep.merged_tokens is not None
+    assert rep.merged_tokens.to_dict() == {"streams": 2, "usage_tokens": 601, "tokens": 10, "spikes_max": 20}

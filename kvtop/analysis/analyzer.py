@@ -202,7 +202,8 @@ class Analyzer:
                     self.tick(t)
             else:
                 self.request_event(t, str(d.get("id")), ev, d.get("n"), d.get("prompt_tokens"), d.get("class"),
-                                   d.get("completion_tokens"), engine=d.get("engine"))
+                                   d.get("completion_tokens"), engine=d.get("engine"),
+                                   finish_reason=d.get("finish_reason"), incomplete=d.get("incomplete"))
                 if ev == "finish" and ("engine_ttft_s" in d or "engine_queue_s" in d or "engine_decode_s" in d):
                     self.engine_times(d)
         elif kind == "engine":
@@ -250,7 +251,8 @@ class Analyzer:
             self.tick(t)
 
     def request_event(self, t: float, rid: str, ev: Any, n: Any = None, prompt: Any = None, cls: Any = None,
-                      completion: Any = None, tokens_done: bool = False, engine: Any = None) -> None:
+                      completion: Any = None, tokens_done: bool = False, engine: Any = None,
+                      finish_reason: Any = None, incomplete: Any = None) -> None:
         gt = self.gaps
         r = gt.req(rid)
         acc = self.acc
@@ -299,12 +301,15 @@ class Analyzer:
                 if ev == "finish":
                     acc.finished += 1
                     self.request_preemptions.finish(t, rid, r.engine)
-                    if type(completion) is int and completion >= 0 and not r.lossy:
-                        r.merged = max(0, completion - r.tokens)
+                    if type(completion) is int and completion >= 0 and r.first_t is not None and not r.lossy \
+                            and not incomplete:
+                        # a stop (the end-of-sequence token, or a stop string's tokens) is counted by the
+                        # engine and sent as no text
+                        r.merged = max(0, completion - int(finish_reason == "stop") - r.tokens)
                         acc.usage_streams += 1
                         acc.usage_tokens += completion
                         acc.merged_tokens += r.merged
-                        acc.merged_spikes += min(r.merged, r.spikes)
+                        acc.merged_spikes += min(r.merged, r.spikes - r.multi_spikes)
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -565,7 +570,10 @@ class Analyzer:
         acc = self.acc
         if r is not None:
             r.spikes += 1
-            if r.merged is not None and r.spikes <= r.merged:
+            if g.ended_by == "token" and g.chunk_n > 1:
+                r.multi_spikes += 1  # closed by a chunk numbered with several tokens: it can be a merged one
+                acc.merged_spikes += 1
+            elif r.merged is not None and r.spikes - r.multi_spikes <= r.merged:
                 acc.merged_spikes += 1  # judged after its stream finished, within its merged tokens
             r.last_cause = f.cause.value
             r.last_spike = spike

@@ -76,7 +76,7 @@ class LiveAnalyzer:
                 an.token(rec.id, rec.t, rec.n)
             else:
                 an.request_event(rec.t, rec.id, rec.event, rec.n, rec.prompt_tokens, rec.cls, rec.completion_tokens,
-                                 engine=rec.engine)
+                                 engine=rec.engine, finish_reason=rec.finish_reason, incomplete=rec.incomplete)
                 if rec.event == "finish" and (rec.engine_ttft_s is not None or rec.engine_queue_s is not None
                                               or rec.engine_decode_s is not None):
                     an.engine_times(to_dict(rec))

@@ -182,7 +182,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         warnings.append(crowded)
     acc = st.tally
     merged = (MergedTokens(acc.usage_streams, acc.usage_tokens, acc.merged_tokens, acc.merged_spikes)
-              if basis == "requests" and acc.usage_streams else None)
+              if basis == "requests" and (acc.usage_streams or acc.merged_spikes) else None)
     note = _merged_chunks(st, total, merged)
     if note:
         warnings.append(note)
@@ -242,14 +242,16 @@ def _merged_chunks(st: AnalysisState, spikes: int, m: MergedTokens | None) -> st
     it, whatever the engine did, and the client's chunks do not say which carried several: say how
     many spikes can be such chunks (without a witness, which reads them)."""
     tgt, med = st.itl_target_s, st.median_gap
-    if m is None or not m.tokens or not spikes or tgt is None or not med or st.witnessed_spikes:
+    if m is None or not spikes or tgt is None or not med or st.witnessed_spikes:
         return None
     if tgt >= TIGHT_TARGET_REL * med or m.spikes_max < MERGED_SPIKES_NOTE * spikes:
         return None
-    return (f"the engine counted {m.tokens:,} tokens more than the chunks of its {m.streams:,} finished streams carried "
-            f"({m.tokens / max(1, m.usage_tokens):.1%} of {m.usage_tokens:,}): they reached the client merged with "
-            "others (the API server merging outputs or holding back text until a character completes; speculative "
-            "decoding's extra tokens count the same), and a merged chunk closes a gap of two or more decode steps, "
+    told = (f"the engine counted {m.tokens:,} tokens more than the chunks of its {m.streams:,} finished streams "
+            f"carried ({m.tokens / max(1, m.usage_tokens):.1%} of {m.usage_tokens:,}): they reached the client merged "
+            "with others" if m.tokens else "chunks that carried several tokens reached the client")
+    return (told + " (the API server merging outputs, or holding back text until a character, a stop string, a "
+            "tool call or a reasoning block completes; speculative decoding's extra tokens count the same), and a "
+            "merged chunk closes a gap of two or more decode steps, "
             f"which can miss a {tgt * 1e3:.0f} ms target ({tgt / med:.1f}x the median gap) however fast the engine "
             f"stepped: up to {m.spikes_max:,} of the {spikes:,} spikes can be such chunks, whatever cause "
             "they were given; the client cannot tell which (kvtop's witness inside vLLM reads them: docs/witness.md)")

@@ -340,15 +340,18 @@ class PrefillCompute:
 class MergedTokens:
     """Tokens the engine counted (its usage at each stream's finish) beyond those the streams' chunks
     numbered: they reached the client several to a chunk (the API server merging outputs, or holding
-    back text until a character completes; speculative decoding's extra tokens count the same). A
-    merged chunk closes a gap of as many decode steps, which a target of a few steps misses whatever
-    the engine did: ``spikes_max`` bounds how many spikes can be such chunks (per stream, the fewer of
-    its merged tokens and its spikes)."""
+    back text until a character, a stop string, a tool call or a reasoning block completes;
+    speculative decoding's extra tokens count the same). A stop is counted by the engine and sent as no
+    text: one token of a stream that stopped is not counted as merged. A merged chunk closes a gap of
+    as many decode steps, which a target of a few steps misses whatever the engine did: ``spikes_max``
+    bounds how many spikes can be such chunks (those closed by a chunk numbered with several tokens,
+    and per stream with usage the fewer of its merged tokens and its other spikes; in a live run that
+    outgrows the stream store, a spike judged after its stream was dropped is not counted)."""
 
-    streams: int  # finished streams whose engine reported usage (none of their bytes lost)
+    streams: int  # finished streams whose engine reported usage (that had chunks, none of their bytes lost)
     usage_tokens: int  # the tokens the engine counted for them
     tokens: int  # of them, tokens beyond what the chunks numbered
-    spikes_max: int  # spikes of those streams that can be merged chunks, at most
+    spikes_max: int  # spikes that can be merged chunks, at most
 
     def to_dict(self) -> dict[str, Any]:
         return {"streams": self.streams, "usage_tokens": self.usage_tokens, "tokens": self.tokens,
