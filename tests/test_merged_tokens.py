@@ -85,14 +85,20 @@ def test_the_report_bounds_the_spikes_that_can_be_merged_chunks(tmp_path):
 
 def test_without_usage_nothing_is_counted_as_merged(tmp_path):
     """Streams whose finish carries no usage (or that were cancelled) give no count and no warning,
-    however many of their gaps miss a tight target."""
+    however many of their gaps miss a tight target; nor does a spike closed by a chunk of as many
+    tokens as the stream's chunks always carry (s: two a step, numbered, as speculative decoding
+    gives them; one 30 ms step)."""
     a, _ = _stream("a", 300, merge_every=30)
     for rec in a:
         rec.pop("completion_tokens", None)
     d, _ = _stream("d", 300, merge_every=30, end="cancel")
-    _write(tmp_path / "t.jsonl", [a, d])
+    s = [{"kind": "request", "t": 0.5, "id": "s", "event": "arrive", "source": "proxy"}]
+    s += [{"kind": "request", "t": round(1.0 + STEP * i + (0.024 if i >= 100 else 0.0), 6), "id": "s",
+           "event": "first_token" if i == 0 else "token", "n": 2} for i in range(150)]
+    s.append({"kind": "request", "t": round(s[-1]["t"] + 0.001, 6), "id": "s", "event": "cancel"})
+    _write(tmp_path / "t.jsonl", [a, d, s])
     rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.010)
-    assert rep.spikes_total == 20
+    assert rep.spikes_total == 21
     assert rep.merged_tokens is None and rep.to_dict()["merged_tokens"] is None
     assert not any("tokens more than the chunks" in w for w in rep.warnings)
 

@@ -570,8 +570,9 @@ class Analyzer:
         acc = self.acc
         if r is not None:
             r.spikes += 1
-            if g.ended_by == "token" and g.chunk_n > 1:
-                r.multi_spikes += 1  # closed by a chunk numbered with several tokens: it can be a merged one
+            if g.ended_by == "token" and g.chunk_n > max(1.0, g.tokens_per_event):
+                # closed by a record of more tokens than the stream's usually carried: a merged one, maybe
+                r.multi_spikes += 1
                 acc.merged_spikes += 1
             elif r.merged is not None and r.spikes - r.multi_spikes <= r.merged:
                 acc.merged_spikes += 1  # judged after its stream finished, within its merged tokens

@@ -118,7 +118,7 @@ class ReqState:
     # tokens the engine's usage counted at its finish beyond those its chunks numbered (None: no usage,
     # or bytes of it were lost): tokens that reached the client merged with others
     merged: int | None = None
-    multi_spikes: int = 0  # of its spikes, those closed by a chunk numbered with several tokens
+    multi_spikes: int = 0  # of its spikes, those closed by a record of more tokens than its records usually carried
     lossy: bool = False  # tokens after a hole in the observed bytes: what the hole carried is not counted
 
     def tokens_per_event(self) -> float:

@@ -52,9 +52,9 @@ class Tally:
     usage_streams: int = 0
     usage_tokens: int = 0
     merged_tokens: int = 0
-    # spikes that can be merged chunks, at most: those closed by a chunk numbered with several tokens,
-    # and per stream with usage the fewer of its merged tokens and its other spikes (each merged chunk
-    # closes one gap)
+    # spikes that can be merged chunks, at most: those closed by a record of more tokens than its
+    # stream's records usually carried, and per stream with usage the fewer of its merged tokens and
+    # its other spikes (each merged chunk closes one gap)
     merged_spikes: int = 0
     # per GPU index: (least free memory seen, total memory) from NVML: room a larger KV cache could take
     gpu_mem: dict[int, tuple[int, int]] = field(default_factory=dict)

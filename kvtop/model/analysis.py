@@ -344,9 +344,10 @@ class MergedTokens:
     speculative decoding's extra tokens count the same). A stop is counted by the engine and sent as no
     text: one token of a stream that stopped is not counted as merged. A merged chunk closes a gap of
     as many decode steps, which a target of a few steps misses whatever the engine did: ``spikes_max``
-    bounds how many spikes can be such chunks (those closed by a chunk numbered with several tokens,
-    and per stream with usage the fewer of its merged tokens and its other spikes; in a live run that
-    outgrows the stream store, a spike judged after its stream was dropped is not counted)."""
+    bounds how many spikes can be such chunks (those closed by a record of more tokens than its
+    stream's records usually carried, and per stream with usage the fewer of its merged tokens and its
+    other spikes; in a live run that outgrows the stream store, a spike judged after its stream was
+    dropped is not counted)."""
 
     streams: int  # finished streams whose engine reported usage (that had chunks, none of their bytes lost)
     usage_tokens: int  # the tokens the engine counted for them
