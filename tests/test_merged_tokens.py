@@ -107,22 +107,25 @@ def test_what_the_engine_counts_and_never_sends_is_no_merge(tmp_path):
     """a stopped: the engine counts its end-of-sequence token, sent as no text (its 10 merges stand); j
     was answered without streaming (no chunks: its 500 tokens are no merges); h lost bytes after its
     last chunk (its finish says incomplete); k's chunks number their tokens (logprobs), so its usage
-    shows nothing merged, but each of its 10 spikes closed on a chunk of two tokens."""
+    shows nothing merged, but each of its 10 spikes closed on a chunk of two tokens; g's recorder wrote
+    its finish before its last five chunks (its tokens all arrived: no merge, on every path)."""
     a, _ = _stream("a", 300, merge_every=30, finish_reason="stop", completion_tokens=301)
     j = [{"kind": "request", "t": 0.5, "id": "j", "event": "arrive", "source": "proxy"},
          {"kind": "request", "t": 2.0, "id": "j", "event": "finish", "finish_reason": "length", "completion_tokens": 500}]
     h, _ = _stream("h", 300, finish_reason="length", completion_tokens=340, incomplete=True)
     k, k_counted = _stream("k", 300, merge_every=30, numbered=True)
     assert k_counted == 300
-    _write(tmp_path / "t.jsonl", [a, j, h, k])
+    g, _ = _stream("g", 100)
+    g[-1]["t"] = round(g[-7]["t"] + 0.001, 6)  # the finish, written before the last five chunks
+    _write(tmp_path / "t.jsonl", [a, j, h, k, g])
     for fast in (True, False):
         rep = analyze_trace(str(tmp_path / "t.jsonl"), itl_target_s=0.010, fast=fast)
         assert rep.spikes_total == 20
-        assert rep.to_dict()["merged_tokens"] == {"streams": 2, "usage_tokens": 601, "tokens": 10, "spikes_max": 20}
+        assert rep.to_dict()["merged_tokens"] == {"streams": 3, "usage_tokens": 701, "tokens": 10, "spikes_max": 20}
         assert any("up to 20 of the 20 spikes can be such chunks" in w for w in rep.warnings)
     live = LiveAnalyzer(itl_target_s=0.010)  # the console's path, record by record
-    for d in sorted((d for s in (a, j, h, k) for d in s), key=lambda d: d["t"]):
+    for d in sorted((d for s in (a, j, h, k, g) for d in s), key=lambda d: d["t"]):
         live.feed(from_dict(d))
     rep = live.report(now=20.0)
     assert rep is not None and rep.merged_tokens is not None
-    assert rep.merged_tokens.to_dict() == {"streams": 2, "usage_tokens": 601, "tokens": 10, "spikes_max": 20}
+    assert rep.merged_tokens.to_dict() == {"streams": 3, "usage_tokens": 701, "tokens": 10, "spikes_max": 20}

@@ -301,15 +301,9 @@ class Analyzer:
                 if ev == "finish":
                     acc.finished += 1
                     self.request_preemptions.finish(t, rid, r.engine)
-                    if type(completion) is int and completion >= 0 and r.first_t is not None and not r.lossy \
-                            and not incomplete:
-                        # a stop (the end-of-sequence token, or a stop string's tokens) is counted by the
-                        # engine and sent as no text
-                        r.merged = max(0, completion - int(finish_reason == "stop") - r.tokens)
-                        acc.usage_streams += 1
-                        acc.usage_tokens += completion
-                        acc.merged_tokens += r.merged
-                        acc.merged_spikes += min(r.merged, r.spikes - r.multi_spikes)
+                    if type(completion) is int and completion >= 0 and r.first_t is not None and not incomplete:
+                        r.usage = completion
+                        r.stopped = finish_reason == "stop"
                     if out:
                         acc.output_hist.add(max(1.0, float(out)))
                         acc.output_sum += out
@@ -573,9 +567,6 @@ class Analyzer:
             if g.ended_by == "token" and g.chunk_n > max(1.0, g.tokens_per_event):
                 # closed by a record of more tokens than the stream's usually carried: a merged one, maybe
                 r.multi_spikes += 1
-                acc.merged_spikes += 1
-            elif r.merged is not None and r.spikes - r.multi_spikes <= r.merged:
-                acc.merged_spikes += 1  # judged after its stream finished, within its merged tokens
             r.last_cause = f.cause.value
             r.last_spike = spike
             if f.cause is Cause.PREEMPTION:

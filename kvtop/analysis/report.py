@@ -14,6 +14,7 @@ from kvtop.analysis.attribution.aggregate import aggregate_causes
 from kvtop.analysis.attribution.thresholds import TIGHT_TARGET_REL
 from kvtop.analysis.inputs import build_situation, sum_delta
 from kvtop.analysis.state import AnalysisState
+from kvtop.analysis.streams import ReqState, merged_of
 from kvtop.model.analysis import (
     AnalysisReport,
     CauseRow,
@@ -180,9 +181,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     crowded = _crowded_target(st, total) if basis == "requests" else None
     if crowded:
         warnings.append(crowded)
-    acc = st.tally
-    merged = (MergedTokens(acc.usage_streams, acc.usage_tokens, acc.merged_tokens, acc.merged_spikes)
-              if basis == "requests" and (acc.usage_streams or acc.merged_spikes) else None)
+    merged = _merged_tokens(st.streams) if basis == "requests" else None
     note = _merged_chunks(st, total, merged)
     if note:
         warnings.append(note)
@@ -231,6 +230,22 @@ def _crowded_target(st: AnalysisState, spikes: int) -> str | None:
             "holds any, on average: the scrapes cannot tell which of them a prompt or a preemption caused, so those causes rest on "
             "first tokens, the engine's own per-request times and the streams' pace (less certain than at a looser "
             "target); kvtop's witness inside vLLM reads every stall exactly (docs/witness.md)")
+
+
+def _merged_tokens(streams: tuple[ReqState, ...]) -> MergedTokens | None:
+    """What the streams held say of merged chunks (``MergedTokens``); None where no finished stream
+    carried usage and no spike closed on a record larger than its stream's usual."""
+    n = usage = merged = bound = 0
+    for r in streams:
+        bound += r.multi_spikes
+        m = merged_of(r)
+        if m is None:
+            continue
+        n += 1
+        usage += r.usage or 0
+        merged += m
+        bound += min(m, r.spikes - r.multi_spikes)
+    return MergedTokens(n, usage, merged, bound) if n or bound else None
 
 
 # fewer spikes than this share that can be merged chunks move no cause's share by much: no warning

@@ -115,10 +115,11 @@ class ReqState:
     prompt_t: float = -math.inf
     engine_prefill_t: float = -math.inf
     timeline: Timeline | None = None  # the request view's part, while a Core lists the stream
-    # tokens the engine's usage counted at its finish beyond those its chunks numbered (None: no usage,
-    # or bytes of it were lost): tokens that reached the client merged with others
-    merged: int | None = None
-    multi_spikes: int = 0  # of its spikes, those closed by a record of more tokens than its records usually carried
+    # the engine's count of its tokens at its finish (usage; None: none, or the finish said bytes of
+    # the stream were lost) and whether it stopped (a stop's token is counted, sent as no text)
+    usage: int | None = None
+    stopped: bool = False
+    multi_spikes: int = 0  # of its spikes, those closed by a record of more tokens than its records usually had
     lossy: bool = False  # tokens after a hole in the observed bytes: what the hole carried is not counted
 
     def tokens_per_event(self) -> float:
@@ -127,6 +128,16 @@ class ReqState:
     def longest_silence(self) -> float:
         """The longest wait the client saw: token to token, or from the last token to a cancel."""
         return max(self.max_gap, self.end_silence)
+
+
+def merged_of(r: ReqState) -> int | None:
+    """The tokens the engine counted for finished stream ``r`` beyond those its chunks numbered: they
+    reached the client merged with others (None: no usage, or bytes of the stream were lost). Read
+    when asked, not at the finish: a recorder that writes the finish before the last chunks (the
+    generator's slow readers) still has them counted."""
+    if r.usage is None or r.lossy:
+        return None
+    return max(0, r.usage - int(r.stopped) - r.tokens)
 
 
 def fold_token(r: ReqState, t: float, k: int) -> float | None:

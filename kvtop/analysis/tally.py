@@ -47,14 +47,5 @@ class Tally:
     kv_max: float | None = None
     host: dict[str, Any] | None = None  # the latest host record
     gpu_pcie_max: float = 0.0
-    # finished streams whose engine counted their tokens (usage), those tokens, and how many of them
-    # the streams' chunks did not number (``ReqState.merged``)
-    usage_streams: int = 0
-    usage_tokens: int = 0
-    merged_tokens: int = 0
-    # spikes that can be merged chunks, at most: those closed by a record of more tokens than its
-    # stream's records usually carried, and per stream with usage the fewer of its merged tokens and
-    # its other spikes (each merged chunk closes one gap)
-    merged_spikes: int = 0
     # per GPU index: (least free memory seen, total memory) from NVML: room a larger KV cache could take
     gpu_mem: dict[int, tuple[int, int]] = field(default_factory=dict)

@@ -346,8 +346,8 @@ class MergedTokens:
     as many decode steps, which a target of a few steps misses whatever the engine did: ``spikes_max``
     bounds how many spikes can be such chunks (those closed by a record of more tokens than its
     stream's records usually carried, and per stream with usage the fewer of its merged tokens and its
-    other spikes; in a live run that outgrows the stream store, a spike judged after its stream was
-    dropped is not counted)."""
+    other spikes). Counted over the streams the analysis holds: all of a trace's; in a live run the
+    latest few thousand."""
 
     streams: int  # finished streams whose engine reported usage (that had chunks, none of their bytes lost)
     usage_tokens: int  # the tokens the engine counted for them
