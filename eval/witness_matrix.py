@@ -10,6 +10,11 @@ not cover (a stream the engine did not log under its id) are left out and counte
 Targets: a loose 100 ms and a tight one, ``TIGHT_K`` x the median decode-only step the witness
 measured (operators set 2-3x the decode step).
 
+After the pooled matrix, a table of merged chunks: the spikes the witness read as tokens held outside
+the engine's steps, the bound the report without the witness gives on spikes that can be merged
+chunks (``merged_tokens``), the traces it warned on, and the tokens the engine counted beyond the
+chunks (docs/real-engines.md 7.25).
+
     python -m eval.witness_matrix TRACE [TRACE ...] [--json out.json]
     python -m eval.witness_matrix --rounds O          # rounds shipped in eval/witness_rounds/ (A-O, "all")
 """
@@ -29,7 +34,9 @@ from typing import Any
 from eval import witnessed
 from eval.scoring import precision_recall
 from kvtop.analysis.attribution.causes import WITNESS_KINDS
+from kvtop.analysis.report import MERGED_WARNING
 from kvtop.analysis.scan import analyze_trace
+from kvtop.model.analysis import AnalysisReport
 
 TIGHT_K = 2.5
 LOOSE_S = 0.100
@@ -77,7 +84,10 @@ def truth(path: str, target_s: float) -> tuple[dict[tuple[str, float], str], int
     """The cause the engine's log gives each spike of the witnessed trace at this target, how many
     spikes it did not cover, and those whose cause it could not tell (the engine's pace changed
     around a prompt step and the cause depends on which pace: ``witness-ambiguous``; scored by no one)."""
-    rep = analyze_trace(path, itl_target_s=target_s, fast=False)
+    return _read(analyze_trace(path, itl_target_s=target_s, fast=False))
+
+
+def _read(rep: AnalysisReport) -> tuple[dict[tuple[str, float], str], int, set[tuple[str, float]]]:
     told, untold = WITNESS_KINDS
     return ({spike_key(s): str(s.cause) for s in rep.spikes if s.rule == told},
             sum(1 for s in rep.spikes if s.rule not in WITNESS_KINDS),
@@ -98,7 +108,8 @@ def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any
     records, when already written)."""
     with tempfile.TemporaryDirectory() as tmp:
         blind = blind or without_witness(path, tmp)
-        causes, not_covered, untold = truth(path, target_s)
+        wit_rep = analyze_trace(path, itl_target_s=target_s, fast=False)
+        causes, not_covered, untold = _read(wit_rep)
         inf_rep = analyze_trace(blind, itl_target_s=target_s, fast=False)
     pairs: list[tuple[str, str | None]] = []
     unmatched = ambiguous = 0
@@ -121,6 +132,12 @@ def score(path: str, target_s: float, blind: str | None = None) -> dict[str, Any
     res["ambiguous"] = ambiguous
     res["target_s"] = target_s
     res["truth_causes"] = {c: sum(1 for _, t in pairs if t == c) for c in sorted({str(t) for _, t in pairs})}
+    # merged chunks: what the witness read as held, what the report without it counts and bounds
+    m = inf_rep.merged_tokens
+    res["merged"] = {"spikes": inf_rep.spikes_total, "held": wit_rep.held_spikes or 0,
+                     "spikes_max": m.spikes_max if m else 0,
+                     "tokens": m.tokens if m else 0, "usage_tokens": m.usage_tokens if m else 0,
+                     "warned": int(any(MERGED_WARNING in w for w in inf_rep.warnings))}
     return res
 
 
@@ -154,6 +171,9 @@ def pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for k in ("neither", "neither_called_engine", "neither_called_prefill", "spikes", "not_witnessed",
                       "ambiguous"):
                 acc[k] += r[k]
+            merged = acc.setdefault("merged", dict.fromkeys(r["merged"], 0))
+            for k, v in r["merged"].items():
+                merged[k] += v
             for c in ENGINE_CAUSES:
                 for k in ("tp", "predicted", "actual"):
                     acc[c][k] += r[c][k]
@@ -186,6 +206,21 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def render_merged(rows: list[dict[str, Any]]) -> str:
+    """Merged chunks per row: the spikes the witness read as tokens held outside the engine's steps,
+    the bound the report without it gives (``merged_tokens.spikes_max``), the traces it warned on, and
+    the engine's tokens that reached the client merged (of all it counted); ``spikes``: all the
+    report's spikes, the witness's covered or not."""
+    out = [f"{'trace':<28} {'target':<34} {'spikes':>7} {'held (witness)':>15} {'bound (report)':>15} "
+           f"{'warned':>7}  merged tokens"]
+    for r in rows:
+        m = r["merged"]
+        share = f" ({m['tokens'] / m['usage_tokens']:.1%})" if m["usage_tokens"] else ""
+        out.append(f"{r['trace'][:28]:<28} {r['target']:<34} {m['spikes']:>7} {m['held']:>15} {m['spikes_max']:>15} "
+                   f"{m['warned']:>7}  {m['tokens']} of {m['usage_tokens']}{share}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.witness_matrix", description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="*")
@@ -205,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(rows) > 2:
         print(f"\npooled ({len({r['trace'] for r in rows})} traces)")
         print(render(pool(rows)))
+        print("\nmerged chunks, pooled (the report's warning and bound without the witness, its held count with it)")
+        print(render_merged(pool(rows)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

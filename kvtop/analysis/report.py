@@ -250,6 +250,7 @@ def _merged_tokens(streams: tuple[ReqState, ...]) -> MergedTokens | None:
 
 # fewer spikes than this share that can be merged chunks move no cause's share by much: no warning
 MERGED_SPIKES_NOTE = 0.05
+MERGED_WARNING = "spikes can be such chunks, whatever cause they were given"  # how the warning is known
 
 
 def _merged_chunks(st: AnalysisState, spikes: int, m: MergedTokens | None) -> str | None:
@@ -268,8 +269,9 @@ def _merged_chunks(st: AnalysisState, spikes: int, m: MergedTokens | None) -> st
             "tool call or a reasoning block completes; speculative decoding's extra tokens count the same), and a "
             "merged chunk closes a gap of two or more decode steps, "
             f"which can miss a {tgt * 1e3:.0f} ms target ({tgt / med:.1f}x the median gap) however fast the engine "
-            f"stepped: up to {m.spikes_max:,} of the {spikes:,} spikes can be such chunks, whatever cause "
-            "they were given; the client cannot tell which (kvtop's witness inside vLLM reads them: docs/witness.md)")
+            f"stepped: up to {m.spikes_max:,} of the {spikes:,} {MERGED_WARNING}; the client cannot tell which, "
+            "nor how many a stream cancelled before its end had (kvtop's witness inside vLLM reads them: "
+            "docs/witness.md)")
 
 
 def _round(v: float | None, nd: int) -> float | None:
