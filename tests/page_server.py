@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from local_server import serve
 
 
 @dataclass
@@ -63,11 +64,7 @@ class PageServer:
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_route("GET", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve(app)
 
     def start(self) -> PageServer:
         self._thread.start()

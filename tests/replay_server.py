@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from aiohttp import web
+from local_server import serve
 
 PROM = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -39,11 +40,7 @@ def replay_server(routes: dict[str, tuple[str | list[str], str]],
     async def start() -> tuple[web.AppRunner, int]:
         app = web.Application()
         app.router.add_route("GET", "/{tail:.*}", handle)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return await serve(app)
 
     runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     try:

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import termios
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, run_kvtop
 from page_server import PageServer
+from pty_reader import PtyReader
 from vllm_pages import vllm_page
 
 
@@ -106,30 +106,14 @@ def _on_a_terminal(args: list[str], timeout: float = 60) -> tuple[int, str]:
     p = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdin=slave, stdout=slave, stderr=slave,
                          env=env, start_new_session=True)
     os.close(slave)
-    out = bytearray()
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            out.extend(chunk)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
+    reader = PtyReader(master)
     try:
         rc = p.wait(timeout=timeout)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-        time.sleep(0.1)
-        os.close(master)
-        t.join(timeout=5)
-    return rc, bytes(out).decode("utf-8", "replace")
+    return rc, reader.text()
 
 
 def test_console_with_a_dead_url_says_so_and_exits_1_on_a_terminal() -> None:

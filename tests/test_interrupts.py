@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 from conftest import REPO
 from page_server import PageServer
+from pty_reader import PtyReader
 from vllm_pages import vllm_page
 
 from kvtop.model.trace import TraceReader
@@ -125,35 +126,19 @@ def test_headless_demo_stops_on_ctrl_c_and_still_reports() -> None:
 def _stderr_on_a_terminal(*args: str) -> tuple[int, str, str]:
     """Run kvtop with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, stderr)."""
     import pty
-    import threading
 
     master, slave = pty.openpty()
     env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_CONFIG_HOME": str(REPO / ".cache" / "no-config")}
     p = subprocess.Popen([sys.executable, "-m", "kvtop", *args], stdout=subprocess.PIPE, stderr=slave,
                          stdin=subprocess.DEVNULL, text=True, env=env)
     os.close(slave)
-    err = bytearray()
-
-    def drain() -> None:
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            err.extend(chunk)
-
-    t = threading.Thread(target=drain, daemon=True)
-    t.start()
+    reader = PtyReader(master)
     try:
         out, _ = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
-    t.join(timeout=5)
-    os.close(master)
-    return p.returncode, out, err.decode("utf-8", "replace")
+    return p.returncode, out, reader.text()
 
 
 def test_progress_shows_on_a_terminal_and_stays_out_of_pipes(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as hs
+from local_server import serve
 from multidict import CIMultiDict
 
 import kvtop.sources.sse as sse_mod
@@ -103,11 +104,7 @@ class ScriptedUpstream:
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve(app)
 
     async def stop(self) -> None:
         if self._runner:

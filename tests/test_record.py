@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 from conftest import REPO, run_kvtop
+from local_server import serve
 from vllm_pages import vllm_page
 
 from kvtop.analysis import fastscan
@@ -46,11 +47,7 @@ class FakeEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve(app)
 
     async def stop(self) -> None:
         if self._runner:
