@@ -14,11 +14,11 @@ import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
 
 import psutil
 import pytest
+from pty_reader import PtyReader
 
 from kvtop.sim.server import SimServer
 from kvtop.sim.workload import load_preset
@@ -147,30 +147,20 @@ class _Pty:
         env = dict(os.environ, TERM="xterm-256color", COLUMNS=str(cols), LINES=str(rows))
         self.p = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
         os.close(slave)
-        self.master = master
-        self.out = bytearray()
-        self._t = threading.Thread(target=self._drain, daemon=True)
-        self._t.start()
+        self.reader = PtyReader(master)
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self.master, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            self.out += chunk
+    @property
+    def out(self) -> bytearray:
+        return self.reader.data
 
     def send(self, data: bytes) -> None:
-        os.write(self.master, data)
+        os.write(self.reader.master, data)
 
     def close(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait()
-        self._t.join(timeout=5)
-        os.close(self.master)
+        self.reader.text()
 
 
 @pytest.mark.parametrize("how", ["q", "ctrl-c", "f10", "sigterm"])
