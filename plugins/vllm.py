@@ -68,6 +68,10 @@ class VllmAdapter(EngineAdapter):
     # --scheduling-policy fcfs (the default) admits the waiting queue in arrival order and stops at
     # the first request it cannot place; "priority" orders by each request's priority, then arrival
     admits_in_order = True
+    # V1's scheduler takes every scheduled token, decodes first, out of --max-num-batched-tokens
+    # (vllm/v1/core/sched/scheduler.py: token_budget), and SchedulerConfig refuses a --max-num-seqs
+    # above it (docs/engines.md)
+    budget_holds_decodes = True
     version_path = "/version"  # {"version": "0.32.0"}: the advisor picks the flags of that version
     settings = {
         Setting.MAX_SEQS: "--max-num-seqs",

@@ -6,7 +6,7 @@ witness overhead bench) this package stands in for it. It mirrors what the witne
 ``num_prompt_tokens``), ``running``/``waiting``, ``_update_after_schedule`` advancing computed tokens
 after a step is planned, ``update_from_output`` returning ``{client: EngineCoreOutputs}`` whose
 ``outputs`` carry ``request_id``, ``new_token_ids``, ``finish_reason``, ``finish_requests`` and
-``shutdown``. The real vLLM runs the witness in tests/integration/test_real_vllm_witness.py.
+``shutdown``; ``scheduler_config`` and ``max_model_len`` as ``Scheduler.__init__`` keeps them. The real vLLM runs the witness in tests/integration/test_real_vllm_witness.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from typing import Any
 class FakeScheduler:
     def __init__(self, **kw: Any) -> None:
         self.kw = kw
+        cfg = kw.get("vllm_config")
+        # as vLLM's Scheduler.__init__ keeps them
+        self.scheduler_config = getattr(cfg, "scheduler_config", None)
+        self.max_model_len = getattr(getattr(cfg, "model_config", None), "max_model_len", None)
         self.requests: dict[str, Any] = {}
         self.running: list[Any] = []
         self.waiting: list[Any] = []
@@ -47,10 +51,13 @@ class FakeAsyncScheduler(FakeScheduler):
     pass
 
 
-def config(async_scheduling: bool, block_size: int = 16) -> SimpleNamespace:
+def config(async_scheduling: bool, block_size: int = 16, max_num_seqs: int = 16,
+           max_num_batched_tokens: int = 2048, max_model_len: int = 1024) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` the witness reads."""
-    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
-                           cache_config=SimpleNamespace(block_size=block_size))
+    return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+                                                            max_num_batched_tokens=max_num_batched_tokens),
+                           cache_config=SimpleNamespace(block_size=block_size),
+                           model_config=SimpleNamespace(max_model_len=max_model_len))
 
 
 def scheduler_output(sched: dict[str, int], preempted: Any = (), resumed: Any = ()) -> SimpleNamespace:

@@ -29,7 +29,7 @@ def test_witnessed_scheduler_logs_each_step_without_changing_it(fake_vllm, tmp_p
 
     path = tmp_path / "w.jsonl"
     monkeypatch.setenv("KVTOP_WITNESS_FILE", str(path))
-    s = WitnessScheduler(vllm_config=_cfg(True))
+    s = WitnessScheduler(vllm_config=_cfg(True, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=1024))
     assert isinstance(s, _FakeAsync)  # vLLM's own async scheduler underneath
     s.requests["a"] = SimpleNamespace(request_id="a", num_computed_tokens=0, num_prompt_tokens=30)
     s.requests["b"] = SimpleNamespace(request_id="b", num_computed_tokens=0, num_prompt_tokens=5)
@@ -50,6 +50,8 @@ def test_witnessed_scheduler_logs_each_step_without_changing_it(fake_vllm, tmp_p
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines[0]["format"] == "kvtop-witness" and lines[0]["engine_version"] == "0.32.0"
     assert lines[0]["block_size"] == 16
+    # the limits the engine runs under (after vLLM's defaults): what a prescription must stay consistent with
+    assert lines[0]["limits"] == {"max_num_seqs": 16, "max_num_batched_tokens": 64, "max_model_len": 1024}
     steps = lines[1:]
     assert steps[0]["n"] == {"1": "a", "2": "b"}  # requests by number in the file
     assert steps[0]["r"] == [[1, 30, 30, 0, 1], [2, 5, 5, 0, 1]]

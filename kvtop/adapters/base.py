@@ -100,6 +100,12 @@ class EngineAdapter(ABC):
     # request's first token, delivered late, came out of a step no later than the later one's.
     # False where the engine may reorder (SGLang's longest-prefix-match policy) or nobody checked.
     admits_in_order: ClassVar[bool] = False
+    # True where the per-step token budget (``Setting.BATCHED_TOKENS``) counts every token a step
+    # schedules, each running sequence's decode token included, so a chunk gets what the decodes
+    # leave and the engine holds no more sequences than the budget (vLLM V1 refuses a
+    # ``--max-num-seqs`` above ``--max-num-batched-tokens`` and lowers its default to it). False
+    # where the budget is the prompt chunk's alone (SGLang's ``--chunked-prefill-size``).
+    budget_holds_decodes: ClassVar[bool] = False
     # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).

@@ -387,9 +387,12 @@ class Analyzer:
                 curve = acc.step_curves[key] = StepCurve()
             curve.add(acc.engine_last[key], d)
         acc.engine_last[key] = d
-        if d.get("running") is not None:
-            acc.running_sum += d["running"]
+        running = d.get("running")
+        if running is not None:
+            acc.running_sum += running
             acc.running_n += 1
+            if running > acc.running_peak:
+                acc.running_peak = running
         kv = d.get("kv_usage")
         if kv is not None:
             acc.kv_max = kv if acc.kv_max is None else max(acc.kv_max, kv)
@@ -411,6 +414,9 @@ class Analyzer:
         if idx is None:
             idx = self.witness[addr] = StepIndex()
         self.resumes.add(d, idx.add(d))
+        lim = d.get("limits")
+        if isinstance(lim, dict) and lim:
+            self.acc.engine_limits = lim
         self._advance(d["t"])
 
     def witness_account(self, g: Gap) -> Account | None:

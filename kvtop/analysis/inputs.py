@@ -248,16 +248,21 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     if cap:
         n["kv_capacity_tokens"] = Num(float(cap), "tokens", "measured")
     _kv_config(st, n)
-    # the engine's current limits, where the trace says them (the simulator's header does): a
-    # recommendation equal to one of them is no change
+    # the engine's current limits, where the trace says them (the simulator's header, the engine's
+    # witness): a recommendation equal to one of them is no change
     sim = hdr.get("sim") or {}
     for key, dst, unit in (("max_num_seqs", "max_seqs_current", "sequences"),
                            ("max_num_batched_tokens", "batched_tokens_current", "tokens"),
                            ("max_model_len", "max_model_len_current", "tokens")):
-        if isinstance(sim.get(key), int) and not isinstance(sim.get(key), bool):
-            n[dst] = Num(sim[key], unit, "measured", "trace header")
+        for src, note in ((acc.engine_limits, "the engine's witness"), (sim, "trace header")):
+            v = src.get(key)
+            if isinstance(v, int) and not isinstance(v, bool):
+                n[dst] = Num(v, unit, "measured", note)
+                break
     if acc.running_n:
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
+        n["running_peak"] = Num(acc.running_peak, "sequences", "measured",
+                                "most sequences one engine ran at a scrape (its running gauge)")
     if acc.inflight_peak:
         n["inflight_peak"] = Num(acc.inflight_peak, "requests", "measured", "most requests between arrival and end at once")
     span = (acc.last_arrival or 0.0) - (acc.first_arrival or 0.0)

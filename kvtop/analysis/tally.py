@@ -44,6 +44,9 @@ class Tally:
     step_curves: dict[EngineKey, StepCurve] = field(default_factory=dict)
     running_sum: float = 0.0
     running_n: int = 0
+    running_peak: float = 0.0  # the most sequences any one engine ran at a scrape
+    # the scheduler limits the engine's witness stated, latest first start (``StepRecord.limits``)
+    engine_limits: dict[str, int] = field(default_factory=dict)
     kv_max: float | None = None
     host: dict[str, Any] | None = None  # the latest host record
     gpu_pcie_max: float = 0.0

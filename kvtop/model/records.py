@@ -196,6 +196,9 @@ class StepRecord:
     # per resumed request: [id, positions the engine had again without computing them (its prefix
     # cache's blocks, or a KV connector's load)]; absent where the witness did not say
     restored: list[list[Any]] = field(default_factory=list)
+    # on the first step the witness logged after the engine (re)started: the limits its scheduler runs
+    # under, vLLM's defaults applied (max_num_seqs, max_num_batched_tokens, max_model_len)
+    limits: dict[str, int] = field(default_factory=dict)
 
 
 Record = GpuRecord | HostRecord | EngineRecord | RequestRecord | TruthRecord | StepRecord
@@ -220,7 +223,7 @@ def to_dict(rec: Record) -> dict[str, Any]:
                 out["class"] = v
                 continue
         if f.name in ("warnings", "notes", "extra", "pinned_signals", "preempted", "resumed", "finished",
-                      "aborted", "restored") and not v:
+                      "aborted", "restored", "limits") and not v:
             continue
         out[f.name] = v
     return out

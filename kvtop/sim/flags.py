@@ -6,7 +6,7 @@ So a prescription can be tried on the simulator exactly as it would be on vLLM:
 | flag | simulated engine |
 |---|---|
 | ``--max-num-seqs N`` | ``max_num_seqs`` |
-| ``--max-num-batched-tokens N`` | ``max_num_batched_tokens``, with chunked prefill on (vLLM V1 always chunks prefills; the budget is the chunk) |
+| ``--max-num-batched-tokens N`` | ``max_num_batched_tokens``, with chunked prefill on (vLLM V1 always chunks prefills; the budget is the chunk and the decodes beside it) |
 | ``--max-model-len N`` | ``max_model_len`` (prompt + output bound) |
 | ``--kv-offloading-size GIB`` | ``preemption_mode: swap`` with a host pool of GIB GiB, copies overlapped with compute (V1's connector is asynchronous) |
 | ``--kv-offloading-backend native`` | the host tier itself (needs the size) |
@@ -14,7 +14,8 @@ So a prescription can be tried on the simulator exactly as it would be on vLLM:
 | ``--gpu-memory-utilization F`` | KV blocks scaled by F / 0.9 (vLLM's default share), as the KV cache gets what the weights leave |
 | ``--kv-cache-memory-bytes B`` | KV blocks = B // (block size x bytes per token), as vLLM sizes its cache per GPU from B (it then ignores the memory share for the cache) |
 
-Any other flag has no simulated counterpart: a one-line error, never silently ignored.
+Any other flag has no simulated counterpart: a one-line error, never silently ignored. A budget below
+the batch limit is refused as vLLM refuses it.
 """
 
 from __future__ import annotations
@@ -103,6 +104,12 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
             raise WorkloadError(f"--engine-flags: {flag} has no simulated counterpart")
     if kv_bytes is not None:
         eng.num_gpu_blocks = kv_bytes // eng.block_bytes
+    if eng.max_num_batched_tokens < eng.max_num_seqs and any(
+            w.partition("=")[0] in ("--max-num-seqs", "--max-num-batched-tokens") for w in words):
+        # vLLM's SchedulerConfig refuses the same pair at start-up: every running sequence's decode
+        # token is taken from the budget
+        raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) must be at "
+                            f"least max_num_seqs ({eng.max_num_seqs}), as vLLM requires")
     if backend and offload_size is None:
         raise WorkloadError("--kv-offloading-backend needs --kv-offloading-size")
     if offload_size is not None:

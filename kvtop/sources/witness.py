@@ -27,6 +27,14 @@ def client_id(engine_id: str) -> str:
     return m.group(1) if m else engine_id
 
 
+def _limits(head: dict[str, Any]) -> dict[str, int]:
+    """The scheduler limits a witness header states (positive whole numbers only)."""
+    lim = head.get("limits")
+    if not isinstance(lim, dict):
+        return {}
+    return {str(k): v for k, v in lim.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
 class WitnessError(ValueError):
     """The file is not a witness file (one line, for the command to print)."""
 
@@ -47,6 +55,7 @@ class WitnessReader:
         self._ino: int | None = None
         self._buf = b""
         self._from_start = from_start
+        self._limits: dict[str, int] = {}  # a header's limits, for the next step read after it
 
     def _open(self, from_start: bool) -> bool:
         try:
@@ -63,6 +72,7 @@ class WitnessReader:
             f.close()
             raise WitnessError(f"{self.path}: not a kvtop witness file (its first line is no witness header)")
         self.header = head
+        self._limits = _limits(head)
         if not from_start:
             f.seek(0, os.SEEK_END)  # steps before the run began are not the run's
         self._f, self._ino, self._buf = f, st.st_ino, b""
@@ -104,6 +114,7 @@ class WitnessReader:
             d = json.loads(line)
             if "format" in d:  # a header line: a new file, or the engine restarted and appended
                 self.names.clear()
+                self._limits = _limits(d)
                 return None
             names = self.names
             for key in ("m", "n"):  # numbers of the requests in this file (kvtop.witness.steplog)
@@ -123,7 +134,9 @@ class WitnessReader:
                 [[n, str(x[1])] for x in d.get("fin", ()) if (n := name(x[0])) is not None],
                 [n for n in map(name, d.get("ab", ())) if n is not None],
                 [[n, int(x[1])] for x in d.get("rst", ()) if (n := name(x[0])) is not None],
+                self._limits,
             )
+            self._limits = {}
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
             if line.strip():
                 self.skipped += 1

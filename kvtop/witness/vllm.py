@@ -52,8 +52,18 @@ class _Witness:
         self._kvw_last_end = 0.0
         max_bytes = int(os.environ.get("KVTOP_WITNESS_MAX_BYTES", DEFAULT_MAX_BYTES))
         self._kvw = StepLog(path, "vllm", engine_version, max_bytes,
-                            {"scheduler": type(self).__mro__[2].__name__, "block_size": block_size})
+                            {"scheduler": type(self).__mro__[2].__name__, "block_size": block_size,
+                             "limits": self._kvw_limits()})
         log.info("kvtop witness: writing engine steps to %s", path)
+
+    def _kvw_limits(self) -> dict[str, int]:
+        """The limits this scheduler runs under, after vLLM's defaults were applied: what a prescription
+        changes, and what it must stay consistent with (a batch limit no larger than the token budget)."""
+        sc = getattr(self, "scheduler_config", None)
+        out = {"max_num_seqs": getattr(sc, "max_num_seqs", None),
+               "max_num_batched_tokens": getattr(sc, "max_num_batched_tokens", None),
+               "max_model_len": getattr(self, "max_model_len", None)}
+        return {k: v for k, v in out.items() if isinstance(v, int) and not isinstance(v, bool)}
 
     def _kvw_fail(self, e: BaseException) -> None:
         log.warning("kvtop witness: stopped after an error (%s: %s); vLLM runs on unwitnessed",

@@ -69,6 +69,9 @@ def test_the_engine_logs_under_vllms_own_warning_and_writes_its_header(witnessed
     srv, wfile = witnessed
     head = json.loads(wfile.read_text().splitlines()[0])
     assert head["format"] == "kvtop-witness" and head["engine_version"].startswith("0.32.")
+    # the limits its scheduler runs under, vLLM's defaults applied (the budget: its CPU default)
+    lim = head["limits"]
+    assert lim["max_num_seqs"] == servers.VLLM_MAX_NUM_SEQS and lim["max_num_batched_tokens"] >= lim["max_num_seqs"]
     assert "kvtop witness: writing engine steps to" in srv.log_tail(400) or "Using custom scheduler class" in srv.log_tail(400)
 
 
@@ -87,6 +90,9 @@ def test_steps_reach_the_trace_joined_to_every_proxied_stream(storm):
     recomputed = {q[0] for s in steps for q in s["reqs"] if q[3] > 0}
     assert set(preempted) <= recomputed
     assert all(0 <= s["end"] - s["t"] < 60 for s in steps)
+    # the first step the recorder read carries the engine's limits: the advisor's current settings
+    assert steps[0]["limits"]["max_num_seqs"] == servers.VLLM_MAX_NUM_SEQS
+    assert not any("limits" in s for s in steps[1:])
 
 
 def test_each_resume_says_what_the_engine_had_again_without_recompute(storm):
@@ -112,6 +118,9 @@ def test_the_verdict_prices_a_recompute_at_the_engines_own_prefill_rate(storm):
     pc, ert = rep["prefill_compute"], rep["engine_request_times"]
     print(f"\n[real-engines] prefill compute: {pc}; per-request rate {ert and ert['engine_prefill_tokens_per_s']}")
     assert pc is not None and pc["steps"] >= 3 and pc["tokens"] >= 1000
+    # the engine's own limits, from its witness, are the verdict's current settings
+    seqs = rep["verdict"]["numbers"]["max_seqs_current"]
+    assert (seqs["value"], seqs["note"]) == (servers.VLLM_MAX_NUM_SEQS, "the engine's witness")
     rate = rep["verdict"]["numbers"]["prefill_rate"]
     assert rate["source"] == "measured" and rate["value"] == pytest.approx(pc["tokens_per_s"], rel=1e-3)
     assert ert is not None and pc["tokens_per_s"] > 2 * ert["engine_prefill_tokens_per_s"]

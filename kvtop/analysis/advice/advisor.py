@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from kvtop.adapters.base import Setting
@@ -101,6 +102,10 @@ class _Flags:
         self.items = [f for f in self.items if f.setting != name]
         self.items.append(FlagSetting(name, flag, value, why))
         return True
+
+    def value(self, key: Setting) -> Any:
+        """The value this verdict gives a setting, None where it gives none."""
+        return next((f.value for f in self.items if f.setting == key), None)
 
     def set(self, key: Setting, value: Any, why: str) -> bool:
         """A generic setting, spelled by the engine's adapter (no flag when the engine is unknown)."""
@@ -438,9 +443,12 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
     slo = s.v("itl_slo")
     t_dec = s.v("decode_step")
     if P and slo and t_dec:
+        holds = s.budget_holds_decodes
         plan = chunking.plan_chunking(int(P), float(slo), float(t_dec), a, k_att,
                                       current_budget=s.v("batched_tokens_current"),
-                                      rate=s.v("long_prompt_rate"), ttft_slo_s=s.v("ttft_slo"))
+                                      rate=s.v("long_prompt_rate"), ttft_slo_s=s.v("ttft_slo"),
+                                      decodes=s.v("running_mean") if holds else None,
+                                      batch_peak=s.v("running_peak") if holds else None)
         s.n["unchunked_step"] = Num(plan.unchunked_step_s, "s", "derived", f"t_dec + prefill of {int(P)} tokens")
         s.n["current_worst_step"] = Num(plan.current_worst_step_s, "s", "derived")
         if plan.spike_share is not None:
@@ -449,8 +457,15 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                 reasons.append(f"{plan.spike_share:.2%} of each stream's ITL samples land on a "
                                f"{plan.current_worst_step_s * 1e3:.0f} ms step (> 1 %), so p99 ITL ≈ that step")
         s.n["chunk_rows"] = Num([{"budget": r.budget, "worst_step_s": round(r.worst_step_s, 5), "steps": r.steps,
-                                  "prefill_s": round(r.prefill_s, 5), "passes": r.passes} for r in plan.rows
+                                  "prefill_s": round(r.prefill_s, 5), "passes": r.passes,
+                                  "holds_batch": r.holds_batch} for r in plan.rows
                                  if r.budget <= 4096], "", "derived")
+        capped = [r for r in plan.rows if r.worst_step_s <= slo * (1 - chunking.DEFAULT_MARGIN) and not r.holds_batch]
+        if capped and (plan.budget is None or capped[0].budget > plan.budget):
+            reasons.append(f"a budget of {capped[0].budget} tokens keeps each step within the target, but this engine "
+                           f"counts decode tokens in it and holds no more sequences than it: it ran up to "
+                           f"{float(s.v('running_peak') or 0):.0f} at once (mean {float(s.v('running_mean') or 0):.0f}), "
+                           "so that budget would also cap the batch below the traffic")
         if plan.budget is not None:
             row = next(r for r in plan.rows if r.budget == plan.budget)
             s.n["chunk_budget"] = Num(plan.budget, "tokens/step", "derived",
@@ -472,6 +487,8 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                            "TTFT target does not judge (kvtop compare calls it a trade-off)")
         if plan.budget is None or plan.budget < int(P):
             _unthrottle_prefill(s, int(P), settings, reasons)
+        if plan.budget is not None and settings.value(Setting.BATCHED_TOKENS) == plan.budget:
+            _budget_holds_batch(s, settings)
         if plan.disaggregate:
             also.append("disaggregate")
             reasons.append("chunking cannot meet both the ITL and the TTFT target: disaggregate prefill/decode "
@@ -484,8 +501,38 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
         if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
             settings.set(Setting.BATCHED_TOKENS, 2048, "a common chunk size (long prompt length, decode step or "
                          "ITL target unknown: not derived); re-measure the ITL p99")
+            _budget_holds_batch(s, settings)
         conf = min(conf, 0.6)
     return action, conf
+
+
+def _budget_holds_batch(s: Situation, settings: _Flags) -> None:
+    """A token budget and a batch limit an engine whose budget counts decode tokens accepts together.
+
+    vLLM refuses to start with ``--max-num-seqs`` above ``--max-num-batched-tokens`` and, where no
+    ``--max-num-seqs`` is given, lowers its default to the budget: a budget alone is refused by a server
+    that sets a larger batch limit, and caps the batch of one that does not. The budget was chosen to
+    hold the batch the engine was seen running (``chunking.plan_chunking``); where the engine's batch
+    limit is known and larger, it is lowered to the budget with it, else the budget's why says so."""
+    if not s.budget_holds_decodes:
+        return
+    flag = next((f for f in settings.items if f.setting == Setting.BATCHED_TOKENS), None)
+    if flag is None or not isinstance(flag.value, int):
+        return
+    budget = flag.value
+    seqs_flag = s.settings_names.get(Setting.MAX_SEQS) or "the batch limit"
+    peak = s.v("running_peak")
+    ran = f"; the engine ran at most {float(peak):.0f} sequences at once" if peak is not None else ""
+    cur = s.v("max_seqs_current")
+    if cur is not None:
+        if float(cur) > budget:
+            settings.set(Setting.MAX_SEQS, budget,
+                         f"the engine refuses a token budget of {budget} below its {seqs_flag} of {float(cur):.0f}; "
+                         f"{budget} is the most sequences it then accepts{ran}")
+        return
+    note = (f"the engine refuses {seqs_flag} above {budget} and lowers its default to it: lower a larger "
+            f"{seqs_flag} to {budget} too{ran}")
+    settings.items = [replace(f, why=f"{f.why}; {note}") if f is flag else f for f in settings.items]
 
 
 def _unthrottle_prefill(s: Situation, P: int, settings: _Flags, reasons: list[str]) -> None:

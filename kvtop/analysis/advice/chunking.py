@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Round budgets an operator would set (the engine's own suggestions are powers of two and their
@@ -32,6 +33,7 @@ class BudgetRow:
     steps: int
     prefill_s: float
     passes: bool
+    holds_batch: bool = True  # False: an engine whose budget counts decodes could not run the observed batch
 
 
 @dataclass
@@ -71,13 +73,22 @@ def spike_share_steps(rate: float, steps: list[float], target: float, t_dec: flo
 
 def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float,
                   current_budget: int | None = None, rate: float | None = None,
-                  ttft_slo_s: float | None = None, margin: float = DEFAULT_MARGIN) -> ChunkPlan:
+                  ttft_slo_s: float | None = None, margin: float = DEFAULT_MARGIN,
+                  decodes: float | None = None, batch_peak: float | None = None) -> ChunkPlan:
+    """``decodes`` and ``batch_peak``: for an engine whose budget counts every scheduled token (vLLM
+    V1), the sequences decoding beside a chunk (the mean running batch) and the most it ran at once.
+    A chunk then gets the budget less the decodes, so a prompt takes more steps (its TTFT), and a
+    budget below the peak would cap the batch below the traffic (the engine holds at most that many
+    sequences): such a budget does not pass. The worst step is still priced with a whole-budget
+    chunk, as when few sequences decode."""
     limit = itl_slo_s * (1 - margin)
     rows = []
+    beside = math.ceil(decodes) if decodes else 0
     for B in LADDER:
-        steps = chunk_steps(P, B, t_dec, a, k_att)
-        worst = max(steps)
-        rows.append(BudgetRow(B, worst, len(steps), sum(steps), worst <= limit))
+        worst = max(chunk_steps(P, B, t_dec, a, k_att))
+        holds = (batch_peak is None or B >= batch_peak) and B - beside >= 1
+        steps = chunk_steps(P, B - beside, t_dec, a, k_att) if holds and beside else chunk_steps(P, B, t_dec, a, k_att)
+        rows.append(BudgetRow(B, worst, len(steps), sum(steps), worst <= limit and holds, holds))
     unchunked = t_step(0, P, t_dec, a, k_att)
     cur_steps = chunk_steps(P, current_budget, t_dec, a, k_att) if current_budget else [unchunked]
     best = next((r for r in rows if r.passes), None)

@@ -109,6 +109,7 @@ def situation(doc: dict[str, Any]) -> Situation:
             cls = load_adapter(s.engine)
             s.settings_names = {str(k): v for k, v in cls.settings.items()}
             s.preempts = bool(cls.preempts)
+            s.budget_holds_decodes = bool(cls.budget_holds_decodes)
         except PluginError as e:
             s.notes.append(f"engine settings not named: {e}")
     geo, key = _geometry(doc)
@@ -221,6 +222,8 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["kv_usage"] = Num(float(ob["kv_usage"]), "", "given")
     if "running" in ob:
         n["running_mean"] = Num(float(ob["running"]), "sequences", "given")
+    if "running_peak" in ob:
+        n["running_peak"] = Num(float(ob["running_peak"]), "sequences", "given")
     if ob.get("decode_curve"):
         n["decode_curve"] = Num([{k: float(v) for k, v in p.items()} for p in ob["decode_curve"]], "", "given",
                                 "the engine's mean step and generated tokens/s per running batch")
@@ -341,6 +344,7 @@ _FROM_REPORT = (
     ("miss_rate", "observed", "miss_rate", 1.0),
     ("kv_usage_max", "observed", "kv_usage", 1.0),
     ("running_mean", "observed", "running", 1.0),
+    ("running_peak", "observed", "running_peak", 1.0),
     ("preemptions", "observed", "preemptions", 1.0),
     ("waiting", "observed", "waiting", 1.0),
     ("gaps", "observed", "gaps", 1.0),

@@ -42,6 +42,7 @@ class Situation:
     engine: str | None = None
     preempts: bool = True
     settings_names: dict[str, str] = field(default_factory=dict)
+    budget_holds_decodes: bool = False  # the adapter's ``budget_holds_decodes`` (vLLM V1)
     # diagnosis
     cause: str | None = None  # dominant cause of ITL misses, None = no misses observed
     cause_shares: dict[str, float] = field(default_factory=dict)
