@@ -183,14 +183,31 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
 
 # The prefill-interference loop: the tier's prefill server (16 MiB of KV: nothing is preempted) with a
 # token budget that holds a whole 1,566-token prompt in one step, so every prompt stalls the decoding
-# streams for one long step.
-UNCHUNKED = ("--max-num-batched-tokens", "2048")
+# streams for one long step, and the batch limit vLLM gives a CPU server that sets none (128), above
+# any budget that splits the prompts: vLLM refuses to start with --max-num-batched-tokens below
+# --max-num-seqs, so a budget printed alone would not start the engine after the change. The
+# recording runs kvtop's witness, which states the limits the engine runs under.
+UNCHUNKED = ("--max-num-batched-tokens", "2048", "--max-num-seqs", "128")
 # The contract the loop is judged at: 100 ms, or on a box whose engine prefills too slowly for the
 # smallest round budget (64 tokens) to keep a step 10 % under it, the next of these that it can. A local
 # CI run (2026-12-06) measured 559 and then 831 prompt tokens/s where the loop was written at 1,447: a
 # 64-token chunk beside the 13 ms decode step took about 91 ms, and the advisor rightly prescribed no
 # budget at 100 ms (disaggregate) on two recordings in a row.
 TARGETS_MS = (100, 150, 200)
+
+
+def test_the_engine_refuses_a_budget_below_its_batch_limit(vllm_install):
+    """Why the prefill loop's prescription carries --max-num-seqs (the vLLM adapter's
+    ``budget_holds_decodes``): this vLLM will not start with --max-num-batched-tokens 64 beside the
+    --max-num-seqs 128 the loop's server runs; a vLLM that stops refusing fails here first."""
+    py, model = vllm_install
+    srv = servers.vllm_server(py, model, extra=UNCHUNKED + ("--max-num-batched-tokens", "64"))
+    try:
+        with pytest.raises(servers.EngineSetupError) as e:
+            srv.start(timeout=180)
+        assert "max_num_batched_tokens (64) must be greater than or equal to max_num_seqs (128)" in str(e.value)
+    finally:
+        servers.cleanup(srv)
 
 
 def _flags(src, target_ms: int) -> list[str]:
@@ -205,7 +222,9 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
     ps = witness_workloads.PREFILL_SERVER
     out: dict = {}
     src = trace_dir / "prefill-loop-source.jsonl"
-    srv = servers.vllm_server(py, model, kv_bytes=ps["kv_bytes"], max_model_len=ps["max_model_len"], extra=UNCHUNKED)
+    wfile = trace_dir / "prefill-loop-witness.jsonl"
+    srv = servers.vllm_server(py, model, kv_bytes=ps["kv_bytes"], max_model_len=ps["max_model_len"], extra=UNCHUNKED,
+                              witness=wfile)
     try:
         srv.start()
         # A recording made while the box was busy elsewhere is run once more: with one core taken by a
@@ -215,7 +234,7 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
         for attempt in range(2):
             # the second recording replaces the first (--force), with prompts the engine has not seen:
             # the first set sits in its prefix cache (1,500-token prompts then took 5-23 ms, no stall)
-            with Recorder(src, srv.url, extra=("--force",)) as rec:
+            with Recorder(src, srv.url, extra=("--force", "--witness", str(wfile))) as rec:
                 time.sleep(1.0)
                 witness_workloads.prefill_heavy(rec.proxy_url, servers.VLLM_MODEL_NAME, fresh=attempt)
                 time.sleep(2.0)
@@ -260,9 +279,15 @@ def test_the_advisor_chunks_the_long_prompts(prefill_loop):
     v = prefill_loop["verdict"]
     assert v["action"] == "chunked_prefill", v["action"]
     flags = prefill_loop["flags"]
-    assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) == 2, flags
+    assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) == 4, flags
     budget = int(flags[1])
     assert budget in chunking.LADDER and budget < 1498, budget  # the shortest long prompt is 1,498 tokens
+    # the engine ran --max-num-seqs 128, as its witness said: the batch limit comes down to the budget
+    # with it (the engine restarted with both flags started: the fixture's `after` replays ran on it),
+    # still above the most sequences the recording ran at once
+    assert flags[2:] == ["--max-num-seqs", str(budget)], flags
+    assert v["numbers"]["max_seqs_current"]["value"] == 128
+    assert v["numbers"]["running_peak"]["value"] <= budget
     assert v["numbers"]["chunk_worst_step"]["value"] <= 0.9 * prefill_loop["target_ms"] / 1e3
 
 
