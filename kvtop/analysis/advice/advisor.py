@@ -462,10 +462,12 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                                  if r.budget <= 4096], "", "derived")
         capped = [r for r in plan.rows if r.worst_step_s <= slo * (1 - chunking.DEFAULT_MARGIN) and not r.holds_batch]
         if capped and (plan.budget is None or capped[0].budget > plan.budget):
+            peak, mean = s.v("running_peak"), s.v("running_mean")
+            ran = " and ".join(([f"up to {float(peak):.0f} at once"] if peak is not None else [])
+                               + ([f"{float(mean):.0f} on average"] if mean is not None else []))
             reasons.append(f"a budget of {capped[0].budget} tokens keeps each step within the target, but this engine "
-                           f"counts decode tokens in it and holds no more sequences than it: it ran up to "
-                           f"{float(s.v('running_peak') or 0):.0f} at once (mean {float(s.v('running_mean') or 0):.0f}), "
-                           "so that budget would also cap the batch below the traffic")
+                           f"counts decode tokens in it and holds no more sequences than it: it ran {ran}, so that "
+                           "budget would also cap the batch below the traffic")
         if plan.budget is not None:
             row = next(r for r in plan.rows if r.budget == plan.budget)
             s.n["chunk_budget"] = Num(plan.budget, "tokens/step", "derived",
