@@ -52,6 +52,13 @@ class TgiAdapter(EngineAdapter):
         Setting.MAX_INPUT_TOKENS: "--max-input-tokens",
         Setting.GPU_MEMORY: "--cuda-memory-fraction",
     }
+    # backends/v3/src/main.rs (TGI 3.3): the router refuses to start otherwise; whether TGI chunks
+    # prefills depends on its attention backend, which no metric names
+    setting_notes = {
+        Setting.BATCHED_TOKENS: "TGI refuses a --max-batch-prefill-tokens below --max-input-tokens unless it chunks "
+                                "prefills (its flashinfer or flashdecoding attention backends), and one above "
+                                "--max-batch-total-tokens",
+    }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:

@@ -55,6 +55,19 @@ def test_a_chunk_gets_what_the_decodes_leave_of_the_budget():
     assert not any("--max-running-requests" in f["why"] for f in w["settings"])
 
 
+def test_a_budget_for_tgi_says_what_tgi_refuses():
+    """TGI 3.3's router will not start with a prefill budget below --max-input-tokens unless its
+    attention backend chunks prefills, which nothing kvtop reads names: the budget's why says so."""
+    doc = copy.deepcopy(S5)
+    doc["engine"] = "tgi"
+    v = judge(doc)
+    assert flags(v) == {"--max-batch-prefill-tokens": 1024}
+    why = v["settings"][0]["why"]
+    assert why.startswith("a 12000-token prompt in steps of 1024 tokens")
+    assert why.endswith("TGI refuses a --max-batch-prefill-tokens below --max-input-tokens unless it chunks prefills "
+                        "(its flashinfer or flashdecoding attention backends), and one above --max-batch-total-tokens")
+
+
 def test_a_budget_below_the_batch_the_engine_ran_is_not_prescribed():
     """At a 30 ms target only a 64-token budget keeps the step 10 % under it; the engine ran up to 180
     sequences at once, which vLLM would no longer hold: no budget, and the reason says why."""

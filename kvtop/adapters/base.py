@@ -106,6 +106,9 @@ class EngineAdapter(ABC):
     # ``--max-num-seqs`` above ``--max-num-batched-tokens`` and lowers its default to it). False
     # where the budget is the prompt chunk's alone (SGLang's ``--chunked-prefill-size``).
     budget_holds_decodes: ClassVar[bool] = False
+    # What the engine requires of a setting's value that kvtop cannot check from outside, in a few
+    # words; the advisor adds it to the reason of every value it prescribes for that setting.
+    setting_notes: ClassVar[dict[Setting, str]] = {}
     # Extra HTTP paths (besides /metrics) the scraper should GET and hand to ``parse_extra``.
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).

@@ -15,6 +15,7 @@ class EngineSemantics(NamedTuple):
     counted_at: str | None  # when its preemption counter steps: "resume", "retract", None (not stated)
     in_order: bool  # it admits prompts in arrival order within a request class (``admits_in_order``)
     budget_holds_decodes: bool  # its token budget counts decode tokens too (``budget_holds_decodes``)
+    setting_notes: dict[str, str]  # what it requires of a setting's value (``setting_notes``)
     warning: str | None  # why the adapter could not be read
 
 
@@ -23,12 +24,13 @@ def engine_semantics(name: str | None) -> EngineSemantics:
     the victim is scheduled again), "retract" (SGLang) or None (not stated: any step near the stall
     counts)."""
     if not name:
-        return EngineSemantics(True, {}, None, False, False, None)
+        return EngineSemantics(True, {}, None, False, False, {}, None)
     try:
         cls = load_adapter(name)
     except PluginError as e:
-        return EngineSemantics(True, {}, None, False, False, f"engine-specific settings unavailable: {e}")
+        return EngineSemantics(True, {}, None, False, False, {}, f"engine-specific settings unavailable: {e}")
     counted = cls.preempt_counted_at
     settings: dict[str, str] = {k: v for k, v in cls.settings.items()}
     return EngineSemantics(bool(cls.preempts), settings, counted if counted in ("resume", "retract") else None,
-                           bool(cls.admits_in_order), bool(cls.budget_holds_decodes), None)
+                           bool(cls.admits_in_order), bool(cls.budget_holds_decodes),
+                           {str(k): v for k, v in cls.setting_notes.items()}, None)

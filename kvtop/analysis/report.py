@@ -116,7 +116,9 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     _size_link_host(st, s, model_config, dtype, tp)
     s.engine = engine
     s.settings_names = dict(settings_names or {})
-    s.budget_holds_decodes = bool(an.semantics and an.semantics.budget_holds_decodes)
+    if an.semantics is not None:
+        s.budget_holds_decodes = an.semantics.budget_holds_decodes
+        s.setting_notes = dict(an.semantics.setting_notes)
     basis = "requests" if st.token_records else "aggregate"
     if basis == "requests":
         by_cause = dict(st.cause_counts)

@@ -100,7 +100,8 @@ class _Flags:
             self.reasons.append(f"{flag or name} {value} is the engine's current setting: not a change, not emitted")
             return False
         self.items = [f for f in self.items if f.setting != name]
-        self.items.append(FlagSetting(name, flag, value, why))
+        note = self.s.setting_notes.get(name)
+        self.items.append(FlagSetting(name, flag, value, f"{why}; {note}" if note else why))
         return True
 
     def value(self, key: Setting) -> Any:

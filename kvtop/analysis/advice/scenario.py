@@ -110,6 +110,7 @@ def situation(doc: dict[str, Any]) -> Situation:
             s.settings_names = {str(k): v for k, v in cls.settings.items()}
             s.preempts = bool(cls.preempts)
             s.budget_holds_decodes = bool(cls.budget_holds_decodes)
+            s.setting_notes = {str(k): v for k, v in cls.setting_notes.items()}
         except PluginError as e:
             s.notes.append(f"engine settings not named: {e}")
     geo, key = _geometry(doc)

@@ -43,6 +43,7 @@ class Situation:
     preempts: bool = True
     settings_names: dict[str, str] = field(default_factory=dict)
     budget_holds_decodes: bool = False  # the adapter's ``budget_holds_decodes`` (vLLM V1)
+    setting_notes: dict[str, str] = field(default_factory=dict)  # the adapter's ``setting_notes``
     # diagnosis
     cause: str | None = None  # dominant cause of ITL misses, None = no misses observed
     cause_shares: dict[str, float] = field(default_factory=dict)
