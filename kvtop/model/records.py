@@ -196,8 +196,9 @@ class StepRecord:
     # per resumed request: [id, positions the engine had again without computing them (its prefix
     # cache's blocks, or a KV connector's load)]; absent where the witness did not say
     restored: list[list[Any]] = field(default_factory=list)
-    # on the first step the witness logged after the engine (re)started: the limits its scheduler runs
-    # under, vLLM's defaults applied (max_num_seqs, max_num_batched_tokens, max_model_len)
+    # on the first step read after each witness header (the engine started, or its file rolled over):
+    # the limits its scheduler runs under, vLLM's defaults applied (max_num_seqs,
+    # max_num_batched_tokens, max_model_len)
     limits: dict[str, int] = field(default_factory=dict)
 
 
