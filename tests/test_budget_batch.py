@@ -161,6 +161,9 @@ def test_the_real_engines_stated_limits_make_the_budget_one_it_accepts(tmp_path:
     v = _advise(_with_limits(tmp_path, {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": 1024}))
     assert flags(v) == {"--max-num-batched-tokens": 64}
     assert "lowers its default" not in v["settings"][0]["why"]
+    # limits no engine runs under are no current setting
+    v = _advise(_with_limits(tmp_path, {"max_num_seqs": -3, "max_num_batched_tokens": "64", "max_model_len": True}))
+    assert not {"max_seqs_current", "batched_tokens_current", "max_model_len_current"} & set(v["numbers"])
     # the printed pair starts the simulated engine as vLLM would start
     r = run_kvtop("simulate", "--preset", "healthy", "--duration", "1", "-o", str(tmp_path / "s.jsonl"),
                   "--engine-flags", "--max-num-batched-tokens 64 --max-num-seqs 64")

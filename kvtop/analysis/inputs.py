@@ -256,7 +256,7 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                            ("max_model_len", "max_model_len_current", "tokens")):
         for src, note in ((acc.engine_limits, "the engine's witness"), (sim, "trace header")):
             v = src.get(key)
-            if isinstance(v, int) and not isinstance(v, bool):
+            if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 53:
                 n[dst] = Num(v, unit, "measured", note)
                 break
     if acc.running_n:
