@@ -61,6 +61,10 @@ class LlamaCppAdapter(EngineAdapter):
         }
     )
     preempts = False
+    # update_slots() puts every generating slot's sampled token into the batch first and fills the
+    # rest of --batch-size with prompt tokens (tools/server/server-context.cpp); the tier's build
+    # aborts at start with --batch-size below --parallel (GGML_ASSERT n_outputs_max)
+    budget_holds_decodes = True
     extra_paths = ("/slots",)
     settings = {
         Setting.PARALLEL: "--parallel",
@@ -157,6 +161,8 @@ class LlamaCppAdapter(EngineAdapter):
         if idle_cached:
             info["idle_cached_tokens"] = idle_cached
         rec.extra["slots"] = info
+        if n_ctx:
+            rec.limits["max_num_seqs"] = len(n_ctx)  # one slot per --parallel
         if cap:
             rec.kv_capacity_tokens = cap
         if unknown:

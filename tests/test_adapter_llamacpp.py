@@ -68,6 +68,8 @@ def test_busy_slots_kv_usage_is_held_over_context():
     assert r.kv_usage == pytest.approx((300 + 100) / 2048)
     s = r.extra["slots"]
     assert (s["processing"], s["held_tokens"], s["decoded_tokens"], s["idle_cached_tokens"]) == (2, 400, 130, 250)
+    # one slot per --parallel: the batch limit the server runs under, for the advisor
+    assert r.limits == {"max_num_seqs": 4}
 
 
 def test_readme_shaped_slot_without_prompt_count_gives_no_kv_usage():
@@ -145,5 +147,6 @@ def test_garbled_page_gives_partial_data_and_warning():
 def test_contract_attributes():
     a = LlamaCppAdapter
     assert a.preempts is False and a.extra_paths == ("/slots",)
+    assert a.budget_holds_decodes is True  # decodes first in --batch-size, which must hold --parallel
     assert a.settings["parallel"] == "--parallel" and a.settings["ctx"] == "-c"
     assert "preemptions_total" not in a.fields

@@ -55,6 +55,21 @@ def test_a_chunk_gets_what_the_decodes_leave_of_the_budget():
     assert not any("--max-running-requests" in f["why"] for f in w["settings"])
 
 
+def test_llamacpp_batch_holds_its_slots_decodes_and_its_parallel_comes_down_with_it():
+    """llama-server fills --batch-size with every generating slot's token first, then prompt tokens,
+    and aborts at start with --batch-size below --parallel (the tier checks its build does)."""
+    doc = copy.deepcopy(S5)
+    doc["engine"] = "llamacpp"
+    doc["observed"].update(running=3, running_peak=4)
+    doc["engine_settings"] = {"max_num_seqs": 128}
+    doc["slo"]["itl_ms"] = 30
+    v = judge(doc)
+    assert flags(v) == {"--batch-size": 64, "--parallel": 64}
+    assert _rows(v)[64]["steps"] == 197  # ceil(12000 / (64 - 3))
+    why = next(f["why"] for f in v["settings"] if f["flag"] == "--parallel")
+    assert why.startswith("the engine will not start with a token budget of 64 below its --parallel of 128")
+
+
 def test_a_budget_for_tgi_says_what_tgi_refuses():
     """TGI 3.3's router will not start with a prefill budget below --max-input-tokens unless its
     attention backend chunks prefills, which nothing kvtop reads names: the budget's why says so."""
@@ -93,15 +108,15 @@ def test_a_larger_batch_limit_is_lowered_to_the_budget_with_it():
     v = judge(doc)
     assert flags(v) == {"--max-num-batched-tokens": 1024, "--max-num-seqs": 1024}
     why = next(f["why"] for f in v["settings"] if f["flag"] == "--max-num-seqs")
-    assert why.startswith("the engine refuses a token budget of 1024 below its --max-num-seqs of 2048")
+    assert why.startswith("the engine will not start with a token budget of 1024 below its --max-num-seqs of 2048")
     assert "ran at most 180 sequences at once" in why
     # one already within the budget needs nothing
     doc["engine_settings"]["max_num_seqs"] = 256
     assert flags(judge(doc)) == {"--max-num-batched-tokens": 1024}
     # not known: the budget says what to check
     v = judge(copy.deepcopy(S5))
-    assert ("the engine refuses --max-num-seqs above 1024 and lowers its default to it: lower a larger "
-            "--max-num-seqs to 1024 too; the engine ran at most 180 sequences at once") in v["settings"][0]["why"]
+    assert ("the engine will not start with --max-num-seqs above 1024: lower a larger one to 1024 too; the engine "
+            "ran at most 180 sequences at once") in v["settings"][0]["why"]
 
 
 def test_the_simulator_refuses_the_pair_vllm_refuses():
@@ -160,7 +175,7 @@ def test_the_real_engines_stated_limits_make_the_budget_one_it_accepts(tmp_path:
     assert v["numbers"]["running_peak"]["value"] == 5  # the engine's running gauge over the recording
     v = _advise(_with_limits(tmp_path, {"max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": 1024}))
     assert flags(v) == {"--max-num-batched-tokens": 64}
-    assert "lowers its default" not in v["settings"][0]["why"]
+    assert "will not start" not in v["settings"][0]["why"]
     # limits no engine runs under are no current setting
     v = _advise(_with_limits(tmp_path, {"max_num_seqs": -3, "max_num_batched_tokens": "64", "max_model_len": True}))
     assert not {"max_seqs_current", "batched_tokens_current", "max_model_len_current"} & set(v["numbers"])

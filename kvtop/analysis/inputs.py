@@ -17,6 +17,7 @@ from kvtop.analysis.advice.kvbytes import Geometry, geometry_from_config, kv_byt
 from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.attribution import Cause
 from kvtop.analysis.state import AnalysisState
+from kvtop.analysis.tally import Tally
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
 MIN_COMPUTE_STEPS = 3  # witnessed prompt/recompute steps a measured prefill rate needs
@@ -64,6 +65,20 @@ def _peak_overlap(spans: list[tuple[float, float]]) -> int:
         cur += d
         peak = max(peak, cur)
     return peak
+
+
+def _scraped_limits(acc: Tally) -> dict[str, Any]:
+    """The limits the engines' own interfaces stated at their latest scrape (``EngineRecord.limits``);
+    with several engines, the largest of each (a prescription must hold on every one)."""
+    out: dict[str, Any] = {}
+    for last in acc.engine_last.values():
+        lim = last.get("limits")
+        if not isinstance(lim, dict):
+            continue
+        for k, v in lim.items():
+            if isinstance(v, int) and not isinstance(v, bool) and (k not in out or v > out[k]):
+                out[k] = v
+    return out
 
 
 def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = None, kv_bytes: float | None = None,
@@ -254,7 +269,8 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
     for key, dst, unit in (("max_num_seqs", "max_seqs_current", "sequences"),
                            ("max_num_batched_tokens", "batched_tokens_current", "tokens"),
                            ("max_model_len", "max_model_len_current", "tokens")):
-        for src, note in ((acc.engine_limits, "the engine's witness"), (sim, "trace header")):
+        for src, note in ((acc.engine_limits, "the engine's witness"), (_scraped_limits(acc), "the engine's scrapes"),
+                          (sim, "trace header")):
             v = src.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 53:
                 n[dst] = Num(v, unit, "measured", note)

@@ -134,6 +134,9 @@ class EngineRecord:
     version: str | None = None
     warnings: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the limits the engine runs under where its interfaces say them, by the names a witness step
+    # uses (``max_num_seqs``: llama.cpp's slot count from /slots)
+    limits: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -211,7 +211,7 @@ def vllm_server(python: Path, model_dir: Path, port: int | None = None, workdir:
 
 
 def llama_server(binary: Path, model: Path, port: int | None = None, ctx: int = 2048, parallel: int = 4,
-                 unified_kv: bool = False, workdir: Path | None = None) -> Server:
+                 unified_kv: bool = False, workdir: Path | None = None, extra: tuple[str, ...] = ()) -> Server:
     port = port or free_port()
     wd = workdir or private_dir("llamacpp-")
     cmd = [
@@ -220,6 +220,7 @@ def llama_server(binary: Path, model: Path, port: int | None = None, ctx: int = 
     ]
     if unified_kv:
         cmd.append("-kvu")
+    cmd += extra
     env = dict(os.environ)
     env["TMPDIR"] = str(wd)
     return Server("llama-server", cmd, env, port, "/health", wd)

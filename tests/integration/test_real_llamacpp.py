@@ -128,6 +128,29 @@ def test_long_prompt_stalls_every_decoding_stream_as_prefill_interference(llama,
         assert longest["cause"] == "prefill_interference", longest
     assert all(s["cause"] != "preemption" for s in during)  # llama.cpp never preempts
     assert kvtop_run.cause_count(report, "preemption") == 0
+    # the server's slots (--parallel 4) are its batch limit, read from /slots: a --batch-size the
+    # advisor prints holds them
+    cur = report["verdict"]["numbers"]["max_seqs_current"]
+    assert (cur["value"], cur["note"]) == (4, "the engine's scrapes")
+    batch = next((f["value"] for f in report["verdict"]["settings"] if f["flag"] == "--batch-size"), None)
+    assert batch is None or batch >= 4, report["verdict"]["settings"]
+
+
+def test_the_server_will_not_start_with_a_batch_below_its_slots(llamacpp_install):
+    """Why the llama.cpp adapter says ``budget_holds_decodes``: every generating slot's token goes into
+    the --batch-size batch, and this build aborts at start when the batch cannot hold --parallel's."""
+    binary, model = llamacpp_install
+    srv = servers.llama_server(binary, model, parallel=8, extra=("--batch-size", "4", "--ubatch-size", "4"))
+    try:
+        with pytest.raises(servers.EngineSetupError):
+            srv.start(timeout=60)
+    finally:
+        servers.cleanup(srv)
+    ok = servers.llama_server(binary, model, parallel=8, extra=("--batch-size", "8", "--ubatch-size", "8"))
+    try:
+        ok.start(timeout=60)
+    finally:
+        servers.cleanup(ok)
 
 
 def test_unified_kv_exhaustion_aborts_streams_as_errors(llamacpp_install, trace_dir):

@@ -512,11 +512,12 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
 def _budget_holds_batch(s: Situation, settings: _Flags) -> None:
     """A token budget and a batch limit an engine whose budget counts decode tokens accepts together.
 
-    vLLM refuses to start with ``--max-num-seqs`` above ``--max-num-batched-tokens`` and, where no
-    ``--max-num-seqs`` is given, lowers its default to the budget: a budget alone is refused by a server
-    that sets a larger batch limit, and caps the batch of one that does not. The budget was chosen to
-    hold the batch the engine was seen running (``chunking.plan_chunking``); where the engine's batch
-    limit is known and larger, it is lowered to the budget with it, else the budget's why says so."""
+    vLLM refuses to start with ``--max-num-seqs`` above ``--max-num-batched-tokens`` (and, where none
+    is given, lowers its default to the budget, capping the batch); llama.cpp's server aborts with
+    ``--parallel`` above ``--batch-size``: a budget alone does not start a server whose batch limit
+    is larger. The budget was chosen to hold the batch the engine was seen running
+    (``chunking.plan_chunking``); where the engine's batch limit is known and larger, it is lowered to
+    the budget with it, else the budget's why says so."""
     if not s.budget_holds_decodes:
         return
     flag = next((f for f in settings.items if f.setting == Setting.BATCHED_TOKENS), None)
@@ -530,11 +531,10 @@ def _budget_holds_batch(s: Situation, settings: _Flags) -> None:
     if cur is not None:
         if float(cur) > budget:
             settings.set(Setting.MAX_SEQS, budget,
-                         f"the engine refuses a token budget of {budget} below its {seqs_flag} of {float(cur):.0f}; "
-                         f"{budget} is the most sequences it then accepts{ran}")
+                         f"the engine will not start with a token budget of {budget} below its {seqs_flag} of "
+                         f"{float(cur):.0f}; {budget} is the most sequences it then accepts{ran}")
         return
-    note = (f"the engine refuses {seqs_flag} above {budget} and lowers its default to it: lower a larger "
-            f"{seqs_flag} to {budget} too{ran}")
+    note = f"the engine will not start with {seqs_flag} above {budget}: lower a larger one to {budget} too{ran}"
     settings.items = [replace(f, why=f"{f.why}; {note}") if f is flag else f for f in settings.items]
 
 
