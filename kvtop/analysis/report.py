@@ -117,8 +117,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     s.engine = engine
     s.settings_names = dict(settings_names or {})
     if an.semantics is not None:
-        s.budget_holds_decodes = an.semantics.budget_holds_decodes
-        s.setting_notes = dict(an.semantics.setting_notes)
+        s.use_engine(an.semantics)
     basis = "requests" if st.token_records else "aggregate"
     if basis == "requests":
         by_cause = dict(st.cause_counts)

@@ -59,6 +59,7 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
     offload_size: float | None = None
     kv_bytes: int | None = None
     backend = False
+    batch_given = False  # the flags set the batch limit or the token budget
     i = 0
     while i < len(words):
         w = words[i]
@@ -74,9 +75,11 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
             i += 1
         if flag == "--max-num-seqs":
             eng.max_num_seqs = _int(flag, val)
+            batch_given = True
         elif flag == "--max-num-batched-tokens":
             eng.max_num_batched_tokens = _int(flag, val)
             eng.chunked_prefill = True
+            batch_given = True
         elif flag == "--max-model-len":
             eng.max_model_len = _int(flag, val)
         elif flag == "--kv-offloading-size":
@@ -104,8 +107,7 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
             raise WorkloadError(f"--engine-flags: {flag} has no simulated counterpart")
     if kv_bytes is not None:
         eng.num_gpu_blocks = kv_bytes // eng.block_bytes
-    if eng.max_num_batched_tokens < eng.max_num_seqs and any(
-            w.partition("=")[0] in ("--max-num-seqs", "--max-num-batched-tokens") for w in words):
+    if batch_given and eng.max_num_batched_tokens < eng.max_num_seqs:
         # vLLM's SchedulerConfig refuses the same pair at start-up: every running sequence's decode
         # token is taken from the budget
         raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) must be at "

@@ -461,7 +461,7 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                                   "prefill_s": round(r.prefill_s, 5), "passes": r.passes,
                                   "holds_batch": r.holds_batch} for r in plan.rows
                                  if r.budget <= 4096], "", "derived")
-        capped = [r for r in plan.rows if r.worst_step_s <= slo * (1 - chunking.DEFAULT_MARGIN) and not r.holds_batch]
+        capped = [r for r in plan.rows if r.fits_step and not r.holds_batch]
         if capped and (plan.budget is None or capped[0].budget > plan.budget):
             peak, mean = s.v("running_peak"), s.v("running_mean")
             ran = " and ".join(([f"up to {float(peak):.0f} at once"] if peak is not None else [])

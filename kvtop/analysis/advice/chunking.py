@@ -32,8 +32,12 @@ class BudgetRow:
     worst_step_s: float
     steps: int
     prefill_s: float
-    passes: bool
+    fits_step: bool  # the worst step stays the margin under the target
     holds_batch: bool = True  # False: an engine whose budget counts decodes could not run the observed batch
+
+    @property
+    def passes(self) -> bool:
+        return self.fits_step and self.holds_batch
 
 
 @dataclass
@@ -87,8 +91,8 @@ def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float
     for B in LADDER:
         worst = max(chunk_steps(P, B, t_dec, a, k_att))
         holds = (batch_peak is None or B >= batch_peak) and B - beside >= 1
-        steps = chunk_steps(P, B - beside, t_dec, a, k_att) if holds and beside else chunk_steps(P, B, t_dec, a, k_att)
-        rows.append(BudgetRow(B, worst, len(steps), sum(steps), worst <= limit and holds, holds))
+        steps = chunk_steps(P, B - beside if holds else B, t_dec, a, k_att)
+        rows.append(BudgetRow(B, worst, len(steps), sum(steps), worst <= limit, holds))
     unchunked = t_step(0, P, t_dec, a, k_att)
     cur_steps = chunk_steps(P, current_budget, t_dec, a, k_att) if current_budget else [unchunked]
     best = next((r for r in rows if r.passes), None)

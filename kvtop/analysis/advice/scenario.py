@@ -103,16 +103,14 @@ def situation(doc: dict[str, Any]) -> Situation:
     n = s.n
     if s.engine:
         # the adapter registry (entry points) only for a scenario that names its engine
-        from kvtop.plugin import PluginError, load_adapter
+        from kvtop.analysis.engines import engine_semantics
 
-        try:
-            cls = load_adapter(s.engine)
-            s.settings_names = {str(k): v for k, v in cls.settings.items()}
-            s.preempts = bool(cls.preempts)
-            s.budget_holds_decodes = bool(cls.budget_holds_decodes)
-            s.setting_notes = {str(k): v for k, v in cls.setting_notes.items()}
-        except PluginError as e:
-            s.notes.append(f"engine settings not named: {e}")
+        sem = engine_semantics(s.engine)
+        if sem.warning:
+            s.notes.append(sem.warning)
+        else:
+            s.use_engine(sem)
+            s.preempts = sem.preempts
     geo, key = _geometry(doc)
     dtype = doc.get("kv_dtype", "bf16")
     tp = int(doc.get("tp", 1))

@@ -8,11 +8,14 @@ read one type without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtop.analysis.advice.costmodel import Victim
 from kvtop.analysis.advice.kvbytes import KVSize
 from kvtop.model.analysis import Number
+
+if TYPE_CHECKING:
+    from kvtop.analysis.engines import EngineSemantics
 
 # `kvtop analyze` scales an aggregate-only attribution's confidence by this; a saved scenario
 # carries the scaled figure so that `kvtop advise` gives the same confidence
@@ -68,6 +71,13 @@ class Situation:
     deficit_bytes: float | None = None
     prefix: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+
+    def use_engine(self, sem: EngineSemantics) -> None:
+        """What the engine's adapter says the advisor must respect: its flags, whether its token budget
+        holds the decodes, what it requires of a value."""
+        self.settings_names = dict(sem.settings)
+        self.budget_holds_decodes = sem.budget_holds_decodes
+        self.setting_notes = dict(sem.setting_notes)
 
     def v(self, key: str) -> Any:
         x = self.n.get(key)
