@@ -93,6 +93,9 @@ class SglangAdapter(EngineAdapter):
         Setting.OFFLOAD_RATIO: "--hicache-ratio",
         Setting.CTX: "--context-length",  # bounds prompt + output of one request
     }
+    # its model card states the context length it serves, --context-length or the model's own
+    # (python/sglang/srt/entrypoints/http_server.py, ``available_models``)
+    limits_path = "/v1/models"
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:

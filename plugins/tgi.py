@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import json
 
-from kvtop.adapters import EngineAdapter, Page, Setting, as_int, counter_names, prefix_score, read_page
+from kvtop.adapters import (
+    EngineAdapter,
+    Page,
+    Setting,
+    as_int,
+    counter_names,
+    positive_whole,
+    prefix_score,
+    read_page,
+)
 from kvtop.model.records import EngineRecord
 
 P = "tgi_"
@@ -27,6 +36,10 @@ ITL_NOTE = (
     "TGI exports a per-request MEAN time per output token (tgi_request_mean_time_per_token_duration), "
     "not inter-token gaps: its tail hides stalls; stalls are visible only per stream (proxy/probe)"
 )
+# the limits /info states (router/src/lib.rs ``Info``), by the names ``EngineRecord.limits`` uses:
+# --max-total-tokens bounds one request's prompt + output as vLLM's --max-model-len does;
+# --max-batch-size is stated by TGI 1.x-2.x only where it was given
+_INFO_LIMITS = {"max_model_len": "max_total_tokens", "max_num_seqs": "max_batch_size"}
 NO_PREEMPT_NOTE = "TGI never preempts a running request: KV pressure shows as tgi_queue_size and queue time"
 
 
@@ -136,6 +149,10 @@ class TgiAdapter(EngineAdapter):
                 r.model = info["model_id"]
             if isinstance(info.get("version"), str):
                 r.version = info["version"]
-            mbt = info.get("max_batch_total_tokens")
-            if r.kv_capacity_tokens is None and isinstance(mbt, int) and not isinstance(mbt, bool) and 0 < mbt < 1 << 53:
+            mbt = positive_whole(info.get("max_batch_total_tokens"))  # TGI 1.x-2.x
+            if r.kv_capacity_tokens is None and mbt is not None:
                 r.kv_capacity_tokens = mbt
+            for key, name in _INFO_LIMITS.items():
+                v = positive_whole(info.get(name))
+                if v is not None:
+                    r.limits.setdefault(key, v)

@@ -73,6 +73,8 @@ class VllmAdapter(EngineAdapter):
     # above it (docs/engines.md)
     budget_holds_decodes = True
     version_path = "/version"  # {"version": "0.32.0"}: the advisor picks the flags of that version
+    # its model cards state --max-model-len after vLLM's defaults (vllm/entrypoints/openai/models/serving.py)
+    limits_path = "/v1/models"
     settings = {
         Setting.MAX_SEQS: "--max-num-seqs",
         Setting.BATCHED_TOKENS: "--max-num-batched-tokens",

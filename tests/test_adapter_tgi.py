@@ -71,8 +71,24 @@ def test_no_model_label_until_info(rec):
     a.parse_extra("/info", json.dumps(info), [r])
     assert (r.model, r.version) == ("meta-llama/Llama-3.1-8B-Instruct", "3.3.7")
     assert r.kv_capacity_tokens == 180000  # the metrics value stays
+    # --max-total-tokens bounds one request as vLLM's --max-model-len does: the advisor's current value
+    assert r.limits == {"max_model_len": 4096}
     a.parse_extra("/info", "<html>oops", [r])
     assert any("/info" in w for w in r.warnings)
+
+
+def test_info_of_older_tgi_states_its_batch_size_and_nothing_it_cannot_mean():
+    """TGI 1.x-2.x's /info carries --max-batch-size where it was given (null otherwise); a value
+    that is no whole number of at least one is no limit."""
+    a = TgiAdapter()
+    (r,) = a.parse(fixture_text(SYNTH), 0.0)
+    a.parse_extra("/info", json.dumps({"max_total_tokens": 2048, "max_batch_size": 32,
+                                       "max_batch_total_tokens": 50000}), [r])
+    assert r.limits == {"max_model_len": 2048, "max_num_seqs": 32}
+    for bad in (None, 0, -4, 1.5, "32", True):
+        (r,) = a.parse(fixture_text(SYNTH), 0.0)
+        a.parse_extra("/info", json.dumps({"max_total_tokens": bad, "max_batch_size": bad}), [r])
+        assert r.limits == {}, bad
 
 
 def test_summary_rendering_keeps_quantiles():

@@ -143,6 +143,8 @@ def test_plugins_describe_prints_what_the_adapter_reads(engine, capsys):
     cls = load_adapter(engine)
     assert d["fields"] == sorted(cls.fields) and d["preempts"] is cls.preempts
     assert d["admits_in_order"] is cls.admits_in_order
+    # every endpoint it asks beside /metrics (a firewall or auth proxy in front must pass them too)
+    assert d["per_start_paths"] == {"vllm": ["/version", "/v1/models"], "sglang": ["/v1/models"]}.get(engine, [])
     # the advisor names the engine's own flag; the description must carry it
     for setting, flag in cls.settings.items():
         assert d["settings"][setting.value] == flag

@@ -385,3 +385,34 @@ def test_v1_swap_states_what_a_resume_already_finds_in_the_prefix_cache():
             "prefix cache)") in reasons
     doc["preemption"].pop("resume_hit_tokens")
     assert "finds" not in " ".join(judge(doc)["reasons"])
+
+
+def test_the_real_engines_scraped_length_bound_is_its_current_one(tmp_path):
+    """The real vLLM's storm (tests/fixtures/loop) served requests of up to 679 tokens: the verdict's
+    bound is 768. The engine's /v1/models states its --max-model-len on every scrape (``limits``):
+    where that is 768 the bound is no change and is not printed; where 1024 (as the tier ran it), the
+    lower bound is printed with the engine's value beside it."""
+    import gzip
+
+    from conftest import REPO, run_kvtop
+
+    lines = gzip.open(REPO / "tests/fixtures/loop/vllm-storm-before.jsonl.gz", "rt").read().splitlines()
+
+    def advise(bound: int) -> dict:
+        docs = [json.loads(x) for x in lines]
+        for d in docs:
+            if d.get("kind") == "engine":
+                d["limits"] = {"max_model_len": bound}
+        p = tmp_path / f"storm-{bound}.jsonl"
+        p.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        r = run_kvtop("advise", "--trace", str(p), "--itl-target-ms", "100", "--format", "json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    v = advise(768)
+    assert v["action"] == "admission" and "--max-model-len" not in flags(v)
+    assert "--max-model-len 768 is the engine's current setting: not a change, not emitted" in v["reasons"]
+    v = advise(1024)
+    assert flags(v)["--max-model-len"] == 768
+    cur = v["numbers"]["max_model_len_current"]
+    assert (cur["value"], cur["source"], cur["note"]) == (1024, "measured", "the engine's scrapes")

@@ -251,3 +251,46 @@ async def test_an_engine_without_a_version_path_is_scraped_as_before(server):
     r1, r2 = await _two_scrapes(server.url)
     assert r1.up and r1.version is None and any("/version: no version in the reply" in w for w in r1.warnings)
     assert not any("/version" in w for w in r2.warnings)
+
+
+MODELS = fixture_text("vllm-0.32.0-cpu-v1-models.json")  # the real vLLM's /v1/models
+
+
+async def test_the_engines_limits_are_asked_once_per_engine_start(server):
+    """vLLM's /v1/models states its --max-model-len (after its defaults): on every record, asked once
+    per start, and asked again after the engine was away (it may have come back with other flags)."""
+    server.route("/metrics", CAPTURE)
+    models = server.route("/v1/models", MODELS, content_type="application/json")
+    s = EngineScraper(server.url)
+    try:
+        recs = [(await s.scrape(float(t)))[0] for t in range(3)]
+        assert [r.limits for r in recs] == [{"max_model_len": 1024}] * 3
+        assert len(models.hits) == 1
+        # the engine went away and came back with another bound (same counters' start: a scraper
+        # cannot tell a restart between two scrapes from none, but a failed scrape it can)
+        server.route("/metrics", "", status=503)
+        (down,) = await s.scrape(3.0)
+        assert not down.up
+        server.route("/metrics", CAPTURE)
+        server.route("/v1/models", MODELS.replace('"max_model_len":1024', '"max_model_len":4096'),
+                     content_type="application/json")
+        (r,) = await s.scrape(10.0)
+        assert r.up and r.limits == {"max_model_len": 4096}
+    finally:
+        await s.aclose()
+
+
+async def test_limits_the_engine_does_not_state_are_left_unknown(server):
+    server.route("/metrics", CAPTURE)  # no /v1/models (a router in front, an old engine): nothing said
+    r1, r2 = await _two_scrapes(server.url)
+    assert r1.up and r1.limits == {} and not any("/v1/models" in w for w in r1.warnings + r2.warnings)
+    # cards without the bound (an older release): nothing to say either
+    server.route("/v1/models", '{"object":"list","data":[{"id":"m","max_model_len":null}]}',
+                 content_type="application/json")
+    r1, r2 = await _two_scrapes(server.url)
+    assert r1.up and r1.limits == {} and not any("/v1/models" in w for w in r1.warnings + r2.warnings)
+    # a reply that is no model list: said once, on the record of the scrape that asked
+    server.route("/v1/models", "<html>", content_type="text/html")
+    r1, r2 = await _two_scrapes(server.url)
+    assert r1.up and r1.limits == {} and any("/v1/models: no limits in the reply" in w for w in r1.warnings)
+    assert not any("/v1/models" in w for w in r2.warnings)

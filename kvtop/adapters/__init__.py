@@ -7,7 +7,8 @@ An adapter imports only this package and ``kvtop.model``::
 
 ``Page`` selects series by exact labels or a predicate and reads values and histograms;
 ``prefix_score`` gives the shared detection scale; ``Setting`` names the knobs the advisor
-recommends; ``as_int`` converts a scraped number without ever raising.
+recommends; ``as_int`` converts a scraped number without ever raising; ``positive_whole`` keeps a
+limit (``EngineRecord.limits``) only where it is a whole number of at least 1.
 """
 
 from kvtop.adapters.base import NORMALIZED_FIELDS, EngineAdapter, Setting
@@ -23,10 +24,10 @@ from kvtop.adapters.page import (
     parse_page,
     read_page,
 )
-from kvtop.model.sanitize import as_int, finite_or_none
+from kvtop.model.sanitize import as_int, finite_or_none, positive_whole
 
 __all__ = [
     "LIKELY", "MAX_SAMPLES", "NORMALIZED_FIELDS", "PARSE_BUDGET_S", "SURE", "EngineAdapter", "Keep",
     "Labels", "Match", "Page", "Setting", "as_int", "counter_names", "finite_or_none", "parse_page",
-    "prefix_score", "read_page",
+    "positive_whole", "prefix_score", "read_page",
 ]

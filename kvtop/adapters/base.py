@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from kvtop.model.records import EngineRecord
+from kvtop.model.sanitize import positive_whole
 
 # Every normalised engine field an adapter may fill; views show the rest as "n/a".
 NORMALIZED_FIELDS = (
@@ -125,6 +126,26 @@ class EngineAdapter(ABC):
         except (ValueError, AttributeError):
             return None
         return str(v)[:64] if isinstance(v, (str, int, float)) and str(v).strip() else None
+
+    # A path that states limits the engine runs under, by the names ``EngineRecord.limits`` uses
+    # (vLLM and SGLang: /v1/models, whose model cards carry ``max_model_len``). Asked as the
+    # version is (once per engine start); ``parse_limits`` reads the body.
+    limits_path: ClassVar[str | None] = None
+
+    def parse_limits(self, body: str) -> dict[str, int] | None:
+        """The limits the ``limits_path`` response states (default: an OpenAI model list whose cards
+        carry ``max_model_len``, the longest prompt + output one request may have): empty where the
+        cards name none (older releases), None where the reply is no model list."""
+        try:
+            cards = json.loads(body).get("data")
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(cards, list):
+            return None
+        found = (positive_whole(c.get("max_model_len")) for c in cards if isinstance(c, dict))
+        lens = [n for n in found if n is not None]
+        # a server's cards share its one bound (LoRA adapters are served under the base model's)
+        return {"max_model_len": max(lens)} if lens else {}
 
     @classmethod
     @abstractmethod

@@ -18,6 +18,7 @@ from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.attribution import Cause
 from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.tally import Tally
+from kvtop.model.sanitize import positive_whole
 
 MIN_SAMPLES = 5  # fewer observations than this: fall back to an assumed value
 MIN_COMPUTE_STEPS = 3  # witnessed prompt/recompute steps a measured prefill rate needs
@@ -76,7 +77,7 @@ def _scraped_limits(acc: Tally) -> dict[str, Any]:
         if not isinstance(lim, dict):
             continue
         for k, v in lim.items():
-            if isinstance(v, int) and not isinstance(v, bool) and (k not in out or v > out[k]):
+            if positive_whole(v) is not None and (k not in out or v > out[k]):
                 out[k] = v
     return out
 
@@ -272,7 +273,7 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         for src, note in ((acc.engine_limits, "the engine's witness"), (_scraped_limits(acc), "the engine's scrapes"),
                           (sim, "trace header")):
             v = src.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 53:
+            if positive_whole(v) is not None:
                 n[dst] = Num(v, unit, "measured", note)
                 break
     if acc.running_n:

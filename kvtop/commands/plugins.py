@@ -36,6 +36,8 @@ def _describe(name: str) -> dict[str, Any]:
         "preempt_counted_at": cls.preempt_counted_at,
         "admits_in_order": cls.admits_in_order,
         "extra_paths": list(cls.extra_paths),
+        # asked once per engine start (an operator's firewall or auth proxy must let them through too)
+        "per_start_paths": [p for p in (cls.version_path, cls.limits_path) if p],
         "settings": {s.value: flag for s, flag in cls.settings.items()},
     }
 
@@ -47,6 +49,8 @@ def _print_description(d: dict[str, Any]) -> None:
     print(f"admits prompts in arrival order: {'yes' if d['admits_in_order'] else 'not known'}")
     if d["extra_paths"]:
         print("also reads: " + ", ".join(d["extra_paths"]))
+    if d["per_start_paths"]:
+        print("reads once per engine start: " + ", ".join(d["per_start_paths"]))
     print("fields: " + ", ".join(d["fields"]))
     if d["settings"]:
         print("settings: " + ", ".join(f"{k} = {v}" for k, v in d["settings"].items()))

@@ -135,7 +135,8 @@ class EngineRecord:
     warnings: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     # the limits the engine runs under where its interfaces say them, by the names a witness step
-    # uses (``max_num_seqs``: llama.cpp's slot count from /slots)
+    # uses (``max_num_seqs``: llama.cpp's slot count from /slots; ``max_model_len``: the model cards
+    # of vLLM's and SGLang's /v1/models, TGI's /info)
     limits: dict[str, int] = field(default_factory=dict)
 
 

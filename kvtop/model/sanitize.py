@@ -54,6 +54,12 @@ def as_int(v: object) -> int | None:
     return int(f)
 
 
+def positive_whole(v: object) -> int | None:
+    """``v`` where it is a whole number from 1 to 2**53 given as one (a limit an engine runs under:
+    a count of sequences or tokens); None otherwise, floats, strings and bools included."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= _INT_MAX else None
+
+
 def _histogram_ok(h: Histogram) -> bool:
     if not h.buckets or finite_or_none(h.count) is None or h.count < 0:
         return False
@@ -93,6 +99,10 @@ def sanitize_record(rec: EngineRecord) -> EngineRecord:
             if iv is None:
                 bad.append(f"{name}={_show(v)}")
             setattr(rec, name, iv)
+    for name, v in list(rec.limits.items()):
+        if positive_whole(v) is None:
+            del rec.limits[name]
+            bad.append(f"limits.{name}={_show(v)}")
     if rec.restart_token is not None and finite_or_none(rec.restart_token) is None:
         rec.restart_token = None
     for name in ("itl", "ttft"):

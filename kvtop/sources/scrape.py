@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -77,8 +78,8 @@ class EngineScraper:
         self._query = httpx.URL(self.metrics_url).query.decode()
         # Extra paths the server does not have (HTTP 404): said once, then no longer fetched.
         self._absent_paths: set[str] = set()
-        # the engine's version, asked once per engine start: (restart token it was asked under, version)
-        self._version: tuple[float | None, str | None] | None = None
+        # what the engine says once per start: (restart token it was asked under, version, limits)
+        self._started: tuple[float | None, str | None, dict[str, int]] | None = None
         self.adapter_name = adapter
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
@@ -133,6 +134,7 @@ class EngineScraper:
         return EngineRecord(t=t, adapter=name, url=self.shown_url, up=False, warnings=[reason])
 
     def _failed(self, t: float, reason: str) -> list[EngineRecord]:
+        self._started = None  # the engine that answers next may be another start of it
         self.consecutive_failures += 1
         self.last_error = reason
         self._retry_at = t + self.backoff_s
@@ -265,29 +267,44 @@ class EngineScraper:
         if adapter.extra_paths:
             for r in recs:  # parse_extra may have written new values
                 sanitize_record(r)
-        if adapter.version_path:
-            await self._version_of(adapter, recs)
+        if adapter.version_path or adapter.limits_path:
+            await self._per_start(adapter, recs)
         return recs
 
-    async def _version_of(self, adapter: EngineAdapter, recs: list[EngineRecord]) -> None:
-        """Put the engine's version on its records: asked once, and again when the engine restarted
-        (it may have been upgraded); a failed ask is one warning, not a failed scrape."""
+    async def _per_start(self, adapter: EngineAdapter, recs: list[EngineRecord]) -> None:
+        """Put what the engine says once per start (its version, its limits) on its records: asked on
+        the first scrape, and again when the engine restarted (its restart token moved, or a scrape
+        failed in between: it may have been upgraded or restarted with other flags); a failed ask is
+        one warning, not a failed scrape."""
         token = recs[0].restart_token
-        if self._version is None or self._version[0] != token:
-            path = adapter.version_path or ""
-            url = self.base_url + (path if path.startswith("/") else "/" + path)
-            version = None
-            try:
-                body, _, _ = await self._get(url)
-                version = adapter.parse_version(body)
-                if version is None:
-                    recs[0].warnings.append(f"{path}: no version in the reply")
-            except ScrapeError as e:
-                if not str(e).startswith("HTTP 404"):  # not served (a router, an old engine): nothing to say
-                    recs[0].warnings.append(f"{path}: {e} (the engine's version stays unknown until it restarts)")
-            except Exception as e:  # an adapter's parser must not lose the main record
-                recs[0].warnings.append(f"{path}: adapter failed: {_one_line(e)}")
-            self._version = (token, version)
+        if self._started is None or self._started[0] != token:
+            version = limits = None
+            if adapter.version_path:
+                version = await self._ask(adapter.version_path, adapter.parse_version, recs, "version",
+                                          "the engine's version stays unknown until it restarts")
+            if adapter.limits_path:
+                limits = await self._ask(adapter.limits_path, adapter.parse_limits, recs, "limits",
+                                         "its limits stay unknown until it restarts")
+            self._started = (token, version, limits or {})
+        _, version, limits = self._started
         for r in recs:
             if r.version is None:
-                r.version = self._version[1]
+                r.version = version
+            for k, v in limits.items():
+                r.limits.setdefault(k, v)  # what the adapter read from the page itself comes first
+
+    async def _ask(self, path: str, parse: Callable[[str], Any], recs: list[EngineRecord], what: str,
+                   unknown: str) -> Any:
+        url = self.base_url + (path if path.startswith("/") else "/" + path)
+        try:
+            body, _, _ = await self._get(url)
+            out = parse(body)
+            if out is None:
+                recs[0].warnings.append(f"{path}: no {what} in the reply")
+            return out
+        except ScrapeError as e:
+            if not str(e).startswith("HTTP 404"):  # not served (a router, an old engine): nothing to say
+                recs[0].warnings.append(f"{path}: {e} ({unknown})")
+        except Exception as e:  # an adapter's parser must not lose the main record
+            recs[0].warnings.append(f"{path}: adapter failed: {_one_line(e)}")
+        return None

@@ -240,6 +240,9 @@ def test_per_request_metrics_and_engine_identity(preempted):
     # the engine's version, asked from its /version once, is on every scrape; the verdict's flags
     # are those of the version the tier checks them on (no "confirm" note)
     assert {e.get("version") for e in kvtop_run.engine_records(preempted["records"])} == {"0.32.0"}
+    # ... and so is the --max-model-len its /v1/models states: the advisor's current length bound
+    assert {e.get("limits", {}).get("max_model_len") for e in kvtop_run.engine_records(preempted["records"])} \
+        == {servers.VLLM_MAX_MODEL_LEN}
     verdict = preempted["report"]["verdict"]
     assert not any("confirm each with `vllm serve --help`" in r for r in verdict["reasons"])
     if "--kv-offloading-size" in [s["flag"] for s in verdict["settings"]]:
