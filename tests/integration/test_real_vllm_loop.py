@@ -20,57 +20,9 @@ import pytest
 from kvtop.analysis.advice import chunking
 from testkit.engines import servers, witness_workloads
 from testkit.engines.kvtop_run import Recorder, kvtop, read_trace
+from testkit.engines.replay import replay, warm
 
 pytestmark = pytest.mark.real_engine
-
-
-def _arrival_span(path) -> float:
-    ts = sorted(d["t"] for d in read_trace(path) if d.get("kind") == "request" and d.get("event") == "arrive")
-    return ts[-1] - ts[0] if ts else 0.0
-
-
-def _replay(src, url: str, out_path, seed: int) -> list[float]:
-    """``kvtop load --from`` the recording; the arrival spans of its tries. A replay that did not offer
-    the recorded arrivals (the eight within a few ms) is run again, and `compare` rightly calls such
-    a pair not comparable; a third miss fails. On this 2-core VM, 3 of 36 replays by hand (2026-12-02)
-    recorded all but the first arrival 1.1-1.8 s late. A packet capture on loopback of one: the
-    client sent all eight requests within 3 ms; the proxy, which stamps an arrival when its handler
-    runs, forwarded none of them for 1.8 s, and vLLM sent nothing on the one stream it served from
-    +0.76 s to +1.80 s. The whole box stalled, not kvtop load. A CI run (2026-12-04) missed twice in a
-    row, both `after` tries (2.6 and 2.3 s), and passed by hand at once (all spans under 0.14 s): a
-    third try, before a miss fails.
-
-    Each replay on one engine sends prompts it has not seen: ``--seed`` draws the token ids, and the
-    same seed twice on a running vLLM is served from its prefix cache. A CI run (2026-12-05) replayed
-    the prefill loop's `before` twice with one seed: the second replay's 1,500-token prompts took 18 ms
-    to first token (0.3-1.3 s in the first) and no stream stalled, so the pooled `before` showed half
-    its stalls and the budget's goodput gain (16 -> 16 of 20) vanished. ``seed`` is the replay's own;
-    a retry adds 100 (the before and after engines are separate processes: one seed on each is a cold
-    cache both times)."""
-    spans = []
-    for attempt in range(3):
-        r = kvtop("load", "--from", str(src), "--url", url, "-o", str(out_path), "--seed", str(seed + 100 * attempt),
-                  "--no-gpu", "--force", timeout=900)
-        assert r.returncode == 0, r.stderr
-        spans.append(_arrival_span(out_path))
-        if spans[-1] <= _arrival_span(src) + 0.25:
-            break
-    return spans
-
-
-WARMUP_SEED = 99  # the restarted engine's unmeasured replay: a seed no measured replay uses
-
-
-def _warm(src, url: str, out_path) -> None:
-    """One unmeasured replay on the engine restarted with the flags, so that each configuration is
-    measured on an engine that has served the traffic once (the recording warmed the one before). A
-    fresh vLLM's first seconds are slow: in one tier run (2026-12-05) the restarted engine took
-    115-240 ms decode steps for 3.5 s, a long prompt or none, and its first replay lost 2.6 s over
-    the 100 ms target where its second lost none; the engine before the change, warmed by the
-    recording, paid nothing of the kind."""
-    r = kvtop("load", "--from", str(src), "--url", url, "-o", str(out_path), "--seed", str(WARMUP_SEED),
-              "--no-gpu", "--force", timeout=900)
-    assert r.returncode == 0, r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -90,15 +42,15 @@ def loop(vllm_install, trace_dir) -> dict:
         assert r.returncode == 0, r.stderr
         out["flags"] = shlex.split(r.stdout.strip())
         before = [trace_dir / f"loop-before{i}.jsonl" for i in (1, 2)]
-        out["replays"] = [_replay(src, srv.url, p, seed) for seed, p in enumerate(before, 1)]
+        out["replays"] = [replay(src, srv.url, p, seed) for seed, p in enumerate(before, 1)]
     finally:
         servers.cleanup(srv)
     srv = servers.vllm_server(py, model, extra=tuple(out["flags"]))
     try:
         srv.start()
-        _warm(src, srv.url, trace_dir / "loop-after-warmup.jsonl")
+        warm(src, srv.url, trace_dir / "loop-after-warmup.jsonl")
         after = [trace_dir / f"loop-after{i}.jsonl" for i in (1, 2)]
-        out["replays"] += [_replay(src, srv.url, p, seed) for seed, p in enumerate(after, 1)]
+        out["replays"] += [replay(src, srv.url, p, seed) for seed, p in enumerate(after, 1)]
         out["after_finish"] = [d for p in after for d in read_trace(p)
                                if d.get("kind") == "request" and d.get("event") == "finish"]
     finally:
@@ -156,7 +108,7 @@ def test_the_prescription_measured_better_on_the_same_traffic(loop):
     costs every request of a run its goodput (one request got through `before` by luck: "worse:
     goodput 1 -> 0 of 8"). A replay of this storm with the witness on (2026-12-02, five runs) showed
     the engine stepping every 7 ms or less through a 76 ms stall of every stream: such stalls are
-    outside the engine's scheduler (see ``_replay`` for one of the whole box)."""
+    outside the engine's scheduler (see ``testkit.engines.replay.replay`` for one of the whole box)."""
     c = loop["compare"]
     t = loop["compare_ttft"]
     print("\n[real-engines] loop:", c.get("summary"), "| with a 2 s TTFT target:", t.get("summary"),
@@ -252,16 +204,16 @@ def prefill_loop(vllm_install, trace_dir) -> dict:
         assert r.returncode == 0, r.stderr
         out["verdict"] = json.loads(r.stdout)
         before = [trace_dir / f"prefill-loop-before{i}.jsonl" for i in (1, 2)]
-        out["replays"] = [_replay(src, srv.url, p, seed) for seed, p in enumerate(before, 1)]
+        out["replays"] = [replay(src, srv.url, p, seed) for seed, p in enumerate(before, 1)]
     finally:
         servers.cleanup(srv)
     srv = servers.vllm_server(py, model, kv_bytes=ps["kv_bytes"], max_model_len=ps["max_model_len"],
                               extra=UNCHUNKED + tuple(out["flags"]))
     try:
         srv.start()
-        _warm(src, srv.url, trace_dir / "prefill-loop-after-warmup.jsonl")
+        warm(src, srv.url, trace_dir / "prefill-loop-after-warmup.jsonl")
         after = [trace_dir / f"prefill-loop-after{i}.jsonl" for i in (1, 2)]
-        out["replays"] += [_replay(src, srv.url, p, seed) for seed, p in enumerate(after, 1)]
+        out["replays"] += [replay(src, srv.url, p, seed) for seed, p in enumerate(after, 1)]
     finally:
         servers.cleanup(srv)
     r = kvtop("compare", str(before[0]), str(after[0]), "--also", str(before[1]), str(after[1]),
