@@ -112,3 +112,47 @@ def test_engine_times_measure_prefill_without_the_queue():
     d = full.to_dict()
     assert d["engine_request_times"]["queue_s_median"] == 1.5
     assert type(full).from_dict(d).engine_request_times == rep
+
+
+def _llama_stream(name: str) -> list[bytes]:
+    """The real llama-server's SSE body (tests/fixtures/engines), cut into its events."""
+    from conftest import fixture_text
+
+    raw = fixture_text(name).encode()
+    return [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+
+
+def test_llamacpp_timings_are_the_engines_own_times_and_its_cache():
+    """llama.cpp's final chunk carries ``timings``: the prompt's processing (slot start to first
+    token) and the generation, in ms, and ``cache_n``, the prompt tokens its slot's cache served."""
+    cold = record(_llama_stream("llamacpp-11434-v1-completions-stream.txt"))[-1]
+    assert cold.event == "finish" and (cold.prompt_tokens, cold.completion_tokens) == (202, 4)
+    assert (cold.engine_queue_s, cold.engine_ttft_s, cold.engine_decode_s) == (None, 0.545521, 0.050397)
+    assert cold.cached_tokens == 0 and record_ok(to_dict(cold))
+    warm = record(_llama_stream("llamacpp-11434-v1-completions-stream-cached.txt"))[-1]
+    assert (warm.engine_ttft_s, warm.cached_tokens) == (0.038294, 197)
+    assert to_dict(warm)["cached_tokens"] == 197 and record_ok(to_dict(warm))
+
+
+def test_prompt_tokens_the_cache_served_are_not_counted_as_prefilled():
+    """8 prompts of 1,000 tokens whose engine TTFT is 0.5 s: 2,000 tokens/s; where the engine says
+    its prefix cache served 900 of each, it computed 100 in that time: 200 tokens/s."""
+    def rate(cached: int | None) -> float | None:
+        """The prefill rate the engine's own times give."""
+        an = Analyzer(itl_target_s=0.1)
+        for i in range(8):
+            t0 = 10.0 * i
+            an.feed_dict({"kind": "request", "t": t0, "id": f"c{i}", "event": "arrive", "prompt_tokens": 1000})
+            an.feed_dict({"kind": "request", "t": t0 + 0.5, "id": f"c{i}", "event": "first_token", "n": 1})
+            fin = {"kind": "request", "t": t0 + 0.6, "id": f"c{i}", "event": "finish", "completion_tokens": 1,
+                   "prompt_tokens": 1000, "engine_ttft_s": 0.5}
+            if cached is not None:
+                fin["cached_tokens"] = cached
+            an.feed_dict(fin)
+        rep = build_report(an).engine_request_times
+        assert rep is not None and rep.requests == 8
+        return rep.engine_prefill_tokens_per_s
+
+    assert rate(None) == pytest.approx(2000, rel=0.03) and rate(0) == pytest.approx(2000, rel=0.03)
+    assert rate(900) == pytest.approx(200, rel=0.03)
+    assert rate(1000) is None  # nothing computed: no prefill to time

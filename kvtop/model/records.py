@@ -162,12 +162,16 @@ class RequestRecord:
     # analysis matches it with engine records' ``url`` (``kvtop.model.engine_id``) so stalls on one
     # engine are judged with that engine's scrapes and streams only.
     engine: str | None = None
-    # On finish, where the engine reports per-request times (vLLM ``--enable-per-request-metrics``),
-    # seconds on the engine's own clock: queued until first scheduled, first scheduled until the
-    # first token (prefill, chunked steps, any preemption before it), first until last token.
+    # On finish, where the engine reports per-request times (vLLM ``--enable-per-request-metrics``,
+    # llama.cpp's ``timings``), seconds on the engine's own clock: queued until first scheduled,
+    # first scheduled until the first token (prefill, chunked steps, any preemption before it), first
+    # until last token.
     engine_queue_s: float | None = None
     engine_ttft_s: float | None = None
     engine_decode_s: float | None = None
+    # On finish, where the engine says it: prompt tokens it served from its prefix cache instead of
+    # computing them (``usage.prompt_tokens_details.cached_tokens``; llama.cpp ``timings.cache_n``)
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -372,7 +372,8 @@ class TraceWriter:
                     and rec.prompt_tokens is None and rec.cls is None and rec.source is None
                     and rec.finish_reason is None and rec.status is None and rec.error is None
                     and rec.completion_tokens is None and rec.incomplete is None and rec.engine is None
-                    and rec.engine_queue_s is None and rec.engine_ttft_s is None and rec.engine_decode_s is None):
+                    and rec.engine_queue_s is None and rec.engine_ttft_s is None and rec.engine_decode_s is None
+                    and rec.cached_tokens is None):
                 if 1e-3 <= t < 4e9:
                     # repr(trace_time(t)) (run-clock and Unix times) at a third of its cost: ``round``
                     # to 6 decimals is slow. Both round the exact binary value to 6 decimals the same

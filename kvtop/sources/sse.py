@@ -96,7 +96,7 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
 # parse. JSON escapes every quote inside a string, so these key patterns can only match real keys,
 # never text inside a value. Anything else (several choices, usage, token ids, logprobs, errors,
 # tool calls, finish) goes through the full parser.
-_SLOW_RE = re.compile(rb'"(?:usage|metrics|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
+_SLOW_RE = re.compile(rb'"(?:usage|metrics|timings|token_ids|error|tool_calls|function_call|reasoning\w*|refusal)"')
 _FINISH_NULL_RE = re.compile(rb'"finish_reason": ?null')
 _LOGPROBS_RE = re.compile(rb'"logprobs": ?(.)')
 _TEXT_RE = re.compile(rb'"(?:text|content)": ?(null|"")?')
@@ -126,16 +126,33 @@ _ENGINE_METRICS = (("queue_time_ms", "engine_queue_s"), ("time_to_first_token_ms
 _METRIC_MAX_MS = 7 * 86400e3  # a week: anything longer is not a request's time
 
 
-def engine_metrics(m: Any) -> dict[str, float] | None:
-    """Seconds from a response's ``metrics`` object (finite, non-negative numbers only)."""
+# llama.cpp's ``timings`` object (every response's final chunk or body, llama-server's
+# ``server_task_result``): the time it processed the prompt (from the slot taking the request to the
+# first token) and the time it generated, in milliseconds; the queue before a free slot is not in it.
+_LLAMACPP_TIMINGS = (("prompt_ms", "engine_ttft_s"), ("predicted_ms", "engine_decode_s"))
+
+
+def engine_metrics(m: Any, fields: tuple[tuple[str, str], ...] = _ENGINE_METRICS) -> dict[str, float] | None:
+    """Seconds from a response's ``metrics`` object (``fields``: llama.cpp's ``timings`` with
+    ``_LLAMACPP_TIMINGS``), finite, non-negative numbers only."""
     if not isinstance(m, dict):
         return None
     out = {}
-    for key, name in _ENGINE_METRICS:
+    for key, name in fields:
         v = m.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= _METRIC_MAX_MS:
             out[name] = round(v / 1000.0, 6)
     return out or None
+
+
+def cached_tokens(usage: Any, timings: Any) -> int | None:
+    """Prompt tokens the engine served from its prefix cache, where the response says it."""
+    for obj, key in ((timings, "cache_n"), (usage.get("prompt_tokens_details") if isinstance(usage, dict) else None,
+                                            "cached_tokens")):
+        v = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return None
 
 
 class StreamRecorder:
@@ -147,7 +164,7 @@ class StreamRecorder:
 
     __slots__ = (
         "id", "emit", "sse", "status", "ended", "_buf", "_body", "_tokens", "_usage_ct", "_prompt_tokens",
-        "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync", "_metrics",
+        "_finish_reason", "_overflow", "_pend_n", "_pend_t", "holes", "_skip", "_resync", "_metrics", "_cached",
         "_tok_pre", "_tok_suf",
     )
 
@@ -175,6 +192,7 @@ class StreamRecorder:
         self._skip = False
         self._resync = False
         self._metrics: dict[str, float] | None = None
+        self._cached: int | None = None
         # A stream's token chunks differ only in their text: the bytes around the text of the last
         # plain token chunk, so the next one is recognised by comparison (see feed)
         self._tok_pre = b""
@@ -367,9 +385,7 @@ class StreamRecorder:
                 if n and ct > (self._usage_ct or 0):
                     n = ct - (self._usage_ct or 0)
                 self._usage_ct = ct
-        m = obj.get("metrics")
-        if m is not None:
-            self._metrics = engine_metrics(m) or self._metrics
+        self._engine_facts(obj)
         if n:
             self._pend_n += n
             self._pend_t = t
@@ -416,7 +432,20 @@ class StreamRecorder:
                             completion_tokens=ct, prompt_tokens=self._prompt_tokens)
         for k, v in (self._metrics or {}).items():
             setattr(rec, k, v)
+        rec.cached_tokens = self._cached
         self._end(rec)
+
+    def _engine_facts(self, obj: dict[str, Any]) -> None:
+        """What the engine says of the request on its final chunk or body: its own times (vLLM's
+        ``metrics``, llama.cpp's ``timings``) and the prompt tokens its prefix cache served."""
+        m, tm = obj.get("metrics"), obj.get("timings")
+        if m is not None:
+            self._metrics = engine_metrics(m) or self._metrics
+        if tm is not None:
+            self._metrics = engine_metrics(tm, _LLAMACPP_TIMINGS) or self._metrics
+        cached = cached_tokens(obj.get("usage"), tm)
+        if cached is not None:
+            self._cached = cached
 
     def _parse_json_body(self, body: bytes) -> None:
         try:
@@ -435,7 +464,7 @@ class StreamRecorder:
                 self._usage_ct = usage["completion_tokens"]
             if isinstance(usage.get("prompt_tokens"), int):
                 self._prompt_tokens = usage["prompt_tokens"]
-        self._metrics = engine_metrics(d.get("metrics")) or self._metrics
+        self._engine_facts(d)
 
     def cancel(self, t: float, reason: str | None = None) -> None:
         self._end(RequestRecord(t, self.id, "cancel", error=reason))

@@ -4,9 +4,13 @@ traffic offered before and after a change (``kvtop load --from``), on an engine 
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
+from typing import Any
 
 from testkit.engines.kvtop_run import kvtop, read_trace
+from testkit.engines.servers import Server, cleanup
 
 
 def arrival_span(path: Path) -> float:
@@ -56,3 +60,46 @@ def warm(src: Path, url: str, out_path: Path) -> None:
     r = kvtop("load", "--from", str(src), "--url", url, "-o", str(out_path), "--seed", str(WARMUP_SEED),
               "--no-gpu", "--force", timeout=900)
     assert r.returncode == 0, r.stderr
+
+
+def measure(src: Path, url: str, trace_dir: Path, name: str, which: str) -> tuple[list[Path], list[list[float]]]:
+    """The recording replayed twice on the engine at ``url`` (seeds 1 and 2: prompts it has not seen),
+    as ``{name}-{which}1.jsonl`` and ``...2``; the engine after a change (``which`` "after") first
+    serves it once unmeasured (``warm``). The traces, and each replay's arrival spans by try."""
+    if which == "after":
+        warm(src, url, trace_dir / f"{name}-after-warmup.jsonl")
+    paths = [trace_dir / f"{name}-{which}{i}.jsonl" for i in (1, 2)]
+    return paths, [replay(src, url, p, seed) for seed, p in enumerate(paths, 1)]
+
+
+def compare_pairs(before: list[Path], after: list[Path], target_ms: float, out_path: Path,
+                  *extra: str) -> dict[str, Any]:
+    """``kvtop compare`` of the two replays before against the two after, at ``target_ms``; its JSON,
+    also written to ``out_path`` for a post-mortem."""
+    r = kvtop("compare", str(before[0]), str(after[0]), "--also", str(before[1]), str(after[1]),
+              "--itl-target-ms", f"{target_ms:g}", *extra, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out_path.write_text(r.stdout)
+    return json.loads(r.stdout)
+
+
+def advised(src: Path, target_ms: float | None = None) -> tuple[list[str], dict[str, Any]]:
+    """What ``kvtop advise`` makes of a recording (at ``target_ms`` where given): the flags it emits
+    (``--emit-flags``, as an operator would paste them) and its verdict (JSON)."""
+    at = ("--itl-target-ms", f"{target_ms:g}") if target_ms is not None else ()
+    r = kvtop("advise", "--trace", str(src), *at, "--emit-flags")
+    assert r.returncode == 0, r.stderr
+    flags = shlex.split(r.stdout.strip())
+    r = kvtop("advise", "--trace", str(src), *at, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    return flags, json.loads(r.stdout)
+
+
+def measure_on(srv: Server, src: Path, trace_dir: Path, name: str, which: str,
+               timeout: float = 240) -> tuple[list[Path], list[list[float]]]:
+    """``measure`` on a server started for it (the engine restarted with a change), stopped after."""
+    try:
+        srv.start(timeout=timeout)
+        return measure(src, srv.url, trace_dir, name, which)
+    finally:
+        cleanup(srv)

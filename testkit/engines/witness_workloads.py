@@ -165,3 +165,23 @@ def round_of(seed: int) -> tuple[list[tuple[str, Drive]], list[tuple[str, Drive]
     small = [(f"storm8x900-{seed}", storm_of(seed, 8, 900)), (f"storm10x500-{seed}", storm_of(seed + 1, 10, 500)),
              (f"mixed-{seed}", mixed_of(False)), (f"mixedhalf-{seed}", mixed_of(True))]
     return small, [(f"prefill-{seed}", prefill_of)]
+
+
+async def _beside_decoders(url: str, model: str, long_texts: list[str], decoders: int, decode_tokens: int,
+                           every_s: float, seed: int) -> None:
+    u = url.rstrip("/") + "/v1/completions"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10),
+                                 limits=httpx.Limits(max_connections=decoders + len(long_texts) + 4)) as client:
+        tasks = [asyncio.create_task(_one(client, u, _body(model, prompt(i, seed=seed), decode_tokens), 0.0))
+                 for i in range(decoders)]
+        tasks += [asyncio.create_task(_one(client, u, _body(model, text, 4), 1.0 + every_s * k))
+                  for k, text in enumerate(long_texts)]
+        await asyncio.gather(*tasks)
+
+
+def prompts_beside_decoders(url: str, model: str, long_texts: list[str], decoders: int = 3,
+                            decode_tokens: int = 500, every_s: float = 2.5, seed: int = 5) -> None:
+    """``decoders`` streams decode while the long prompts arrive one by one (``every_s`` apart, from
+    1 s): on a llama-server with one slot more than the decoders, each prompt is prefilled in the
+    decoders' batch (the llama.cpp prescription loop's traffic; not a witness round)."""
+    asyncio.run(_beside_decoders(url, model, long_texts, decoders, decode_tokens, every_s, seed))

@@ -3,7 +3,9 @@
 vLLM started with ``--enable-per-request-metrics`` puts a ``metrics`` object on each response
 (streams: on the final usage chunk), which the recorders write onto the finish record as
 ``engine_queue_s`` (queued until first scheduled), ``engine_ttft_s`` (first scheduled until the first
-token) and ``engine_decode_s`` (first until last token), all on the engine core's clock.
+token) and ``engine_decode_s`` (first until last token), all on the engine core's clock; llama.cpp's
+``timings`` give the last two. The prompt tokens here are those the engine computed: the finish
+record's ``cached_tokens`` (its prefix cache's share, where it says it) are not.
 
 What that tells kvtop:
 

@@ -1,0 +1,110 @@
+"""Close the loop on the real llama.cpp: long prompts prefilled in the batch of three decoding slots,
+the advisor's `--batch-size` applied, the same traffic replayed before and after, and `kvtop compare`
+says whether it got better.
+
+llama-server puts every generating slot's token in the `--batch-size` batch first and fills the rest
+with prompt tokens (docs/engines.md §5.2), so a batch smaller than a prompt splits its prefill across
+several decode steps, as vLLM's token budget does. The prescription is judged as the vLLM loops judge
+theirs (tests/integration/test_real_vllm_loop.py): the same offered load, goodput at the ITL contract
+the recording was advised at, and what the change cost outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from testkit.engines import load, servers, witness_workloads
+from testkit.engines.kvtop_run import Recorder
+from testkit.engines.replay import advised, compare_pairs, measure, measure_on
+
+pytestmark = pytest.mark.real_engine
+
+MODEL = "gemma-3-270m"
+# 4 slots of 2,048 tokens: three decode while ~1,500-token prompts take the fourth one at a time
+CTX, SLOTS = 8192, 4
+LONG_PROMPTS = 3
+DECODE_TOKENS = 300  # the decoders outlast the prompts' prefills, one after another on the free slot
+# The contract the loop is judged at: the tightest of these at which the advisor finds a batch whose
+# chunk steps stay 10 % under it. This CPU engine prefills ~270-350 tokens/s beside 50 ms decode steps
+# (its own ``timings``), so a 64-token step takes about 0.3 s: no batch meets 100-300 ms, and the
+# advisor says so (disaggregate) rather than print one
+TARGETS_MS = (100, 200, 300, 400, 500)
+
+
+@pytest.fixture(scope="module")
+def batch_loop(llamacpp_install, trace_dir) -> dict:
+    binary, model = llamacpp_install
+    out: dict = {}
+    src = trace_dir / "llamacpp-loop-source.jsonl"
+    srv = servers.llama_server(binary, model, ctx=CTX, parallel=SLOTS)
+    try:
+        srv.start(timeout=120)
+        load.drive(srv.url, MODEL, SLOTS, 8, seed=99)  # a fresh slot's first request is ~1 s slower
+        text = load.llama_prompt_of(srv.url, 1500)[0]
+        # each its own first words: a slot reuses the longest prefix it holds (llama.cpp's prompt cache)
+        texts = [f"Document {k}: {text}" for k in range(LONG_PROMPTS)]
+        with Recorder(src, srv.url) as rec:
+            time.sleep(1.0)
+            witness_workloads.prompts_beside_decoders(rec.proxy_url, MODEL, texts, decoders=SLOTS - 1,
+                                                      decode_tokens=DECODE_TOKENS)
+            time.sleep(2.0)
+            assert rec.stop() == 0, rec.stderr()
+        for target_ms in TARGETS_MS:
+            out["target_ms"] = target_ms
+            out["flags"], out["verdict"] = advised(src, target_ms)
+            if out["flags"]:
+                break
+        print(f"\n[real-engines] llama.cpp loop judged at {out['target_ms']} ms, flags {out['flags']}")
+        before, out["replays"] = measure(src, srv.url, trace_dir, "llamacpp-loop", "before")
+    finally:
+        servers.cleanup(srv)
+    after, spans = measure_on(servers.llama_server(binary, model, ctx=CTX, parallel=SLOTS, extra=tuple(out["flags"])),
+                              src, trace_dir, "llamacpp-loop", "after", timeout=120)
+    out["replays"] += spans
+    out["compare"] = compare_pairs(before, after, out["target_ms"], trace_dir / "llamacpp-loop-compare.json")
+    return out
+
+
+def test_the_advisor_splits_the_prompts_with_the_batch(batch_loop):
+    """A batch that splits each prompt and holds the decoding slots' tokens, whose chunk step at the
+    prefill rate the engine's own ``timings`` gave stays 10 % under the contract."""
+    v = batch_loop["verdict"]
+    assert v["action"] == "chunked_prefill", v["action"]
+    flags = batch_loop["flags"]
+    assert flags[:1] == ["--batch-size"] and len(flags) == 2, flags
+    # a batch that splits the ~1,500-token prompts and holds the decoding slots' tokens
+    assert SLOTS <= int(flags[1]) < 1400, flags
+    rate = v["numbers"]["prefill_rate"]
+    assert "the engine's own TTFT" in rate["note"], rate  # llama.cpp's timings, not the stalls
+    assert v["numbers"]["chunk_worst_step"]["value"] <= 0.9 * batch_loop["target_ms"] / 1e3
+
+
+def test_the_batch_measured_better_on_the_same_traffic(batch_loop):
+    """By hand (2026-12-06, box otherwise idle): no batch met 100-300 ms and the advisor printed none;
+    at 400 ms it printed `--batch-size 64` (a 304 ms step by its figures), and the same traffic came
+    out: goodput 6 -> 12 of 12, p99 ITL 2.34 s -> 363 ms, time over the target 87 s -> 0, p99 TTFT
+    12.8 -> 17.6 s: a trade-off whose price is the TTFT the advisor named (each prompt's prefill about
+    5.2 -> 6.7 s in 64-token steps; the prompts take the one free slot in turn, so each also waits
+    longer for the one before it). Before the engine's own times were read, the advisor priced the
+    prompts from the streams' stalls (968 tokens/s, where llama-server had split each prompt over two
+    steps) and printed `--batch-size 64` at 150 ms; on four prompts beside 500-token decoders its
+    steps took 190-400 ms: goodput 8 -> 8 of 14, p99 ITL 1.92 s -> 349 ms, p99 TTFT +55 %."""
+    c = batch_loop["compare"]
+    print("\n[real-engines] llama.cpp loop:", c.get("summary"), "| flags", batch_loop["flags"])
+    print("[real-engines] llama.cpp replay arrival spans (s), before 1, 2 / after 1, 2, by try:", batch_loop["replays"])
+    a, b = c["a"], c["b"]
+    print("[real-engines] before/after:", json.dumps(a)[:600], "\n", json.dumps(b)[:600])
+    n = 2 * (SLOTS - 1 + LONG_PROMPTS)  # two replays pooled
+    assert a["offered"] == b["offered"] == n and a["completed"] == b["completed"] == n, (a, b)
+    over_a, over_b = sum(a["over_target_s"].values()), sum(b["over_target_s"].values())
+    assert over_b < 0.5 * over_a, (a, b)
+    assert b["goodput"] > a["goodput"], (a, b)
+    # the step the advisor promised held on the engine
+    assert b["itl_p99_s"] <= batch_loop["target_ms"] / 1e3, b
+    assert c["outcome"] in ("improved", "trade_off"), c
+    # what may get worse: the TTFT the advisor named as the price, and what a longer prefill adds to
+    # the streams that decode through it
+    assert all(w.startswith(("p99 TTFT", "p99 end-to-end")) for w in c["worse"]), c["worse"]
