@@ -62,21 +62,23 @@ def warm(src: Path, url: str, out_path: Path) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def measure(src: Path, url: str, trace_dir: Path, name: str, which: str) -> tuple[list[Path], list[list[float]]]:
-    """The recording replayed twice on the engine at ``url`` (seeds 1 and 2: prompts it has not seen),
-    as ``{name}-{which}1.jsonl`` and ``...2``; the engine after a change (``which`` "after") first
+def measure(src: Path, url: str, trace_dir: Path, name: str, which: str,
+            times: int = 2) -> tuple[list[Path], list[list[float]]]:
+    """The recording replayed ``times`` times on the engine at ``url`` (seeds 1, 2, ...: prompts it has
+    not seen), as ``{name}-{which}1.jsonl``, ...; the engine after a change (``which`` "after") first
     serves it once unmeasured (``warm``). The traces, and each replay's arrival spans by try."""
     if which == "after":
         warm(src, url, trace_dir / f"{name}-after-warmup.jsonl")
-    paths = [trace_dir / f"{name}-{which}{i}.jsonl" for i in (1, 2)]
+    paths = [trace_dir / f"{name}-{which}{i}.jsonl" for i in range(1, times + 1)]
     return paths, [replay(src, url, p, seed) for seed, p in enumerate(paths, 1)]
 
 
 def compare_pairs(before: list[Path], after: list[Path], target_ms: float, out_path: Path,
                   *extra: str) -> dict[str, Any]:
-    """``kvtop compare`` of the two replays before against the two after, at ``target_ms``; its JSON,
-    also written to ``out_path`` for a post-mortem."""
-    r = kvtop("compare", str(before[0]), str(after[0]), "--also", str(before[1]), str(after[1]),
+    """``kvtop compare`` of the replays before against those after (pairs beyond the first pooled with
+    ``--also``), at ``target_ms``; its JSON, also written to ``out_path`` for a post-mortem."""
+    also = [a for b, f in zip(before[1:], after[1:], strict=True) for a in ("--also", str(b), str(f))]
+    r = kvtop("compare", str(before[0]), str(after[0]), *also,
               "--itl-target-ms", f"{target_ms:g}", *extra, "--format", "json")
     assert r.returncode == 0, r.stderr
     out_path.write_text(r.stdout)
@@ -95,11 +97,11 @@ def advised(src: Path, target_ms: float | None = None) -> tuple[list[str], dict[
     return flags, json.loads(r.stdout)
 
 
-def measure_on(srv: Server, src: Path, trace_dir: Path, name: str, which: str,
+def measure_on(srv: Server, src: Path, trace_dir: Path, name: str, which: str, times: int = 2,
                timeout: float = 240) -> tuple[list[Path], list[list[float]]]:
     """``measure`` on a server started for it (the engine restarted with a change), stopped after."""
     try:
         srv.start(timeout=timeout)
-        return measure(src, srv.url, trace_dir, name, which)
+        return measure(src, srv.url, trace_dir, name, which, times)
     finally:
         cleanup(srv)
