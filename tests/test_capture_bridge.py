@@ -56,6 +56,14 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
+def _kernel_retransmits(ns: str | None) -> int:
+    """TCP segments the kernel retransmitted in a network namespace (None: the host's)."""
+    cmd = ["cat", "/proc/net/snmp"] if ns is None else ["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"]
+    lines = [ln.split() for ln in subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                                 timeout=10).stdout.splitlines() if ln.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("RetransSegs")])
+
+
 @pytest.fixture
 def bridged_namespace() -> Iterator[str]:
     """A namespace whose veth end is bridged to the host at HOST_IP, as Docker's bridge network does."""
@@ -87,6 +95,7 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
         "ip", "netns", "exec", bridged_namespace, sys.executable, "-m", "kvtop", "sim-server",
         "--preset", "healthy", "--host", ENGINE_IP, stdout=asyncio.subprocess.PIPE, env=env)
     received: dict[str, int] = {}
+    retrans_before = _kernel_retransmits(bridged_namespace) + _kernel_retransmits(None)
     try:
         assert sim.stdout is not None
         line = (await asyncio.wait_for(sim.stdout.readline(), 30)).decode()
@@ -112,6 +121,7 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
             async with aiohttp.ClientSession() as s:
                 await asyncio.wait_for(asyncio.gather(*(one(s, i) for i in range(STREAMS))), 90)
             await asyncio.sleep(0.5)
+        retransmitted = _kernel_retransmits(bridged_namespace) + _kernel_retransmits(None) - retrans_before
     finally:
         sim.terminate()
         await sim.wait()
@@ -131,7 +141,10 @@ async def test_capture_counts_each_token_once_across_bridge_and_veth(bridged_nam
     assert not any(r.event == "resync" or r.incomplete for r in got)
     st = cap.stats
     assert st.kernel_drops == 0 and st.holes == 0
-    # the second sighting of every packet is a copy: not a retransmission, not another connection
-    assert (st.connections, st.retransmits) == (STREAMS, 0)
+    # the second sighting of every packet is a copy: not a retransmission, not another connection.
+    # A loaded host may really retransmit (a tail-loss probe after a late ack), and the kernel counts
+    # those: kvtop may call no more segments retransmissions than the two namespaces' kernels sent.
+    assert st.connections == STREAMS
+    assert st.retransmits <= retransmitted, (st.retransmits, retransmitted)
     assert st.copies > 0.45 * st.packets, st  # (FINs and SYN-ACKs seen twice are not counted)
     assert all(PROMPT not in repr(r) for r in got)
