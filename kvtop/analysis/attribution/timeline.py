@@ -85,8 +85,8 @@ class EngineTimeline:
         # (scrape time, figure): the usual interval and prompt rise are medians of the last
         # INTERVALS / PROMPT_DELTAS of them, read as of a spike's cut-off (``asof``); the deques keep
         # more, for a spike judged a block of records later
-        self.intervals: deque[tuple[float, float]] = deque(maxlen=4 * INTERVALS)
-        self.prompt_deltas: deque[tuple[float, float]] = deque(maxlen=4 * PROMPT_DELTAS)
+        self.intervals = TimedFigures(4 * INTERVALS)
+        self.prompt_deltas = TimedFigures(4 * PROMPT_DELTAS)
         self.has_counter = False
         # stall spans already explained by the prompt tokens of one scrape interval (keyed by the
         # scrape that closes it): those tokens are a finite amount of prefill time, not a licence
@@ -196,7 +196,7 @@ class EngineTimeline:
 
     def interval_at(self, t: float) -> float:
         """The usual scrape interval as known at trace time ``t``."""
-        return _median_upto(self.intervals, t, INTERVALS, self.interval_s)
+        return self.intervals.median_upto(t, INTERVALS, self.interval_s)
 
     # -- queries ----------------------------------------------------------------------------
     def claim_counter(self, a: float, b: float, tol: float) -> float | None:
@@ -437,15 +437,27 @@ class EngineTimeline:
 
     def typical_prompt_delta(self, t: float = math.inf) -> float:
         """The prompt tokens a scrape interval usually adds, as known at trace time ``t``."""
-        return _median_upto(self.prompt_deltas, t, PROMPT_DELTAS, 0.0)
+        return self.prompt_deltas.median_upto(t, PROMPT_DELTAS, 0.0)
 
 
-def _median_upto(xs: deque[tuple[float, float]], t: float, n: int, empty: float) -> float:
-    """The median of the last ``n`` figures of ``xs`` (time-ordered) read by ``t``."""
-    j = len(xs)
-    while j and xs[j - 1][0] > t:
-        j -= 1
-    if not j:
-        return empty
-    s = sorted(v for _, v in islice(xs, max(0, j - n), j))
-    return s[len(s) // 2]
+class TimedFigures(deque[tuple[float, float]]):
+    """(scrape time, figure) pairs in time order, bounded."""
+
+    def __init__(self, maxlen: int):
+        super().__init__(maxlen=maxlen)
+        # the last answer: every stall asks, and the figures a stall reads change once a scrape
+        self._memo: tuple[tuple[int, int, tuple[float, float], tuple[float, float]], float] | None = None
+
+    def median_upto(self, t: float, n: int, empty: float) -> float:
+        """The median of the last ``n`` figures read by ``t``."""
+        j = len(self)
+        while j and self[j - 1][0] > t:
+            j -= 1
+        if not j:
+            return empty
+        key = (j, n, self[0], self[j - 1])
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        s = sorted(v for _, v in islice(self, max(0, j - n), j))
+        self._memo = (key, s[len(s) // 2])
+        return s[len(s) // 2]
