@@ -343,10 +343,12 @@ class Analyzer:
         p = d.get("prompt_tokens")
         prompt = p if isinstance(p, int) and not isinstance(p, bool) and p > 0 else r.prompt_tokens
         cached = d.get("cached_tokens")
+        served = 0
         if prompt and isinstance(cached, int) and not isinstance(cached, bool) and cached > 0:
             # the engine's prefill worked on the tokens its prefix cache did not serve
-            prompt = max(0, prompt - cached)
-        self.request_times.finish(d, prompt, r.arrive_t, r.first_t, r.last_t, r.engine)
+            served = min(prompt, cached)
+            prompt -= served
+        self.request_times.finish(d, prompt, r.arrive_t, r.first_t, r.last_t, r.engine, served)
         ttft = d.get("engine_ttft_s")
         if isinstance(ttft, (int, float)) and ttft > 0 and r.first_t is not None and prompt:
             # the engine worked on this prompt from first scheduled to its first token (which the

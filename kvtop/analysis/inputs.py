@@ -135,12 +135,15 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["decode_step"] = Num(med, "s", "measured", "median inter-token gap")
 
     # prefill rate: the engine's marginal rate where its witness logged the steps (PrefillCompute),
-    # else the engine's own per-request figure (prompt tokens / its TTFT, the figure attribution
-    # uses: a low estimate, so a chunk budget sized on it errs small, and far too low where a step's
-    # fixed cost fills the TTFT of short prompts: 3-21x under the witness on recompute storms), else
-    # from prefill stalls (stall length per prompt token of the request that ended it; under chunked
-    # prefill a stall is one chunk of the prompt, so this overstates the rate), else from TTFT of the
-    # least contended long-prompt requests (low again: queueing and other prompts are in a TTFT)
+    # else a fit of the engine's own per-request times against prompt length where prompts varied
+    # (its rate at a prompt's start and its attention coefficient, measured on this hardware: ahead
+    # of the model's configured geometry), else the engine's own per-request figure (prompt tokens /
+    # its TTFT, the figure attribution uses: a low estimate, so a chunk budget sized on it errs
+    # small, and far too low where a step's fixed cost fills the TTFT of short prompts: 3-21x under
+    # the witness on recompute storms), else from prefill stalls (stall length per prompt token of
+    # the request that ended it; under chunked prefill a stall is one chunk of the prompt, so this
+    # overstates the rate), else from TTFT of the least contended long-prompt requests (low again:
+    # queueing and other prompts are in a TTFT)
     pa = sorted(acc.prefill_a)
     ert = st.engine_request_times
     if ert is not None and ert.requests and ert.queue_s_p90 is not None:
@@ -158,6 +161,13 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
         n["prefill_rate"] = Num(pc.tokens_per_s, "tokens/s", "measured",
                                 f"engine's witness: {pc.tokens} prompt and recompute tokens in {pc.steps} steps, "
                                 f"{pc.seconds:.3g} s beyond a decode-only step")
+    elif ert is not None and ert.prefill_fit is not None:
+        fit = ert.prefill_fit
+        n["prefill_rate"] = Num(1.0 / fit.s_per_token, "tokens/s", "measured",
+                                f"a token at a prompt's start, fitted to the engine's own TTFT of {fit.prompts} "
+                                f"requests of {fit.shortest_tokens}-{fit.longest_tokens} computed prompt tokens")
+        n["k_att"] = Num(fit.k_att, "1/token", "measured",
+                         "the same fit: how much dearer each position makes the tokens after it")
     elif ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
                                 f"median prompt tokens / the engine's own TTFT of {ert.requests} requests (a low "

@@ -254,6 +254,32 @@ class PreemptionCheck:
                                d.get("pinned_kvtop_extra", 0))
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """How the engine's prefill time grows with a prompt's length, fitted to its own per-request
+    times (``attribution.request_times``): ``fixed_s + a·n + a·k_att·n²`` for ``n`` computed prompt
+    tokens. ``a`` prices a token at the prompt's start, ``k_att`` how much dearer each position makes
+    the tokens after it (attention); a chunked prefill's last chunk costs ``1 + 2·k_att·n`` times its
+    first."""
+
+    prompts: int  # requests the fit read
+    shortest_tokens: int
+    longest_tokens: int
+    s_per_token: float  # a (these three to 6 significant digits, as the report writes them)
+    k_att: float
+    fixed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "shortest_tokens": self.shortest_tokens,
+                "longest_tokens": self.longest_tokens, "s_per_token": self.s_per_token, "k_att": self.k_att,
+                "fixed_s": self.fixed_s}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> PrefillFit:
+        return PrefillFit(int(d["prompts"]), int(d["shortest_tokens"]), int(d["longest_tokens"]),
+                          float(d["s_per_token"]), float(d["k_att"]), float(d["fixed_s"]))
+
+
 _TIMES_KEYS = ("requests", "queued_requests", "queue_s_median", "queue_s_p90", "queue_s_max",
                "engine_prefill_tokens_per_s", "outside_engine_ttft_s_median", "tail_delivery_s_median",
                "tail_delivery_s_max")
@@ -273,14 +299,20 @@ class EngineRequestTimes:
     outside_engine_ttft_s_median: float | None  # observed TTFT - queue - engine TTFT
     tail_delivery_s_median: float | None  # observed first..last token span - the engine's
     tail_delivery_s_max: float | None
+    prefill_fit: PrefillFit | None = None  # prefill time against prompt length, where prompts varied enough
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _TIMES_KEYS}
+        d = {k: getattr(self, k) for k in _TIMES_KEYS}
+        if self.prefill_fit is not None:
+            d["prefill_fit"] = self.prefill_fit.to_dict()
+        return d
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> EngineRequestTimes:
-        return EngineRequestTimes(int(d.get("requests") or 0), int(d.get("queued_requests") or 0),
-                                  *(d.get(k) for k in _TIMES_KEYS[2:]))
+        fit = d.get("prefill_fit")
+        rest: dict[str, Any] = {k: d.get(k) for k in _TIMES_KEYS[2:]}
+        return EngineRequestTimes(int(d.get("requests") or 0), int(d.get("queued_requests") or 0), **rest,
+                                  prefill_fit=PrefillFit.from_dict(fit) if fit else None)
 
 
 @dataclass(frozen=True, slots=True)
