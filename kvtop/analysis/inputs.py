@@ -163,9 +163,12 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                 f"{pc.seconds:.3g} s beyond a decode-only step")
     elif ert is not None and ert.prefill_fit is not None:
         fit = ert.prefill_fit
+        # low, as the median it replaces: the steps that prefilled a prompt also ran the batch's
+        # decodes, and other prompts' chunks where several shared a step
         n["prefill_rate"] = Num(1.0 / fit.s_per_token, "tokens/s", "measured",
                                 f"a token at a prompt's start, fitted to the engine's own TTFT of {fit.prompts} "
-                                f"requests of {fit.shortest_tokens}-{fit.longest_tokens} computed prompt tokens")
+                                f"requests of {fit.shortest_tokens}-{fit.longest_tokens} computed prompt tokens",
+                                low=True)
         n["k_att"] = Num(fit.k_att, "1/token", "measured",
                          "the same fit: how much dearer each position makes the tokens after it")
     elif ert is not None and ert.engine_prefill_tokens_per_s:

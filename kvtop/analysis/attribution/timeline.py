@@ -440,24 +440,28 @@ class EngineTimeline:
         return self.prompt_deltas.median_upto(t, PROMPT_DELTAS, 0.0)
 
 
-class TimedFigures(deque[tuple[float, float]]):
+class TimedFigures:
     """(scrape time, figure) pairs in time order, bounded."""
 
     def __init__(self, maxlen: int):
-        super().__init__(maxlen=maxlen)
+        self.items: deque[tuple[float, float]] = deque(maxlen=maxlen)
         # the last answer: every stall asks, and the figures a stall reads change once a scrape
         self._memo: tuple[tuple[int, int, tuple[float, float], tuple[float, float]], float] | None = None
 
+    def append(self, item: tuple[float, float]) -> None:
+        self.items.append(item)
+
     def median_upto(self, t: float, n: int, empty: float) -> float:
         """The median of the last ``n`` figures read by ``t``."""
-        j = len(self)
-        while j and self[j - 1][0] > t:
+        xs = self.items
+        j = len(xs)
+        while j and xs[j - 1][0] > t:
             j -= 1
         if not j:
             return empty
-        key = (j, n, self[0], self[j - 1])
+        key = (j, n, xs[0], xs[j - 1])
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        s = sorted(v for _, v in islice(self, max(0, j - n), j))
+        s = sorted(v for _, v in islice(xs, max(0, j - n), j))
         self._memo = (key, s[len(s) // 2])
         return s[len(s) // 2]
