@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 
 import jsonschema
 import pytest
@@ -32,13 +33,14 @@ def engine_ttft(n: int, cached: int = 0) -> float:
     return FIXED + A * (n - cached) + A * K * (n * n - cached * cached)
 
 
-def _trace(an: Analyzer, prompts: list[int], contended: float = 0.0, seed: int = 3) -> None:
+def _trace(an: Analyzer, prompts: list[int], contended: float = 0.0, seed: int = 3,
+           curve: Callable[[int], float] = engine_ttft) -> None:
     """Requests of the given prompt lengths, one at a time, each with the engine's own TTFT; a share
     ``contended`` of them shared their steps with others and took up to 3x as long."""
     rng = random.Random(seed)
     for i, p in enumerate(prompts):
         t0 = 20.0 * i
-        ttft = engine_ttft(p) * (rng.uniform(1.5, 3.0) if rng.random() < contended else rng.uniform(1.0, 1.05))
+        ttft = curve(p) * (rng.uniform(1.5, 3.0) if rng.random() < contended else rng.uniform(1.0, 1.05))
         rid = f"p{i}"
         an.feed_dict({"kind": "request", "t": t0, "id": rid, "event": "arrive", "prompt_tokens": p})
         an.feed_dict({"kind": "request", "t": round(t0 + ttft, 6), "id": rid, "event": "first_token", "n": 1})
@@ -103,14 +105,36 @@ def test_cached_positions_still_make_the_computed_ones_dearer():
     fit = fit_prefill(samples)
     assert fit is not None
     assert fit.k_att == pytest.approx(K, rel=0.02) and fit.s_per_token == pytest.approx(A, rel=0.02)
-    # read as if nothing were cached, the dear late positions look cheap: k_att comes out far low
+    # read as if nothing were cached, the dear late positions look cheap: k_att comes out far low,
+    # or not at all
     blind = fit_prefill([(c + n, 0, t) for n, c, t in samples])
-    assert blind is None or blind.k_att < 0.5 * K
+    assert blind is None or blind.k_att is None or blind.k_att < 0.5 * K
 
 
 def test_a_fit_that_misses_its_points_is_not_believed():
     """Times that no curve of this form follows (here: falling with length) give no fit."""
     assert fit_prefill([(n, 0, 10.0 / n) for n in (100, 200, 400, 800, 1600)]) is None
+
+
+def test_three_lengths_fit_no_more_than_two_terms():
+    """Three bins: the three-term curve would pass through them whatever they were, so it is not
+    tried. A line with a fixed part follows these three within 10 %: the rate is fitted, but k_att
+    is not measured (None), and the advisor keeps the one it had rather than take 0. A fourth length
+    separates the terms."""
+    def curve(n: int) -> float:
+        return 2.0 + 1e-3 * n + 1e-6 * n * n
+
+    exact = [(n, 0, curve(n)) for n in (100, 400, 1600)]
+    line = fit_prefill(exact)
+    assert line is not None and line.k_att is None and line.fixed_s > 1.0
+    an = Analyzer(itl_target_s=0.3)
+    _trace(an, [100, 400, 1600] * 3, curve=curve)
+    v = build_report(an).verdict
+    assert v is not None and "fitted" in v.numbers["prefill_rate"].note
+    assert v.numbers["k_att"].source == "assumed", v.numbers["k_att"]
+    four = exact + [(800, 0, curve(800))]
+    fit = fit_prefill(four)
+    assert fit is not None and fit.fixed_s == pytest.approx(2.0, rel=1e-3) and fit.k_att == pytest.approx(1e-3)
 
 
 def test_the_fit_reads_back_from_the_report():

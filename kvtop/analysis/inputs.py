@@ -169,8 +169,9 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                 f"a token at a prompt's start, fitted to the engine's own TTFT of {fit.prompts} "
                                 f"requests of {fit.shortest_tokens}-{fit.longest_tokens} computed prompt tokens",
                                 low=True)
-        n["k_att"] = Num(fit.k_att, "1/token", "measured",
-                         "the same fit: how much dearer each position makes the tokens after it")
+        if fit.k_att is not None:
+            n["k_att"] = Num(fit.k_att, "1/token", "measured",
+                             "the same fit: how much dearer each position makes the tokens after it")
     elif ert is not None and ert.engine_prefill_tokens_per_s:
         n["prefill_rate"] = Num(ert.engine_prefill_tokens_per_s, "tokens/s", "measured",
                                 f"median prompt tokens / the engine's own TTFT of {ert.requests} requests (a low "

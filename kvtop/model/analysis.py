@@ -266,7 +266,7 @@ class PrefillFit:
     shortest_tokens: int
     longest_tokens: int
     s_per_token: float  # a (these three to 6 significant digits, as the report writes them)
-    k_att: float
+    k_att: float | None  # None: the lengths seen could not separate it from the rest
     fixed_s: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -277,7 +277,8 @@ class PrefillFit:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> PrefillFit:
         return PrefillFit(int(d["prompts"]), int(d["shortest_tokens"]), int(d["longest_tokens"]),
-                          float(d["s_per_token"]), float(d["k_att"]), float(d["fixed_s"]))
+                          float(d["s_per_token"]), None if d["k_att"] is None else float(d["k_att"]),
+                          float(d["fixed_s"]))
 
 
 _TIMES_KEYS = ("requests", "queued_requests", "queue_s_median", "queue_s_p90", "queue_s_max",

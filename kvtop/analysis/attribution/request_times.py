@@ -105,7 +105,9 @@ def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillFit | None:
     (``n`` = computed + cached: a cached prefix's positions still make the computed ones dearer).
 
     None where the prompts' lengths do not span ``FIT_SPREAD`` in ``FIT_BINS`` bins, or no positive
-    per-token price fits, or the fit misses its bins by more than ``FIT_MAX_RESIDUAL``. A negative
+    per-token price fits, or the fit misses its bins by more than ``FIT_MAX_RESIDUAL``; a curve is
+    tried only on more bins than it has terms. Where the attention term was dropped (negative, or
+    too few bins for it) ``k_att`` is None: not measured, rather than measured as nothing. A negative
     fixed part or attention term is dropped (set to 0) and the rest refitted: noise, not a saving.
     """
     bins: dict[int, list[tuple[float, float, float]]] = {}
@@ -125,6 +127,8 @@ def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillFit | None:
         return None
     s1, s2 = hi, max(r[1] for r in reps) or 1.0  # columns scaled to 1 for the solve
     for use_fixed, use_att in ((True, True), (False, True), (True, False), (False, False)):
+        if len(reps) <= 1 + use_fixed + use_att:
+            continue  # as many terms as points: any such curve passes through them, and proves nothing
         cols = [(1.0,) * use_fixed + (x1 / s1,) + (x2 / s2,) * use_att for x1, x2, _ in reps]
         coef = _wls([(list(c), y) for c, (_, _, y) in zip(cols, reps, strict=True)])
         if coef is None or min(coef) < 0:
@@ -138,7 +142,7 @@ def fit_prefill(samples: list[tuple[int, int, float]]) -> PrefillFit | None:
         if misses[len(misses) // 2] > FIT_MAX_RESIDUAL:
             return None
         return PrefillFit(prompts=sum(len(g) for g in bins.values()), shortest_tokens=int(lo), longest_tokens=int(hi),
-                          s_per_token=_g6(a), k_att=_g6(b / a), fixed_s=_g6(fixed))
+                          s_per_token=_g6(a), k_att=_g6(b / a) if use_att else None, fixed_s=_g6(fixed))
     return None
 
 
