@@ -84,6 +84,12 @@ class VllmAdapter(EngineAdapter):
         Setting.KV_CACHE_BYTES: "--kv-cache-memory-bytes",  # overrides the memory share for the KV cache
         Setting.CTX: "--max-model-len",  # bounds prompt + output of one request
     }
+    host_tier = "vllm_v1_offload"  # the KV offloading connector (V0's swap where the version says so)
+    setting_notes = {
+        # vllm/config/scheduler.py (verify_max_model_len): chunked prefill is on by default
+        Setting.BATCHED_TOKENS: "with chunked prefill on (vLLM's default); vLLM refuses a budget below "
+                                "--max-model-len where it is switched off",
+    }
 
     @classmethod
     def detect(cls, metric_names: set[str]) -> float:

@@ -47,6 +47,20 @@ def test_emit_flags_from_a_scenario_and_nothing_to_change(tmp_path: Path, kvtop_
     assert r.returncode == 0 and r.stdout == "\n"  # no_action: an empty line, nothing to append
 
 
+def test_settings_read_from_a_config_file_stay_off_the_launcher_line(tmp_path: Path, kvtop_cli):
+    """Triton's TensorRT-LLM settings live in config.pbtxt and trtllm-build: S6's admission limit is
+    named on stderr, and the line a launcher appends stays empty rather than carrying those words."""
+    doc = json.loads((REPO / "tests" / "scenarios" / "S6.json").read_text())
+    doc.pop("expect", None)
+    doc["engine"] = "triton"
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(doc))
+    r = kvtop_cli("advise", "--scenario", str(path), "--emit-flags")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "\n", r.stdout
+    assert "trtllm-build --max_batch_size = 128: not a flag of the engine's launcher" in r.stderr, r.stderr
+
+
 def test_advise_bad_input_is_one_line(tmp_path: Path, kvtop_cli):
     for args, msg in ((["--trace", str(tmp_path / "none.jsonl"), "--emit-flags"], "no such trace"),
                       (["--trace", "x", "--scenario", "y"], "not allowed with")):

@@ -281,16 +281,15 @@ def test_freed_bytes_are_totals_for_gqa_and_mla_alike():
 @pytest.mark.parametrize("impl,keys", [
     ("vllm_v0_swap", {"--preemption-mode": "swap", "--swap-space": 3}),
     ("vllm_v1_offload", {"--kv-offloading-backend": "native", "--kv-offloading-size": 10}),
-    ("lmcache", {"--kv-offloading-backend": "lmcache", "--kv-offloading-size": 10, "LMCache local_cpu": True,
-                 "LMCache max_local_cpu_size": 2.6}),
+    ("lmcache", {"--kv-offloading-backend": "lmcache", "--kv-offloading-size": 10}),
     ("sglang_hicache", {"--enable-hierarchical-cache": True, "--hicache-size": 3}),
 ])
 def test_swap_settings_per_implementation(impl, keys):
     """S1 (70B TP4, 32,000 tokens): V = 32,000 x 81,920 = 2.62 GB per rank, 10.49 GB over 4 ranks.
 
     With 11 GB of pinned memory free the pool holds one sequence (10.49 GB, not 4 x 10.49):
-    V1 connector / LMCache --kv-offloading-size (all ranks): 10.49e9 / 2^30 = 9.77 -> 10 GiB;
-    LMCache max_local_cpu_size (per rank) = 10.49 / 4 = 2.62 -> 2.6 GB;
+    V1 connector / LMCache --kv-offloading-size (all ranks): 10.49e9 / 2^30 = 9.77 -> 10 GiB (vLLM
+    gives LMCache its local_cpu and max_local_cpu_size itself, so no LMCache setting is printed);
     V0 --swap-space (per GPU) = 2.62e9 / 2^30 = 2.44 -> 3 GiB; HiCache --hicache-size (per rank) 2.62 -> 3 GB.
     """
     doc = scenario.load(HERE / "S1.json")
@@ -300,6 +299,62 @@ def test_swap_settings_per_implementation(impl, keys):
     assert v["action"] == "swap"
     for k, want in keys.items():
         assert flags(v)[k] == want, (k, v["settings"])
+
+
+def test_every_printed_swap_setting_is_a_flag_the_engine_takes():
+    """Every host-tier setting of a swap verdict is a command-line flag (no LMCache config key is
+    printed as if it were one: vLLM derives them from --kv-offloading-size, and says so)."""
+    for impl in ("vllm_v0_swap", "vllm_v1_offload", "lmcache", "sglang_hicache"):
+        doc = scenario.load(HERE / "S1.json")
+        doc["swap"] = {"implementation": impl}
+        v = scenario.evaluate(doc)["verdict"]
+        assert all(f["flag"].startswith("--") for f in v["settings"]), (impl, v["settings"])
+    assert any("max_local_cpu_size" in r for r in v["reasons"]) is False  # the last was HiCache
+    doc = scenario.load(HERE / "S1.json")
+    doc["swap"] = {"implementation": "lmcache"}
+    v = scenario.evaluate(doc)["verdict"]
+    assert any("sets LMCache's local_cpu and max_local_cpu_size" in r for r in v["reasons"]), v["reasons"]
+
+
+def test_sglang_sizes_its_host_pool_per_rank_and_above_the_gpus_pool():
+    """S1 on SGLang (TP 4, 200 GB pinned free): the pool for the assumed four preempted 32,000-token
+    sequences is 41.9 GB over the ranks, and SGLang's --hicache-size is GB per rank: 10.49 -> 11, with
+    or without the implementation stated (it was 40, all ranks in GiB, where it was not). With the
+    GPUs' KV pool known (4 x 52 GB) and 300 GB free, HiCache backs it up to the host, and releases up
+    to 0.5.9 refuse a host pool no larger than it: 52 + 10.49 -> 63 GB per rank. Where the host has no room for both,
+    the pool stays the sequences' and the verdict says what SGLang will do with it."""
+    for swap in ({"mode": "async"}, {"implementation": "sglang_hicache"}):
+        doc = scenario.load(HERE / "S1.json")
+        doc["engine"], doc["swap"] = "sglang", swap
+        v = scenario.evaluate(doc)["verdict"]
+        assert flags(v) == {"--enable-hierarchical-cache": True, "--hicache-size": 11}, v["settings"]
+        assert any("confirm --hicache-size exceeds it per rank" in r for r in v["reasons"]), v["reasons"]
+    doc["capacity"] = {"kv_pool_bytes": 4 * 52e9}
+    doc["host"] = {"pinned_free_bytes": 300e9}
+    v = scenario.evaluate(doc)["verdict"]
+    assert flags(v)["--hicache-size"] == 63, v["settings"]
+    doc["host"] = {"pinned_free_bytes": 100e9}
+    v = scenario.evaluate(doc)["verdict"]
+    assert flags(v)["--hicache-size"] == 11, v["settings"]
+    assert any("the host has no room for both" in r for r in v["reasons"]), v["reasons"]
+
+
+def test_an_older_vllm_is_not_given_a_kv_size_flag_it_lacks():
+    """S6 wants a larger KV cache (210 GB per GPU); --kv-cache-memory-bytes first appears in vLLM
+    0.10.2 (its arg_utils.py; 0.10.1.1's has none), so on 0.10.1 the verdict names no such flag and
+    says why, while 0.10.2 and 0.32 get it."""
+    def kv_flag(version: str) -> dict:
+        doc = scenario.load(HERE / "S6.json")
+        doc["engine_version"] = version
+        doc["engine_settings"] = {**doc.get("engine_settings", {}), "gpu_memory_utilization": 0.9}
+        doc["observed"], doc["slo"] = {"decode_step_ms": 30}, {"itl_ms": 100}
+        doc["traffic"] = {**doc["traffic"], "inflight_peak": 400}
+        return scenario.evaluate(doc)["verdict"]
+    old = kv_flag("0.10.1")
+    assert "--kv-cache-memory-bytes" not in flags(old), old["settings"]
+    assert any("predates --kv-cache-memory-bytes (first in vLLM 0.10.2)" in r for r in old["reasons"]), old["reasons"]
+    for version in ("0.10.2", "0.32.0"):
+        assert flags(kv_flag(version))["--kv-cache-memory-bytes"] == 209715200000, version
 
 
 def test_counted_spikes_without_causes_fall_back_to_the_sections():

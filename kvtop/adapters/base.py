@@ -114,6 +114,10 @@ class EngineAdapter(ABC):
     extra_paths: ClassVar[tuple[str, ...]] = ()
     # The engine's own spelling of each knob (e.g. {Setting.MAX_SEQS: "--max-num-seqs"}).
     settings: ClassVar[dict[Setting, str]] = {}
+    # The engine's host KV tier where a run does not state one, by the advisor's name for it
+    # (``vllm_v1_offload``, ``sglang_hicache``; kvtop/analysis/advice/swapimpl.py): its size flag's
+    # unit (GiB over all ranks, GB per rank) and what it requires follow from it. None: unknown.
+    host_tier: ClassVar[str | None] = None
     # A path that names the engine's version (vLLM: /version). Asked once, and again after the
     # engine restarts (``restart_token`` changes: it may have been upgraded); ``parse_version``
     # reads the body. The version goes on every record: the advisor chooses flags by it.

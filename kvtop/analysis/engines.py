@@ -17,6 +17,7 @@ class EngineSemantics(NamedTuple):
     budget_holds_decodes: bool  # its token budget counts decode tokens too (``budget_holds_decodes``)
     setting_notes: dict[str, str]  # what it requires of a setting's value (``setting_notes``)
     warning: str | None  # why the adapter could not be read
+    host_tier: str | None = None  # its host KV tier where a run states none (``host_tier``)
 
 
 def engine_semantics(name: str | None) -> EngineSemantics:
@@ -33,4 +34,4 @@ def engine_semantics(name: str | None) -> EngineSemantics:
     settings: dict[str, str] = {k: v for k, v in cls.settings.items()}
     return EngineSemantics(bool(cls.preempts), settings, counted if counted in ("resume", "retract") else None,
                            bool(cls.admits_in_order), bool(cls.budget_holds_decodes),
-                           {str(k): v for k, v in cls.setting_notes.items()}, None)
+                           {str(k): v for k, v in cls.setting_notes.items()}, None, cls.host_tier)

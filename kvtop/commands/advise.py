@@ -100,6 +100,11 @@ def _emit(verdict: Verdict) -> int:
             print(f"kvtop advise: {s.setting} = {s.value}: no flag for this engine (unknown adapter); not emitted",
                   file=sys.stderr)
             continue
+        if not s.flag.startswith("-"):
+            # a setting the engine reads elsewhere (Triton's config.pbtxt, a build option): not a launcher word
+            print(f"kvtop advise: {s.flag} = {_value(s.value)}: not a flag of the engine's launcher (set it where it "
+                  "says); not emitted", file=sys.stderr)
+            continue
         v = s.value
         if v is True:
             words.append(s.flag)

@@ -692,7 +692,12 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
                                f"{limit / 1e9:.3g} GB ({what}) is free; the pool holds {fit}")
                 if fit < peak:
                     marginal = True
-            swap_settings = swapimpl.settings_for(s.swap_impl, s.engine, pool, x.ranks, s.settings_names)
+            device_pool = s.v("kv_pool_bytes") or (float(s.v("kv_capacity_tokens")) * beta
+                                                    if s.v("kv_capacity_tokens") and beta else None)
+            tier = swapimpl.settings_for(s.swap_impl or s.host_tier, pool, x.ranks, s.settings_names,
+                                         device_pool_total_bytes=device_pool, host_limit_bytes=limit)
+            swap_settings = tier.settings
+            reasons.extend(tier.notes)
             if _is_v1_connector(s):
                 reasons.append(V1_CONNECTOR)
                 hit, seq = s.v("resume_hit_tokens"), s.v("seq_tokens")

@@ -62,6 +62,7 @@ class Situation:
     decided_by: list[dict[str, str]] = field(default_factory=list)
     size: KVSize | None = None  # the one KV-size function (windows, MLA, state, TP/PP)
     swap_impl: str | None = None  # vllm_v0_swap | vllm_v1_offload | lmcache | sglang_hicache | none
+    host_tier: str | None = None  # the adapter's ``host_tier``: the implementation where none is stated
     evidence_hint: str | None = None
     cause_confidence: dict[str, float] = field(default_factory=dict)  # mean attribution confidence per cause
     confidence_scale: float = 1.0
@@ -78,6 +79,7 @@ class Situation:
         self.settings_names = dict(sem.settings)
         self.budget_holds_decodes = sem.budget_holds_decodes
         self.setting_notes = dict(sem.setting_notes)
+        self.host_tier = sem.host_tier
 
     def v(self, key: str) -> Any:
         x = self.n.get(key)

@@ -5,9 +5,9 @@ layer's K or V for a 16-token block; ``--swap-space`` GiB, removed from vLLM in 
 has no swap, its substitute is the asynchronous KV offloading connector
 (``--kv-offloading-size`` GiB over all ranks + ``--kv-offloading-backend native|lmcache``), whose
 native layout copies one contiguous block across all layers; LMCache stores chunks (256 tokens by
-default) and takes ``local_cpu`` / ``max_local_cpu_size`` (GB per rank, the vLLM size / (TP·PP));
-SGLang HiCache backs the radix cache with a host pool (``--enable-hierarchical-cache``,
-``--hicache-size`` GB, overriding ``--hicache-ratio``), written asynchronously.
+default), and vLLM sets its ``local_cpu`` / ``max_local_cpu_size`` (GB per rank, the vLLM size / (TP·PP))
+itself; SGLang HiCache backs the radix cache with a host pool (``--enable-hierarchical-cache``,
+``--hicache-size`` GB per rank, overriding ``--hicache-ratio``), written asynchronously.
 """
 
 from __future__ import annotations
@@ -54,33 +54,72 @@ def copy_bytes(impl: Impl, token_bytes_rank: float, layers_rank: float) -> float
     return BLOCK_TOKENS * token_bytes_rank
 
 
-def settings_for(impl_name: str | None, engine: str | None, pool_total_bytes: float, ranks: int,
-                 names: dict[str, str]) -> list[tuple[str, str | None, Any]]:
-    """The settings that give a host pool of ``pool_total_bytes`` (all ranks) for this implementation,
-    as ``(generic setting, flag as the engine spells it or None, value)``."""
+@dataclass(frozen=True)
+class HostTierSettings:
+    """The settings that give the host pool (``(generic setting, flag as the engine spells it or
+    None, value)``) and what the operator must know beside them: what the engine derives itself,
+    what it requires of the size."""
+
+    settings: list[tuple[str, str | None, Any]]
+    notes: list[str]
+
+
+def settings_for(impl_name: str | None, pool_total_bytes: float, ranks: int, names: dict[str, str],
+                 device_pool_total_bytes: float | None = None,
+                 host_limit_bytes: float | None = None) -> HostTierSettings:
+    """The settings that give a host pool of ``pool_total_bytes`` (all ranks) for this implementation.
+
+    ``device_pool_total_bytes``: the GPUs' KV pool (all ranks), where known. SGLang's HiCache backs
+    that pool up to the host, so its host pool must exceed it (releases up to at least 0.5.9 refuse
+    a smaller one: "The host memory should be larger than the device memory with the current
+    protocol"; later ones start and warn that the L2 cache is less effective).
+    """
+    ranks = max(1, ranks)
     gib_total = max(1, math.ceil(pool_total_bytes / GIB))
-    per_rank_gb = pool_total_bytes / max(1, ranks) / 1e9
+    per_rank_gb = pool_total_bytes / ranks / 1e9
     if impl_name == "vllm_v0_swap":
         # --swap-space is per GPU
-        return [("preemption_mode", "--preemption-mode", "swap"),
-                ("swap_space", "--swap-space", max(1, math.ceil(pool_total_bytes / max(1, ranks) / GIB)))]
+        return HostTierSettings([("preemption_mode", "--preemption-mode", "swap"),
+                                 ("swap_space", "--swap-space", max(1, math.ceil(pool_total_bytes / ranks / GIB)))],
+                                [])
     if impl_name == "vllm_v1_offload":
-        return [("offload_backend", "--kv-offloading-backend", "native"),
-                ("offload_size", "--kv-offloading-size", gib_total)]
+        return HostTierSettings([("offload_backend", "--kv-offloading-backend", "native"),
+                                 ("offload_size", "--kv-offloading-size", gib_total)], [])
     if impl_name == "lmcache":
-        return [("offload_backend", "--kv-offloading-backend", "lmcache"),
-                ("offload_size", "--kv-offloading-size", gib_total),
-                ("lmcache_local_cpu", "LMCache local_cpu", True),
-                ("lmcache_max_local_cpu_size", "LMCache max_local_cpu_size", round(max(0.1, per_rank_gb), 1))]
+        # vLLM configures LMCache itself from these two (vllm/config/vllm.py): no LMCache setting to give
+        return HostTierSettings([("offload_backend", "--kv-offloading-backend", "lmcache"),
+                                 ("offload_size", "--kv-offloading-size", gib_total)],
+                                [f"vLLM sets LMCache's local_cpu and max_local_cpu_size ({gib_total * GIB / ranks / 1e9:.1f} "
+                                 "GB per rank: the size over TP×PP) from --kv-offloading-size itself"])
     if impl_name == "sglang_hicache":
-        return [("offload_enable", "--enable-hierarchical-cache", True),
-                ("offload_size", "--hicache-size", max(1, math.ceil(per_rank_gb)))]
+        return _hicache(per_rank_gb, ranks, device_pool_total_bytes, host_limit_bytes, pool_total_bytes)
     if impl_name == "none":
-        return []
-    # implementation not stated: the engine adapter's names (vLLM: the V1 connector)
-    out: list[tuple[str, str | None, Any]] = [("offload_size", names.get("offload_size"), gib_total)]
-    if "offload_backend" in names:
-        out.append(("offload_backend", names["offload_backend"], "native"))
-    if "offload_enable" in names:
-        out.append(("offload_enable", names["offload_enable"], True))
-    return out
+        return HostTierSettings([], [])
+    # no implementation stated, and the engine's adapter names none: the size's unit and scope are not
+    # known here, so the pool is stated rather than given as a value its flag may read otherwise
+    flag = names.get("offload_size")
+    return HostTierSettings([], [f"a host KV pool of {pool_total_bytes / 1e9:.3g} GB ({per_rank_gb:.3g} GB per rank)"
+                                 + (f": set {flag} to hold it, in the unit it takes" if flag else "")])
+
+
+def _hicache(per_rank_gb: float, ranks: int, device_total: float | None, limit: float | None,
+             pool_total: float) -> HostTierSettings:
+    """``--hicache-size`` is GB per rank (SGLang sizes each rank's host pool from it)."""
+    notes = []
+    size_gb = per_rank_gb
+    if device_total:
+        device_gb = device_total / ranks / 1e9
+        if limit is None or device_total + pool_total <= limit:
+            size_gb = device_gb + per_rank_gb
+            notes.append(f"HiCache backs the GPUs' KV pool ({device_gb:.3g} GB per rank) up to the host, so its pool "
+                         f"holds that and the preempted sequences ({per_rank_gb:.3g} GB per rank) beside it")
+        else:
+            notes.append(f"the host pool ({per_rank_gb:.3g} GB per rank) is no larger than the GPUs' KV pool "
+                         f"({device_gb:.3g} GB per rank), and the host has no room for both: SGLang up to at least "
+                         "0.5.9 refuses to start so (\"The host memory should be larger than the device memory\"), "
+                         "later releases start with a less effective L2 cache")
+    else:
+        notes.append("SGLang up to at least 0.5.9 refuses a host pool no larger than the GPUs' KV pool (the KV pool "
+                     "was not seen here): confirm --hicache-size exceeds it per rank")
+    return HostTierSettings([("offload_enable", "--enable-hierarchical-cache", True),
+                             ("offload_size", "--hicache-size", max(1, math.ceil(size_gb)))], notes)

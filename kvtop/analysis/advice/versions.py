@@ -17,17 +17,25 @@ from __future__ import annotations
 
 import re
 
+from kvtop.adapters.base import Setting
 from kvtop.analysis.advice.situation import Num, Situation
 
 VLLM_V1_DEFAULT = (0, 8)
 VLLM_OFFLOAD_FLAGS = (0, 11)  # the minor release whose 0.11.1 first has the offloading flags
 VLLM_CHECKED = (0, 32)
+VLLM_KV_CACHE_BYTES = (0, 10, 2)  # the first release whose arg_utils.py defines --kv-cache-memory-bytes
 
 
 def parse(version: str | None) -> tuple[int, int] | None:
     """(major, minor) of a version string such as ``0.32.0``, ``v0.11.1rc2`` or ``0.9.2+cpu``."""
     m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def parse_patch(version: str | None) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a version string (patch 0 where it names none)."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version or "")
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
 
 
 def apply(s: Situation) -> None:
@@ -47,6 +55,11 @@ def apply(s: Situation) -> None:
     if ver is None:
         _note(s, f"engine version {given!r} not understood: the flags are vLLM V1's, checked on vLLM {checked}")
         return
+    full = parse_patch(str(given))
+    if full is not None and full < VLLM_KV_CACHE_BYTES and Setting.KV_CACHE_BYTES in s.settings_names:
+        del s.settings_names[Setting.KV_CACHE_BYTES]
+        _note(s, f"vLLM {given} predates --kv-cache-memory-bytes (first in vLLM 0.10.2): a larger KV cache is "
+                 "given as --gpu-memory-utilization, where its current value and the GPU's memory are known")
     if ver < VLLM_V1_DEFAULT:
         if s.swap_impl is None:
             s.swap_impl = "vllm_v0_swap"
