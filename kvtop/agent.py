@@ -24,7 +24,7 @@ from kvtop.core import Core
 from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
-from kvtop.model.sanitize import output_json
+from kvtop.model.sanitize import output_json, redact_url
 from kvtop.model.trace import make_header
 from kvtop.model.trace_rotate import RotatingTrace
 from kvtop.otlp import LiveExport
@@ -211,8 +211,9 @@ def build_agent(opts: AgentOptions) -> Agent:
     if opts.trace_dir:
 
         def header() -> dict[str, Any]:
-            return make_header(engine={"url": urls[0] if urls else None}, recorder="kvtop agent",
-                               interval_s=opts.interval_s, urls=urls, agent_wall_t0=time.time() - runner.now())
+            shown = [redact_url(u) for u in urls]  # a trace never keeps the URL's credentials
+            return make_header(engine={"url": shown[0] if shown else None}, recorder="kvtop agent",
+                               interval_s=opts.interval_s, urls=shown, agent_wall_t0=time.time() - runner.now())
 
         trace = RotatingTrace(opts.trace_dir, header, max_bytes=opts.trace_max_bytes, max_age_s=opts.trace_max_age_s,
                               keep_bytes=opts.trace_keep_bytes, keep_age_s=opts.trace_keep_age_s)

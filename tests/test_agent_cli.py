@@ -82,6 +82,44 @@ def test_agent_serves_metrics_and_leaves_replayable_segments(tmp_path):
                 proc.wait()
 
 
+def test_the_agent_keeps_credentials_in_the_url_out_of_metrics_report_and_trace(tmp_path):
+    """An engine URL with user:password: the request series, /report and the trace header name the
+    engine as ``***@host:port``, the label the engine series use, so both join in Prometheus."""
+    sim = _spawn("sim-server", "--preset", "healthy", "--port", "0", "--duration", "60")
+    agent = None
+    try:
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        secret = sim_url.replace("http://", "http://ops:hunter2@")
+        agent = _spawn("agent", "--url", secret, "--listen", "127.0.0.1:0", "--probe", "2", "--no-gpu",
+                       "--interval", "0.5", "--trace-dir", str(tmp_path / "traces"))
+        url = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+)/metrics").group(1)
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(url + "/metrics", timeout=5).text
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            gaps = [s for s in fams["kvtop_stream_inter_token_gap_seconds"].samples if s.name.endswith("_count")]
+            if sum(s.value for s in gaps) > 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        report = httpx.get(url + "/report", timeout=5).text
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+        shown = "***@" + sim_url.split("//")[1]
+        assert "hunter2" not in text + report
+        assert {s.labels["engine"] for s in fams["kvtop_engine_up"].samples} == {shown}
+        assert {s.labels["engine"] for s in gaps} == {shown} and sum(s.value for s in gaps) > 10
+        assert json.loads(report)["engine"] == shown
+        segs = segments(tmp_path / "traces")
+        assert segs and all("hunter2" not in json.dumps(d) for p in segs for d in TraceReader(p).dicts())
+        head = TraceReader(segs[0]).header
+        assert head["urls"] == ["http://" + shown] and head["engine"]["url"] == "http://" + shown
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("args", [
     ("agent",),
     ("agent", "--url", "http://127.0.0.1:8000", "--listen", "127.0.0.1:notaport"),

@@ -40,6 +40,7 @@ from kvtop import __version__
 from kvtop.analysis.advice.advisor import ACTIONS
 from kvtop.model.analysis import AnalysisCounters
 from kvtop.model.records import EngineRecord, Record, RequestRecord
+from kvtop.model.sanitize import redact_url
 from kvtop.snapshot import Snapshot
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
@@ -63,8 +64,9 @@ def signal_token(name: str) -> str:
 
 
 def engine_label(url: str | None, engine: str | None = None) -> str:
-    """Bounded, readable engine label: the scrape target's host:port, plus the DP rank if several."""
-    u = url or "?"
+    """Bounded, readable engine label: the scrape target's host:port, plus the DP rank if several.
+    Credentials in the URL never reach a label (``***@host:port``, as the scraper shows the URL)."""
+    u = redact_url(url) if url else "?"
     parts = urlsplit(u if "://" in u else "http://" + u)
     base = parts.netloc or u
     if parts.path and parts.path.rstrip("/") not in ("", "/metrics"):

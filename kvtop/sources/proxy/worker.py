@@ -13,6 +13,7 @@ import sys
 import time
 
 from kvtop.model.records import RequestRecord
+from kvtop.model.sanitize import redact_url
 from kvtop.model.trace import TraceWriter, _encode, _request_dict, clock_origin_unix, make_header
 from kvtop.sources.proxy.eventloop import run
 from kvtop.sources.proxy.server import RecordingProxy
@@ -42,7 +43,7 @@ async def _worker(upstream: str, host: str, port: int, offset: float, cls: str |
 
     writer = None
     if trace is not None:
-        writer = TraceWriter(trace, make_header(engine={"adapter": None, "url": upstream},
+        writer = TraceWriter(trace, make_header(engine={"adapter": None, "url": redact_url(upstream)},
                                                 recorder="kvtop proxy worker",
                                                 clock_t0_unix=clock_origin_unix(lambda: time.monotonic() + offset)))
         emit = writer.write
