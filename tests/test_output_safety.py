@@ -190,6 +190,24 @@ def test_proxy_record_refuses_a_trace_it_would_append_a_second_run_to(tmp_path: 
     assert len(r.stderr.strip().splitlines()) == 1 and old.read_bytes() == b"\x1f\x8b" + b"\x00" * 100
 
 
+def test_simulate_overwrites_only_with_force_and_refuses_an_endless_run(tmp_path: Path):
+    """simulate's refusal named --force, which it lacked; and a duration of 1e9 s wrote 2.4 GB a
+    minute until stopped. Now --force replaces the old trace (one run, one header), and a duration
+    beyond a day is refused before anything is written."""
+    out = tmp_path / "s.jsonl"
+    first = run_kvtop("simulate", "--preset", "healthy", "--duration", "2", "-o", str(out))
+    assert first.returncode == 0, first.stderr
+    again = run_kvtop("simulate", "--preset", "healthy", "--duration", "2", "-o", str(out))
+    assert again.returncode == 2 and "already exists (use --force to overwrite)" in again.stderr
+    forced = run_kvtop("simulate", "--preset", "healthy", "--duration", "3", "-o", str(out), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert sum(1 for line in out.read_text().splitlines() if '"kind":"header"' in line.replace(" ", "")) == 1
+    endless = tmp_path / "e.jsonl"
+    r = run_kvtop("simulate", "--preset", "healthy", "--duration", "1e9", "-o", str(endless))
+    assert r.returncode == 2 and "at most 86400 simulated seconds" in r.stderr and not endless.exists()
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_a_pipe_as_the_trace_is_refused_before_anything_blocks_on_it(tmp_path: Path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
-from kvtop.commands._options import check_output, seconds_arg
+from kvtop.commands._options import check_output, replace_output, seconds_arg
 from kvtop.errors import UsageError
 
 NAME = "simulate"
 HELP = "run the simulated paged-KV engine faster than real time and write a trace (with ground truth)"
 ORDER = 60
+MAX_DURATION_S = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=seconds_arg, required=True, metavar="DURATION",
                    help="simulated time (600, 600s, 10m)")
     p.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (JSON Lines)")
+    p.add_argument("--force", action="store_true", help="overwrite TRACE if it already exists")
     p.add_argument("--scrape-interval", type=seconds_arg, default=1.0, metavar="DURATION",
                    help="simulated seconds between /metrics scrapes (default 1)")
     p.add_argument("--arrivals-from", metavar="TRACE",
@@ -38,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from kvtop.sim.simulate import simulate_to_trace
     from kvtop.sim.workload import load_preset, load_workload_file, requests_from_trace
 
-    if args.duration <= 0:
-        raise UsageError("--duration must be > 0")
+    if not 0 < args.duration <= MAX_DURATION_S:
+        # a busy preset writes about 2,000 records per simulated second: a day is already tens of GB
+        raise UsageError(f"--duration must be > 0 and at most {MAX_DURATION_S:g} simulated seconds (a day), "
+                         f"not {args.duration:g}")
     if args.scrape_interval <= 0:
         raise UsageError("--scrape-interval must be > 0")
     wl = load_preset(args.preset) if args.preset else load_workload_file(args.workload)
@@ -49,10 +53,12 @@ def run(args: argparse.Namespace) -> int:
 
         wl = apply_engine_flags(wl, args.engine_flags)
     out = Path(args.output)
-    check_output(args.output, force=False)  # never a second run appended, nor a pipe to block on
+    check_output(args.output, args.force)  # never a second run appended, nor a pipe to block on
     specs = None
     if args.arrivals_from:
         specs = requests_from_trace(args.arrivals_from, wl, args.seed, args.duration)
+    if args.force:
+        replace_output(args.output)  # the writer appends
     progress = Progress(f"kvtop simulate: {out}")
 
     with Interrupt() as stop:
@@ -72,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     truth = ", ".join(f"{k} {v}" for k, v in sorted(res.truth_counts.items())) or "none"
     sys.stdout.write(
         f"{out}: {res.records} records, {res.requests} requests over {res.duration_s:g} simulated s "
-        f"({wl.name}, {wl.engine.preemption_mode}, seed {args.seed}); preemptions {st.preempt_events}, "
+        f"({wl.name}, {args.policy or wl.engine.preemption_mode}, seed {args.seed}); preemptions {st.preempt_events}, "
         f"finished {st.finished['stop'] + st.finished['length']}, aborted {st.finished['abort']}; truth: {truth}\n")
     return 0
