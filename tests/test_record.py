@@ -23,6 +23,7 @@ import pytest
 from aiohttp import web
 from conftest import REPO, run_kvtop
 from local_server import serve
+from replay_server import PROM, replay_server
 from vllm_pages import vllm_page
 
 from kvtop.analysis import fastscan
@@ -301,6 +302,7 @@ def test_record_bad_arguments(tmp_path: Path):
         (["-o", str(tmp_path / "no" / "dir" / "t.jsonl"), "--url", "http://127.0.0.1:9", "--no-gpu",
           "--no-host", "--timeout", "0.2"], "cannot write"),
         (["-o", str(tmp_path / "t.jsonl"), "--url", "http://127.0.0.1:9", "--proxy-listen", "x:y"], "port"),
+        (["-o", str(tmp_path / "t.jsonl"), "--url", "http://127.0.0.1:9", "--proxy-listen", "nonsense"], "no such host"),
         (["-o", str(tmp_path / "t.jsonl"), "--url", "ftp://h", "--no-gpu"], "http"),
         (["-o", str(tmp_path / "t.jsonl"), "--url", "http://127.0.0.1:9", "--probe", "-1"], "--probe"),
         (["-o", str(existing), "--url", "http://127.0.0.1:9"], "already exists"),
@@ -308,3 +310,19 @@ def test_record_bad_arguments(tmp_path: Path):
         r = run_kvtop("record", *args, timeout=30)
         assert r.returncode == 2, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1 and msg in r.stderr, r.stderr
+
+
+def test_a_proxy_port_in_use_fails_the_run_and_leaves_no_trace_to_block_the_retry(tmp_path: Path):
+    """The engine answers, the proxy's port is taken: exit 1 in one line, and neither the trace (its
+    header and first scrape) nor its token sidecar is left, so the same command runs once the port
+    is free, without --force."""
+    out = tmp_path / "t.jsonl"
+    with replay_server({"/metrics": (vllm_page(generation=5), PROM)}) as (base, _), socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_kvtop("record", "-o", str(out), "--url", base, "--duration", "0.5", "--no-gpu", "--no-host",
+                      "--proxy-listen", f"127.0.0.1:{port}", timeout=60)
+        assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists() and not Path(str(out) + ".tokens").exists()

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -131,6 +132,9 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
             await runner.start()  # the proxy listens (or says why not) before the line says so
         except OSError as e:
             await runner.aclose()
+            # the run never started: its trace (a header and one scrape) would only block the retry
+            writer.close()
+            discard_trace(args.output)
             assert opts.proxy_listen is not None  # only the proxy raises OSError when it starts
             host, port = opts.proxy_listen
             raise RunFailure(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
@@ -172,6 +176,15 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
               f"{cap['kernel_drops']} kernel drop(s), {cap['holes']} hole(s), {cap['tls_connections']} TLS and "
               f"{cap['http2_connections']} HTTP/2 connection(s) not observable", file=sys.stderr)
     return 0
+
+
+def discard_trace(output: str) -> None:
+    """Remove the trace (and its token sidecar) of a run that failed before it began."""
+    from kvtop.model.token_columns import sidecar_path
+
+    for p in (output, sidecar_path(output)):
+        if os.path.isfile(p):
+            os.unlink(p)
 
 
 async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import re
+import socket
 import uuid
 from typing import Any
 
@@ -299,4 +300,9 @@ def parse_listen(value: str, default_port: int = 8001) -> tuple[str, int]:
         raise ValueError(f"bad port in listen address {value!r}") from None
     if not 0 <= port <= 65535 or not host:
         raise ValueError(f"bad listen address {value!r}")
+    try:
+        # a host that names no address is the command line's mistake (exit 2), said before anything runs
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        raise ValueError(f"bad listen address {value!r}: no such host {host!r}") from None
     return host, port
