@@ -107,6 +107,9 @@ def test_snapshot_json_reports_gpu_status_and_down_engine(server):
     assert up["up"] is True and up["preemptions_per_s"] == (0.0 if len(route.hits) >= 2 else None)
     assert down["up"] is False and down["url"] == "http://127.0.0.1:1" and "cannot connect" in down["error"]
     assert down["kv_usage"] is None and down["preemptions_per_s"] is None
+    # and stderr says so, as docs/cli.md promises (it said nothing: only the JSON named it)
+    said = [line for line in p.stderr.splitlines() if "warning" in line]
+    assert len(said) == 1 and "engine http://127.0.0.1:1 does not answer: cannot connect" in said[0], p.stderr
 
 
 def test_exit_1_unreachable_at_the_first_scrape():

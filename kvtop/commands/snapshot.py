@@ -11,12 +11,13 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvtop.commands._longrun import Progress, interrupted_note
+from kvtop.commands._longrun import EngineWatch, Progress, interrupted_note
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -98,7 +99,10 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        for rec in await first_scrape(runner):  # a wrong URL fails now, not after --duration
+        first = await first_scrape(runner)  # a wrong URL fails now, not after --duration
+        # of several engines, one that does not answer (or stops) is said on stderr, as record says it
+        runner.sinks.append(EngineWatch(logging.getLogger("kvtop.snapshot")).sink)
+        for rec in first:
             runner.emit(rec)
         progress = Progress("kvtop snapshot: sampling")
         ticker = asyncio.create_task(_tick(progress, runner.now, duration))
