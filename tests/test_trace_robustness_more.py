@@ -138,6 +138,21 @@ def test_advise_and_compare_warn_of_skipped_lines_as_analyze_does(trace: Path, t
     assert clean.returncode == 0 and "warning" not in clean.stderr, clean.stderr
 
 
+def test_analyze_says_which_header_fields_it_ignored_as_replay_does(trace: Path, tmp_path: Path) -> None:
+    """A header whose ITL target is -1 and whose interval is a word: analyze ignored both and derived a
+    target of its own without a word; now its warnings name them, as replay's did."""
+    lines = trace.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["itl_target_s"], head["interval_s"] = -1, "fast"
+    bad = tmp_path / "bad-header.jsonl"
+    bad.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    rep = _analyze(bad)
+    said = [w for w in rep["warnings"] if "ignored wrong-typed header field(s)" in w]
+    assert said == [f"{bad}: ignored wrong-typed header field(s): itl_target_s, interval_s"], rep["warnings"]
+    assert rep["itl_target_s"] != -1
+    assert not [w for w in _analyze(trace)["warnings"] if "header" in w]
+
+
 @pytest.mark.parametrize("kind", ["empty", "text", "xz"])
 def test_compare_refuses_a_file_that_is_not_a_trace_in_analyzes_one_line(kind: str, trace: Path,
                                                                          tmp_path: Path) -> None:

@@ -72,6 +72,8 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
         from kvtop.analysis import fastscan
 
         if fastscan.available():
+            if reader.header_dropped:  # the reader's own warning is not read on this path
+                warnings.append(f"{path}: {reader.header_note()}")
             reader.close()
             stopped_at: list[int] = []
 

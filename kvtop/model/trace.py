@@ -664,12 +664,16 @@ class TraceReader:
     def close(self) -> None:
         self._f.close()
 
+    def header_note(self) -> str:
+        """What of the header was ignored ("" where nothing was)."""
+        return "ignored wrong-typed header field(s): " + ", ".join(self.header_dropped) if self.header_dropped else ""
+
     def warning(self) -> str | None:
         parts = []
         if self.skipped:
             parts.append(f"skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)")
         if self.header_dropped:
-            parts.append("ignored wrong-typed header field(s): " + ", ".join(self.header_dropped))
+            parts.append(self.header_note())
         parts += stream_problems(self._bin)
         return f"{self.path}: " + "; ".join(parts) if parts else None
 
