@@ -93,6 +93,17 @@ def test_model_config_geometry_of_the_wrong_value(raw, tmp_path, capsys):
     assert rc == 2 and len(lines) == 1 and "model config" in lines[0], lines
 
 
+def test_an_unknown_kv_dtype_is_refused_with_or_without_a_model_config(tmp_path, capsys):
+    """--kv-dtype foo was ignored (exit 0) unless --model-config read it; an operator who mistyped fp8
+    would take the report's KV figures for fp8's."""
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"kind":"header","format":"kvtop-trace","version":1}\n')
+    rc, lines = _run(["analyze", str(t), "--kv-dtype", "foo"], capsys)
+    assert rc == 2 and len(lines) == 1 and "unknown KV dtype 'foo'" in lines[0], lines
+    rc, lines = _run(["analyze", str(t), "--kv-dtype", "FP8", "--format", "json"], capsys)
+    assert rc == 0, lines
+
+
 BAD_TOML = {
     "deep array": b"a = " + b"[" * 100_000 + b"]" * 100_000,
     "deep inline table": b"a = " + b"{b=" * 5000 + b"1" + b"}" * 5000,

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # loaded only when the command runs: the parser imports every command module
-    from kvtop.analysis.advice.kvbytes import ModelConfigError, load_config_file
+    from kvtop.analysis.advice.kvbytes import ModelConfigError, dtype_bytes, load_config_file
     from kvtop.analysis.report import render_report_text
     from kvtop.analysis.scan import analyze_trace, picture_trace
     from kvtop.model.trace import TraceError
@@ -97,11 +97,12 @@ def run(args: argparse.Namespace) -> int:
     if given:
         raise UsageError(f"{given[0]} applies to --prometheus; a trace file is analysed whole")
     cfg = None
-    if args.model_config:
-        try:
+    try:
+        dtype_bytes(args.kv_dtype)  # a typo is said even where no --model-config reads it
+        if args.model_config:
             cfg = load_config_file(args.model_config)
-        except ModelConfigError as e:
-            raise UsageError(str(e)) from None
+    except ModelConfigError as e:
+        raise UsageError(str(e)) from None
     size = _size(args.trace)
     progress = Progress(f"kvtop analyze: {args.trace}")
     pic = None
