@@ -212,7 +212,9 @@ def build_agent(opts: AgentOptions) -> Agent:
 
         def header() -> dict[str, Any]:
             shown = [redact_url(u) for u in urls]  # a trace never keeps the URL's credentials
-            return make_header(engine={"url": shown[0] if shown else None}, recorder="kvtop agent",
+            cls = runner.scrapers[0].adapter_cls if runner.scrapers else None  # known once it answered
+            return make_header(engine={"url": shown[0] if shown else None, "adapter": cls.name if cls else None},
+                               recorder="kvtop agent",
                                interval_s=opts.interval_s, urls=shown, agent_wall_t0=time.time() - runner.now())
 
         trace = RotatingTrace(opts.trace_dir, header, max_bytes=opts.trace_max_bytes, max_age_s=opts.trace_max_age_s,

@@ -113,6 +113,7 @@ def test_the_agent_keeps_credentials_in_the_url_out_of_metrics_report_and_trace(
         assert segs and all("hunter2" not in json.dumps(d) for p in segs for d in TraceReader(p).dicts())
         head = TraceReader(segs[0]).header
         assert head["urls"] == ["http://" + shown] and head["engine"]["url"] == "http://" + shown
+        assert head["engine"]["adapter"] == "vllm"  # the live analysis judged by it; analyze does too
     finally:
         for proc in (agent, sim):
             if proc is not None and proc.poll() is None:

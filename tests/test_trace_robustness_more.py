@@ -153,6 +153,30 @@ def test_analyze_says_which_header_fields_it_ignored_as_replay_does(trace: Path,
     assert not [w for w in _analyze(trace)["warnings"] if "header" in w]
 
 
+def test_a_header_that_names_no_adapter_is_judged_by_the_engine_records(trace: Path, tmp_path: Path) -> None:
+    """The agent's trace segments named no adapter in their header: analyze then judged them without
+    the engine's semantics (its counter's moment, its flag names) while the agent's live analysis
+    read the adapter off the engine records, and the two disagreed on the same spikes (23 vs 31
+    preemptions in a reviewer's run). Now analyze reads it off the records too."""
+    lines = trace.read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    assert head["engine"]["adapter"] == "vllm"
+    head["engine"] = {"url": head["engine"]["url"]}
+    bare = tmp_path / "no-adapter.jsonl"
+    bare.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+
+    def judged(path: Path) -> tuple:
+        r = run_kvtop("analyze", str(path), "--itl-target-ms", "30", "--format", "json", timeout=60)
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        return ({k: v["count"] for k, v in rep["causes"].items()}, rep["verdict"]["action"],
+                [(s["flag"], s["value"]) for s in rep["verdict"]["settings"]])
+
+    named = judged(trace)
+    assert named[0]["preemption"] > 0 and all(flag for flag, _ in named[2]), named
+    assert judged(bare) == named
+
+
 @pytest.mark.parametrize("kind", ["empty", "text", "xz"])
 def test_compare_refuses_a_file_that_is_not_a_trace_in_analyzes_one_line(kind: str, trace: Path,
                                                                          tmp_path: Path) -> None:

@@ -82,6 +82,7 @@ class Analyzer:
         self.counted_at: str | None = None  # when the engine's preemption counter steps (its adapter says)
         self.in_order = False  # the engine admits prompts in arrival order (its adapter says)
         self.semantics: EngineSemantics | None = None  # its adapter's semantics, once named (``use_engine``)
+        self.engine_name: str | None = None  # the adapter they are of (None: not named yet)
         self.header: dict[str, Any] = {}
         self.timeline = EngineTimeline(horizon_s=max(600.0, horizon_s))
         # the same engine records by engine address (``engine_address`` of their url): a spike on a
@@ -148,9 +149,10 @@ class Analyzer:
         return self.gaps.n_gaps
 
     # ---- setup ----------------------------------------------------------------------------
-    def use_engine(self, sem: EngineSemantics) -> None:
+    def use_engine(self, sem: EngineSemantics, name: str | None = None) -> None:
         """Judge by the semantics of this engine's adapter (the header's, or one named later)."""
         self.semantics = sem
+        self.engine_name = name
         self.preempts = sem.preempts
         self.counted_at = sem.counted_at
         self.in_order = sem.in_order
@@ -162,6 +164,7 @@ class Analyzer:
             # the header names the engine: its counting moment and admission order; whether it
             # preempts at all stays the caller's (``Analyzer(preempts=...)`` or ``use_engine``)
             sem = self.semantics = engine_semantics(name)
+            self.engine_name = name
             self.counted_at, self.in_order = sem.counted_at, sem.in_order
         iv = header_interval(h)
         if iv is not None:
@@ -366,6 +369,11 @@ class Analyzer:
 
     def engine(self, d: dict[str, Any]) -> None:
         t = d["t"]
+        name = d.get("adapter")
+        if self.engine_name is None and isinstance(name, str) and name:
+            # a trace whose header names no adapter (an agent's segments did not): its engine records
+            # do, and the live path judges by them from the first; so does this one
+            self.use_engine(engine_semantics(name), name)
         if d.get("up") is False:
             self._advance(t)
             return

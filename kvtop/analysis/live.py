@@ -65,7 +65,7 @@ class LiveAnalyzer:
         self._adapter = name
         sem = engine_semantics(name)
         self._settings = sem.settings
-        self.an.use_engine(sem)
+        self.an.use_engine(sem, name)
         self._warn = [sem.warning] if sem.warning else []
 
     def feed(self, rec: Record) -> None:

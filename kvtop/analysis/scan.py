@@ -58,7 +58,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
     sem = engine_semantics(eng)
     settings, warn = sem.settings, sem.warning
     an = Analyzer(itl_target_s=itl_target_s, use_request_preempts=use_request_preempts)
-    an.use_engine(sem)  # read once: set_header finds it
+    an.use_engine(sem, eng)  # read once: set_header finds it
     an.set_header(header)
     an.observe = observe
     warnings = [warn] if warn else []
@@ -90,7 +90,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
                 warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
             if stopped_at:
                 warnings.append(f"interrupted: the analysis covers the first {stopped_at[0] / 1e6:.1f} MB of {path}")
-            return an, warnings, settings, eng
+            return an, warnings, *_learned_engine(an, settings, eng, warnings)
     feed, token = an.feed_dict, an.token
     for n, d in enumerate(reader.items()):
         if isinstance(d, TokenLine):
@@ -105,7 +105,18 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
     w = reader.warning()
     if w:
         warnings.append(w)
-    return an, warnings, settings, eng
+    return an, warnings, *_learned_engine(an, settings, eng, warnings)
+
+
+def _learned_engine(an: Analyzer, settings: dict[str, str], eng: str | None,
+                    warnings: list[str]) -> tuple[dict[str, str], str | None]:
+    """The engine's flag names and adapter for the report: the header's, else the adapter its engine
+    records named (the analyzer judged by it from the first of them)."""
+    if eng is None and an.engine_name is not None and an.semantics is not None:
+        if an.semantics.warning:
+            warnings.append(an.semantics.warning)
+        return an.semantics.settings, an.engine_name
+    return settings, eng
 
 
 def analyze_trace(path: str, itl_target_s: float | None = None, model_config: dict[str, Any] | None = None,
