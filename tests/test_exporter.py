@@ -239,6 +239,56 @@ def test_a_failed_scrape_counts_as_a_scrape_error_and_marks_the_source_stale():
     assert s["kvtop_gpu_stale"] == [({}, 0.0)]  # not read here: not stale
 
 
+def test_a_dead_engine_keeps_no_gauge_of_what_it_last_said_and_errors_count_from_0():
+    """An engine that answered (KV 0.8, 3 waiting) then stopped: its gauges go rather than hold the
+    old values as if current; up 0, stale 1, and its monotonic counter stay. Its error counter
+    existed at 0 from its first scrape, so increase() sees the first failure."""
+    core = Core()
+    m = AgentMetrics()
+    ok = EngineRecord(t=1.0, adapter="vllm", url="http://10.0.0.7:8000", up=True, kv_usage=0.8, running=5,
+                      waiting=3, preemptions_total=4)
+    core.ingest(ok)
+    m.sink(ok)
+    m.update(core.snapshot())
+    s = _samples(m)
+    assert s["kvtop_engine_scrape_errors_total"] == [({"engine": "10.0.0.7:8000"}, 0.0)]
+    assert [v for _, v in s["kvtop_engine_waiting_requests"]] == [3.0]
+    assert not [n for n in s if n.endswith("_created")]
+    down = EngineRecord(t=2.0, adapter="vllm", url="http://10.0.0.7:8000", up=False, warnings=["refused"])
+    core.ingest(down)
+    m.sink(down)
+    m.update(core.snapshot())
+    s = _samples(m)
+    assert s["kvtop_engine_scrape_errors_total"] == [({"engine": "10.0.0.7:8000"}, 1.0)]
+    for gone in ("kvtop_engine_kv_cache_usage_ratio", "kvtop_engine_running_requests", "kvtop_engine_waiting_requests"):
+        assert not s.get(gone), (gone, s.get(gone))
+    assert [v for _, v in s["kvtop_engine_up"]] == [0.0] and [v for _, v in s["kvtop_engine_stale"]] == [1.0]
+    assert [v for _, v in s["kvtop_engine_preemptions_total"]] == [4.0]
+
+
+def test_before_a_target_is_known_the_verdict_is_insufficient_data_not_no_action():
+    """Probe streams only, no --itl-target-ms: the target waits for 2,000 gaps, and until then no gap
+    was judged. The state-set said no_action (confidence 0.9: "ITL target met")."""
+    live = LiveAnalyzer()
+    core = Core(analysis=live)
+    m = AgentMetrics(request_engine="10.0.0.5:8000")
+    t = 0.0
+    for i in range(4):
+        rid = f"p{i}"
+        for rec in [RequestRecord(t=t, id=rid, event="arrive"), *(RequestRecord(t=t + 0.05 + 0.01 * k, id=rid, event="token")
+                                                                for k in range(100)),
+                    RequestRecord(t=t + 1.1, id=rid, event="finish")]:
+            core.ingest(rec)
+            m.sink(rec)
+        t += 1.2
+    m.update(core.snapshot(t + 5), live.counters())
+    s = _samples(m)
+    acts = {lb["action"]: v for lb, v in s["kvtop_verdict"]}
+    assert [a for a, v in acts.items() if v == 1] == ["insufficient_data"], acts
+    verdict = core.snapshot(t + 5).analysis.verdict
+    assert "no ITL target yet to judge the 396 inter-token gaps by" in verdict.reasons[0], verdict.reasons
+
+
 @pytest.mark.parametrize(("url", "engine", "want"), [
     ("http://10.0.0.5:8000", None, "10.0.0.5:8000"),
     ("http://10.0.0.5:8000/metrics", "0", "10.0.0.5:8000"),

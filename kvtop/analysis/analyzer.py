@@ -591,8 +591,8 @@ class Analyzer:
             r.last_spike = spike
             if f.cause is Cause.PREEMPTION:
                 r.preempt_spikes += 1
-                if r.id not in acc.preempted_ids:
-                    acc.preempted_ids.add(r.id)
+                if r.preempt_spikes == 1:  # the request's first preemption (a count: no id kept for ever)
+                    acc.preempted_requests += 1
                     if g.ended_by == "cancel":  # never resumed: the client gave up during the stall
                         acc.preempted_cancelled += 1
                         r.cancelled_after_preempt = True

@@ -201,7 +201,7 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
 
     # preemption statistics
     n_pre_spikes = st.cause_counts[Cause.PREEMPTION]
-    preempted = len(acc.preempted_ids)
+    preempted = acc.preempted_requests
     counter = sum_delta(st, "preemptions_total")
     finished = acc.finished or sum_delta(st, "requests_finished_total") or 0
     duration = max(1e-9, st.now - (st.t0 or 0.0))

@@ -101,7 +101,7 @@ class LiveAnalyzer:
     def counters(self) -> AnalysisCounters:
         an = self.an
         return AnalysisCounters({str(c): n for c, n in an.cause_counts.items()},
-                                {str(c): s for c, s in an.cause_seconds.items()}, len(an.acc.preempted_ids))
+                                {str(c): s for c, s in an.cause_seconds.items()}, an.acc.preempted_requests)
 
     def lag(self, now: float) -> float:
         pending = self.an.gaps.pending

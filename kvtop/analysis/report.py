@@ -12,6 +12,7 @@ from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.attribution import ALL
 from kvtop.analysis.attribution.aggregate import aggregate_causes
 from kvtop.analysis.attribution.thresholds import TIGHT_TARGET_REL
+from kvtop.analysis.gaps import WARMUP_GAPS
 from kvtop.analysis.inputs import build_situation, sum_delta
 from kvtop.analysis.state import AnalysisState
 from kvtop.analysis.streams import ReqState, merged_of
@@ -143,7 +144,11 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
     if basis == "requests":
         # the spike-pattern and cause-weight gates (kvtop.analysis.advice.diagnosis) decide; they need the
         # counts, the time over target each cause cost and the streams it hit
-        s.spikes = total
+        # before a target is set (given, or derived once WARMUP_GAPS gaps are seen) no gap was judged:
+        # "no spikes" would claim a met target
+        s.spikes = total if st.itl_target_s is not None else None
+        if st.itl_target_s is None:
+            s.n["target_warmup_gaps"] = Num(float(WARMUP_GAPS), "", "config", "gaps a derived ITL target waits for")
         s.n["gaps"] = Num(float(gaps), "", "measured", "inter-token gaps")
         streams = sum(1 for r in st.streams if r.first_t is not None)
         hit = sum(1 for r in st.streams if r.spikes)
@@ -166,7 +171,7 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
             s.n["waiting"] = Num(waiting, "requests", "measured", "last scrape, all engines")
     if basis == "requests" and total:
         s.n["spike_share"] = Num(total / max(1, gaps), "", "measured", "spikes / inter-token gaps")
-    if basis == "requests" and gaps:
+    if basis == "requests" and gaps and st.itl_target_s is not None:
         # the same itl_target_met gate `kvtop advise` applies: at most 1 % of gaps over the target is a met p99
         s.n["miss_rate"] = Num(total / gaps, "", "measured", "gaps over the target / inter-token gaps")
     # advise() runs the diagnosis; the verdict's confidence is the chosen cause's mean attribution

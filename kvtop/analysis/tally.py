@@ -22,7 +22,7 @@ class Tally:
     output_sum: float = 0.0
     output_n: int = 0
     ttft_rate_hist: LogHistogram = field(default_factory=lambda: LogHistogram(lo=1.0, bins=1000))
-    preempted_ids: set[str] = field(default_factory=set)
+    preempted_requests: int = 0  # requests with at least one stall attributed to preemption
     preempted_cancelled: int = 0  # preempted requests whose client gave up before they resumed
     seq_pre_sum: float = 0.0  # prompt + generated tokens of preemption victims (the S of the cost model)
     seq_pre_n: int = 0

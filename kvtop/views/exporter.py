@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -44,8 +44,9 @@ from kvtop.model.sanitize import redact_url
 from kvtop.snapshot import Snapshot
 
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
-GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+# a preemption storm's stalls reach tens of seconds; a small model's first token comes in milliseconds
+GAP_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _MAX_STREAMS = 20_000  # open streams remembered for gap / TTFT (oldest forgotten first)
 MECHANISMS = ("swap", "recompute")
@@ -92,6 +93,9 @@ class AgentMetrics:
         self.request_engine = request_engine or "?"
         env = os.environ if env is None else env
         self.placement = [env.get(var, "") for _, var in POD_ENV]
+        # the _created series (a counter's or histogram's creation time) are noise to an alert and a
+        # dashboard: not exported (prometheus_client's switch is process-wide; the agent's process)
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=False)
         self._cached = _Cached()
         self.registry.register(self._cached)
@@ -108,6 +112,7 @@ class AgentMetrics:
         self._gap_child = self.gap.labels(self.request_engine)
         self._ttft_child = self.ttft.labels(self.request_engine)
         self._open: OrderedDict[str, tuple[float, float | None]] = OrderedDict()  # id -> (arrive, last token)
+        self._engines: dict[tuple[str | None, str | None], Any] = {}  # (url, engine) -> its scrape-error child
         self.dropped = 0  # records a sink could not keep (set by the agent)
         self.updates = 0
 
@@ -131,8 +136,14 @@ class AgentMetrics:
                 self._remember(rec.id, (rec.t, None))
             elif ev in ("finish", "cancel", "error"):
                 self._open.pop(rec.id, None)
-        elif type(rec) is EngineRecord and not rec.up:
-            self.scrape_errors.labels(engine_label(rec.url, rec.engine)).inc()
+        elif type(rec) is EngineRecord:
+            key = (rec.url, rec.engine)
+            if key not in self._engines:
+                # every engine's error counter exists from its first scrape, at 0: increase() then sees
+                # the first failure as one (a series born at 1 shows none)
+                self._engines[key] = self.scrape_errors.labels(engine_label(rec.url, rec.engine))
+            if not rec.up:
+                self._engines[key].inc()
 
     def _remember(self, rid: str, st: tuple[float, float | None]) -> None:
         self._open[rid] = st
@@ -176,6 +187,15 @@ class AgentMetrics:
             k = [lab, e.model or ""]
             models.setdefault(lab, e.model or "")
             e_up.add_metric([*k, e.adapter or "unknown"], 1.0 if e.up else 0.0)
+            if not e.up:
+                # what a dead engine last said is not its state now: its gauges go (Prometheus marks
+                # them stale) rather than hold old values on a dashboard; its counter stays monotonic
+                if e.preemptions_total is not None:
+                    e_pre.add_metric(k, e.preemptions_total)
+                if e.stale_s is not None:
+                    e_age.add_metric(k, e.stale_s)
+                stale.add_metric(k, 1.0)
+                continue
             if e.kv_usage is not None:
                 e_kv.add_metric(k, e.kv_usage)
             if e.running is not None:

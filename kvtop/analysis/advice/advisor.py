@@ -241,6 +241,14 @@ def advise(s: Situation) -> Verdict:
             reasons.append("no token-gap spikes above the ITL target")
         else:
             reasons.append("ITL target met: " + s.decided_by[-1]["detail"])
+    elif cause is None and s.basis == "requests" and s.spikes is None:
+        action = "insufficient_data"
+        gaps, warm = s.v("gaps"), s.v("target_warmup_gaps")
+        reasons.append(f"no ITL target yet to judge the {gaps or 0:,.0f} inter-token gaps by: one is derived from the "
+                       + (f"first {warm:,.0f} gaps" if warm else "gaps once enough are seen")
+                       + ", or give it (--itl-target-ms)")
+        conf = min(conf, 0.2)
+        _decided(s, "insufficient_data", "no ITL target yet")
     elif cause is None:
         action = "insufficient_data"
         reasons.append("no per-request token timings and no usable engine ITL histogram: cannot attribute")
