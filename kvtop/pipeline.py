@@ -79,6 +79,10 @@ class ReplayControls(Protocol):
 
     def seek(self, t: float) -> int: ...
 
+    def warning(self) -> str | None:
+        """What of the trace could not be read so far (malformed lines, a cut file), None if nothing."""
+        ...
+
 
 class Feed(Protocol):
     """What the console (and every headless runner) drives."""

@@ -64,6 +64,8 @@ class EngineView:
     waiting: float | None = None
     preemptions_total: float | None = None
     preemptions_per_s: float | None = None
+    # the seconds the rates and quantiles cover: the window, or less where the engine was read for less
+    rates_over_s: float | None = None
     prompt_tokens_per_s: float | None = None
     generation_tokens_per_s: float | None = None
     itl_p50_s: float | None = None

@@ -278,6 +278,36 @@ async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):
     feed.close()
 
 
+async def test_a_replay_of_a_corrupt_trace_says_so_in_the_banner(tmp_path):
+    """Malformed lines in a trace: replay --headless and analyze warn of them; the console showed
+    only "end of trace". Its banner now says what the reader skipped."""
+    from kvtop.feeds.replay import ReplayFeed
+    from kvtop.model.trace import TraceWriter, make_header
+
+    path = tmp_path / "trace.jsonl"
+    with TraceWriter(path, make_header()) as w:
+        Sample(seed=9, sink=w.write).run(20)
+    lines = path.read_text().splitlines(keepends=True)
+    for at in (400, 200, 100):
+        lines.insert(at, "not json at all\n")
+    path.write_text("".join(lines))
+
+    def make_core() -> Core:
+        return Core(itl_target_s=0.1, source_label="replay trace.jsonl")
+
+    feed = ReplayFeed(path, make_core(), speed=1.0, core_factory=make_core)
+    app = KvtopApp(feed.core, feed=feed, interval=0.1, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p", "g")
+        await pilot.pause()
+        await pilot.press(*"20", "enter")
+        await pilot.pause()
+        await pilot.press("space")
+        await pilot.pause()
+        assert "skipped 3 malformed line(s)" in screen_text(app)
+    feed.close()
+
+
 async def test_a_changed_verdict_is_logged_as_an_event():
     s = sample(verdict=RENDER_VERDICT)
     app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)

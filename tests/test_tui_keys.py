@@ -44,3 +44,34 @@ async def test_j_and_k_move_the_requests_cursor_and_f1_opens_help():
         await pilot.press("f1")
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)
+
+
+async def test_help_scrolls_where_the_terminal_is_shorter_than_the_keys():
+    """At 80x24 the help box cut its last 12 rows (the seek, filter and sort keys, the mouse hint)
+    and no key reached them; now arrows and j/k scroll it to the end."""
+    s = sample(requests=5, seconds=5)
+    app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        box = app.screen.query_one("#help-box")
+        assert box.max_scroll_y > 0  # more keys than rows
+        for _ in range(box.max_scroll_y):
+            await pilot.press("j")
+        await pilot.pause()
+        assert box.scroll_y == box.max_scroll_y
+        await pilot.press("k")
+        assert box.scroll_y == box.max_scroll_y - 1
+
+
+async def test_j_scrolls_the_overview_to_the_charts_below_the_fold():
+    s = sample(requests=5, seconds=30)
+    app = KvtopApp(s.core, interval=3600, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        charts = app.query_one("#charts")
+        assert charts.max_scroll_y > 0 and charts.scroll_y == 0
+        await pilot.press("j", "j", "j")
+        await pilot.pause()
+        assert charts.scroll_y == 3

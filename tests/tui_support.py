@@ -138,3 +138,6 @@ class FakeReplay:
     def step(self, s: float) -> None:
         self.calls.append(("step", s))
         self.seek(max(0.0, self.t + s))
+
+    def warning(self) -> str | None:
+        return None  # a generated sample has no unreadable line

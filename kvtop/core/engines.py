@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvtop.core.events import EventLog
 from kvtop.model.records import EngineRecord
 from kvtop.model.sanitize import sanitize_record
-from kvtop.model.series import HistogramSeries, Series, counter_increase_over, counter_rate
+from kvtop.model.series import HistogramSeries, Series, counter_increase_over, counter_rate, covered_span
 from kvtop.snapshot import EngineView
 
 # A preemption burst is an error when the engine preempted at least BURST_ERROR_COUNT times in the
@@ -148,6 +148,7 @@ class EngineTracker:
                     waiting=rec.waiting,
                     preemptions_total=rec.preemptions_total,
                     preemptions_per_s=counter_rate(st.preemptions, w, now),
+                    rates_over_s=covered_span(st.kv_usage, w, now),
                     prompt_tokens_per_s=counter_rate(st.prompt, w, now),
                     generation_tokens_per_s=counter_rate(st.generation, w, now),
                     itl_p50_s=st.itl.quantile(0.5, w, now),

@@ -93,6 +93,14 @@ def counter_increase_over(series: Series, window_s: float, now: float | None = N
     return counter_increase(vs[k] for k in range(i, len(vs)))
 
 
+def covered_span(series: Series, window_s: float, now: float) -> float | None:
+    """The seconds of the window ending ``now`` that the series covers (the whole window, or since
+    its first sample); None without a sample."""
+    if not len(series):
+        return None
+    return round(max(0.0, min(window_s, now - series._t[0])), 3)
+
+
 def counter_rate(series: Series, window_s: float, now: float | None = None) -> float | None:
     """Per-second increase over the window; ``None`` with fewer than two samples in it.
 

@@ -27,6 +27,7 @@ from textual.css.query import NoMatches
 from textual.markup import escape
 from textual.screen import ModalScreen, Screen
 from textual.theme import BUILTIN_THEMES, Theme
+from textual.widget import Widget
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
 from kvtop import units
@@ -72,7 +73,8 @@ _LONG_HELP = {"window": "History window: 1m → 5m → 15m → 1h", "quit": "Qui
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close", key_display="esc")]
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "Close", key_display="esc"),
+                Binding("j", "line(1)", "Down", show=False), Binding("k", "line(-1)", "Up", show=False)]
 
     def __init__(self, rows: list[tuple[str, str]]):
         super().__init__()
@@ -83,9 +85,16 @@ class HelpScreen(ModalScreen[None]):
         body = "\n".join(f"  [b]{k.ljust(kw).replace('[', chr(92) + '[')}[/b]  {d}" for k, d in self.rows)
         extra = ("\n\n  [$text-muted]mouse: click a tab to switch screens, a column header to sort,"
                  " a row twice to open it; hover a chart for the time and values there[/]")
-        with Vertical(id="help-box"):
-            yield Static("[b]kvtop keys[/b]  (esc closes)", id="help-title")
+        # scrolls (arrows, j/k, PgUp/PgDn) where the terminal is shorter than the keys: 80x24 cut 12 rows
+        with VerticalScroll(id="help-box"):
+            yield Static("[b]kvtop keys[/b]  (esc closes; arrows or j/k scroll)", id="help-title")
             yield Static(body + extra, id="help-body")
+
+    def on_mount(self) -> None:
+        self.query_one("#help-box", VerticalScroll).focus()
+
+    def action_line(self, n: int) -> None:
+        self.query_one("#help-box", VerticalScroll).scroll_relative(y=n, animate=False)
 
 
 class SeekScreen(ModalScreen[float | None]):
@@ -346,6 +355,9 @@ class KvtopApp(App[int]):
         notice = self.feed.notice
         if notice:
             msgs.append(escape(notice))
+        unread = replay.warning() if replay is not None else None
+        if unread:  # the headless paths print it; the console said nothing of a corrupt trace
+            msgs.append(escape(unread))
         # no GPU is not an alarm: the Overview's GPUs line says why (and the Events screen logs it)
         cap = s.capture
         if cap is not None:
@@ -506,7 +518,13 @@ class KvtopApp(App[int]):
         elif isinstance(w, DataTable):
             (w.action_cursor_down if delta > 0 else w.action_cursor_up)()
         else:
-            box = self.views.get(self.view_name)
+            view = self.views.get(self.view_name)
+            box: Widget | None = w if isinstance(w, VerticalScroll) else view
+            if box is not None and not isinstance(box, VerticalScroll):
+                # a screen of several scroll areas (the Overview: panels, then charts): the last that
+                # has more to show, so the charts below the fold are reached from the keyboard
+                more = [b for b in box.query(VerticalScroll) if b.max_scroll_y > 0]
+                box = more[-1] if more else None
             if isinstance(box, VerticalScroll):
                 (box.scroll_down if delta > 0 else box.scroll_up)(animate=False)
 

@@ -93,10 +93,17 @@ def spike_marks(s: Snapshot) -> plot.Marks:
     return _MARKS.marks
 
 
+def over(e: EngineView, window_s: float) -> str:
+    """The span the engine card's rates and quantiles cover, as its figures name it: the window, or
+    the shorter time the engine was read for (a replay of a 30 s trace in a 1 m window)."""
+    span = e.rates_over_s
+    return plot.window_label(span if span is not None and span < window_s - 0.5 else window_s)
+
+
 def preempt_rate(e: EngineView, window_s: float) -> str:
     """The engine's preemption rate as the card and the chart title both quote it: the core's
-    figure over its rate window, the window named."""
-    return f"{_per_s(e.preemptions_per_s)} over {plot.window_label(window_s)}"
+    figure over its rate window, the span named."""
+    return f"{_per_s(e.preemptions_per_s)} over {over(e, window_s)}"
 
 
 def chart_specs(s: Snapshot) -> list[ChartSpec]:
@@ -115,17 +122,24 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         tgt = s.itl_target_s
         out.append(ChartSpec(k + "kv", f"{pre}KV cache usage", ser["kv_usage"], "KV", _pct, ref=1.0,
                              ref_label="100%", fixed_top=1.0, over=0.9))
+        # the titles quote the engine card's figures, over the same span (the bars are per scrape)
+        span = over(e, s.window_s)
         out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", units.duration_short, ser["itl_p50_s"], "p50",
-                             ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks))
+                             ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks,
+                             headline=f"p99 {units.duration_short(e.itl_p99_s)} over {span}",
+                             headline2=f"p50 {units.duration_short(e.itl_p50_s)}"))
         if e.preempts:
             # the bars are per scrape; the title quotes the engine card's figure, over the same window
             out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
                                  axis=lambda v: f"{v:g}", headline=preempt_rate(e, s.window_s)))
         out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", units.count_short, ser["waiting"],
                              "waiting"))
-        out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short))
+        out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short,
+                             headline=f"p99 {units.duration_short(e.ttft_p99_s)} over {span}"))
         out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", units.tok_rate,
-                             ser["prompt_tokens_per_s"], "prompt"))
+                             ser["prompt_tokens_per_s"], "prompt",
+                             headline=f"gen {units.tok_rate(e.generation_tokens_per_s)} over {span}",
+                             headline2=f"prompt {units.tok_rate(e.prompt_tokens_per_s)}"))
     for view in s.gpus:
         g = view.record
         gs = history.gpus.get(g.index)
