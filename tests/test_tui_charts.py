@@ -57,6 +57,26 @@ def test_history_derives_rates_and_windowed_itl_quantiles_from_engine_records():
     assert s["preemptions_per_s"].last() == pytest.approx(1.0)
 
 
+def test_rates_name_the_span_they_cover_not_a_window_the_engine_was_not_read_for():
+    """19 preemptions over the 30 s an engine was read: 0.63/s, which the console called "over 1m"
+    in its 1 m window (over a minute it would be 0.32/s). The card and chart titles name 30s."""
+    from kvtop.views.tui.charts import preempt_rate
+
+    core = Core(window_s=60.0)
+    for t in range(0, 31):
+        core.ingest(EngineRecord(t=float(t), url="http://e:8000", adapter="vllm", kv_usage=0.5,
+                                 preemptions_total=19.0 * t / 30))
+    snap = core.snapshot(now=30.0)
+    (e,) = snap.engines
+    assert e.rates_over_s == 30.0 and e.preemptions_per_s == pytest.approx(19 / 30)
+    assert preempt_rate(e, snap.window_s) == "0.63/s over 30s"
+    for t in range(31, 121):
+        core.ingest(EngineRecord(t=float(t), url="http://e:8000", adapter="vllm", kv_usage=0.5,
+                                 preemptions_total=19.0))
+    (e,) = core.snapshot(now=120.0).engines
+    assert e.rates_over_s == 60.0 and preempt_rate(e, 60.0) == "0.00/s over 1m"
+
+
 def test_history_memory_is_bounded():
     h = History()
     for t in range(3 * MAX_POINTS):
