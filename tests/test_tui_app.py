@@ -242,6 +242,10 @@ async def test_events_newest_first_and_filtered():
         await pilot.press("slash", *"link", "enter")
         rows = [table.get_row_at(i)[2].plain for i in range(table.row_count)]
         assert rows == ["link_downtrained"] == [e.kind for e in events if "link" in f"{e.kind} {e.message}"]
+        # words, in any order, as the Requests filter reads them ("burst 1" matched nothing)
+        await pilot.press("slash", *("backspace",) * 4, *"burst 1", "enter")
+        want = [e for e in events if "burst" in e.kind and " 1 " in f" {e.message} "]
+        assert want and table.row_count == len(want)
 
 
 async def test_real_replay_feed_pause_seek_and_seek_back(tmp_path):

@@ -35,8 +35,8 @@ class EventsView(Vertical):
 
     def update(self, s: Snapshot) -> None:
         table = self.query_one("#ev-table", DataTable)
-        evs: list[EventView] = [e for e in s.events if not self.filter_text or self.filter_text.lower() in
-                                f"{e.kind} {e.severity} {e.message}".lower()]
+        evs: list[EventView] = [e for e in s.events
+                                if render.words_match(f"{e.kind} {e.severity} {e.message}", self.filter_text)]
         key = (len(s.events), s.events[-1] if s.events else None, self.filter_text)
         if key == self._shown:
             return

@@ -224,11 +224,14 @@ SORT_KEYS: dict[str, Callable[[RequestView], str | float]] = {
 
 
 
-def matches(r: RequestView, needle: str) -> bool:
-    if not needle:
-        return True
-    hay = f"{r.id} {r.state} {r.cls or ''} {r.last_cause or ''} {r.source or ''}".lower()
+def words_match(hay: str, needle: str) -> bool:
+    """The filter box's rule: every word of ``needle`` somewhere in ``hay`` (any case, any order)."""
+    hay = hay.lower()
     return all(part in hay for part in needle.lower().split())
+
+
+def matches(r: RequestView, needle: str) -> bool:
+    return words_match(f"{r.id} {r.state} {r.cls or ''} {r.last_cause or ''} {r.source or ''}", needle)
 
 
 # -- request detail -----------------------------------------------------------------------------
