@@ -89,6 +89,26 @@ def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
     assert "gap 700ms" in text and "×7.0 target" in text
 
 
+def test_the_detail_gap_chart_keeps_an_early_spike_in_view():
+    """A 1.5 s stall at the 10th token of a 500-token stream: the chart drew the last 70 gaps, a flat
+    row under the stall's scale. Now it draws the whole request, each column the largest gap of its
+    run, so the stall's column reaches the top."""
+    from kvtop.views.tui import render
+
+    core = Core(itl_target_s=0.1)
+    core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
+    t = 0.0
+    for i in range(500):
+        t += 1.5 if i == 10 else 0.02
+        core.ingest(RequestRecord(t=t, id="r1", event="token"))
+    snap = core.snapshot()
+    text = render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, 80)
+    lines = text.splitlines()
+    head = next(i for i, ln in enumerate(lines) if "gap per token" in ln)
+    assert "499 gaps, each column the largest of" in lines[head] and "top = 1.50s" in lines[head]
+    assert "█" in lines[head + 1]
+
+
 def test_request_cells_flag_gaps_over_target():
     from kvtop.views.tui import render
 

@@ -308,8 +308,13 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
     gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
     if gaps:
         top = max(gaps)
-        lines.append(muted(f"gap per token (last {min(len(gaps), w)}, top = {units.duration_short(top)}):"))
-        lines.append("       │" + fmt.spark(gaps[-w:], min(len(gaps), w), top))
+        # the whole request, each column the largest of its run of gaps: the last w gaps alone drew a
+        # flat row under the scale of a spike that came before them
+        k = -(-len(gaps) // w)
+        cols = [max(gaps[i:i + k]) for i in range(0, len(gaps), k)]
+        per = f", each column the largest of {k}" if k > 1 else ""
+        lines.append(muted(f"gap per token ({len(gaps)} gaps{per}, top = {units.duration_short(top)}):"))
+        lines.append("       │" + fmt.spark(cols, len(cols), top))
     lines.append("")
     head = "spikes (gaps over target)" + ("" if attributed else " — not attributed (no analysis)")
     lines.append(f"[b]{head}[/b]")
