@@ -132,8 +132,11 @@ def build_report(an: Analyzer, model_config: dict[str, Any] | None = None, kv_by
         if tgt is not None and "itl_target" not in s.n:
             s.n["itl_target"] = Num(tgt, "s", "measured", src)
             s.n["itl_slo"] = Num(tgt, "s", "measured", src)
-        s.notes.append("no per-request token timings in this trace: causes come from the engine's ITL histogram "
-                       "deltas vs preemption and prompt-token counters (lower confidence)")
+        if st.scrapes:
+            s.notes.append("no per-request token timings (no stream observed): causes come from the engine's ITL "
+                           "histogram deltas vs preemption and prompt-token counters (lower confidence)")
+        else:  # a live run whose engine has not answered yet (or no longer): no method to speak of
+            s.notes.append("no per-request token timings and no engine scrape that answered: nothing to judge yet")
     counts: dict[str, int] = {c.value: by_cause[c] for c in ALL}
     # seconds above the target per cause (per-spike attribution only: the aggregate path has no gaps)
     over = {c.value: st.cause_over[c] for c in ALL} if basis == "requests" else {}
