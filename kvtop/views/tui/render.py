@@ -311,10 +311,10 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         # the whole request, each column the largest of its run of gaps: the last w gaps alone drew a
         # flat row under the scale of a spike that came before them
         k = -(-len(gaps) // w)
-        cols = [max(gaps[i:i + k]) for i in range(0, len(gaps), k)]
+        runs = [max(gaps[i:i + k]) for i in range(0, len(gaps), k)]
         per = f", each column the largest of {k}" if k > 1 else ""
         lines.append(muted(f"gap per token ({len(gaps)} gaps{per}, top = {units.duration_short(top)}):"))
-        lines.append("       │" + fmt.spark(cols, len(cols), top))
+        lines.append("       │" + fmt.spark(runs, len(runs), top))
     lines.append("")
     head = "spikes (gaps over target)" + ("" if attributed else " — not attributed (no analysis)")
     lines.append(f"[b]{head}[/b]")
