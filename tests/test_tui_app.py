@@ -55,7 +55,10 @@ async def test_overview_numbers_match_the_snapshot():
         text = screen_text(app)
     # KV 0.9334 is over the 0.90 warning threshold; rates and totals as the core computed them
     assert f"{e.kv_usage * 100:.1f}%" == "93.3%" and "93.3%" in text
-    assert f"preempt {e.preemptions_per_s:.2f}/s over 1m ({e.preemptions_total:.0f} total)" in text
+    # the sample's engine was read from its first scrape (t=1 s) to t=40 s of the 1 m window: its rate
+    # covers those 39 s and says so
+    assert e.rates_over_s == 39.0
+    assert f"preempt {e.preemptions_per_s:.2f}/s over 39s ({e.preemptions_total:.0f} total)" in text
     assert "(target 100ms)" in text
     assert "pinned 24.0G (pinned (all GUP))" in text
     # 13.4 GB/s of GPU0's Gen5 x16 link (63.0 GB/s per direction) is 21%

@@ -57,6 +57,7 @@ class ChartSpec:
     # the title's figure when it is not the latest sample (a rate the panels quote over a window)
     headline: str | None = None
     headline2: str | None = None  # the same for the second series (the compare screen's run B)
+    headline_short: str | None = None  # the headline a narrow chart quotes to keep its reference
 
 
 def _pct(v: float | None) -> str:
@@ -127,7 +128,8 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", units.duration_short, ser["itl_p50_s"], "p50",
                              ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks,
                              headline=f"p99 {units.duration_short(e.itl_p99_s)} over {span}",
-                             headline2=f"p50 {units.duration_short(e.itl_p50_s)}"))
+                             headline2=f"p50 {units.duration_short(e.itl_p50_s)}",
+                             headline_short=f"p99 {units.duration_short(e.itl_p99_s)}"))
         if e.preempts:
             # the bars are per scrape; the title quotes the engine card's figure, over the same window
             out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
@@ -135,11 +137,13 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", units.count_short, ser["waiting"],
                              "waiting"))
         out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short,
-                             headline=f"p99 {units.duration_short(e.ttft_p99_s)} over {span}"))
+                             headline=f"p99 {units.duration_short(e.ttft_p99_s)} over {span}",
+                             headline_short=f"p99 {units.duration_short(e.ttft_p99_s)}"))
         out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", units.tok_rate,
                              ser["prompt_tokens_per_s"], "prompt",
                              headline=f"gen {units.tok_rate(e.generation_tokens_per_s)} over {span}",
-                             headline2=f"prompt {units.tok_rate(e.prompt_tokens_per_s)}"))
+                             headline2=f"prompt {units.tok_rate(e.prompt_tokens_per_s)}",
+                             headline_short=f"gen {units.tok_rate(e.generation_tokens_per_s)}"))
     for view in s.gpus:
         g = view.record
         gs = history.gpus.get(g.index)
@@ -272,17 +276,25 @@ class Chart(Widget):
         lines: list[Strip] = []
         # title: name, the latest values, the reference on the right
         last = spec.ring.last() if spec.ring is not None else None
-        segs = [Segment(" " + spec.title, styles["title"])]
-        if spec.headline is not None:
-            segs.append(Segment(f"  {spec.headline}", styles[plot.BAR]))
-        elif last is not None or spec.ring2 is not None:
-            segs.append(Segment(f"  {spec.label + ' ' if spec.label else ''}{spec.fmt(last)}", styles[plot.BAR]))
-        if spec.ring2 is not None:
-            second = spec.headline2 if spec.headline2 is not None else f"{spec.label2} {spec.fmt(spec.ring2.last())}"
-            segs.append(Segment(f"  ━ {second}", styles[plot.LINE]))
-        # a narrow chart (80 columns: two to a row) shortens its reference, then drops it, before
-        # the title's figures are cut
-        for ref in (spec.ref_label, spec.ref_label.split(" ")[-1], ""):
+        def title(headline: str | None) -> list[Segment]:
+            segs = [Segment(" " + spec.title, styles["title"])]
+            if headline is not None:
+                segs.append(Segment(f"  {headline}", styles[plot.BAR]))
+            elif last is not None or spec.ring2 is not None:
+                segs.append(Segment(f"  {spec.label + ' ' if spec.label else ''}{spec.fmt(last)}", styles[plot.BAR]))
+            if spec.ring2 is not None:
+                second = spec.headline2 if spec.headline2 is not None else f"{spec.label2} {spec.fmt(spec.ring2.last())}"
+                segs.append(Segment(f"  ━ {second}", styles[plot.LINE]))
+            return segs
+
+        # a narrow chart (80 columns: two to a row) shortens its reference, then its headline (the
+        # span it names, which the engine card names too), then drops the reference, before the
+        # title's figures are cut
+        refs = (spec.ref_label, spec.ref_label.split(" ")[-1])
+        heads = (spec.headline, spec.headline_short) if spec.headline_short else (spec.headline,)
+        tries = [(h, r) for h in heads for r in refs] + [(heads[-1], "")]
+        for head, ref in tries:
+            segs = title(head)
             tail = [Segment(f"  ┈ {ref}", styles["muted"])] if ref else []
             if sum(len(g.text) for g in segs + tail) <= w:
                 break
