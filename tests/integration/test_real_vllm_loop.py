@@ -199,14 +199,15 @@ def test_the_advisor_chunks_the_long_prompts(prefill_loop):
     v = prefill_loop["verdict"]
     assert v["action"] == "chunked_prefill", v["action"]
     flags = prefill_loop["flags"]
-    assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) == 4, flags
+    assert flags[:1] == ["--max-num-batched-tokens"] and len(flags) in (2, 4), flags
     budget = int(flags[1])
     assert budget in chunking.LADDER and budget < 1498, budget  # the shortest long prompt is 1,498 tokens
-    # the engine ran --max-num-seqs 128, as its witness said: the batch limit comes down to the budget
-    # with it (the engine restarted with both flags started: the fixture's `after` replays ran on it),
-    # still above the most sequences the recording ran at once
-    assert flags[2:] == ["--max-num-seqs", str(budget)], flags
+    # the engine ran --max-num-seqs 128, as its witness said: a budget below it brings the batch limit
+    # down with it (the engine restarted with both flags started: the fixture's `after` replays ran on
+    # it), still above the most sequences the recording ran at once; a budget of 128 (a CI run whose
+    # witness measured 2,153 tokens/s priced its step 67 ms) needs no such change and names none
     assert v["numbers"]["max_seqs_current"]["value"] == 128
+    assert flags[2:] == (["--max-num-seqs", str(budget)] if budget < 128 else []), flags
     assert v["numbers"]["running_peak"]["value"] <= budget
     assert v["numbers"]["chunk_worst_step"]["value"] <= 0.9 * prefill_loop["target_ms"] / 1e3
 
