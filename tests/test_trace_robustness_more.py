@@ -164,6 +164,12 @@ def test_a_header_that_names_no_adapter_is_judged_by_the_engine_records(trace: P
     head["engine"] = {"url": head["engine"]["url"]}
     bare = tmp_path / "no-adapter.jsonl"
     bare.write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    # an agent started before its engine answered: its first record is a failed scrape, whose adapter
+    # is "unknown" until one answered; the engine's own adapter is the one to judge by
+    down = {"kind": "engine", "t": 0.0, "adapter": "unknown", "url": head["engine"]["url"], "up": False,
+            "warnings": ["refused"]}
+    late = tmp_path / "down-first.jsonl"
+    late.write_text(json.dumps(head) + "\n" + json.dumps(down) + "\n" + "".join(lines[1:]))
 
     def judged(path: Path) -> tuple:
         r = run_kvtop("analyze", str(path), "--itl-target-ms", "30", "--format", "json", timeout=60)
@@ -175,6 +181,7 @@ def test_a_header_that_names_no_adapter_is_judged_by_the_engine_records(trace: P
     named = judged(trace)
     assert named[0]["preemption"] > 0 and all(flag for flag, _ in named[2]), named
     assert judged(bare) == named
+    assert judged(late) == named
 
 
 @pytest.mark.parametrize("kind", ["empty", "text", "xz"])

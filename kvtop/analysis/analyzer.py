@@ -369,14 +369,15 @@ class Analyzer:
 
     def engine(self, d: dict[str, Any]) -> None:
         t = d["t"]
-        name = d.get("adapter")
-        if self.engine_name is None and isinstance(name, str) and name:
-            # a trace whose header names no adapter (an agent's segments did not): its engine records
-            # do, and the live path judges by them from the first; so does this one
-            self.use_engine(engine_semantics(name), name)
         if d.get("up") is False:
             self._advance(t)
             return
+        name = d.get("adapter")
+        if self.engine_name is None and isinstance(name, str) and name:
+            # a trace whose header names no adapter (an agent's segments did not): the records of an
+            # engine that answered do (a failed scrape's says "unknown" until one did), and the live
+            # path judges by them from the first; so does this one
+            self.use_engine(engine_semantics(name), name)
         key = (d.get("url"), d.get("engine"))
         ttft = d.get("ttft")
         firsts = ttft.get("count") if isinstance(ttft, dict) else None
