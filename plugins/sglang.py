@@ -94,11 +94,10 @@ class SglangAdapter(EngineAdapter):
         Setting.CTX: "--context-length",  # bounds prompt + output of one request
     }
     host_tier = "sglang_hicache"
-    setting_notes = {
-        # arg_groups/validation_hook.py: "chunked_prefill_size must be divisible by page_size"
-        Setting.BATCHED_TOKENS: "SGLang refuses a --chunked-prefill-size that is not a multiple of its --page-size",
-        Setting.CHUNKED_PREFILL: "SGLang refuses a --chunked-prefill-size that is not a multiple of its --page-size",
-    }
+    # arg_groups/validation_hook.py: "chunked_prefill_size must be divisible by page_size"; both
+    # settings are that one flag
+    setting_notes = dict.fromkeys((Setting.BATCHED_TOKENS, Setting.CHUNKED_PREFILL),
+                                  "SGLang refuses a --chunked-prefill-size that is not a multiple of its --page-size")
     # its model card states the context length it serves, --context-length or the model's own
     # (python/sglang/srt/entrypoints/http_server.py, ``available_models``)
     limits_path = "/v1/models"

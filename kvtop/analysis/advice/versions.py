@@ -26,16 +26,17 @@ VLLM_CHECKED = (0, 32)
 VLLM_KV_CACHE_BYTES = (0, 10, 2)  # the first release whose arg_utils.py defines --kv-cache-memory-bytes
 
 
-def parse(version: str | None) -> tuple[int, int] | None:
-    """(major, minor) of a version string such as ``0.32.0``, ``v0.11.1rc2`` or ``0.9.2+cpu``."""
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def parse_patch(version: str | None) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a version string (patch 0 where it names none)."""
+    """(major, minor, patch) of a version string such as ``0.32.0``, ``v0.11.1rc2`` or ``0.9.2+cpu``
+    (patch 0 where it names none)."""
     m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version or "")
     return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def parse(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a version string."""
+    full = parse_patch(version)
+    return None if full is None else full[:2]
 
 
 def apply(s: Situation) -> None:

@@ -57,7 +57,7 @@ class ChartSpec:
     # the title's figure when it is not the latest sample (a rate the panels quote over a window)
     headline: str | None = None
     headline2: str | None = None  # the same for the second series (the compare screen's run B)
-    headline_short: str | None = None  # the headline a narrow chart quotes to keep its reference
+    span: str = ""  # the span the headline covers ("1m"): named after it where the chart has room
 
 
 def _pct(v: float | None) -> str:
@@ -127,9 +127,8 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         span = over(e, s.window_s)
         out.append(ChartSpec(k + "itl", f"{pre}ITL", ser["itl_p99_s"], "p99", units.duration_short, ser["itl_p50_s"], "p50",
                              ref=tgt, ref_label=f"target {units.duration_short(tgt)}" if tgt else "", over=tgt, marks=marks,
-                             headline=f"p99 {units.duration_short(e.itl_p99_s)} over {span}",
-                             headline2=f"p50 {units.duration_short(e.itl_p50_s)}",
-                             headline_short=f"p99 {units.duration_short(e.itl_p99_s)}"))
+                             headline=f"p99 {units.duration_short(e.itl_p99_s)}", span=span,
+                             headline2=f"p50 {units.duration_short(e.itl_p50_s)}"))
         if e.preempts:
             # the bars are per scrape; the title quotes the engine card's figure, over the same window
             out.append(ChartSpec(k + "pre", f"{pre}preemptions/s", ser["preemptions_per_s"], "", _per_s,
@@ -137,13 +136,11 @@ def chart_specs(s: Snapshot) -> list[ChartSpec]:
         out.append(ChartSpec(k + "q", f"{pre}requests", ser["running"], "running", units.count_short, ser["waiting"],
                              "waiting"))
         out.append(ChartSpec(k + "ttft", f"{pre}TTFT", ser["ttft_p99_s"], "p99", units.duration_short,
-                             headline=f"p99 {units.duration_short(e.ttft_p99_s)} over {span}",
-                             headline_short=f"p99 {units.duration_short(e.ttft_p99_s)}"))
+                             headline=f"p99 {units.duration_short(e.ttft_p99_s)}", span=span))
         out.append(ChartSpec(k + "tok", f"{pre}tokens/s", ser["generation_tokens_per_s"], "gen", units.tok_rate,
                              ser["prompt_tokens_per_s"], "prompt",
-                             headline=f"gen {units.tok_rate(e.generation_tokens_per_s)} over {span}",
-                             headline2=f"prompt {units.tok_rate(e.prompt_tokens_per_s)}",
-                             headline_short=f"gen {units.tok_rate(e.generation_tokens_per_s)}"))
+                             headline=f"gen {units.tok_rate(e.generation_tokens_per_s)}", span=span,
+                             headline2=f"prompt {units.tok_rate(e.prompt_tokens_per_s)}"))
     for view in s.gpus:
         g = view.record
         gs = history.gpus.get(g.index)
@@ -291,7 +288,8 @@ class Chart(Widget):
         # span it names, which the engine card names too), then drops the reference, before the
         # title's figures are cut
         refs = (spec.ref_label, spec.ref_label.split(" ")[-1])
-        heads = (spec.headline, spec.headline_short) if spec.headline_short else (spec.headline,)
+        heads = ((f"{spec.headline} over {spec.span}", spec.headline) if spec.span and spec.headline is not None
+                 else (spec.headline,))
         tries = [(h, r) for h in heads for r in refs] + [(heads[-1], "")]
         for head, ref in tries:
             segs = title(head)

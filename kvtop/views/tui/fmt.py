@@ -35,6 +35,14 @@ def sev_latency(v: float | None, target: float | None) -> str:
     return "crit" if v > target else "warn" if v > 0.8 * target else "ok"
 
 
+def fold_max(vals: Sequence[float], width: int) -> list[float]:
+    """``vals`` in at most ``width`` columns, each the largest of its run (a short burst stays seen)."""
+    n = len(vals)
+    if n <= width:
+        return list(vals)
+    return [max(vals[i * n // width:(i + 1) * n // width] or [0.0]) for i in range(width)]
+
+
 def spark(values: Sequence[float], width: int, top: float | None = None) -> str:
     """Last ``width`` values as block characters scaled to ``top`` (a link's capacity), not to the
     data's own max, so a flat line at 5% of a link reads as nearly empty. Peaks within a column
@@ -44,12 +52,7 @@ def spark(values: Sequence[float], width: int, top: float | None = None) -> str:
     vals = list(values)[-width * 4:]
     if not vals:
         return " " * width
-    # fold into at most `width` columns by max
-    n = len(vals)
-    if n > width:
-        cols = [max(vals[i * n // width:(i + 1) * n // width] or [0.0]) for i in range(width)]
-    else:
-        cols = vals
+    cols = fold_max(vals, width)
     scale = top if top and top > 0 else max(max(cols), 1e-12)
     out = []
     for v in cols:

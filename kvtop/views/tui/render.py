@@ -310,9 +310,9 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         top = max(gaps)
         # the whole request, each column the largest of its run of gaps: the last w gaps alone drew a
         # flat row under the scale of a spike that came before them
-        k = -(-len(gaps) // w)
-        runs = [max(gaps[i:i + k]) for i in range(0, len(gaps), k)]
-        per = f", each column the largest of {k}" if k > 1 else ""
+        runs = fmt.fold_max(gaps, w)
+        k = -(-len(gaps) // len(runs))
+        per = f", each column the largest of up to {k}" if k > 1 else ""
         lines.append(muted(f"gap per token ({len(gaps)} gaps{per}, top = {units.duration_short(top)}):"))
         lines.append("       │" + fmt.spark(runs, len(runs), top))
     lines.append("")
