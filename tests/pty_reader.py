@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 
 class PtyReader:
@@ -25,6 +26,16 @@ class PtyReader:
             if not chunk:
                 return
             self.data.extend(chunk)
+
+    def wait_for(self, needle: str, timeout_s: float) -> bool:
+        """Whether ``needle`` was written within ``timeout_s`` (the writer still running)."""
+        want = needle.encode()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if want in self.data:
+                return True
+            time.sleep(0.05)
+        return want in self.data
 
     def text(self, wait_s: float = 5.0) -> str:
         """Once the writers are gone: all they wrote (waits up to ``wait_s`` for the last of it), and

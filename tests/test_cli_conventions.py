@@ -48,6 +48,28 @@ def test_record_against_a_dead_port_writes_no_trace_and_exits_1(tmp_path: Path) 
     assert not out.exists()  # no trace that `analyze` would call INSUFFICIENT DATA
 
 
+def test_record_waits_for_an_engine_still_loading_then_records_it(tmp_path: Path) -> None:
+    out = tmp_path / "t.jsonl"
+    with PageServer() as s:
+        route = s.route("/metrics", vllm_page(running=2), status=503)  # a server up, its engine not yet
+        threading.Timer(1.5, setattr, (route, "status", 200)).start()
+        r = run_kvtop("record", "-o", str(out), "--url", s.url, "--duration", "0.6", "--interval", "0.2",
+                      "--wait-for-engine", "20s", "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"kvtop record: warning: waiting up to 20 s for the engine: could not read the engine at {s.url}" in r.stderr
+    assert len(route.hits) >= 5  # it kept asking, a poll interval apart, until the engine answered
+    header = json.loads(out.read_text().splitlines()[0])
+    assert header["engine"]["adapter"] == "vllm"  # the header names the engine that answered at last
+    assert '"running":2' in out.read_text()
+    # time up with no answer: the same one line and exit 1 as without the wait, and no trace
+    port = _closed_port()
+    r = run_kvtop("record", "-o", str(tmp_path / "u.jsonl"), "--url", f"http://127.0.0.1:{port}", "--interval", "0.2",
+                  "--wait-for-engine", "1s", "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        f"kvtop: error: could not read the engine at http://127.0.0.1:{port}"), r.stderr
+    assert not (tmp_path / "u.jsonl").exists()
+
+
 def test_record_with_one_engine_down_records_the_other_and_warns(tmp_path: Path) -> None:
     port = _closed_port()
     out = tmp_path / "t.jsonl"
@@ -122,6 +144,38 @@ def test_console_with_a_dead_url_says_so_and_exits_1_on_a_terminal() -> None:
     assert rc == 1, out[-2000:]
     assert f"could not read the engine at http://127.0.0.1:{port}" in out
     assert "\x1b[?1049h" not in out  # the full-screen app never opened
+
+
+def test_console_waits_for_a_dead_url_when_asked_then_exits_1_without_opening() -> None:
+    port = _closed_port()
+    rc, out = _on_a_terminal(["tui", "--url", f"http://127.0.0.1:{port}", "--no-gpu", "--interval", "0.2",
+                              "--wait-for-engine", "1s"])
+    assert rc == 1, out[-2000:]
+    assert "waiting up to 1 s for the engine" in out
+    assert f"could not read the engine at http://127.0.0.1:{port}" in out
+    assert "\x1b[?1049h" not in out
+
+
+def test_console_opens_once_the_engine_it_waits_for_answers() -> None:
+    with PageServer() as s:
+        route = s.route("/metrics", vllm_page(running=2), status=503)
+        threading.Timer(1.0, setattr, (route, "status", 200)).start()
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        env = dict(os.environ, TERM="xterm-256color", PYTHONPATH=str(REPO),
+                   XDG_CONFIG_HOME=str(REPO / ".cache" / "no-config"))
+        p = subprocess.Popen([sys.executable, "-m", "kvtop", "tui", "--url", s.url, "--no-gpu", "--no-host",
+                              "--interval", "0.2", "--wait-for-engine", "30s"],
+                             stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+        os.close(slave)
+        reader = PtyReader(master)
+        try:
+            opened = reader.wait_for("\x1b[?1049h", 60)  # the full-screen app took the terminal
+        finally:
+            p.kill()
+            p.wait()
+    assert opened, reader.text()[-2000:]
+    assert "waiting up to 30 s for the engine" in reader.text()
 
 
 @pytest.mark.parametrize(("args", "expect"), [

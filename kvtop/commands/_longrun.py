@@ -102,7 +102,6 @@ class EngineWatch:
 
     def __init__(self, log: logging.Logger) -> None:
         self.log = log
-        self.waiting = False
         self._down_since: dict[str, float] = {}
         self._failures: dict[str, int] = {}
         self._said: dict[str, float] = {}

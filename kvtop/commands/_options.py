@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
+import logging
 import math
 import os
 import re
@@ -319,13 +320,57 @@ async def first_scrape(runner: LiveRunner) -> list[EngineRecord]:
     return recs
 
 
-def check_engines_now(runner: LiveRunner) -> None:
-    """``first_scrape`` for a run whose loop starts later (the console): the answers go into the
-    core and the scrapers' HTTP clients are closed again, since they belong to this event loop."""
+WAIT_MAX_S = 86400.0
+
+
+def add_wait_option(p: argparse.ArgumentParser, what: str) -> None:
+    """--wait-for-engine SECONDS: start beside an engine that is still loading its model."""
+    p.add_argument("--wait-for-engine", dest="wait_for_engine", default="0", metavar="SECONDS",
+                   help=f"at start, retry an engine that does not answer for this long before {what} gives up with "
+                        "exit 1 (default 0: fail at the first scrape; beside an engine still loading its model: 10m)")
+
+
+def wait_seconds(args: argparse.Namespace) -> float:
+    wait = parse_seconds(getattr(args, "wait_for_engine", None) or "0", "--wait-for-engine")
+    if not 0 <= wait <= WAIT_MAX_S:
+        raise UsageError(f"--wait-for-engine must be between 0 and {WAIT_MAX_S:g} seconds, not {wait:g}")
+    return wait
+
+
+async def awaited_first_scrape(runner: LiveRunner, wait_s: float, log: logging.Logger,
+                               stop: asyncio.Event | None = None) -> list[EngineRecord]:
+    """``first_scrape``, retried every poll interval for up to ``wait_s`` while no engine answers
+    (said once, as a warning); the last failure is raised when the time is up or ``stop`` is set."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    interval = runner.interval_s
+    said = False
+    while True:
+        try:
+            return await first_scrape(runner)
+        except RunFailure as e:
+            if (stop is not None and stop.is_set()) or loop.time() + interval > deadline:
+                raise
+            if not said:
+                said = True
+                log.warning(f"waiting up to {wait_s:g} s for the engine: {e}", extra={"fields": {"event": "waiting"}})
+            if stop is None:
+                await asyncio.sleep(interval)
+                continue
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+def check_engines_now(runner: LiveRunner, wait_s: float = 0.0) -> None:
+    """``first_scrape`` (waited for up to ``wait_s``) for a run whose loop starts later (the console):
+    the answers go into the core and the scrapers' HTTP clients are closed again, since they belong
+    to this event loop."""
 
     async def check() -> None:
         try:
-            for rec in await first_scrape(runner):
+            for rec in await awaited_first_scrape(runner, wait_s, logging.getLogger("kvtop.tui")):
                 runner.emit(rec)
         finally:
             await asyncio.gather(*(s.aclose() for s in runner.scrapers), return_exceptions=True)

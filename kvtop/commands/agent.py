@@ -19,13 +19,15 @@ from kvtop.commands._options import (
     add_host_options,
     add_itl_option,
     add_probe_option,
-    first_scrape,
+    add_wait_option,
+    awaited_first_scrape,
     refuse_self_proxy,
     require_capture,
     source_options,
+    wait_seconds,
 )
 from kvtop.config import load_config, parse_seconds
-from kvtop.errors import RunFailure, UsageError
+from kvtop.errors import UsageError
 
 log = logging.getLogger("kvtop.agent")
 
@@ -86,9 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="export one OpenTelemetry span per finished request, a stall event per spike, over OTLP/HTTP "
                         "(e.g. http://127.0.0.1:4318; needs the otlp extra)")
     p.add_argument("--duration", default=None, metavar="SECONDS", help="stop after this long (default: run until stopped)")
-    p.add_argument("--wait-for-engine", dest="wait_for_engine", default="0", metavar="SECONDS",
-                   help="at start, retry an engine that does not answer for this long before giving up with "
-                        "exit 1 (default 0: fail at the first scrape; a sidecar beside a loading engine: 10m)")
+    add_wait_option(p, "the agent")
     add_itl_option(p)
     add_host_options(p)
 
@@ -108,9 +108,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
-    wait = parse_seconds(args.wait_for_engine, "--wait-for-engine")
-    if not 0 <= wait <= 86400:
-        raise UsageError(f"--wait-for-engine must be between 0 and 86400 seconds, not {wait:g}")
+    wait = wait_seconds(args)
     # None until given: a segment limit without --trace-dir bounds nothing and is refused
     limits = {"--trace-max-size": args.trace_max_size, "--trace-max-age": args.trace_max_age,
               "--trace-keep-size": args.trace_keep_size, "--trace-keep-age": args.trace_keep_age}
@@ -171,23 +169,9 @@ async def _main(opts: AgentOptions, duration: float | None, wait_s: float = 0.0)
     agent = build_agent(opts)
     # A wrong --url fails now, in one line (exit 1), rather than serving zeros for ever; with
     # --wait-for-engine the agent keeps trying for that long first (an engine still loading its model).
-    deadline = loop.time() + wait_s
     watch = EngineWatch(log)
     agent.runner.sinks.append(watch.sink)
-    while True:
-        try:
-            first = await first_scrape(agent.runner)
-            break
-        except RunFailure as e:
-            if stop.is_set() or loop.time() + opts.sources.interval_s > deadline:
-                raise
-            if not watch.waiting:
-                watch.waiting = True
-                log.warning(f"waiting up to {wait_s:g} s for the engine: {e}", extra={"fields": {"event": "waiting"}})
-            try:
-                await asyncio.wait_for(stop.wait(), opts.sources.interval_s)
-            except asyncio.TimeoutError:
-                pass
+    first = await awaited_first_scrape(agent.runner, wait_s, log, stop)
     for rec in first:
         agent.runner.emit(rec)
     started = loop.time()

@@ -19,12 +19,14 @@ from kvtop.commands._options import (
     add_engine_options,
     add_host_options,
     add_probe_option,
+    add_wait_option,
+    awaited_first_scrape,
     check_output,
-    first_scrape,
     refuse_self_proxy,
     replace_output,
     require_capture,
     source_options,
+    wait_seconds,
 )
 from kvtop.config import engine_bases, load_config, parse_seconds
 from kvtop.errors import RunFailure, UsageError
@@ -66,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-endpoint", dest="otlp_endpoint", default=None, metavar="URL",
                    help="also analyse live and export one OpenTelemetry span per finished request, a stall event per "
                         "spike, over OTLP/HTTP (e.g. http://127.0.0.1:4318; needs the otlp extra)")
+    add_wait_option(p, "the recorder")
     add_host_options(p)
 
 
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.probe_max_tokens <= 4096:
         raise UsageError("--probe-max-tokens must be between 1 and 4096")
     engine_bases(list(opts.urls))
+    wait = wait_seconds(args)
     require_capture(opts)
     if args.otlp_endpoint:
         from kvtop import otlp
@@ -105,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
         if opts.urls:
             refuse_self_proxy(listen, opts.urls[0], "--url", "--proxy-listen")
         opts = dataclasses.replace(opts, proxy_listen=listen, proxy_workers=args.proxy_workers)
-    return asyncio.run(_record(args, opts, duration=duration))
+    return asyncio.run(_record(args, opts, duration=duration, wait_s=wait))
 
 
-async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None) -> int:
+async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float | None, wait_s: float = 0.0) -> int:
     # the feeds and the trace writer load only when the command runs: the parser imports every command module
     from kvtop.feeds.sources import ProxyRecorder
 
@@ -125,7 +129,8 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
         extra["capture_port"] = opts.capture_port
     if len(opts.urls) > 1:
         extra["urls"] = [redact_url(u) for u in opts.urls]
-    writer, engine = await open_trace(runner, opts, args.output, args.force, "kvtop record", **extra)
+    writer, engine = await open_trace(runner, opts, args.output, args.force, "kvtop record", wait_s=wait_s, stop=stop,
+                                      **extra)
 
     try:
         try:
@@ -188,16 +193,18 @@ def discard_trace(output: str) -> None:
 
 
 async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,
+                     wait_s: float = 0.0, stop: asyncio.Event | None = None,
                      **extra: object) -> tuple[TraceWriter, dict[str, Any]]:
     """The trace a live run writes, and the header's engine: one scrape of every engine first (the header
-    names the adapter and model; a dead URL fails now, exit 1, no trace), the header (``recorder``, the
-    poll interval, the run clock's origin, ``extra``), then every record the runner emits. ``kvtop
-    record`` and ``kvtop load`` both record through this."""
+    names the adapter and model; a dead URL fails now, or after ``wait_s`` of retries: exit 1, no
+    trace), the header (``recorder``, the poll interval, the run clock's origin, ``extra``), then every
+    record the runner emits. ``kvtop record`` and ``kvtop load`` both record through this."""
     from kvtop.model.trace import TraceWriteError, TraceWriter, clock_origin_unix, make_header
 
-    first = await first_scrape(runner)
+    log = logging.getLogger(recorder.replace(" ", "."))
+    first = await awaited_first_scrape(runner, wait_s, log, stop)
     # an engine that stops answering mid-recording (or never did, of several) is said on stderr
-    runner.sinks.append(EngineWatch(logging.getLogger(recorder.replace(" ", "."))).sink)
+    runner.sinks.append(EngineWatch(log).sink)
     # the header describes the first --url's engine (as its "url" says)
     up = next((r for r in first if r.up and r.url == runner.scrapers[0].shown_url), None)
     engine = {"adapter": up.adapter if up else None, "url": redact_url(opts.urls[0]), "model": up.model if up else None,

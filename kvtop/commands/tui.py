@@ -20,6 +20,7 @@ from kvtop.commands._options import (
     add_itl_option,
     add_probe_option,
     add_prometheus_options,
+    add_wait_option,
     check_engines_now,
     interval_s,
     itl_target_s,
@@ -29,6 +30,7 @@ from kvtop.commands._options import (
     selector,
     source_options,
     timeout_s,
+    wait_seconds,
 )
 from kvtop.config import load_config, resolve
 from kvtop.errors import UsageError
@@ -60,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_probe_option(p)
     add_capture_option(p)
     add_host_options(p)
+    add_wait_option(p, "the console")
     add_prometheus_options(p, "show every engine a Prometheus server scrapes (opens on the fleet screen, key f)")
 
 
@@ -76,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.replay and (getattr(args, "url", None) or getattr(args, "prometheus", None)):
         # the console shows one run: a recording, or live engines (it said nothing and showed the recording)
         raise UsageError("--replay shows a recorded trace; give it without --url / --prometheus")
+    if wait_seconds(args) and (args.replay or getattr(args, "prometheus", None)):
+        raise UsageError("--wait-for-engine waits for a live engine at --url: not with --replay / --prometheus")
     if getattr(args, "prometheus", None):
         return prometheus_console(args, cfg, theme)
     if args.compare is not None:
@@ -95,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         return replay_console(path, theme=theme, interval=interval_s(args, cfg),
                               itl_target_s=itl_target_s(args, cfg))
     opts = source_options(args, cfg)
+    wait = wait_seconds(args)
+    if wait and not opts.urls:
+        raise UsageError("--wait-for-engine waits for the engine at --url; without one the console keeps looking by itself")
     from kvtop.sources.discover import discover  # httpx: only when looking for engines
 
     feed: Feed
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         require_terminal("for a report without one: kvtop snapshot --url URL")
         feed = live_feed(opts, label="live")
-        check_engines_now(feed)  # a wrong --url: one line, exit 1, instead of a console of errors
+        check_engines_now(feed, wait)  # a wrong --url: one line, exit 1, instead of a console of errors
 
     from kvtop.views.tui.app import run_console  # loaded with known_themes above
 
