@@ -115,17 +115,26 @@ class SglangAdapter(EngineAdapter):
         names = [n for n in page.samples if n.startswith(P)]
         if not names:
             return [EngineRecord(t=t, adapter=self.name, warnings=[*page.warnings, "no sglang: metrics on the page"])]
-        chosen: dict[str, str] = {}
+        # The lowest ranks within each data-parallel group: the group's reporting scheduler. With
+        # --enable-dp-attention a group's ranks are global (dp_rank = tp_rank // attention TP size,
+        # data_parallel_controller.py), so DP rank 1 reports as tp_rank "1" or "4": the lowest ranks
+        # over the whole page would drop every group but the first.
+        labels = [lb for n in names for lb, _ in page.samples[n]]
+        chosen: dict[str | None, dict[str, str]] = {}
+        for lb in labels:
+            group = chosen.setdefault(lb.get("dp_rank"), {})
+            for r in _RANKS:
+                if r in lb and (r not in group or _rank_key(lb[r]) < _rank_key(group[r])):
+                    group[r] = lb[r]
         skipped: dict[str, list[str]] = {}
         for r in _RANKS:
-            vals = sorted({lb[r] for n in names for lb, _ in page.samples[n] if r in lb}, key=_rank_key)
-            if vals:
-                chosen[r] = vals[0]
-                if len(vals) > 1:
-                    skipped[r] = vals[1:]
+            kept = {g[r] for g in chosen.values() if r in g}
+            rest = sorted({lb[r] for lb in labels if r in lb} - kept, key=_rank_key)
+            if rest:
+                skipped[r] = rest
 
         def rank_ok(lb: Labels) -> bool:
-            return all(lb.get(r, want) == want for r, want in chosen.items())
+            return all(lb.get(r, want) == want for r, want in chosen.get(lb.get("dp_rank"), {}).items())
 
         keys: dict[tuple[str | None, str | None], None] = {}
         for n in names:

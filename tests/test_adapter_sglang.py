@@ -133,6 +133,30 @@ def test_one_record_per_dp_rank_tp1_copies_skipped(modern):
     assert r0.model == r1.model == "Qwen/Qwen3-8B"
 
 
+def test_dp_attention_keeps_every_dp_group_whose_ranks_are_global():
+    # --enable-dp-attention, TP 8 / DP 2: each group's reporting scheduler is its attention-TP rank 0,
+    # global tp_rank 0 and 4 (and its own MoE EP rank); with metrics for all schedulers the others
+    # report copies. DP rank 1 is the saturated one: it must not be dropped as a "copy".
+    def rows(name: str, per: dict[tuple[str, str], float]) -> list[str]:
+        return [f"# TYPE {name} gauge"] + [
+            f'{name}{{dp_rank="{dp}",engine_type="unified",model_name="m",moe_ep_rank="{tp}",pp_rank="0",'
+            f'tp_rank="{tp}"}} {v}' for (dp, tp), v in per.items()]
+
+    page = "\n".join([
+        *rows("sglang:num_running_reqs", {("0", "0"): 10, ("0", "1"): 10, ("1", "4"): 20, ("1", "5"): 20}),
+        *rows("sglang:num_queue_reqs", {("0", "0"): 1, ("1", "4"): 5}),
+        *rows("sglang:token_usage", {("0", "0"): 0.3, ("1", "4"): 0.99}),
+        "# TYPE sglang:num_retracted_requests_total counter",
+        *rows("sglang:num_retracted_requests_total", {("0", "0"): 0, ("1", "4"): 42})[1:],
+    ]) + "\n"
+    recs = {r.engine: r for r in SglangAdapter().parse(page, 1.0)}
+    assert set(recs) == {"0", "1"}
+    assert (recs["1"].running, recs["1"].waiting, recs["1"].kv_usage) == (20, 5, pytest.approx(0.99))
+    assert recs["1"].preemptions_total == 42
+    assert (recs["0"].running, recs["0"].preemptions_total) == (10, 0)
+    assert recs["0"].extra["ranks_skipped"] == {"tp_rank": ["1", "5"], "moe_ep_rank": ["1", "5"]}
+
+
 def test_modern_capacity_retraction_kv(modern):
     r0, r1 = modern["0"], modern["1"]
     assert r0.kv_usage == pytest.approx(0.97) and r1.kv_usage == pytest.approx(0.41)
