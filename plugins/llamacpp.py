@@ -154,7 +154,7 @@ class LlamaCppAdapter(EngineAdapter):
         if bad:
             rec.warnings.append(f"/slots: {bad} slot(s) without n_ctx skipped")
         cap = sum(n_ctx)
-        info: dict[str, Any] = {"n_slots": len(n_ctx), "processing": processing, "n_ctx_total": cap}
+        info: dict[str, Any] = {"n_slots": len(n_ctx), "processing": processing}
         if n_ctx:
             info["n_ctx_per_slot"] = n_ctx[0] if len(set(n_ctx)) == 1 else n_ctx
         info["decoded_tokens"] = decoded
@@ -163,12 +163,31 @@ class LlamaCppAdapter(EngineAdapter):
         rec.extra["slots"] = info
         if n_ctx:
             rec.limits["max_num_seqs"] = len(n_ctx)  # one slot per --parallel
-        if cap:
-            rec.kv_capacity_tokens = cap
+        # A unified KV cache (--kv-unified; llama-server's default when --parallel is not given)
+        # shows every slot the whole context: 4 slots of 8192 may be 8192 tokens shared or 4 x 8192.
+        # Nothing on /slots, /props or /metrics says which; slots holding more than one slot's n_ctx
+        # between them prove the split.
+        shared = len(n_ctx) > 1 and len(set(n_ctx)) == 1 and held <= n_ctx[0]
+        if shared:
+            cap = 0
+            info["kv_layout"] = "unknown"
+        else:
+            info["n_ctx_total"] = cap
         if unknown:
             rec.extra.setdefault("notes", []).append(
                 "this llama-server's /slots lacks n_prompt_tokens for processing slots: kv_usage n/a"
             )
+        elif shared:
+            info["held_tokens"] = held
+            c, n = n_ctx[0], len(n_ctx)
+            info["kv_usage_if_unified"] = held / c
+            info["kv_usage_if_split"] = held / (n * c)
+            rec.warnings.append(
+                f"llama-server does not say whether its {n} slots share one KV cache of {c} tokens (--kv-unified, "
+                f"its default without --parallel) or hold {c} each ({n * c} in all): KV usage is "
+                f"{held / c:.0%} if shared, {held / (n * c):.0%} if split; kv_usage n/a")
         elif cap:
             info["held_tokens"] = held
             rec.kv_usage = held / cap
+        if cap:
+            rec.kv_capacity_tokens = cap

@@ -56,7 +56,10 @@ def _slot(i: int, processing: bool, n_prompt: int | None, n_decoded: int, n_ctx:
     return s
 
 
-def test_busy_slots_kv_usage_is_held_over_context():
+def test_busy_slots_kv_usage_is_unknown_between_a_shared_and_a_split_cache():
+    # Four slots of 512 tokens are 512 shared (--kv-unified, the default without --parallel: every
+    # slot shows the whole context) or 4 x 512 (--parallel 4): the real llama-server's /slots is the
+    # same shape for both, so the usage is n/a and the note gives both readings
     body = json.dumps([
         _slot(0, True, 300, 40),  # n_prompt_tokens counts prompt + generated tokens held
         _slot(1, True, 100, 90),
@@ -64,12 +67,22 @@ def test_busy_slots_kv_usage_is_held_over_context():
         {"id": 3, "n_ctx": 512, "speculative": False, "is_processing": False},  # never used
     ])
     r = _parse(fixture_text(METRICS), body)
-    assert r.kv_capacity_tokens == 2048  # 4 x 512
-    assert r.kv_usage == pytest.approx((300 + 100) / 2048)
+    assert r.kv_capacity_tokens is None and r.kv_usage is None
     s = r.extra["slots"]
     assert (s["processing"], s["held_tokens"], s["decoded_tokens"], s["idle_cached_tokens"]) == (2, 400, 130, 250)
+    assert s["kv_usage_if_unified"] == pytest.approx(400 / 512) and s["kv_usage_if_split"] == pytest.approx(400 / 2048)
+    [w] = r.warnings
+    assert "78% if shared, 20% if split" in w
     # one slot per --parallel: the batch limit the server runs under, for the advisor
     assert r.limits == {"max_num_seqs": 4}
+
+
+def test_slots_holding_more_than_one_context_prove_a_split_cache():
+    body = json.dumps([_slot(0, True, 300, 40), _slot(1, True, 290, 90),
+                       {"id": 2, "n_ctx": 512, "speculative": False, "is_processing": False}])
+    r = _parse(fixture_text(METRICS), body)
+    assert r.kv_capacity_tokens == 1536  # 590 held > one slot's 512: each slot has its own 512
+    assert r.kv_usage == pytest.approx(590 / 1536)
 
 
 def test_readme_shaped_slot_without_prompt_count_gives_no_kv_usage():

@@ -96,3 +96,23 @@ def test_triton_fields(engines):
     assert (e["running"], e["waiting"], e["kv_usage"]) == (0, 1, 0.4875)
     assert (e["kv_capacity_tokens"], e["block_size"]) == (6239 * 64, 64)
     assert e["model"] == "tensorrt_llm"
+
+
+def test_llamacpp_kv_usage_it_cannot_tell_is_na_with_both_readings_said():
+    # four busy slots of 2,048 tokens: one unified cache of 2,048 or four of 2,048 (the real
+    # llama-server's /slots is the same for both, tests/integration/test_real_llamacpp.py)
+    slot = {"n_ctx": 2048, "speculative": False, "is_processing": True, "n_prompt_tokens": 400,
+            "next_token": [{"has_next_token": True, "n_decoded": 40}]}
+    routes = {"/metrics": ROUTES["/llamacpp/metrics"],
+              "/slots": (json.dumps([dict(slot, id=i) for i in range(4)]), "application/json")}
+    with replay_server(routes) as (url, _):
+        r = run_kvtop("snapshot", "--url", url, "--no-gpu", "--no-host", "--duration", "0.3", "--interval", "0.1",
+                      "--format", "json", timeout=60)
+        text = run_kvtop("snapshot", "--url", url, "--no-gpu", "--no-host", "--duration", "0.3", "--interval",
+                         "0.1", timeout=60)
+    assert r.returncode == 0 and text.returncode == 0, r.stderr + text.stderr
+    [e] = json.loads(r.stdout)["engines"]
+    assert e["kv_usage"] is None and e["kv_capacity_tokens"] is None
+    [note] = e["warnings"]
+    assert "share one KV cache of 2048 tokens" in note and "78% if shared, 20% if split" in note
+    assert "warning: llama-server does not say whether its 4 slots share one KV cache" in text.stdout

@@ -36,8 +36,10 @@ def test_autodetects_llamacpp_adapter(llama):
     [eng] = json.loads(r.stdout)["engines"]
     assert eng["adapter"] == "llamacpp"
     assert eng["up"] is True
-    # -c 8192 over --parallel 4: four slots of 2,048 tokens, read from /slots
-    assert eng["kv_capacity_tokens"] == 8192
+    # -c 8192 over --parallel 4: four slots of 2,048 tokens on /slots, which a unified cache of 2,048
+    # (-kvu, the default without --parallel) shows the same: the capacity is not claimed, both are said
+    assert eng["kv_capacity_tokens"] is None and eng["kv_usage"] is None
+    assert any("share one KV cache of 2048 tokens" in w and "(8192 in all)" in w for w in eng["warnings"]), eng
     assert eng["preempts"] is False
 
 
