@@ -11,12 +11,20 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from kvtop.errors import RunFailure
 from kvtop.model.records import EngineRecord, Record
 
+if TYPE_CHECKING:
+    from kvtop.model.trace import TraceWriter
+
 INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+# a recorder also stops in order when its terminal goes (an SSH session that drops sends SIGHUP):
+# the streams in flight are recorded as cut off and the buffer reaches the disk
+STOP_SIGNALS = (*INTERRUPTS, signal.SIGHUP)
 
 
 class Interrupt:
@@ -138,3 +146,83 @@ class EngineWatch:
             self.log.warning(f"engine {url} still does not answer after {down:.0f} s ({self._failures[url]} failed "
                         f"scrape(s)): {reason}", extra={"fields": {"event": "engine_down", "url": url, "error": reason,
                                                                    "down_s": round(down, 3)}})
+
+
+class GuardedTrace:
+    """The trace of a run that must outlive its disk (``record``, ``load``, ``proxy --record``): the
+    first failed write (a full disk, a quota) stops the recording, not the run (a proxy goes on
+    forwarding the traffic its clients depend on); it is said at once in one warning line, every
+    record after it is counted, and ``finish`` fails the run (exit 1) with how many were not recorded.
+    The writer is the runner's sink: a sink's exception would only have become a console event."""
+
+    def __init__(self, writer: TraceWriter, command: str, forwards: bool = False,
+                 on_fail: Callable[[], None] | None = None) -> None:
+        """``forwards``: the run carries traffic (a recording proxy) and goes on; ``on_fail``: how a
+        run that only records stops."""
+        self.writer: TraceWriter | None = writer
+        self.command = command
+        self.forwards = forwards
+        self.on_fail = on_fail
+        self.failed: str | None = None
+        self.dropped = 0
+        self._written = 0
+
+    @property
+    def count(self) -> int:
+        """Records on disk (all the writer accepted, until a failure: those its file holds)."""
+        return self.writer.count if self.writer is not None else self._written
+
+    def write(self, rec: Record | dict[str, Any]) -> None:
+        w = self.writer
+        if w is not None:
+            try:
+                w.write(rec)
+                return
+            except OSError as e:  # TraceWriteError (the writer raises no other after it opened)
+                self._fail(e)
+        if self.failed is not None:
+            self.dropped += 1
+
+    def flush_if_due(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.flush_if_due()
+            except OSError as e:  # TraceWriteError (the writer raises no other after it opened)
+                self._fail(e)
+
+    def close(self) -> None:
+        w, self.writer = self.writer, None
+        if w is None:
+            return
+        try:
+            w.close()
+            self._written = w.count
+        except OSError as e:
+            self._lost(w, str(e))
+
+    def finish(self) -> None:
+        """Close, then fail the run (exit 1) if the disk refused any record."""
+        self.close()
+        if self.failed is not None:
+            carried = " (the traffic was forwarded)" if self.forwards else ""
+            raise RunFailure(f"{self.failed}; {self.dropped} record(s) not recorded{carried}")
+
+    def _fail(self, e: OSError) -> None:
+        w, self.writer = self.writer, None
+        assert w is not None
+        after = "still forwarding" if self.forwards else "stopping" if self.on_fail is not None else "still running"
+        print(f"{self.command}: warning: {e}; {after}, no longer recording", file=sys.stderr, flush=True)
+        try:
+            w.close()
+        except OSError:
+            pass
+        self._lost(w, str(e))
+        if self.on_fail is not None:
+            self.on_fail()
+
+    def _lost(self, w: TraceWriter, why: str) -> None:
+        # what the write buffer held when the disk filled is lost too
+        unsaved = w.unsaved()
+        self.failed = self.failed or why
+        self.dropped += unsaved
+        self._written = w.count - unsaved

@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
-import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kvtop.commands._longrun import STOP_SIGNALS
 from kvtop.commands._options import (
     add_engine_options,
     add_host_options,
@@ -23,10 +23,10 @@ from kvtop.model.sanitize import redact_url
 from kvtop.pipeline import SourceOptions, live_feed
 
 if TYPE_CHECKING:
+    from kvtop.commands._longrun import GuardedTrace
     from kvtop.load.client import LoadClient
     from kvtop.load.plan import Plan
     from kvtop.model.records import Record
-    from kvtop.model.trace import TraceWriter
 
 NAME = "load"
 HELP = "replay a trace's arrivals, lengths, cancels and slow readers (or a workload) against an engine, recording it"
@@ -127,7 +127,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     runner = live_feed(opts, label="load", analysis=False)
     classes = {r.id: r.cls for r in plan.requests if r.cls}
@@ -143,7 +143,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     header_load = {"source": plan.source, "source_kind": plan.kind, "target": redact_url(opts.urls[0]),
                    "rate_scale": args.rate_scale, "requests_planned": len(plan.requests), "seed": args.seed,
                    "prompt": args.prompt_mode}
-    writer, _ = await open_trace(runner, opts, args.output, args.force, "kvtop load", load=header_load)
+    writer, _ = await open_trace(runner, opts, args.output, args.force, "kvtop load", stop=stop, load=header_load)
     tty = sys.stderr.isatty()
     client: LoadClient | None = None
     timer: asyncio.TimerHandle | None = None
@@ -201,6 +201,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
             timer.cancel()
         stop.set()
         writer.close()
+    writer.finish()  # the disk refused records: exit 1, saying how many
     if tty:
         print(file=sys.stderr)
     st = client.stats if client else None
@@ -258,7 +259,7 @@ class _PrefixCounters:
         return text
 
 
-async def _flush_loop(writer: TraceWriter, stop: asyncio.Event) -> None:
+async def _flush_loop(writer: GuardedTrace, stop: asyncio.Event) -> None:
     while not stop.is_set():  # an idle stretch of the plan still gets its records onto disk
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.25)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from kvtop.commands._longrun import STOP_SIGNALS, GuardedTrace
 from kvtop.commands._options import check_output, refuse_self_proxy, replace_output
 from kvtop.config import http_url
 from kvtop.errors import RunFailure, UsageError
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, host: str, port: int) -> int:
-    from kvtop.model.trace import TraceWriteError, TraceWriter, clock_origin_unix, make_header  # see run
+    from kvtop.model.trace import TraceWriter, clock_origin_unix, make_header  # see run
 
     t0 = time.monotonic()
 
@@ -88,38 +88,19 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
             raise UsageError(f"cannot write {args.record}: {e.strerror or e}") from None
     summary = _Summary(sys.stderr) if not args.quiet else None
 
-    # a full disk stops the recording, never the traffic the proxy carries: one warning, the records
-    # after it counted, the exit status 1 at the end
-    failed: list[str] = []
-    dropped = [0]
-
-    def fail(e: TraceWriteError) -> None:
-        nonlocal writer
-        failed.append(str(e))
-        print(f"kvtop proxy: warning: {e}; still forwarding, no longer recording", file=sys.stderr, flush=True)
-        w, writer = writer, None
-        if w is not None:
-            try:
-                w.close()
-            except OSError:
-                pass
-            dropped[0] += w.unsaved()  # what the write buffer held when the disk filled is lost too
+    # a full disk stops the recording, never the traffic the proxy carries (GuardedTrace)
+    trace = GuardedTrace(writer, "kvtop proxy", forwards=True) if writer is not None else None
 
     def emit(rec: RequestRecord) -> None:
-        if writer is not None:
-            try:
-                writer.write(rec)
-            except TraceWriteError as e:
-                fail(e)
-        if failed:
-            dropped[0] += 1
+        if trace is not None:
+            trace.write(rec)
         if summary is not None:
             summary(rec)
 
     # Handlers first: a signal that lands while the proxy starts must still stop it in order.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     proxy = recording_proxy(args.upstream, (host, port), workers=args.workers, cls=args.cls, loop=args.loop)
     try:
@@ -136,21 +117,14 @@ async def _main(args: argparse.Namespace, host: str, port: int) -> int:
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             except asyncio.TimeoutError:
                 pass
-            if writer is not None:
-                try:
-                    writer.flush_if_due()  # an idle proxy still gets its last records onto disk
-                except TraceWriteError as e:
-                    fail(e)
+            if trace is not None:
+                trace.flush_if_due()  # an idle proxy still gets its last records onto disk
     finally:
         await proxy.stop()
-        if writer is not None:
-            try:
-                writer.close()
-            except TraceWriteError as e:
-                failed.append(str(e))
-                dropped[0] += writer.unsaved()
-    if failed:
-        raise RunFailure(f"{failed[0]}; {dropped[0]} record(s) not recorded (the traffic was forwarded)")
+        if trace is not None:
+            trace.close()
+    if trace is not None:
+        trace.finish()  # the disk refused records: exit 1, saying how many
     print(f"kvtop proxy: stopped after {proxy.requests_seen} recorded request(s)", file=sys.stderr)
     return 0
 

@@ -7,13 +7,12 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtop.commands._longrun import EngineWatch, Progress
+from kvtop.commands._longrun import STOP_SIGNALS, EngineWatch, GuardedTrace, Progress
 from kvtop.commands._options import (
     add_capture_option,
     add_engine_options,
@@ -36,7 +35,6 @@ from kvtop.pipeline import SourceOptions, live_feed
 if TYPE_CHECKING:
     from kvtop.analysis.analyzer import Analyzer
     from kvtop.feeds.live import LiveRunner
-    from kvtop.model.trace import TraceWriter
     from kvtop.otlp import LiveExport
 
 NAME = "record"
@@ -119,7 +117,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     # Handlers first: a signal that lands while starting up must still stop the recorder in order.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     # the recorder keeps no analysis (the trace is for `kvtop analyze` / `kvtop replay`) unless its
     # spans are exported as it goes
@@ -130,7 +128,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     if len(opts.urls) > 1:
         extra["urls"] = [redact_url(u) for u in opts.urls]
     writer, engine = await open_trace(runner, opts, args.output, args.force, "kvtop record", wait_s=wait_s, stop=stop,
-                                      **extra)
+                                      forwards=opts.proxy_listen is not None, **extra)
 
     try:
         try:
@@ -174,6 +172,7 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
                 await asyncio.to_thread(spans.close)
     finally:
         writer.close()
+    writer.finish()  # the disk refused records: exit 1, saying how many
     print(f"kvtop record: {writer.count} record(s) written to {args.output}", file=sys.stderr)
     cap = runner.core.capture
     if cap is not None and cap.get("status") == "ok":
@@ -193,8 +192,8 @@ def discard_trace(output: str) -> None:
 
 
 async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force: bool, recorder: str,
-                     wait_s: float = 0.0, stop: asyncio.Event | None = None,
-                     **extra: object) -> tuple[TraceWriter, dict[str, Any]]:
+                     wait_s: float = 0.0, stop: asyncio.Event | None = None, forwards: bool = False,
+                     **extra: object) -> tuple[GuardedTrace, dict[str, Any]]:
     """The trace a live run writes, and the header's engine: one scrape of every engine first (the header
     names the adapter and model; a dead URL fails now, or after ``wait_s`` of retries: exit 1, no
     trace), the header (``recorder``, the poll interval, the run clock's origin, ``extra``), then every
@@ -227,13 +226,15 @@ async def open_trace(runner: LiveRunner, opts: SourceOptions, output: str, force
     except OSError as e:
         await runner.aclose()
         raise UsageError(f"cannot write {output}: {e.strerror or e}") from None
-    runner.sinks.append(writer.write)
+    # a recording proxy goes on forwarding its clients' traffic; a run that only records stops
+    trace = GuardedTrace(writer, recorder, forwards, on_fail=None if forwards or stop is None else stop.set)
+    runner.sinks.append(trace.write)
     for rec in first:
         runner.emit(rec)
-    return writer, engine
+    return trace, engine
 
 
-async def _flush_loop(writer: TraceWriter, stop: asyncio.Event, progress: Progress, now: Callable[[], float],
+async def _flush_loop(writer: GuardedTrace, stop: asyncio.Event, progress: Progress, now: Callable[[], float],
                       duration: float | None) -> None:
     start = now()
     while not stop.is_set():
