@@ -78,20 +78,25 @@ async def test_request_id_with_control_characters_is_handled_without_traceback(r
 def test_url_user_info_is_redacted_everywhere(tmp_path):
     page = vllm_page(generation=10)
     with replay_server({"/metrics": (page, PROM)}) as (base, _):
-        secret = base.replace("http://", "http://admin:hunter2@")
+        secret = base.replace("http://", "http://admin:hunter2@") + "/metrics?api_key=QTOKEN1"
         r = run_kvtop("snapshot", "--url", secret, "--duration", "0.3", "--interval", "0.15", "--format", "json",
                       "--no-gpu", "--no-host")
         assert r.returncode == 0, r.stderr
         assert "hunter2" not in r.stdout + r.stderr and "***@" in r.stdout
+        assert "QTOKEN1" not in r.stdout + r.stderr and "api_key=***" in r.stdout
         trace = tmp_path / "t.jsonl"
         r = run_kvtop("record", "--url", secret, "--out", str(trace), "--duration", "0.5", "--interval", "0.2",
                       "--no-gpu", "--no-host")
         assert r.returncode == 0, r.stderr
         assert "hunter2" not in trace.read_text() + r.stdout + r.stderr
+        assert "QTOKEN1" not in trace.read_text() + r.stdout + r.stderr
     dead = run_kvtop("snapshot", "--url", "http://bob:s3cret@127.0.0.1:9/", "--duration", "0.2", "--no-gpu",
                      "--no-host")
     assert dead.returncode == 1 and "s3cret" not in dead.stderr + dead.stdout
     assert redact_url("https://u:p@h:1/x?q=1") == "https://***@h:1/x?q=1" and redact_url("h:1") == "h:1"
+    # a credential in the query string (a /metrics behind a gateway that takes ?api_key=)
+    assert redact_url("http://h:1/metrics?api_key=Q1&model=m") == "http://h:1/metrics?api_key=***&model=m"
+    assert redact_url("h:1/metrics?access_token=Q1") == "h:1/metrics?access_token=***"
 
 
 async def test_proxy_never_shows_upstream_credentials():

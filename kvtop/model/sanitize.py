@@ -166,18 +166,29 @@ def printable(s: object, limit: int | None = None) -> str:
     return text
 
 
+# query parameters that carry a credential (``/metrics?api_key=...``, a signed URL's signature)
+_SECRET_QUERY = re.compile(r"(?i)(key|token|secret|pass|auth|sig|credential|session)")
+
+
 def redact_url(url: str) -> str:
-    """``url`` without its user-info (``http://user:pass@host`` -> ``http://***@host``)."""
-    if "@" not in url:
+    """``url`` without its credentials: the user-info (``http://user:pass@host`` ->
+    ``http://***@host``) and the values of query parameters named like one (``?api_key=***``)."""
+    if "@" not in url and "?" not in url:
         return url
     try:
         parts = urlsplit(url if "://" in url else "http://" + url)
     except ValueError:
-        return re.sub(r"[^/@]*@", "***@", url, count=1)
-    if "@" not in parts.netloc:
+        return re.sub(r"[^/@]*@", "***@", url, count=1).split("?", 1)[0]
+    netloc, query = parts.netloc, parts.query
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    if query:
+        query = "&".join(
+            f"{k}=***" if _SECRET_QUERY.search(k) else f"{k}={v}" if sep else k
+            for k, sep, v in (p.partition("=") for p in query.split("&")))
+    if netloc == parts.netloc and query == parts.query:
         return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    out = urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     return out if "://" in url else out.split("://", 1)[1]
 
 
