@@ -326,3 +326,15 @@ def test_a_proxy_port_in_use_fails_the_run_and_leaves_no_trace_to_block_the_retr
         assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert not out.exists() and not Path(str(out) + ".tokens").exists()
+
+
+def test_a_device_as_output_gets_no_sidecar_beside_it(tmp_path: Path):
+    # -o /dev/null (a run only for its OTLP export, say): the token sidecar was created beside the
+    # device (/dev/null.tokens, as root) and the closing fsync of a device failed the run
+    link = tmp_path / "sink"
+    link.symlink_to("/dev/null")
+    with replay_server({"/metrics": (vllm_page(generation=5), PROM)}) as (base, _):
+        r = run_kvtop("record", "-o", str(link), "--url", base, "--duration", "0.4", "--interval", "0.2",
+                      "--no-gpu", "--no-host", timeout=60)
+    assert r.returncode == 0 and "record(s) written" in r.stderr, r.stderr
+    assert not Path(str(link) + ".tokens").exists()

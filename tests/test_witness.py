@@ -113,6 +113,17 @@ def test_a_file_that_is_not_a_witness_is_refused(tmp_path):
     assert r.returncode == 2 and "not a kvtop witness file" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_record_never_overwrites_the_witness_file_it_reads(tmp_path):
+    p = tmp_path / "w.jsonl"
+    _write_steps(p, 100.0, [{"t0": 0, "t1": 0.01, "r": [["x", 1, 0, 0, 1]]}])
+    before = p.read_bytes()
+    r = subprocess.run([sys.executable, "-m", "kvtop", "record", "-o", str(p), "--force", "--url",
+                        "http://127.0.0.1:9", "--witness", str(p), "--duration", "1", "--no-gpu", "--no-host"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is the --witness file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert p.read_bytes() == before  # --force deleted the engine's witness and wrote the trace there
+
+
 HEADER = {"kind": "header", "format": "kvtop-trace", "version": 1, "started_at": "2026-12-02T00:00:00Z",
           "engine": {"adapter": "vllm", "url": "http://127.0.0.1:8000"}, "interval_s": 1.0}
 

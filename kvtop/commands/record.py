@@ -24,6 +24,7 @@ from kvtop.commands._options import (
     refuse_self_proxy,
     replace_output,
     require_capture,
+    same_file,
     source_options,
     wait_seconds,
 )
@@ -78,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if not opts.urls:
         raise UsageError("give the engine to record: --url URL")
     check_output(args.output, args.force)
+    if opts.witness is not None and same_file(args.output, opts.witness):
+        raise UsageError(f"{args.output} is the --witness file the engine writes: give the trace another path")
     if duration is not None and not duration > 0:
         raise UsageError(f"--duration must be positive, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:

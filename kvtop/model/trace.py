@@ -7,6 +7,7 @@ Reading streams line by line; a torn or malformed line is skipped and counted, n
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -302,7 +303,7 @@ class TraceWriter:
                     self._f.write(head)
                 except OSError as e:
                     raise TraceWriteError(self.path, e) from e
-                if columns:
+                if columns and self.path.is_file():  # no sidecar beside a device (-o /dev/null)
                     self._open_columns(head)
                 self.flush()
             except BaseException:
@@ -468,7 +469,8 @@ class TraceWriter:
                 try:
                     os.fsync(self._f.fileno())
                 except OSError as e:
-                    raise TraceWriteError(self.path, e) from e
+                    if e.errno != errno.EINVAL:  # a device (-o /dev/null) syncs nothing: nothing lost
+                        raise TraceWriteError(self.path, e) from e
             except BaseException:
                 # the file is closed even so (no descriptor leaks per failed segment of a long run):
                 # what the buffer still holds cannot be written, the trace ends at its last flush
