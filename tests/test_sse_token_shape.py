@@ -101,3 +101,20 @@ def test_a_text_that_could_end_its_string_early_goes_to_the_parser() -> None:
     assert _records(StreamRecorder, overlap) == _records(FullParser, overlap)
     plain: list[bytes | None] = [head + b"x" + tail, head + b"y" + tail]
     assert sum(r.n or 0 for r in _records(StreamRecorder, plain)) == 2
+
+
+def test_an_event_too_big_to_hold_is_skipped_and_the_stream_read_on_marked_incomplete() -> None:
+    # one 3 MB event (a huge logprobs payload, say) between tokens: the recorder stopped reading
+    # the stream there and its end said nothing of what it missed
+    tok = b'data: {"id":"c","choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}\n\n'
+    big = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"x" * (3 << 20) + b'","finish_reason":null}]}\n\n'
+    out: list[RequestRecord] = []
+    rec = StreamRecorder("r", out.append, 200, True)
+    rec.feed(tok, 0.0)
+    for i in range(0, len(big), 65536):  # as the socket hands it over
+        rec.feed(big[i:i + 65536], 1.0)
+    rec.feed(tok, 2.0)
+    rec.feed(tok, 3.0)
+    rec.feed(b"data: [DONE]\n\n", 4.0)
+    assert [(r.event, r.t) for r in out] == [("first_token", 0.0), ("resync", 2.0), ("token", 3.0), ("finish", 4.0)]
+    assert out[-1].incomplete is True

@@ -278,10 +278,13 @@ class StreamRecorder:
             self._flush_tokens()
         rest = buf[start:] if start else buf
         if len(rest) > _SSE_BUFFER_CAP:
-            # Not SSE after all (or a pathological event): stop parsing, keep forwarding.
-            self.sse = False
-            self._overflow = _JSON_BODY_CAP + 1
-            rest = b""
+            # An event too big to hold (or a body that is not SSE at all): its bytes are passed on
+            # unread, as a capture's lost bytes are: the stream is read again from the next event,
+            # its next tokens a resync, and its end says incomplete (it said nothing and the rest
+            # of the stream went unrecorded)
+            self._buf = b""
+            self.hole()
+            return
         self._buf = rest
 
     def _learn_shape(self, chunk: bytes) -> None:
