@@ -182,10 +182,15 @@ class RotatingTrace:
         tmp = done.with_name(done.name + ".part")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with open(path, "rb") as src, os.fdopen(fd, "wb") as raw, \
-                    gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
+            with os.fdopen(fd, "wb") as raw:
+                with open(path, "rb") as src, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                raw.flush()
+                # on the disk before the plain segment goes: a power cut after the unlink would
+                # otherwise lose the whole segment (the page cache held the .gz)
+                os.fsync(raw.fileno())
             os.replace(tmp, done)  # readers never see a half-written .gz under the final name
+            _sync_dir(done.parent)  # ... and the rename too
             path.unlink()
         except OSError as e:
             # no record is lost: the plain segment stays
@@ -225,3 +230,17 @@ class RotatingTrace:
         deadline = time.monotonic() + wait_s
         for t in self._compressing:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _sync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable (where the filesystem can)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a filesystem that cannot sync a directory: the rename is as durable as it gets
+    finally:
+        os.close(fd)
