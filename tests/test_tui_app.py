@@ -311,7 +311,7 @@ async def test_a_replay_of_a_corrupt_trace_says_so_in_the_banner(tmp_path):
         await pilot.pause()
         await pilot.press("space")
         await pilot.pause()
-        assert "skipped 3 malformed line(s)" in screen_text(app)
+        assert "skipped 3 malformed lines (more than" in screen_text(app)
     feed.close()
 
 

@@ -12,7 +12,7 @@ from kvtop.analysis.analyzer import Analyzer
 from kvtop.analysis.engines import engine_semantics
 from kvtop.analysis.report import build_report
 from kvtop.model.analysis import AnalysisReport
-from kvtop.model.trace import TraceReader
+from kvtop.model.trace import TraceReader, skipped_note
 from kvtop.model.validate import TokenLine
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
                                     notes=warnings)
             an.finish()
             if skipped:
-                warnings.append(f"{path}: skipped {skipped} malformed line(s) (a torn last line after a crash is normal)")
+                warnings.append(f"{path}: {skipped_note(skipped)}")
             if stopped_at:
                 warnings.append(f"interrupted: the analysis covers the first {stopped_at[0] / 1e6:.1f} MB of {path}")
             return an, warnings, *_learned_engine(an, settings, eng, warnings)

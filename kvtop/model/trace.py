@@ -673,11 +673,18 @@ class TraceReader:
     def warning(self) -> str | None:
         parts = []
         if self.skipped:
-            parts.append(f"skipped {self.skipped} malformed line(s) (a torn last line after a crash is normal)")
+            parts.append(skipped_note(self.skipped))
         if self.header_dropped:
             parts.append(self.header_note())
         parts += stream_problems(self._bin)
         return f"{self.path}: " + "; ".join(parts) if parts else None
+
+
+def skipped_note(n: int) -> str:
+    """What ``n`` malformed lines skipped in a trace mean to the reader."""
+    if n == 1:
+        return "skipped 1 malformed line (a torn last line after a crash is normal)"
+    return f"skipped {n} malformed lines (more than a crash's torn last line: the file is damaged or not all a trace)"
 
 
 def latest_run(directory: str | os.PathLike[str]) -> list[Path]:
