@@ -5,7 +5,7 @@ Facts: docs/engines.md §2. One record per ``engine`` label (data-parallel ranks
 
 from __future__ import annotations
 
-from kvtop.adapters import EngineAdapter, Page, Setting, as_int, finite_or_none, parse_page, prefix_score
+from kvtop.adapters import EngineAdapter, Page, Setting, as_int, finite_or_none, prefix_score, read_page
 from kvtop.model.records import EngineRecord
 
 P = "vllm:"
@@ -96,7 +96,9 @@ class VllmAdapter(EngineAdapter):
         return prefix_score(metric_names, P, core_prefixes=("vllm:num_requests_", "vllm:kv_cache", "vllm:gpu_cache"))
 
     def parse(self, text: str, t: float) -> list[EngineRecord]:
-        return self.parse_page(parse_page(text), t)
+        page = read_page(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        page.warnings.extend(page.incomplete_histograms((*_ITL, *_TTFT)))
+        return self.parse_page(page, t)
 
     def parse_page(self, page: Page, t: float) -> list[EngineRecord]:
         vllm_names = [n for n in page.samples if n.startswith(P)]
@@ -185,14 +187,13 @@ class VllmAdapter(EngineAdapter):
         off_gib = _float_label(lb, "kv_offloading_size")
         if off_gib is not None:
             rec.offload_capacity_bytes = as_int(off_gib * _GIB)
-        else:
-            for key in ("cpu_offload_gb", "swap_space"):  # older captures, GiB
-                if key == "swap_space" and lb.get("num_cpu_blocks") == "0":
-                    continue  # V0 allocated no swap blocks: the setting is not a usable pool
-                gib = _float_label(lb, key)
-                if gib:
-                    rec.offload_capacity_bytes = as_int(gib * _GIB)
-                    break
+        elif (_int_label(lb, "num_cpu_blocks") or 0) > 0:
+            # V0's swap space (GiB), only where it allocated blocks there: V1 has no swap (its pages
+            # say num_cpu_blocks="None" beside the default swap_space 4), and --cpu-offload-gb
+            # holds model weights, not KV
+            gib = _float_label(lb, "swap_space")
+            if gib:
+                rec.offload_capacity_bytes = as_int(gib * _GIB)
         extra = {
             k: lb[k]
             for k in ("cache_dtype", "kv_offloading_backend", "enable_prefix_caching", "num_gpu_blocks",

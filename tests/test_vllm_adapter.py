@@ -92,6 +92,23 @@ def test_v0_multiproc_capture(adapter):
     assert r.restart_token is None  # multiprocess mode has no *_created
 
 
+@pytest.mark.parametrize(("labels", "pool"), [
+    # V1 0.11's cache_config_info (vLLM issue "num_cpu_blocks metrics is None in cache_config_info"):
+    # the default swap_space beside no CPU blocks, for V1 has no swap
+    ('num_cpu_blocks="None",swap_space="4",cpu_offload_gb="0"', None),
+    # --cpu-offload-gb 24 puts model weights in host memory, not KV
+    ('num_cpu_blocks="None",swap_space="4",cpu_offload_gb="24"', None),
+    # V0 that allocated swap blocks: its swap space is the host pool
+    ('num_cpu_blocks="2048",swap_space="8",cpu_offload_gb="0"', 8 << 30),
+])
+def test_only_a_real_kv_host_pool_is_read_as_one(adapter, labels, pool):
+    page = ('# TYPE vllm:cache_config_info gauge\n'
+            f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="100",{labels}}} 1.0\n'
+            '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 1.0\n')
+    [r] = adapter.parse(page, 1.0)
+    assert r.offload_capacity_bytes == pool
+
+
 def test_v1_kserve_head40_partial_capture(adapter):
     r = one(adapter, "vllm-v1-0.10or0.11-kserve-workshop-head40.prom")
     assert r.engine == "0" and r.model == "llama-vllm-single"  # line 6
@@ -113,7 +130,8 @@ def test_elided_docs_example_gives_partial_data_and_warning(adapter):
     assert r.ttft is not None and r.ttft.count == 140.0  # line 28
     # no +Inf bucket: p50 rank 70 between le=0.02 (13, line 23) and le=0.04 (97, line 24)
     assert histogram_quantile(0.5, r.ttft) == pytest.approx(0.02 + 0.02 * (70 - 13) / (97 - 13))
-    assert len(r.warnings) == 1 and "skipped 3 unparseable line" in r.warnings[0]
+    assert len(r.warnings) == 2 and "skipped 3 unparseable line" in r.warnings[0]
+    assert "time_to_first_token_seconds has no +Inf bucket" in r.warnings[1]  # the docs elided it
 
 
 def test_synthesized_page_with_preemptions(adapter):
@@ -197,3 +215,22 @@ def test_garbage_does_not_crash(adapter):
         recs = adapter.parse(text, 0.0)
         assert len(recs) == 1
         assert recs[0].running is None or math.isnan(recs[0].running) is False
+
+
+def test_a_page_cut_inside_a_histogram_gives_no_histogram_and_says_so(adapter):
+    from kvtop.model.series import HistogramSeries
+
+    full = fixture_text("vllm-main-2026-05-19-SYNTH.prom")
+    cut = full[: full.index('vllm:inter_token_latency_seconds_bucket{engine="0",le="1.0"')]
+    [r] = adapter.parse(cut, 1.0)
+    assert r.itl is None  # nine buckets and no +Inf: its count cannot be trusted
+    assert any("inter_token_latency_seconds has no +Inf bucket" in w for w in r.warnings), r.warnings
+    assert any("does not end with a newline" in w or "truncated" in w for w in r.warnings)
+    # scrapes of an unchanged page, the middle one cut: nothing was observed in the window (the cut
+    # page's buckets read as a reset made the lifetime's 18,007 gaps the window's)
+    series = HistogramSeries()
+    for t, text in ((0.0, full), (1.0, cut), (2.0, full)):
+        [rec] = adapter.parse(text, t)
+        series.append(t, rec.itl)
+    d = series.window_delta(60.0, 2.0)
+    assert d is not None and d.count == 0 and series.quantile(0.99, 60.0, 2.0) is None

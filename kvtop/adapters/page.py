@@ -124,6 +124,11 @@ class Page:
         count = self.value(base + "_count", match)
         total = self.value(base + "_sum", match)
         if count is None:
+            if math.inf not in by_le:
+                # cut inside its buckets (a truncated page): no count to trust, and the next whole
+                # page would read as a reset, the lifetime's observations as the window's
+                # (incomplete_histograms warns)
+                return None
             count = buckets[-1][1]
         return Histogram(buckets, count, total * scale if total is not None else math.nan)
 
