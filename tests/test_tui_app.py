@@ -194,6 +194,21 @@ async def test_command_palette_lists_console_actions():
     async with app.run_test(size=SIZE) as pilot:
         names = [c.title for c in app.get_system_commands(app.screen)]
         assert {"Screen: Overview", "Screen: Advisor", "Pause / resume", "Refresh now", "Help"} <= set(names)
+        # every key's action is there too, where it does something
+        assert {"Window", "Poll less often (interval ×2)", "Poll more often (interval ÷2)"} <= set(names)
+        assert "Reverse" not in names and "Seek to…" not in names  # the Requests screen's; a replay's
+        app.action_view("requests")
+        await pilot.pause()
+        names = [c.title for c in app.get_system_commands(app.screen)]
+        assert {"Sort", "Reverse", "Filter"} <= set(names) and len(names) == len(set(names))
+        before = app.interval
+        await pilot.press("ctrl+p", *"poll less")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.interval == 2 * before  # the palette ran the key's own action
+        app.action_view("overview")
+        await pilot.pause()
         await pilot.press("ctrl+p", *"advisor")
         await pilot.pause(0.3)
         await pilot.press("enter")
@@ -209,6 +224,7 @@ async def test_replay_step_and_seek():
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         assert "replay 10.00s/300s" in screen_text(app)
+        assert {"Back 10 s", "Forward 10 s", "Seek to…"} <= {c.title for c in app.get_system_commands(app.screen)}
         await pilot.press("right_square_bracket")
         assert feed.calls[-1] == ("seek", 20.0) and ("step", 10.0) in feed.calls
         assert "replay 20.00s/300s" in screen_text(app) and "t=20.00s" in screen_text(app)

@@ -593,9 +593,19 @@ class KvtopApp(App[int]):
         yield SystemCommand("Pause / resume", "stop or restart re-rendering (key p)", self.action_toggle_pause)
         yield SystemCommand("Refresh now", "take a snapshot now (key space)", self.action_refresh_now)
         yield SystemCommand("Help", "list the keys (key ?)", self.action_help)
-        if self.view_name == "requests":
-            yield SystemCommand("Sort: next column", "cycle the requests sort column (key s)", self.action_cycle_sort)
-            yield SystemCommand("Filter", "filter the list (key /)", self.action_filter)
+        # every other key that does something here, from the bindings themselves (a hand-kept list
+        # lacked the poll interval, the chart window, reverse sort and the replay's step and seek)
+        for b in self.BINDINGS:
+            assert isinstance(b, Binding)
+            name = b.action.split("(", 1)[0]
+            if not b.description or name in _PALETTE_OWN or not self.check_action(name, ()):
+                continue
+            yield SystemCommand(b.description, f"key {b.key_display or b.key.split(',')[0]}",
+                                lambda action=b.action: self.run_action(action))
+
+
+# actions the palette offers by name above (or the app's own Quit, or navigation)
+_PALETTE_OWN = frozenset({"quit", "help", "view", "nav", "back", "toggle_pause", "refresh_now"})
 
 
 def run_console(core: SnapshotSource, feed: Feed | None = None, title: str = "kvtop", theme: str | None = None,
