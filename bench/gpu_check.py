@@ -21,6 +21,7 @@ import threading
 import time
 import types
 from collections import defaultdict
+from itertools import pairwise
 from typing import Any
 
 from kvtop.sources.gpu import GpuSource
@@ -249,11 +250,30 @@ def load_test(gpu: GpuSource, host: HostSource, real: Any, secs: float, mib: int
             except Exception:
                 pass
 
+        # The counters' width (kvtop.sources.gpu._WIDE): read them every ~2 ms during the copies, far
+        # faster than a 32-bit counter can wrap at PCIe speeds (2**32 B at 64 GB/s: 67 ms), and sum
+        # the steps modulo 2**32 and 2**64: the sum that matches the bytes copied is the width.
+        raw: list[tuple[int, int]] = []  # (valueType, value) of this direction's counter
+
+        def counter_sampler(d: str = nvml_dir, stop: threading.Event = stop, raw: list[tuple[int, int]] = raw) -> None:
+            try:
+                h = real.nvmlDeviceGetHandleByIndex(index)
+                fid = 198 if d == "rx" else 197
+                while not stop.is_set():
+                    v = real.nvmlDeviceGetFieldValues(h, [fid])[0]
+                    if not v.nvmlReturn:
+                        raw.append((int(v.valueType), int(v.value.ullVal)))
+                    time.sleep(0.002)
+            except Exception:
+                pass
+
         c0 = counters()
         t_poll0 = time.monotonic() - clock0
         pick(gpu.poll(t_poll0))
         th = threading.Thread(target=sampler, daemon=True)
         th.start()
+        th2 = threading.Thread(target=counter_sampler, daemon=True)
+        th2.start()
         copies = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < secs:
@@ -267,6 +287,7 @@ def load_test(gpu: GpuSource, host: HostSource, real: Any, secs: float, mib: int
         elapsed = time.perf_counter() - t0
         stop.set()
         th.join(timeout=2)
+        th2.join(timeout=2)
         t_poll1 = time.monotonic() - clock0
         rec = pick(gpu.poll(t_poll1))
         c1 = counters()
@@ -288,6 +309,15 @@ def load_test(gpu: GpuSource, host: HostSource, real: Any, secs: float, mib: int
             other = c1[1 - idx] - c0[1 - idx]
             print(f"    raw counter {nvml_dir.upper()} delta {moved:,} B = {moved / (copies * n):.3f} x the bytes copied; "
                   f"opposite direction moved {other:,} B")
+        if len(raw) > 1:
+            steps = [(b[1] - a[1]) for a, b in pairwise(raw)]
+            m32 = sum(x % (1 << 32) for x in steps)
+            m64 = sum(x % (1 << 64) for x in steps)
+            back = sum(1 for x in steps if x < 0)
+            print(f"    counter width: valueType {sorted({t for t, _ in raw})}, {len(raw)} reads ~2 ms apart, "
+                  f"largest value {max(v for _, v in raw):,}, {back} step(s) back; steps summed mod 2**32 "
+                  f"{m32 / (copies * n):.3f} x the bytes copied, mod 2**64 {m64 / (copies * n):.3f} x "
+                  "(the width is the one near 1; kvtop rates the counters only once they read >= 2**32)")
         if samples_20ms:
             s = sorted(samples_20ms)
             print(f"    nvmlDeviceGetPcieThroughput {nvml_dir.upper()} during the copies ({len(s)} samples, x1000): "

@@ -138,10 +138,13 @@ class FakeGpu:
     mem_total: int = 80 * 2**30
     mem_used: int = 0
     mem_reserved: int = 0
-    # Cumulative PCIe byte counters (field ids 197/198) and their NVML timestamp (us, 0 = unset).
-    tx_bytes: int = 0
-    rx_bytes: int = 0
+    # Cumulative PCIe byte counters (field ids 197/198) and their NVML timestamp (us, 0 = unset):
+    # a GPU that has moved some data since boot. ``counter_bits`` 32: the counters NVML says "can
+    # be wrapped" and that look 32 bits wide in the wild (unsigned int, the bytes mod 2**32).
+    tx_bytes: int = 3 << 40
+    rx_bytes: int = 1 << 40
     counter_ts_us: int = 0
+    counter_bits: int = 64
     # What nvmlDeviceGetPcieThroughput returns, in KB/s.
     tx_kbps: int = 0
     rx_kbps: int = 0
@@ -182,12 +185,12 @@ class _Value:
 
 
 class _FieldValue:
-    def __init__(self, field_id: int, ret: int, value: int, ts: int) -> None:
+    def __init__(self, field_id: int, ret: int, value: int, ts: int, bits: int = 64) -> None:
         self.fieldId = field_id
         self.scopeId = 0
         self.timestamp = ts
         self.latencyUsec = 0
-        self.valueType = CONSTANTS["NVML_VALUE_TYPE_UNSIGNED_LONG_LONG"]
+        self.valueType = CONSTANTS["NVML_VALUE_TYPE_UNSIGNED_LONG_LONG" if bits == 64 else "NVML_VALUE_TYPE_UNSIGNED_INT"]
         self.nvmlReturn = ret
         self.value = _Value(value)
 
@@ -304,7 +307,10 @@ class FakeNvml(types.ModuleType):
                    CONSTANTS["NVML_FI_DEV_PCIE_REPLAY_COUNTER"]: g.replay}.get(fid)
             if val is None:
                 ret, val = ERROR_CODES["INVALID_ARGUMENT"], 0
-            out.append(_FieldValue(fid, ret, val if ret == 0 else 0, g.counter_ts_us))
+            if fid in (FI_TX, FI_RX):
+                val %= 1 << g.counter_bits
+            out.append(_FieldValue(fid, ret, val if ret == 0 else 0, g.counter_ts_us,
+                                   g.counter_bits if fid in (FI_TX, FI_RX) else 64))
         return out
 
     def nvmlDeviceGetPcieThroughput(self, h: _Handle, counter: int) -> int:

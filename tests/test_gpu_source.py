@@ -229,32 +229,59 @@ def test_field_counters_rate_from_two_polls():
     gpus = two_gpus()
     g = gpus[0]
     src = GpuSource(nvml=FakeNvml(gpus))
-    g.tx_bytes, g.rx_bytes = 1_000_000_000, 500_000_000
+    base = 5 << 40  # a GPU that has moved 5 TiB since boot: past 2**32, so 64 bits wide
+    g.tx_bytes, g.rx_bytes = base + 1_000_000_000, base + 500_000_000
     r0, _ = src.poll(10.0)
     assert r0.pcie_source == "field_counters" and r0.pcie_tx_bytes_per_s is None
     # the raw counters from the first poll on (the agent exports them as _bytes_total counters)
-    assert (r0.pcie_tx_bytes_total, r0.pcie_rx_bytes_total) == (1_000_000_000, 500_000_000)
+    assert (r0.pcie_tx_bytes_total, r0.pcie_rx_bytes_total) == (base + 1_000_000_000, base + 500_000_000)
     g.tx_bytes += 6_000_000_000  # 6 GB over 2 s = 3 GB/s
     g.rx_bytes += 1_000_000_000  # 1 GB over 2 s = 0.5 GB/s
     r0, r1 = src.poll(12.0)
     assert r0.pcie_tx_bytes_per_s == pytest.approx(3.0e9)
     assert r0.pcie_rx_bytes_per_s == pytest.approx(5.0e8)
     assert r1.pcie_tx_bytes_per_s == 0.0 and r1.pcie_rx_bytes_per_s == 0.0
-    # A counter stepping back short of a 64-bit wrap is not a byte counter we can trust (seen on a
-    # real H200, driver 580: it moved < 1 % of 110 GB copied and went backwards): no rate for that
-    # interval, a note, and from then on the 20 ms throughput sampler measures this GPU.
-    g.tx_bytes = 10
-    g.rx_bytes += 250_000_000
+    # The counters start over (a GPU reset, a driver reload): no rate for that interval, nothing
+    # exported as a counter, and until they pass 2**32 again the 20 ms sampler measures the GPU.
+    g.tx_bytes, g.rx_bytes = 10, 20
     g.tx_kbps, g.rx_kbps = 55_000_000, 1_000  # 55 GB/s and 1 MB/s in NVML's KB/s
     r0, r1 = src.poll(13.0)
     assert r0.pcie_tx_bytes_per_s is None and r0.pcie_rx_bytes_per_s is None
-    assert r0.pcie_tx_bytes_total is None  # not a counter any more: nothing is exported as one
-    assert any("went backwards" in n for n in r0.notes)
+    assert r0.pcie_tx_bytes_total is None
+    assert any("started over" in n for n in r0.notes)
     assert r1.pcie_source == "field_counters"  # the other GPU keeps its counters
     r0, _ = src.poll(15.0)
     assert r0.pcie_source == "throughput_20ms" and r0.pcie_tx_bytes_total is None
     assert r0.pcie_tx_bytes_per_s == pytest.approx(55e9) and r0.pcie_rx_bytes_per_s == pytest.approx(1e6)
-    assert any("not monotonic" in n for n in r0.notes)
+    assert any("possibly 32 bits wide" in n for n in r0.notes)
+    # past 2**32 again: the counters, rated from the last sample the sampler's polls kept
+    g.tx_bytes = 10 + 8_000_000_000
+    r0, _ = src.poll(17.0)
+    assert r0.pcie_source == "field_counters" and r0.pcie_tx_bytes_per_s == pytest.approx(4e9)
+    # counters that keep stepping back are no counters: the 20 ms sampler for good
+    for i in range(6):
+        g.tx_bytes = (5 << 40) if i % 2 == 0 else 10
+        r0, _ = src.poll(18.0 + i)
+    assert any("went backwards again" in n for n in r0.notes)
+    r0, _ = src.poll(30.0)
+    assert r0.pcie_source == "throughput_20ms" and any("not monotonic" in n for n in r0.notes)
+
+
+def test_counters_32_bits_wide_are_never_rated_the_20ms_sample_is():
+    # NVML: "Value can be wrapped"; at 25 GB/s a 32-bit counter wraps every 0.17 s, so the difference
+    # of two polls a second apart is any number: 10 GB/s read as 1.41 GB/s, without a word
+    g = FakeGpu(counter_bits=32, tx_kbps=10_000_000)
+    src = GpuSource(nvml=FakeNvml([g]))
+    for i in range(4):
+        g.tx_bytes += 10_000_000_000
+        r, = src.poll(1.0 + i)
+        assert r.pcie_source == "throughput_20ms" and r.pcie_tx_bytes_per_s == pytest.approx(10e9)
+        assert r.pcie_tx_bytes_total is None  # a counter mod 2**32 is no byte counter to export
+        assert any("possibly 32 bits wide" in n for n in r.notes)
+    # without the sampler: no rate, and why
+    g2 = FakeGpu(counter_bits=32)
+    r, = GpuSource(nvml=FakeNvml([g2]), measure_pcie_throughput=False).poll(1.0)
+    assert r.pcie_tx_bytes_per_s is None and any("no rate until they pass it" in n for n in r.notes)
 
 
 def test_field_counters_64_bit_wrap_is_a_rate_not_a_fallback():

@@ -81,10 +81,20 @@ class _Gpu:
         self.handle_error: BaseException | None = None
         self.no_mem_v2 = False
         self.no_mps = False  # MPS process queries fail on most setups: skip them without a note
+        # the PCIe byte counters have read 2**32 or more: they are 64 bits wide (see _WIDE)
+        self.wide = False
+        self.resets = 0  # times a wide counter stepped back (a GPU reset, a driver reload)
 
 
 # A counter below this that steps back did not wrap (a 64-bit wrap starts near 2**64).
 _WRAP_64 = 1 << 63
+# NVML says of the PCIe byte counters (fields 197/198) "Value can be wrapped"; the values shown
+# in the wild stay under 2**32, and a real H200's went backwards while moving < 1 % of the bytes
+# copied: they look 32 bits wide, which at PCIe speeds wraps several times a second, so no poll
+# interval can rate them. Counters are used once a value has reached 2**32 (a 32-bit one never
+# can); until then the 20 ms throughput sample measures the GPU.
+_WIDE = 1 << 32
+_RESETS_MAX = 3  # wide counters that step back more often than this are not counters at all
 
 
 def _code(e: BaseException | None) -> int | None:
@@ -207,7 +217,8 @@ class GpuSource:
         # The 20 ms API blocks per call: run every GPU and direction at once so 8 GPUs cost ~20 ms.
         futures: dict[int, tuple[Future[int], Future[int]]] = {}
         for g in self._gpus:
-            if g.index not in lost and g.pcie_mode == "throughput":
+            narrow = g.pcie_mode == "counters" and not g.wide and self._measure_tp
+            if g.index not in lost and (g.pcie_mode == "throughput" or narrow):
                 pool = self._executor()
                 h = g.handle
                 futures[g.index] = (pool.submit(self.nvml.nvmlDeviceGetPcieThroughput, h, _PCIE_UTIL_TX),
@@ -221,7 +232,7 @@ class GpuSource:
                 self._read_fields(g, rec, pids)
                 if g.index in futures:
                     self._collect_throughput(g, rec, futures[g.index])
-                elif g.pcie_mode == "counters":
+                if g.pcie_mode == "counters":
                     self._counter_rates(g, rec, t, samples.get(g.index))
             except _Lost:
                 lost.add(g.index)
@@ -328,16 +339,27 @@ class GpuSource:
         if _FI_PCIE_TX_BYTES not in got or _FI_PCIE_RX_BYTES not in got:
             return None
         g.pcie_mode = "counters"
-        return got[_FI_PCIE_TX_BYTES], got[_FI_PCIE_RX_BYTES], ts
+        tx, rx = got[_FI_PCIE_TX_BYTES], got[_FI_PCIE_RX_BYTES]
+        if max(tx, rx) >= _WIDE:
+            g.wide = True
+        return tx, rx, ts
 
     def _counter_rates(self, g: _Gpu, rec: GpuRecord, t: float,
                        sample: tuple[int, int, int] | None) -> None:
-        rec.pcie_source = "field_counters"
         if sample is None:
+            rec.pcie_source = rec.pcie_source or "field_counters"
             return
         tx, rx, ts = sample
-        rec.pcie_tx_bytes_total, rec.pcie_rx_bytes_total = tx, rx
         prev, g.prev = g.prev, (tx, rx, t, ts)
+        if not g.wide:
+            # possibly 32 bits wide (_WIDE): the 20 ms sample rated this poll; the sample is kept, so
+            # the poll that first reads 2**32 or more rates the counters from it
+            rec.notes.append("pcie counters: under 2**32 bytes so far, possibly 32 bits wide and wrapping several "
+                             "times a second: " + ("the 20 ms throughput sample until they pass it" if self._measure_tp
+                                                   else "no rate until they pass it"))
+            return
+        rec.pcie_source = "field_counters"
+        rec.pcie_tx_bytes_total, rec.pcie_rx_bytes_total = tx, rx
         if prev is None:
             return  # first sample: a rate needs two
         ptx, prx, pt, pts = prev
@@ -351,12 +373,17 @@ class GpuSource:
             return
         dtx, drx = tx - ptx, rx - prx
         if (dtx < 0 and ptx < _WRAP_64) or (drx < 0 and prx < _WRAP_64):
-            # Cumulative 64-bit byte counters cannot step back short of a wrap near 2**64. On a real
-            # H200 (driver 580, virtualised) they did while 55 GB/s flowed and moved < 1 % of the
-            # bytes copied: such counters say nothing, so measure with the 20 ms sampler instead.
-            rec.notes.append("pcie counters went backwards: unreliable on this system, no rate for this interval")
-            rec.pcie_tx_bytes_total = rec.pcie_rx_bytes_total = None  # not a counter: export none
-            self._fallback(g, "not monotonic on this system")
+            # 64-bit byte counters step back short of a wrap near 2**64 only when they start over
+            # (a GPU reset, a driver reload): no rate for this interval, read afresh from here
+            rec.pcie_tx_bytes_total = rec.pcie_rx_bytes_total = None  # not this counter's run: export none
+            g.resets += 1
+            if g.resets > _RESETS_MAX:
+                rec.notes.append("pcie counters went backwards again: unreliable on this system, no rate for this "
+                                 "interval")
+                self._fallback(g, "not monotonic on this system")
+                return
+            rec.notes.append("pcie counters started over (a GPU reset or driver reload?): no rate for this interval")
+            g.wide = max(tx, rx) >= _WIDE
             return
         # a genuine wrap of the unsigned 64-bit counter
         dtx += (1 << 64) if dtx < 0 else 0
