@@ -145,9 +145,11 @@ class FakeGpu:
     rx_bytes: int = 1 << 40
     counter_ts_us: int = 0
     counter_bits: int = 64
-    # What nvmlDeviceGetPcieThroughput returns, in KB/s.
+    # What nvmlDeviceGetPcieThroughput returns, in KB/s; while ``hang`` is set and not yet released
+    # (an Event), the call blocks (a hung driver call on this GPU).
     tx_kbps: int = 0
     rx_kbps: int = 0
+    hang: threading.Event | None = None
     link_gen: int = 5
     link_width: int = 16
     link_gen_max: int = 5
@@ -315,6 +317,8 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetPcieThroughput(self, h: _Handle, counter: int) -> int:
         g = self._call("nvmlDeviceGetPcieThroughput", h)
+        if g.hang is not None:
+            g.hang.wait()
         if self.throughput_barrier is not None:
             self.throughput_barrier.wait()
         if self.throughput_delay_s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
 
 import pytest
 
@@ -346,6 +347,32 @@ def test_hung_throughput_call_times_out(monkeypatch):
     assert r.util_pct == 33.0
     assert "pcie throughput: no answer from NVML within 0.2 s" in r.notes
     src.close()
+
+
+def test_a_gpu_whose_throughput_call_hangs_never_starves_the_others(monkeypatch):
+    # each poll asked the hung GPU again: its calls piled up in the pool's workers until every GPU's
+    # sample timed out, and each timeout was waited for in turn (2 s x 2 calls x GPUs a poll)
+    monkeypatch.setattr("kvtop.sources.gpu._THROUGHPUT_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    gpus = [FakeGpu(uuid=f"GPU-{i}", tx_kbps=5_000 + i, field_fail={FI_TX: "NOT_SUPPORTED", FI_RX: "NOT_SUPPORTED"})
+            for i in range(4)]
+    gpus[0].hang = release
+    nv = FakeNvml(gpus)
+    src = GpuSource(nvml=nv)
+    try:
+        for poll in range(8):
+            recs = src.poll(float(poll))
+            assert [r.pcie_tx_bytes_per_s for r in recs[1:]] == [5_001_000.0, 5_002_000.0, 5_003_000.0], poll
+            assert recs[0].pcie_tx_bytes_per_s is None
+        assert any("has not answered the last sample" in n for n in recs[0].notes)
+        assert nv.calls.count("nvmlDeviceGetPcieThroughput") == 2 + 3 * 2 * 8  # the hung GPU asked once
+        release.set()
+        time.sleep(0.1)
+        recs = src.poll(9.0)
+        assert recs[0].pcie_tx_bytes_per_s == 5_000_000.0  # answered again: asked again
+    finally:
+        release.set()
+        src.close()
 
 
 def test_throughput_sampling_disabled():

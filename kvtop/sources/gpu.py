@@ -10,6 +10,7 @@ it in a worker thread, never on the UI thread.
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
@@ -84,6 +85,9 @@ class _Gpu:
         # the PCIe byte counters have read 2**32 or more: they are 64 bits wide (see _WIDE)
         self.wide = False
         self.resets = 0  # times a wide counter stepped back (a GPU reset, a driver reload)
+        # the 20 ms samples asked for at the last poll: while one has not come back (a hung driver
+        # call keeps its worker) none is asked again, so a hung GPU holds two workers, never more
+        self.inflight: tuple[Future[int], Future[int]] | None = None
 
 
 # A counter below this that steps back did not wrap (a 64-bit wrap starts near 2**64).
@@ -216,13 +220,19 @@ class GpuSource:
 
         # The 20 ms API blocks per call: run every GPU and direction at once so 8 GPUs cost ~20 ms.
         futures: dict[int, tuple[Future[int], Future[int]]] = {}
+        hung: set[int] = set()
         for g in self._gpus:
             narrow = g.pcie_mode == "counters" and not g.wide and self._measure_tp
             if g.index not in lost and (g.pcie_mode == "throughput" or narrow):
+                if g.inflight is not None and not all(f.done() for f in g.inflight):
+                    hung.add(g.index)
+                    continue
                 pool = self._executor()
                 h = g.handle
-                futures[g.index] = (pool.submit(self.nvml.nvmlDeviceGetPcieThroughput, h, _PCIE_UTIL_TX),
-                                    pool.submit(self.nvml.nvmlDeviceGetPcieThroughput, h, _PCIE_UTIL_RX))
+                g.inflight = futures[g.index] = (pool.submit(self.nvml.nvmlDeviceGetPcieThroughput, h, _PCIE_UTIL_TX),
+                                                 pool.submit(self.nvml.nvmlDeviceGetPcieThroughput, h, _PCIE_UTIL_RX))
+        # one deadline for the poll: GPUs waited on one after another share it
+        deadline = time.monotonic() + _THROUGHPUT_TIMEOUT_S
 
         for g in self._gpus:
             rec = records[g.index]
@@ -231,7 +241,11 @@ class GpuSource:
             try:
                 self._read_fields(g, rec, pids)
                 if g.index in futures:
-                    self._collect_throughput(g, rec, futures[g.index])
+                    self._collect_throughput(g, rec, futures[g.index], deadline)
+                elif g.index in hung:
+                    rec.pcie_source = "throughput_20ms"
+                    rec.notes.append("pcie throughput: NVML has not answered the last sample yet (a hung driver "
+                                     "call): none asked this poll")
                 if g.pcie_mode == "counters":
                     self._counter_rates(g, rec, t, samples.get(g.index))
             except _Lost:
@@ -391,13 +405,14 @@ class GpuSource:
         rec.pcie_tx_bytes_per_s = dtx / dt
         rec.pcie_rx_bytes_per_s = drx / dt
 
-    def _collect_throughput(self, g: _Gpu, rec: GpuRecord, futs: tuple[Future[int], Future[int]]) -> None:
+    def _collect_throughput(self, g: _Gpu, rec: GpuRecord, futs: tuple[Future[int], Future[int]],
+                            deadline: float) -> None:
         rec.pcie_source = "throughput_20ms"
         out: list[float | None] = []
         for f in futs:
             try:
                 # NVML documents the unit as KB/s (nvitop reads it as KiB/s): we use 1000.
-                out.append(float(f.result(timeout=_THROUGHPUT_TIMEOUT_S)) * 1000.0)
+                out.append(float(f.result(timeout=max(0.0, deadline - time.monotonic()))) * 1000.0)
             except FutureTimeout:
                 rec.notes.append(f"pcie throughput: no answer from NVML within {_THROUGHPUT_TIMEOUT_S:g} s")
                 out.append(None)
