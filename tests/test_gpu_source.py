@@ -426,10 +426,26 @@ def test_engine_process_memory_sums_matching_pids_only():
     gpus[0].procs = [FakeProc(100, 30 * GiB), FakeProc(101, 2 * GiB), FakeProc(200, 5 * GiB)]
     gpus[0].mps_procs = [FakeProc(102, GiB)]
     gpus[1].procs = [FakeProc(200, 7 * GiB)]
-    src = GpuSource(nvml=FakeNvml(gpus), engine_pids=lambda: {100, 101, 102, 999})
+    src = GpuSource(nvml=FakeNvml(gpus), engine_pids=lambda: {100, 101, 102, 999}, pid_exists=lambda pid: True)
     r0, r1 = src.poll(1.0)
     assert r0.engine_proc_mem_bytes == 33 * GiB  # 30 + 2 + 1 (MPS); pid 200 is not the engine
     assert r1.engine_proc_mem_bytes == 0  # the engine does not use GPU 1
+
+
+def test_engine_memory_is_unknown_not_zero_where_its_processes_cannot_be_matched():
+    # a container without --pid=host: NVML names host PIDs that kvtop's /proc does not have
+    gpus = two_gpus()
+    gpus[0].procs = [FakeProc(812345, 70 * GiB)]
+    r0, r1 = GpuSource(nvml=FakeNvml(gpus), engine_pids=lambda: {17, 42}, pid_exists=lambda pid: pid < 1000).poll(1.0)
+    assert r0.engine_proc_mem_bytes is None and any("--pid=host" in n for n in r0.notes)
+    # the engine's processes found, but none on any GPU while others hold 70 GiB (TGI's shards are
+    # the launcher's children, not the router's on the port): unknown, not "the engine uses 0 B"
+    r0, r1 = GpuSource(nvml=FakeNvml(gpus), engine_pids=lambda: {17, 42}, pid_exists=lambda pid: True).poll(1.0)
+    assert r0.engine_proc_mem_bytes is None and r1.engine_proc_mem_bytes is None
+    assert any("none of NVML's GPU processes is the engine's" in n for n in r0.notes)
+    # no GPU process at all: the engine really holds nothing
+    r0, r1 = GpuSource(nvml=FakeNvml(two_gpus()), engine_pids=lambda: {17}, pid_exists=lambda pid: True).poll(1.0)
+    assert r0.engine_proc_mem_bytes == 0 and r1.engine_proc_mem_bytes == 0
 
 
 def test_engine_memory_unknown_cases():

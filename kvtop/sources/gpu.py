@@ -10,6 +10,7 @@ it in a worker thread, never on the UI thread.
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,6 +89,7 @@ class _Gpu:
         # the 20 ms samples asked for at the last poll: while one has not come back (a hung driver
         # call keeps its worker) none is asked again, so a hung GPU holds two workers, never more
         self.inflight: tuple[Future[int], Future[int]] | None = None
+        self.listed_other = False  # NVML listed processes on it that are not the engine's (this poll)
 
 
 # A counter below this that steps back did not wrap (a 64-bit wrap starts near 2**64).
@@ -99,6 +101,10 @@ _WRAP_64 = 1 << 63
 # can); until then the 20 ms throughput sample measures the GPU.
 _WIDE = 1 << 32
 _RESETS_MAX = 3  # wide counters that step back more often than this are not counters at all
+
+
+def _proc_exists(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
 
 
 def _code(e: BaseException | None) -> int | None:
@@ -114,9 +120,10 @@ def _text(v: Any) -> str | None:
 
 class GpuSource:
     def __init__(self, nvml: ModuleType | None = None, engine_pids: Callable[[], set[int]] | None = None,
-                 measure_pcie_throughput: bool = True) -> None:
+                 measure_pcie_throughput: bool = True, pid_exists: Callable[[int], bool] | None = None) -> None:
         self._engine_pids = engine_pids
         self._measure_tp = measure_pcie_throughput
+        self._pid_exists = pid_exists or _proc_exists
         self._gpus: list[_Gpu] = []
         self._pool: ThreadPoolExecutor | None = None
         self._initialized = False
@@ -206,6 +213,7 @@ class GpuSource:
         samples: dict[int, tuple[int, int, int] | None] = {}
 
         for g in self._gpus:
+            g.listed_other = False
             if g.handle is None:
                 self._acquire(g)
             rec = GpuRecord(t=t, index=g.index, uuid=g.uuid, name=g.name)
@@ -255,6 +263,15 @@ class GpuSource:
             if pid_note:
                 rec.notes.append(pid_note)
 
+        if pids and all(r.engine_proc_mem_bytes == 0 for r in records.values()) and any(
+                g.listed_other for g in self._gpus):
+            # the engine's processes hold nothing on any GPU while others' hold memory: its GPU
+            # workers are not the processes kvtop attributes to it (TGI's shards are the
+            # launcher's, not the router's; Ray workers), so "0" would be a wrong answer
+            for r in records.values():
+                r.engine_proc_mem_bytes = None
+                r.notes.append("engine memory: none of NVML's GPU processes is the engine's (its GPU workers are "
+                               "not children of the process on its port?): unknown")
         out = []
         for g in self._gpus:
             rec = records[g.index]
@@ -541,13 +558,21 @@ class GpuSource:
             return None
         if not g.no_mps:
             procs += self._processes(g, "mps") or []
+        g.listed_other = any(int(p.pid) not in pids for p in procs)
         by_pid: dict[int, int | None] = {}
         for p in procs:
             pid = int(p.pid)
             if pid in pids:
                 by_pid[pid] = getattr(p, "usedGpuMemory", None)
         if not by_pid:
-            return 0
+            listed = [int(p.pid) for p in procs]
+            if listed and not any(self._pid_exists(pid) for pid in listed):
+                # NVML names processes this host's /proc does not have: kvtop runs in another PID
+                # namespace (a container without --pid=host), where the engine's are never matched
+                rec.notes.append("engine memory: NVML's GPU processes are not in kvtop's PID namespace (run its "
+                                 "container with --pid=host): unknown")
+                return None
+            return 0  # the engine holds nothing on this GPU (another workload's processes, or none)
         known = [int(m) for m in by_pid.values() if m is not None]
         if not known:
             rec.notes.append("engine memory: per-process memory n/a (MIG or WDDM)")
