@@ -89,17 +89,27 @@ def test_every_number(tree):
         SIG_MLOCKED: 1024 * KiB,
     }
     assert gup == 4_300_800_000
-    assert (r.pinned_signal, r.pinned_bytes) == (SIG_GUP, 4_300_800_000)
+    # the engine's own figure leads: GUP counts every long-term pin on the host, and no cudaHostAlloc
+    assert (r.pinned_signal, r.pinned_bytes) == (SIG_ENGINE_SHMEM, (4194304 + 1024) * KiB)
     assert r.cgroup_shmem_bytes == 4294967296
     assert r.cgroup_mem_max_bytes == 64 * GiB
     assert r.notes == []
 
 
-def test_without_engine_pids_uses_own_cgroup_unlimited(tree):
+def test_without_engine_pids_no_cgroup_figure_and_gup_is_left(tree):
+    # kvtop's own cgroup (here a login session's, 7 B of shmem) says nothing of the engine's memory
     r = src(tree).poll(0.0)
-    assert SIG_ENGINE_SHMEM not in r.pinned_signals
-    assert r.cgroup_shmem_bytes == 7 and r.cgroup_mem_max_bytes is None  # "max" = no limit
+    assert SIG_ENGINE_SHMEM not in r.pinned_signals and SIG_CGROUP_SHMEM not in r.pinned_signals
+    assert r.cgroup_shmem_bytes is None and r.cgroup_mem_max_bytes is None
     assert r.pinned_signal == SIG_GUP
+
+
+def test_rdma_pins_never_outrank_the_engines_cuda_pinned_memory(tree):
+    proc, _ = tree
+    write(proc / "vmstat", "nr_foll_pin_acquired 16384\nnr_foll_pin_released 0\n")  # 64 MiB of RDMA pins
+    r = src(tree, pids=lambda: {4242}).poll(0.0)
+    assert r.pinned_signals[SIG_GUP] == 64 * 1024 * KiB
+    assert (r.pinned_signal, r.pinned_bytes) == (SIG_ENGINE_SHMEM, 4194304 * KiB)
 
 
 def test_order_falls_through_when_gup_unavailable(tree):
@@ -109,10 +119,10 @@ def test_order_falls_through_when_gup_unavailable(tree):
     assert r.pinned_signals[SIG_GUP] is None
     assert (r.pinned_signal, r.pinned_bytes) == (SIG_ENGINE_SHMEM, 4194304 * KiB)
     assert any("nr_foll_pin" in n for n in r.notes)
-    # No engine either: the cgroup figure is what is left.
+    # No engine either: nothing of the engine's is left to show
     r = src(tree, pids=set).poll(0.0)
     assert r.pinned_signals[SIG_ENGINE_SHMEM] is None
-    assert (r.pinned_signal, r.pinned_bytes) == (SIG_CGROUP_SHMEM, 7)
+    assert (r.pinned_signal, r.pinned_bytes) == (None, None)
 
 
 def test_zero_gup_with_engine_shmem_picks_shmem(tree):
@@ -173,25 +183,25 @@ def test_permission_errors_are_none(tree, monkeypatch):
 
 def test_cgroup_v1_only_host_has_no_cgroup_signal(tree):
     proc, _ = tree
-    write(proc / "self" / "cgroup", "12:memory:/docker/abc\n1:name=systemd:/docker/abc\n")
-    r = src(tree).poll(0.0)
+    write(proc / "4242" / "cgroup", "12:memory:/docker/abc\n1:name=systemd:/docker/abc\n")
+    r = src(tree, pids=lambda: {4242}).poll(0.0)
     assert SIG_CGROUP_SHMEM not in r.pinned_signals and r.cgroup_shmem_bytes is None
 
 
 def test_container_with_cgroup_namespace(tree):
     proc, cg = tree
-    write(proc / "self" / "cgroup", "0::/\n")
+    write(proc / "4242" / "cgroup", "0::/\n")
     write(cg / "memory.stat", "shmem 1048576\n")
     write(cg / "memory.max", "17179869184\n")
-    r = src(tree).poll(0.0)
+    r = src(tree, pids=lambda: {4242}).poll(0.0)
     assert r.cgroup_shmem_bytes == 1048576 and r.cgroup_mem_max_bytes == 16 * GiB
 
 
 def test_garbage_files(tree):
     proc, cg = tree
     write(proc / "meminfo", "MemTotal: lots kB\n\x00\x01binary\nMemAvailable: 10 kB\n")
-    write(cg / "user.slice" / "memory.max", "unlimited-ish\n")
-    r = src(tree).poll(0.0)
+    write(cg / "kubepods" / "pod1" / "ctr" / "memory.max", "unlimited-ish\n")
+    r = src(tree, pids=lambda: {4242}).poll(0.0)
     assert r.mem_total_bytes is None and r.mem_available_bytes == 10 * KiB
     assert r.cgroup_mem_max_bytes is None and any("unexpected content" in n for n in r.notes)
 

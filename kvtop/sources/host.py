@@ -22,7 +22,10 @@ SIG_CGROUP_SHMEM = "cgroup shmem"
 SIG_MLOCKED = "Mlocked (excludes CUDA pinned)"
 
 # Best first (docs/host-and-gpu.md §5.3; engine-reported pools, the best of all, are merged in by the core).
-_ORDER = (SIG_GUP, SIG_ENGINE_SHMEM, SIG_CGROUP_SHMEM)
+# The engine's own figures lead: torch's pin_memory (cudaHostAlloc) adds exactly its size to the
+# process's RssShmem and its cgroup's shmem, while FOLL_PIN never sees it and counts every other
+# long-term pin on the host (RDMA, GPUDirect, io_uring), so system-wide GUP comes last.
+_ORDER = (SIG_ENGINE_SHMEM, SIG_CGROUP_SHMEM, SIG_GUP)
 
 
 class _Unreadable(Exception):
@@ -136,7 +139,7 @@ class HostSource:
             return None
         acq, rel = vm.get("nr_foll_pin_acquired"), vm.get("nr_foll_pin_released")
         if acq is None or rel is None:
-            rec.notes.append(f"{SIG_GUP}: kernel has no nr_foll_pin_* in vmstat (needs 5.8+)")
+            rec.notes.append(f"{SIG_GUP}: kernel has no nr_foll_pin_* in vmstat (needs 5.7+)")
             return None
         # Both are running counts read non-atomically: never report a negative figure.
         return max(0, acq - rel) * self.page_size
@@ -168,8 +171,9 @@ class HostSource:
         return total if read else None
 
     def _cgroup_dir(self, pids: set[int] | None, rec: HostRecord) -> Path | None:
-        """The cgroup v2 directory of the engine (first readable engine pid), else of kvtop."""
-        who = [str(p) for p in sorted(pids or ())] + ["self"]
+        """The cgroup v2 directory of the engine (its first readable pid); none without one: kvtop's
+        own cgroup (a login session's tmpfs, a sidecar's container) says nothing of the engine."""
+        who = [str(p) for p in sorted(pids or ())]
         for w in who:
             try:
                 text = _read(self.proc / w / "cgroup")
