@@ -129,6 +129,7 @@ class FakeMig:
     gpu_instance_id: int
     mem_total: int
     mem_used: int
+    fail: dict[str, str] = field(default_factory=dict)  # as FakeGpu.fail, for this instance's handle
 
 
 @dataclass
@@ -245,8 +246,10 @@ class FakeNvml(types.ModuleType):
         g = h.gpu
         if g.lost:
             raise err("GPU_IS_LOST")
-        if fn in g.fail and h.mig is None:  # failures are configured for the parent GPU
+        if fn in g.fail and h.mig is None:  # the parent GPU's failures
             raise err(g.fail[fn])
+        if h.mig is not None and fn in h.mig.fail:
+            raise err(h.mig.fail[fn])
         return g
 
     # -- init / system ------------------------------------------------------------------------

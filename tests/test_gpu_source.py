@@ -416,7 +416,20 @@ def test_mig_mode_and_per_instance_memory():
     assert not any("v1 API only" in n for n in r_mig.notes)
     assert r_mig.util_pct is None
     assert r_plain.mig_mode is False
-    assert r_consumer.mig_mode is None and "mig: not supported" in r_consumer.notes
+    # a GPU without MIG answers NOT_SUPPORTED: MIG is off, and no note on every record says so
+    assert r_consumer.mig_mode is False and not any("mig" in n for n in r_consumer.notes)
+
+
+def test_one_mig_instance_that_refuses_leaves_the_others_read():
+    gpu = FakeGpu(mig_current=1, migs=[
+        FakeMig(gpu_instance_id=1, mem_total=20 * GiB, mem_used=5 * GiB, fail={"nvmlDeviceGetMemoryInfo": "NOT_SUPPORTED"}),
+        FakeMig(gpu_instance_id=2, mem_total=40 * GiB, mem_used=10 * GiB),
+    ], fail={"nvmlDeviceGetMemoryInfo": "NO_PERMISSION"})
+    src = GpuSource(nvml=FakeNvml([gpu]))
+    for t in (1.0, 2.0):
+        r, = src.poll(t)
+        assert "mig gi 2: 10.0 of 40.0 GiB used" in r.notes, r.notes
+        assert (r.mem_used_bytes, r.mem_total_bytes) == (10 * GiB, 40 * GiB)
 
 
 # -- engine process memory ---------------------------------------------------------------------------

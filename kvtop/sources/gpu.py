@@ -284,7 +284,7 @@ class GpuSource:
                 rec = GpuRecord(t=t, index=g.index, uuid=g.uuid, name=g.name, lost=True,
                                 notes=["GPU is lost (fell off the bus); other GPUs are still monitored"])
             else:
-                rec.notes = list(dict.fromkeys([*g.skip.values(), *rec.notes]))
+                rec.notes = list(dict.fromkeys([*(n for n in g.skip.values() if n), *rec.notes]))
             out.append(rec)
         return out
 
@@ -459,7 +459,11 @@ class GpuSource:
         util = self._call(g, "utilization", "nvmlDeviceGetUtilizationRates", h)
         rec.util_pct = float(util.gpu) if util is not None else None
         mig = self._call(g, "mig", "nvmlDeviceGetMigMode", h)
-        rec.mig_mode = (int(mig[0]) == _MIG_ENABLE) if mig is not None else None
+        if mig is None and g.skip.get("mig") == f"mig: {_PERMANENT[_NOT_SUPPORTED]}":
+            # a GPU without MIG (L4, L40S, consumer cards) answers NOT_SUPPORTED: MIG is off, which
+            # is no news to repeat on every record
+            g.skip["mig"] = ""
+        rec.mig_mode = (int(mig[0]) == _MIG_ENABLE) if mig is not None else (False if g.skip.get("mig") == "" else None)
         if rec.mig_mode:
             self._read_mig(g, rec)
         rec.engine_proc_mem_bytes = self._engine_memory(g, rec, pids)
@@ -509,8 +513,9 @@ class GpuSource:
                 if _code(e) == _GPU_IS_LOST:
                     raise _Lost from e
                 continue
-            mem = self._call(g, "mig memory", "nvmlDeviceGetMemoryInfo", mh)
-            gi = self._call(g, "mig instance id", "nvmlDeviceGetGpuInstanceId", mh)
+            # each instance its own key: one that refuses must not switch off the others
+            mem = self._call(g, f"mig #{i} memory", "nvmlDeviceGetMemoryInfo", mh)
+            gi = self._call(g, f"mig #{i} instance id", "nvmlDeviceGetGpuInstanceId", mh)
             if mem is None:
                 continue
             seen += 1
