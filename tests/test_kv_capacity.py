@@ -220,3 +220,16 @@ def test_sglang_gets_its_static_memory_share_raised_and_no_bytes_flag():
     assert "--mem-fraction-static" not in flags(v)
     assert any("raise --mem-fraction-static by 3.29 GB / the GPU's memory: its current value is not known"
                in r for r in v["reasons"])
+
+
+def test_the_simulated_engine_is_never_judged_by_this_machines_memory():
+    # `kvtop demo` models an 8B GPU engine; the host row beside it is the laptop's: "(kvtop saw no
+    # GPU: a CPU engine's KV)" sized its cache against the laptop's 2 GB
+    doc = copy.deepcopy(STORM)
+    del doc["capacity"]["device_free_bytes"]
+    doc["host"]["mem_available_bytes"] = 2e9
+    doc["engine_version"] = "kvtop-sim"
+    v = judge(doc)
+    assert flags(v)["--kv-cache-memory-bytes"] == 6000 * MIB
+    assert v["reasons"][0].startswith("to confirm before applying: the device's free memory is unknown")
+    assert not any("host memory available" in r for r in v["reasons"])

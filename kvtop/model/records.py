@@ -13,6 +13,8 @@ from typing import Any, ClassVar
 
 TRACE_FORMAT = "kvtop-trace"
 TRACE_VERSION = 1
+# what kvtop's simulated engine answers for its version (vLLM: /version): the advisor knows its own world
+SIM_ENGINE_VERSION = "kvtop-sim"
 
 
 def trace_time(t: float) -> float:

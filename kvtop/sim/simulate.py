@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtop.adapters.base import EngineAdapter
-from kvtop.model.records import EngineRecord, Record, RequestRecord, TruthRecord, trace_time
+from kvtop.model.records import (
+    SIM_ENGINE_VERSION,
+    EngineRecord,
+    Record,
+    RequestRecord,
+    TruthRecord,
+    trace_time,
+)
 from kvtop.model.trace import TraceWriter, make_header
 from kvtop.plugin import load_adapter
 from kvtop.sim.engine import Engine
@@ -23,7 +30,7 @@ from kvtop.sim.stats import Sink, Stats
 from kvtop.sim.workload import RequestSpec, Workload
 
 SIM_URL = "sim://"
-SIM_VERSION = "kvtop-sim"  # what the simulated engine answers for its version (vLLM: /version)
+SIM_VERSION = SIM_ENGINE_VERSION  # what the simulated engine answers for its version (vLLM: /version)
 
 
 class RecordSink(Sink):

@@ -28,6 +28,7 @@ from kvtop.analysis.advice.link import DEFAULT_ALPHA_S, DEFAULT_BW_PEAK, bw_eff
 from kvtop.analysis.advice.situation import Num, Situation
 from kvtop.analysis.advice.swapimpl import IMPLEMENTATIONS
 from kvtop.model.analysis import DECIDED_BY, Decision, FlagSetting, Verdict
+from kvtop.model.records import SIM_ENGINE_VERSION
 
 ACTIONS = ("swap", "recompute", "admission", "chunked_prefill", "reduce_batch", "scale_out", "no_action",
            "insufficient_data")
@@ -716,7 +717,7 @@ def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float,
                                    f"without recompute ({by}: its prefix cache); the pool pays off only by what "
                                    "it reloads of the rest")
                 ver = str(s.v("engine_version") or "")
-                if s.basis != "given" and s.v("device_total_bytes") is None and not ver.startswith("kvtop-sim"):
+                if s.basis != "given" and s.v("device_total_bytes") is None and not ver.startswith(SIM_ENGINE_VERSION):
                     # a recorded run of a real engine without GPU records
                     reasons.append(V1_CONNECTOR_NO_GPU)
             s.n["offload_pool"] = Num(pool, "B", "derived", note)
@@ -937,7 +938,10 @@ def _kv_capacity(s: Situation, plan: cap.Capacity, wait: float, settings: _Flags
     # the room the device has: NVML's free GPU memory, else (kvtop saw no GPU) the host's available
     # memory, where a CPU engine keeps its KV cache
     room, room_what = s.v("device_free_bytes"), "GPU memory free (NVML, least over the run)"
-    if room is None and s.v("host_available_bytes") is not None:
+    # kvtop's simulator models a GPU engine whose device kvtop cannot see: the host row beside it is
+    # the laptop's, not its KV's room
+    simulated = str(s.v("engine_version") or "").startswith(SIM_ENGINE_VERSION)
+    if room is None and s.v("host_available_bytes") is not None and not simulated:
         room, room_what = s.v("host_available_bytes"), "host memory available (kvtop saw no GPU: a CPU engine's KV)"
     ranks = int(s.v("ranks") or 1) if room_what.startswith("host") else 1
     confirm = None

@@ -19,6 +19,7 @@ import re
 
 from kvtop.adapters.base import Setting
 from kvtop.analysis.advice.situation import Num, Situation
+from kvtop.model.records import SIM_ENGINE_VERSION
 
 VLLM_V1_DEFAULT = (0, 8)
 VLLM_OFFLOAD_FLAGS = (0, 11)  # the minor release whose 0.11.1 first has the offloading flags
@@ -51,7 +52,7 @@ def apply(s: Situation) -> None:
         _note(s, f"engine version unknown (kvtop asks vLLM's /version; none recorded): the flags are vLLM V1's, "
                        f"checked on vLLM {checked}")
         return
-    if str(given).startswith("kvtop-sim"):
+    if str(given).startswith(SIM_ENGINE_VERSION):
         return  # kvtop's own simulator: its flags are those of the vLLM V1 it models
     if ver is None:
         _note(s, f"engine version {given!r} not understood: the flags are vLLM V1's, checked on vLLM {checked}")
