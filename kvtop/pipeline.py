@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from kvtop.core import Core
+from kvtop.core.core import GPU_NOT_RECORDED
 from kvtop.snapshot import SnapshotSource
 
 # Every command's parser imports this module (for SourceOptions): the feeds, the sources and the
@@ -120,7 +121,8 @@ class HeaderAnalysis(TypedDict, total=False):
 
 def make_core(label: str, itl_target_s: float | None = None, window_s: float = 60.0, analysis: bool = True,
               adapter: str | None = None, model: str | None = None,
-              kv_bytes_per_token: float | None = None, interval_s: float | None = None) -> Core:
+              kv_bytes_per_token: float | None = None, interval_s: float | None = None,
+              gpu_status: str = "ok") -> Core:
     """A Core with the live analysis attached (spikes, causes, verdict) unless ``analysis`` is False;
     ``adapter``, ``model`` and ``kv_bytes_per_token`` tell the cost model what is known of the engine;
     ``interval_s`` how often its engines are scraped."""
@@ -130,7 +132,7 @@ def make_core(label: str, itl_target_s: float | None = None, window_s: float = 6
 
         live = LiveAnalyzer(itl_target_s=itl_target_s, adapter=adapter, model=model,
                             kv_bytes_per_token=kv_bytes_per_token, interval_s=interval_s)
-    return Core(window_s=window_s, itl_target_s=itl_target_s, source_label=label, analysis=live)
+    return Core(window_s=window_s, itl_target_s=itl_target_s, source_label=label, analysis=live, gpu_status=gpu_status)
 
 
 def live_sources(opts: SourceOptions, probe_max_tokens: int = 32) -> list[Source]:
@@ -253,7 +255,8 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
 
     def factory() -> Core:
         return make_core(label, target, adapter=known.get("adapter"), model=known.get("model"),
-                         kv_bytes_per_token=known.get("kv_bytes_per_token"), interval_s=known.get("interval_s"))
+                         kv_bytes_per_token=known.get("kv_bytes_per_token"), interval_s=known.get("interval_s"),
+                         gpu_status=GPU_NOT_RECORDED)
 
     feed.core = factory()
     feed.core_factory = factory

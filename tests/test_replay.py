@@ -166,3 +166,19 @@ def test_headless_replay_reports_the_same_analysis_as_analyze(tmp_path: Path):
     assert pre >= 5 and pre == batch["causes"]["preemption"]["count"]
     assert live["spikes_total"] == batch["spikes_total"]
     assert live["verdict"]["action"] == batch["verdict"]["action"]
+
+
+def test_a_replay_never_calls_the_gpu_fine_when_the_trace_has_no_gpu_record(tmp_path: Path):
+    # recorded without NVML: live said why, the replay said "ok" beside no GPU at all
+    from kvtop.model.records import GpuRecord
+
+    path = tmp_path / "t.jsonl"
+    _write_trace(path)
+    r = run_kvtop("replay", str(path), "--headless", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpu_status"].startswith("no GPU record in this trace")
+    with TraceWriter(path, {}) as w:  # appended: the same run, with one GPU reading
+        w.write(GpuRecord(t=2.0, index=0, uuid="GPU-0", mem_used_bytes=1, mem_total_bytes=2))
+    r = run_kvtop("replay", str(path), "--headless", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert doc["gpu_status"] == "ok" and [g["uuid"] for g in doc["gpus"]] == ["GPU-0"]

@@ -55,6 +55,11 @@ class LiveAnalysis(Protocol):
         ...
 
 
+# a recorded run without GPU records: the trace does not say why, so neither does the replay
+GPU_NOT_RECORDED = ("no GPU record in this trace (recorded with --no-gpu, without NVIDIA's driver library or on a "
+                    "host without a GPU, or a simulation)")
+
+
 class Core:
     """Folds records; ``snapshot()`` derives the immutable view."""
 
@@ -66,14 +71,16 @@ class Core:
         finished_keep_s: float = 30.0,
         analysis: LiveAnalysis | None = None,
         source_label: str = "live",
+        gpu_status: str = "ok",
     ):
+        """``gpu_status``: what to say of the GPUs until a GPU record comes (a replay: GPU_NOT_RECORDED)."""
         self.window_s = window_s
         self.itl_target_s = itl_target_s
         self.max_requests = max_requests
         self.finished_keep_s = finished_keep_s
         self.analysis = analysis
         self.source_label = printable(source_label, 300)
-        self.gpu_status = "ok"
+        self._gpu_status0 = self.gpu_status = gpu_status
         self.host_status = "ok"
         self.capture: dict[str, Any] | None = None  # set by a live runner with --capture
         self.now = 0.0
@@ -93,7 +100,8 @@ class Core:
         holding this core stays valid."""
         analysis = self.analysis.fresh() if self.analysis is not None else None
         Core.__init__(self, window_s=self.window_s, itl_target_s=self.itl_target_s, max_requests=self.max_requests,
-                      finished_keep_s=self.finished_keep_s, analysis=analysis, source_label=self.source_label)
+                      finished_keep_s=self.finished_keep_s, analysis=analysis, source_label=self.source_label,
+                      gpu_status=self._gpu_status0)
 
     # -- ingest -----------------------------------------------------------------------------
     def ingest(self, rec: Record) -> None:
@@ -104,6 +112,8 @@ class Core:
             self.engines.ingest(rec)
             self.history.ingest(rec)
         elif isinstance(rec, GpuRecord):
+            if self.gpu_status == GPU_NOT_RECORDED:
+                self.gpu_status = "ok"
             self.gpus.ingest(rec)
             self.history.ingest(rec)
         elif isinstance(rec, HostRecord):
