@@ -123,6 +123,35 @@ def test_headless_demo_stops_on_ctrl_c_and_still_reports() -> None:
     assert "engine" in stdout.lower()
 
 
+def test_headless_replay_stops_on_sigterm_and_still_reports(tmp_path: Path) -> None:
+    # it had no handler: SIGTERM ended it with 143 and no report; a SIGINT its shell ignored
+    # (a background job of a script) was never seen and the whole trace replayed
+    trace = tmp_path / "storm.jsonl"
+    sim = subprocess.run([sys.executable, "-m", "kvtop", "simulate", "--preset", "preemption-storm", "--duration",
+                          "120", "-o", str(trace)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert sim.returncode == 0, sim.stderr
+    import re
+
+    for sig, ignore_sigint in ((signal.SIGTERM, False), (signal.SIGINT, True)):
+        setup = "signal.signal(signal.SIGINT, signal.SIG_IGN); " if ignore_sigint else ""
+        p = subprocess.Popen([sys.executable, "-c", f"import signal, sys; {setup}from kvtop.cli import main; "
+                              "sys.exit(main(sys.argv[1:]))", "replay", str(trace), "--headless", "--speed", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        time.sleep(3.0)
+        p.send_signal(sig)
+        try:
+            stdout, stderr = p.communicate(timeout=30)  # not the 117 s left of the trace
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert p.returncode == 0, (sig, stderr)
+        assert "kvtop replay: interrupted: the report below is as it stood at trace time" in stderr
+        m = re.search(r"replayed to ([\d.]+) s", stdout)
+        assert m and float(m.group(1)) < 60, stdout[:300]
+
+
 def _stderr_on_a_terminal(*args: str) -> tuple[int, str, str]:
     """Run kvtop with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, stderr)."""
     import pty

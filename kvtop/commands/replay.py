@@ -8,7 +8,7 @@ import json
 import math
 import sys
 
-from kvtop.commands._longrun import interrupted_note
+from kvtop.commands._longrun import INTERRUPTS, interrupted_note
 from kvtop.commands._options import add_itl_option, itl_target_s, seconds_arg
 from kvtop.commands.tui import replay_console
 from kvtop.errors import UsageError
@@ -55,16 +55,24 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         raise UsageError(f"cannot read trace {args.trace}: {e.strerror or e}") from None
 
-    async def go() -> None:
+    async def go() -> bool:
+        # Ctrl-C / SIGTERM stop the replay where it is and still print the report (SIGTERM ended it
+        # with no report, and a SIGINT that a script's shell ignores was never seen)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in INTERRUPTS:
+            loop.add_signal_handler(sig, stop.set)
         if args.until is not None and speed == 0:
             feed.seek(args.until)
         elif args.until is not None:
-            await run_for(feed, until=lambda: feed.t >= args.until)
+            await run_for(feed, until=lambda: feed.t >= args.until or stop.is_set())
         else:
-            await feed.run()
+            await feed.run(stop=stop)
+        return stop.is_set()
 
     try:
-        asyncio.run(go())
+        if asyncio.run(go()):
+            interrupted_note("replay", f"the report below is as it stood at trace time {feed.t:.1f} s")
     except KeyboardInterrupt:
         interrupted_note("replay", f"the report below is as it stood at trace time {feed.t:.1f} s")
     finally:
