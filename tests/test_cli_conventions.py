@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import socket
 import struct
 import subprocess
@@ -229,6 +230,9 @@ def test_one_duration_syntax_for_every_command(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     r = run_kvtop("demo", "--headless", "--duration", "1.5s", "--interval", "500ms", "--speed", "10", timeout=60)
     assert r.returncode == 0 and "engine" in r.stdout.lower(), r.stderr
+    # the window it reports is the one it sampled (it said "window 10.0 s" after 1.5 s)
+    m = re.search(r"window ([\d.]+) s", r.stdout)
+    assert m and 0 < float(m.group(1)) <= 1.5, r.stdout[:200]
     r = run_kvtop("sim-server", "--duration", "500ms", timeout=60)
     assert r.returncode == 0, r.stderr
     for args in (("demo", "--headless", "--duration", "10x"), ("simulate", "--preset", "x", "-o", "t", "--duration", "soon")):

@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
                 interrupted_note("demo", "the report below covers the run until now")
 
         asyncio.run(headless())
+        # the window is what was sampled (a 2 s run said "window 10.0 s", one stopped after 6 s of
+        # 60 "window 60.0 s"), as `kvtop snapshot` reports it
+        span = max((e.rates_over_s or 0.0 for e in core.snapshot().engines), default=0.0)
+        if span > 0:
+            core.window_s = min(core.window_s, round(span, 3))
         sys.stdout.write(_render(core.snapshot()))
         return 0
     from kvtop.views.tui.app import run_console  # Textual: only the console, never headless
