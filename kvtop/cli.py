@@ -151,6 +151,14 @@ def _error(message: str, log_format: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the parser is built (every command module is imported then): no traceback
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = _parse(parser, _route_bare(_hoist_globals(list(argv if argv is not None else sys.argv[1:]))))

@@ -353,3 +353,15 @@ def test_compare_and_advise_read_what_analyze_reads_and_refuse_the_rest_in_one_l
     empty.write_text("")
     r = run_kvtop("compare", str(trace), str(empty), timeout=60)
     assert r.returncode == 2 and "is not a kvtop trace" in _one_line(r)
+
+
+def test_ctrl_c_while_the_commands_load_is_exit_130_without_a_traceback(monkeypatch, capsys) -> None:
+    # the parser imports every command module (0.1-0.17 s): a Ctrl-C then printed a traceback
+    from kvtop import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["snapshot", "--url", "http://127.0.0.1:9"]) == 130
+    assert capsys.readouterr().err == ""
