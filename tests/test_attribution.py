@@ -527,3 +527,24 @@ def test_a_recompute_reading_on_a_stall_longer_than_one_re_prefill_step_is_state
     assert all(g.confidence < 0.5 * short[0].confidence for g in long_)
     assert all(any("outlasts one re-prefill step" in e for e in g.evidence) for g in long_)
     assert not any(any("outlasts" in e for e in g.evidence) for g in short)
+
+
+def test_a_derived_target_names_the_median_it_was_derived_from(tmp_path):
+    # "ITL target 29 ms (derived: 4 x median gap of the first 2000 gaps) ... median 10.1 ms": the
+    # reader could not get 29 from 4 x 10.1, the run's median from a sample of all its gaps
+    from kvtop.analysis.report import render_report_text
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.model.records import RequestRecord
+    from kvtop.model.trace import TraceWriter, make_header
+
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, make_header(engine={"adapter": "vllm"})) as w:
+        for s in range(3):
+            w.write(RequestRecord(0.0, f"r{s}", "arrive"))
+            for i in range(1500):  # 5 ms gaps for the first 2000, 10 ms after them
+                w.write(RequestRecord(0.1 + i * (0.005 if i < 667 else 0.010), f"r{s}", "token", 1))
+    rep = analyze_trace(str(path))
+    assert rep.itl_target_source == "derived: 4 x 5.0 ms, the median gap of the first 2000 gaps"
+    assert rep.itl_target_s == pytest.approx(0.020)
+    text = render_report_text(rep)
+    assert "median of the run ≈" in text

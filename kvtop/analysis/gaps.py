@@ -319,7 +319,7 @@ class GapTracker:
             self.median.added(self.warm[-1].t_end)
         if med:
             self.itl_target_s = self.k * med
-            self.target_source = f"derived: {self.k:g} x median gap of the first {len(vals)} gaps"
+            self.target_source = f"derived: {self.k:g} x {med * 1e3:.1f} ms, the median gap of the first {len(vals)} gaps"
         warm, self.warm = self.warm, []
         tgt = self.itl_target_s
         if tgt is None:
