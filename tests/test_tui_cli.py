@@ -36,6 +36,7 @@ def test_no_engine_found_explains_how_to_point_it(tmp_path):
     assert len(lines) == 1, r.stderr
     assert f"no engine found on 127.0.0.1 ports {port}" in lines[0]
     assert "--url http://HOST:PORT" in lines[0] and "kvtop demo" in lines[0]
+    assert lines[0].startswith("kvtop: error: ") and "kvtop snapshot" in lines[0]  # as every other error
     assert "Traceback" not in r.stderr
 
 
@@ -112,3 +113,13 @@ def test_bare_kvtop_takes_global_and_console_options(tmp_path):
     assert r.returncode == 2 and "--interval must be between 0.05 and 3600" in r.stderr
     r = run_kvtop("--help")
     assert r.returncode == 0 and "COMMAND" in r.stdout  # still the top-level help
+
+
+def test_compare_without_a_terminal_names_the_headless_command_with_its_contract(tmp_path):
+    a = tmp_path / "a.jsonl"
+    r = run_kvtop("simulate", "--preset", "healthy", "--duration", "2", "-o", str(a))
+    assert r.returncode == 0, r.stderr
+    r = run_kvtop("tui", "--replay", str(a), "--compare", str(a), "--ttft-target-ms", "2000", input="")
+    assert r.returncode == 2
+    # without the TTFT contract the headless command judges another thing (improved vs trade-off)
+    assert f"kvtop compare {a} {a} --ttft-target-ms 2000" in r.stderr, r.stderr

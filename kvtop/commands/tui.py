@@ -111,12 +111,10 @@ def run(args: argparse.Namespace) -> int:
         found = discover(ports)
         if not found and not (sys.stdin.isatty() and sys.stdout.isatty()):
             # no terminal to show the console in (a script, CI): say so and fail as headless commands do
-            sys.stderr.write(
-                "kvtop: no engine found on 127.0.0.1 ports "
-                f"{', '.join(map(str, ports))}; point kvtop at one with --url http://HOST:PORT "
-                "(or `url` in config.toml), or try `kvtop demo`\n"
-            )
-            return 2
+            raise UsageError(
+                f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}, and the console needs a "
+                "terminal (stdin and stdout are not both one); for a report without one: kvtop snapshot --url "
+                "http://HOST:PORT (or `url` in config.toml), or try `kvtop demo --headless --duration 10`")
         require_terminal("for a report without one: kvtop snapshot (it looks on the same ports)")
         # No engine yet is not an error for the console: it shows the GPUs and the host and
         # keeps looking (headless commands still exit 2). --capture without a port takes the
@@ -191,7 +189,8 @@ def compare_console(path_a: Path, path_b: Path, theme: str | None = None, itl_ta
     for path in (path_a, path_b):
         if not path.is_file():
             raise UsageError(f"trace file not found: {path}")
-    require_terminal(f"for a report without one: kvtop compare {path_a} {path_b}")  # before reading both
+    contract = f" --ttft-target-ms {ttft_target_s * 1e3:g}" if ttft_target_s is not None else ""
+    require_terminal(f"for a report without one: kvtop compare {path_a} {path_b}{contract}")  # before reading both
     data = compare_input(path_a, path_b, itl_target_s, ttft_target_s)
     from kvtop.views.tui.compare import run_compare  # Textual: see the module note
 
