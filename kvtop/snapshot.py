@@ -251,6 +251,7 @@ class Snapshot:
             "taken_at": self.taken_at,
             "window_s": self.window_s,
             "gpu_status": self.gpu_status,
+            "host_status": self.host_status,
             "gpus": [clean(g) for g in self.gpus],
             "host": clean(self.host) if self.host else {},
             "engines": [clean(e) for e in self.engines],

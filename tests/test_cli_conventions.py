@@ -257,9 +257,24 @@ def test_snapshot_without_a_url_looks_on_the_usual_ports_like_the_console(tmp_pa
     cfg.write_text(f"probe_ports = [{closed}]\n")
     r = run_kvtop("snapshot", "--duration", "0.2", "--no-gpu", env={"XDG_CONFIG_HOME": str(tmp_path)}, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stderr == (f"kvtop snapshot: no engine found on 127.0.0.1 ports {closed}; GPU and host only "
-                        "(point it at one with --url http://HOST:PORT)\n")
+    assert r.stderr == (f"kvtop snapshot: no engine found on 127.0.0.1 ports {closed}; host only "
+                        "(point it at one with --url http://HOST:PORT)\n")  # --no-gpu: not "GPU and host"
     assert "host" in r.stdout.lower()
+    # with the host off too: says so, and its row says why there is nothing
+    r = run_kvtop("snapshot", "--duration", "0.2", "--no-gpu", "--no-host", env={"XDG_CONFIG_HOME": str(tmp_path)},
+                  timeout=60)
+    assert "nothing else to read (--no-gpu, --no-host)" in r.stderr
+
+
+def test_a_host_row_turned_off_says_why() -> None:
+    with PageServer() as s:
+        s.route("/metrics", vllm_page(running=1))
+        r = run_kvtop("snapshot", "--url", s.url, "--duration", "0.3", "--interval", "0.1", "--no-gpu", "--no-host",
+                      timeout=60)
+        j = run_kvtop("snapshot", "--url", s.url, "--duration", "0.3", "--interval", "0.1", "--no-gpu", "--no-host",
+                      "--format", "json", timeout=60)
+    assert r.returncode == 0 and "host  n/a (off (--no-host))" in r.stdout, r.stdout
+    assert json.loads(j.stdout)["host_status"] == "off (--no-host)"
 
 
 @pytest.mark.parametrize("args", [

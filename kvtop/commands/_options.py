@@ -96,8 +96,10 @@ def discovered(opts: SourceOptions, cfg: dict[str, Any]) -> tuple[SourceOptions,
     ports = probe_ports(cfg)
     found = tuple(discover(ports))
     if not found:
-        return opts, (f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}; GPU and host only "
-                      "(point it at one with --url http://HOST:PORT)")
+        left = " and ".join(w for w, on in (("GPU", opts.gpu), ("host", opts.host)) if on)
+        return opts, (f"no engine found on 127.0.0.1 ports {', '.join(map(str, ports))}; "
+                      + (f"{left} only" if left else "nothing else to read (--no-gpu, --no-host)")
+                      + " (point it at one with --url http://HOST:PORT)")
     capture = opts.capture_port
     if capture == 0:  # --capture without a port: the discovered engine's
         capture = resolve_capture_port(capture, engine_bases(list(found))[0])

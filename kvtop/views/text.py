@@ -105,7 +105,8 @@ def render_text(snapshot: Snapshot, trace: tuple[float, float] | None = None) ->
     elif not s.gpus:
         out.append("GPU: none found")
     out.extend(_gpu_line(g) for g in s.gpus)
-    out.append(_host_line(s.host) if s.host is not None else f"host  {NA}")
+    out.append(_host_line(s.host) if s.host is not None else
+               f"host  {NA}" + (f" ({s.host_status})" if s.host_status != "ok" else ""))
     if not s.engines:
         out.append("engines: none configured")
     for e in s.engines:
