@@ -401,6 +401,10 @@ def _witness_path(args: argparse.Namespace, cfg: dict[str, Any]) -> str | None:
             raise UsageError(str(e)) from None
         except OSError as e:
             raise UsageError(f"--witness {path}: {e.strerror}") from None
+    else:
+        # waited for, but said: a typo in the path would otherwise go unnoticed for the whole run
+        logging.getLogger("kvtop").warning(f"--witness {path} does not exist yet: it is read once the engine "
+                                           "creates it (the engine's KVTOP_WITNESS_FILE)")
     return path
 
 
