@@ -74,6 +74,15 @@ def test_scenario_fields_of_every_wrong_kind(key, raw, tmp_path, capsys):
     assert rc in (0, 2) and len(lines) <= 1, lines
 
 
+def test_a_scenario_without_a_kv_size_says_what_to_add(tmp_path, capsys):
+    f = tmp_path / "s.json"
+    f.write_text('{"prefill": {"tokens_per_s": 1000}}')
+    rc, lines = _run(["advise", "--scenario", str(f)], capsys)
+    # it quoted the whole document "is not valid under any of the given schemas"
+    assert rc == 2 and len(lines) == 1 and "the KV cache's size per token is not given" in lines[0], lines
+    assert '"kv_bytes_per_token"' in lines[0] and "not valid under any" not in lines[0]
+
+
 @pytest.mark.parametrize("raw", [b"[1]", b'"x"', b"-1", b"1e999", b"{}"])
 def test_workload_engine_of_the_wrong_type(raw, tmp_path, capsys):
     f = tmp_path / "w.json"

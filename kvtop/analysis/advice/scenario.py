@@ -79,6 +79,11 @@ def validate(doc: Any, where: str = "scenario") -> None:
         e = errs[0]
         at = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         msg = e.message if len(e.message) < 160 else e.message[:157] + "..."
+        if e.validator == "anyOf" and not e.absolute_path:
+            # the schema's top-level anyOf: the KV size, named one of four ways (its message quoted the
+            # whole document "is not valid under any of the given schemas")
+            msg = ("the KV cache's size per token is not given: add \"model\" (a built-in name), \"model_config\" "
+                   "(a Hugging Face config.json object), \"kv_bytes_per_token\" or \"kv_bytes_per_token_rank\"")
         raise ScenarioError(f"{where}: invalid scenario at {at}: {msg}")
 
 
