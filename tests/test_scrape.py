@@ -294,3 +294,16 @@ async def test_limits_the_engine_does_not_state_are_left_unknown(server):
     r1, r2 = await _two_scrapes(server.url)
     assert r1.up and r1.limits == {} and any("/v1/models: no limits in the reply" in w for w in r1.warnings)
     assert not any("/v1/models" in w for w in r2.warnings)
+
+
+async def test_a_forced_adapter_that_recognises_nothing_names_whose_page_it_is(server):
+    from vllm_pages import vllm_page
+
+    server.route("/metrics", vllm_page(running=3))
+    s = EngineScraper(server.url, adapter="sglang")
+    try:
+        [r] = await s.scrape(1.0)
+    finally:
+        await s.aclose()
+    assert r.running is None  # every field n/a: the page is vLLM's
+    assert any("--adapter sglang" in w and "looks like vllm's" in w for w in r.warnings), r.warnings

@@ -81,6 +81,7 @@ class EngineScraper:
         # what the engine says once per start: (restart token it was asked under, version, limits)
         self._started: tuple[float | None, str | None, dict[str, int]] | None = None
         self.adapter_name = adapter
+        self._forced_note: str | None = None  # --adapter names an engine whose metrics the page lacks
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
         self._headers = {"Accept": "text/plain;version=0.0.4, */*;q=0.1"}
@@ -199,6 +200,13 @@ class EngineScraper:
                 cls = load_adapter(self.adapter_name)
             except PluginError as e:
                 raise ScrapeError(str(e)) from None
+            if cls.detect(page.names) < 0.3:
+                # a forced adapter that recognises nothing on the page reads every field as n/a: say
+                # whose page it looks like, once
+                seen = detect_adapter(page.names)
+                if seen is not None and seen is not cls:
+                    self._forced_note = (f"--adapter {self.adapter_name}: the page at {redact_url(self.metrics_url)} "
+                                         f"looks like {seen.name}'s (leave --adapter out to detect it)")
         else:
             cls = detect_adapter(page.names)
             if cls is None:
@@ -229,6 +237,8 @@ class EngineScraper:
             raise ScrapeError(f"adapter {adapter.name} found no engine at {redact_url(self.metrics_url)}")
         for r in recs:
             sanitize_record(r)
+            if self._forced_note:
+                r.warnings.append(self._forced_note)
         return adapter, recs
 
     async def _scrape(self, t: float) -> list[EngineRecord]:
