@@ -264,20 +264,25 @@ async def test_a_recording_proxy_keeps_forwarding_when_its_trace_disk_fills(tmp_
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _DISK_FILLS, *args,
                                                     env=dict(os.environ, PYTHONPATH=str(REPO)),
                                                     stderr=asyncio.subprocess.PIPE)
-        assert proc.stderr is not None
-        assert b"Ctrl-C to stop" in await asyncio.wait_for(proc.stderr.readline(), 30)
-        async with httpx.AsyncClient(timeout=30) as c:
-            body = {"model": "m", "prompt": "hi", "max_tokens": 16, "stream": True}
-            for _ in range(4):  # the disk fills during the first; every one is still answered whole
-                r = await c.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
-                assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
-        # said while it runs, not at its end
-        warned = await asyncio.wait_for(proc.stderr.readline(), 30)
-        assert f"kvtop {command}: warning: cannot write".encode() in warned, warned
-        assert b"still forwarding, no longer recording" in warned
-        # an SSH session that drops stops a recorder in order, as Ctrl-C does
-        proc.send_signal(signal.SIGHUP if command == "record" else signal.SIGINT)
-        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        try:
+            assert proc.stderr is not None
+            assert b"Ctrl-C to stop" in await asyncio.wait_for(proc.stderr.readline(), 30)
+            async with httpx.AsyncClient(timeout=30) as c:
+                body = {"model": "m", "prompt": "hi", "max_tokens": 16, "stream": True}
+                for _ in range(4):  # the disk fills during the first; every one is still answered whole
+                    r = await c.post(f"http://127.0.0.1:{port}/v1/completions", json=body)
+                    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+            # said while it runs, not at its end
+            warned = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert f"kvtop {command}: warning: cannot write".encode() in warned, warned
+            assert b"still forwarding, no longer recording" in warned
+            # an SSH session that drops stops a recorder in order, as Ctrl-C does
+            proc.send_signal(signal.SIGHUP if command == "record" else signal.SIGINT)
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
     text = err.decode()
     assert proc.returncode == 1 and "Traceback" not in text, text
     assert "still forwarding" not in text and "record(s) written" not in text  # said once; no count of the lost

@@ -37,6 +37,94 @@ def test_step_book_splits_prompt_decode_and_recompute():
     assert book3.plan("c", 0, 120, 300) == ("c", 120, 70, 50)
 
 
+def test_rejected_drafts_rolled_back_are_no_recompute_but_a_resume_is():
+    book = StepBook()
+    book.plan("a", 0, 100, 100)
+    # a decode step with 4 speculative tokens: positions 100-104; 2 rejected, vLLM rolls back to 102
+    assert book.plan("a", 100, 5, 100, drafts=4) == ("a", 5, 0, 0)
+    assert book.plan("a", 103, 5, 100, drafts=4) == ("a", 5, 0, 0)  # was recompute 2: read as a preemption
+    # a request preempted and back from its prefix cache 3 positions short is recompute, drafts or not
+    assert book.plan("a", 105, 3, 100, resumed=True) == ("a", 3, 0, 3)
+
+
+class _FakeScheduler:
+    """The vLLM scheduler methods the witness wraps, with its bookkeeping reduced to a dict."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, object] = {}
+        self.running: list[str] = []
+        self.waiting: list[str] = []
+
+    def _update_after_schedule(self, so: object) -> None:
+        for rid, n in so.num_scheduled_tokens.items():  # type: ignore[attr-defined]
+            self.requests[rid].num_computed_tokens += n  # type: ignore[attr-defined]
+
+    def update_from_output(self, so: object, mro: object) -> dict:
+        return mro  # type: ignore[return-value]
+
+    def finish_requests(self, ids: list[str], status: object) -> list[object]:
+        return [self.requests.pop(r) for r in ids if r in self.requests]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _glue(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from kvtop.witness.vllm import _Witness
+
+    class W(_Witness, _FakeScheduler):
+        pass
+
+    w = W()
+    w._kvw_init(str(tmp_path / "w.jsonl"), "0.32.0", 16)
+    return w, NS
+
+
+def test_a_request_async_scheduling_planned_after_it_finished_takes_no_number(tmp_path):
+    # async scheduling plans step N+1 before step N's output: a request that N ends on a stop token
+    # is in N+1's plan and vLLM skips it; the witness gave it a new number, never given back, and the
+    # once-a-second map grew by one such number per stop-finished request, for ever
+    w, NS = _glue(tmp_path)
+    for i in range(50):
+        rid = f"r{i}"
+        w.requests[rid] = NS(num_computed_tokens=0, num_prompt_tokens=4, num_preemptions=0)
+        empty = NS(resumed_req_ids=())
+        s1 = NS(num_scheduled_tokens={rid: 4}, scheduled_cached_reqs=empty, preempted_req_ids=(), scheduled_new_reqs=())
+        s2 = NS(num_scheduled_tokens={rid: 1}, scheduled_cached_reqs=empty, preempted_req_ids=(), scheduled_new_reqs=())
+        w._update_after_schedule(s1)
+        w._update_after_schedule(s2)  # planned before s1's output is in
+        out = NS(request_id=rid, new_token_ids=[7], finish_reason="stop")
+        w.update_from_output(s1, {0: NS(outputs=[out])})
+        del w.requests[rid]  # vLLM frees the finished request
+        w.update_from_output(s2, {0: NS(outputs=[])})
+    assert w._kvw is not None and w._kvw._handles == {} and w._kvw_book.high == {}
+    w.shutdown()
+
+
+def test_an_error_finish_is_no_client_abort(tmp_path):
+    w, NS = _glue(tmp_path)
+    w.requests["e"] = NS(request_id="e")
+    w.requests["c"] = NS(request_id="c")
+    w.finish_requests(["e"], NS(name="FINISHED_ERROR"))
+    w.finish_requests(["c"], NS(name="FINISHED_ABORTED"))
+    assert w._kvw_aborted == ["c"]
+    w.shutdown()
+
+
+def test_a_resumed_request_model_runner_v2_schedules_as_new_is_still_resumed(tmp_path):
+    w, NS = _glue(tmp_path)
+    w.requests["v"] = NS(num_computed_tokens=64, num_prompt_tokens=100, num_preemptions=1)
+    so = NS(num_scheduled_tokens={"v": 40}, scheduled_cached_reqs=NS(resumed_req_ids=()), preempted_req_ids=(),
+            scheduled_new_reqs=[NS(req_id="v")])
+    w._kvw_book.high["v"] = 104  # it had 104 positions before its preemption
+    w._update_after_schedule(so)
+    _t, plans, _pre, resumed, restored = w._kvw_plans[id(so)]
+    assert resumed == ["v"] and restored == [("v", 64)] and plans == [("v", 40, 0, 40)]
+    w.shutdown()
+
+
 def _write_steps(path: Path, t0: float, steps: list[dict]) -> None:
     log = StepLog(str(path), "vllm", "0.32.0")
     for s in steps:
@@ -85,6 +173,39 @@ def test_reader_maps_ids_and_clock_and_follows_rollover(tmp_path):
     assert recs[-1].end == pytest.approx(17.5)
     assert client_id("chatcmpl-9f8e-0123abcd") == "9f8e"
     assert client_id("not-a-vllm-id") == "not-a-vllm-id"
+
+
+def test_a_rolled_over_file_is_read_on_at_once_even_on_an_idle_engine(tmp_path):
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0", max_bytes=400)
+    r = WitnessReader(str(p), 0.0)
+    assert r.read() == []
+    for i in range(6):  # rolls over; the last step leaves the engine idle
+        log.step(100.0 + i, 100.1 + i, [(f"q{i}", 1, 0, 0, 1)], [], [], [], [], idle=True)
+    # the new file's header is on disk at once (it waited for the next flush, and the reader that met
+    # the empty file gave up on the witness for the rest of the run)
+    assert p.read_bytes().startswith(b'{"format":"kvtop-witness"')
+    assert r.read() is not None and r.header is not None
+    log.step(200.0, 200.1, [("z", 1, 0, 0, 1)], [], [], [], [], idle=True)
+    assert [rec.reqs for rec in r.read()][-1] == [["z", 1, 0, 0, 1]]
+    log.close()
+    # a file just created, its header not yet written: not yet a witness, not "not a witness"
+    empty = tmp_path / "e.jsonl"
+    empty.write_bytes(b"")
+    assert WitnessReader(str(empty), 0.0).read() == []
+
+
+def test_an_engine_restarted_on_the_same_file_gives_its_own_limits(tmp_path):
+    p = tmp_path / "w.jsonl"
+    StepLog(str(p), "vllm", "0.32.0", extra={"limits": {"max_num_seqs": 256}}).close()
+    log = StepLog(str(p), "vllm", "0.32.0", extra={"limits": {"max_num_seqs": 9}})  # restarted, appended
+    r = WitnessReader(str(p), 0.0)
+    assert r.read() == []
+    log.step(10.0, 10.1, [("a", 1, 0, 0, 1)], [], [], [("a", "stop")], [], idle=True)
+    [rec] = r.read()
+    assert rec.limits == {"max_num_seqs": 9}  # the advice was applied: not the old engine's 256
+    assert r.names == {}  # a finished request's number is dropped (the map grew for days)
+    log.close()
 
 
 def test_reader_tails_new_lines_and_skips_torn_ones(tmp_path):

@@ -35,6 +35,37 @@ def _limits(head: dict[str, Any]) -> dict[str, int]:
     return {str(k): v for k, v in lim.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
+_HEADER_AT = b'{"format":"' + WITNESS_FORMAT.encode() + b'"'
+_BACK_CHUNK = 1 << 20
+
+
+def _last_header(f: Any, size: int) -> dict[str, Any] | None:
+    """The last header line of an open witness file (searched back from its end, a megabyte at a
+    time); the file position is left where it was."""
+    here = f.tell()
+    end, tail = size, b""
+    try:
+        while end > 0:
+            start = max(0, end - _BACK_CHUNK)
+            f.seek(start)
+            block = f.read(end - start) + tail
+            i = block.rfind(b"\n" + _HEADER_AT)
+            if i >= 0 or start == 0:
+                at = i + 1 if i >= 0 else (0 if block.startswith(_HEADER_AT) else -1)
+                if at < 0:
+                    return None
+                f.seek(start + at)
+                head = json.loads(f.readline(MAX_LINE))
+                return head if isinstance(head, dict) else None
+            tail = block[:len(_HEADER_AT) + 1]  # a header split across two blocks
+            end = start
+        return None
+    except ValueError:
+        return None
+    finally:
+        f.seek(here)
+
+
 class WitnessError(ValueError):
     """The file is not a witness file (one line, for the command to print)."""
 
@@ -64,6 +95,9 @@ class WitnessReader:
             return False
         st = os.fstat(f.fileno())
         first = f.readline(MAX_LINE)
+        if not first.endswith(b"\n"):
+            f.close()  # just created (a roll-over, an engine starting): its header is not written yet
+            return False
         try:
             head = json.loads(first)
         except ValueError:
@@ -71,10 +105,12 @@ class WitnessReader:
         if not isinstance(head, dict) or head.get("format") != WITNESS_FORMAT:
             f.close()
             raise WitnessError(f"{self.path}: not a kvtop witness file (its first line is no witness header)")
-        self.header = head
-        self._limits = _limits(head)
         if not from_start:
             f.seek(0, os.SEEK_END)  # steps before the run began are not the run's
+            # an engine restarted on the same file appends its own header: the latest is this engine's
+            head = _last_header(f, st.st_size) or head
+        self.header = head
+        self._limits = _limits(head)
         self._f, self._ino, self._buf = f, st.st_ino, b""
         return True
 
@@ -120,6 +156,7 @@ class WitnessReader:
             for key in ("m", "n"):  # numbers of the requests in this file (kvtop.witness.steplog)
                 for h, rid in (d.get(key) or {}).items():
                     names[int(h)] = client_id(str(rid))
+            ended = [x[0] for x in d.get("fin", ())] + list(d.get("ab", ()))
             t0 = float(d["t0"]) - self.wall_zero
             t1 = float(d["t1"]) - self.wall_zero
             name = self._name
@@ -137,6 +174,8 @@ class WitnessReader:
                 self._limits,
             )
             self._limits = {}
+            for h in ended:  # its number is not used again: a reader of days keeps no map of them all
+                names.pop(h, None)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError):
             if line.strip():
                 self.skipped += 1

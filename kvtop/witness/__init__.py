@@ -4,5 +4,5 @@
 and writes one JSON line per engine step (``kvtop.witness.steplog``). It runs inside the engine's
 process, so this package imports nothing from the rest of kvtop and nothing outside the standard
 library (an import contract keeps it so): installing ``kvtop-console --no-deps`` into the engine's
-environment is enough. kvtop reads the file back with ``kvtop.feeds.witness``.
+environment is enough. kvtop reads the file back with ``kvtop.sources.witness``.
 """

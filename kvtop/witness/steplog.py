@@ -36,13 +36,25 @@ class StepBook:
     """Per-request high-water marks: the positions each request has had computed."""
 
     high: dict[str, int] = field(default_factory=dict)
+    # speculative tokens each request was last scheduled with: the engine rolls back the rejected
+    # ones (num_computed_tokens -= rejected), which is no lost KV to recompute
+    drafts: dict[str, int] = field(default_factory=dict)
 
-    def plan(self, rid: str, computed: int, scheduled: int, prompt_len: int) -> Scheduled:
-        """Split ``scheduled`` positions from ``computed`` into recompute / prefill / decode."""
+    def plan(self, rid: str, computed: int, scheduled: int, prompt_len: int, drafts: int = 0,
+             resumed: bool = False) -> Scheduled:
+        """Split ``scheduled`` positions from ``computed`` into recompute / prefill / decode.
+        ``drafts``: the speculative tokens among them; ``resumed``: the request comes back from a
+        preemption in this step (its positions below the high-water mark are then recomputed)."""
         hw = self.high.get(rid, 0)
+        if computed < hw and not resumed and hw - computed <= self.drafts.get(rid, 0):
+            hw = computed  # the last step's rejected drafts, rolled back: not recompute
+        if drafts:
+            self.drafts[rid] = drafts
+        else:
+            self.drafts.pop(rid, None)
         end = computed + scheduled
-        if end > hw:
-            self.high[rid] = end
+        if end > hw or hw != self.high.get(rid, 0):
+            self.high[rid] = max(end, hw)
         if computed >= hw:  # the common case, a decode step: nothing lost, nothing of the prompt left
             return rid, scheduled, (min(end, prompt_len) - computed if computed < prompt_len else 0), 0
         recompute = min(end, hw) - computed
@@ -52,6 +64,7 @@ class StepBook:
 
     def forget(self, rid: str) -> None:
         self.high.pop(rid, None)
+        self.drafts.pop(rid, None)
 
 
 class StepLog:
@@ -59,8 +72,9 @@ class StepLog:
     a failed write closes the log (the caller stops witnessing) and says so once."""
 
     def __init__(self, path: str, engine: str, engine_version: str, max_bytes: int = DEFAULT_MAX_BYTES,
-                 extra: dict[str, object] | None = None) -> None:
+                 extra: dict[str, object] | None = None, private: bool = False) -> None:
         self.path = path
+        self.private = private
         self.max_bytes = max_bytes
         self._header = {"format": FORMAT, "version": VERSION, "engine": engine, "engine_version": engine_version,
                         "pid": os.getpid(), **(extra or {})}
@@ -76,16 +90,22 @@ class StepLog:
     def _open(self) -> None:
         d = os.path.dirname(self.path)
         if d:
-            os.makedirs(d, exist_ok=True)
-        # 0600: request ids are the only identifiers in it, but they are still the operator's business
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        # 0600: request ids are the only identifiers in it, but they are still the operator's business.
+        # In a shared folder (the default, under /tmp) never through a link another user planted, nor
+        # into a file of theirs; a file the operator named may be one they made readable to kvtop.
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_NOFOLLOW if self.private else 0),
+                     0o600)
+        st = os.fstat(fd)
+        if self.private and (st.st_uid != os.getuid() or st.st_mode & 0o077):
+            os.close(fd)
+            raise PermissionError(f"{self.path} belongs to another user or is readable by others: not written")
         self._f = os.fdopen(fd, "a", buffering=1 << 16)
-        self._size = os.fstat(fd).st_size
+        self._size = st.st_size
         self._last_map = 0.0  # a new file starts with the whole map
-        self._write({**self._header, "t": round(time.time(), 6)})
-
-    def _write(self, obj: dict[str, object]) -> None:
-        self._put(json.dumps(obj, separators=(",", ":")) + "\n")
+        # on disk at once: a reader that finds the new file (a roll-over, on an idle engine) must not
+        # find it empty until the next request comes
+        self._put(json.dumps({**self._header, "t": round(time.time(), 6)}, separators=(",", ":")) + "\n", flush=True)
 
     def _put(self, line: str, flush: bool = False) -> None:
         assert self._f is not None

@@ -2,7 +2,7 @@
 
 It subclasses vLLM V1's own scheduler (``AsyncScheduler`` when async scheduling is on, as it is by
 default, else ``Scheduler``), changes no scheduling decision, and after each step writes what the step
-did to ``$KVTOP_WITNESS_FILE`` (default ``/tmp/kvtop-witness/<port or pid>.jsonl``): per request the
+did to ``$KVTOP_WITNESS_FILE`` (default ``/tmp/kvtop-witness-<uid>/vllm-<pid>.jsonl``): per request the
 tokens scheduled, how many were prompt (prefill) or recomputed after a preemption, the tokens it
 produced; which requests were preempted, resumed, finished or aborted; the step's wall-clock start and
 end. ``kvtop record/tui/agent --witness FILE`` reads it.
@@ -31,7 +31,13 @@ log = logging.getLogger("vllm.kvtop_witness")
 
 
 def _default_path() -> str:
-    return os.path.join("/tmp", "kvtop-witness", f"vllm-{os.getpid()}.jsonl")
+    # a folder of this user's under /tmp: another user's (or a link) is refused, as the file is
+    d = os.path.join("/tmp", f"kvtop-witness-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not os.path.isdir(d) or os.path.islink(d) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{d} is not this user's private folder: give KVTOP_WITNESS_FILE")
+    return os.path.join(d, f"vllm-{os.getpid()}.jsonl")
 
 
 class _Witness:
@@ -45,7 +51,7 @@ class _Witness:
     _kvw_aborted: list[str]
     _kvw_last_end: float
 
-    def _kvw_init(self, path: str, engine_version: str, block_size: int | None) -> None:
+    def _kvw_init(self, path: str, engine_version: str, block_size: int | None, private: bool = False) -> None:
         self._kvw_book = StepBook()
         self._kvw_plans = {}
         self._kvw_aborted = []
@@ -53,7 +59,7 @@ class _Witness:
         max_bytes = int(os.environ.get("KVTOP_WITNESS_MAX_BYTES", DEFAULT_MAX_BYTES))
         self._kvw = StepLog(path, "vllm", engine_version, max_bytes,
                             {"scheduler": type(self).__mro__[2].__name__, "block_size": block_size,
-                             "limits": self._kvw_limits()})
+                             "limits": self._kvw_limits()}, private=private)
         log.info("kvtop witness: writing engine steps to %s", path)
 
     def _kvw_limits(self) -> dict[str, int]:
@@ -87,12 +93,22 @@ class _Witness:
         # before vLLM advances num_computed_tokens: these are the positions this step computes
         plan = self._kvw_book.plan
         reqs = self.requests
+        cached = so.scheduled_cached_reqs
+        back = set(getattr(cached, "resumed_req_ids", ()) or ())
+        # Model Runner V2 (vLLM's default on GPUs) schedules a resumed request as a new one and
+        # leaves resumed_req_ids empty: a "new" request that has been preempted before comes back
+        for nr in getattr(so, "scheduled_new_reqs", ()) or ():
+            rid = getattr(nr, "req_id", None)
+            again: Any = reqs.get(rid) if rid is not None else None
+            if again is not None and int(getattr(again, "num_preemptions", 0) or 0) > 0:
+                back.add(rid)
+        spec = getattr(so, "scheduled_spec_decode_tokens", None) or {}
         plans = []
         for rid, n in so.num_scheduled_tokens.items():
             req = reqs[rid]
-            plans.append(plan(rid, req.num_computed_tokens, n, req.num_prompt_tokens))
-        cached = so.scheduled_cached_reqs
-        resumed = sorted(getattr(cached, "resumed_req_ids", ()) or ())
+            plans.append(plan(rid, req.num_computed_tokens, n, req.num_prompt_tokens, len(spec.get(rid, ())),
+                              rid in back))
+        resumed = sorted(back)
         preempted = sorted(so.preempted_req_ids or ())
         # a resumed request's computed positions before its first step back are the ones the engine
         # found again instead of recomputing: its prefix cache's blocks, or a KV connector's load
@@ -123,11 +139,20 @@ class _Witness:
                     finished.append((o.request_id, str(o.finish_reason)))
                     self._kvw_book.forget(o.request_id)
         get = made.get
-        reqs = [(rid, n, pf, rc, get(rid, 0)) for rid, n, pf, rc in plans]
+        aborted, self._kvw_aborted = self._kvw_aborted, []
+        # async scheduling plans step N+1 before step N's output is in: a request that N finished (a
+        # stop token, a stop string) is in N+1's plan, and vLLM skips it. So does the witness: its
+        # number would otherwise be taken anew and never given back
+        live, gone = self.requests, set(aborted)
+        reqs = []
+        for rid, n, pf, rc in plans:
+            if rid in made or rid in live or rid in gone:
+                reqs.append((rid, n, pf, rc, get(rid, 0)))
+            else:
+                self._kvw_book.forget(rid)
         # async scheduling plans step N+1 while N runs: N+1 starts when N's output is in
         t0 = max(t_sched, self._kvw_last_end)
         self._kvw_last_end = t_out
-        aborted, self._kvw_aborted = self._kvw_aborted, []
         # the engine going idle writes no further step that would push this one out
         idle = not getattr(self, "running", True) and not getattr(self, "waiting", True)
         self._kvw.step(t0, t_out, reqs, preempted, resumed, finished, aborted, idle=idle, restored=restored)
@@ -136,16 +161,24 @@ class _Witness:
         done = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
         if self._kvw is not None:
             try:
+                # "ab" is the client gone (FINISHED_ABORTED); vLLM also ends requests here with
+                # FINISHED_ERROR, which their output's finish reason ("error") already says
+                if "ABORT" in str(getattr(finished_status, "name", finished_status)).upper():
+                    for r in done:
+                        self._kvw_aborted.append(r.request_id)
                 for r in done:
-                    self._kvw_aborted.append(r.request_id)
-                    self._kvw_book.forget(r.request_id)  # its number goes once the abort is written
+                    self._kvw_book.forget(r.request_id)  # its number goes once the end is written
             except Exception as e:  # noqa: BLE001 - never into the engine
                 self._kvw_fail(e)
         return done
 
     def shutdown(self) -> None:
-        if self._kvw is not None:
-            self._kvw.close()
+        w, self._kvw = self._kvw, None
+        if w is not None:
+            try:
+                w.close()
+            except Exception as e:  # noqa: BLE001 - the engine shuts down regardless
+                log.warning("kvtop witness: closing the file failed (%s: %s)", type(e).__name__, e)
         super().shutdown()  # type: ignore[misc]
 
 
@@ -162,25 +195,48 @@ def _classes() -> tuple[type, type]:
     return WitnessAsync, WitnessSync
 
 
+def _plain(cfg: Any) -> Any:
+    """vLLM's own scheduler class for this configuration, as far as this vLLM has one: the version
+    check comes first, so an older vLLM (no AsyncScheduler before 0.10) still gets its own."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if cfg is not None and getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False):
+        try:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        except ImportError:
+            return Scheduler
+        return AsyncScheduler
+    return Scheduler
+
+
+def _path(cfg: Any) -> tuple[str, bool]:
+    """The witness file: $KVTOP_WITNESS_FILE (or the default, in a private folder: True) for
+    data-parallel rank 0, with the rank appended for the others. Each DP rank is its own EngineCore
+    process: one shared file would interleave their request numbers and headers."""
+    given = os.environ.get("KVTOP_WITNESS_FILE")
+    path = given or _default_path()
+    pc = getattr(cfg, "parallel_config", None)
+    rank = getattr(pc, "data_parallel_rank", 0) if pc is not None else 0
+    return (path if not isinstance(rank, int) or rank <= 0 else f"{path}.dp{rank}"), not given
+
+
 def WitnessScheduler(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - vLLM calls it as a class
     """What ``--scheduler-cls`` names: builds vLLM's own scheduler, witnessed when the version is known."""
     import vllm
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
 
     cfg = kwargs.get("vllm_config")
-    is_async = bool(cfg is not None and cfg.scheduler_config.async_scheduling)
-    plain = AsyncScheduler if is_async else Scheduler
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(SUPPORTED):
         log.warning("kvtop witness: vLLM %s is not supported (supported: %s); running vLLM's own scheduler "
                     "without the witness", version, ", ".join(v + "x" for v in SUPPORTED))
-        return plain(*args, **kwargs)
+        return _plain(cfg)(*args, **kwargs)
+    is_async = bool(cfg is not None and cfg.scheduler_config.async_scheduling)
     witness_async, witness_sync = _classes()
     sched = (witness_async if is_async else witness_sync)(*args, **kwargs)
     try:
         block = getattr(getattr(cfg, "cache_config", None), "block_size", None)
-        sched._kvw_init(os.environ.get("KVTOP_WITNESS_FILE") or _default_path(), version, block)
+        path, private = _path(cfg)
+        sched._kvw_init(path, version, block, private)
     except Exception as e:  # noqa: BLE001 - a file we cannot open must not stop the engine
         sched._kvw = None
         log.warning("kvtop witness: not started (%s: %s); vLLM runs unwitnessed", type(e).__name__, e)
