@@ -568,3 +568,64 @@ def test_the_prefill_rate_is_the_engines_marginal_rate_where_its_witness_logged_
     assert r.returncode == 0, r.stderr
     assert ("engine step log (witness): 7 step(s) computed 1384 prompt and recompute tokens in 0.692 s beyond a "
             "decode-only step (2,000 tokens/s)") in r.stdout
+
+
+def test_a_step_of_no_request_is_no_compute_step():
+    # an engine waiting on a remote KV transfer steps with nothing scheduled (about 1 kHz): each was
+    # counted a "compute step" of 0 tokens, its time beyond a decode step added to the prefill time
+    dec = [["a", 1, 0, 0, 1]]
+    idx, _ = _index([(0.008, dec)] * 10 + [(0.050, [])] * 20 + [(0.108, [["a", 1, 0, 0, 1], ["p", 100, 100, 0, 1]])])
+    assert idx.compute_steps == 1 and idx.compute_tokens == 100
+    assert idx.compute_s == pytest.approx(0.100, abs=1e-9)
+
+
+def test_lines_written_to_the_old_file_just_before_a_roll_are_read(tmp_path, monkeypatch):
+    import kvtop.sources.witness as ws
+
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0")
+    r = WitnessReader(str(p), 0.0)
+    assert r.read() == []
+    real_stat = ws.os.stat
+
+    def engine_between(path, *a, **kw):  # the engine writes and rolls between the read and the check
+        if not getattr(engine_between, "done", False):
+            engine_between.done = True  # type: ignore[attr-defined]
+            log.step(10.0, 10.1, [("a", 1, 0, 0, 1)], [], [], [], [], idle=True)
+            log._roll()
+            log.step(11.0, 11.1, [("b", 1, 0, 0, 1)], [], [], [], [], idle=True)
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(ws.os, "stat", engine_between)
+    got = [rec.reqs[0][0] for rec in r.read()]
+    assert got == ["a", "b"]  # "a" was lost with the old file
+    log.close()
+
+
+async def test_a_wall_clock_step_during_a_run_does_not_shift_the_engines_steps(tmp_path, monkeypatch):
+    # the engine writes wall-clock times; one offset taken at start put every step after an NTP step
+    # of the host's clock 2 s away from the client chunks it produced (steps are 10-30 ms wide)
+    from types import SimpleNamespace
+
+    import kvtop.feeds.sources as fs
+    from kvtop.feeds.sources import WitnessTail
+
+    p = tmp_path / "w.jsonl"
+    log = StepLog(str(p), "vllm", "0.32.0")
+    wall = {"now": 1000.0}
+    run = {"now": 0.0}
+    monkeypatch.setattr(fs.time, "time", lambda: wall["now"])
+    got: list = []
+    ctx = SimpleNamespace(now=lambda: run["now"], emit=got.append, core=SimpleNamespace(event=lambda *a: None))
+    tail = WitnessTail(str(p), None)
+    await tail.start(ctx)
+    await tail.poll(0.0)
+    # 10 s later the host's clock is stepped back 2 s; the engine's next step, at run time 10.0,
+    # is written at wall 1008.0
+    run["now"], wall["now"] = 10.0, 1008.0
+    log.step(1008.0, 1008.02, [("a", 1, 0, 0, 1)], [], [], [], [], idle=True)
+    await tail.poll(10.0)
+    [rec] = got
+    assert rec.t == pytest.approx(10.0)  # was 8.0
+    await tail.stop()
+    log.close()

@@ -159,7 +159,8 @@ class StepIndex:
                 self.by_req.setdefault(rid, []).append(i)
         if pf == 0 and rc == 0 and reqs:
             self.decode_idx.append(i)
-        elif (before := self.decode_near(i)[0]):
+        elif (pf or rc) and (before := self.decode_near(i)[0]):
+            # a step of no request (the engine waiting on a remote KV transfer) computed nothing
             self.compute_steps += 1
             self.compute_tokens += pf + rc
             self.compute_s += max(0.0, (t1 - t0) - median(before))

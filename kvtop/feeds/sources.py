@@ -293,6 +293,9 @@ class WitnessTail:
         ctx, reader = self._ctx, self._reader
         if ctx is None or reader is None or self._failed:
             return
+        # the engine's wall-clock times to the run's monotonic clock, at the offset of now: one taken
+        # at start would shift every later step by a wall-clock step or slew during a long run
+        reader.wall_zero = time.time() - ctx.now()
         try:
             recs = await asyncio.to_thread(reader.read)
         except (WitnessError, OSError) as e:

@@ -125,6 +125,7 @@ class WitnessReader:
         except FileNotFoundError:
             return out
         if st.st_ino != self._ino or st.st_size < self._f.tell():  # rolled over or truncated
+            out += self._drain()  # what the engine wrote to the old file between the read and the roll
             self._f.close()
             self._f = None
             if self._open(True):
