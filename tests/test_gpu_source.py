@@ -514,3 +514,24 @@ def test_fake_matches_real_binding():
     nv = FakeNvml()
     for fn in (f for f in dir(nv) if f.startswith("nvml") and callable(getattr(nv, f))):
         assert hasattr(pynvml, fn), fn
+
+
+async def test_a_gpu_reading_is_stamped_when_taken_not_when_asked():
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from kvtop.feeds.sources import GpuPoll
+
+    src = GpuPoll()
+    src._gpu = GpuSource(nvml=FakeNvml([FakeGpu()]))
+    got: list = []
+    t0 = time.monotonic()
+    src._ctx = SimpleNamespace(now=lambda: time.monotonic() - t0, emit=got.append,
+                               core=SimpleNamespace(set_gpu_status=lambda s: None))
+    with src._lock:  # the previous poll still reading (a slow driver call)
+        task = asyncio.create_task(src.poll(0.0))
+        await asyncio.sleep(0.3)
+    await task
+    [rec] = got
+    assert rec.t >= 0.3  # it was stamped 0.0, the time it was asked

@@ -136,7 +136,9 @@ class GpuPoll:
 
         def poll() -> list[GpuRecord]:
             with self._lock:
-                return list(gpu.poll(t))
+                # stamped when read, not when asked: a poll that waited behind a slow one (a hung
+                # driver call) would otherwise divide the counters' bytes by the wrong interval
+                return list(gpu.poll(ctx.now()))
 
         try:
             recs = await asyncio.to_thread(poll)
