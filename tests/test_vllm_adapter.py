@@ -234,3 +234,11 @@ def test_a_page_cut_inside_a_histogram_gives_no_histogram_and_says_so(adapter):
         series.append(t, rec.itl)
     d = series.window_delta(60.0, 2.0)
     assert d is not None and d.count == 0 and series.quantile(0.99, 60.0, 2.0) is None
+
+
+def test_a_gauge_the_engine_exported_as_nan_is_na_and_said(adapter):
+    page = re.sub(r"(vllm:kv_cache_usage_perc\{[^}]*\}) [0-9.e+-]+", r"\1 NaN",
+                  fixture_text("vllm-0.32.0-cpu-live-idle.prom"))
+    [r] = adapter.parse(page, 1.0)
+    assert r.kv_usage is None
+    assert r.warnings == ["vllm:kv_cache_usage_perc is NaN on the page: shown as n/a"]  # it was n/a, unsaid

@@ -38,12 +38,13 @@ class Page:
     each of N engines costs the engine's own rows, not N x all rows.
     """
 
-    __slots__ = ("samples", "warnings", "_index")
+    __slots__ = ("samples", "warnings", "_index", "_nan_said")
 
     def __init__(self) -> None:
         self.samples: dict[str, list[Row]] = defaultdict(list)
         self.warnings: list[str] = []
         self._index: dict[tuple[str, str], dict[str | None, list[Row]]] = {}
+        self._nan_said: set[str] = set()
 
     @property
     def names(self) -> set[str]:
@@ -102,7 +103,12 @@ class Page:
         """
         for n in (names,) if isinstance(names, str) else names:
             if n in self.samples:
-                vals = [v for _, v in self.select(n, match) if not math.isnan(v)]
+                rows = self.select(n, match)
+                vals = [v for _, v in rows if not math.isnan(v)]
+                if rows and not vals and n not in self._nan_said:
+                    # the engine exported NaN: n/a, and said (it showed as n/a with no reason)
+                    self._nan_said.add(n)
+                    self.warnings.append(f"{n} is NaN on the page: shown as n/a")
                 return sum(vals) if vals else None
         return None
 
