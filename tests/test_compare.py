@@ -285,3 +285,37 @@ def test_a_replay_the_prefix_cache_served_is_named_not_pooled(tmp_path: Path):
     # a trace without the counters says nothing of the cache
     plain = compare(str(_trace(tmp_path / "p1.jsonl")), str(_trace(tmp_path / "p2.jsonl")), itl_target_s=0.1)
     assert plain.a.prefix_hit_shares == [None] and not plain.notes and "prefix cache" not in json.dumps(plain.reasons)
+
+
+def test_numbered_request_ids_are_compared_as_analyze_reads_them(tmp_path: Path):
+    # older simulated traces number their requests: compare skipped them all ("offered no request")
+    a = _trace(tmp_path / "a.jsonl")
+    b = tmp_path / "b.jsonl"
+    lines = [json.loads(x) for x in a.read_text().splitlines()]
+    for d in lines:
+        if d.get("kind") == "request":
+            d["id"] = int(d["id"][1:])
+    b.write_text("\n".join(json.dumps(d) for d in lines) + "\n")
+    r = run_kvtop("compare", str(a), str(b), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["b"]["offered"] == doc["a"]["offered"] == 40, doc["b"]
+
+
+def test_tokens_of_a_resync_are_output_tokens(tmp_path: Path):
+    # after bytes the capture lost, the next chunk is a "resync": its tokens streamed all the same
+    a = _trace(tmp_path / "a.jsonl", n=4, tokens=10)
+    lines = [json.loads(x) for x in a.read_text().splitlines()]
+    for d in lines:
+        if d.get("event") == "finish":
+            d.pop("completion_tokens")  # a stream cut off before its usage: tokens are counted from chunks
+    seen: set = set()
+    for d in lines:
+        if d.get("event") == "token" and d["id"] not in seen:
+            seen.add(d["id"])
+            d["event"], d["n"] = "resync", 3
+    b = tmp_path / "b.jsonl"
+    b.write_text("\n".join(json.dumps(d) for d in lines) + "\n")
+    r = run_kvtop("compare", str(b), str(b), "--format", "json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["b"]["output_tokens"] == 4 * (10 + 2)  # each resync carried 3, not 0

@@ -209,3 +209,19 @@ def test_an_existing_trace_is_kept_unless_force(tmp_path, capsys) -> None:
     assert main(["import", "vllm-bench", str(src), "-o", str(out), "--force"]) == 0
     lines = _lines(out)
     assert lines[0]["recorder"] != "kvtop record" and all(d["id"].startswith("bench-") for d in lines[1:])
+
+
+def test_a_request_that_failed_mid_stream_keeps_what_it_streamed(tmp_path, capsys) -> None:
+    # vLLM's client keeps ttft and itls of a request whose stream broke, and writes no latencies:
+    # the import put a bare error at its start, the 2 s it streamed gone
+    doc, _ = bench_result(n=4)
+    doc.pop("latencies")
+    doc["errors"][2] = "ClientPayloadError: Response payload is not completed"
+    src, out = tmp_path / "r.json", tmp_path / "t.jsonl"
+    src.write_text(json.dumps(doc))
+    assert main(["import", "vllm-bench", str(src), "-o", str(out)]) == 0
+    mine = [d for d in _lines(out) if d.get("id") == "bench-2"]
+    assert [d["event"] for d in mine[:2]] == ["arrive", "first_token"] and mine[-1]["event"] == "error"
+    assert len(mine) == 2 + len(doc["itls"][2]) + 1
+    start = doc["start_times"][2] - min(doc["start_times"])
+    assert mine[-1]["t"] == pytest.approx(start + doc["ttfts"][2] + sum(doc["itls"][2]), abs=1e-5)

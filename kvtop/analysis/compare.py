@@ -228,6 +228,8 @@ def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: fl
         if kind != "request":
             continue
         rid, ev, t = d.get("id"), d.get("event"), d.get("t")
+        if isinstance(rid, int) and not isinstance(rid, bool):
+            rid = str(rid)  # older simulated traces number their requests; analyze reads them so too
         if not isinstance(rid, str) or not isinstance(t, (int, float)):
             continue
         if ev == "arrive":
@@ -255,8 +257,8 @@ def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: fl
         t_end = float(t) if t_end is None else max(t_end, float(t))
         if ev in ("first_token", "token", "resync"):
             n = d.get("n")
-            if ev != "resync":
-                r.tokens += n if isinstance(n, int) and n > 0 else 1
+            # a resync's tokens streamed too (only its gap is unknown after lost bytes)
+            r.tokens += n if isinstance(n, int) and n > 0 else 1
             if r.first is None:
                 r.first = float(t)
                 ttft.add(max(1e-6, r.first - r.t))

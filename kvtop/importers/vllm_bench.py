@@ -137,9 +137,18 @@ def _events(doc: dict[str, Any], i: int, t0: float) -> Iterator[tuple[float, dic
     yield s, arrive
     failed = bool(err) or (ttft == 0 and not itl and not out)
     if failed:
+        # vLLM's client keeps what a request that failed mid-stream had received: its chunks stay,
+        # and the error comes after them (it was put at the start, the streamed part dropped)
+        t = s
+        if ttft and ttft > 0:
+            t = s + ttft
+            yield t, {"kind": "request", "t": t, "id": rid, "event": "first_token", "n": 1}
+            for g in itl:
+                t += g
+                yield t, {"kind": "request", "t": t, "id": rid, "event": "token", "n": 1}
+        end = max(t, s + lat) if lat is not None else t
         # the error's text is never copied: it can quote the request
-        yield s + (lat or 0.0), {"kind": "request", "t": s + (lat or 0.0), "id": rid, "event": "error",
-                                    "error": "bench_error"}
+        yield end, {"kind": "request", "t": end, "id": rid, "event": "error", "error": "bench_error"}
         return
     chunks = 1 + len(itl)
     base, extra = divmod(out, chunks) if out and out >= chunks else (1, 0)

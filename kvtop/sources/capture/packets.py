@@ -84,7 +84,10 @@ def decode(pkt: bytes) -> tuple[bytes, int, bytes, int, int, int, int, bytes] | 
     elif v == 6:
         if pkt[6] != 6 or len(pkt) < 60:
             return None
-        end = min(len(pkt), 40 + ((pkt[4] << 8) | pkt[5])) or len(pkt)
+        plen = (pkt[4] << 8) | pkt[5]
+        # as IPv4's total length: 0 is a BIG TCP super-packet (its length in a jumbo option), past
+        # the packet is padding lost: the packet's own length (it read 0 bytes of a 0 payload length)
+        end = 40 + plen if 0 < plen and 40 + plen <= len(pkt) else len(pkt)
         src, dst, off = pkt[8:24], pkt[24:40], 40
     else:
         return None
