@@ -496,7 +496,8 @@ def test_an_acknowledgement_past_two_client_losses_declares_both_holes() -> None
     # a pipelined request body of 60 bytes: 20 lost, 20 seen, 20 lost; the server's next chunk
     # acknowledges all of it. The first hole is declared up to the bytes seen; the acknowledgement,
     # already the client's highest when the next chunk repeats it, still reaches past the second
-    # loss, which ends the connection's parse there
+    # loss, which is exactly the rest of the body: the framing holds (it ended the connection's
+    # parse there), so the second request arrives and the first streams on
     c = streaming(41050, "twice-a")
     c.emit(False, ACK | PSH, token_chunk(0), 1.1)
     c.emit(True, ACK | PSH, b"POST /v1/completions HTTP/1.1\r\nX-Request-Id: twice-b\r\n"
@@ -509,4 +510,6 @@ def test_an_acknowledgement_past_two_client_losses_declares_both_holes() -> None
     got, fast, _ = both_ways(c.out)
     assert fast.stats.holes == 2
     assert [(r.event, r.n, r.error) for r in got if r.id == "twice-a"] == [
-        ("arrive", None, None), ("first_token", 1, None), ("token", 1, None), ("error", None, "capture_lost")]
+        ("arrive", None, None), ("first_token", 1, None), *[("token", 1, None)] * 5,
+        ("error", None, "capture_lost")]  # the capture ends before its stream does
+    assert [(r.event, r.prompt_tokens) for r in got if r.id == "twice-b"][0] == ("arrive", None)

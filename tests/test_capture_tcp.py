@@ -441,3 +441,37 @@ def test_a_stream_whose_end_was_lost_ends_incomplete_when_the_connection_goes_id
     ends = [(x.event, x.error, x.incomplete) for x in out if x.id == "req-1" and x.event in ("finish", "error")]
     assert ends == [("error", "capture_lost", True)]
     assert r.stats.lost_connections == 1
+
+
+def test_a_lost_request_body_that_ends_the_request_keeps_the_connection_read():
+    # the body sent in its own segment, which the capture lost: the hole is exactly the rest of the
+    # body, the framing holds; it was taken for a hole past the body: nothing on this connection
+    # was recorded again
+    r, out = capture()
+    w = Wire(r)
+    raw = request()
+    head, body = raw.split(b"\r\n\r\n", 1)
+    w.send(head + b"\r\n\r\n", 1.0)
+    w.cseq += len(body)  # lost
+    w.reply(SSE_HEAD + chunk(event()) + chunk(DONE) + LAST, 1.2)  # acknowledges the body
+    w.send(request(rid="req-2"), 2.0)
+    w.reply(SSE_HEAD + chunk(event()) + chunk(event()) + chunk(DONE) + LAST, 2.1)
+    assert [e for e, _t, _n in events(out)] == ["arrive", "first_token", "finish"]
+    arrive = next(x for x in out if x.id == "req-1" and x.event == "arrive")
+    assert arrive.prompt_tokens is None  # only its prompt length was lost
+    assert [(e, n) for e, _t, n in events(out, "req-2")][:2] == [("arrive", None), ("first_token", 2)]
+
+
+def test_a_lost_end_of_a_json_response_ends_it_and_the_connection_reads_on():
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(body={"model": "m", "prompt": SECRET, "stream": False}), 1.0)
+    body = json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": 3}}).encode()
+    w.reply(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body[:10], 1.1)
+    w.reply(body[10:], 1.2, deliver=False)  # the rest of the body, lost
+    w.send(request(rid="req-2"), 2.0)  # the client acknowledges it and asks again
+    w.reply(SSE_HEAD + chunk(event()) + chunk(DONE) + LAST, 2.1)
+    first = [x for x in out if x.id == "req-1"]
+    assert first[-1].event == "finish" and first[-1].incomplete is True, first  # was an error, capture_lost
+    assert [e for e, _t, _n in events(out, "req-2")] == ["arrive", "first_token", "finish"]  # was unrecorded

@@ -399,10 +399,12 @@ class HttpConnection:
         body = self._c_body
         if self.dead:
             return
-        if body is not None and body.chunked is None and lost < body.left:
+        if body is not None and body.chunked is None and lost <= body.left:
             body.left -= lost  # a hole inside a request body: only its prompt length is lost
             if self._c_ex is not None:
                 self._c_ex.body_lost = True
+            if body.left == 0:  # ... up to its very end: the request is complete all the same
+                self._request_done()
             return
         if body is not None and body.chunked is not None and body.chunked.hole(lost):
             if self._c_ex is not None:
@@ -534,13 +536,15 @@ class HttpConnection:
         if body is not None and ex is not None:
             if body.chunked is not None:
                 body.chunked.hole(lost)  # framing kept, or recovered at the next chunk boundary
-            elif body.to_close or lost < body.left:
+            elif body.to_close or lost <= body.left:
                 body.left = max(0, body.left - lost)
             else:
                 self.lose(t)
                 return
             if ex.rec is not None:
                 ex.rec.hole()
+            if body.chunked is None and not body.to_close and body.left == 0:
+                self._response_done(t)  # the hole ran to the body's end: the framing holds, the end is known
             return
         self.lose(t)
 
