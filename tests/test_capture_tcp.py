@@ -8,6 +8,8 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
+
 from kvtop.model.records import RequestRecord, to_dict
 from kvtop.sources.capture.packets import decode, filter_code
 from kvtop.sources.capture.tcp import ACK, FIN, RST, SYN, Reassembler
@@ -475,3 +477,36 @@ def test_a_lost_end_of_a_json_response_ends_it_and_the_connection_reads_on():
     first = [x for x in out if x.id == "req-1"]
     assert first[-1].event == "finish" and first[-1].incomplete is True, first  # was an error, capture_lost
     assert [e for e, _t, _n in events(out, "req-2")] == ["arrive", "first_token", "finish"]  # was unrecorded
+
+
+@pytest.mark.parametrize("lost", ["tail", "last_chunk"])
+def test_a_lost_end_of_a_chunked_response_never_gives_the_next_ones_to_it(lost):
+    # three streams on one keep-alive connection; the end of the first is lost. The resync found a
+    # chunk boundary in the second response's body: the first got the second's tokens, the second
+    # the third's, and the third was recorded as a cancel
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(rid="s1"), 1.0)
+    w.reply(SSE_HEAD + chunk(event()), 1.1)
+    w.reply(chunk(event()), 1.2)
+    end = chunk(DONE) + LAST
+    if lost == "tail":
+        w.reply(end, 1.3, deliver=False)
+    else:  # only the last chunk after [DONE]
+        w.reply(chunk(DONE), 1.3)
+        w.reply(LAST, 1.31, deliver=False)
+    for k, rid in enumerate(("s2", "s3"), start=2):
+        w.send(request(rid=rid), float(k))  # acknowledges what the capture lost
+        w.reply(SSE_HEAD + chunk(event()), k + 0.02)
+        w.reply(chunk(event()), k + 0.04)
+        w.reply(chunk(event()), k + 0.06)
+        w.reply(chunk(DONE) + LAST, k + 0.08)
+    w.client_ack(4.0)
+    first = [x for x in out if x.id == "s1"]
+    assert [x.event for x in first] == ["arrive", "first_token", "token", "finish"], first
+    # its [DONE] lost with the tail: it ends incomplete; only the last chunk lost: its stream had ended
+    assert first[-1].incomplete is (True if lost == "tail" else None)
+    for k, rid in enumerate(("s2", "s3"), start=2):
+        ev = events(out, rid)
+        assert [e for e, _t, _n in ev] == ["arrive", "first_token", "token", "token", "finish"], (rid, ev)
+        assert ev[1][1] == pytest.approx(k + 0.02)  # its own first token, not the next response's

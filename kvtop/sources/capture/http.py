@@ -98,6 +98,15 @@ class _Chunked:
         if self.resync is not None:
             buf = self.resync + data
             m = _boundary(buf)
+            # a status line before any boundary: the next response on the connection began, so this
+            # body ended in the lost bytes (its last chunk among them). Searching on, a boundary in
+            # the next response's body had given its tokens, and each later one's, to the request
+            # before it. Chunked SSE bytes never hold CRLF + "HTTP/1." (JSON escapes line breaks).
+            st = buf.find(b"\r\n" + _STATUS_PREFIX)
+            if st >= 0 and (m is None or (m if isinstance(m, int) else m.start()) > st):
+                self.resync = None
+                self.state = self.DONE
+                return max(0, st + 2 - (len(buf) - len(data)))
             if m is None:
                 self.resync = buf[-RESYNC_CAP:]
                 return len(data)
