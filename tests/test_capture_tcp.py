@@ -510,3 +510,20 @@ def test_a_lost_end_of_a_chunked_response_never_gives_the_next_ones_to_it(lost):
         ev = events(out, rid)
         assert [e for e, _t, _n in ev] == ["arrive", "first_token", "token", "token", "finish"], (rid, ev)
         assert ev[1][1] == pytest.approx(k + 0.02)  # its own first token, not the next response's
+
+
+def test_a_stream_the_server_closed_after_lost_bytes_is_no_client_cancel():
+    # a Connection: close SSE response without a length: its last event and [DONE] lost, then the
+    # server's FIN. The hole was declared one byte past the FIN, so that side never closed: the
+    # client's FIN then recorded the stream the server had ended as the client's cancel
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + event(), 1.1)
+    lost = event() + DONE
+    w.reply(lost, 1.2, deliver=False)
+    w.pkt(False, ACK | FIN, b"", 1.3)  # the server closes
+    w.pkt(True, ACK | FIN, b"", 1.31, ack=(w.sseq + 1) & 0xFFFFFFFF)  # the client acknowledges the FIN
+    end = [x for x in out if x.id == "req-1"][-1]
+    assert end.event == "finish" and end.incomplete is True, end  # was "cancel"
+    assert r.stats.hole_bytes == len(lost)  # was one more: the FIN's sequence number

@@ -139,6 +139,10 @@ class Reassembler:
             pn = peer.next
             if pn is not None and 0 < ((ack - pn) & 0xFFFFFFFF) < 0x80000000 and not peer.closed:
                 self._ack_beyond(conn, peer, not from_client, ack, t)
+                if peer.fin_seq is not None and peer.next == peer.fin_seq and not peer.closed:
+                    # the hole ran up to the peer's FIN: that side has closed (it waited for the
+                    # idle sweep, and a stream the server ended was recorded as the client's cancel)
+                    self._side_closed(key, conn, not from_client, t)
         if flags & RST:
             self._close(key, conn, t, reset=True, by_client=from_client)
             return
@@ -248,6 +252,8 @@ class Reassembler:
         assert flow.next is not None
         if flow.fin_seq is not None and ack == ((flow.fin_seq + 1) & 0xFFFFFFFF) and flow.next == flow.fin_seq:
             return  # the ack of a FIN (it takes one sequence number, carries no byte)
+        if flow.fin_seq is not None and _diff(ack, flow.fin_seq) > 0:
+            ack = flow.fin_seq  # ... so the bytes lost end at the FIN, not one past it
         if flow.ooo:
             first = self._first_ooo(flow)
             if _diff(first, ack) < 0:
