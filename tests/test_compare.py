@@ -319,3 +319,20 @@ def test_tokens_of_a_resync_are_output_tokens(tmp_path: Path):
     r = run_kvtop("compare", str(b), str(b), "--format", "json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["b"]["output_tokens"] == 4 * (10 + 2)  # each resync carried 3, not 0
+
+
+def test_a_rise_from_zero_smaller_than_the_target_decides_nothing(tmp_path: Path):
+    # one gap 10 ms over a 50 ms target in B, where A had none: the same goodput (both 40 of 40, by
+    # compare's own contract), and "worse: time over the ITL target 0 -> 10 ms" was its outcome
+    a = _trace(tmp_path / "a.jsonl")
+    b = _trace(tmp_path / "b.jsonl", stalls=[0.06] + [0.02] * 39)
+    c = compare(str(a), str(b), itl_target_s=0.05)
+    assert (c.a.goodput, c.b.goodput) == (40, 40)
+    assert c.outcome == "no_change" and not c.worse, c.to_dict()
+    # a real rise (a quarter second over the target) still counts
+    b2 = _trace(tmp_path / "b2.jsonl", stalls=[0.3] + [0.02] * 39)
+    assert any(x.startswith("time over the ITL target") for x in compare(str(a), str(b2), itl_target_s=0.05).worse)
+    # and so does more than one preemption, where there was none
+    p = _trace(tmp_path / "p.jsonl", preempts=1)
+    assert compare(str(a), str(p), itl_target_s=0.05).outcome == "no_change"
+    assert compare(str(a), str(_trace(tmp_path / "q.jsonl", preempts=6)), itl_target_s=0.05).outcome == "worse"

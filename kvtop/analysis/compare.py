@@ -452,8 +452,11 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
         elif d <= -m:
             worse.append(f"{name} {fmt(va)} -> {fmt(vb)}{of} ({d:+.0%})")
 
-    def less_is_better(name: str, va: float | None, vb: float | None, fmt: Callable[[float], str] = _g3) -> None:
-        if va is None or vb is None:
+    def less_is_better(name: str, va: float | None, vb: float | None, fmt: Callable[[float], str] = _g3,
+                       floor: float = 0.0) -> None:
+        """``floor``: the least change that counts, for figures that can be zero (any rise from 0 is
+        an infinite relative change: one gap 10 ms over a 50 ms target made a run "worse")."""
+        if va is None or vb is None or abs(vb - va) <= floor:
             return
         if va == 0:
             if vb > 0:
@@ -473,8 +476,12 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
         worse.append(f"shed (cancelled + errors) {shed_a:.1%} -> {shed_b:.1%} of offered")
     less_is_better("p99 ITL", a.itl_p99_s, b.itl_p99_s, dur)
     less_is_better("p99 TTFT", a.ttft_p99_s, b.ttft_p99_s, dur)
-    less_is_better("preemptions per completed request", a.preemptions_per_completed, b.preemptions_per_completed)
-    less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), dur)
+    # a single preemption, or less time over the target than one target's length in the whole run,
+    # decides nothing
+    less_is_better("preemptions per completed request", a.preemptions_per_completed, b.preemptions_per_completed,
+                   floor=1.0 / max(1, a.completed, b.completed))
+    less_is_better("time over the ITL target", sum(a.over_target_s.values()), sum(b.over_target_s.values()), dur,
+                   floor=itl_target_s or 0.0)
     if abs(b.completed / b.offered - a.completed / a.offered) <= tol.shed_share:
         less_is_better("p99 end-to-end latency", a.e2e_p99_s, b.e2e_p99_s, dur)
     more_is_better("output throughput", a.output_tokens_per_s, b.output_tokens_per_s, _tps)
