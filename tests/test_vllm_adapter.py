@@ -241,4 +241,4 @@ def test_a_gauge_the_engine_exported_as_nan_is_na_and_said(adapter):
                   fixture_text("vllm-0.32.0-cpu-live-idle.prom"))
     [r] = adapter.parse(page, 1.0)
     assert r.kv_usage is None
-    assert r.warnings == ["vllm:kv_cache_usage_perc is NaN on the page: shown as n/a"]  # it was n/a, unsaid
+    assert r.warnings == ["vllm:kv_cache_usage_perc is not a number on the page: shown as n/a"]  # was unsaid

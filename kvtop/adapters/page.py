@@ -108,7 +108,7 @@ class Page:
                 if rows and not vals and n not in self._nan_said:
                     # the engine exported NaN: n/a, and said (it showed as n/a with no reason)
                     self._nan_said.add(n)
-                    self.warnings.append(f"{n} is NaN on the page: shown as n/a")
+                    self.warnings.append(f"{n} is not a number on the page: shown as n/a")
                 return sum(vals) if vals else None
         return None
 
