@@ -527,3 +527,16 @@ def test_a_stream_the_server_closed_after_lost_bytes_is_no_client_cancel():
     end = [x for x in out if x.id == "req-1"][-1]
     assert end.event == "finish" and end.incomplete is True, end  # was "cancel"
     assert r.stats.hole_bytes == len(lost)  # was one more: the FIN's sequence number
+
+
+def test_a_media_type_in_other_letters_is_still_a_stream():
+    # media types are case-insensitive (RFC 9110 §8.3.1): "Text/Event-Stream" was read as a JSON body,
+    # the stream recorded as a finish with no token
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(SSE_HEAD.replace(b"content-type: text/event-stream", b"Content-Type: Text/Event-Stream") + chunk(event()),
+            1.1)
+    w.reply(chunk(event()), 1.2)
+    w.reply(chunk(DONE) + LAST, 1.3)
+    assert [e for e, _t, _n in events(out)] == ["arrive", "first_token", "token", "finish"]

@@ -139,7 +139,7 @@ class Probe:
                 if r.status == 404 and self._path == "/v1/completions":
                     self._path = "/v1/chat/completions"  # chat-only server: use chat from now on
                 rec = StreamRecorder(rid, self.emit, r.status,
-                                     r.headers.get("Content-Type", "").startswith("text/event-stream"))
+                                     r.headers.get("Content-Type", "").lower().startswith("text/event-stream"))
                 async for chunk in r.content.iter_any():
                     rec.feed(chunk, self.clock())
                 rec.finish(self.clock())

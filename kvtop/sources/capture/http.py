@@ -489,7 +489,7 @@ class HttpConnection:
         assert body is not None
         if ex.recorded:
             ctype = h.get(b"content-type", b"")
-            ex.rec = StreamRecorder(ex.id, self.emit, status, ctype.startswith(b"text/event-stream"))
+            ex.rec = StreamRecorder(ex.id, self.emit, status, ctype.lower().startswith(b"text/event-stream"))
         self._s_ex = ex
         self._s_body = body
         if body.chunked is None and body.left == 0 and not body.to_close:

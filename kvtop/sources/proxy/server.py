@@ -231,7 +231,7 @@ class RecordingProxy:
             try:
                 if recorded:
                     ctype = up.headers.get("Content-Type", "")
-                    rec = StreamRecorder(rid, self.emit, up.status, ctype.startswith("text/event-stream"))
+                    rec = StreamRecorder(rid, self.emit, up.status, ctype.lower().startswith("text/event-stream"))
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in _forward_headers(up.headers, _RESP_DROP):
                     resp.headers.add(k, v)
