@@ -45,15 +45,15 @@ class StepBook:
         """Split ``scheduled`` positions from ``computed`` into recompute / prefill / decode.
         ``drafts``: the speculative tokens among them; ``resumed``: the request comes back from a
         preemption in this step (its positions below the high-water mark are then recomputed)."""
-        hw = self.high.get(rid, 0)
+        hw = was = self.high.get(rid, 0)
         if computed < hw and not resumed and hw - computed <= self.drafts.get(rid, 0):
             hw = computed  # the last step's rejected drafts, rolled back: not recompute
         if drafts:
             self.drafts[rid] = drafts
-        else:
+        elif self.drafts:  # without speculative decoding this stays empty: no pop per request per step
             self.drafts.pop(rid, None)
         end = computed + scheduled
-        if end > hw or hw != self.high.get(rid, 0):
+        if end > hw or hw != was:
             self.high[rid] = max(end, hw)
         if computed >= hw:  # the common case, a decode step: nothing lost, nothing of the prompt left
             return rid, scheduled, (min(end, prompt_len) - computed if computed < prompt_len else 0), 0
