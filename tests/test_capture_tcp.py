@@ -540,3 +540,28 @@ def test_a_media_type_in_other_letters_is_still_a_stream():
     w.reply(chunk(event()), 1.2)
     w.reply(chunk(DONE) + LAST, 1.3)
     assert [e for e, _t, _n in events(out)] == ["arrive", "first_token", "token", "finish"]
+
+
+def test_a_compressed_stream_ends_incomplete_with_no_token_and_is_said():
+    # a proxy in front of the engine that gzips event streams: the bytes are no SSE, and the stream
+    # was recorded as a finish with no token, as if the engine had answered nothing
+    import gzip
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    body = gzip.compress(event() * 5 + DONE)
+    w.reply(SSE_HEAD.replace(b"content-type: text/event-stream", b"content-type: text/event-stream\r\n"
+                                                                  b"Content-Encoding: gzip") + chunk(body), 1.1)
+    w.reply(LAST, 1.3)
+    assert [e for e, _t, _n in events(out)] == ["arrive", "finish"]
+    assert out[-1].incomplete is True and out[-1].completion_tokens is None
+    assert r.stats.encoded_responses == 1
+    # an identity encoding is read as any stream
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(SSE_HEAD.replace(b"content-type: text/event-stream", b"content-type: text/event-stream\r\n"
+                                                                  b"Content-Encoding: identity") + chunk(event()), 1.1)
+    w.reply(chunk(DONE) + LAST, 1.3)
+    assert [e for e, _t, _n in events(out)] == ["arrive", "first_token", "finish"]
+    assert r.stats.encoded_responses == 0

@@ -181,7 +181,9 @@ async def _record(args: argparse.Namespace, opts: SourceOptions, duration: float
     if cap is not None and cap.get("status") == "ok":
         print(f"kvtop record: capture :{cap['port']}: {cap['requests']} request(s), {cap['packets']} packet(s), "
               f"{cap['kernel_drops']} kernel drop(s), {cap['holes']} hole(s), {cap['tls_connections']} TLS and "
-              f"{cap['http2_connections']} HTTP/2 connection(s) not observable", file=sys.stderr)
+              f"{cap['http2_connections']} HTTP/2 connection(s) not observable"
+              + (f", {cap['encoded_responses']} compressed response(s) unreadable" if cap.get("encoded_responses") else ""),
+              file=sys.stderr)
     return 0
 
 

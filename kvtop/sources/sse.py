@@ -315,6 +315,14 @@ class StreamRecorder:
         else:
             self._overflow = _JSON_BODY_CAP + 1  # a JSON body with a hole in it cannot be parsed
 
+    def unreadable(self) -> None:
+        """The body is encoded (``Content-Encoding: gzip``): no token can be read from it, so none is
+        counted (a gzip stream read as SSE finds no event: a finish with no token) and the end says
+        incomplete; an error status still ends as that error."""
+        self.holes += 1
+        self.sse = False
+        self._overflow = _JSON_BODY_CAP + 1
+
     def _after_hole(self, chunk: bytes) -> bytes:
         if chunk.startswith(b"data:"):  # the hole ended on an event boundary (the usual case)
             self._skip = False

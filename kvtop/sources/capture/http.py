@@ -60,6 +60,9 @@ class CaptureStats:
     tls_connections: int = 0
     http2_connections: int = 0
     other_connections: int = 0  # not HTTP/1.x at all
+    # responses whose body is compressed (Content-Encoding: gzip behind a proxy that compresses
+    # event streams): their tokens cannot be read, so they end incomplete with no token counted
+    encoded_responses: int = 0
 
 
 class _Exchange:
@@ -242,7 +245,8 @@ def _head_fields(head: bytes) -> tuple[bytes, dict[bytes, bytes]]:
         if not sep:
             continue
         k = k.strip().lower()
-        if k in (b"content-length", b"transfer-encoding", b"x-request-id", b"content-type", b"connection"):
+        if k in (b"content-length", b"transfer-encoding", b"x-request-id", b"content-type", b"connection",
+                 b"content-encoding"):
             want[k] = v.strip()
     return lines[0], want
 
@@ -490,6 +494,9 @@ class HttpConnection:
         if ex.recorded:
             ctype = h.get(b"content-type", b"")
             ex.rec = StreamRecorder(ex.id, self.emit, status, ctype.lower().startswith(b"text/event-stream"))
+            if h.get(b"content-encoding", b"identity").lower() not in (b"identity", b""):
+                self.stats.encoded_responses += 1
+                ex.rec.unreadable()
         self._s_ex = ex
         self._s_body = body
         if body.chunked is None and body.left == 0 and not body.to_close:

@@ -115,6 +115,10 @@ class CaptureSource:
         if st.http2_connections:
             self._tell("http2", f"capture: HTTP/2 (gRPC) on port {self.port}: cannot observe; "
                                 "only HTTP/1.1 streams are parsed")
+        if st.encoded_responses:
+            self._tell("encoded", f"capture: compressed responses (Content-Encoding) on port {self.port}: their tokens "
+                                  "cannot be read; those streams end incomplete (capture the port before the "
+                                  "compressing proxy, or use --probe)")
         if st.kernel_drops:
             self._tell("drops", f"capture: the kernel dropped {st.kernel_drops} packet(s); streams that lost "
                                 "bytes are marked incomplete and their gaps across the loss are not counted")
