@@ -565,3 +565,28 @@ def test_a_compressed_stream_ends_incomplete_with_no_token_and_is_said():
     w.reply(chunk(DONE) + LAST, 1.3)
     assert [e for e, _t, _n in events(out)] == ["arrive", "first_token", "finish"]
     assert r.stats.encoded_responses == 0
+
+
+def test_a_stream_whose_first_token_was_lost_has_no_first_token_time(tmp_path):
+    # the first event's bytes were lost: the next token seen is no first token (the TTFT taken from
+    # it was 2.9 s where the engine answered in 0.1 s), and compare counts no TTFT for it
+    from kvtop.analysis.compare import run_figures
+    r, out = capture()
+    w = Wire(r)
+    w.send(request(), 1.0)
+    w.reply(SSE_HEAD, 1.05)
+    w.reply(chunk(event()), 1.1, deliver=False)  # the kernel dropped it
+    w.reply(chunk(event()), 3.9)
+    w.client_ack(3.9)
+    w.reply(chunk(event()), 3.92)
+    w.reply(chunk(DONE) + LAST, 3.95)
+    ev = [(e, t, n) for e, t, n in events(out) if e != "arrive"]
+    assert ev[:2] == [("resync", 3.9, 1), ("token", 3.92, 1)]
+    assert out[-1].event == "finish" and out[-1].incomplete is True
+    from kvtop.model.trace import TraceWriter, make_header
+    p = tmp_path / "t.jsonl"
+    with TraceWriter(p, make_header()) as tw:
+        for rec in out:
+            tw.write(rec)
+    fig = run_figures(str(p), 0.5, 0.1)
+    assert fig.completed == 1 and fig.ttft_p99_s is None and fig.goodput == 0 and fig.output_tokens == 2

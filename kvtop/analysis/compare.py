@@ -257,9 +257,8 @@ def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: fl
         t_end = float(t) if t_end is None else max(t_end, float(t))
         if ev in ("first_token", "token", "resync"):
             n = d.get("n")
-            # a resync's tokens streamed too (only its gap is unknown after lost bytes)
-            r.tokens += n if isinstance(n, int) and n > 0 else 1
-            if r.first is None:
+            if r.tokens == 0 and ev != "resync":
+                # (a stream seen first at a resync lost its first token with the bytes: TTFT unknown)
                 r.first = float(t)
                 ttft.add(max(1e-6, r.first - r.t))
             elif ev != "resync" and r.last is not None:
@@ -267,6 +266,8 @@ def _read_run(fig: RunFigures, path: str, ttft_target_s: float | None, itl_t: fl
                 if itl_t is not None and g > itl_t:
                     r.over_s += g - itl_t
                 itl.add(max(1e-6, g))
+            # a resync's tokens streamed too (only its gap is unknown after lost bytes)
+            r.tokens += n if isinstance(n, int) and n > 0 else 1
             r.last = float(t)
         elif ev in ("finish", "cancel", "error"):
             del open_[rid]

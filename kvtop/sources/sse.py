@@ -404,10 +404,12 @@ class StreamRecorder:
     def _flush_tokens(self) -> None:
         n = self._pend_n
         self._pend_n = 0
-        if self._tokens == 0:
-            ev = "first_token"
-        elif self._resync:
+        if self._resync:
+            # after lost bytes, even the stream's first seen token: the real first may have been lost,
+            # and its time taken for the first token's would inflate the TTFT
             ev = "resync"
+        elif self._tokens == 0:
+            ev = "first_token"
         else:
             ev = "token"
         self._resync = False
