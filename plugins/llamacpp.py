@@ -65,6 +65,7 @@ class LlamaCppAdapter(EngineAdapter):
     # rest of --batch-size with prompt tokens (tools/server/server-context.cpp); the tier's build
     # aborts at start with --batch-size below --parallel (GGML_ASSERT n_outputs_max)
     budget_holds_decodes = True
+    chunks_prefills = True  # a prompt longer than --batch-size is decoded in batches of it
     extra_paths = ("/slots",)
     settings = {
         Setting.PARALLEL: "--parallel",

@@ -80,6 +80,8 @@ class SglangAdapter(EngineAdapter):
     )
     preempts = True  # retraction: the victim's KV is freed and it is recomputed later
     preempt_counted_at = "retract"
+    chunks_prefills = True  # --chunked-prefill-size defaults by GPU memory; -1 switches it off
+    budget_in_blocks = True
     settings = {
         Setting.MAX_SEQS: "--max-running-requests",
         Setting.CHUNKED_PREFILL: "--chunked-prefill-size",
@@ -96,8 +98,13 @@ class SglangAdapter(EngineAdapter):
     host_tier = "sglang_hicache"
     # arg_groups/validation_hook.py: "chunked_prefill_size must be divisible by page_size"; both
     # settings are that one flag
-    setting_notes = dict.fromkeys((Setting.BATCHED_TOKENS, Setting.CHUNKED_PREFILL),
-                                  "SGLang refuses a --chunked-prefill-size that is not a multiple of its --page-size")
+    setting_notes = {
+        **dict.fromkeys((Setting.BATCHED_TOKENS, Setting.CHUNKED_PREFILL),
+                        "SGLang refuses a --chunked-prefill-size that is not a multiple of its --page-size"),
+        # tokenizer_manager.py (validate_total_tokens): prompt + max_new_tokens over the bound is refused
+        Setting.CTX: "SGLang rejects a request whose prompt + max_new_tokens exceed it: clients that ask for more "
+                     "tokens than they received need that much more",
+    }
     # its model card states the context length it serves, --context-length or the model's own
     # (python/sglang/srt/entrypoints/http_server.py, ``available_models``)
     limits_path = "/v1/models"

@@ -71,6 +71,9 @@ class TgiAdapter(EngineAdapter):
         Setting.BATCHED_TOKENS: "TGI refuses a --max-batch-prefill-tokens below --max-input-tokens unless it chunks "
                                 "prefills (its flashinfer or flashdecoding attention backends), and one above "
                                 "--max-batch-total-tokens",
+        # router validation: input + max_new_tokens above --max-total-tokens is an error
+        Setting.CTX: "TGI rejects a request whose prompt + max_new_tokens exceed it: clients that ask for more "
+                     "tokens than they received need that much more",
     }
 
     @classmethod

@@ -40,6 +40,9 @@ class TritonAdapter(EngineAdapter):
         {"kv_usage", "running", "waiting", "requests_finished_total", "kv_capacity_tokens", "block_size", "ttft", "model"}
     )
     preempts = True
+    # TensorRT-LLM caps a prompt at max_num_tokens unless enable_chunked_context is set, which
+    # Triton's config.pbtxt leaves off
+    chunks_prefills = False
     settings = {
         Setting.GPU_MEMORY: "kv_cache_free_gpu_mem_fraction (config.pbtxt)",
         Setting.MAX_TOTAL_TOKENS: "max_tokens_in_paged_kv_cache (config.pbtxt)",

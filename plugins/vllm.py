@@ -72,12 +72,14 @@ class VllmAdapter(EngineAdapter):
     # (vllm/v1/core/sched/scheduler.py: token_budget), and SchedulerConfig refuses a --max-num-seqs
     # above it (docs/engines.md)
     budget_holds_decodes = True
+    chunks_prefills = True  # unless --no-enable-chunked-prefill (or a model that cannot)
     version_path = "/version"  # {"version": "0.32.0"}: the advisor picks the flags of that version
     # its model cards state --max-model-len after vLLM's defaults (vllm/entrypoints/openai/models/serving.py)
     limits_path = "/v1/models"
     settings = {
         Setting.MAX_SEQS: "--max-num-seqs",
         Setting.BATCHED_TOKENS: "--max-num-batched-tokens",
+        Setting.CHUNKED_PREFILL: "--enable-chunked-prefill",
         Setting.OFFLOAD_SIZE: "--kv-offloading-size",
         Setting.OFFLOAD_BACKEND: "--kv-offloading-backend",
         Setting.GPU_MEMORY: "--gpu-memory-utilization",
@@ -89,6 +91,9 @@ class VllmAdapter(EngineAdapter):
         # vllm/config/scheduler.py (verify_max_model_len): chunked prefill is on by default
         Setting.BATCHED_TOKENS: "with chunked prefill on (vLLM's default); vLLM refuses a budget below "
                                 "--max-model-len where it is switched off",
+        # vllm/entrypoints/serve/utils/api_utils.py (0.32): a longer prompt is an error, max_tokens is
+        # lowered to what the bound leaves
+        Setting.CTX: "vLLM rejects a longer prompt and shortens a request's max_tokens to what the bound leaves it",
     }
 
     @classmethod

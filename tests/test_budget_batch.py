@@ -64,7 +64,8 @@ def test_llamacpp_batch_holds_its_slots_decodes_and_its_parallel_comes_down_with
     doc["engine_settings"] = {"max_num_seqs": 128}
     doc["slo"]["itl_ms"] = 30
     v = judge(doc)
-    assert flags(v) == {"--batch-size": 64, "--parallel": 64}
+    # --kv-unified keeps each slot's room at the whole -c: --parallel alone splits it over the slots
+    assert flags(v) == {"--batch-size": 64, "--parallel": 64, "--kv-unified": True}
     assert _rows(v)[64]["steps"] == 197  # ceil(12000 / (64 - 3))
     why = next(f["why"] for f in v["settings"] if f["flag"] == "--parallel")
     assert why.startswith("the engine will not start with a token budget of 64 below its --parallel of 128")

@@ -107,6 +107,15 @@ class EngineAdapter(ABC):
     # ``--max-num-seqs`` above ``--max-num-batched-tokens`` and lowers its default to it). False
     # where the budget is the prompt chunk's alone (SGLang's ``--chunked-prefill-size``).
     budget_holds_decodes: ClassVar[bool] = False
+    # Whether the engine splits a prompt longer than its token budget over several steps unless told
+    # otherwise: True (vLLM V1, SGLang, llama.cpp), False (TensorRT-LLM: enable_chunked_context is
+    # off), None (TGI: its attention backend decides). Where it does not, a budget below the longest
+    # prompt is refused at start (vLLM, TGI) or rejects the prompt: the advisor turns chunking on
+    # with it (``Setting.CHUNKED_PREFILL``, where that is a switch of its own) or prescribes none.
+    chunks_prefills: ClassVar[bool | None] = None
+    # True where the token budget must be a whole number of KV blocks (SGLang refuses a
+    # --chunked-prefill-size that --page-size does not divide).
+    budget_in_blocks: ClassVar[bool] = False
     # What the engine requires of a setting's value that kvtop cannot check from outside, in a few
     # words; the advisor adds it to the reason of every value it prescribes for that setting.
     setting_notes: ClassVar[dict[Setting, str]] = {}

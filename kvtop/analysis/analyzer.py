@@ -318,6 +318,8 @@ class Analyzer:
                     acc.cancelled += 1
                 else:
                     acc.errors += 1
+                if ev != "finish":
+                    self._longest(r)
         elif ev == "preempt":
             if self.use_request_preempts:
                 r.engine_preempts.append(t)
@@ -516,8 +518,18 @@ class Analyzer:
                 best = (a, b, prompt, r.id)
         return best
 
+    def _longest(self, r: ReqState) -> None:
+        """A request that did not finish still needed its prompt and what it was served: a length bound
+        below that rejects it (a client that gave up during a long prefill sent its prompt all the same)."""
+        if r.prompt_tokens is not None:
+            acc = self.acc
+            acc.request_max = max(acc.request_max, int(r.prompt_tokens + r.tokens))
+
     def finish(self) -> None:
         gt = self.gaps
+        for r in gt.reqs.values():
+            if r.end_t is None:
+                self._longest(r)  # still in flight when the trace ended
         if gt.itl_target_s is None and gt.warm:
             gt.derive_target()
         for g in gt.take_all():

@@ -18,6 +18,8 @@ class EngineSemantics(NamedTuple):
     setting_notes: dict[str, str]  # what it requires of a setting's value (``setting_notes``)
     warning: str | None  # why the adapter could not be read
     host_tier: str | None = None  # its host KV tier where a run states none (``host_tier``)
+    chunks_prefills: bool | None = None  # it chunks long prompts unless told otherwise (``chunks_prefills``)
+    budget_in_blocks: bool = False  # its token budget is a whole number of KV blocks (``budget_in_blocks``)
 
 
 def engine_semantics(name: str | None) -> EngineSemantics:
@@ -34,4 +36,5 @@ def engine_semantics(name: str | None) -> EngineSemantics:
     settings: dict[str, str] = {k: v for k, v in cls.settings.items()}
     return EngineSemantics(bool(cls.preempts), settings, counted if counted in ("resume", "retract") else None,
                            bool(cls.admits_in_order), bool(cls.budget_holds_decodes),
-                           {str(k): v for k, v in cls.setting_notes.items()}, None, cls.host_tier)
+                           {str(k): v for k, v in cls.setting_notes.items()}, None, cls.host_tier,
+                           cls.chunks_prefills, bool(cls.budget_in_blocks))

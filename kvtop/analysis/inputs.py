@@ -269,7 +269,8 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
                                       "prompt + output of the same finished requests")
         n["request_tokens_p99"] = Num(min(top, acc.request_hist.quantile(0.99) or top), "tokens", "measured",
                                       "prompt + output of the same finished requests")
-        n["request_tokens_max"] = Num(acc.request_max, "tokens", "measured", "longest finished request")
+        n["request_tokens_max"] = Num(acc.request_max, "tokens", "measured",
+                                      "longest request: prompt + output served, cancelled and unfinished ones included")
     cap = (hdr.get("kv") or {}).get("capacity_tokens")
     if not cap:
         for last in acc.engine_last.values():
@@ -290,6 +291,11 @@ def build_situation(st: AnalysisState, model_config: dict[str, Any] | None = Non
             if positive_whole(v) is not None:
                 n[dst] = Num(v, unit, "measured", note)
                 break
+    for src, note in ((acc.engine_limits, "the engine's witness"), (sim, "the trace header")):
+        on = src.get("chunked_prefill")
+        if isinstance(on, bool):
+            n["chunked_current"] = Num(on, "", "measured", f"as {note} says")
+            break
     if acc.running_n:
         n["running_mean"] = Num(acc.running_sum / acc.running_n, "sequences", "measured")
         n["running_peak"] = Num(acc.running_peak, "sequences", "measured",

@@ -45,10 +45,10 @@ def render_verdict_text(v: Verdict) -> str:
     for r in v.reasons:
         lines.append(f"  - {r}")
     if v.settings:
-        lines.append("settings: " + "  ".join(f"{k} {val}" for k, val in v.flags().items()))
+        lines.append("settings: " + "  ".join(f.shown() for f in v.settings))
         for f in v.settings:
             if f.why:
-                lines.append(f"  {f.label} {f.value}: {f.why}")
+                lines.append(f"  {f.shown()}: {f.why}")
     nums = v.numbers
     shown = [k for k in _KEY_NUMBERS if k in nums and nums[k].value is not None]
     if shown:

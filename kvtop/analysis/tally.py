@@ -46,7 +46,7 @@ class Tally:
     running_n: int = 0
     running_peak: float = 0.0  # the most sequences any one engine ran at a scrape
     # the scheduler limits the engine's witness stated, latest first start (``StepRecord.limits``)
-    engine_limits: dict[str, int] = field(default_factory=dict)
+    engine_limits: dict[str, int | bool] = field(default_factory=dict)
     kv_max: float | None = None
     host: dict[str, Any] | None = None  # the latest host record
     gpu_pcie_max: float = 0.0

@@ -94,26 +94,20 @@ def _from_trace(args: argparse.Namespace) -> int:
 
 def _emit(verdict: Verdict) -> int:
     """The settings that name an engine flag, as one shell-quoted line; the rest on stderr."""
+    from kvtop.model.analysis import flag_value
+
     words: list[str] = []
     for s in verdict.settings:
         if not s.flag:
             print(f"kvtop advise: {s.setting} = {s.value}: no flag for this engine (unknown adapter); not emitted",
                   file=sys.stderr)
             continue
-        if not s.flag.startswith("-"):
+        if not s.launcher:
             # a setting the engine reads elsewhere (Triton's config.pbtxt, a build option): not a launcher word
-            print(f"kvtop advise: {s.flag} = {_value(s.value)}: not a flag of the engine's launcher (set it where it "
-                  "says); not emitted", file=sys.stderr)
+            print(f"kvtop advise: {s.flag} = {flag_value(s.value)}: not a flag of the engine's launcher (set it where "
+                  "it says); not emitted", file=sys.stderr)
             continue
-        v = s.value
-        if v is True:
-            words.append(s.flag)
-        elif v is False:
-            words.append("--no-" + s.flag.removeprefix("--"))
-        elif v is None:
-            continue
-        else:
-            words += [s.flag, _value(v)]
+        words += s.words()
     if not words:
         # an empty line and exit 0, as for any verdict without a flag; the line on stderr says which
         # verdict, so a script tells "no flag helps" (scale_out) from "nothing to change" and from an
@@ -131,8 +125,3 @@ _NO_FLAG = {
     "insufficient_data": "not enough evidence to prescribe a change",
 }
 
-
-def _value(v: object) -> str:
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return str(v)

@@ -65,6 +65,15 @@ class Number:
         return Number(v, str(d.get("unit", "")), str(d.get("source", "")), d.get("note"), bool(d.get("low")))
 
 
+def flag_value(v: object) -> str:
+    """A setting's value as typed on a command line (a whole float without its ``.0``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"  # as config files (Triton's config.pbtxt) spell it
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
 @dataclass(frozen=True, slots=True)
 class FlagSetting:
     """One engine setting to change: ``flag`` as the engine spells it (``--max-num-seqs``; None when
@@ -80,6 +89,27 @@ class FlagSetting:
     def label(self) -> str:
         """What a person types or looks for: the flag, else the generic setting name."""
         return self.flag or self.setting
+
+    @property
+    def launcher(self) -> bool:
+        """A word of the engine's command line (``--max-num-seqs``), not a setting it reads elsewhere
+        (Triton's config.pbtxt, a build option) or a generic name (unknown engine)."""
+        return bool(self.flag and self.flag.startswith("-"))
+
+    def words(self) -> list[str]:
+        """The setting as the engine's command line takes it: a switch alone (``--enable-x``) or
+        negated (``--no-enable-x``) for a yes/no value, else the flag and its value (``--enable-x True``
+        is an unrecognised argument to a store_true flag)."""
+        v = self.value
+        if v is None:
+            return []
+        if self.launcher and isinstance(v, bool):
+            return [self.label if v else "--no-" + self.label.removeprefix("--")]
+        return [self.label, flag_value(v)]
+
+    def shown(self) -> str:
+        """The setting as a person reads it on the ``settings`` line (the command-line form)."""
+        return " ".join(self.words())
 
     def to_dict(self) -> dict[str, Any]:
         return {"setting": self.setting, "flag": self.flag, "value": self.value, "why": self.why}
@@ -114,7 +144,7 @@ class Verdict:
     tentative: bool = False  # confidence under the floor: the reasons say what would confirm it
 
     def flags(self) -> dict[str, Any]:
-        """The settings as ``{flag or setting name: value}`` (the human ``settings:`` line)."""
+        """The settings as ``{flag or setting name: value}``."""
         return {f.label: f.value for f in self.settings}
 
     def value(self, key: str) -> Any:

@@ -208,8 +208,8 @@ class StepRecord:
     restored: list[list[Any]] = field(default_factory=list)
     # on the first step read after each witness header (the engine started, or its file rolled over):
     # the limits its scheduler runs under, vLLM's defaults applied (max_num_seqs,
-    # max_num_batched_tokens, max_model_len)
-    limits: dict[str, int] = field(default_factory=dict)
+    # max_num_batched_tokens, max_model_len) and whether it chunks prefills (chunked_prefill)
+    limits: dict[str, int | bool] = field(default_factory=dict)
 
 
 Record = GpuRecord | HostRecord | EngineRecord | RequestRecord | TruthRecord | StepRecord

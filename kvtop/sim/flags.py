@@ -6,7 +6,7 @@ So a prescription can be tried on the simulator exactly as it would be on vLLM:
 | flag | simulated engine |
 |---|---|
 | ``--max-num-seqs N`` | ``max_num_seqs`` |
-| ``--max-num-batched-tokens N`` | ``max_num_batched_tokens``, with chunked prefill on (vLLM V1 always chunks prefills; the budget is the chunk and the decodes beside it) |
+| ``--max-num-batched-tokens N`` | ``max_num_batched_tokens`` (the chunk and the decodes beside it where chunked prefill is on) |
 | ``--max-model-len N`` | ``max_model_len`` (prompt + output bound) |
 | ``--kv-offloading-size GIB`` | ``preemption_mode: swap`` with a host pool of GIB GiB, copies overlapped with compute (V1's connector is asynchronous) |
 | ``--kv-offloading-backend native`` | the host tier itself (needs the size) |
@@ -15,7 +15,8 @@ So a prescription can be tried on the simulator exactly as it would be on vLLM:
 | ``--kv-cache-memory-bytes B`` | KV blocks = B // (block size x bytes per token), as vLLM sizes its cache per GPU from B (it then ignores the memory share for the cache) |
 
 Any other flag has no simulated counterpart: a one-line error, never silently ignored. A budget below
-the batch limit is refused as vLLM refuses it.
+the batch limit, or below ``max_model_len`` with chunked prefill off, is refused as vLLM refuses it
+(vllm/config/scheduler.py, ``verify_max_model_len``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
             batch_given = True
         elif flag == "--max-num-batched-tokens":
             eng.max_num_batched_tokens = _int(flag, val)
-            eng.chunked_prefill = True
             batch_given = True
         elif flag == "--max-model-len":
             eng.max_model_len = _int(flag, val)
@@ -112,10 +112,14 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
         # token is taken from the budget
         raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) must be at "
                             f"least max_num_seqs ({eng.max_num_seqs}), as vLLM requires")
+    if not eng.chunked_prefill and eng.max_num_batched_tokens < eng.max_model_len:
+        raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) is smaller than "
+                            f"max_model_len ({eng.max_model_len}) with chunked prefill off, which vLLM refuses "
+                            "(--enable-chunked-prefill, or a budget of at least max_model_len)")
     if backend and offload_size is None:
         raise WorkloadError("--kv-offloading-backend needs --kv-offloading-size")
     if offload_size is not None:
         eng.preemption_mode = "swap"
         eng.swap.host_capacity_bytes = offload_size * _GIB
         eng.swap.overlap = True
-    return replace(workload, engine=eng)
+    return replace(workload, engine=eng, traffic_len_cap=workload.traffic_len_cap or workload.engine.max_model_len)

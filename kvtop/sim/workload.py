@@ -133,6 +133,10 @@ class Workload:
     classes: list[TrafficClass]
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     demonstrates: str = ""
+    # the longest prompt the traffic sends, where an engine setting other than the workload's own
+    # was applied (``--engine-flags``): a smaller max_model_len then rejects the longer prompts, as
+    # vLLM does, instead of the traffic shrinking to fit it
+    traffic_len_cap: int | None = None
 
     def with_policy(self, policy: str | None) -> Workload:
         """The workload with a named policy applied (``recompute``/``swap`` or a preset variant)."""
@@ -149,7 +153,8 @@ class Workload:
 
     def requests(self, seed: int, duration_s: float) -> Iterator[RequestSpec]:
         """Arrivals before ``duration_s`` in time order; deterministic for a seed."""
-        gens = [_class_arrivals(c, seed, i, duration_s, self.engine.max_model_len) for i, c in enumerate(self.classes)]
+        cap = self.traffic_len_cap or self.engine.max_model_len
+        gens = [_class_arrivals(c, seed, i, duration_s, cap) for i, c in enumerate(self.classes)]
         for n, (t, _i, spec) in enumerate(heapq.merge(*gens, key=lambda x: (x[0], x[1]))):
             spec.id = f"sim-{n}"
             spec.t = t

@@ -27,12 +27,14 @@ def client_id(engine_id: str) -> str:
     return m.group(1) if m else engine_id
 
 
-def _limits(head: dict[str, Any]) -> dict[str, int]:
-    """The scheduler limits a witness header states (positive whole numbers only)."""
+def _limits(head: dict[str, Any]) -> dict[str, int | bool]:
+    """The scheduler limits a witness header states (positive whole numbers, and whether it chunks
+    prefills)."""
     lim = head.get("limits")
     if not isinstance(lim, dict):
         return {}
-    return {str(k): v for k, v in lim.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+    return {str(k): v for k, v in lim.items()
+            if (isinstance(v, bool) and k == "chunked_prefill") or (isinstance(v, int) and not isinstance(v, bool) and v > 0)}
 
 
 _HEADER_AT = b'{"format":"' + WITNESS_FORMAT.encode() + b'"'
@@ -86,7 +88,7 @@ class WitnessReader:
         self._ino: int | None = None
         self._buf = b""
         self._from_start = from_start
-        self._limits: dict[str, int] = {}  # a header's limits, for the next step read after it
+        self._limits: dict[str, int | bool] = {}  # a header's limits, for the next step read after it
 
     def _open(self, from_start: bool) -> bool:
         try:

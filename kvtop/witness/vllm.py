@@ -62,14 +62,19 @@ class _Witness:
                              "limits": self._kvw_limits()}, private=private)
         log.info("kvtop witness: writing engine steps to %s", path)
 
-    def _kvw_limits(self) -> dict[str, int]:
+    def _kvw_limits(self) -> dict[str, int | bool]:
         """The limits this scheduler runs under, after vLLM's defaults were applied: what a prescription
-        changes, and what it must stay consistent with (a batch limit no larger than the token budget)."""
+        changes, and what it must stay consistent with (a batch limit no larger than the token budget;
+        without chunked prefill, a budget no smaller than max_model_len)."""
         sc = getattr(self, "scheduler_config", None)
         out = {"max_num_seqs": getattr(sc, "max_num_seqs", None),
                "max_num_batched_tokens": getattr(sc, "max_num_batched_tokens", None),
                "max_model_len": getattr(self, "max_model_len", None)}
-        return {k: v for k, v in out.items() if isinstance(v, int) and not isinstance(v, bool)}
+        lim: dict[str, int | bool] = {k: v for k, v in out.items() if isinstance(v, int) and not isinstance(v, bool)}
+        chunked = getattr(sc, "enable_chunked_prefill", None)
+        if isinstance(chunked, bool):
+            lim["chunked_prefill"] = chunked
+        return lim
 
     def _kvw_fail(self, e: BaseException) -> None:
         log.warning("kvtop witness: stopped after an error (%s: %s); vLLM runs on unwitnessed",

@@ -50,6 +50,9 @@ LOW_RHO_FACTOR = 3.0
 CONFIDENCE_FLOOR = 0.5
 # A recommended length bound is rounded up to this many tokens (a round figure an operator types).
 LENGTH_ROUND = 256
+# The token budget prescribed for prefill interference where nothing sizes one (a common chunk size,
+# and a multiple of every KV block size engines use).
+FALLBACK_BUDGET = 2048
 # Concurrently preempted sequences a host pool holds when the trace never measured the peak.
 DEFAULT_POOL_SEQS = 4
 # Clients that abandon this share of preempted requests (or more) abandon queued ones too: an admission
@@ -267,6 +270,7 @@ def advise(s: Situation) -> Verdict:
     else:  # preemption
         action, mechanism, marginal, conf = _preemption(s, beta, beta_rank, a, k_att, reasons, also, settings, conf)
 
+    _slots_keep_context(s, settings)
     # secondary causes worth a mention
     for c2, share in sorted(s.cause_shares.items(), key=lambda kv: -kv[1]):
         if c2 == cause or share < 0.2:
@@ -300,6 +304,24 @@ def advise(s: Situation) -> Verdict:
         reasons=tuple(reasons),
         tentative=tentative,
     )
+
+
+def _slots_keep_context(s: Situation, settings: _Flags) -> None:
+    """llama-server shares one KV cache among its slots when their number is left to it (each slot may
+    use the whole -c) but splits -c evenly once --parallel is given (``-c 4096 --parallel 3``: three
+    slots of 1,536, measured on the tier's build): a slot count alone would shrink every request's
+    room. --kv-unified keeps the one shared cache, so no request that fitted before is refused."""
+    seqs = s.settings_names.get(Setting.MAX_SEQS)
+    unified = s.settings_names.get(Setting.KV_UNIFIED)
+    if not unified or seqs != s.settings_names.get(Setting.PARALLEL):
+        return
+    n = settings.value(Setting.MAX_SEQS)
+    if n is None:
+        return
+    settings.set(Setting.KV_UNIFIED, True,
+                 f"with {seqs} given, llama-server splits -c evenly over the {n} slots (each gets -c / {n}); one "
+                 "cache shared by all slots, as when their number is left to it, keeps each request's room at the "
+                 "whole -c")
 
 
 def _slow_decode(s: Situation, reasons: list[str], settings: _Flags) -> str:
@@ -458,7 +480,8 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                                       current_budget=s.v("batched_tokens_current"),
                                       rate=s.v("long_prompt_rate"), ttft_slo_s=s.v("ttft_slo"),
                                       decodes=s.v("running_mean") if holds else None,
-                                      batch_peak=s.v("running_peak") if holds else None)
+                                      batch_peak=s.v("running_peak") if holds else None,
+                                      multiple=_block_multiple(s))
         s.n["unchunked_step"] = Num(plan.unchunked_step_s, "s", "derived", f"t_dec + prefill of {int(P)} tokens")
         s.n["current_worst_step"] = Num(plan.current_worst_step_s, "s", "derived")
         if plan.spike_share is not None:
@@ -501,6 +524,7 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             _unthrottle_prefill(s, int(P), settings, reasons)
         if plan.budget is not None and settings.value(Setting.BATCHED_TOKENS) == plan.budget:
             _budget_holds_batch(s, settings)
+        _chunking_on(s, settings, reasons)
         if plan.disaggregate:
             also.append("disaggregate")
             reasons.append("chunking cannot meet both the ITL and the TTFT target: disaggregate prefill/decode "
@@ -509,11 +533,20 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
             reasons.append(f"if the TTFT target for these prompts is below ~{plan.prefill_s:.1f} s, "
                            "disaggregate prefill and decode instead")
     else:
-        reasons.append("lower the per-step prefill token budget (e.g. 2048 or less) and re-measure")
-        if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
-            settings.set(Setting.BATCHED_TOKENS, 2048, "a common chunk size (long prompt length, decode step or "
-                         "ITL target unknown: not derived); re-measure the ITL p99")
-            _budget_holds_batch(s, settings)
+        cur = s.v("batched_tokens_current")
+        fallback = FALLBACK_BUDGET
+        if cur is not None and float(cur) <= fallback:
+            # "lower it to 2048" would raise a smaller budget, and longer chunks stall longer
+            reasons.append(f"the per-step prefill token budget is already {float(cur):.0f}: a lower one is sized from the "
+                           "long prompts' length, the decode step and the ITL target, which this run lacks; no value "
+                           "is given")
+        else:
+            reasons.append(f"lower the per-step prefill token budget (e.g. {fallback} or less) and re-measure")
+            if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
+                settings.set(Setting.BATCHED_TOKENS, fallback, "a common chunk size (long prompt length, decode step "
+                             "or ITL target unknown: not derived); re-measure the ITL p99")
+                _budget_holds_batch(s, settings)
+                _chunking_on(s, settings, reasons)
         conf = min(conf, 0.6)
     return action, conf
 
@@ -547,6 +580,46 @@ def _budget_holds_batch(s: Situation, settings: _Flags) -> None:
     settings.items = [replace(f, why=f"{f.why}; {note}") if f is flag else f for f in settings.items]
 
 
+def _block_multiple(s: Situation) -> int | None:
+    """The KV block size every token budget must be a multiple of, where the engine requires that."""
+    bs = s.v("block_size")
+    return int(bs) if s.budget_in_blocks and bs else None
+
+
+def _chunking_on(s: Situation, settings: _Flags, reasons: list[str]) -> None:
+    """A token budget below the longest prompt needs an engine that splits prompts over steps.
+
+    vLLM refuses to start with a budget below --max-model-len without chunked prefill, TGI one below
+    --max-input-tokens, and TensorRT-LLM rejects prompts longer than max_num_tokens unless
+    enable_chunked_context is set. Where the run (or the scenario) says the engine does not chunk, or
+    its adapter says it does not by default: the switch goes out with the budget where the engine has
+    one of its own; where it has none (TGI: its attention backend decides), no budget goes out."""
+    budget = settings.value(Setting.BATCHED_TOKENS)
+    if not isinstance(budget, int):
+        return
+    state = s.n.get("chunked_current")
+    on = bool(state.value) if state is not None else s.chunks_prefills
+    if on is not False:
+        return
+    why = (f"the engine does not chunk prefills ({state.note or state.source})" if state is not None else
+           "this engine does not chunk prefills unless told to")
+    ctx = s.v("max_model_len_current")
+    if ctx is not None and budget >= float(ctx):
+        return  # a budget that holds the longest request in one step needs no chunking
+    switch = s.settings_names.get(Setting.CHUNKED_PREFILL)
+    if switch and switch != s.settings_names.get(Setting.BATCHED_TOKENS):
+        settings.set(Setting.CHUNKED_PREFILL, True,
+                     f"{why}: a budget of {budget} tokens per step needs it on (without it the engine refuses a budget "
+                     "below its longest request at start, or rejects the longer prompts)")
+        reasons.append(f"{why}: chunked prefill is switched on with the budget ({switch})")
+        return
+    settings.items = [f for f in settings.items if f.setting != Setting.BATCHED_TOKENS]
+    reasons.append(f"{why}, and it has no switch kvtop can set: a budget of {budget} tokens per step below its longest "
+                   "prompt would be refused (TGI: --max-batch-prefill-tokens below --max-input-tokens), so none is "
+                   "given; an attention backend that chunks (TGI: flashinfer or flashdecoding) or disaggregated "
+                   "prefill removes these stalls")
+
+
 def _unthrottle_prefill(s: Situation, P: int, settings: _Flags, reasons: list[str]) -> None:
     """Requests waited in the engine's own queue longer than a whole long prompt's prefill, and no
     sequence was preempted (the KV cache had room): the per-step token budget throttles prefill.
@@ -560,19 +633,27 @@ def _unthrottle_prefill(s: Situation, P: int, settings: _Flags, reasons: list[st
     whole = P / float(rate)
     if float(q) <= whole:
         return
-    budget = next((b for b in reversed(chunking.LADDER) if b >= P), chunking.LADDER[0])
+    steps = chunking.ladder(_block_multiple(s))
+    if not steps:
+        return
+    budget = next((b for b in reversed(steps) if b >= P), steps[0])
     cur = s.v("batched_tokens_current")
     if cur is not None and float(cur) >= budget:
         return  # the engine already holds such a prompt in one step: the queue is not the budget's
+    held = (f"one step holds a {P}-token prompt (p99)" if budget >= P else
+            f"{budget} tokens per step, the largest budget on kvtop's ladder, takes a {P}-token prompt (p99) in "
+            f"{math.ceil(P / budget)} steps")
     settings.set(Setting.BATCHED_TOKENS, budget,
-                 f"one step holds a {P}-token prompt (p99): requests waited {float(q):.1f} s in the engine's queue "
+                 f"{held}: requests waited {float(q):.1f} s in the engine's queue "
                  f"(p90) without preemption, longer than that prompt's whole prefill at the measured "
                  f"{float(rate):.0f} tokens/s ({whole:.1f} s), so the budget throttles prefill"
                  + ("" if cur is not None else "; confirm the engine's current budget is below this"))
     reasons.append(f"prefill is throttled by the token budget: requests waited {float(q):.1f} s (p90) in the engine's "
                    f"own queue with no preemption, longer than a whole {P}-token prefill ({whole:.1f} s at "
                    f"{float(rate):.0f} tokens/s); chunking costs prefill throughput, so {budget} tokens per step "
-                   "(one step per long prompt) lets the queue drain; the long prompt's own stall stays")
+                   + ("(one step per long prompt) " if budget >= P else f"({math.ceil(P / budget)} steps per long "
+                      "prompt, the fewest kvtop prescribes) ")
+                   + "lets the queue drain; the long prompt's own stall stays")
 
 
 def _preemption(s: Situation, beta: Any, beta_rank: Any, a: float, k_att: float, reasons: list[str],
@@ -853,7 +934,8 @@ def _admission_limit(s: Situation, plan: cap.Capacity, settings: _Flags, reasons
     wait = _queue_cost(s, plan, n, reasons)
     larger = _kv_capacity(s, plan, wait, settings, reasons) if wait is not None else None
     if larger is None:
-        settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
+        if _under_budget(s, n, reasons):
+            settings.set(Setting.MAX_SEQS, n, arith + f"; {n} admitted")
         return
     # the larger cache holds the peak: the limit is recomputed on it and stays only as a safety bound
     n2 = larger.recommended_max_seqs
@@ -861,11 +943,28 @@ def _admission_limit(s: Situation, plan: cap.Capacity, settings: _Flags, reasons
         reasons.append(f"with the larger KV cache the limit would be {n2}, above the current {float(cur):.0f}: "
                        "the current limit stays")
         return
+    if not _under_budget(s, n2, reasons):
+        return
     settings.set(Setting.MAX_SEQS, n2,
                  f"a safety bound on the larger KV cache: {larger.c_kv_tokens:,.0f} KV tokens / ~"
                  f"{larger.seq_tokens:,.0f} tokens per sequence ≈ {larger.n_floor:.1f} sequences without "
                  f"preemption, at mean occupancy ≈ {larger.n_ceiling:.1f}; {n2} admitted (not {n}: the cache "
                  "now holds the peak, so the limit no longer has to queue it)")
+
+
+def _under_budget(s: Situation, n: int, reasons: list[str]) -> bool:
+    """Whether a batch limit of ``n`` can go out beside the engine's known token budget: where that
+    budget holds every decode token (vLLM V1) the engine runs no more sequences than it, so a larger
+    limit binds nothing, and vLLM refuses to start with --max-num-seqs above --max-num-batched-tokens."""
+    budget = s.v("batched_tokens_current")
+    if not s.budget_holds_decodes or budget is None or n <= float(budget):
+        return True
+    flag = s.settings_names.get(Setting.MAX_SEQS) or "the batch limit"
+    bflag = s.settings_names.get(Setting.BATCHED_TOKENS) or "the token budget"
+    reasons.append(f"a limit of {n} sequences is not given: the engine's token budget ({bflag} {float(budget):.0f}) "
+                   f"already holds its batch to at most {float(budget):.0f} sequences, so {n} would bind nothing "
+                   f"(and vLLM refuses {flag} above {bflag})")
+    return False
 
 
 def _queue_cost(s: Situation, plan: cap.Capacity, n: int, reasons: list[str]) -> float | None:
@@ -1008,7 +1107,7 @@ def _length_bound(s: Situation, settings: _Flags, reasons: list[str]) -> None:
     if cur is not None and bound > float(cur):
         return  # the engine served this traffic under its current bound: a larger one changes nothing
     settings.set(Setting.CTX, bound,
-                 f"bounds prompt + output of one request: the longest request served had {float(longest):,.0f} "
+                 f"bounds prompt + output of one request: the longest request seen had {float(longest):,.0f} "
                  + (f"(p99 {float(p99):,.0f}) " if p99 is not None else "")
-                 + f"tokens, rounded up to {LENGTH_ROUND}; the engine checks prompt + requested max_tokens, so "
-                 "clients that ask for more than they received need that much more")
+                 + f"tokens (its prompt and the output it was served, requests cancelled or unfinished included), "
+                 f"rounded up to {LENGTH_ROUND}")

@@ -11,6 +11,13 @@ LADDER = (16384, 12288, 8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 384,
 DEFAULT_MARGIN = 0.1
 
 
+def ladder(multiple: int | None = None) -> tuple[int, ...]:
+    """The round budgets an engine accepts: those ``multiple`` divides, where it needs whole blocks."""
+    if not multiple or multiple <= 1:
+        return LADDER
+    return tuple(b for b in LADDER if b % multiple == 0)
+
+
 def t_step(start: float, length: float, t_dec: float, a: float, k_att: float) -> float:
     """One engine step carrying a prefill chunk [start, start+length) next to the decodes."""
     return t_dec + a * length + a * k_att * ((start + length) ** 2 - start ** 2)
@@ -78,17 +85,19 @@ def spike_share_steps(rate: float, steps: list[float], target: float, t_dec: flo
 def plan_chunking(P: int, itl_slo_s: float, t_dec: float, a: float, k_att: float,
                   current_budget: int | None = None, rate: float | None = None,
                   ttft_slo_s: float | None = None, margin: float = DEFAULT_MARGIN,
-                  decodes: float | None = None, batch_peak: float | None = None) -> ChunkPlan:
+                  decodes: float | None = None, batch_peak: float | None = None,
+                  multiple: int | None = None) -> ChunkPlan:
     """``decodes`` and ``batch_peak``: for an engine whose budget counts every scheduled token (vLLM
     V1), the sequences decoding beside a chunk (the mean running batch) and the most it ran at once.
     A chunk then gets the budget less the decodes, so a prompt takes more steps (its TTFT), and a
     budget below the peak would cap the batch below the traffic (the engine holds at most that many
     sequences): such a budget does not pass. The worst step is still priced with a whole-budget
-    chunk, as when few sequences decode."""
+    chunk, as when few sequences decode. ``multiple``: the engine takes only budgets of whole KV
+    blocks of this many tokens (SGLang's page size); the others are not on its ladder."""
     limit = itl_slo_s * (1 - margin)
     rows = []
     beside = math.ceil(decodes) if decodes else 0
-    for B in LADDER:
+    for B in ladder(multiple):
         worst = max(chunk_steps(P, B, t_dec, a, k_att))
         holds = (batch_peak is None or B >= batch_peak) and B - beside >= 1
         steps = chunk_steps(P, B - beside if holds else B, t_dec, a, k_att)

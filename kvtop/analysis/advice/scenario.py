@@ -286,6 +286,8 @@ def situation(doc: dict[str, Any]) -> Situation:
         n["kv_cache_bytes_current"] = Num(es["kv_cache_memory_bytes"], "B", "given", "KV cache size per GPU")
     if "gpu_memory_utilization" in es:
         n["gpu_memory_current"] = Num(float(es["gpu_memory_utilization"]), "", "given", "memory share")
+    if "enable_chunked_prefill" in es:
+        n["chunked_current"] = Num(bool(es["enable_chunked_prefill"]), "", "given", "as the scenario says")
 
     s.cause_given = doc.get("cause")
     s.has_preemption_section = "preemption" in doc or "victims" in doc
@@ -361,6 +363,7 @@ _FROM_REPORT = (
     ("max_model_len_current", "engine_settings", "max_model_len", 1.0),
     ("kv_cache_bytes_current", "engine_settings", "kv_cache_memory_bytes", 1.0),
     ("gpu_memory_current", "engine_settings", "gpu_memory_utilization", 1.0),
+    ("chunked_current", "engine_settings", "enable_chunked_prefill", 1.0),
     ("block_size", "capacity", "block_size", 1.0),
     ("device_free_bytes", "capacity", "device_free_bytes", 1.0),
     ("device_total_bytes", "capacity", "device_total_bytes", 1.0),
@@ -394,6 +397,10 @@ def from_report(rep: AnalysisReport, name: str, engine: str | None = None, tp: i
         if key == "kv_bytes_per_token_rank" and n.source == "config" and "model" in doc:
             continue  # the model name carries it (with its window layout)
         if key == "k_att" and n.source == "config":
+            continue
+        if isinstance(n.value, bool):  # a yes/no state (chunked prefill) stays one
+            if section is not None:
+                doc.setdefault(section, {})[fld] = n.value
             continue
         v = float(n.value) * scale
         if fld in _INTEGER_FIELDS:

@@ -47,6 +47,8 @@ class Situation:
     settings_names: dict[str, str] = field(default_factory=dict)
     budget_holds_decodes: bool = False  # the adapter's ``budget_holds_decodes`` (vLLM V1)
     setting_notes: dict[str, str] = field(default_factory=dict)  # the adapter's ``setting_notes``
+    chunks_prefills: bool | None = None  # the adapter's ``chunks_prefills`` (a run's own state wins)
+    budget_in_blocks: bool = False  # the adapter's ``budget_in_blocks`` (SGLang)
     # diagnosis
     cause: str | None = None  # dominant cause of ITL misses, None = no misses observed
     cause_shares: dict[str, float] = field(default_factory=dict)
@@ -80,6 +82,8 @@ class Situation:
         self.budget_holds_decodes = sem.budget_holds_decodes
         self.setting_notes = dict(sem.setting_notes)
         self.host_tier = sem.host_tier
+        self.chunks_prefills = sem.chunks_prefills
+        self.budget_in_blocks = sem.budget_in_blocks
 
     def v(self, key: str) -> Any:
         x = self.n.get(key)

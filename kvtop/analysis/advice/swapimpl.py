@@ -86,11 +86,17 @@ def settings_for(impl_name: str | None, pool_total_bytes: float, ranks: int, nam
         return HostTierSettings([("offload_backend", "--kv-offloading-backend", "native"),
                                  ("offload_size", "--kv-offloading-size", gib_total)], [])
     if impl_name == "lmcache":
-        # vLLM configures LMCache itself from these two (vllm/config/vllm.py): no LMCache setting to give
+        # vllm/config/vllm.py: the size switches offloading on; since vllm-project/vllm#42865 (merged
+        # 2026-05-17; 0.32 has it) the lmcache backend is LMCacheMPConnector, whose standalone server
+        # owns the capacity, where before vLLM set LMCache's local_cpu pool from the size
+        per_rank = gib_total * GIB / ranks / 1e9
         return HostTierSettings([("offload_backend", "--kv-offloading-backend", "lmcache"),
                                  ("offload_size", "--kv-offloading-size", gib_total)],
-                                [f"vLLM sets LMCache's local_cpu and max_local_cpu_size ({gib_total * GIB / ranks / 1e9:.1f} "
-                                 "GB per rank: the size over TP×PP) from --kv-offloading-size itself"])
+                                [f"on vLLM 0.32 (vllm-project/vllm#42865) the lmcache backend talks to a standalone "
+                                 f"LMCache server (LMCacheMPConnector, tcp://localhost:5555 unless kv_connector_extra_config "
+                                 f"says otherwise) that owns the pool: start it holding {per_rank:.1f} GB per rank; "
+                                 "--kv-offloading-size only switches offloading on there (earlier releases set LMCache's "
+                                 "local_cpu and max_local_cpu_size from it)"])
     if impl_name == "sglang_hicache":
         return _hicache(per_rank_gb, ranks, device_pool_total_bytes, host_limit_bytes, pool_total_bytes)
     if impl_name == "none":

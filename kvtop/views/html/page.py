@@ -410,8 +410,9 @@ def _verdict(v: Verdict | None) -> str:
     if v.reasons:
         out.append("<ul>" + "".join(f"<li>{_e(r)}</li>" for r in v.reasons) + "</ul>")
     if v.settings:
-        rows = "".join(f'<tr><td class="flag"><code>{_e(f.label)}</code></td><td class="num">{_e(f.value)}</td>'
-                       f"<td>{_e(f.why)}</td></tr>" for f in v.settings)
+        # a yes/no flag is its switch alone (``--enable-x``), as typed
+        rows = "".join(f'<tr><td class="flag"><code>{_e((f.words() or [f.label])[0])}</code></td>'
+                       f'<td class="num">{_e(" ".join(f.words()[1:]))}</td><td>{_e(f.why)}</td></tr>' for f in v.settings)
         out.append(f'<h2 style="margin-top:12px">Settings</h2><table class="settings"><tr><th>flag</th><th>value</th>'
                    f"<th>why</th></tr>{rows}</table>")
     out.append("</section>")

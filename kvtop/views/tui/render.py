@@ -394,10 +394,9 @@ def advisor(s: Snapshot, width: int) -> str:
         lines.append(f"also: {escape(', '.join(str(x).replace('_', ' ') for x in v.also))}")
     if mech and len(str(mech)) > 20:
         lines.append(f"why: {escape(str(mech))}")
-    settings = v.flags() if v is not None else {}
     lines.append("")
     lines.append("[b]settings to change[/b]")
-    items = [f"{k} {val}" for k, val in settings.items()]
+    items = [f.shown() for f in v.settings] if v is not None else []
     if items:
         lines.extend(f"  • {escape(x)}" for x in items)
     else:
