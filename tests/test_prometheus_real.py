@@ -170,7 +170,7 @@ def test_fleet_discovery_finds_the_engine_and_the_agents_verdict(storm):
     targets = fleet.discover()
     assert [(t.job, t.instance) for t in targets] == [("vllm", storm["sim"].split("//")[1])]
     agents = fleet.poll_agents()
-    a = agents[storm["sim"].split("//")[1]]
+    a = agents[(storm["sim"].split("//")[1], storm["agent"].split("//")[1])]
     assert a.instance == storm["agent"].split("//")[1]
     assert a.action and a.confidence is not None
     assert a.spikes.get("preemption", 0) > 0

@@ -223,7 +223,7 @@ def test_fleet_reads_agent_verdicts_and_spikes(api):
         ({"engine": "10.0.0.5:8000", "instance": "n1:9470", "cause": "preemption"}, 42),
         ({"engine": "10.0.0.5:8000", "instance": "n1:9470", "cause": "slow_decode"}, 3)])
     agents = PromFleet(PromClient(url)).poll_agents()
-    a = agents["10.0.0.5:8000"]
+    a = agents[("10.0.0.5:8000", "n1:9470")]
     assert (a.action, a.mechanism, a.confidence, a.instance) == ("admission", "recompute", 0.7, "n1:9470")
     assert a.spikes == {"preemption": 42.0, "slow_decode": 3.0}
 
@@ -284,3 +284,45 @@ def test_prometheus_reads_send_the_token_from_token_file(tmp_path):
     assert seen and all(a == "Bearer s3cret-from-file" for a in seen), seen
     assert r.returncode == 1  # this server scrapes no engine: a one-line answer
     assert "s3cret" not in r.stdout + r.stderr
+
+
+def test_a_prometheus_whose_clock_runs_ahead_is_read_on_its_own_clock(api):
+    # Prometheus 90 s ahead of this host: its samples were placed 90 s in the run's future (and the
+    # range asked ended at this host's now, so the newest steps repeated the last sample)
+    url, routes = api
+    ahead = 90.0
+
+    def matrix(q):  # noqa: ANN001, ANN202
+        status, body = _vllm_matrix("a:8000")
+        for r in body["data"]["result"]:
+            r["values"] = [[t + ahead, v] for t, v in r["values"]]
+        return status, body
+
+    routes["up{}"] = lambda q: (200, {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"job": "vllm", "instance": "a:8000"}, "value": [time.time() + ahead, "1"]}]}})
+    routes["count by (job, instance)"] = lambda q: _vec([({"job": "vllm", "instance": "a:8000"}, 30)])
+    routes['instance="a:8000"'] = matrix
+    fleet = PromFleet(PromClient(url), window_s=10, step_s=1)
+    recs = fleet.poll()
+    assert recs and fleet.skew_s == pytest.approx(ahead, abs=2.0)
+    now = fleet._clock()
+    assert all(now - 3.0 <= r.t <= now + 0.5 for r in recs), (now, [r.t for r in recs])
+
+
+def test_an_engine_prometheus_cannot_scrape_is_a_down_row_from_the_first_poll(api):
+    # a target with up == 0 has no engine series now: it was missing from a fresh fleet view
+    url, routes = api
+    now = time.time()
+    routes["up{}"] = lambda q: (200, {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"job": "vllm", "instance": "a:8000"}, "value": [now, "1"]},
+        {"metric": {"job": "vllm", "instance": "b:8000"}, "value": [now, "0"]},
+        {"metric": {"job": "node", "instance": "n:9100"}, "value": [now, "0"]}]}})
+    routes["last_over_time"] = lambda q: _vec([({"job": "vllm", "instance": "b:8000"}, 30)] if "b:8000" in q else [])
+    routes["count by (job, instance)"] = lambda q: _vec([({"job": "vllm", "instance": "a:8000"}, 30)])
+    routes['instance="a:8000"'] = lambda q: _vllm_matrix("a:8000")
+    core = Core()
+    PromFeed(core, url, window_s=10, step_s=1).poll_once()
+    by = {e.url: e for e in core.snapshot().engines}
+    assert set(by) == {"a:8000", "b:8000"}  # not the node exporter, which never had engine series
+    assert by["a:8000"].up and not by["b:8000"].up
+    assert "up == 0" in (by["b:8000"].error or "")

@@ -43,11 +43,13 @@ def fleet_state() -> tuple[Core, dict, dict]:
     targets = {("vllm", i): Target("vllm", i, "vllm") for i in ("10.0.0.5:8000", "10.0.0.6:8000", "10.0.0.9:8000")}
     targets[("sglang", "10.0.0.7:30000")] = Target("sglang", "10.0.0.7:30000", "sglang")
     agents = {
-        "10.0.0.5:8000": AgentView("10.0.0.5:9470", "admission", "recompute", 0.72, 0.1,
-                                   {"preemption": 57, "prefill_interference": 4, "slow_decode": 1, "unknown": 2}),
+        ("10.0.0.5:8000", "10.0.0.5:9470"): AgentView("10.0.0.5:9470", "admission", "recompute", 0.72, 0.1,
+                                                      {"preemption": 57, "prefill_interference": 4, "slow_decode": 1,
+                                                       "unknown": 2}),
         # this agent scrapes its engine through loopback: joined by host + port
-        "127.0.0.1:30000": AgentView("10.0.0.7:9470", "chunked_prefill", "none", 0.55, 0.1,
-                                     {"preemption": 0, "prefill_interference": 23, "slow_decode": 2, "unknown": 1}),
+        ("127.0.0.1:30000", "10.0.0.7:9470"): AgentView("10.0.0.7:9470", "chunked_prefill", "none", 0.55, 0.1,
+                                                        {"preemption": 0, "prefill_interference": 23, "slow_decode": 2,
+                                                         "unknown": 1}),
     }
     return core, targets, agents
 
@@ -78,6 +80,16 @@ def test_rows_join_engines_with_their_agents():
     assert rows["10.0.0.6:8000"].agent is None
     assert not rows["10.0.0.9:8000"].up and "up == 0" in (rows["10.0.0.9:8000"].error or "")
     assert agent_for("10.0.0.8:8000", agents) is None
+
+
+def test_sidecars_that_name_their_engine_alike_stay_on_their_own_rows():
+    # every node's sidecar watches "127.0.0.1:8000": keyed by engine label alone, one host's verdict
+    # and spikes were shown on the other's row, and the other had "no agent"
+    a = AgentView("hostA:9470", "admission", "swap", 0.99, 0.1, {"preemption": 268})
+    b = AgentView("hostB:9470", "insufficient_data", None, 0.2, 0.1, {})
+    agents = {("127.0.0.1:8000", "hostA:9470"): a, ("127.0.0.1:8000", "hostB:9470"): b}
+    assert agent_for("hostA:8000", agents) is a and agent_for("hostB:8000", agents) is b
+    assert agent_for("hostC:8000", agents) is None
 
 
 async def test_sort_and_open_an_instance():

@@ -16,6 +16,7 @@ the adapter sees them.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -32,6 +33,8 @@ from kvtop.sources.promapi import Labels, PromClient, PromError
 # Engines whose metric names carry a colon after the prefix (rewritten to "_" by some pipelines).
 _COLON_PREFIXES = ("vllm", "sglang", "llamacpp")
 ENGINE_NAMES = r"(vllm|sglang|llamacpp)[:_].+|tgi_.+|nv_.+"
+# how far back an instance Prometheus can no longer scrape still counts as an engine that is down
+DOWN_LOOKBACK = "1h"
 _DROP_LABELS = frozenset({"__name__", "job", "instance"})
 CAUSES = ("preemption", "prefill_interference", "slow_decode", "unknown")
 
@@ -120,7 +123,12 @@ class PromFleet:
         self._epoch0: float = time.time() - (clock() if clock else 0.0)
         self._clock = clock or (lambda: time.time() - self._epoch0)
         self.targets: dict[tuple[str, str], Target] = {}
-        self.agents: dict[str, AgentView] = {}  # engine label -> what its agent says
+        # (engine label, agent instance) -> what that agent says: sidecars on every node watch
+        # their engine as the same "127.0.0.1:8000", told apart only by the agent's own target
+        self.agents: dict[tuple[str, str], AgentView] = {}
+        # Prometheus's clock less this host's (seconds), from the last instant query: range queries
+        # end at Prometheus's now and its timestamps map onto the run's clock with it
+        self.skew_s = 0.0
         # instance -> (preemptions/s, ITL p99) computed by Prometheus over rate_window_s
         self.computed: dict[str, tuple[float | None, float | None]] = {}
         self.rate_window_s = 60.0
@@ -132,16 +140,30 @@ class PromFleet:
         return "{" + ",".join(parts) + "}"
 
     def to_run_clock(self, unix_t: float) -> float:
-        return unix_t - self._epoch0
+        """A Prometheus timestamp on this run's clock (its skew against this host taken out)."""
+        return unix_t - self.skew_s - self._epoch0
 
     # -- discovery ------------------------------------------------------------------------------
     def discover(self) -> list[Target]:
         names = self._sel(f'__name__=~"{ENGINE_NAMES}"')
-        rows = self.client.query(f"count by (job, instance) ({names})")
-        ups = {(lb.get("job", ""), lb.get("instance", "")): v for lb, _, v in self.client.query(f"up{self._sel()}")}
+        asked = time.time()
+        up_rows = self.client.query(f"up{self._sel()}")
+        # an instant query is evaluated at Prometheus's now: its samples carry that time
+        if up_rows:
+            self.skew_s = max(t for _, t, _ in up_rows) - asked
+        ups = {(lb.get("job", ""), lb.get("instance", "")): v for lb, _, v in up_rows}
+        keys = [(lb.get("job", ""), lb.get("instance", "")) for lb, _, _ in
+                self.client.query(f"count by (job, instance) ({names})")]
+        # a target Prometheus cannot scrape has no engine series now: one that had them within the
+        # lookback is an engine that is down, not one that was never there
+        down = sorted({inst for (_, inst), v in ups.items() if v < 1} - {inst for _, inst in keys})
+        if down:
+            inst_re = "|".join(re.escape(i) for i in down)
+            sel = self._sel(f'__name__=~"{ENGINE_NAMES}"', f'instance=~"{_escape(inst_re)}"')
+            keys += [(lb.get("job", ""), lb.get("instance", "")) for lb, _, _ in
+                     self.client.query(f"count by (job, instance) (last_over_time({sel}[{DOWN_LOOKBACK}]))")]
         seen = set()
-        for lb, _, _ in rows:
-            key = (lb.get("job", ""), lb.get("instance", ""))
+        for key in keys:
             seen.add(key)
             tg = self.targets.get(key)
             if tg is None:
@@ -151,7 +173,8 @@ class PromFleet:
             tg.error = None if tg.up else "Prometheus cannot scrape it (up == 0)"
         for key, tg in self.targets.items():
             if key not in seen:
-                tg.up, tg.error = False, "no longer in Prometheus"
+                tg.up = False
+                tg.error = "Prometheus cannot scrape it (up == 0)" if ups.get(key, 1) < 1 else "no longer in Prometheus"
         return sorted(self.targets.values(), key=lambda t: (t.instance, t.job))
 
     # -- engine records -------------------------------------------------------------------------
@@ -213,8 +236,8 @@ class PromFleet:
 
         Raises PromError only when Prometheus itself cannot be asked; one instance's failure is a
         down record for that instance."""
-        now_unix = self._epoch0 + self._clock()
         self.discover()
+        now_unix = self._epoch0 + self._clock() + self.skew_s  # Prometheus's now
         out: list[EngineRecord] = []
         for key, tg in sorted(self.targets.items()):
             last = self._last_ts.get(key)
@@ -235,7 +258,7 @@ class PromFleet:
                                         warnings=[str(e)]))
                 continue
             if recs:
-                self._last_ts[key] = max(r.t for r in recs) + self._epoch0
+                self._last_ts[key] = max(r.t for r in recs) + self._epoch0 + self.skew_s
             out.extend(recs)
         self.poll_agents()
         try:
@@ -245,23 +268,29 @@ class PromFleet:
         return out
 
     # -- kvtop agents ---------------------------------------------------------------------------
-    def poll_agents(self) -> dict[str, AgentView]:
-        """Verdict and spikes by cause from every kvtop agent Prometheus scrapes, by engine label."""
-        agents: dict[str, AgentView] = {}
+    def poll_agents(self) -> dict[tuple[str, str], AgentView]:
+        """Verdict and spikes by cause from every kvtop agent Prometheus scrapes, by (engine label, the
+        agent's own instance)."""
+        agents: dict[tuple[str, str], AgentView] = {}
+
+        def view(lb: Labels) -> AgentView:
+            inst = lb.get("instance", "")
+            return agents.setdefault((lb.get("engine", "?"), inst), AgentView(inst))
+
         w = f"{max(int(self.window_s), 60)}s"
         try:
             # state-sets: every action (mechanism) is a series, the current one has the value 1
             for lb, _, _ in self.client.query(f"kvtop_verdict{self._sel()} == 1"):
-                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).action = lb.get("action")
+                view(lb).action = lb.get("action")
             for lb, _, _ in self.client.query(f"kvtop_verdict_mechanism{self._sel()} == 1"):
-                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).mechanism = lb.get("mechanism")
+                view(lb).mechanism = lb.get("mechanism")
             for lb, _, v in self.client.query(f"kvtop_verdict_confidence{self._sel()}"):
-                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).confidence = v
+                view(lb).confidence = v
             for lb, _, v in self.client.query(f"kvtop_itl_target_seconds{self._sel()}"):
-                agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", ""))).itl_target_s = v
+                view(lb).itl_target_s = v
             q = f"sum by (engine, instance, cause) (increase(kvtop_token_gap_spikes_total{self._sel()}[{w}]))"
             for lb, _, v in self.client.query(q):
-                a = agents.setdefault(lb.get("engine", "?"), AgentView(lb.get("instance", "")))
+                a = view(lb)
                 if not math.isnan(v):
                     a.spikes[lb.get("cause", "unknown")] = v
         except PromError as e:

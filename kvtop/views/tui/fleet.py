@@ -64,21 +64,23 @@ def _host_port(addr: str) -> tuple[str, str]:
     return (p.hostname or "", str(p.port or ""))
 
 
-def agent_for(instance: str, agents: dict[str, AgentView]) -> AgentView | None:
-    """The agent view for an engine instance: by the exact address, else an agent that watches
-    the engine on its own host through loopback (``127.0.0.1:8000`` on the agent's node)."""
-    a = agents.get(instance)
-    if a is not None:
-        return a
+def agent_for(instance: str, agents: dict[tuple[str, str], AgentView]) -> AgentView | None:
+    """The agent view for an engine instance, ``agents`` keyed by (engine label, agent instance): an
+    agent that names the engine by its exact address (one on the engine's host first), else one that
+    watches the engine on its own host through loopback (``127.0.0.1:8000`` on the agent's node: every
+    sidecar says that, so the agent's own host tells them apart)."""
     host, port = _host_port(instance)
-    for label, view in agents.items():
+    exact = [view for (label, _), view in agents.items() if label == instance]
+    if exact:
+        return next((v for v in exact if _host_port(v.instance)[0] == host), exact[0])
+    for (label, _), view in agents.items():
         lh, lp = _host_port(label.split("/")[0])
         if lp == port and lh in LOOPBACK and _host_port(view.instance)[0] == host:
             return view
     return None
 
 
-def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Target], agents: dict[str, AgentView],
+def fleet_rows(snap: Snapshot, targets: dict[tuple[str, str], Target], agents: dict[tuple[str, str], AgentView],
                computed: dict[str, tuple[float | None, float | None]] | None = None) -> list[FleetRow]:
     jobs = {tg.instance: tg for tg in targets.values()}
     rows = []
