@@ -24,6 +24,7 @@ from kvtop.core import Core
 from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
+from kvtop.log import ServerLog
 from kvtop.model.sanitize import output_json, redact_url
 from kvtop.model.trace import make_header
 from kvtop.model.trace_rotate import RotatingTrace
@@ -130,7 +131,7 @@ class Agent:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/report", self._report)
         app.router.add_get("/healthz", self._health)
-        self._app_runner = web.AppRunner(app, access_log=None)
+        self._app_runner = web.AppRunner(app, access_log=None, logger=ServerLog())
         await self._app_runner.setup()
         host, port = self.opts.listen
         self._site = web.TCPSite(self._app_runner, host, port)

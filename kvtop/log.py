@@ -20,6 +20,29 @@ FORMATS = ("text", "json")
 ROOT = "kvtop"
 
 
+class ServerLog(logging.LoggerAdapter[logging.Logger]):
+    """aiohttp's server log for kvtop's HTTP ports (the proxy's, the agent's): one line per failed
+    request, naming the exception's class only, never a traceback.
+
+    aiohttp answers a request its parser refuses (a header over 8 KiB, a Content-Length that is not
+    a number, control characters in an ``X-Request-Id``) with 400 and then logs the whole traceback,
+    whose message quotes the offending bytes: an ``Authorization`` header, a cookie. That is the
+    client's mistake and none of the log's business beyond one line; a handler's own error is one
+    line too (its traceback at debug level)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger(ROOT + ".http"), {})
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        e = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        name = type(e).__name__ if e is not None else "error"
+        if e is not None and type(e).__module__.startswith("aiohttp.http"):
+            self.logger.info("refused a malformed request (%s)", name)
+            return
+        self.logger.error("error handling a request (%s)", name)
+        self.logger.debug("the error's traceback", exc_info=exc_info)
+
+
 class _Text(logging.Formatter):
     """``kvtop agent: warning: engine ... did not answer`` (info lines carry no level word)."""
 

@@ -121,6 +121,36 @@ def test_the_agent_keeps_credentials_in_the_url_out_of_metrics_report_and_trace(
                 proc.wait()
 
 
+def test_a_malformed_request_to_the_metrics_port_is_one_line_that_quotes_none_of_it():
+    # aiohttp answers 400 and logged a traceback whose message quoted the header's bytes (a bearer
+    # token, a cookie); the proxy's port already said one line
+    import socket
+
+    sim = _spawn("sim-server", "--preset", "healthy", "--port", "0", "--duration", "60")
+    agent = None
+    try:
+        sim_url = wait_for_line(sim.stdout, r"at (http://127\.0\.0\.1:\d+)").group(1)
+        agent = _spawn("agent", "--url", sim_url, "--listen", "127.0.0.1:0", "--no-gpu", "--interval", "0.5")
+        url = wait_for_line(agent.stderr, r"metrics (http://[\d.:]+)/metrics").group(1)
+        port = int(url.rsplit(":", 1)[1])
+        for raw in (b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-SECRET-" + b"z" * 9000 + b"\r\n\r\n",
+                    b"POST /metrics HTTP/1.1\r\nHost: x\r\nCookie: session=SECRET\r\nContent-Length: abc\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(raw)
+                assert b" 400 " in c.recv(100).split(b"\r\n")[0]
+        assert httpx.get(url + "/healthz", timeout=5).status_code == 200
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+        err = agent.stderr.read()
+        assert "SECRET" not in err and "Traceback" not in err, err
+        assert err.count("refused a malformed request") == 2, err
+    finally:
+        for proc in (agent, sim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.parametrize("args", [
     ("agent",),
     ("agent", "--url", "http://127.0.0.1:8000", "--listen", "127.0.0.1:notaport"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import re
 import socket
 import uuid
@@ -18,9 +17,9 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
 from yarl import URL
 
+from kvtop.log import ServerLog
 from kvtop.model.records import RequestRecord
 from kvtop.model.sanitize import redact_url
 from kvtop.sources.sse import RECORDED_PATHS, Clock, Emit, StreamRecorder, prompt_tokens_from_request
@@ -59,23 +58,6 @@ _REQ_DROP = frozenset({"host", "content-length"})
 _RESP_DROP: frozenset[str] = frozenset()
 
 
-
-class _ServerLog(logging.LoggerAdapter[logging.Logger]):
-    """aiohttp's server log, minus the traceback for requests its parser refuses.
-
-    A header with control characters (a hostile ``X-Request-Id``) is answered 400 by aiohttp and
-    then logged as a full traceback; that is the client's mistake, worth one line at most.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(logging.getLogger("aiohttp.server"), {})
-
-    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
-        if isinstance(exc_info, BadHttpMessage):
-            first = str(exc_info).strip().splitlines()
-            self.logger.info("refused a malformed request: %s", first[0] if first else "bad HTTP message")
-            return
-        self.logger.error(msg, *args, exc_info=exc_info, **kw)
 
 _SAFE_REQUEST_ID = re.compile(r"[\x20-\x7e]{1,256}")
 
@@ -126,7 +108,7 @@ class RecordingProxy:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # handler_cancellation: a client that hangs up mid-stall is noticed at once, so the
         # upstream request is closed and the cancel is timestamped when it happened.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=_ServerLog())
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=ServerLog())
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True,
                            reuse_port=self.reuse_port or None)
