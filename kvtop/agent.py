@@ -108,10 +108,11 @@ class Agent:
             "verdict": {"action": v.action if v else None, "mechanism": v.mechanism if v else None,
                         "confidence": v.confidence if v else None},
             "itl_target_s": rep.itl_target_s if rep is not None else None,
+            # a down engine's last gauges are not its state now (/metrics drops them too): null
             "engines": [
-                {"engine": engine_label(e.url, e.engine), "up": e.up, "kv_usage": e.kv_usage,
-                 "preemptions_total": e.preemptions_total, "preemptions_per_s": e.preemptions_per_s,
-                 "itl_p99_s": e.itl_p99_s}
+                {"engine": engine_label(e.url, e.engine), "up": e.up, "kv_usage": e.kv_usage if e.up else None,
+                 "preemptions_total": e.preemptions_total, "preemptions_per_s": e.preemptions_per_s if e.up else None,
+                 "itl_p99_s": e.itl_p99_s if e.up else None}
                 for e in self.core.snapshot().engines
             ],
         }

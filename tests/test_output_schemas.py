@@ -138,3 +138,30 @@ def test_the_agent_report_is_versioned_and_valid(storm_trace):
     assert doc["kvtop_version"] == __version__ and doc["schema"] == "kvtop-agent-report/1"
     _validate(doc, "agent-report.schema.json")
     assert doc["spikes_by_cause"].get("preemption", 0) > 0 and doc["verdict"]["action"] is not None
+
+
+def test_the_agent_report_says_nothing_of_a_down_engines_state(storm_trace):
+    # /metrics drops a dead engine's gauges; /report showed its last KV usage, rate and ITL as now
+    from kvtop.agent import Agent, AgentOptions
+    from kvtop.model.records import EngineRecord
+    from kvtop.model.trace import TraceReader
+    from kvtop.pipeline import SourceOptions, make_core
+    from kvtop.views.exporter import AgentMetrics
+
+    core = make_core("agent", 0.1, adapter="vllm")
+    reader = TraceReader(storm_trace)
+    url = None
+    for rec in reader.records():
+        core.ingest(rec)
+        if isinstance(rec, EngineRecord):
+            url, t = rec.url, rec.t
+    reader.close()
+    opts = AgentOptions(sources=SourceOptions(urls=("http://127.0.0.1:8000",)), listen=("127.0.0.1", 0))
+    agent = Agent(opts, core, runner=None, metrics=AgentMetrics("127.0.0.1:8000"))  # type: ignore[arg-type]
+    (up,) = agent.report()["engines"]
+    assert up["up"] and up["kv_usage"] is not None and up["itl_p99_s"] is not None
+    core.ingest(EngineRecord(t=t + 1.0, adapter="vllm", url=url, up=False, warnings=["connection refused"]))
+    (down,) = agent.report()["engines"]
+    assert not down["up"] and down["kv_usage"] is None and down["preemptions_per_s"] is None
+    assert down["itl_p99_s"] is None and down["preemptions_total"] == up["preemptions_total"]
+    _validate(json.loads(json.dumps(agent.report())), "agent-report.schema.json")

@@ -178,7 +178,8 @@ class AgentMetrics:
         e_kv = gauge("kvtop_engine_kv_cache_usage_ratio", "KV cache usage of the engine (0..1)", el)
         e_run = gauge("kvtop_engine_running_requests", "Requests in the engine's running batch", el)
         e_wait = gauge("kvtop_engine_waiting_requests", "Requests waiting in the engine's queue", el)
-        e_pre = counter("kvtop_engine_preemptions", "The engine's own preemption counter, as scraped", el)
+        e_pre = counter("kvtop_engine_preemptions", "The engine's own preemption counter, as scraped (it starts "
+                        "again from 0 when the engine restarts, as any counter of a restarted process)", el)
         e_age = gauge("kvtop_engine_last_success_age_seconds", "Seconds since the engine's /metrics last answered", el)
         stale = gauge("kvtop_engine_stale", "1 if the engine's /metrics has not answered for a while", el)
         models: dict[str, str] = {}
@@ -189,7 +190,8 @@ class AgentMetrics:
             e_up.add_metric([*k, e.adapter or "unknown"], 1.0 if e.up else 0.0)
             if not e.up:
                 # what a dead engine last said is not its state now: its gauges go (Prometheus marks
-                # them stale) rather than hold old values on a dashboard; its counter stays monotonic
+                # them stale) rather than hold old values on a dashboard; its counter stays (a counter
+                # that vanished and came back would read as a reset)
                 if e.preemptions_total is not None:
                     e_pre.add_metric(k, e.preemptions_total)
                 if e.stale_s is not None:
