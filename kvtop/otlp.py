@@ -190,10 +190,13 @@ def stall_of(sp: Any) -> Stall:
 
 
 def clock0(header: dict[str, Any]) -> float | None:
-    """A trace clock's origin in Unix seconds: the header's clock_t0_unix, else its started_at."""
-    c = header.get("clock_t0_unix")
-    if isinstance(c, (int, float)) and not isinstance(c, bool) and c == c:
-        return float(c)
+    """A trace clock's origin in Unix seconds: the header's clock_t0_unix, else an agent segment's
+    agent_wall_t0 (the agent's run began then; its segments share that clock, so a later segment's
+    started_at, the moment the segment opened, is minutes after it), else its started_at."""
+    for key in ("clock_t0_unix", "agent_wall_t0"):
+        c = header.get(key)
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and c == c:
+            return float(c)
     started = header.get("started_at")
     if isinstance(started, str):
         try:

@@ -295,3 +295,15 @@ def test_record_exports_spans_beside_its_trace(receiver, tmp_path) -> None:
     ids = [_attrs(s.attributes)["kvtop.request.id"] for s in receiver.spans()]
     assert len(ended) >= 5
     assert len(ids) == len(set(ids)) and set(ids) == ended
+
+
+def test_an_agent_segment_is_timed_from_the_agents_start_not_the_segments() -> None:
+    # an agent's third 10-minute segment opened 20 minutes into its run: its spans were shifted by
+    # those 20 minutes (the segment's started_at stood in for the run's clock origin)
+    from kvtop.otlp import clock0
+
+    head = {"started_at": "2026-12-06T12:20:00.000Z", "agent_wall_t0": 1_796_559_600.5}
+    assert clock0(head) == 1_796_559_600.5
+    assert clock0({"started_at": "2026-12-06T12:20:00.000Z"}) == datetime.fromisoformat(
+        "2026-12-06T12:20:00+00:00").timestamp()
+    assert clock0({"clock_t0_unix": 5.0, "agent_wall_t0": 7.0}) == 5.0
