@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from kvtop import __version__
 
@@ -38,7 +39,20 @@ STALL_EVENT = "kvtop.stall"
 
 
 class OtlpError(Exception):
-    """An export that did not reach the receiver or was refused (one line)."""
+    """An export that did not reach the receiver or was refused (one line). ``retry``: the OTLP/HTTP
+    specification makes it worth another try (no connection, a timeout, or HTTP 429, 502, 503, 504);
+    ``retry_after_s``: how long the receiver asked to wait (its ``Retry-After``)."""
+
+    def __init__(self, msg: str, retry: bool = False, retry_after_s: float | None = None):
+        super().__init__(msg)
+        self.retry = retry
+        self.retry_after_s = retry_after_s
+
+
+# OTLP/HTTP "Failures": these statuses are retryable, with exponential backoff, honouring Retry-After
+RETRYABLE = frozenset({429, 502, 503, 504})
+RETRY_DELAYS_S = (1.0, 2.0, 4.0)
+RETRY_AFTER_MAX_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +115,30 @@ def _kv(key: str, value: Any) -> Any:
     return KeyValue(key=key, value=v)
 
 
+# the downward-API variables kvtop's Kubernetes manifests set, as OpenTelemetry's resource keys
+_K8S_ENV = (("k8s.pod.name", "POD_NAME"), ("k8s.namespace.name", "POD_NAMESPACE"), ("k8s.node.name", "NODE_NAME"))
+
+
+def resource_attributes(service: str = "kvtop", env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Who sent the spans: ``service.name`` (``OTEL_SERVICE_NAME`` where set), ``service.version``,
+    ``host.name`` and the pod, namespace and node where the agent runs in Kubernetes, then
+    ``OTEL_RESOURCE_ATTRIBUTES`` (``key=value,...``, values percent-encoded) over them, as the
+    OpenTelemetry SDKs read it (``OTEL_SERVICE_NAME`` still wins for the service's name). Without them
+    every sidecar's spans carried ``server.address=127.0.0.1`` and nothing else to tell nodes apart."""
+    env = os.environ if env is None else env
+    out = {"service.name": service, "service.version": __version__, "host.name": socket.gethostname()}
+    for key, var in _K8S_ENV:
+        if env.get(var):
+            out[key] = env[var]
+    for pair in (env.get("OTEL_RESOURCE_ATTRIBUTES") or "").split(","):
+        k, eq, v = pair.partition("=")
+        if eq and k.strip():
+            out[k.strip()] = unquote(v.strip())
+    if env.get("OTEL_SERVICE_NAME"):
+        out["service.name"] = env["OTEL_SERVICE_NAME"]
+    return out
+
+
 def _ns(clock0_unix: float, t: float) -> int:
     return int(round((clock0_unix + t) * 1e9))
 
@@ -156,7 +194,7 @@ def encode(spans: Sequence[RequestSpan], clock0_unix: float, model: str | None =
                         kind=Span.SPAN_KIND_CLIENT, start_time_unix_nano=_ns(clock0_unix, s.start),
                         end_time_unix_nano=_ns(clock0_unix, max(s.end, s.start)), attributes=attrs, events=events,
                         status=status))
-    resource = Resource(attributes=[_kv("service.name", service), _kv("service.version", __version__)])
+    resource = Resource(attributes=[_kv(k, v) for k, v in resource_attributes(service).items()])
     scope = InstrumentationScope(name="kvtop", version=__version__)
     req = ExportTraceServiceRequest(resource_spans=[ResourceSpans(resource=resource,
                                                                   scope_spans=[ScopeSpans(scope=scope, spans=out)])])
@@ -171,9 +209,16 @@ def post(url: str, body: bytes, timeout_s: float = 10.0) -> None:
     try:
         r = httpx.post(url, content=body, headers={"Content-Type": CONTENT_TYPE}, timeout=timeout_s)
     except httpx.HTTPError as e:
-        raise OtlpError(f"OTLP export to {url} failed: {type(e).__name__}: {e}") from None
+        raise OtlpError(f"OTLP export to {url} failed: {type(e).__name__}: {e}",
+                        retry=isinstance(e, httpx.TransportError)) from None
     if r.status_code >= 300:
-        raise OtlpError(f"OTLP export to {url} refused: HTTP {r.status_code}")
+        after = None
+        try:
+            after = min(RETRY_AFTER_MAX_S, max(0.0, float(r.headers.get("Retry-After", ""))))
+        except ValueError:
+            pass  # absent, or an HTTP date: the backoff's own delay
+        raise OtlpError(f"OTLP export to {url} refused: HTTP {r.status_code}", retry=r.status_code in RETRYABLE,
+                        retry_after_s=after)
 
 
 def batches(spans: Sequence[RequestSpan], size: int = BATCH) -> Iterable[Sequence[RequestSpan]]:
@@ -284,13 +329,17 @@ class Sender:
     """Posts encoded batches from a thread of its own, so a slow receiver never stalls the run;
     a full queue drops the batch (counted) rather than grow without bound."""
 
-    def __init__(self, url: str, timeout_s: float = 10.0, max_queue: int = 64):
+    def __init__(self, url: str, timeout_s: float = 10.0, max_queue: int = 64,
+                 delays_s: Sequence[float] = RETRY_DELAYS_S):
         self.url = url
         self.timeout_s = timeout_s
+        self.delays_s = tuple(delays_s)
         self.sent = 0
         self.dropped = 0
-        self.failures = 0
+        self.failures = 0  # batches given up on (after their retries)
+        self.retries = 0
         self.last_error: str | None = None
+        self._stopping = threading.Event()
         self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=max_queue)
         self._t = threading.Thread(target=self._run, name="kvtop-otlp", daemon=True)
         self._t.start()
@@ -306,22 +355,47 @@ class Sender:
             body = self._q.get()
             if body is None:
                 return
+            self._send(body)
+
+    def _send(self, body: bytes) -> None:
+        last = False
+        for attempt in range(len(self.delays_s) + 1):
             try:
                 post(self.url, body, self.timeout_s)
                 self.sent += 1
+                return
             except OtlpError as e:
-                self.failures += 1
-                if str(e) != self.last_error:  # one line per new kind of failure, not one per batch
-                    sys.stderr.write(f"kvtop: warning: {e}\n")
-                self.last_error = str(e)
+                if not e.retry or attempt == len(self.delays_s) or last:
+                    self.failures += 1
+                    if str(e) != self.last_error:  # one line per new kind of failure, not one per batch
+                        sys.stderr.write(f"kvtop: warning: {e}\n")
+                    self.last_error = str(e)
+                    return
+                self.retries += 1
+                wait = e.retry_after_s if e.retry_after_s is not None else self.delays_s[attempt]
+                # stopping: one last try now rather than a wait the run's end cannot afford
+                last = self._stopping.is_set() or self._stopping.wait(wait)
+
+    def summary(self) -> str | None:
+        """One line on what did not reach the receiver, where anything did not."""
+        if not (self.failures or self.dropped):
+            return None
+        return (f"kvtop: warning: OTLP export to {self.url}: {self.sent} batch(es) sent, {self.failures} failed "
+                f"after retries, {self.dropped} dropped (queue full)")
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Send what is queued (up to ``wait_s``), then stop."""
+        """Send what is queued (up to ``wait_s``; a batch waiting to be retried gets one last try),
+        then stop, saying what did not reach the receiver."""
         try:
             self._q.put(None, timeout=wait_s)
         except queue.Full:
-            return
-        self._t.join(wait_s)
+            self.dropped += self._q.qsize()
+        else:
+            self._stopping.set()
+            self._t.join(wait_s)
+        line = self.summary()
+        if line:
+            sys.stderr.write(line + "\n")
 
 
 class LiveExport:

@@ -307,3 +307,63 @@ def test_an_agent_segment_is_timed_from_the_agents_start_not_the_segments() -> N
     assert clock0({"started_at": "2026-12-06T12:20:00.000Z"}) == datetime.fromisoformat(
         "2026-12-06T12:20:00+00:00").timestamp()
     assert clock0({"clock_t0_unix": 5.0, "agent_wall_t0": 7.0}) == 5.0
+
+
+def test_spans_say_which_host_pod_and_node_sent_them() -> None:
+    import socket as _socket
+
+    from kvtop.otlp import resource_attributes
+
+    plain = resource_attributes(env={})
+    assert plain["service.name"] == "kvtop" and plain["host.name"] == _socket.gethostname()
+    pod = resource_attributes(env={"POD_NAME": "vllm-0", "POD_NAMESPACE": "serve", "NODE_NAME": "gpu-7",
+                                   "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,team=a%2Cb",
+                                   "OTEL_SERVICE_NAME": "kvtop-sidecar"})
+    assert (pod["k8s.pod.name"], pod["k8s.namespace.name"], pod["k8s.node.name"]) == ("vllm-0", "serve", "gpu-7")
+    assert pod["deployment.environment"] == "prod" and pod["team"] == "a,b"
+    assert pod["service.name"] == "kvtop-sidecar"
+
+
+def test_a_receiver_that_asks_to_retry_gets_the_batch_again() -> None:
+    # OTLP/HTTP: 429/502/503/504 are retryable, honouring Retry-After; the batch was dropped after one
+    # warning line and the loss counted nowhere
+    from kvtop.otlp import Sender
+
+    answers = [503, 503, 200]
+    seen: list[str] = []
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:  # noqa: ANN002
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code = answers.pop(0) if answers else 400
+            seen.append(str(code))
+            self.send_response(code)
+            if code == 503:
+                self.send_header("Retry-After", "0")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/v1/traces"
+        s = Sender(url, delays_s=(5.0, 5.0, 5.0))  # Retry-After: 0 is honoured, not the 5 s backoff
+        s.submit(b"batch")
+        t0 = time.monotonic()
+        while s.sent + s.failures == 0 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        s.close(wait_s=10)
+        assert (s.sent, s.retries, s.failures) == (1, 2, 0) and seen == ["503", "503", "200"]
+        assert time.monotonic() - t0 < 4.0
+        # a refusal that is not retryable is one try, and the run's end says what was lost
+        s = Sender(url, delays_s=(0.01,))
+        s.submit(b"batch")
+        s.close(wait_s=10)
+        assert (s.sent, s.retries, s.failures) == (0, 0, 1) and seen[-1] == "400"
+        assert s.summary() == f"kvtop: warning: OTLP export to {url}: 0 batch(es) sent, 1 failed after retries, 0 dropped (queue full)"
+    finally:
+        srv.shutdown()
+        srv.server_close()
