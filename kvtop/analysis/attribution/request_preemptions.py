@@ -11,12 +11,17 @@ Where streams name their engine, an engine's interval is matched with that engin
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvtop.model.analysis import PreemptionCheck
 from kvtop.model.records import EngineKey
 
 MAX_PINNED = 5000
+# Finishes older than this behind the newest are no interval's: scrapes come seconds apart, and an
+# engine without the histogram (SGLang, TGI, llama.cpp, the simulator) has no scrape to prune them,
+# so a console or agent kept every finish of its life (10-13 MB an hour at 10 requests/s).
+KEEP_S = 600.0
 
 
 @dataclass
@@ -34,12 +39,16 @@ class RequestPreemptions:
     preemptions: float = 0.0  # their preemptions
     pinned: dict[str, int] = field(default_factory=dict)  # request id -> the engine's count
     _prev: dict[EngineKey, _Prev] = field(default_factory=dict)
-    _finishes: list[tuple[float, str, str | None]] = field(default_factory=list)  # observed finishes since the oldest scrape
+    # observed finishes since the oldest scrape (and not over KEEP_S behind the newest)
+    _finishes: deque[tuple[float, str, str | None]] = field(default_factory=deque)
     _addr: dict[EngineKey, str | None] = field(default_factory=dict)  # histogram key -> its engine's address
     _named: bool = False  # some finished stream named its engine
 
     def finish(self, t: float, rid: str, engine: str | None = None) -> None:
-        self._finishes.append((t, rid, engine))
+        fs = self._finishes
+        fs.append((t, rid, engine))
+        while fs[0][0] < t - KEEP_S:
+            fs.popleft()
         if engine is not None:
             self._named = True
 
@@ -66,7 +75,7 @@ class RequestPreemptions:
         if dc == 1 and alone and len(inside) == 1 and len(self.pinned) < MAX_PINNED:
             self.pinned[inside[0]] = int(round(ds))
         oldest = min(p.t for p in self._prev.values())
-        self._finishes = [f for f in self._finishes if f[0] > oldest]
+        self._finishes = deque(f for f in self._finishes if f[0] > oldest)
 
     def report(self, spikes_of: dict[str, int]) -> PreemptionCheck | None:
         """The check as the report shows it; ``spikes_of`` = kvtop's preemption spikes per request id."""
