@@ -122,16 +122,20 @@ class HeaderAnalysis(TypedDict, total=False):
 def make_core(label: str, itl_target_s: float | None = None, window_s: float = 60.0, analysis: bool = True,
               adapter: str | None = None, model: str | None = None,
               kv_bytes_per_token: float | None = None, interval_s: float | None = None,
-              gpu_status: str = "ok") -> Core:
+              gpu_status: str = "ok", header: dict[str, Any] | None = None) -> Core:
     """A Core with the live analysis attached (spikes, causes, verdict) unless ``analysis`` is False;
     ``adapter``, ``model`` and ``kv_bytes_per_token`` tell the cost model what is known of the engine;
-    ``interval_s`` how often its engines are scraped."""
+    ``interval_s`` how often its engines are scraped; ``header``: a replayed trace's header, read by
+    the analysis as ``kvtop analyze`` reads it (the engine's current limits among it)."""
     live = None
     if analysis:
-        from kvtop.analysis.live import LiveAnalyzer  # see the note on imports above
+        from kvtop.analysis.analyzer import header_itl_target  # see the note on imports above
+        from kvtop.analysis.live import LiveAnalyzer
 
-        live = LiveAnalyzer(itl_target_s=itl_target_s, adapter=adapter, model=model,
-                            kv_bytes_per_token=kv_bytes_per_token, interval_s=interval_s)
+        # the header's own target is the header's (its source says so, as analyze's does)
+        own = header is not None and itl_target_s is not None and itl_target_s == header_itl_target(header)
+        live = LiveAnalyzer(itl_target_s=None if own else itl_target_s, adapter=adapter, model=model,
+                            kv_bytes_per_token=kv_bytes_per_token, interval_s=interval_s, header=header)
     return Core(window_s=window_s, itl_target_s=itl_target_s, source_label=label, analysis=live, gpu_status=gpu_status)
 
 
@@ -256,7 +260,7 @@ def replay_feed(path: str | os.PathLike[str], speed: float = 0.0, itl_target_s: 
     def factory() -> Core:
         return make_core(label, target, adapter=known.get("adapter"), model=known.get("model"),
                          kv_bytes_per_token=known.get("kv_bytes_per_token"), interval_s=known.get("interval_s"),
-                         gpu_status=GPU_NOT_RECORDED)
+                         gpu_status=GPU_NOT_RECORDED, header=feed.header)
 
     feed.core = factory()
     feed.core_factory = factory

@@ -166,6 +166,13 @@ def test_headless_replay_reports_the_same_analysis_as_analyze(tmp_path: Path):
     assert pre >= 5 and pre == batch["causes"]["preemption"]["count"]
     assert live["spikes_total"] == batch["spikes_total"]
     assert live["verdict"]["action"] == batch["verdict"]["action"]
+    # the settings too: the console read none of the header's limits and told the operator to set
+    # --max-num-seqs to the 64 the engine already ran with
+    flags = [(s["flag"], s["value"]) for s in live["verdict"]["settings"]]
+    assert flags == [(s["flag"], s["value"]) for s in batch["verdict"]["settings"]]
+    assert ("--max-num-seqs", 64) not in flags
+    for key in ("itl_target", "max_seqs_current"):
+        assert live["verdict"]["numbers"][key]["source"] == batch["verdict"]["numbers"][key]["source"], key
 
 
 def test_a_replay_never_calls_the_gpu_fine_when_the_trace_has_no_gpu_record(tmp_path: Path):

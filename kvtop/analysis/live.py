@@ -36,16 +36,26 @@ class LiveAnalyzer:
     def __init__(self, itl_target_s: float | None = None, adapter: str | None = None, model: str | None = None,
                  model_config: dict[str, Any] | None = None, kv_bytes_per_token: float | None = None,
                  kv_dtype: str = "bf16", tp: int = 1, max_requests: int = 5000, keep_spikes: int = 500,
-                 horizon_s: float = 120.0, report_every_s: float = 1.0, interval_s: float | None = None):
+                 horizon_s: float = 120.0, report_every_s: float = 1.0, interval_s: float | None = None,
+                 header: dict[str, Any] | None = None):
         # a fresh analyzer with the same settings, for the core's reset (a replay seeking backwards)
         self._fresh: Callable[[], LiveAnalyzer] = partial(
             LiveAnalyzer, itl_target_s=itl_target_s, adapter=adapter, model=model, model_config=model_config,
             kv_bytes_per_token=kv_bytes_per_token, kv_dtype=kv_dtype, tp=tp, max_requests=max_requests,
-            keep_spikes=keep_spikes, horizon_s=horizon_s, report_every_s=report_every_s, interval_s=interval_s)
+            keep_spikes=keep_spikes, horizon_s=horizon_s, report_every_s=report_every_s, interval_s=interval_s,
+            header=header)
         self.an = Analyzer(itl_target_s=itl_target_s, max_requests=max_requests, keep_spikes=keep_spikes,
                            horizon_s=horizon_s)
         # ``interval_s``: how often the engines are scraped (until two scrapes show it)
-        self.an.set_header({"engine": {"adapter": adapter, "model": model}, "interval_s": interval_s})
+        # a replayed trace's own header (the engine's limits, its scrape period, its target: what
+        # ``kvtop analyze`` reads of the same trace), else what the caller knows
+        h = dict(header or {})
+        eng = h.get("engine")
+        h["engine"] = {**(eng if isinstance(eng, dict) else {}),
+                       **{k: v for k, v in (("adapter", adapter), ("model", model)) if v is not None}}
+        if interval_s is not None or "interval_s" not in h:
+            h["interval_s"] = interval_s
+        self.an.set_header(h)
         self.model_config = model_config
         self.kv_bytes = kv_bytes_per_token
         self.kv_dtype = kv_dtype
