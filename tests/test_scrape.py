@@ -305,5 +305,30 @@ async def test_a_forced_adapter_that_recognises_nothing_names_whose_page_it_is(s
         [r] = await s.scrape(1.0)
     finally:
         await s.aclose()
-    assert r.running is None  # every field n/a: the page is vLLM's
+    assert not r.up  # nothing read: the page is vLLM's, and the scrape says so
     assert any("--adapter sglang" in w and "looks like vllm's" in w for w in r.warnings), r.warnings
+
+
+@pytest.mark.parametrize("body", ["", "garbage that is no metric line\n" * 100])
+async def test_an_empty_or_garbled_page_after_a_good_one_is_a_failed_scrape_not_a_second_engine(server, body):
+    # the page came back 200 with nothing readable: it was taken as an engine of its own (no label),
+    # a second card all n/a that stayed, and a banner naming an engine that does not exist
+    from kvtop.core import Core
+
+    route = server.route("/metrics", [CAPTURE, body, CAPTURE])
+    s = EngineScraper(server.url)
+    core = Core()
+    try:
+        for t in (0.0, 1.0, 2.0):
+            if t == 2.0:
+                s._retry_at = -1.0  # the backoff after the failure would skip the third scrape
+            for r in await s.scrape(t):
+                core.ingest(r)
+            if t == 1.0:
+                (bad,) = core.snapshot(t).engines
+                assert not bad.up and "nothing kvtop reads" in (bad.error or "")
+    finally:
+        await s.aclose()
+    assert len(route.hits) == 3
+    (e,) = core.snapshot(2.0).engines
+    assert e.up and e.kv_capacity_tokens == 1056

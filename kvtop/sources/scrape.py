@@ -24,6 +24,12 @@ BACKOFF_MAX_S = 30.0
 _NOT_METRICS = "not a metrics endpoint"
 
 
+# the fields an engine's page gives on every scrape (idle or busy); a page that gives none of them
+# is no engine's page
+_READ_FIELDS = ("running", "waiting", "kv_usage", "preemptions_total", "prompt_tokens_total",
+                "generation_tokens_total", "requests_finished_total", "itl", "ttft")
+
+
 class ScrapeError(Exception):
     """One-line reason a scrape gave nothing usable."""
 
@@ -235,6 +241,12 @@ class EngineScraper:
             recs = [recs]
         if not recs:
             raise ScrapeError(f"adapter {adapter.name} found no engine at {redact_url(self.metrics_url)}")
+        if all(all(getattr(r, f) is None for f in _READ_FIELDS) for r in recs):
+            # an empty or garbled page (a proxy's error body served as 200, a cut connection): no
+            # engine answered there, and a record of it would be an engine of its own, all n/a
+            why = self._forced_note or next((w for r in recs for w in r.warnings), "")
+            raise ScrapeError(f"{_NOT_METRICS}: nothing kvtop reads at {redact_url(self.metrics_url)}"
+                              + (f" ({why})" if why else ""))
         for r in recs:
             sanitize_record(r)
             if self._forced_note:
