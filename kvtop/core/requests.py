@@ -136,7 +136,9 @@ class RequestTracker:
         elif ev in _END_STATE:
             if r.end_t is None:
                 self._ended.append((rec.t, r.id))
-            if ev == "error":
+            # a request the server refused (HTTP 4xx before any token: a bad request, too long a
+            # prompt) is the client's error, no sign that the engine dropped what it was running
+            if ev == "error" and not (isinstance(rec.status, int) and 400 <= rec.status < 500 and not r.tokens):
                 self._note_error(rec)
         if self._fold:
             k = rec.n if rec.n else 1
