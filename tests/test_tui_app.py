@@ -234,6 +234,14 @@ async def test_replay_step_and_seek():
         await pilot.pause()
         assert feed.calls[-1] == ("seek", 45.0)
         assert "replay 45.00s/300s" in screen_text(app) and "t=45.00s" in screen_text(app)
+        # "nan" parses as a float: it rewound the replay to the start without a word
+        await pilot.press("g")
+        await pilot.pause()
+        await pilot.press(*"nan", "enter")
+        await pilot.pause()
+        assert feed.calls[-1] == ("seek", 45.0) and app.screen is not app.main
+        await pilot.press("escape")
+        await pilot.pause()
         await pilot.press("p")
         assert feed.paused and feed.calls[-1] == ("pause", None)
         await pilot.press("p")

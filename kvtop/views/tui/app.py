@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import math
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -116,9 +117,13 @@ class SeekScreen(ModalScreen[float | None]):
     @on(Input.Submitted)
     def _submitted(self, ev: Input.Submitted) -> None:
         try:
-            self.dismiss(max(0.0, float(ev.value)))
+            t = float(ev.value)
+            if not math.isfinite(t):  # "nan" and "inf" parse; max(0.0, nan) rewound to the start
+                raise ValueError
         except ValueError:
             self.notify(f"not a number of seconds: {ev.value!r}", severity="error")
+            return
+        self.dismiss(max(0.0, t))
 
 
 View = OverviewView | RequestsView | DetailView | AdvisorView | EventsView
