@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvtop.model.trace import TraceReader
 from tests.conftest import run_kvtop
 
@@ -132,3 +134,28 @@ def test_what_if_replays_a_traces_arrivals_exactly_then_under_another_policy(tmp
     pre_a = sum(1 for x in ta if x[2] == "preempt")
     pre_c = sum(1 for x in tc if x[2] == "preempt")
     assert pre_c > pre_a
+
+
+@pytest.mark.parametrize(("where", "field", "value", "said"), [
+    ("class", "start_s", "x", "start_s: expected a number"),
+    ("class", "start_s", -5, "start_s: must be >= 0"),
+    ("class", "max_tokens", "a", "max_tokens: expected a whole number"),
+    ("class", "max_tokens", 0, "max_tokens: must be >= 1"),
+    ("class", "reserved_kv_frac", "a", "reserved_kv_frac: expected a number"),
+    ("class", "priority", "a", "priority: expected a whole number"),
+    ("class", "name", 5, "name must be a name"),
+    ("class", "rate_per_s", 1e7, "rate_per_s must be at most"),
+    ("engine", "model", 5, "engine.model must be a name"),
+    ("engine", "chunked_prefill", "no", "engine.chunked_prefill must be true or false"),
+    ("engine", "max_model_len", 8, "does not fit engine.max_model_len"),
+])
+def test_a_workload_field_of_the_wrong_kind_is_one_line(tmp_path, where, field, value, said):
+    # each was a traceback (exit 1), a MemoryError, or read wrongly without a word ("no" as true)
+    doc = {"engine": {"max_model_len": 8192},
+           "classes": [{"name": "a", "rate_per_s": 1, "prompt": {"median": 100, "min": 10}, "output": 50}]}
+    (doc["engine"] if where == "engine" else doc["classes"][0])[field] = value
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps(doc))
+    r = run_kvtop("simulate", "--workload", str(wl), "--duration", "5", "-o", str(tmp_path / "x.jsonl"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr

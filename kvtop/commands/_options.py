@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 # needs (aiohttp for the probe, the packet socket, Prometheus' client, the adapter registry) is
 # imported inside the function that needs it.
 
+# the longest run simulate and load plan: a day (their arrivals are drawn in memory first)
+MAX_DURATION_S = 86400.0
+
 
 def _probe_rate(text: str) -> float:
     from kvtop.sources.probe import probe_rate  # aiohttp: only when --probe is given

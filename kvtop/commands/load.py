@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvtop.commands._longrun import STOP_SIGNALS
 from kvtop.commands._options import (
+    MAX_DURATION_S,
     add_engine_options,
     add_host_options,
     check_output,
@@ -96,8 +97,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_requests is not None and args.max_requests < 1:
         raise UsageError("--max-requests must be at least 1")
     duration = None if args.duration is None else parse_seconds(args.duration, "--duration")
-    if duration is not None and not duration > 0:
-        raise UsageError(f"--duration must be positive, not {duration:g}")
+    if duration is not None and not 0 < duration <= MAX_DURATION_S:
+        # as simulate's: the plan's arrivals are drawn in memory before the first is sent
+        raise UsageError(f"--duration must be positive and at most {MAX_DURATION_S:g} s, not {duration:g}")
     if not 1 <= args.proxy_workers <= 64:
         raise UsageError("--proxy-workers must be between 1 and 64")
     if args.source and same_file(args.source, args.output):

@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 from kvtop.commands._longrun import Interrupt, Progress, interrupted_note
-from kvtop.commands._options import check_output, replace_output, seconds_arg
+from kvtop.commands._options import MAX_DURATION_S, check_output, replace_output, seconds_arg
 from kvtop.errors import UsageError
 
 NAME = "simulate"
 HELP = "run the simulated paged-KV engine faster than real time and write a trace (with ground truth)"
 ORDER = 60
-MAX_DURATION_S = 86400.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

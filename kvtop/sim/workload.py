@@ -250,10 +250,20 @@ def _engine_from(d: dict[str, Any], where: str) -> EngineConfig:
     if swap.copy_bytes is not None:
         _num(swap.copy_bytes, f"{where}: engine.swap.copy_bytes", 1, integer=True)
     _num(eng.itl_target_s, f"{where}: engine.itl_target_s", 0)
+    if not isinstance(eng.model, str) or not eng.model:
+        raise WorkloadError(f"{where}: engine.model must be a name, got {eng.model!r}")
+    for name in ("chunked_prefill", "prefix_caching"):
+        if not isinstance(getattr(eng, name), bool):  # "no" read as true
+            raise WorkloadError(f"{where}: engine.{name} must be true or false, got {getattr(eng, name)!r}")
+    if not isinstance(swap.overlap, bool):
+        raise WorkloadError(f"{where}: engine.swap.overlap must be true or false, got {swap.overlap!r}")
     return eng
 
 
 _MAX_MEDIAN = 1e9  # tokens
+# one class's arrivals per second: far past what one engine serves, and bounded so a run's arrivals
+# (generated in memory) fit in it (1e7/s for 5 s was a MemoryError)
+MAX_RATE_PER_S = 10_000.0
 _MAX_SIGMA = 10.0
 
 
@@ -294,7 +304,16 @@ def parse_workload(obj: Any, where: str = "workload") -> Workload:
         rc["prompt"] = _dist(rc["prompt"], f"{cw}.prompt")
         rc["output"] = _dist(rc["output"], f"{cw}.output")
         tc = _build(TrafficClass, rc, cw)
+        if not isinstance(tc.name, str) or not tc.name:
+            raise WorkloadError(f"{cw}.name must be a name, got {tc.name!r}")
         _num(tc.rate_per_s, f"{cw}.rate_per_s", 0)
+        if tc.rate_per_s > MAX_RATE_PER_S:  # the arrivals of a run are generated in memory
+            raise WorkloadError(f"{cw}.rate_per_s must be at most {MAX_RATE_PER_S:g} requests/s, got {tc.rate_per_s!r}")
+        _num(tc.start_s, f"{cw}.start_s", 0)
+        if tc.max_tokens is not None:
+            _num(tc.max_tokens, f"{cw}.max_tokens", 1, integer=True)
+        _num(tc.reserved_kv_frac, f"{cw}.reserved_kv_frac", 0)
+        _num(tc.priority, f"{cw}.priority", integer=True)
         if tc.arrival_times_s is not None:
             if not isinstance(tc.arrival_times_s, list):
                 raise WorkloadError(f"{cw}.arrival_times_s: expected a list of seconds")
@@ -306,6 +325,9 @@ def parse_workload(obj: Any, where: str = "workload") -> Workload:
             raise WorkloadError(f"{cw}.reserved_kv_frac must be in [0, 1)")
         if tc.prefix_id is not None:
             _num(tc.prefix_tokens, f"{cw}.prefix_tokens", 1, integer=True)
+        if tc.prompt.min >= eng.max_model_len:
+            raise WorkloadError(f"{cw}.prompt: its shortest prompt ({tc.prompt.min}) does not fit engine.max_model_len "
+                                f"({eng.max_model_len})")
         longest = max(tc.prompt.max or 0, tc.prefix_tokens + 1)
         if longest + (tc.max_tokens or tc.output.max or 0) > eng.max_model_len:
             raise WorkloadError(f"{cw}: longest prompt + max_tokens exceeds engine.max_model_len ({eng.max_model_len})")
@@ -315,7 +337,9 @@ def parse_workload(obj: Any, where: str = "workload") -> Workload:
         raise WorkloadError(f"{where}: 'policies' must be an object of engine overrides")
     for pname, over in policies.items():
         _engine_from(_merge(_engine_to_dict(eng), over), f"{where}: policies.{pname}")
-    return Workload(str(obj.get("name", where)), str(obj.get("description", "")), eng, classes, policies,
+    # unnamed: the file's name ("workload workload zero.json" read the prefix twice)
+    return Workload(str(obj.get("name", where.removeprefix("workload "))), str(obj.get("description", "")), eng,
+                    classes, policies,
                     str(obj.get("demonstrates", "")))
 
 
