@@ -201,3 +201,19 @@ async def test_impatient_load_generator_clients_become_cancels_in_the_server():
     assert set(server_cancels) == set(arrive)
     for rid, t in server_cancels.items():  # the hang-up reaches the engine after the client's patience
         assert t - arrive[rid] > 0.15
+
+
+async def test_a_request_refused_for_its_body_leaves_nothing_running_in_the_engine():
+    # stream_options "x" was a 500 after the engine had taken the request: it kept generating, KV
+    # filled and the running gauge rose for requests no client waited for
+    wl = load_preset("healthy")
+    async with SimServer(wl, speed=20.0) as srv, aiohttp.ClientSession() as s:
+        bad = [("/v1/completions", {"prompt": "a", "max_tokens": 3000, "ignore_eos": True, "stream": True,
+                                    "stream_options": "x"}),
+               ("/v1/completions", {"prompt": "a b", "max_tokens": 0}),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": 5}]}]})]
+        for path, body in bad:
+            async with s.post(srv.url + path, json=body) as r:
+                assert r.status == 400, (body, r.status, await r.text())
+        await asyncio.sleep(0.5)
+        assert not srv.engine.seqs and srv.engine.num_running == 0

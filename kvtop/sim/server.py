@@ -186,7 +186,11 @@ class SimServer:
         ext: dict[str, Any] = raw if isinstance(raw, dict) else {}
         cls_name = str(ext.get("class") or headers.get("X-Kvtop-Class") or self.workload.classes[0].name)
         tc = self._classes.get(cls_name, self.workload.classes[0])
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = 16  # max_tokens 0 is refused, as vLLM refuses it, not read as unset
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise web.HTTPBadRequest(text=_err("max_tokens must be a positive integer"),
                                      content_type="application/json")
@@ -233,10 +237,21 @@ class SimServer:
             if isinstance(c, str):
                 words += len(c.split())
             elif isinstance(c, list):
-                words += sum(len(p.get("text", "").split()) for p in c if isinstance(p, dict))
+                texts = [p.get("text", "") for p in c if isinstance(p, dict)]
+                if not all(isinstance(x, str) for x in texts):
+                    raise web.HTTPBadRequest(text=_err("a content part's text must be a string"),
+                                             content_type="application/json")
+                words += sum(len(x.split()) for x in texts)
         return await self._serve(request, body, words, chat=True)
 
     async def _serve(self, request: web.Request, body: dict[str, Any], words: int, chat: bool) -> web.StreamResponse:
+        # everything read of the body is checked before the engine takes the request: an error after
+        # it left the request generating in the engine behind a 500
+        stream = bool(body.get("stream"))
+        opts = body.get("stream_options")
+        if opts is not None and not isinstance(opts, dict):
+            raise web.HTTPBadRequest(text=_err("stream_options must be an object"), content_type="application/json")
+        include_usage = bool((opts or {}).get("include_usage")) if stream else True
         spec = self._spec(body, words, request.headers)
         if spec.prompt_tokens + 1 > self.workload.engine.max_model_len:
             raise web.HTTPBadRequest(text=_err(
@@ -256,8 +271,6 @@ class SimServer:
         self._wake.set()
         model = self.workload.engine.model
         created = int(time.time())
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if stream else True
         obj = "chat.completion.chunk" if chat else "text_completion"
         done = False
         n = 0
