@@ -286,3 +286,57 @@ def test_the_prefix_cache_line_sums_engines_and_survives_a_restart():
     planned.firsts, planned.lasts = cache.firsts, cache.lasts
     assert planned.line() == ("the engine's prefix cache served 89% of the 1,350 prompt tokens it was asked for; "
                               "the plan's shared prefixes repeat 80%")
+
+
+async def _serve_streams(handler: Any) -> tuple[Any, str]:
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_the_client_counts_outcomes_as_the_trace_does_and_says_when_it_fell_behind():
+    # an error event inside a 200 stream (vLLM's way of reporting an engine failure) was counted as
+    # finished; and a client capped at its open streams stopped sending on schedule without a word
+    import aiohttp
+    from aiohttp import web
+
+    from kvtop.load.client import LoadClient, schedule_line
+    from kvtop.load.plan import LoadRequest, Plan
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        rid = request.headers["X-Request-Id"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if rid.startswith("err"):
+            await resp.write(b'data: {"error": {"type": "InternalServerError", "code": 500}}\n\n')
+        else:
+            await asyncio.sleep(0.3)
+            await resp.write(b'data: {"choices": [{"index": 0, "text": " a", "finish_reason": null}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    runner, url = await _serve_streams(handler)
+    try:
+        reqs = [LoadRequest("err-1", 0.0, 8, 4)] + [LoadRequest(f"ok-{i}", 0.01 * i, 8, 4) for i in range(1, 9)]
+        client = LoadClient(url, Plan(reqs, "t", "workload"), model="m", max_concurrency=2)
+        async with aiohttp.ClientSession() as s:
+            await client.run(s, asyncio.Event())
+        st = client.stats
+        assert (st.finished, st.errors, st.error_kinds) == (8, 1, {"InternalServerError": 1})
+        assert st.capped >= 5 and st.late_max_s > 0.2
+        line = schedule_line(st, client.plan, 2)
+        assert line is not None and "behind schedule" in line and "2 open at once" in line
+        # a client that keeps up says nothing
+        on_time = LoadClient(url, Plan(reqs[:2], "t", "workload"), model="m")
+        async with aiohttp.ClientSession() as s:
+            await on_time.run(s, asyncio.Event())
+        assert schedule_line(on_time.stats, on_time.plan, 4096) is None
+    finally:
+        await runner.cleanup()

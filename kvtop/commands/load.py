@@ -124,7 +124,7 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
 
     from kvtop.commands.record import open_trace
     from kvtop.feeds.sources import ProxyRecorder
-    from kvtop.load.client import LoadClient, model_name
+    from kvtop.load.client import LoadClient, model_name, schedule_line
     from kvtop.model.records import RequestRecord
 
     stop = asyncio.Event()
@@ -213,6 +213,9 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
         print(f"kvtop load: sent {st.sent}/{st.planned}, finished {st.finished}, cancelled as recorded {st.cancelled}, "
               f"errors {st.errors}{f' ({kinds})' if kinds else ''}{cut}; {writer.count} record(s) written to "
               f"{args.output}", file=sys.stderr)
+        late = schedule_line(st, plan, client.max_concurrency) if client is not None else None
+        if late:
+            print(f"kvtop load: {late}", file=sys.stderr)
         if st.sent and st.errors == st.sent:
             print(f"kvtop load: every request failed: is {redact_url(opts.urls[0])} serving?", file=sys.stderr)
             return 1

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from kvtop.load.plan import LoadRequest, Plan
+from kvtop.model.records import RequestRecord
 from kvtop.sources.sse import StreamRecorder
 
 TOKEN_ID_LO = 1000  # past the special and byte tokens of common vocabularies (Gemma's turn markers: 106-107)
@@ -33,6 +34,7 @@ TOKEN_ID_LO = 1000  # past the special and byte tokens of common vocabularies (G
 # request (vLLM), so a small model (the real-engine tier's has 2,048) must be covered too; a thousand
 # distinct ids keep random prompts from sharing cached prefixes all the same
 TOKEN_ID_HI = 2048
+LATE_S = 0.01  # a send this far behind its planned time is late (an event loop's jitter is well under)
 
 
 @dataclass
@@ -45,6 +47,14 @@ class LoadStats:
     cut_off: int = 0  # still streaming when the run stopped (--duration, Ctrl-C)
     in_flight: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    # how far behind the plan's schedule sends went out (an open-loop client that falls behind
+    # offers less than the plan, and a request's TTFT counts from when it reached the engine, not
+    # from when it was due: the lateness is the generator's, said so rather than hidden)
+    late_max_s: float = 0.0
+    late_n: int = 0  # sends over LATE_S behind their planned time
+    capped: int = 0  # sends that waited for a stream to end (max_concurrency streams open)
+    first_sent_t: float | None = None
+    last_sent_t: float | None = None
 
     def error(self, kind: str) -> None:
         self.errors += 1
@@ -120,7 +130,10 @@ class LoadClient:
                         pass
                 if stop.is_set():
                     break
+                if sem.locked():
+                    self.stats.capped += 1
                 await sem.acquire()
+                self._schedule(req.t)
                 task = asyncio.create_task(self._one(session, req, payload))
                 task.add_done_callback(lambda _t: sem.release())
                 tasks.add(task)
@@ -131,6 +144,16 @@ class LoadClient:
                 waiter.cancel()
         finally:
             self.stopped = stop.is_set()
+
+    def _schedule(self, planned_t: float) -> None:
+        st = self.stats
+        now = time.monotonic() - self.t0
+        late = now - planned_t
+        if late > LATE_S:
+            st.late_n += 1
+            st.late_max_s = max(st.late_max_s, late)
+        st.first_sent_t = now if st.first_sent_t is None else st.first_sent_t
+        st.last_sent_t = now
 
     async def close(self, wait_s: float = 5.0) -> None:
         """Let the streams cut off by the stop end, then hang up on any still open."""
@@ -160,7 +183,13 @@ class LoadClient:
         headers = {"X-Request-Id": req.id, "Content-Type": "application/json"}
         if req.cls:
             headers["X-Kvtop-Class"] = req.cls  # the simulated server's class; real engines ignore it
-        counter = StreamRecorder(req.id, lambda _r: None, 200, sse=True)
+        ends: list[RequestRecord] = []
+
+        def keep_end(rec: RequestRecord) -> None:
+            if rec.event in ("finish", "error", "cancel"):
+                ends.append(rec)
+
+        counter = StreamRecorder(req.id, keep_end, 200, sse=True)
         pauses = list(req.pauses)
         try:
             async with session.post(f"{self.url}/v1/completions", data=payload, headers=headers) as resp:
@@ -169,7 +198,7 @@ class LoadClient:
                     return
                 t_sent = time.monotonic()
                 if req.cancel_after_tokens is None and req.cancel_after_s is None and not pauses:
-                    await self._drain(resp, req, st)
+                    await self._drain(resp, req, st, counter, ends)
                     return
                 while True:
                     wait = req.patience_s
@@ -193,7 +222,7 @@ class LoadClient:
                         break
                     while pauses and counter.tokens >= pauses[0][0]:
                         await asyncio.sleep(pauses.pop(0)[1])  # a slow reader: the stream waits in the buffers
-                self._ended(st, counter.ended or counter.tokens > 0)
+                self._ended(st, counter, ends)
         except (aiohttp.ClientError, OSError) as e:
             if self._was_stopped():
                 st.cut_off += 1
@@ -206,17 +235,24 @@ class LoadClient:
         # the stop event, not only `stopped`: the proxy may cut a stream before `run` has returned
         return self.stopped or (self._stop is not None and self._stop.is_set())
 
-    def _ended(self, st: LoadStats, got: bool) -> None:
+    def _ended(self, st: LoadStats, counter: StreamRecorder, ends: list[RequestRecord]) -> None:
+        """A stream's outcome as the recorder writes it in the trace (one owner): an error event in
+        the stream is an error here too (vLLM reports an engine failure mid-stream with status 200)."""
+        if not counter.ended:
+            counter.finish(0.0)
+        end = ends[-1] if ends else None
         if self._was_stopped():
             st.cut_off += 1
-        elif got:
+        elif end is not None and end.event == "error":
+            st.error(end.error or "stream_error")
+        elif counter.tokens or end is not None:
             st.finished += 1
         else:
             st.error("empty_stream")
 
-    async def _drain(self, resp: aiohttp.ClientResponse, req: LoadRequest, st: LoadStats) -> None:
-        """A stream nobody cancels or pauses: read it to the end without parsing it (the recorder does)."""
-        got = 0
+    async def _drain(self, resp: aiohttp.ClientResponse, req: LoadRequest, st: LoadStats,
+                     counter: StreamRecorder, ends: list[RequestRecord]) -> None:
+        """A stream nobody cancels or pauses: read it to the end, through the recorder's parser."""
         while True:
             try:
                 chunk = await asyncio.wait_for(resp.content.readany(), req.patience_s)
@@ -226,8 +262,26 @@ class LoadClient:
                 return
             if not chunk:
                 break
-            got += len(chunk)
-        self._ended(st, bool(got))
+            counter.feed(chunk, 0.0)
+        self._ended(st, counter, ends)
+
+
+def schedule_line(st: LoadStats, plan: Plan, max_concurrency: int) -> str | None:
+    """What the run offered against the plan, where it fell behind (None where it kept up)."""
+    if not (st.late_n or st.capped):
+        return None
+    reqs = plan.requests[:st.sent]
+    span_plan = reqs[-1].t - reqs[0].t if len(reqs) > 1 else 0.0
+    span_sent = (st.last_sent_t or 0.0) - (st.first_sent_t or 0.0)
+    rates = ""
+    if span_plan > 0 and span_sent > 0:
+        rates = (f"offered {(len(reqs) - 1) / span_sent:.3g} requests/s against the plan's "
+                 f"{(len(reqs) - 1) / span_plan:.3g}; ")
+    capped = (f"; {st.capped} waited for a stream to end ({max_concurrency} open at once, the client's limit: "
+              "past it the load is no longer open-loop)") if st.capped else ""
+    return (f"behind schedule: {rates}{st.late_n} of {st.sent} send(s) went out over {LATE_S * 1e3:.0f} ms late, "
+            f"up to {st.late_max_s * 1e3:.0f} ms{capped}; the trace's TTFT counts from when a request reached the "
+            "engine, so this lateness is in none of its figures")
 
 
 def progress_line(st: LoadStats, elapsed: float, duration: float | None) -> str:
