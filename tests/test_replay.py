@@ -189,3 +189,19 @@ def test_a_replay_never_calls_the_gpu_fine_when_the_trace_has_no_gpu_record(tmp_
     r = run_kvtop("replay", str(path), "--headless", "--format", "json")
     doc = json.loads(r.stdout)
     assert doc["gpu_status"] == "ok" and [g["uuid"] for g in doc["gpus"]] == ["GPU-0"]
+
+
+def test_the_console_judges_the_last_spikes_when_the_trace_ends(tmp_path: Path):
+    # the spikes still waiting for evidence at the trace's end stayed pending for ever in the console
+    # (360 shown where analyze counted 363)
+    from kvtop.analysis.scan import analyze_trace
+    from kvtop.pipeline import replay_feed
+
+    trace = tmp_path / "storm.jsonl"
+    assert run_kvtop("simulate", "--preset", "preemption-storm", "--seed", "1", "--duration", "120",
+                     "-o", str(trace)).returncode == 0
+    feed = replay_feed(str(trace))
+    feed.seek(feed.duration + 1.0)
+    rep = feed.core.analysis.report(feed.t)  # the console asks at the trace clock, which stops at the end
+    assert rep is not None and rep.pending_spikes == 0
+    assert rep.spikes_total == analyze_trace(str(trace)).spikes_total

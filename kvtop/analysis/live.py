@@ -113,6 +113,12 @@ class LiveAnalyzer:
         return AnalysisCounters({str(c): n for c, n in an.cause_counts.items()},
                                 {str(c): s for c, s in an.cause_seconds.items()}, an.acc.preempted_requests)
 
+    def finish(self) -> None:
+        """The source has no more records (a replay reached its trace's end): judge the spikes still
+        waiting for evidence, as ``kvtop analyze`` does at a trace's end."""
+        self.an.finish()
+        self._cached = None
+
     def lag(self, now: float) -> float:
         pending = self.an.gaps.pending
         return max(0.0, now - pending[0].gap.t_end) if pending else 0.0

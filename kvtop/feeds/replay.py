@@ -79,6 +79,7 @@ class ReplayFeed:
         self._it: Iterator[Record] = self._reader.records()
         self._pending: Record | None = None
         self._exhausted = False
+        self._finished = False  # the analysis was told the trace ended
         self.t = 0.0
         self.fed = 0
         self._speed = speed
@@ -151,6 +152,7 @@ class ReplayFeed:
             self._it = self._reader.records()
             self._pending = None
             self._exhausted = False
+            self._finished = False
             self.t = 0.0
             self.fed = 0
             if self.core_factory is not None:
@@ -189,6 +191,12 @@ class ReplayFeed:
             return n
         self.fed += n
         self.t = max(self.t, min(t, self.duration) if self.done else t)
+        if self.done and not self._finished:
+            # the trace is over: its pending spikes get no more evidence (analyze judges them now too)
+            self._finished = True
+            finish = getattr(self.core.analysis, "finish", None)
+            if finish is not None:
+                finish()
         return n
 
     async def run(self, stop: asyncio.Event | None = None) -> None:

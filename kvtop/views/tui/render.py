@@ -426,7 +426,9 @@ def advisor(s: Snapshot, width: int) -> str:
     causes = a.causes
     lines.append("")
     n_sp = a.spikes_total
-    lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes since the start of the run)')}")
+    # a spike is judged once the scrapes around it are in: those still waiting are counted, not hidden
+    wait = f", {a.pending_spikes} more pending: their evidence is still arriving" if a.pending_spikes else ""
+    lines.append(f"[b]spike causes[/b] {muted(f'({n_sp} spikes since the start of the run{wait})')}")
     if not any(float(c.count or 0) for c in causes.values()):
         lines.append(muted("  no spikes"))
     bw = max(10, min(40, width - 50))
