@@ -85,8 +85,25 @@ def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
         core.ingest(RequestRecord(t=t, id="r1", event="token"))
     snap = core.snapshot()
     text = render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, 80)
-    assert "not attributed (no analysis)" in text
+    assert "not attributed yet" in text
     assert "gap 700ms" in text and "×7.0 target" in text
+
+
+def test_a_long_requests_detail_says_its_first_tokens_are_not_drawn():
+    # 1,531 tokens: the timeline keeps the last 1,024 chunks, and the screen showed an empty stretch
+    # and "top = 92ms" under a header saying max gap 10.16 s
+    from kvtop.views.tui import render
+
+    core = Core(itl_target_s=0.1)
+    core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
+    t = 0.0
+    for i in range(1531):
+        t += 10.0 if i == 5 else 0.02
+        core.ingest(RequestRecord(t=t, id="r1", event="token"))
+    snap = core.snapshot()
+    text = render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, 100)
+    assert "keeps a request's last 1,024 chunks: its first 507 tokens" in text
+    assert "max gap [$error]10.00s" in text
 
 
 def test_the_detail_gap_chart_keeps_an_early_spike_in_view():

@@ -304,6 +304,13 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         glyph = {"d": muted("·"), "p": "[$warning]p[/]", "r": "[$error]R[/]", " ": " "}
         lines.append("steps  │" + "".join(glyph[k] for k in step_row))
     lines.append("       └" + "".join(axis))
+    kept = sum(n for _t, n in tl.tokens)
+    if rv is not None and rv.tokens > kept:
+        # a long request's timeline keeps its last chunks only: say so, or its rows contradict its
+        # max gap and spikes (counted over the whole request) with an empty stretch at the start
+        lines.append(muted(f"the console keeps a request's last {len(tl.tokens):,} chunks: its first "
+                           f"{rv.tokens - kept:,} tokens (to +{units.duration_short(tl.tokens[0][0] - t0)}) are not "
+                           "drawn; its max gap and spikes count them"))
     # gap per token, to scale against the largest gap: short steady gaps read as a flat floor
     gaps = [b[0] - a[0] for a, b in zip(tl.tokens, tl.tokens[1:], strict=False)]
     if gaps:
@@ -316,7 +323,8 @@ def detail(rv: RequestView | None, tl: RequestTimeline | None, spikes: Sequence[
         lines.append(muted(f"gap per token ({len(gaps)} gaps{per}, top = {units.duration_short(top)}):"))
         lines.append("       │" + fmt.spark(runs, len(runs), top))
     lines.append("")
-    head = "spikes (gaps over target)" + ("" if attributed else " — not attributed (no analysis)")
+    head = "spikes (gaps over target)" + ("" if attributed else " — not attributed yet (their evidence is still "
+                                                                 "arriving, or no analysis runs)")
     lines.append(f"[b]{head}[/b]")
     if not own:
         lines.append(muted("  none"))
