@@ -71,3 +71,14 @@ def test_a_smaller_max_model_len_refuses_the_longer_prompts_the_traffic_still_se
     long = {i for i, n in prompts.items() if n >= 4096}
     assert long and long <= errors
     assert not errors - long
+
+
+def test_a_kv_cache_too_small_for_one_request_of_max_model_len_is_refused_as_vllm_refuses_it():
+    # a 32-token cache under max_model_len 8192 started; vLLM exits ("To serve at least one request
+    # with the model's max seq len ... KV cache is needed, which is larger than the available")
+    wl = load_preset("healthy")
+    with pytest.raises(WorkloadError, match=r"holds 32 tokens, fewer than max_model_len"):
+        apply_engine_flags(wl, f"--kv-cache-memory-bytes {2 * wl.engine.block_bytes}")
+    assert apply_engine_flags(wl, f"--kv-cache-memory-bytes {2 * wl.engine.block_bytes} --max-model-len 32")
+    with pytest.raises(WorkloadError, match="positive number"):
+        apply_engine_flags(wl, "--kv-offloading-size inf")

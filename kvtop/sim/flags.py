@@ -45,8 +45,8 @@ def _num(flag: str, v: str) -> float:
         x = float(v)
     except ValueError:
         raise WorkloadError(f"{flag} needs a number, not {v!r}") from None
-    if not x > 0:
-        raise WorkloadError(f"{flag} must be positive, not {v}")
+    if not 0 < x < float("inf"):  # "inf" parses, and would be a pool of every byte there is
+        raise WorkloadError(f"{flag} must be a positive number, not {v}")
     return x
 
 
@@ -112,6 +112,13 @@ def apply_engine_flags(workload: Workload, flags: str) -> Workload:
         # token is taken from the budget
         raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) must be at "
                             f"least max_num_seqs ({eng.max_num_seqs}), as vLLM requires")
+    if eng.num_gpu_blocks * eng.block_size < eng.max_model_len:
+        # vLLM will not start an engine whose KV cache cannot hold one request of max_model_len
+        # (vllm/v1/core/kv_cache_utils.py, _check_enough_kv_cache_memory: "... KV cache is needed, which is
+        # larger than the available KV cache memory")
+        raise WorkloadError(f"--engine-flags: the KV cache holds {eng.num_gpu_blocks * eng.block_size} tokens, fewer "
+                            f"than max_model_len ({eng.max_model_len}), which vLLM refuses at start (lower "
+                            "--max-model-len or give the cache more memory)")
     if not eng.chunked_prefill and eng.max_num_batched_tokens < eng.max_model_len:
         raise WorkloadError(f"--engine-flags: max_num_batched_tokens ({eng.max_num_batched_tokens}) is smaller than "
                             f"max_model_len ({eng.max_model_len}) with chunked prefill off, which vLLM refuses "
