@@ -269,6 +269,8 @@ async def test_events_newest_first_and_filtered():
         await pilot.press("slash", *"link", "enter")
         rows = [table.get_row_at(i)[2].plain for i in range(table.row_count)]
         assert rows == ["link_downtrained"] == [e.kind for e in events if "link" in f"{e.kind} {e.message}"]
+        # the filter the Requests screen set narrows this list too: it says so (it was an empty list)
+        assert f"1 of {len(events)} events  filter: link" in screen_text(app)
         # words, in any order, as the Requests filter reads them ("burst 1" matched nothing)
         await pilot.press("slash", *("backspace",) * 4, *"burst 1", "enter")
         want = [e for e in events if "burst" in e.kind and " 1 " in f" {e.message} "]

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.markup import escape
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 from kvtop.snapshot import EventView, Snapshot
 from kvtop.views.tui import render
@@ -27,6 +27,7 @@ class EventsView(Vertical):
         ev.add_column("severity", key="severity")
         ev.add_column("kind", key="kind")
         ev.add_column("message", key="message")
+        yield Static(id="ev-status")  # the filter is the console's: say here too that it narrows the list
         yield ev
 
     def reset(self) -> None:
@@ -41,6 +42,8 @@ class EventsView(Vertical):
         if key == self._shown:
             return
         self._shown = key
+        flt = f"  filter: [b]{escape(self.filter_text)}[/b] (esc clears)" if self.filter_text else ""
+        self.query_one("#ev-status", Static).update(f"{len(evs)} of {len(s.events)} events{flt}")
         # events change rarely and are bounded (500); newest first so 80x24 shows what just happened
         table.clear()
         for e in reversed(evs):
