@@ -154,6 +154,16 @@ async def test_pause_freezes_the_view_and_resume_catches_up():
         await pilot.pause(0.3)
         assert s.t > float(frozen.rstrip("s")) + 3  # data kept arriving...
         assert re.search(r"t=(\S+)", screen_text(app)).group(1) == frozen  # ...but the view held still
+        # opening a request's detail keeps the frozen frame (it took a fresh snapshot, t jumped on)
+        await pilot.press("3")
+        await pilot.pause(0.1)
+        text = screen_text(app)
+        assert app.view_name == "detail" and "PAUSED" in text
+        assert re.search(r"t=(\S+)", text).group(1) == frozen
+        assert app.snap.detail is None or all(t <= app.snap.t for t, _n in app.snap.detail.tokens)
+        await pilot.press("1")
+        await pilot.pause(0.1)
+        assert re.search(r"t=(\S+)", screen_text(app)).group(1) == frozen
         await pilot.press("p")
         await pilot.pause(0.1)
         text = screen_text(app)

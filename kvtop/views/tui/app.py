@@ -33,7 +33,7 @@ from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, T
 
 from kvtop import units
 from kvtop.feeds.static import StaticFeed
-from kvtop.snapshot import Snapshot, SnapshotSource
+from kvtop.snapshot import RequestTimeline, Snapshot, SnapshotSource
 from kvtop.views.tui import plot, render
 from kvtop.views.tui.advisor import AdvisorView
 from kvtop.views.tui.charts import Chart
@@ -124,6 +124,16 @@ class SeekScreen(ModalScreen[float | None]):
             self.notify(f"not a number of seconds: {ev.value!r}", severity="error")
             return
         self.dismiss(max(0.0, t))
+
+
+def _until(tl: RequestTimeline | None, t: float) -> RequestTimeline | None:
+    """A request's timeline as it stood at ``t`` (what came after a pause is not shown in its frame)."""
+    if tl is None or tl.arrive_t > t:
+        return None
+    return dataclasses.replace(
+        tl, end_t=tl.end_t if tl.end_t is not None and tl.end_t <= t else None,
+        tokens=tuple(x for x in tl.tokens if x[0] <= t), marks=tuple(m for m in tl.marks if m[0] <= t),
+        engine_marks=tuple(m for m in tl.engine_marks if m[0] <= t), steps=tuple(x for x in tl.steps if x[0] <= t))
 
 
 View = OverviewView | RequestsView | DetailView | AdvisorView | EventsView
@@ -303,6 +313,10 @@ class KvtopApp(App[int]):
             s = dataclasses.replace(s, taken_at=self.taken_at)
         return s
 
+    def _timeline(self) -> RequestTimeline | None:
+        return self.core.snapshot(now=self.snap.t if self.snap is not None else None, timeline=True,
+                                  request_id=self.views.detail.request_id).detail
+
     def tick(self, force: bool = False) -> None:
         if self.paused and not force:
             return
@@ -406,7 +420,12 @@ class KvtopApp(App[int]):
         elif name == "events":
             scr.query_one("#ev-table", DataTable).focus()
         elif name == "detail" and self.snap is not None:
-            self.snap = self.take_snapshot()  # with the chosen request's timeline
+            if self.paused:
+                # the frame stays frozen: only the chosen request's timeline is read, up to the frozen
+                # moment (the core went on ingesting behind the pause)
+                self.snap = dataclasses.replace(self.snap, detail=_until(self._timeline(), self.snap.t))
+            else:
+                self.snap = self.take_snapshot()  # with the chosen request's timeline
         self.render_current()
         self.refresh_bindings()
 
