@@ -159,3 +159,23 @@ def test_a_workload_field_of_the_wrong_kind_is_one_line(tmp_path, where, field, 
     r = run_kvtop("simulate", "--workload", str(wl), "--duration", "5", "-o", str(tmp_path / "x.jsonl"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
+
+
+def test_arrivals_from_a_recording_of_text_prompts_take_the_length_from_the_finish(tmp_path):
+    # clients that send text: the proxy knows a prompt's length only from the usage block at the
+    # finish; `load --from` read it there, `simulate --arrivals-from` refused the whole recording
+    from kvtop.model.trace import TraceWriter, make_header
+    from kvtop.sim.workload import load_preset, requests_from_trace
+
+    p = tmp_path / "text.jsonl"
+    with TraceWriter(p, make_header()) as w:
+        for i in range(3):
+            w.write({"kind": "request", "t": 1.0 + i, "id": f"r{i}", "event": "arrive"})
+            w.write({"kind": "request", "t": 1.5 + i, "id": f"r{i}", "event": "first_token", "n": 1})
+            w.write({"kind": "request", "t": 1.9 + i, "id": f"r{i}", "event": "finish", "completion_tokens": 20,
+                     "prompt_tokens": 300 + i})
+        w.write({"kind": "request", "t": 9.0, "id": "cut", "event": "arrive"})
+        w.write({"kind": "request", "t": 9.5, "id": "cut", "event": "cancel"})
+    specs = requests_from_trace(p, load_preset("healthy"))
+    assert [(s.id, s.t, s.prompt_tokens, s.output_tokens) for s in specs] == [
+        ("r0", 1.0, 300, 20), ("r1", 2.0, 301, 20), ("r2", 3.0, 302, 20)]

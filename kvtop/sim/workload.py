@@ -375,21 +375,35 @@ def requests_from_trace(path: str | Path, workload: Workload, seed: int = 1,
     except TraceError as e:
         raise WorkloadError(str(e)) from None
     arrivals: dict[str, tuple[float, int, str | None]] = {}
+    arrived: dict[str, tuple[float, str | None]] = {}  # arrivals whose prompt length comes at the finish
     done: dict[str, int] = {}
     seen: dict[str, int] = {}
+
+    def whole(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     for d in reader.dicts():
         if d.get("kind") != "request":
             continue
         rid, ev = d.get("id"), d.get("event")
         if not isinstance(rid, str):
             continue
-        if ev == "arrive" and isinstance(d.get("prompt_tokens"), int) and d["prompt_tokens"] > 0:
-            arrivals.setdefault(rid, (float(d["t"]), int(d["prompt_tokens"]), d.get("class")))
+        if ev == "arrive":
+            p = whole(d.get("prompt_tokens"))
+            if p is not None:
+                arrivals.setdefault(rid, (float(d["t"]), p, d.get("class")))
+            else:
+                arrived.setdefault(rid, (float(d["t"]), d.get("class")))
         elif ev in ("first_token", "token"):
             seen[rid] = seen.get(rid, 0) + int(d.get("n") or 1)
         elif ev == "finish":
             ct = d.get("completion_tokens")
             done[rid] = int(ct) if isinstance(ct, int) and ct > 0 else seen.get(rid, 1)
+            # a text prompt's length is told by the usage block at its finish (as load --from reads it)
+            p = whole(d.get("prompt_tokens"))
+            if p is not None and rid in arrived and rid not in arrivals:
+                t_arr, cls_arr = arrived[rid]
+                arrivals[rid] = (t_arr, p, cls_arr)
     if not arrivals:
         raise WorkloadError(f"{path}: no request arrivals with prompt_tokens in this trace")
     rng = random.Random(f"{seed}/replay")
