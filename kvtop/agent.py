@@ -24,6 +24,7 @@ from kvtop.core import Core
 from kvtop.errors import RunFailure
 from kvtop.feeds.live import LiveRunner
 from kvtop.feeds.sources import ProxyRecorder
+from kvtop.httpguard import GuardedServer
 from kvtop.log import ServerLog
 from kvtop.model.sanitize import output_json, redact_url
 from kvtop.model.trace import make_header
@@ -71,7 +72,7 @@ class Agent:
         self.metrics = metrics
         self.trace = trace
         self.url: str | None = None
-        self._site: web.TCPSite | None = None
+        self._http: GuardedServer | None = None
         self._app_runner: web.AppRunner | None = None
         self.otlp: LiveExport | None = None
         if opts.otlp_endpoint:
@@ -135,11 +136,10 @@ class Agent:
         self._app_runner = web.AppRunner(app, access_log=None, logger=ServerLog())
         await self._app_runner.setup()
         host, port = self.opts.listen
-        self._site = web.TCPSite(self._app_runner, host, port)
-        await self._site.start()
-        server = getattr(self._site, "_server", None)
-        socks = getattr(server, "sockets", None) or []
-        bound = socks[0].getsockname()[1] if socks else port
+        assert self._app_runner.server is not None
+        # bounded connections: idle or half-sent ones held the port (and, out of descriptors, the proxy)
+        self._http = GuardedServer(self._app_runner.server)
+        bound = await self._http.start(host, port)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
 
@@ -179,6 +179,8 @@ class Agent:
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._http is not None:
+                await self._http.close()
             if self._app_runner is not None:
                 await self._app_runner.cleanup()
             if self.trace is not None:

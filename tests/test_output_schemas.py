@@ -131,7 +131,8 @@ def test_the_agent_report_is_versioned_and_valid(storm_trace):
             async with httpx.AsyncClient() as client:
                 return (await client.get(f"{agent.url}/report", timeout=10)).json()
         finally:
-            assert agent._app_runner is not None
+            assert agent._app_runner is not None and agent._http is not None
+            await agent._http.close()
             await agent._app_runner.cleanup()
 
     doc = asyncio.run(fetch())
