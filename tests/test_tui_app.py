@@ -379,3 +379,29 @@ async def test_a_theme_change_recolours_the_requests_and_keeps_the_cursor_on_its
         assert table.cursor_key == key and table.cursor_row == 2
         assert after.plain == before.plain == str(row.preempt_spikes)
         assert str(before.style) == "#fe5f5f" and str(after.style) == "red"  # $error in each theme
+
+
+async def test_a_click_on_a_spike_of_a_request_no_longer_kept_says_so():
+    # the click opened "No request selected. Pick one on the Requests screen" for a request that had
+    # ended and left the console
+    import dataclasses
+
+    from kvtop.views.tui.charts import Chart
+
+    s = sample()
+    app = KvtopApp(s.core, taken_at=FIXED_TAKEN_AT)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        snap = app.snap
+        worst = max(snap.analysis.spikes, key=lambda sp: (sp.gap_s, sp.request_id))
+        span = Chart.SpikesPicked(worst.t_end - 0.01, worst.t_end + 0.01)
+        app.snap = dataclasses.replace(snap, requests=tuple(r for r in snap.requests if r.id != worst.request_id))
+        app._open_spike(span)
+        await pilot.pause()
+        assert any(f"{worst.request_id} (gap" in n.message and "no longer kept" in n.message
+                   for n in app._notifications)
+        assert app.view_name != "detail" or app.views.detail.request_id != worst.request_id
+        app.snap = snap
+        app._open_spike(span)
+        await pilot.pause()
+        assert app.view_name == "detail" and app.views.detail.request_id == worst.request_id

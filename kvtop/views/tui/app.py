@@ -450,6 +450,17 @@ class KvtopApp(App[int]):
         if not hit:
             return
         worst = max(hit, key=lambda sp: (sp.gap_s, sp.request_id))
+        kept = {r.id for r in s.requests} if s is not None else set()
+        if worst.request_id not in kept:
+            # it ended and left the console: say so rather than open "No request selected"
+            held = [sp for sp in hit if sp.request_id in kept]
+            alt = max(held, key=lambda sp: (sp.gap_s, sp.request_id)) if held else None
+            gone = f"{worst.request_id} (gap {units.duration_short(worst.gap_s)}) ended and is no longer kept"
+            self.notify(gone + (f"; showing {alt.request_id}, the largest gap there still kept" if alt else
+                                "; no request of that moment is"), severity="warning")
+            if alt is None:
+                return
+            worst = alt
         self.views.detail.request_id = worst.request_id
         self.action_view("detail")
 
