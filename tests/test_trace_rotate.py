@@ -10,7 +10,7 @@ import os
 import time
 import zlib
 
-from conftest import logged, run_kvtop
+from conftest import REPO, logged, run_kvtop
 
 from kvtop.feeds.replay import last_record_time
 from kvtop.model.records import RequestRecord, to_dict
@@ -198,4 +198,17 @@ def test_a_disk_that_fills_mid_segment_warns_once_keeps_the_segment_and_resumes(
     assert len(segs) == 2 and sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in segs)
     # every record flushed before the disk filled is kept, and the first one after it
     assert [d["id"] for d in TraceReader(segs[0]).dicts()] == [f"r{i}" for i in range(10)]
-    assert [d["id"] for d in TraceReader(segs[1]).dicts()] == ["after"]
+    loss, after = TraceReader(segs[1]).dicts()
+    assert after["id"] == "after"
+    # ... after a record of the gap: 30 s of records the disk refused were in no segment, and analyze
+    # read the full disk's torn line as a crash
+    assert (loss["kind"], loss["t"], loss["from_t"], loss["records"]) == ("loss", 50.0, 0.09, 3000)
+    assert "No space left on device" in loss["reason"]
+    import jsonschema
+
+    schema = json.loads((REPO / "kvtop" / "schemas" / "trace.schema.json").read_text())
+    jsonschema.validate(loss, schema)
+    from kvtop.analysis.scan import analyze_trace
+
+    rep = analyze_trace(str(tmp_path))
+    assert any("could not write 3000 record(s) from t=0.1s to t=50.0s" in w for w in rep.warnings), rep.warnings

@@ -110,6 +110,7 @@ class Analyzer:
         self.t0: float | None = None
         self.now = 0.0
         self.records = 0
+        self.losses: list[str] = []  # what the recorder said it could not write ("loss" records), first few
         self.token_records = 0
         self.scrapes: deque[Scrape] = deque(maxlen=50_000)
         self._hold = False  # the fast path holds attribution until a whole chunk is in
@@ -232,7 +233,21 @@ class Analyzer:
                 free = max(0, total - used)
                 self.acc.gpu_mem[idx] = (free if prev is None else min(prev[0], free), total)
             self._advance(t)
+        elif kind == "loss":
+            self._loss(d, t)
         # "truth" records are ground truth for scoring only: never read here.
+
+    def _loss(self, d: dict[str, Any], t: float) -> None:
+        """The recorder could not write a run of records (its disk was full): the analysis of that
+        stretch is missing them, and the report says so rather than let the gap read as a quiet one."""
+        if len(self.losses) >= 5:
+            return
+        n = d.get("records")
+        since = d.get("from_t")
+        span = (f"from t={since:.1f}s to t={t:.1f}s" if isinstance(since, (int, float)) else f"before t={t:.1f}s")
+        what = f"{n} record(s)" if isinstance(n, int) else "records"
+        self.losses.append(f"the recorder could not write {what} {span} ({d.get('reason') or 'write failed'}): streams "
+                           "across that stretch lack their tokens there")
 
     def _advance(self, t: float) -> None:
         if self.t0 is None:

@@ -86,6 +86,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
             skipped = fastscan.scan(path, an, tick=chunk_tick if tick is not None else None, columns=columns,
                                     notes=warnings)
             an.finish()
+            warnings.extend(an.losses)
             if skipped:
                 warnings.append(f"{path}: {skipped_note(skipped)}")
             if stopped_at:
@@ -102,6 +103,7 @@ def _scan_records(path: str, itl_target_s: float | None, fast: bool, use_request
             warnings.append(f"interrupted: the analysis covers the first {n + 1} records of {path}")
             break
     an.finish()
+    warnings.extend(an.losses)
     w = reader.warning()
     if w:
         warnings.append(w)

@@ -68,6 +68,10 @@ class RotatingTrace:
         self._retry_at = 0.0
         self._failing = False
         self._unsaved: list[Path] = []  # closed segments whose compression failed (the disk was full)
+        # a run of failures: (the last record's time written before it, records dropped before it);
+        # written as a "loss" record once writing works again, so the gap is in the trace
+        self._last_t: float | None = None
+        self._loss: tuple[float | None, int] | None = None
         # a segment left uncompressed by a previous agent that died: compress it now
         for stale in sorted(self.dir.glob(f"{SEGMENT_PREFIX}*{ACTIVE_SUFFIX}")):
             self._compress_later(stale)
@@ -104,6 +108,8 @@ class RotatingTrace:
 
     def _failed(self, e: Exception, record: bool = True) -> None:
         """A write (``record``: of a record, which is dropped), flush or rotation failed."""
+        if self._loss is None:
+            self._loss = (self._last_t, self.dropped)
         self.dropped += record
         self.last_error = str(e)
         w, self._writer = self._writer, None
@@ -142,9 +148,24 @@ class RotatingTrace:
                     self.dropped += 1
                     return
                 w = self._writer = self._open()
+                if self._loss is not None:
+                    w.write(self._loss_record(rec.t))
             w.write(rec)
+            self._last_t = rec.t
         except (OSError, ValueError) as e:
             self._failed(e)
+
+    def _loss_record(self, t: float) -> dict[str, Any]:
+        """What a run of failed writes lost, said in the trace where it resumes (``analyze`` and
+        ``replay`` name the gap, rather than read a torn line as a crash and streams as cut)."""
+        assert self._loss is not None
+        since, before = self._loss
+        self._loss = None
+        out: dict[str, Any] = {"kind": "loss", "t": t, "records": self.dropped - before,
+                               "reason": (self.last_error or "the disk refused them")[:200]}
+        if since is not None:
+            out["from_t"] = since
+        return out
 
     def flush_if_due(self) -> None:
         w = self._writer
