@@ -205,3 +205,30 @@ def test_the_console_judges_the_last_spikes_when_the_trace_ends(tmp_path: Path):
     rep = feed.core.analysis.report(feed.t)  # the console asks at the trace clock, which stops at the end
     assert rep is not None and rep.pending_spikes == 0
     assert rep.spikes_total == analyze_trace(str(trace)).spikes_total
+
+
+def test_an_as_fast_as_possible_replay_moves_its_clock_with_the_records_it_fed(tmp_path: Path):
+    # --speed 0 in the console: the trace clock stayed at 0 while the whole trace was fed in batches
+    # ("replay 0ms/300s", rates over 0 s, a staleness of -211 s) until the very end
+    from kvtop.feeds import replay as replay_mod
+
+    p = tmp_path / "t.jsonl"
+    _write_trace(p)
+    feed = ReplayFeed(p, _core(), speed=0)
+    clocks: list[float] = []
+    fed = feed._feed_until
+
+    def watch(t: float, limit: int | None = None) -> int:
+        n = fed(t, limit)
+        clocks.append(feed.t)
+        return n
+
+    feed._feed_until = watch  # type: ignore[method-assign]
+    old = replay_mod._BATCH
+    replay_mod._BATCH = 4
+    try:
+        asyncio.run(feed.run())
+    finally:
+        replay_mod._BATCH = old
+    assert feed.done and feed.t == 4.0
+    assert len(clocks) >= 3 and 0.0 < clocks[0] < clocks[1] < 4.0 and clocks == sorted(clocks)

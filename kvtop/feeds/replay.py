@@ -178,16 +178,20 @@ class ReplayFeed:
         """Ingest every record with ``rec.t <= t`` (at most ``limit``); the trace clock ends at ``t``."""
         n = 0
         ingest = self.core.ingest
+        last = self.t
         while limit is None or n < limit:
             rec = self._next()
             if rec is None or rec.t > t:
                 break
             ingest(rec)
+            last = rec.t
             self._pending = None
             n += 1
         else:
-            # stopped by the limit: the clock only reaches the last record fed
+            # stopped by the limit: the clock reaches the last record fed (it stayed at 0 while a
+            # --speed 0 replay fed the whole trace: rates over "0s", a staleness of -211 s)
             self.fed += n
+            self.t = max(self.t, last)
             return n
         self.fed += n
         self.t = max(self.t, min(t, self.duration) if self.done else t)
@@ -210,8 +214,6 @@ class ReplayFeed:
                 continue
             if self._speed == 0:
                 self._feed_until(float("inf"), limit=_BATCH)
-                if self._pending is not None:
-                    self.t = max(self.t, self._pending.t)
                 await asyncio.sleep(0)
                 continue
             now = loop.time()
