@@ -340,3 +340,25 @@ async def test_the_client_counts_outcomes_as_the_trace_does_and_says_when_it_fel
         assert schedule_line(on_time.stats, on_time.plan, 4096) is None
     finally:
         await runner.cleanup()
+
+
+async def test_the_simulated_server_shares_the_prefixes_kvtop_load_sends():
+    # the shared-prefix preset through `kvtop load`: the server's prefix cache served 0 % where the
+    # plan's prefixes repeat 86 % (it learned groups only from the request's "kvtop" field)
+    import aiohttp
+
+    from kvtop.load.client import LoadClient
+    from kvtop.load.plan import plan_from_workload
+
+    wl = load_preset("shared-prefix")
+    plan = plan_from_workload(wl, 1, 8.0)
+    async with SimServer(wl, speed=8.0) as srv, aiohttp.ClientSession() as s:
+        client = LoadClient(srv.url, plan, model=wl.engine.model)
+        await client.run(s, asyncio.Event())
+        async with s.get(srv.url + "/metrics") as r:
+            page = await r.text()
+    hits = sum(float(line.split()[-1]) for line in page.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+    queries = sum(float(line.split()[-1]) for line in page.splitlines()
+                  if line.startswith("vllm:prefix_cache_queries_total"))
+    assert client.stats.finished > 5 and queries > 0 and hits / queries > 0.5, (hits, queries)

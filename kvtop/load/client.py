@@ -183,6 +183,10 @@ class LoadClient:
         headers = {"X-Request-Id": req.id, "Content-Type": "application/json"}
         if req.cls:
             headers["X-Kvtop-Class"] = req.cls  # the simulated server's class; real engines ignore it
+        if req.shared_prefix and req.prefix_id is not None:
+            # the simulated server's prefix group (its prompts are lengths, not ids: it cannot see the
+            # shared leading ids a real engine's prefix cache finds); real engines ignore it
+            headers["X-Kvtop-Prefix"] = f"{req.prefix_id}:{req.shared_prefix}"
         ends: list[RequestRecord] = []
 
         def keep_end(rec: RequestRecord) -> None:

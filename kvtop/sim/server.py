@@ -207,6 +207,13 @@ class SimServer:
             rid = f"{rid}-{self._n}"
         prefix_id = ext.get("prefix_id") if isinstance(ext.get("prefix_id"), str) else None
         prefix_tokens = ext.get("prefix_tokens", 0) if prefix_id else 0
+        hdr = headers.get("X-Kvtop-Prefix")
+        if prefix_id is None and hdr:
+            # `kvtop load` names a request's prefix group in a header (an engine ignores it; its prompt's
+            # leading token ids are the group's): "GROUP:TOKENS"
+            gid, _, n = hdr.rpartition(":")
+            if gid and n.isdigit():
+                prefix_id, prefix_tokens = gid[:128], int(n)
         if not isinstance(prefix_tokens, int) or prefix_tokens < 0 or prefix_tokens >= prompt:
             prefix_id, prefix_tokens = None, 0
         priority = ext.get("priority", tc.priority)
