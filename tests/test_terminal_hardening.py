@@ -26,12 +26,22 @@ def _clean(text: str) -> bool:
 
 
 def test_snapshot_text_and_json_carry_no_control_sequences():
+    # every vLLM series carries the label whose raw carriage return the parser refuses: nothing is
+    # read, so the engine is unreadable (one line, exit 1), and that line quotes the label cleaned
     with replay_server({"/metrics": ([_evil_page(generation=10), _evil_page(generation=90)], PROM)}) as (base, _):
         for fmt in ("text", "json"):
             r = run_kvtop("snapshot", "--url", base, "--duration", "0.4", "--interval", "0.2", "--format", fmt,
                           "--no-gpu", "--no-host")
-            assert r.returncode == 0, r.stderr
-            assert _clean(r.stdout) and "pwned" in r.stdout and "tiny" in r.stdout
+            assert r.returncode == 1, r.stderr
+            assert _clean(r.stdout + r.stderr) and "pwned" in r.stderr and "tiny" in r.stderr
+    # where the page reads and one line carries the label, the warning that quotes it is cleaned
+    page = vllm_page(generation=10)
+    evil_info = f'vllm:cache_config_info{{block_size="16",engine="0",model_name="{EVIL}"}} 1.0\n'
+    with replay_server({"/metrics": ([page + evil_info], PROM)}) as (base, _):
+        r = run_kvtop("snapshot", "--url", base, "--duration", "0.4", "--interval", "0.2", "--format", "text",
+                      "--no-gpu", "--no-host")
+        assert r.returncode == 0, r.stderr
+        assert _clean(r.stdout + r.stderr)
 
 
 def test_replay_headless_and_console_data_are_clean(tmp_path):

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvtop.model.records import EngineRecord
-from kvtop.model.sanitize import redact_url, sanitize_record
+from kvtop.model.sanitize import printable, redact_url, sanitize_record
 from kvtop.plugin import EngineAdapter, PluginError, detect_adapter, load_adapter
 from kvtop.sources.prom import Page, parse_page
 
@@ -141,6 +141,8 @@ class EngineScraper:
         return EngineRecord(t=t, adapter=name, url=self.shown_url, up=False, warnings=[reason])
 
     def _failed(self, t: float, reason: str) -> list[EngineRecord]:
+        # a reason may quote the page (a label value's control characters): shown on terminals
+        reason = printable(reason, 500)
         self._started = None  # the engine that answers next may be another start of it
         self.consecutive_failures += 1
         self.last_error = reason
