@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -336,3 +337,17 @@ def test_a_rise_from_zero_smaller_than_the_target_decides_nothing(tmp_path: Path
     p = _trace(tmp_path / "p.jsonl", preempts=1)
     assert compare(str(a), str(p), itl_target_s=0.05).outcome == "no_change"
     assert compare(str(a), str(_trace(tmp_path / "q.jsonl", preempts=6)), itl_target_s=0.05).outcome == "worse"
+
+
+def test_one_request_of_goodput_in_142_decides_nothing():
+    # the storm's 120 s loop: goodput 3 -> 2 of 142 read "-33 %: worse" while p99 TTFT fell 25.6 ->
+    # 4.96 s, preemptions went and time over the target fell 88 -> 31 s
+    common = dict(offered=142, span_s=120.0, classes={"chat": 142}, prompt_mean=900.0, output_tokens=100_000,
+                  makespan_s=150.0, completed=142)
+    a = RunFigures("a", goodput=3, itl_p99_s=0.0076, ttft_p99_s=25.6, e2e_p99_s=27.8, **common)
+    b = RunFigures("b", goodput=2, itl_p99_s=0.0153, ttft_p99_s=4.96, e2e_p99_s=12.3, **common)
+    c = judge(a, b, Tolerance(), None, 0.03)
+    assert not any(x.startswith("goodput") for x in c.better + c.worse), c.to_dict()
+    # three requests of 142 is more than 2 % of them: it counts
+    c = judge(a, dataclasses.replace(b, goodput=6), Tolerance(), None, 0.03)
+    assert any(x.startswith("goodput 3 -> 6") for x in c.better), c.to_dict()

@@ -59,6 +59,9 @@ class Tolerance:
     # simulated server differed by up to 6 % in p99 TTFT
     better_frac: float = 0.10
     shed_share: float = 0.02  # cancels + errors, share of offered, may rise by at most this much
+    # goodput and completed requests must move by more than this share of the offered requests: one
+    # request of 142 (goodput 3 -> 2) was "-33 %", a worse run, where both runs missed the contract alike
+    count_share: float = 0.02
     # the share of prompt tokens the engine's prefix cache served may differ by this much (absolute) between
     # runs of one configuration: a trace replay's prompts share no prefix, so a run served from the cache was
     # sent prompts the engine had seen (the same `kvtop load --seed` twice on one engine: 0 % and ~100 %)
@@ -67,7 +70,7 @@ class Tolerance:
     def to_dict(self) -> dict[str, float]:
         return {"requests_frac": self.requests_frac, "rate_frac": self.rate_frac, "prompt_frac": self.prompt_frac,
                 "class_share": self.class_share, "better_frac": self.better_frac, "shed_share": self.shed_share,
-                "prefix_share": self.prefix_share}
+                "count_share": self.count_share, "prefix_share": self.prefix_share}
 
 
 @dataclass
@@ -443,7 +446,9 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
     m = tol.better_frac
 
     def more_is_better(name: str, va: float | None, vb: float | None, fmt: Callable[[float], str] = _g,
-                       of: str = "") -> None:
+                       of: str = "", floor: float = 0.0) -> None:
+        if va is not None and vb is not None and abs(vb - va) <= floor:
+            return
         d = _rel(va, vb)
         if d is None:
             if va == 0 and vb:
@@ -472,8 +477,9 @@ def judge(a: RunFigures, b: RunFigures, tol: Tolerance, ttft_target_s: float | N
             worse.append(f"{name} {fmt(va)} -> {fmt(vb)} ({d:+.0%})")
 
     # "of N": 0 -> 1 is a rise, and how far it is from every offered request is the operator's next question
-    more_is_better("goodput", a.goodput, b.goodput, of=f" of {b.offered}")
-    more_is_better("completed", a.completed, b.completed, of=f" of {b.offered}")
+    counts = tol.count_share * max(a.offered, b.offered)
+    more_is_better("goodput", a.goodput, b.goodput, of=f" of {b.offered}", floor=counts)
+    more_is_better("completed", a.completed, b.completed, of=f" of {b.offered}", floor=counts)
     shed_a, shed_b = a.shed / a.offered, b.shed / b.offered
     if shed_b - shed_a > tol.shed_share:
         worse.append(f"shed (cancelled + errors) {shed_a:.1%} -> {shed_b:.1%} of offered")
