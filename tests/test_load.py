@@ -143,6 +143,7 @@ async def test_load_replays_a_trace_on_the_simulated_server(tmp_path: Path):
     assert head["recorder"] == "kvtop load"
     assert head["load"]["source"] == str(src) and head["load"]["target"] == srv.url
     assert head["load"]["rate_scale"] == 2.0 and head["load"]["requests_planned"] == 6
+    assert head["load"]["requests_left_out"] == 1  # "nolen": no prompt length anywhere, said in the header too
     reqs = _requests(out)
     assert sorted(reqs) == ["cut", "fin", "gaveup", "slow", "stopped", "text"]
     arrive = {rid: evs[0] for rid, evs in reqs.items()}

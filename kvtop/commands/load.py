@@ -144,7 +144,10 @@ async def _load(args: argparse.Namespace, opts: SourceOptions, plan: Plan, durat
     runner.sinks.append(cache)
     header_load = {"source": plan.source, "source_kind": plan.kind, "target": redact_url(opts.urls[0]),
                    "rate_scale": args.rate_scale, "requests_planned": len(plan.requests), "seed": args.seed,
-                   "prompt": args.prompt_mode}
+                   "prompt": args.prompt_mode,
+                   # the source's requests with no prompt length anywhere (a text prompt cancelled before its
+                   # usage block): not replayed, so a compare of two replays says what they both lack
+                   "requests_left_out": plan.skipped_no_prompt}
     writer, _ = await open_trace(runner, opts, args.output, args.force, "kvtop load", stop=stop, load=header_load)
     tty = sys.stderr.isatty()
     client: LoadClient | None = None
