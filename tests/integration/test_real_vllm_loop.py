@@ -244,8 +244,13 @@ def test_the_chunked_budget_measured_better_on_the_same_traffic(prefill_loop):
     assert b["preemptions_per_completed"] == 0, b
     assert c["outcome"] in ("improved", "trade_off"), c
     # what may get worse: the TTFT the advisor named as the price, and p99 ITL within the target (each
-    # stall became ~25 steps of a 64-token chunk beside the decodes: 34.4 -> 40.3 ms in one tier run)
-    assert all(w.startswith(("p99 TTFT", "p99 ITL")) for w in c["worse"]), c["worse"]
+    # stall became ~25 steps of a 64-token chunk beside the decodes: 34.4 -> 40.3 ms in one tier run),
+    # and the end-to-end latency by no more than the TTFT rose (a request's end waits for its first
+    # token: the same price, once per request; a CI run 2026-12-07: TTFT 698 ms -> 1.4 s, end to end
+    # 5.16 -> 5.69 s, +10 %)
+    assert all(w.startswith(("p99 TTFT", "p99 ITL", "p99 end-to-end")) for w in c["worse"]), c["worse"]
+    if any(w.startswith("p99 end-to-end") for w in c["worse"]):
+        assert b["e2e_p99_s"] - a["e2e_p99_s"] <= b["ttft_p99_s"] - a["ttft_p99_s"], (a, b)
     # a p99 ITL that got worse stays within the target; one that improved is judged by the goodput and
     # the time over the target above (a CI run on a loaded box: 671 -> 100.23 ms, goodput 9 -> 18 of 20)
     if any(w.startswith("p99 ITL") for w in c["worse"]):
