@@ -89,19 +89,24 @@ def test_detail_without_analysis_marks_gaps_over_target_as_unattributed():
     assert "gap 700ms" in text and "×7.0 target" in text
 
 
-def test_a_long_requests_detail_says_its_first_tokens_are_not_drawn():
-    # 1,531 tokens: the timeline keeps the last 1,024 chunks, and the screen showed an empty stretch
-    # and "top = 92ms" under a header saying max gap 10.16 s
+def _detail_of_one_stall(tokens: int, at: int, stall_s: float, width: int) -> str:
+    """The detail screen's text for one request streaming every 20 ms but one stall before token ``at``."""
     from kvtop.views.tui import render
 
     core = Core(itl_target_s=0.1)
     core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
     t = 0.0
-    for i in range(1531):
-        t += 10.0 if i == 5 else 0.02
+    for i in range(tokens):
+        t += stall_s if i == at else 0.02
         core.ingest(RequestRecord(t=t, id="r1", event="token"))
     snap = core.snapshot()
-    text = render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, 100)
+    return render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, width)
+
+
+def test_a_long_requests_detail_says_its_first_tokens_are_not_drawn():
+    # 1,531 tokens: the timeline keeps the last 1,024 chunks, and the screen showed an empty stretch
+    # and "top = 92ms" under a header saying max gap 10.16 s
+    text = _detail_of_one_stall(1531, 5, 10.0, 100)
     assert "keeps a request's last 1,024 chunks: its first 507 tokens" in text
     assert "max gap [$error]10.00s" in text
 
@@ -110,16 +115,7 @@ def test_the_detail_gap_chart_keeps_an_early_spike_in_view():
     """A 1.5 s stall at the 10th token of a 500-token stream: the chart drew the last 70 gaps, a flat
     row under the stall's scale. Now it draws the whole request, each column the largest gap of its
     run, so the stall's column reaches the top."""
-    from kvtop.views.tui import render
-
-    core = Core(itl_target_s=0.1)
-    core.ingest(RequestRecord(t=0.0, id="r1", event="arrive"))
-    t = 0.0
-    for i in range(500):
-        t += 1.5 if i == 10 else 0.02
-        core.ingest(RequestRecord(t=t, id="r1", event="token"))
-    snap = core.snapshot()
-    text = render.detail(snap.requests[0], core.request_timeline("r1"), [], 0.1, snap.t, 80)
+    text = _detail_of_one_stall(500, 10, 1.5, 80)
     lines = text.splitlines()
     head = next(i for i, ln in enumerate(lines) if "gap per token" in ln)
     assert "499 gaps, each column the largest of" in lines[head] and "top = 1.50s" in lines[head]

@@ -534,16 +534,15 @@ def _chunked(s: Situation, a: float, k_att: float, reasons: list[str], also: lis
                            "disaggregate prefill and decode instead")
     else:
         cur = s.v("batched_tokens_current")
-        fallback = FALLBACK_BUDGET
-        if cur is not None and float(cur) <= fallback:
+        if cur is not None and float(cur) <= FALLBACK_BUDGET:
             # "lower it to 2048" would raise a smaller budget, and longer chunks stall longer
             reasons.append(f"the per-step prefill token budget is already {float(cur):.0f}: a lower one is sized from the "
                            "long prompts' length, the decode step and the ITL target, which this run lacks; no value "
                            "is given")
         else:
-            reasons.append(f"lower the per-step prefill token budget (e.g. {fallback} or less) and re-measure")
+            reasons.append(f"lower the per-step prefill token budget (e.g. {FALLBACK_BUDGET} or less) and re-measure")
             if Setting.BATCHED_TOKENS in s.settings_names or s.engine is None:
-                settings.set(Setting.BATCHED_TOKENS, fallback, "a common chunk size (long prompt length, decode step "
+                settings.set(Setting.BATCHED_TOKENS, FALLBACK_BUDGET, "a common chunk size (long prompt length, decode step "
                              "or ITL target unknown: not derived); re-measure the ITL p99")
                 _budget_holds_batch(s, settings)
                 _chunking_on(s, settings, reasons)
